@@ -1,0 +1,307 @@
+"""Configuration: nested dataclasses, YAML files, dotted overrides, validation.
+
+``load_config(path, ["ppo.kl_coef=0.1", "run.seed=3"])`` reads the YAML (if any), applies
+the overrides in order, type-checks every value and returns a frozen :class:`Config`.
+Unknown keys and ill-typed values raise :class:`ConfigError` naming the key (with a
+"did you mean" suggestion), before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names it and says how to fix it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out_dir: str = "runs/demo"
+    """Directory this command writes (config, metrics, checkpoints, plots)."""
+    seed: int = 0
+    """Seed for Python, NumPy and torch RNGs and the task's data generators."""
+    device: str = "auto"
+    """'auto' (CUDA when available), 'cpu' or 'cuda'."""
+    threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = ""
+    """Policy: a local path or hub id of a causal LM; empty builds the task's tiny GPT-2."""
+    n_layer: int = 4
+    """Tiny GPT-2 depth (only when building from scratch)."""
+    n_head: int = 4
+    """Tiny GPT-2 attention heads."""
+    n_embd: int = 64
+    """Tiny GPT-2 width."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint's repository (off unless you trust it)."""
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    steps: int = 1200
+    """Optimizer steps of next-token training on unprefixed task text."""
+    batch_size: int = 128
+    """Sequences per step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
+    warmup_steps: int = 50
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    name: str = ""
+    """Reward model for PPO: a local path or hub id (AutoModelForSequenceClassification)."""
+    steps: int = 150
+    """Optimizer steps of Bradley-Terry training."""
+    batch_size: int = 64
+    """Preference pairs per step."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    margin: float = 0.0
+    """Required gap r_chosen - r_rejected in the loss (0 for plain Bradley-Terry)."""
+    center_coef: float = 0.01
+    """Weight of the centring term mean((r_c + r_r)^2): scores comparable across prompts."""
+    hard_negatives: float = 0.5
+    """Share of pairs whose rejected answer mixes sets or lacks EOS (0 = only other-set answers)."""
+    freeze_backbone: bool = False
+    """Train only the scalar head, backbone frozen (seed 000)."""
+    init_from: str = "policy"
+    """'policy' starts the backbone from the pretrained policy, 'scratch' from random init."""
+    eval_pairs: int = 512
+    """Held-out pairs for rm/accuracy and rm/delta."""
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    steps: int = 60
+    """Rollout + update iterations (upper bound; see stop_at_exact)."""
+    batch_size: int = 64
+    """Prompts per rollout."""
+    minibatch_size: int = 16
+    """Sequences per optimizer step."""
+    ppo_epochs: int = 2
+    """Passes over each rollout."""
+    lr: float = 1e-3
+    """Actor learning rate (AdamW)."""
+    value_lr: float = 1e-3
+    """Critic learning rate (value head or value model)."""
+    max_new_tokens: int = 8
+    """Longest response sampled."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are taken under the same temperature)."""
+    kl_coef: float = 0.05
+    """beta: weight of the KL(actor || reference) penalty."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimator."""
+    kl_in_loss: bool = False
+    """Put the KL penalty in the loss (beta * mean KL, GRPO style) instead of the reward."""
+    adaptive_kl: bool = False
+    """Adapt beta with the proportional controller towards kl_target."""
+    kl_target: float = 0.5
+    """Target per-sequence KL of the adaptive controller."""
+    kl_horizon: int = 10000
+    """Horizon (in samples) of the adaptive controller."""
+    gamma: float = 1.0
+    """Discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip_range: float = 0.2
+    """PPO ratio clip epsilon."""
+    value_clip_range: float = 0.2
+    """Value clip around the rollout-time values."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    score_clip: float = 5.0
+    """Clip the reward score to +-score_clip before it is added."""
+    whiten_advantages: bool = True
+    """Normalise advantages to mean 0 / std 1 over the rollout."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip, per model."""
+    value_model: Literal["separate", "shared"] = "separate"
+    """'separate': a value model (backbone + scalar head); 'shared': a value head on the actor."""
+    value_init: Literal["reward", "policy"] = "reward"
+    """Initialise a separate value model from the reward model or from the policy backbone."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of responses that never emit EOS (0 = off)."""
+    normalize_reward: bool = False
+    """Normalise scores with running mean/std before clipping."""
+    critic_warmup_steps: int = 0
+    """Initial steps that update only the critic."""
+    eval_every: int = 5
+    """Greedy evaluation on the held-out set every N steps (0 = only at the end)."""
+    stop_at_exact: float = 0.0
+    """Stop once eval exact accuracy reaches this (0 = run all steps)."""
+    samples_per_log: int = 4
+    """Generations saved to samples.jsonl per step."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    batch_size: int = 512
+    """Prompts per greedy-decoding batch."""
+    max_new_tokens: int = 8
+    """Longest answer decoded."""
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some fields changed: ``cfg.replace(ppo={"steps": 3})`` (validated)."""
+        data = self.to_dict()
+        for sec, values in sections.items():
+            for key, val in values.items():
+                _set(data, f"{sec}.{key}", val)
+        return from_dict(data)
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+
+
+def _set(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for i, k in enumerate(keys[:-1]):
+        if not isinstance(node.get(k), dict):
+            where = ".".join(keys[:i]) or "top level"
+            raise ConfigError(f"unknown config section '{'.'.join(keys[: i + 1])}' ({where}).{_suggest(k, node)}")
+        node = node[k]
+    if keys[-1] not in node:
+        raise ConfigError(f"unknown config key '{dotted}'.{_suggest(keys[-1], node)}")
+    node[keys[-1]] = value
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{key}' must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{key}' has type {tp}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads '1e-4' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        return value
+    raise ConfigError(f"config key '{key}' expects {tp.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from a nested dict (missing keys take defaults)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    hints = typing.get_type_hints(Config)
+    sections = {}
+    for sec, values in data.items():
+        if sec not in hints:
+            raise ConfigError(f"unknown config section '{sec}'.{_suggest(sec, hints)}")
+        cls = hints[sec]
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section '{sec}' must be a mapping, got {values!r}")
+        fhints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, val in values.items():
+            if key not in fhints:
+                raise ConfigError(f"unknown config key '{sec}.{key}'.{_suggest(key, fhints)}")
+            kwargs[key] = _coerce(val, fhints[key], f"{sec}.{key}")
+        sections[sec] = cls(**kwargs)
+    return Config(**sections)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'ppo.kl_coef=0.1'`` -> ``('ppo.kl_coef', 0.1)``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None) -> Config:
+    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated."""
+    data = (base or Config()).to_dict()
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        for sec, values in loaded.items():
+            if sec not in data:
+                raise ConfigError(f"unknown config section '{sec}' in {path}.{_suggest(sec, data)}")
+            for key, val in (values or {}).items():
+                _set(data, f"{sec}.{key}", val)
+    for item in overrides:
+        key, value = parse_override(item)
+        _set(data, key, value)
+    return from_dict(data)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True))

@@ -1,0 +1,409 @@
+"""Core math of RLHF: pure functions over tensors, importing only torch.
+
+Shape letters, fixed once for the whole package:
+    B  batch            T  full sequence (prompt + response)
+    R  response length  V  vocabulary           G  group size
+
+Every experience tensor is *response-aligned*, shape ``[B, R]``: column ``j`` is the
+``j``-th generated token. ``response_mask`` is 1 on response tokens up to and including
+the first EOS and 0 after it (padding). All reductions here are masked; an empty mask is
+an error, never a silent NaN.
+
+Losses return ``(loss, stats)`` where ``stats`` holds detached scalar tensors named as the
+metrics in DESIGN.md (``policy/clipfrac`` ...), so trainers can log them as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "kl_estimate",
+    "shaped_rewards",
+    "last_token_index",
+    "gae",
+    "policy_loss",
+    "value_loss",
+    "explained_variance",
+    "bradley_terry_loss",
+    "adaptive_kl_coef",
+]
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
+    """Log-probability of the chosen ``tokens`` under ``logits``.
+
+    ``logp[b, t] = logits[b, t, tokens[b, t]] - logsumexp_v logits[b, t, v]``
+
+    Args:
+        logits: ``[B, R, V]`` unnormalised scores (any float dtype; computed in at least
+            float32: half/bf16 are upcast, float64 is kept).
+        tokens: ``[B, R]`` token ids, the action taken at each position.
+        chunk_size: if > 0, process this many rows of ``B`` at a time (no grad only), which
+            bounds the float32 temporary to ``[chunk_size, R, V]`` for big vocabularies.
+
+    Returns:
+        ``[B, R]`` float32 (float64 for float64 logits) log-probs. No ``[B, R, V]``
+        log-softmax is materialised: the gather and the logsumexp read the logits directly
+        (logsumexp's backward rebuilds the softmax only inside autograd, once).
+    """
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on [B, R]")
+    if chunk_size and not torch.is_grad_enabled() and logits.shape[0] > chunk_size:
+        return torch.cat(
+            [logprobs_from_logits(lg, tk) for lg, tk in zip(logits.split(chunk_size), tokens.split(chunk_size))]
+        )
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # upcast, never downcast
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, R]
+    return picked - torch.logsumexp(logits, dim=-1)  # [B, R]
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position.
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``  (equal to ``-sum p log p``)
+
+    Args:
+        logits: ``[B, R, V]``.
+    Returns:
+        ``[B, R]`` entropies (nats), float32 or float64 as for :func:`logprobs_from_logits`.
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # upcast, never downcast
+    probs = F.softmax(logits, dim=-1)  # [B, R, V]
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [B, R]
+
+
+# --------------------------------------------------------------------------- masked stats
+
+
+def _check_mask(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if mask.shape != values.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must have the shape of values {tuple(values.shape)}")
+    return mask.to(values.dtype)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``sum(values * mask)`` over ``dim`` (all dims when None). ``values`` and ``mask`` share a shape."""
+    mask = _check_mask(values, mask)
+    # where() rather than a product so a NaN/inf in a masked-out slot cannot leak in
+    vals = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return vals.sum() if dim is None else vals.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is 1.
+
+    ``sum(values * mask) / sum(mask)`` over ``dim`` (all dims when None).
+
+    Raises:
+        ValueError: if the mask is empty (over all dims when ``dim`` is None, or in any
+            slice along ``dim``) -- a mean of nothing is undefined, not zero and not NaN.
+    """
+    mask = _check_mask(values, mask)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    if bool((count == 0).any()):
+        raise ValueError(
+            "masked_mean over an empty mask: no valid token to average. Check that every "
+            "sequence has at least one response token (response_mask) in this batch."
+        )
+    return masked_sum(values, mask, dim) / count
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over all positions where ``mask`` is 1 (a scalar).
+
+    ``var = sum(mask * (x - mean)^2) / (n - 1)`` when ``unbiased`` and ``n > 1``; with a
+    single valid token the (biased) variance 0 is returned instead of a division by zero.
+
+    Raises:
+        ValueError: on an empty mask.
+    """
+    mean = masked_mean(values, mask)
+    centred_sq = (values - mean) ** 2
+    var = masked_mean(centred_sq, mask)
+    n = mask.sum()
+    if unbiased and n > 1:
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``values`` to mean 0, std 1 over the valid positions.
+
+    ``(x - mean) / sqrt(var + eps)``, statistics over ``mask == 1`` only. With
+    ``shift_mean=False`` the mean is added back (only the scale changes). Masked-out
+    positions are returned as 0 so nothing stale flows downstream.
+
+    Args:
+        values, mask: same shape, e.g. ``[B, R]``.
+    Raises:
+        ValueError: on an empty mask.
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+# --------------------------------------------------------------------------- KL and rewards
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of tokens sampled from pi.
+
+    With ``log r = ref_logprobs - logprobs`` (r = pi_ref / pi at the sampled token):
+
+    * ``k1 = -log r``           unbiased, can be negative per token
+    * ``k2 = (log r)^2 / 2``    biased, >= 0, low variance
+    * ``k3 = (r - 1) - log r``  unbiased, >= 0 (Schulman's estimator)
+
+    Args:
+        logprobs, ref_logprobs: ``[B, R]``.
+    Returns:
+        ``[B, R]`` per-token estimates (not masked: mask when reducing).
+    """
+    log_r = ref_logprobs - logprobs
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"unknown KL estimator {kind!r}: choose 'k1', 'k2' or 'k3'")
+
+
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Column of the last valid token of each row of a ``[B, R]`` mask, as ``[B]`` long.
+
+    Raises:
+        ValueError: if a row has no valid token.
+    """
+    if bool((response_mask.sum(-1) == 0).any()):
+        raise ValueError("a response has no valid token (its response_mask row is all zero)")
+    cols = torch.arange(response_mask.shape[-1], device=response_mask.device)  # [R]
+    return (cols * response_mask.long()).argmax(-1)  # [B]
+
+
+def shaped_rewards(
+    score: torch.Tensor,
+    kl: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    score_clip: float | None = None,
+) -> torch.Tensor:
+    """Per-token RLHF reward: a KL penalty everywhere, the score on the last token.
+
+    ``rewards[b, t] = -kl_coef * kl[b, t]                       for valid t``
+    ``rewards[b, L_b] += clip(score[b], -score_clip, score_clip)``  (L_b = last valid column,
+    i.e. the EOS when one was emitted, else the last generated token)
+
+    This is the one place that decides where the score lands.
+
+    Args:
+        score: ``[B]`` sequence-level reward (e.g. a reward model's output).
+        kl: ``[B, R]`` per-token KL estimate (see :func:`kl_estimate`).
+        response_mask: ``[B, R]``.
+        kl_coef: beta >= 0.
+        score_clip: clip the score to ``[-score_clip, score_clip]``; None for no clipping.
+    Returns:
+        ``[B, R]`` rewards, 0 on masked positions.
+    """
+    valid = response_mask.bool()
+    rewards = torch.where(valid, -kl_coef * kl, torch.zeros_like(kl))  # [B, R]
+    if score_clip is not None:
+        score = score.clamp(-score_clip, score_clip)
+    last = last_token_index(response_mask)  # [B]
+    rewards = rewards.scatter_add(1, last.unsqueeze(1), score.to(rewards.dtype).unsqueeze(1))
+    return rewards
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens (no whitening here).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``,  ``A_t = delta_t + gamma * lam * A_{t+1}``,
+    ``returns_t = A_t + V_t``; ``V`` and ``A`` are taken as 0 past the last valid token,
+    so an episode ends at its EOS.
+
+    Args:
+        rewards, values, response_mask: ``[B, R]``.
+    Returns:
+        ``(advantages, returns)``, both ``[B, R]`` and 0 on masked positions.
+    """
+    mask = response_mask.to(values.dtype)
+    valid = response_mask.bool()
+    # where(), not a product: a NaN/inf parked in a padded slot must not reach valid ones
+    values = torch.where(valid, values, torch.zeros_like(values))
+    rewards = torch.where(valid, rewards, torch.zeros_like(rewards))
+    R = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    next_adv = torch.zeros_like(rewards[:, 0])  # [B]
+    next_value = torch.zeros_like(values[:, 0])  # [B]
+    for t in reversed(range(R)):  # R is a response length: tens of tokens, a cheap loop
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]
+        advantages[:, t] = next_adv
+        next_value = values[:, t]
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_range: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise.
+
+    ``ratio = exp(logprobs - old_logprobs)``
+    ``loss = mean_mask( max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) )``
+
+    Args:
+        logprobs: ``[B, R]`` log pi_theta(a_t|s_t), with grad.
+        old_logprobs: ``[B, R]`` log-probs at rollout time (no grad).
+        advantages: ``[B, R]`` (usually whitened).
+        response_mask: ``[B, R]``.
+        clip_range: eps.
+    Returns:
+        ``(loss, stats)``; stats: ``policy/loss``, ``policy/clipfrac`` (share of tokens whose
+        clipped term was the active one), ``policy/approx_kl`` (k3 estimate of
+        KL(old || new), exactly 0 when ratio == 1), ``policy/ratio_mean``.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)  # [B, R]
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    with torch.no_grad():
+        stats = {
+            "policy/loss": loss.detach(),
+            "policy/clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+            "policy/approx_kl": masked_mean((ratio - 1) - log_ratio, response_mask),
+            "policy/ratio_mean": masked_mean(ratio, response_mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_range: float | None = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss.
+
+    ``v_clip = old_values + clip(values - old_values, -eps, eps)``
+    ``loss = 0.5 * mean_mask( max((values - returns)^2, (v_clip - returns)^2) )``
+    With ``clip_range=None`` it is the plain ``0.5 * mean_mask((values - returns)^2)``.
+
+    Args:
+        values: ``[B, R]`` current predictions, with grad.
+        old_values, returns, response_mask: ``[B, R]``.
+    Returns:
+        ``(loss, stats)``; stats: ``value/loss``, ``value/clipfrac``.
+    """
+    err = (values - returns) ** 2
+    if clip_range is None:
+        per_token, clip_active = err, torch.zeros_like(err)
+    else:
+        v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        err_clip = (v_clip - returns) ** 2
+        per_token, clip_active = torch.maximum(err, err_clip), (err_clip > err).float()
+    loss = 0.5 * masked_mean(per_token, response_mask)
+    with torch.no_grad():
+        stats = {"value/loss": loss.detach(), "value/clipfrac": masked_mean(clip_active, response_mask)}
+    return loss, stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``1 - Var[returns - values] / Var[returns]`` over valid tokens (1 is a perfect critic).
+
+    Returns NaN-free 0 when the returns have no variance.
+    """
+    var_ret = masked_var(returns, response_mask)
+    if var_ret <= 0:
+        return torch.zeros((), dtype=values.dtype, device=values.device)
+    return 1 - masked_var(returns - values, response_mask) / var_ret
+
+
+def bradley_terry_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: torch.Tensor | float | None = None,
+    center_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Reward-model pairwise loss: ``mean(-logsigmoid(r_chosen - r_rejected - margin))``
+    ``+ center_coef * mean((r_chosen + r_rejected)^2)``.
+
+    Bradley-Terry fixes only differences, so each prompt can carry an arbitrary offset; a
+    policy-gradient learner then sees "every answer to this prompt is bad". The centring
+    term (Eisenstein et al. 2023) pins the pair's mean near 0 so scores compare across
+    prompts.
+
+    Args:
+        chosen, rejected: ``[B]`` scalar rewards of the preferred / dispreferred answer.
+        margin: optional ``[B]`` or scalar required gap (Llama-2 style); None for 0.
+        center_coef: weight of the centring term (0 for plain Bradley-Terry).
+    Returns:
+        ``(loss, stats)``; stats: ``rm/loss``, ``rm/accuracy`` (share with chosen > rejected),
+        ``rm/delta`` (mean chosen - rejected), ``rm/chosen``, ``rm/rejected``.
+    """
+    delta = chosen - rejected  # [B]
+    target = delta if margin is None else delta - margin
+    loss = -F.logsigmoid(target).mean()
+    if center_coef:
+        loss = loss + center_coef * ((chosen + rejected) ** 2).mean()
+    with torch.no_grad():
+        stats = {
+            "rm/loss": loss.detach(),
+            "rm/accuracy": (delta > 0).float().mean(),
+            "rm/delta": delta.mean(),
+            "rm/chosen": chosen.mean(),
+            "rm/rejected": rejected.mean(),
+        }
+    return loss, stats
+
+
+def adaptive_kl_coef(kl_coef: float, observed_kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """Proportional KL controller of Ziegler et al. (2019), one update.
+
+    ``e = clip(observed / target - 1, -0.2, 0.2)``; ``beta <- beta * (1 + e * n_steps / horizon)``.
+
+    Args:
+        kl_coef: current beta.
+        observed_kl: mean per-sequence KL of the last batch.
+        target: KL the controller steers towards.
+        horizon: how many samples the correction is spread over.
+        n_steps: samples seen since the last update (the batch size).
+    """
+    if not math.isfinite(observed_kl):
+        return kl_coef
+    err = min(max(observed_kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + err * n_steps / horizon)

@@ -1,0 +1,47 @@
+"""Greedy evaluation of a policy on the doubling task's held-out prompts."""
+
+from __future__ import annotations
+
+import torch
+
+from .rollout import generate
+from .tasks import doubling
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Decoded response text per row, special tokens kept (EOS matters), padding dropped."""
+    lengths = response_mask.sum(-1).tolist()
+    rows = [ids[:n] for ids, n in zip(response_ids.tolist(), lengths)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=False)
+
+
+def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_tokens: int = 8,
+                      prompts: list[doubling.Prompt] | None = None) -> dict:
+    """Greedy decoding on the 512 held-out prompts.
+
+    Returns ``{"format_acc", "exact_acc", "answer_acc", "examples": [(prompt, completion, format, exact), ...]}``.
+    """
+    prompts = prompts if prompts is not None else doubling.eval_prompts()
+    was_training = policy.training
+    policy.eval()
+    fmt = exact = answer = 0
+    examples = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        ids, mask = tokenize_prompts(tokenizer, [p.text for p in chunk], device)
+        out = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
+        for p, c in zip(chunk, decode_responses(tokenizer, out.response_ids, out.response_mask)):
+            v = doubling.verify(p, c)
+            fmt += v["format"]
+            exact += v["exact"]
+            answer += v["answer"]
+            examples.append((p.text, c, v["format"], v["exact"]))
+    policy.train(was_training)
+    n = len(prompts)
+    return {"format_acc": fmt / n, "exact_acc": exact / n, "answer_acc": answer / n, "examples": examples}

@@ -1,0 +1,156 @@
+"""Models: Hugging Face causal LMs for the policy, scalar-head models for reward and value.
+
+* policy / reference: any ``AutoModelForCausalLM``.
+* reward and (separate) value model: ``AutoModelForSequenceClassification`` with
+  ``num_labels=1``. The reward reads the head at the last *attended* token (from the
+  attention mask, not from ``pad_token_id``: many tokenizers use EOS as pad, and the EOS is
+  exactly the token a reward must read); the value model applies the same head at every
+  position. Using one class for both is what lets a critic start from the reward model.
+* shared value head: a ``ValueHead`` on the policy's last hidden state (seed 002), so one
+  forward gives logits and values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only attended tokens, so left padding shifts nothing: ``[B, T]``."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int = 64, n_positions: int = 32) -> GPT2Config:
+    """A GPT-2 config sized for the toy tasks, dropout off (RL needs deterministic forwards)."""
+    return GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_tiny_policy(tokenizer, seed: int, **arch) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(tiny_gpt2_config(tokenizer, **arch))
+
+
+def build_tiny_scalar_model(tokenizer, seed: int, **arch) -> GPT2ForSequenceClassification:
+    torch.manual_seed(seed)
+    cfg = tiny_gpt2_config(tokenizer, **arch)
+    cfg.num_labels = 1
+    return GPT2ForSequenceClassification(cfg)
+
+
+def load_policy(path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def load_scalar_model(path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    scalar_head(model)  # fail now, with a clear message, if there is no head we can read
+    return model
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability to 0: PPO's ratio must be exactly 1 before the first update."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def scalar_head(model: PreTrainedModel) -> nn.Module:
+    """The linear head of a sequence-classification model (``score`` or ``classifier``)."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Linear):
+            return head
+    raise ValueError(
+        f"{type(model).__name__} has no linear 'score'/'classifier' head to read a scalar from; "
+        "use a decoder AutoModelForSequenceClassification (GPT-2, Llama, Qwen, ...) with num_labels=1"
+    )
+
+
+def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.last_hidden_state  # [B, T, H]
+
+
+def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    """The scalar head at every position: ``[B, T]`` (a value model)."""
+    hidden = _hidden(model, input_ids, attention_mask, position_ids)
+    return scalar_head(model)(hidden).squeeze(-1).float()  # [B, T]
+
+
+def sequence_scores(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    """The scalar head at the last attended token of each row: ``[B]`` (a reward model).
+
+    Works for left and right padding: the last attended column is found from the mask.
+    """
+    hidden = _hidden(model, input_ids, attention_mask, position_ids)  # [B, T, H]
+    cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (cols * attention_mask.long()).argmax(-1)  # [B]
+    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+    return scalar_head(model)(pooled).squeeze(-1).float()  # [B]
+
+
+class ValueHead(nn.Module):
+    """A linear value head on the policy's last hidden state (shared-backbone critic)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.summary.weight)  # start at V = 0: no bogus advantages on step 1
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden).squeeze(-1).float()  # [B, T]
+
+
+def policy_forward(
+    policy: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    value_head: ValueHead | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits predicting each response token, and (with a shared head) values: response-aligned.
+
+    The sequence is ``[prompt (P) | response (R)]``; the logits at column ``t`` predict token
+    ``t + 1``, so response token ``j`` (column ``P + j``) is scored by column ``P + j - 1``.
+    Only those ``R`` columns go through the LM head, which saves ``P/T`` of its cost.
+
+    Returns:
+        ``logits [B, R, V]`` and ``values [B, R]`` (None without a value head).
+    """
+    hidden = _hidden(policy, input_ids, attention_mask)  # [B, T, H]
+    hidden = hidden[:, prompt_len - 1 : -1]  # [B, R, H]
+    logits = policy.get_output_embeddings()(hidden)  # [B, R, V]
+    values = value_head(hidden) if value_head is not None else None  # [B, R]
+    return logits, values

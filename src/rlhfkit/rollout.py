@@ -1,0 +1,117 @@
+"""Batched generation with a KV cache from left-padded prompts.
+
+A lean decode loop instead of ``model.generate``: one prefill, then one cached forward per
+token; sampling happens on the device; rows that emitted EOS keep being fed (a batch
+moves in lockstep) but their later tokens are padding and masked; the loop ends as soon
+as every row has finished. It also returns the log-prob of every sampled token under the
+sampling distribution, which PPO compares against its own recomputation
+(``policy/logprob_gap``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .models import position_ids_from_mask
+
+
+@dataclass
+class Rollout:
+    """One batch of generated responses, response-aligned.
+
+    Fields:
+        prompt_ids:      ``[B, P]`` left-padded prompts.
+        prompt_mask:     ``[B, P]`` 1 on prompt tokens, 0 on left padding.
+        response_ids:    ``[B, R]`` sampled tokens; ``pad`` after the first EOS.
+        response_mask:   ``[B, R]`` 1 up to and including the first EOS, 0 after.
+        logprobs:        ``[B, R]`` log pi(a_t|s_t) of each token at sampling time (0 where masked).
+        finished:        ``[B]`` bool, True where an EOS was emitted.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    finished: torch.Tensor
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], 1)  # [B, T]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], 1)  # [B, T]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt.
+
+    Args:
+        model: a causal LM returning ``.logits`` and accepting ``past_key_values``.
+        prompt_ids, prompt_mask: ``[B, P]``, left-padded.
+        temperature: logits are divided by it before sampling; the returned log-probs are
+            those of the tempered distribution (the one actually sampled from).
+        greedy: argmax decoding (log-probs still reported under the tempered softmax).
+        generator: optional RNG for sampling, for reproducible rollouts.
+    """
+    if prompt_ids.shape != prompt_mask.shape:
+        raise ValueError("prompt_ids and prompt_mask must have the same shape")
+    B = prompt_ids.shape[0]
+    device = prompt_ids.device
+    mask = prompt_mask.long()
+    positions = position_ids_from_mask(mask)  # [B, P]
+    cache = DynamicCache()
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    next_pos = positions[:, -1:] + 1  # [B, 1]
+
+    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    alive_cols = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
+    steps = 0
+    for t in range(max_new_tokens):
+        logits = out.logits[:, -1].float() / temperature  # [B, V]
+        logp_all = torch.log_softmax(logits, -1)  # [B, V]
+        if greedy:
+            tok = logits.argmax(-1)  # [B]
+        else:
+            tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)  # [B]
+        tokens[:, t] = torch.where(alive, tok, pad_token_id)
+        logps[:, t] = torch.where(alive, logp_all.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+        alive_cols[:, t] = alive
+        alive = alive & (tok != eos_token_id)
+        steps = t + 1
+        if t == max_new_tokens - 1 or not bool(alive.any()):
+            break
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], 1)
+        out = model(
+            input_ids=tokens[:, t : t + 1],
+            attention_mask=mask,
+            position_ids=next_pos,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        next_pos = next_pos + 1
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask.long(),
+        response_ids=tokens[:, :steps],
+        response_mask=alive_cols[:, :steps].long(),
+        logprobs=logps[:, :steps],
+        finished=~alive,
+    )

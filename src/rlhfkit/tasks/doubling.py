@@ -1,0 +1,170 @@
+"""The number-doubling format task (seed 002).
+
+A prompt asks for twice a 4-digit number, ``S数字:3320x2=``, with a prefix naming the
+character set of the answer:
+
+    数字  digits          0123456789      ->  6640E
+    小写  lower-case      〇一二三四五六七八九  ->  六六四〇E
+    大写  upper-case      零壹贰叁肆伍陆柒捌玖  ->  陆陆肆零E
+
+Pretraining text carries the neutral prefix ``__`` and an answer in a random set, so the
+base model learns to double but not to obey the prefix; RL teaches the prefix. The task
+owns its vocabulary (a character tokenizer), its data generators, a fixed held-out
+evaluation set and the verifier.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+BOS, EOS, PAD = "S", "E", "P"
+CHARSETS: dict[str, str] = {
+    "digits": "0123456789",
+    "lower": "〇一二三四五六七八九",
+    "upper": "零壹贰叁肆伍陆柒捌玖",
+}
+PREFIX: dict[str, str] = {"digits": "数字", "lower": "小写", "upper": "大写"}
+NEUTRAL_PREFIX = "__"
+SET_NAMES = tuple(CHARSETS)
+VOCAB = [PAD, BOS, EOS, *"".join(CHARSETS.values()), *"数字小写大:=_x"]
+LOW, HIGH = 1000, 9999  # 4-digit operands
+EVAL_SIZE = 512
+EVAL_SEED = 20240601  # fixed: the held-out set is the same in every run and every process
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level ``PreTrainedTokenizerFast``: one token per character.
+
+    ``bos_token='S'`` is prepended by the tokenizer itself (so ``tok('数字:1234x2=')``
+    gives the model-ready prompt), ``eos_token='E'``, ``pad_token='P'``; prompts are padded on
+    the left, which is what batched generation needs. Decoding joins characters with no
+    spaces.
+    """
+    vocab = {ch: i for i, ch in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left"
+    )
+    fast.model_max_length = 32
+    return fast
+
+
+def render(number: int, charset: str) -> str:
+    """``render(3320, 'lower') == '三三二〇'``."""
+    digits = CHARSETS[charset]
+    return "".join(digits[int(d)] for d in str(number))
+
+
+def prompt_text(number: int, charset: str | None) -> str:
+    """Prompt without BOS (the tokenizer adds it): ``'数字:3320x2='``; None -> neutral ``'__'``."""
+    prefix = NEUTRAL_PREFIX if charset is None else PREFIX[charset]
+    return f"{prefix}:{number}x2="
+
+
+def answer_text(number: int, charset: str) -> str:
+    """The correct completion, EOS included: ``'6640E'``."""
+    return render(2 * number, charset) + EOS
+
+
+@dataclass(frozen=True)
+class Prompt:
+    number: int
+    charset: str  # requested character set
+
+    @property
+    def text(self) -> str:
+        return prompt_text(self.number, self.charset)
+
+
+def eval_numbers() -> list[int]:
+    """The 512 operands held out from every training generator (fixed seed)."""
+    return sorted(random.Random(EVAL_SEED).sample(range(LOW, HIGH + 1), EVAL_SIZE))
+
+
+_EVAL = frozenset(eval_numbers())
+_TRAIN = [n for n in range(LOW, HIGH + 1) if n not in _EVAL]
+
+
+def eval_prompts() -> list[Prompt]:
+    """Fixed held-out evaluation set: 512 prefixed prompts, character sets in rotation."""
+    return [Prompt(n, SET_NAMES[i % 3]) for i, n in enumerate(eval_numbers())]
+
+
+class DoublingData:
+    """Seeded generators of training data; operands never come from the evaluation set."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def _number(self) -> int:
+        return self.rng.choice(_TRAIN)
+
+    def _charset(self) -> str:
+        return self.rng.choice(SET_NAMES)
+
+    def pretrain_texts(self, n: int) -> list[str]:
+        """Unprefixed full sequences (no BOS): ``'__:3320x2=陆陆肆零E'``, set chosen at random."""
+        out = []
+        for _ in range(n):
+            num = self._number()
+            out.append(prompt_text(num, None) + answer_text(num, self._charset()))
+        return out
+
+    def prompts(self, n: int) -> list[Prompt]:
+        """Prefixed prompts for RL."""
+        return [Prompt(self._number(), self._charset()) for _ in range(n)]
+
+    def preference_pairs(self, n: int, hard: float = 0.5) -> list[tuple[str, str, str]]:
+        """``(prompt, chosen, rejected)`` triples: same prompt and number, the chosen answer in
+        the requested set (EOS included).
+
+        The rejected answer is, with probability ``1 - hard``, the same answer wholly in one of
+        the other two sets; otherwise a *hard negative* near the chosen one: one to all but
+        one character switched to another set, or the EOS missing. Hard negatives teach the
+        reward model the whole format check, so RL cannot win by mixing sets.
+        """
+        out = []
+        for p in self.prompts(n):
+            chosen = answer_text(p.number, p.charset)
+            others = [s for s in SET_NAMES if s != p.charset]
+            if self.rng.random() >= hard:
+                rejected = answer_text(p.number, self.rng.choice(others))
+            elif self.rng.random() < 0.25:
+                rejected = chosen[:-1]  # no EOS
+            else:
+                body = list(chosen[:-1])
+                k = self.rng.randint(1, len(body) - 1)
+                for i in self.rng.sample(range(len(body)), k):
+                    body[i] = CHARSETS[self.rng.choice(others)][CHARSETS[p.charset].index(body[i])]
+                rejected = "".join(body) + EOS
+            out.append((p.text, chosen, rejected))
+        return out
+
+
+def verify(prompt: Prompt, completion: str) -> dict[str, bool]:
+    """Score one completion (decoded response text, special tokens kept, padding removed).
+
+    ``format``: the answer uses only characters of the requested set, is non-empty and is
+    terminated by EOS. ``exact``: the answer is exactly twice the number in that set,
+    terminated by EOS. ``answer``: the answer is twice the number in *some* set (the doubling
+    skill alone, whatever the format).
+    """
+    ended = EOS in completion
+    answer = completion.split(EOS, 1)[0]
+    allowed = set(CHARSETS[prompt.charset])
+    fmt = ended and len(answer) > 0 and all(ch in allowed for ch in answer)
+    exact = ended and answer == render(2 * prompt.number, prompt.charset)
+    answer_ok = ended and any(answer == render(2 * prompt.number, s) for s in SET_NAMES)
+    return {"format": fmt, "exact": exact, "answer": answer_ok}
+
+
+def requested_charset_reward(prompts: list[Prompt], completions: list[str]) -> list[float]:
+    """Rule-based reward (1 if the format check passes, else 0) -- a verifier as a callable."""
+    return [float(verify(p, c)["format"]) for p, c in zip(prompts, completions)]

@@ -1,0 +1,293 @@
+"""PPO for language models with four roles: actor, critic, reward model, reference.
+
+One loop, read top to bottom in :func:`train_ppo`:
+
+    rollout     sample responses from left-padded prompts (KV cache)          rollout.generate
+    experience  one no-grad pass: old log-probs, reference log-probs, values,
+                reward scores -> shaped rewards -> GAE -> whitened advantages  make_experience
+    update      ppo_epochs x shuffled minibatches: clipped policy loss +
+                vf_coef * clipped value loss - entropy_coef * entropy          ppo_update
+    log         every DESIGN.md diagnostic, samples, periodic greedy eval
+
+Where the score lands: :func:`rlhfkit.core.shaped_rewards` adds it to the last valid
+response token -- the EOS when one was emitted, else the last sampled token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from ..config import Config, PPOConfig
+from ..core import (
+    adaptive_kl_coef,
+    entropy_from_logits,
+    explained_variance,
+    gae,
+    kl_estimate,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    shaped_rewards,
+    value_loss,
+)
+from ..evaluate import decode_responses, evaluate_doubling, tokenize_prompts
+from ..models import (
+    ValueHead,
+    disable_dropout,
+    freeze,
+    load_policy,
+    load_scalar_model,
+    policy_forward,
+    sequence_scores,
+    token_values,
+)
+from ..rollout import Rollout, generate
+from ..tasks import doubling
+from ..utils import MetricsLogger, mean_stats, progress, resolve_device, setup_run, to_float
+
+
+@dataclass
+class Experience:
+    """A rollout plus everything the update needs; every ``[B, R]`` tensor is response-aligned.
+
+    Fields:
+        input_ids, attention_mask: ``[B, T]`` prompt + response (T = P + R).
+        prompt_len:     P, the column where responses start.
+        response_ids:   ``[B, R]`` actions a_t.
+        response_mask:  ``[B, R]`` 1 up to and including the first EOS.
+        old_logprobs:   ``[B, R]`` log pi_old(a_t|s_t), recomputed by the training forward.
+        ref_logprobs:   ``[B, R]`` log pi_ref(a_t|s_t).
+        old_values:     ``[B, R]`` V_old(s_t).
+        score:          ``[B]`` reward-model score (after penalties/normalisation, before clip).
+        rewards:        ``[B, R]`` shaped per-token rewards.
+        advantages:     ``[B, R]`` GAE advantages (whitened if configured).
+        returns:        ``[B, R]`` GAE returns (value targets).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    score: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+class RunningMoments:
+    """Running mean / std of scalar rewards (parallel Welford), for reward normalisation."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        n, mean = x.numel(), x.float().mean().item()
+        m2 = ((x.float() - mean) ** 2).sum().item()
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / max(1, self.count - 1)) if self.count > 1 else 1.0
+
+
+class ActorCritic(torch.nn.Module):
+    """The trained models: the actor and either a shared value head or a separate value model."""
+
+    def __init__(self, policy, value_head: ValueHead | None = None, critic=None):
+        super().__init__()
+        if (value_head is None) == (critic is None):
+            raise ValueError("give exactly one of value_head (shared) or critic (separate)")
+        self.policy, self.value_head, self.critic = policy, value_head, critic
+
+    def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0):
+        """Response-aligned ``logits [B, R, V]`` (tempered) and ``values [B, R]``."""
+        logits, values = policy_forward(self.policy, input_ids, attention_mask, prompt_len, self.value_head)
+        if self.critic is not None:
+            values = token_values(self.critic, input_ids, attention_mask)[:, prompt_len - 1 : -1]  # [B, R]
+        return logits / temperature, values
+
+    def critic_parameters(self):
+        return (self.value_head or self.critic).parameters()
+
+
+@torch.no_grad()
+def make_experience(
+    ac: ActorCritic, ref, reward_model, roll: Rollout, pc: PPOConfig, kl_coef: float,
+    reward_stats: RunningMoments | None = None,
+) -> tuple[Experience, dict[str, float]]:
+    """Score a rollout and turn it into advantages and returns (no grad)."""
+    ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
+    rmask = roll.response_mask
+    logits, old_values = ac(ids, mask, P, pc.temperature)
+    old_logprobs = logprobs_from_logits(logits, roll.response_ids)  # [B, R]
+    ref_logits, _ = policy_forward(ref, ids, mask, P)
+    ref_logprobs = logprobs_from_logits(ref_logits / pc.temperature, roll.response_ids)  # [B, R]
+    raw_score = sequence_scores(reward_model, ids, mask)  # [B]
+    score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
+    if reward_stats is not None:
+        reward_stats.update(score)
+        score = (score - reward_stats.mean) / (reward_stats.std + 1e-8)
+    kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
+    rewards = shaped_rewards(score, kl, rmask, 0.0 if pc.kl_in_loss else kl_coef, pc.score_clip)
+    advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
+    if pc.whiten_advantages:
+        advantages = masked_whiten(advantages, rmask)
+    valid = rmask.bool()
+    kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
+    stats = {
+        "objective/score": raw_score.mean(),
+        "objective/kl": kl_seq.mean(),
+        "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
+        "objective/entropy": masked_mean(entropy_from_logits(logits), rmask),
+        "objective/kl_coef": kl_coef,
+        "value/explained_var": explained_variance(old_values, returns, rmask),
+        "response/length": rmask.sum(-1).float().mean(),
+        "response/eos_rate": roll.finished.float().mean(),
+        # generation-time vs training-forward log-probs: a silent off-policy mismatch shows here
+        "policy/logprob_gap": torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max(),
+    }
+    exp = Experience(ids, mask, P, roll.response_ids, rmask, old_logprobs, ref_logprobs, old_values, score,
+                     rewards, advantages, returns)
+    return exp, {k: to_float(v) for k, v in stats.items()}
+
+
+def ppo_update(
+    ac: ActorCritic, optimizer, exp: Experience, pc: PPOConfig, kl_coef: float, update_policy: bool = True,
+    generator: torch.Generator | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """``ppo_epochs`` passes over shuffled minibatches; returns per-minibatch stats in order."""
+    B = exp.input_ids.shape[0]
+    all_stats = []
+    for _ in range(pc.ppo_epochs):
+        perm = torch.randperm(B, generator=generator).to(exp.input_ids.device)
+        for mb in perm.split(pc.minibatch_size):
+            rmask = exp.response_mask[mb]
+            logits, values = ac(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature)
+            logprobs = logprobs_from_logits(logits, exp.response_ids[mb])  # [b, R]
+            v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range)
+            loss = pc.vf_coef * v_loss
+            p_loss, p_stats = policy_loss(logprobs, exp.old_logprobs[mb], exp.advantages[mb], rmask, pc.clip_range)
+            stats.update(p_stats)
+            if update_policy:
+                loss = loss + p_loss
+                if pc.entropy_coef:
+                    entropy = masked_mean(entropy_from_logits(logits), rmask)
+                    loss = loss - pc.entropy_coef * entropy
+                if pc.kl_in_loss:
+                    kl_term = masked_mean(kl_estimate(logprobs, exp.ref_logprobs[mb], pc.kl_estimator), rmask)
+                    loss = loss + kl_coef * kl_term
+                    stats["policy/kl_loss"] = kl_term.detach()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            stats["policy/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.policy.parameters(), pc.max_grad_norm)
+            stats["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.critic_parameters(), pc.max_grad_norm)
+            optimizer.step()
+            all_stats.append(stats)
+    return all_stats
+
+
+def build_actor_critic(cfg: Config, policy_path: str, reward_path: str, device):
+    """Load the four roles. Returns ``(actor_critic, ref, reward_model, tokenizer)``."""
+    pc = cfg.ppo
+    trc = cfg.model.trust_remote_code
+    tok = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trc)
+    if tok.pad_token_id is None:
+        raise ValueError(f"the tokenizer at {policy_path} has no pad token: set one (e.g. pad = eos) and save it")
+    policy = disable_dropout(load_policy(policy_path, trust_remote_code=trc)).to(device).train()
+    ref = freeze(load_policy(policy_path, trust_remote_code=trc)).to(device)
+    reward_model = freeze(load_scalar_model(reward_path, trust_remote_code=trc)).to(device)
+    if pc.value_model == "shared":
+        ac = ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size).to(device))
+    else:
+        critic_src = reward_path if pc.value_init == "reward" else policy_path
+        critic = disable_dropout(load_scalar_model(critic_src, trust_remote_code=trc)).to(device).train()
+        ac = ActorCritic(policy, critic=critic)
+    return ac, ref, reward_model, tok
+
+
+def train_ppo(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
+    """Run PPO; writes metrics, samples, plots and the trained models under ``run.out_dir``."""
+    from ..plots import plot_ppo  # matplotlib only when a run finishes
+
+    out = setup_run(cfg)
+    device = resolve_device(cfg.run.device)
+    pc = cfg.ppo
+    policy_path = policy_path or cfg.model.name
+    reward_path = reward_path or cfg.reward.name
+    if not policy_path or not reward_path:
+        raise ValueError("PPO needs a pretrained policy and a reward model: set model.name=PATH and reward.name=PATH")
+    ac, ref, reward_model, tok = build_actor_critic(cfg, policy_path, reward_path, device)
+    optimizer = torch.optim.AdamW(
+        [{"params": ac.policy.parameters(), "lr": pc.lr}, {"params": ac.critic_parameters(), "lr": pc.value_lr}],
+        weight_decay=0.0,
+    )
+    data = doubling.DoublingData(cfg.run.seed + 2)
+    reward_stats = RunningMoments() if pc.normalize_reward else None
+    log = MetricsLogger(out / "metrics.jsonl")
+    samples = (out / "samples.jsonl").open("w", encoding="utf-8")
+    kl_coef = pc.kl_coef
+    train_s = 0.0
+    history: list[dict] = []
+    reached = None
+    bar = progress(range(pc.steps), desc="ppo", enabled=cfg.run.progress)
+    for step in bar:
+        t0 = time.perf_counter()
+        prompts = data.prompts(pc.batch_size)
+        ids, mask = tokenize_prompts(tok, [p.text for p in prompts], device)
+        roll = generate(ac.policy, ids, mask, pc.max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature)
+        t1 = time.perf_counter()
+        exp, stats = make_experience(ac, ref, reward_model, roll, pc, kl_coef, reward_stats)
+        t2 = time.perf_counter()
+        mb_stats = ppo_update(ac, optimizer, exp, pc, kl_coef, update_policy=step >= pc.critic_warmup_steps)
+        t3 = time.perf_counter()
+        train_s += t3 - t0
+        stats.update(mean_stats(mb_stats))
+        n_tokens = int(exp.attention_mask.sum())
+        stats.update({"time/rollout_s": t1 - t0, "time/experience_s": t2 - t1, "time/update_s": t3 - t2,
+                      "time/train_s": train_s, "throughput/tokens_per_s": n_tokens / (t3 - t0)})
+        if pc.adaptive_kl:
+            kl_coef = adaptive_kl_coef(kl_coef, stats["objective/kl"], pc.kl_target, pc.kl_horizon, pc.batch_size)
+        texts = decode_responses(tok, exp.response_ids, exp.response_mask)
+        for p, c, s in list(zip(prompts, texts, exp.score.tolist()))[: pc.samples_per_log]:
+            samples.write(json.dumps({"step": step, "prompt": p.text, "response": c, "score": round(s, 4)},
+                                     ensure_ascii=False) + "\n")
+        last = step == pc.steps - 1
+        if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
+            ev = evaluate_doubling(ac.policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            stats.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
+            if reached is None and pc.stop_at_exact and ev["exact_acc"] >= pc.stop_at_exact:
+                reached = {"step": step + 1, "train_s": train_s}
+        history.append(log.log(step, stats))
+        bar.set_postfix(score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
+                        exact=f"{stats.get('eval/exact_acc', float('nan')):.3f}")
+        if reached is not None:
+            break
+    samples.close()
+    log.close()
+    save_dir = Path(out)
+    ac.policy.save_pretrained(save_dir / "policy")
+    tok.save_pretrained(save_dir / "policy")
+    if ac.critic is not None:
+        ac.critic.save_pretrained(save_dir / "value_model")
+    else:
+        save_file(ac.value_head.state_dict(), str(save_dir / "value_head.safetensors"))
+    plot_ppo(history, save_dir)
+    final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
+    return {"path": str(save_dir / "policy"), "seconds": train_s, "steps": len(history), "reached": reached,
+            "final": final}

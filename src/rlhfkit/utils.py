@@ -1,0 +1,85 @@
+"""Small shared helpers: seeding, devices, run directories, metric logging."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .config import Config, save_config
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    return torch.device(name)
+
+
+def setup_run(cfg: Config) -> Path:
+    """Seed, set threads, create the run directory and save the resolved config in it."""
+    seed_everything(cfg.run.seed)
+    if cfg.run.threads > 0:
+        torch.set_num_threads(cfg.run.threads)
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    return out
+
+
+def progress(iterable=None, total=None, desc: str = "", enabled: bool = True):
+    return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+def to_float(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().item())
+    return float(value)
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = self.path.open("a", encoding="utf-8")
+        self.t0 = time.perf_counter()
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        row = {"step": step, "time/elapsed_s": round(time.perf_counter() - self.t0, 4)}
+        for k, v in metrics.items():
+            f = to_float(v)
+            row[k] = f if math.isfinite(f) else None
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+        return row
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def mean_stats(rows: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Average a list of stats dicts key by key."""
+    keys = rows[0].keys() if rows else []
+    return {k: sum(to_float(r[k]) for r in rows) / len(rows) for k in keys}

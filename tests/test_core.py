@@ -1,0 +1,364 @@
+"""Tests for rlhfkit.core: hand-computed values, naive references, edge cases, gradchecks."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhfkit.core import (
+    adaptive_kl_coef,
+    bradley_terry_loss,
+    entropy_from_logits,
+    explained_variance,
+    gae,
+    kl_estimate,
+    last_token_index,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    policy_loss,
+    shaped_rewards,
+    value_loss,
+)
+
+
+def close(a, b, tol=1e-6):
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=tol
+    )
+
+
+def ragged_mask(b: int, r: int, gen: torch.Generator) -> torch.Tensor:
+    """1 up to a random length >= 1, then 0 (the shape of a response_mask after EOS)."""
+    lengths = torch.randint(1, r + 1, (b,), generator=gen)
+    return (torch.arange(r)[None, :] < lengths[:, None]).long()
+
+
+def neg_log_sigmoid(x: float) -> float:
+    return -math.log(1.0 / (1.0 + math.exp(-x)))
+
+
+# --------------------------------------------------------------------------- hand-computed values
+
+
+def test_gae_hand_computed():
+    # gamma=0.9, lam=0.8 -> gamma*lam = 0.72. Row 0 fully valid, row 1 has mask [1,1,0].
+    # row 0: d2 = 2 + 0 - 1.5 = 0.5                A2 = 0.5
+    #        d1 = 0 + 0.9*1.5 - 1.0 = 0.35         A1 = 0.35 + 0.72*0.5 = 0.71
+    #        d0 = 1 + 0.9*1.0 - 0.5 = 1.4          A0 = 1.4 + 0.72*0.71 = 1.9112
+    # row 1: V past EOS is 0, so the 99 is ignored:
+    #        d1 = 0 + 0.9*0 - 1.0 = -1.0           A1 = -1.0
+    #        d0 = 1.4                              A0 = 1.4 + 0.72*(-1.0) = 0.68
+    rewards = torch.tensor([[1.0, 0.0, 2.0], [1.0, 0.0, 2.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 99.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    close(adv, [[1.9112, 0.71, 0.5], [0.68, -1.0, 0.0]])
+    close(ret, [[1.9112 + 0.5, 0.71 + 1.0, 0.5 + 1.5], [0.68 + 0.5, -1.0 + 1.0, 0.0]])
+
+
+def test_shaped_rewards_hand_computed():
+    # kl_coef=0.5, kl=[0.1,0.2,0.3] -> penalties [-0.05,-0.1,-0.15].
+    # row 0: mask [1,1,0], score 5 clipped to 2 lands on col 1: [-0.05, -0.1+2, 0]
+    # row 1: mask [1,1,1], score -3 clipped to -2 lands on col 2: [-0.05, -0.1, -0.15-2]
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.1, 0.2, 0.3]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    score = torch.tensor([5.0, -3.0], dtype=torch.float64)
+    close(
+        shaped_rewards(score, kl, mask, kl_coef=0.5, score_clip=2.0),
+        [[-0.05, 1.9, 0.0], [-0.05, -0.1, -2.15]],
+    )
+    # without clipping the raw score lands: 5 - 0.1 = 4.9, -3 - 0.15 = -3.15
+    close(shaped_rewards(score, kl, mask, kl_coef=0.5), [[-0.05, 4.9, 0.0], [-0.05, -0.1, -3.15]])
+
+
+def test_last_token_index():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    assert last_token_index(mask).tolist() == [1, 0, 2]
+
+
+def test_policy_loss_hand_computed():
+    # eps = 0.2, clip range [0.8, 1.2]; per token max(-A*r, -A*clip(r)):
+    # t0: r=1.5, A=+1 -> max(-1.5, -1.2) = -1.2   clipped active
+    # t1: r=0.5, A=+1 -> max(-0.5, -0.8) = -0.5   unclipped (pessimistic side)
+    # t2: r=0.5, A=-2 -> max( 1.0,  1.6) =  1.6   clipped active
+    # t3: r=1.0, A=+3 -> max(-3.0, -3.0) = -3.0   tie, not counted as clipped
+    # t4: masked out (huge ratio must not matter)
+    # loss = (-1.2 - 0.5 + 1.6 - 3.0) / 4 = -0.775, clipfrac = 2/4
+    ratios = [1.5, 0.5, 0.5, 1.0, 50.0]
+    old = torch.full((1, 5), -1.0, dtype=torch.float64)
+    new = old + torch.log(torch.tensor([ratios], dtype=torch.float64))
+    adv = torch.tensor([[1.0, 1.0, -2.0, 3.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    loss, stats = policy_loss(new, old, adv, mask, clip_range=0.2)
+    close(loss, -0.775)
+    close(stats["policy/loss"], -0.775)
+    close(stats["policy/clipfrac"], 0.5)
+    close(stats["policy/ratio_mean"], (1.5 + 0.5 + 0.5 + 1.0) / 4)
+    # k3 of KL(old||new): mean((r - 1) - log r) over the 4 valid tokens
+    k3 = [(r - 1) - math.log(r) for r in ratios[:4]]
+    close(stats["policy/approx_kl"], sum(k3) / 4)
+
+
+def test_policy_loss_ratio_one():
+    # new == old: ratio 1 everywhere, nothing clipped, loss is just -mean(A)
+    gen = torch.Generator().manual_seed(0)
+    lp = torch.randn(4, 7, generator=gen, dtype=torch.float64)
+    adv = torch.randn(4, 7, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(4, 7, gen)
+    loss, stats = policy_loss(lp, lp.clone(), adv, mask)
+    assert stats["policy/approx_kl"].item() == 0.0
+    assert stats["policy/clipfrac"].item() == 0.0
+    close(loss, -masked_mean(adv, mask))
+
+
+def test_value_loss_hand_computed():
+    # eps = 0.2; v_clip = old + clamp(v - old, -0.2, 0.2)
+    # t0: v=1.0, old=0.5, R=2.0: err=1.0,  v_clip=0.7, err_clip=1.69 -> 1.69 (clip active)
+    # t1: v=0.5, old=0.4, R=0.0: err=0.25, v_clip=0.5 (inside), tie   -> 0.25
+    # t2: v=0.0, old=1.0, R=0.5: err=0.25, v_clip=0.8, err_clip=0.09 -> 0.25 (not active)
+    # loss = 0.5 * (1.69 + 0.25 + 0.25) / 3 = 0.365, clipfrac = 1/3
+    v = torch.tensor([[1.0, 0.5, 0.0, 9.0]], dtype=torch.float64)
+    old = torch.tensor([[0.5, 0.4, 1.0, 0.0]], dtype=torch.float64)
+    ret = torch.tensor([[2.0, 0.0, 0.5, -9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, stats = value_loss(v, old, ret, mask, clip_range=0.2)
+    close(loss, 0.365)
+    close(stats["value/clipfrac"], 1 / 3)
+    # unclipped: 0.5 * (1.0 + 0.25 + 0.25) / 3 = 0.25
+    loss, stats = value_loss(v, old, ret, mask, clip_range=None)
+    close(loss, 0.25)
+    close(stats["value/clipfrac"], 0.0)
+
+
+def test_bradley_terry_hand_computed():
+    # delta = chosen - rejected = [1.0, -0.5]; loss = mean(-log sigmoid(delta - margin))
+    chosen = torch.tensor([2.0, 0.0], dtype=torch.float64)
+    rejected = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    loss, stats = bradley_terry_loss(chosen, rejected)
+    close(loss, (neg_log_sigmoid(1.0) + neg_log_sigmoid(-0.5)) / 2)
+    close(stats["rm/accuracy"], 0.5)
+    close(stats["rm/delta"], 0.25)
+    # margin 0.5 -> targets [0.5, -1.0]; accuracy still judged on the raw delta
+    loss, stats = bradley_terry_loss(chosen, rejected, margin=0.5)
+    close(loss, (neg_log_sigmoid(0.5) + neg_log_sigmoid(-1.0)) / 2)
+    close(stats["rm/accuracy"], 0.5)
+    # per-pair tensor margin [0.0, 1.0] -> targets [1.0, -1.5]
+    loss, _ = bradley_terry_loss(chosen, rejected, margin=torch.tensor([0.0, 1.0], dtype=torch.float64))
+    close(loss, (neg_log_sigmoid(1.0) + neg_log_sigmoid(-1.5)) / 2)
+
+
+def test_adaptive_kl_coef():
+    # n_steps/horizon = 256/10000 = 0.0256
+    # observed 6.6, target 6: e = 0.1          -> 0.1 * (1 + 0.1*0.0256) = 0.100256
+    # observed 3:             e = -0.5 -> -0.2 -> 0.1 * (1 - 0.2*0.0256) = 0.099488
+    # observed 60:            e = 9 -> 0.2     -> 0.1 * (1 + 0.2*0.0256) = 0.100512
+    kw = dict(target=6.0, horizon=10000, n_steps=256)
+    assert adaptive_kl_coef(0.1, 6.6, **kw) == pytest.approx(0.100256)
+    assert adaptive_kl_coef(0.1, 3.0, **kw) == pytest.approx(0.099488)
+    assert adaptive_kl_coef(0.1, 60.0, **kw) == pytest.approx(0.100512)
+    assert adaptive_kl_coef(0.1, 6.0, **kw) == pytest.approx(0.1)
+    assert adaptive_kl_coef(0.1, float("nan"), **kw) == 0.1  # a bad batch must not poison beta
+
+
+def test_explained_variance():
+    gen = torch.Generator().manual_seed(1)
+    ret = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(3, 5, gen)
+    mask[0] = 1  # at least 5 valid tokens so Var[returns] > 0
+    close(explained_variance(ret, ret, mask), 1.0)  # perfect critic
+    close(explained_variance(torch.zeros_like(ret), ret, mask), 0.0)  # Var[R - 0] / Var[R]
+    close(explained_variance(ret, torch.ones_like(ret), mask), 0.0)  # constant returns: 0, not NaN
+
+
+# --------------------------------------------------------------------------- naive references
+
+
+def test_gae_matches_double_loop():
+    gen = torch.Generator().manual_seed(2)
+    B, R, gamma, lam = 4, 7, 0.97, 0.9
+    rewards = torch.randn(B, R, generator=gen, dtype=torch.float64)
+    values = torch.randn(B, R, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(B, R, gen)
+    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    ref_adv = torch.zeros(B, R, dtype=torch.float64)
+    for b in range(B):
+        n = int(mask[b].sum())
+        a = 0.0
+        for t in reversed(range(n)):
+            next_v = values[b, t + 1].item() if t + 1 < n else 0.0  # episode ends at EOS
+            a = rewards[b, t].item() + gamma * next_v - values[b, t].item() + gamma * lam * a
+            ref_adv[b, t] = a
+    close(adv, ref_adv, tol=1e-10)
+    close(ret, (ref_adv + values) * mask, tol=1e-10)
+
+
+def test_logprobs_and_entropy_match_reference():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 6, 11, generator=gen) * 3
+    tokens = torch.randint(0, 11, (5, 6), generator=gen)
+    ref = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    close(logprobs_from_logits(logits, tokens), ref, tol=1e-5)
+    with torch.no_grad():  # chunked path (5 rows in chunks of 2: uneven last chunk)
+        close(logprobs_from_logits(logits, tokens, chunk_size=2), ref, tol=1e-5)
+    p = torch.softmax(logits, -1)
+    close(entropy_from_logits(logits), -(p * torch.log(p)).sum(-1), tol=1e-5)
+    # low precision is upcast to float32; float64 is not downcast
+    assert logprobs_from_logits(logits.bfloat16(), tokens).dtype == torch.float32
+    assert entropy_from_logits(logits.double()).dtype == torch.float64
+    with pytest.raises(ValueError):
+        logprobs_from_logits(logits, tokens[:, :-1])
+
+
+def test_masked_mean_and_var_match_selected_elements():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 7, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(4, 7, gen)
+    mask[0] = 1  # >= 2 valid elements for an unbiased variance
+    sel = x[mask.bool()]
+    close(masked_mean(x, mask), sel.mean())
+    close(masked_var(x, mask), torch.var(sel, unbiased=True))
+    close(masked_var(x, mask, unbiased=False), torch.var(sel, unbiased=False))
+    rows = torch.stack([x[b, mask[b].bool()].mean() for b in range(4)])
+    close(masked_mean(x, mask, dim=1), rows)
+
+
+# --------------------------------------------------------------------------- KL estimators
+
+
+def test_kl_estimator_formulas():
+    lp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -1.0, -0.5], dtype=torch.float64)
+    close(kl_estimate(lp, ref, "k1"), lp - ref)
+    close(kl_estimate(lp, ref, "k2"), 0.5 * (ref - lp) ** 2)
+    log_r = ref - lp
+    close(kl_estimate(lp, ref, "k3"), torch.exp(log_r) - 1 - log_r)
+    with pytest.raises(ValueError):
+        kl_estimate(lp, ref, "k4")
+
+
+def test_kl_estimators_are_unbiased_on_samples():
+    # sample from pi; E[k1] = E[k3] = KL(pi || ref) and k3 >= 0 per sample
+    gen = torch.Generator().manual_seed(5)
+    logp_all = torch.log_softmax(torch.randn(10, generator=gen, dtype=torch.float64), -1)
+    logq_all = torch.log_softmax(torch.randn(10, generator=gen, dtype=torch.float64), -1)
+    true_kl = (logp_all.exp() * (logp_all - logq_all)).sum().item()
+    x = torch.multinomial(logp_all.exp(), 200_000, replacement=True, generator=gen)
+    lp, lq = logp_all[x], logq_all[x]
+    k3 = kl_estimate(lp, lq, "k3")
+    assert (k3 >= 0).all()
+    assert kl_estimate(lp, lq, "k1").mean().item() == pytest.approx(true_kl, rel=0.05)
+    assert k3.mean().item() == pytest.approx(true_kl, rel=0.05)
+
+
+# --------------------------------------------------------------------------- edge cases
+
+
+def test_empty_mask_raises():
+    x = torch.randn(2, 3)
+    empty = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError):
+        masked_mean(x, empty)
+    with pytest.raises(ValueError):
+        masked_whiten(x, empty)
+    one_empty_row = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    with pytest.raises(ValueError):
+        masked_mean(x, one_empty_row, dim=1)  # any empty slice is an error
+    with pytest.raises(ValueError):
+        last_token_index(one_empty_row)
+    with pytest.raises(ValueError):
+        shaped_rewards(torch.ones(2), x, one_empty_row, kl_coef=0.1)
+    with pytest.raises(ValueError):
+        masked_mean(x, torch.ones(3, 2))  # shape mismatch
+
+
+def test_single_valid_token_whiten_is_zero():
+    x = torch.tensor([[3.0, float("nan"), 7.0]])
+    mask = torch.tensor([[1, 0, 0]])
+    out = masked_whiten(x, mask)
+    assert torch.isfinite(out).all()
+    close(out, [[0.0, 0.0, 0.0]])
+    close(masked_var(x, mask), 0.0)
+
+
+def test_masked_whiten_mean_zero_std_one():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 7, generator=gen, dtype=torch.float64) * 5 + 3
+    mask = ragged_mask(4, 7, gen)
+    mask[0] = 1
+    out = masked_whiten(x, mask)
+    sel = out[mask.bool()]
+    close(sel.mean(), 0.0, tol=1e-7)
+    close(sel.std(unbiased=True), 1.0, tol=1e-7)
+    assert (out[~mask.bool()] == 0).all()  # padding is zeroed, not stale
+    # shift_mean=False only rescales: the mean is kept
+    kept = masked_whiten(x, mask, shift_mean=False)[mask.bool()]
+    close(kept.mean(), x[mask.bool()].mean(), tol=1e-7)
+
+
+def test_masked_positions_cannot_leak():
+    x = torch.tensor([[1.0, 2.0, float("nan")], [3.0, float("inf"), -float("inf")]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    close(masked_mean(x, mask), 2.0)  # (1 + 2 + 3) / 3
+    close(masked_var(x, mask), 1.0)  # var of [1,2,3], unbiased
+    assert torch.isfinite(masked_whiten(x, mask)).all()
+
+
+# --------------------------------------------------------------------------- gradients (float64)
+
+
+def test_gradcheck_policy_loss():
+    # log-ratios chosen away from the clip boundaries log(0.8), log(1.2): inside (+-0.05)
+    # or far outside (+-0.7), where the clipped branch is either active or not
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.5, -3.0]], dtype=torch.float64)
+    log_ratio = torch.tensor([[0.05, -0.05, 0.7, -0.7, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -0.5, 2.0, -1.0, 0.3]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    lp = (old + log_ratio).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: policy_loss(x, old, adv, mask)[0], (lp,))
+
+
+def test_gradcheck_value_loss():
+    # v - old is inside the clip (+-0.1) or far outside (+-0.8), never near ties of the max
+    old = torch.tensor([[0.0, 1.0, 0.5, -0.5, 2.0]], dtype=torch.float64)
+    v = (old + torch.tensor([[0.1, -0.1, 0.8, -0.8, 0.0]], dtype=torch.float64)).requires_grad_()
+    ret = torch.tensor([[1.0, 0.0, 3.0, 1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    assert torch.autograd.gradcheck(lambda x: value_loss(x, old, ret, mask)[0], (v,))
+
+
+def test_gradcheck_bradley_terry():
+    gen = torch.Generator().manual_seed(7)
+    c = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    m = torch.rand(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, mg: bradley_terry_loss(a, b, mg)[0], (c, r, m))
+
+
+def test_gradcheck_logprobs_and_entropy():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 5, (2, 3), generator=gen)
+    assert torch.autograd.gradcheck(lambda z: logprobs_from_logits(z, tokens), (logits,))
+    assert torch.autograd.gradcheck(entropy_from_logits, (logits,))
+
+
+# --------------------------------------------------------------------------- import hygiene
+
+
+def test_core_import_is_light():
+    # core must stay importable without the heavy stack (fresh interpreter: nothing preloaded)
+    code = (
+        "import sys, rlhfkit.core\n"
+        "heavy = [m for m in ('transformers', 'accelerate', 'peft') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "", f"importing rlhfkit.core loaded: {out.stdout.strip()}"
