@@ -41,7 +41,7 @@ class RunConfig:
 class ModelConfig:
     name: str = ""
     """Policy: a local path or hub id of a causal LM; empty builds the task's tiny GPT-2."""
-    n_layer: int = 4
+    n_layer: int = 2
     """Tiny GPT-2 depth (only when building from scratch)."""
     n_head: int = 4
     """Tiny GPT-2 attention heads."""
@@ -53,7 +53,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    steps: int = 1200
+    steps: int = 1000
     """Optimizer steps of next-token training on unprefixed task text."""
     batch_size: int = 128
     """Sequences per step."""
@@ -91,7 +91,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
-    steps: int = 60
+    steps: int = 200
     """Rollout + update iterations (upper bound; see stop_at_exact)."""
     batch_size: int = 64
     """Prompts per rollout."""
@@ -99,15 +99,15 @@ class PPOConfig:
     """Sequences per optimizer step."""
     ppo_epochs: int = 2
     """Passes over each rollout."""
-    lr: float = 1e-3
+    lr: float = 3e-4
     """Actor learning rate (AdamW)."""
-    value_lr: float = 1e-3
+    value_lr: float = 3e-3
     """Critic learning rate (value head or value model)."""
     max_new_tokens: int = 8
     """Longest response sampled."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are taken under the same temperature)."""
-    kl_coef: float = 0.05
+    kl_coef: float = 0.2
     """beta: weight of the KL(actor || reference) penalty."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator."""
@@ -125,8 +125,9 @@ class PPOConfig:
     """GAE lambda."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon."""
-    value_clip_range: float = 0.2
-    """Value clip around the rollout-time values."""
+    value_clip_range: float | None = None
+    """Value clip around the rollout-time values; None disables it. The common 0.2 assumes
+    returns of order 1: with scores of +-3 it lets the critic move 0.2 per step and stalls it."""
     vf_coef: float = 0.5
     """Weight of the value loss."""
     entropy_coef: float = 0.0
@@ -145,12 +146,12 @@ class PPOConfig:
     """Subtracted from the score of responses that never emit EOS (0 = off)."""
     normalize_reward: bool = False
     """Normalise scores with running mean/std before clipping."""
-    critic_warmup_steps: int = 0
+    critic_warmup_steps: int = 3
     """Initial steps that update only the critic."""
     eval_every: int = 5
     """Greedy evaluation on the held-out set every N steps (0 = only at the end)."""
-    stop_at_exact: float = 0.0
-    """Stop once eval exact accuracy reaches this (0 = run all steps)."""
+    stop_at_exact: float = 0.99
+    """Stop once held-out greedy exact accuracy reaches this (0 = run all steps)."""
     samples_per_log: int = 4
     """Generations saved to samples.jsonl per step."""
 

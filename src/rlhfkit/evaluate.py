@@ -45,3 +45,25 @@ def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_
     policy.train(was_training)
     n = len(prompts)
     return {"format_acc": fmt / n, "exact_acc": exact / n, "answer_acc": answer / n, "examples": examples}
+
+
+def evaluate_path(path: str, cfg) -> dict:
+    """Load a saved policy (HF format) and evaluate it; writes ``eval.json`` to ``run.out_dir``."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from .models import load_policy
+    from .utils import resolve_device
+
+    device = resolve_device(cfg.run.device)
+    tok = AutoTokenizer.from_pretrained(path)
+    policy = load_policy(path, trust_remote_code=cfg.model.trust_remote_code).to(device)
+    ev = evaluate_doubling(policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+    result = {"path": path, "format_acc": ev["format_acc"], "exact_acc": ev["exact_acc"], "answer_acc": ev["answer_acc"],
+              "examples": [{"prompt": p, "completion": c, "format": f, "exact": e} for p, c, f, e in ev["examples"][:12]]}
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    return result

@@ -30,8 +30,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int = 64, n_positions: int = 32) -> GPT2Config:
-    """A GPT-2 config sized for the toy tasks, dropout off (RL needs deterministic forwards)."""
+    """A GPT-2 config sized for the toy tasks, dropout off (RL needs deterministic forwards).
+
+    Input and output embeddings are untied: with tying, every token that never appears as
+    a target in pretraining (the task's prefix characters) receives the same "push this
+    logit down" gradient and their embeddings collapse onto one another, so RL would first
+    have to pull them apart before the policy can tell the prefixes apart.
+    """
     return GPT2Config(
+        tie_word_embeddings=False,
         vocab_size=len(tokenizer),
         n_positions=n_positions,
         n_embd=n_embd,
@@ -139,6 +146,7 @@ def policy_forward(
     attention_mask: torch.Tensor,
     prompt_len: int,
     value_head: ValueHead | None = None,
+    detach_value: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits predicting each response token, and (with a shared head) values: response-aligned.
 
@@ -146,11 +154,16 @@ def policy_forward(
     ``t + 1``, so response token ``j`` (column ``P + j``) is scored by column ``P + j - 1``.
     Only those ``R`` columns go through the LM head, which saves ``P/T`` of its cost.
 
+    ``detach_value`` stops the value loss at the head (the shared backbone is not moved by
+    it), which is what a critic warm-up needs.
+
     Returns:
         ``logits [B, R, V]`` and ``values [B, R]`` (None without a value head).
     """
     hidden = _hidden(policy, input_ids, attention_mask)  # [B, T, H]
     hidden = hidden[:, prompt_len - 1 : -1]  # [B, R, H]
     logits = policy.get_output_embeddings()(hidden)  # [B, R, V]
-    values = value_head(hidden) if value_head is not None else None  # [B, R]
+    values = None
+    if value_head is not None:
+        values = value_head(hidden.detach() if detach_value else hidden)  # [B, R]
     return logits, values

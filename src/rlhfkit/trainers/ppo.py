@@ -115,9 +115,10 @@ class ActorCritic(torch.nn.Module):
             raise ValueError("give exactly one of value_head (shared) or critic (separate)")
         self.policy, self.value_head, self.critic = policy, value_head, critic
 
-    def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0):
+    def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, detach_value=False):
         """Response-aligned ``logits [B, R, V]`` (tempered) and ``values [B, R]``."""
-        logits, values = policy_forward(self.policy, input_ids, attention_mask, prompt_len, self.value_head)
+        logits, values = policy_forward(self.policy, input_ids, attention_mask, prompt_len, self.value_head,
+                                        detach_value)
         if self.critic is not None:
             values = token_values(self.critic, input_ids, attention_mask)[:, prompt_len - 1 : -1]  # [B, R]
         return logits / temperature, values
@@ -178,7 +179,8 @@ def ppo_update(
         perm = torch.randperm(B, generator=generator).to(exp.input_ids.device)
         for mb in perm.split(pc.minibatch_size):
             rmask = exp.response_mask[mb]
-            logits, values = ac(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature)
+            logits, values = ac(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
+                                detach_value=not update_policy)
             logprobs = logprobs_from_logits(logits, exp.response_ids[mb])  # [b, R]
             v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range)
             loss = pc.vf_coef * v_loss

@@ -1,0 +1,35 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
+#   make test   create .venv if missing, install, lint and run the test suite
+#
+# PyTorch: the CPU build is installed by default. On a GPU machine install a CUDA build of
+# torch into .venv first (see README), or pass TORCH="torch==2.13.0 <your index options>".
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.rlhfkit-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlhfkit demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+test: lint
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/ppo_vs_tutorial.py
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

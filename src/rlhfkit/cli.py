@@ -1,0 +1,83 @@
+"""Command line: ``rlhfkit {demo,pretrain,rm,ppo,eval} [--config FILE] [section.key=value ...]``.
+
+Each command is a thin wrapper over a Python function that a notebook can call the same
+way (``rlhfkit.demo.run_demo(cfg)``, ``rlhfkit.trainers.ppo.train_ppo(cfg)`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import Config, ConfigError, load_config
+
+COMMANDS = {
+    "demo": "pretrain -> reward model -> PPO -> evaluation on the doubling task (runs/demo)",
+    "pretrain": "pretrain a tiny GPT-2 on unprefixed doubling text",
+    "rm": "train a reward model on preference pairs (model.name = policy to start from)",
+    "ppo": "PPO: model.name = policy, reward.name = reward model",
+    "eval": "greedy held-out evaluation of a policy (a path, or a run directory)",
+}
+
+DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo", "eval": "runs/eval"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if name == "eval":
+            sp.add_argument("path", help="policy directory (HF format) or a run directory containing policy/")
+        sp.add_argument("--config", help="YAML config file (sections: run, model, pretrain, reward, ppo, eval)")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl_coef=0.1 run.seed=3")
+    return p
+
+
+def _config(args) -> Config:
+    base = Config().replace(run={"out_dir": DEFAULT_OUT[args.command]})
+    return load_config(args.config, args.overrides, base=base)
+
+
+def _policy_dir(path: str) -> str:
+    p = Path(path)
+    for cand in (p, p / "policy", p / "ppo" / "policy"):
+        if (cand / "config.json").exists():
+            return str(cand)
+    raise FileNotFoundError(f"no model found at {path}: expected a directory with config.json (or policy/config.json)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = _config(args)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            run_demo(cfg)
+        elif args.command == "pretrain":
+            from .trainers.pretrain import pretrain
+
+            print(json.dumps(pretrain(cfg), indent=2))
+        elif args.command == "rm":
+            from .trainers.reward import train_reward_model
+
+            print(json.dumps(train_reward_model(cfg), indent=2))
+        elif args.command == "ppo":
+            from .trainers.ppo import train_ppo
+
+            print(json.dumps(train_ppo(cfg), indent=2))
+        elif args.command == "eval":
+            from .evaluate import evaluate_path
+
+            print(json.dumps(evaluate_path(_policy_dir(args.path), cfg), indent=2))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Tests for rlhfkit.config: defaults, YAML, dotted overrides, validation, immutability."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from rlhfkit.config import Config, ConfigError, PPOConfig, from_dict, load_config, save_config
+
+
+def raises(match: str):
+    return pytest.raises(ConfigError, match=re.escape(match))
+
+
+def test_defaults():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.ppo.kl_coef == 0.2
+    assert cfg.ppo.kl_estimator == "k1"
+    assert cfg.ppo.value_clip_range is None
+    assert cfg.run.seed == 0 and cfg.model.name == ""
+    assert from_dict({}) == Config()  # missing sections take defaults
+
+
+def test_dotted_overrides_parse_values():
+    cfg = load_config(
+        overrides=["ppo.lr=1e-4", "ppo.kl_in_loss=true", "run.seed=3", "ppo.kl_coef=1", "model.name=gpt2"]
+    )
+    # YAML reads '1e-4' (no dot) as a string; the float field still gets a float.
+    assert cfg.ppo.lr == 1e-4 and isinstance(cfg.ppo.lr, float)
+    assert cfg.ppo.kl_in_loss is True
+    assert cfg.run.seed == 3
+    assert cfg.ppo.kl_coef == 1.0 and isinstance(cfg.ppo.kl_coef, float)  # int widened to float
+    assert cfg.model.name == "gpt2"
+    assert cfg.ppo.steps == PPOConfig().steps  # untouched keys keep defaults
+
+
+def test_optional_float_override_and_null():
+    assert load_config(overrides=["ppo.value_clip_range=0.2"]).ppo.value_clip_range == 0.2
+    assert load_config(overrides=["ppo.value_clip_range=1e-1"]).ppo.value_clip_range == 0.1
+    # later overrides win: set, then switched off again with null
+    cfg = load_config(overrides=["ppo.value_clip_range=0.2", "ppo.value_clip_range=null"])
+    assert cfg.ppo.value_clip_range is None
+    with raises("ppo.value_clip_range"):
+        load_config(overrides=["ppo.value_clip_range=abc"])
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("run:\n  seed: 7\nppo:\n  kl_coef: 0.05\n  steps: 10\n  value_clip_range: 0.3\n")
+    cfg = load_config(path, ["ppo.steps=20"])
+    assert cfg.ppo.steps == 20  # override beats the file
+    assert cfg.ppo.kl_coef == 0.05 and cfg.run.seed == 7 and cfg.ppo.value_clip_range == 0.3
+    assert cfg.ppo.lr == PPOConfig().lr  # neither file nor override: default
+    assert load_config(path).ppo.steps == 10
+
+
+def test_yaml_file_errors(tmp_path):
+    with raises("does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ppp:\n  steps: 3\n")
+    with raises("Did you mean 'ppo'"):
+        load_config(bad)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("ppo:\n  kl_cof: 0.1\n")
+    with raises("Did you mean 'kl_coef'"):
+        load_config(typo)
+
+
+def test_unknown_key_suggests():
+    with raises("Did you mean 'kl_coef'"):
+        load_config(overrides=["ppo.kl_cof=0.1"])
+    with raises("ppo.kl_cof"):  # the message names the key
+        load_config(overrides=["ppo.kl_cof=0.1"])
+
+
+def test_unknown_section():
+    with raises("unknown config section 'ppp'"):
+        load_config(overrides=["ppp.kl_coef=0.1"])
+    with raises("Did you mean 'ppo'"):
+        load_config(overrides=["ppp.kl_coef=0.1"])
+    with raises("unknown config section"):
+        from_dict({"nope": {}})
+
+
+def test_malformed_override():
+    with raises("section.key=value"):
+        load_config(overrides=["ppo.kl_coef"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "ppo.steps=abc",  # int given a string
+        "ppo.steps=1.5",  # int given a float: no silent truncation
+        "ppo.steps=true",  # bool is an int subclass in Python, not in a config
+        "ppo.kl_coef=abc",  # float given a non-number
+        "ppo.kl_coef=false",
+        "ppo.whiten_advantages=3",  # bool given an int
+        "model.name=null",  # str given None
+    ],
+)
+def test_wrong_type(override):
+    key = override.split("=")[0]
+    with raises(f"config key '{key}'"):
+        load_config(overrides=[override])
+
+
+def test_literal_violation():
+    with raises("must be one of ['k1', 'k2', 'k3']"):
+        load_config(overrides=["ppo.kl_estimator=k9"])
+    assert load_config(overrides=["ppo.kl_estimator=k3"]).ppo.kl_estimator == "k3"
+    with raises("ppo.value_model"):
+        load_config(overrides=["ppo.value_model=both"])
+
+
+def test_frozen():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ppo.kl_coef = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ppo = PPOConfig(steps=1)
+
+
+def test_replace_copies_and_validates():
+    cfg = Config()
+    new = cfg.replace(ppo={"steps": 3, "kl_coef": 1}, run={"seed": 9})
+    assert new.ppo.steps == 3 and new.ppo.kl_coef == 1.0 and new.run.seed == 9
+    assert cfg.ppo.steps == PPOConfig().steps  # original untouched
+    assert new.reward == cfg.reward
+    with raises("Did you mean 'steps'"):
+        cfg.replace(ppo={"stepz": 3})
+    with raises("must be one of"):
+        cfg.replace(ppo={"kl_estimator": "k9"})
+    with raises("ppo.steps"):
+        cfg.replace(ppo={"steps": "many"})
+    with raises("unknown config section"):
+        cfg.replace(ppx={"steps": 3})
+
+
+def test_save_load_round_trip(tmp_path):
+    cfg = load_config(
+        overrides=[
+            "ppo.lr=1e-4",
+            "ppo.value_clip_range=0.2",
+            "ppo.kl_estimator=k2",
+            "run.out_dir=runs/数字 test",  # unicode and a space survive the YAML dump
+            "model.name=123",  # a str that looks like an int stays a str
+            "run.progress=false",
+        ]
+    )
+    path = tmp_path / "config.yaml"
+    save_config(cfg, path)
+    back = load_config(path)
+    assert back == cfg
+    assert back.model.name == "123" and back.run.out_dir == "runs/数字 test"
+    # None survives too
+    save_config(Config(), path)
+    assert load_config(path) == Config()
