@@ -88,7 +88,14 @@ class TutorialActorCritic(torch.nn.Module):
 def run_tutorial_design(base: str, rm_path: str, seed: int, target: float, budget_s: float, eval_every: int) -> dict:
     from transformers import AutoTokenizer
 
-    from rlhfkit.core import gae, kl_estimate, logprobs_from_logits, masked_mean, masked_whiten, shaped_rewards
+    from rlhfkit.core import (
+        gae,
+        kl_estimate,
+        logprobs_from_logits,
+        masked_mean,
+        masked_whiten,
+        shaped_rewards,
+    )
     from rlhfkit.evaluate import evaluate_doubling, tokenize_prompts
     from rlhfkit.models import freeze, load_policy, load_scalar_model, sequence_scores
     from rlhfkit.tasks import doubling

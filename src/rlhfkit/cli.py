@@ -51,6 +51,9 @@ def _policy_dir(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
     try:
         cfg = _config(args)
         if args.command == "demo":
