@@ -17,7 +17,7 @@ from rlhfkit.core import logprobs_from_logits
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze, policy_forward
 from rlhfkit.rollout import generate
 from rlhfkit.tasks import doubling
-from rlhfkit.trainers.ppo import ActorCritic, make_experience, ppo_update
+from rlhfkit.trainers.ppo import ActorCritic, RunningMoments, make_experience, ppo_update
 
 TOK = doubling.make_tokenizer()
 ARCH = {"n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -80,6 +80,9 @@ def _setup(value_model: str):
     policy = disable_dropout(build_tiny_policy(TOK, seed=3, **ARCH)).train()
     ref = freeze(build_tiny_policy(TOK, seed=3, **ARCH))  # same seed: identical to the actor
     rm = freeze(build_tiny_scalar_model(TOK, seed=5, **ARCH))
+    with torch.no_grad():  # GPT-2's 0.02-std init scores every text almost alike; spread the scores
+        for p in rm.parameters():
+            p.add_(0.3 * torch.randn_like(p))
     if value_model == "shared":
         from rlhfkit.models import ValueHead
 
@@ -129,3 +132,40 @@ def test_critic_warmup_leaves_policy_untouched(value_model):
     ppo_update(ac, opt, exp, pc, pc.kl_coef, update_policy=False)
     assert all(torch.equal(a, b) for a, b in zip(before, ac.policy.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(critic_before, ac.critic_parameters()))
+
+
+def _one_step(overrides: dict, value_model: str = "separate"):
+    ac, ref, rm = _setup(value_model)
+    pc = Config().replace(ppo=overrides).ppo
+    ids, mask = prompts(16, seed=5)
+    torch.manual_seed(5)
+    roll = generate(ac.policy, ids, mask, 3, TOK.eos_token_id, TOK.pad_token_id)  # short: some rows lack EOS
+    moments = RunningMoments() if pc.normalize_reward else None
+    exp, stats = make_experience(ac, ref, rm, roll, pc, kl_coef=pc.kl_coef, reward_stats=moments)
+    opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-3},
+                             {"params": ac.critic_parameters(), "lr": 1e-3}])
+    mb = ppo_update(ac, opt, exp, pc, pc.kl_coef)
+    return roll, exp, stats, mb
+
+
+def test_missing_eos_penalty_lowers_only_unfinished_scores():
+    roll, plain, _, _ = _one_step({})
+    _, penalised, _, _ = _one_step({"missing_eos_penalty": 2.0})
+    assert (~roll.finished).any() and roll.finished.any()
+    diff = plain.score - penalised.score  # same seeds -> same rollout
+    torch.testing.assert_close(diff, 2.0 * (~roll.finished).float())
+
+
+def test_reward_normalisation_gives_unit_scale_scores():
+    _, exp, _, _ = _one_step({"normalize_reward": True})
+    assert abs(exp.score.mean().item()) < 1e-5 and abs(exp.score.std().item() - 1) < 1e-4
+
+
+@pytest.mark.parametrize("overrides", [{"kl_in_loss": True, "kl_estimator": "k3"}, {"kl_estimator": "k2"},
+                                       {"entropy_coef": 0.01}, {"value_clip_range": 0.2}, {"whiten_advantages": False}])
+def test_options_run_and_stay_finite(overrides):
+    _, exp, stats, mb = _one_step(overrides)
+    assert all(torch.isfinite(v).all() for s in mb for v in s.values())
+    if overrides.get("kl_in_loss"):
+        # the KL moved out of the reward: with actor == ref the reward is just the score
+        assert "policy/kl_loss" in mb[0] and mb[0]["policy/kl_loss"].item() < 1e-10

@@ -31,6 +31,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def make_accelerator(cfg: Config):
+    """An ``accelerate.Accelerator`` on the configured device.
+
+    Trainers take their device from it and call ``accelerator.backward``; one process today,
+    and the seam through which ``accelerate launch`` distributes the same loops.
+    """
+    from accelerate import Accelerator
+
+    device = resolve_device(cfg.run.device)
+    return Accelerator(cpu=device.type == "cpu")
+
+
 def setup_run(cfg: Config) -> Path:
     """Seed, set threads, create the run directory and save the resolved config in it."""
     seed_everything(cfg.run.seed)

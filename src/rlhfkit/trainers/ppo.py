@@ -52,7 +52,7 @@ from ..models import (
 )
 from ..rollout import Rollout, generate
 from ..tasks import doubling
-from ..utils import MetricsLogger, mean_stats, progress, resolve_device, setup_run, to_float
+from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run, to_float
 
 
 @dataclass
@@ -170,9 +170,13 @@ def make_experience(
 
 def ppo_update(
     ac: ActorCritic, optimizer, exp: Experience, pc: PPOConfig, kl_coef: float, update_policy: bool = True,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, accelerator=None,
 ) -> list[dict[str, torch.Tensor]]:
-    """``ppo_epochs`` passes over shuffled minibatches; returns per-minibatch stats in order."""
+    """``ppo_epochs`` passes over shuffled minibatches; returns per-minibatch stats in order.
+
+    ``update_policy=False`` is the critic warm-up: only the value loss is applied (and with a
+    shared head it stops at the head). ``accelerator`` (optional) does the backward pass.
+    """
     B = exp.input_ids.shape[0]
     all_stats = []
     for _ in range(pc.ppo_epochs):
@@ -196,7 +200,10 @@ def ppo_update(
                     loss = loss + kl_coef * kl_term
                     stats["policy/kl_loss"] = kl_term.detach()
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if accelerator is not None:
+                accelerator.backward(loss)
+            else:
+                loss.backward()
             stats["policy/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.policy.parameters(), pc.max_grad_norm)
             stats["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.critic_parameters(), pc.max_grad_norm)
             optimizer.step()
@@ -228,7 +235,8 @@ def train_ppo(cfg: Config, policy_path: str | None = None, reward_path: str | No
     from ..plots import plot_ppo  # matplotlib only when a run finishes
 
     out = setup_run(cfg)
-    device = resolve_device(cfg.run.device)
+    accelerator = make_accelerator(cfg)
+    device = accelerator.device
     pc = cfg.ppo
     policy_path = policy_path or cfg.model.name
     reward_path = reward_path or cfg.reward.name
@@ -256,7 +264,8 @@ def train_ppo(cfg: Config, policy_path: str | None = None, reward_path: str | No
         t1 = time.perf_counter()
         exp, stats = make_experience(ac, ref, reward_model, roll, pc, kl_coef, reward_stats)
         t2 = time.perf_counter()
-        mb_stats = ppo_update(ac, optimizer, exp, pc, kl_coef, update_policy=step >= pc.critic_warmup_steps)
+        mb_stats = ppo_update(ac, optimizer, exp, pc, kl_coef, update_policy=step >= pc.critic_warmup_steps,
+                               accelerator=accelerator)
         t3 = time.perf_counter()
         train_s += t3 - t0
         stats.update(mean_stats(mb_stats))

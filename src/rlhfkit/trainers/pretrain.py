@@ -16,7 +16,7 @@ from ..config import Config
 from ..evaluate import evaluate_doubling
 from ..models import build_tiny_policy, position_ids_from_mask
 from ..tasks import doubling
-from ..utils import MetricsLogger, progress, resolve_device, setup_run
+from ..utils import MetricsLogger, make_accelerator, progress, setup_run
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
@@ -42,7 +42,8 @@ def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tor
 def pretrain(cfg: Config) -> dict:
     """Train the base policy; saves it (HF format) to ``<out_dir>/policy``. Returns a summary."""
     out = setup_run(cfg)
-    device = resolve_device(cfg.run.device)
+    accelerator = make_accelerator(cfg)
+    device = accelerator.device
     tok = doubling.make_tokenizer()
     pc = cfg.pretrain
     model = build_tiny_policy(tok, cfg.run.seed, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
@@ -58,7 +59,7 @@ def pretrain(cfg: Config) -> dict:
         enc = tok(data.pretrain_texts(pc.batch_size), padding=True, padding_side="right", return_tensors="pt")
         ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
         loss = lm_loss(model, ids, mask)
-        loss.backward()
+        accelerator.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()

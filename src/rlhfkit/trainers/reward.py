@@ -16,7 +16,7 @@ from ..config import Config
 from ..core import bradley_terry_loss
 from ..models import build_tiny_scalar_model, load_policy, sequence_scores
 from ..tasks import doubling
-from ..utils import MetricsLogger, mean_stats, progress, resolve_device, setup_run
+from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
 
 
 def encode_pairs(tokenizer, pairs: list[tuple[str, str, str]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +65,8 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
             ``reward.init_from == 'policy'`` (defaults to ``model.name``).
     """
     out = setup_run(cfg)
-    device = resolve_device(cfg.run.device)
+    accelerator = make_accelerator(cfg)
+    device = accelerator.device
     rc = cfg.reward
     tok = doubling.make_tokenizer()
     model = build_tiny_scalar_model(tok, cfg.run.seed + 1, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
@@ -92,7 +93,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     for step in bar:
         chosen, rejected = pair_scores(model, tok, data.preference_pairs(rc.batch_size, rc.hard_negatives), device)
         loss, stats = bradley_terry_loss(chosen, rejected, rc.margin or None, rc.center_coef)
-        loss.backward()
+        accelerator.backward(loss)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
