@@ -57,11 +57,11 @@ def prepare(out: Path, seed: int) -> tuple[str, str]:
 
 def run_rlhfkit(base: str, rm: str, out: Path, seed: int, target: float, max_steps: int) -> dict:
     from rlhfkit.config import Config
-    from rlhfkit.trainers.ppo import train_ppo
+    from rlhfkit.trainers.rl import train_rl
 
     cfg = Config().replace(run={"out_dir": str(out / "rlhfkit_ppo"), "seed": seed, "progress": False},
                            ppo={"stop_at_exact": target, "steps": max_steps})
-    res = train_ppo(cfg, base, rm)
+    res = train_rl(cfg, base, rm)
     reached = res["reached"]
     return {"name": "rlhfkit PPO (minibatches of 16)", "steps": res["steps"], "train_s": res["seconds"],
             "reached": reached is not None, "s_per_step": res["seconds"] / res["steps"],
@@ -160,6 +160,9 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=5)
     args = ap.parse_args()
     pin_to_one_core()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     out = Path(args.out)
     base, rm = prepare(out, args.seed)
     print("rlhfkit PPO ...", flush=True)

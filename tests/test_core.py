@@ -362,3 +362,46 @@ def test_core_import_is_light():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "", f"importing rlhfkit.core loaded: {out.stdout.strip()}"
+
+
+# --------------------------------------------------------------------------- group baselines and DPO
+
+
+def test_group_advantages_match_a_per_group_loop():
+    from rlhfkit.core import group_advantages
+
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randn(12, generator=gen, dtype=torch.float64)
+    G = 4
+    expected = []
+    for g in range(0, 12, G):  # the plain loop: centre and scale each prompt's group alone
+        grp = scores[g : g + G].tolist()
+        mean = sum(grp) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (G - 1))
+        expected += [(x - mean) / (std + 1e-4) for x in grp]
+    close(group_advantages(scores, G), expected, tol=1e-9)
+    # unscaled: only centred; a group of equal scores gives 0 (no signal, no NaN)
+    close(group_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), 2, scale=False), [-1.0, 1.0, 0.0, 0.0])
+    with pytest.raises(ValueError):
+        group_advantages(scores, 5)
+
+
+def test_rloo_advantages_hand_computed():
+    from rlhfkit.core import rloo_advantages
+
+    # group [1, 2, 6]: baselines are means of the others: (2+6)/2=4, (1+6)/2=3.5, (1+2)/2=1.5
+    # -> advantages 1-4=-3, 2-3.5=-1.5, 6-1.5=4.5; second group [0, 0, 3]: 0-1.5, 0-1.5, 3-0
+    close(rloo_advantages(torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0]), 3), [-3.0, -1.5, 4.5, -1.5, -1.5, 3.0])
+
+
+def test_dpo_loss_hand_computed():
+    from rlhfkit.core import dpo_loss
+
+    # beta=0.5; pair 1: chosen reward 0.5*(-1-(-2))=0.5, rejected 0.5*(-3-(-2))=-0.5, h=1
+    #           pair 2: chosen 0.5*(-2-(-1))=-0.5, rejected 0.5*(-1-(-1))=0,  h=-0.5
+    loss, stats = dpo_loss(torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0]),
+                           torch.tensor([-2.0, -1.0]), torch.tensor([-2.0, -1.0]), beta=0.5)
+    nll = lambda h: -math.log(1 / (1 + math.exp(-h)))  # noqa: E731
+    close(loss, (nll(1.0) + nll(-0.5)) / 2)
+    close(stats["dpo/accuracy"], 0.5)
+    close(stats["dpo/margin"], (1.0 - 0.5) / 2)

@@ -70,3 +70,20 @@ def test_cli_rejects_bad_config_with_a_clear_message(capsys):
 def test_cli_ppo_needs_models(tmp_path, capsys):
     assert main(["ppo", f"run.out_dir={tmp_path}"]) == 2
     assert "model.name" in capsys.readouterr().err
+
+
+def test_grpo_with_the_task_verifier_as_reward_learns(demo_run, tmp_path):
+    # same base as the demo; GRPO shares rollout/experience/update with PPO, only the
+    # advantage differs, and its reward is a plain Python callable (the task's verifier)
+    from rlhfkit.trainers.rl import train_rl
+
+    out, summary = demo_run
+    cfg = Config().replace(
+        run={"out_dir": str(tmp_path), "progress": False},
+        model={"name": str(out / "pretrain" / "policy")},
+        reward={"function": "rlhfkit.tasks.doubling:exact_reward"},
+        ppo={"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05, "steps": 150},
+    )
+    res = train_rl(cfg)
+    assert res["final"]["eval/exact_acc"] >= 0.95 > summary["base"]["exact_acc"]
+    assert not (tmp_path / "value_model").exists()  # no critic in GRPO

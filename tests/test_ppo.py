@@ -17,7 +17,7 @@ from rlhfkit.core import logprobs_from_logits
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze, policy_forward
 from rlhfkit.rollout import generate
 from rlhfkit.tasks import doubling
-from rlhfkit.trainers.ppo import ActorCritic, RunningMoments, make_experience, ppo_update
+from rlhfkit.trainers.rl import ActorCritic, RunningMoments, make_experience, ppo_update, reward_model_scorer
 
 TOK = doubling.make_tokenizer()
 ARCH = {"n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -99,7 +99,7 @@ def test_first_minibatch_has_ratio_one_and_kl_zero(value_model):
     ids, mask = prompts(pc.batch_size // 2, seed=3)
     torch.manual_seed(3)
     roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id)
-    exp, stats = make_experience(ac, ref, rm, roll, pc, kl_coef=pc.kl_coef)
+    exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
     # actor == reference: every per-token KL is 0, so the reward is only the score, on the last token
     assert stats["objective/kl"] == 0.0
     last = exp.response_mask.sum(-1) - 1
@@ -124,7 +124,7 @@ def test_critic_warmup_leaves_policy_untouched(value_model):
     pc = Config().ppo
     ids, mask = prompts(16, seed=4)
     roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id)
-    exp, _ = make_experience(ac, ref, rm, roll, pc, kl_coef=pc.kl_coef)
+    exp, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
     before = [p.detach().clone() for p in ac.policy.parameters()]
     critic_before = [p.detach().clone() for p in ac.critic_parameters()]
     opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-2},
@@ -141,7 +141,7 @@ def _one_step(overrides: dict, value_model: str = "separate"):
     torch.manual_seed(5)
     roll = generate(ac.policy, ids, mask, 3, TOK.eos_token_id, TOK.pad_token_id)  # short: some rows lack EOS
     moments = RunningMoments() if pc.normalize_reward else None
-    exp, stats = make_experience(ac, ref, rm, roll, pc, kl_coef=pc.kl_coef, reward_stats=moments)
+    exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef, reward_stats=moments)
     opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-3},
                              {"params": ac.critic_parameters(), "lr": 1e-3}])
     mb = ppo_update(ac, opt, exp, pc, pc.kl_coef)

@@ -1,7 +1,7 @@
 """Command line: ``rlhfkit {demo,pretrain,rm,ppo,eval} [--config FILE] [section.key=value ...]``.
 
 Each command is a thin wrapper over a Python function that a notebook can call the same
-way (``rlhfkit.demo.run_demo(cfg)``, ``rlhfkit.trainers.ppo.train_ppo(cfg)`` ...).
+way (``rlhfkit.demo.run_demo(cfg)``, ``rlhfkit.trainers.rl.train_rl(cfg)`` ...).
 """
 
 from __future__ import annotations
@@ -17,11 +17,22 @@ COMMANDS = {
     "demo": "pretrain -> reward model -> PPO -> evaluation on the doubling task (runs/demo)",
     "pretrain": "pretrain a tiny GPT-2 on unprefixed doubling text",
     "rm": "train a reward model on preference pairs (model.name = policy to start from)",
-    "ppo": "PPO: model.name = policy, reward.name = reward model",
+    "ppo": "PPO with a critic: model.name = policy, reward.name = reward model (or reward.function)",
+    "grpo": "GRPO: group-relative advantages, KL as a k3 loss term, no critic",
+    "rloo": "RLOO: leave-one-out baseline over group_size samples per prompt, no critic",
+    "reinforce": "REINFORCE with a batch-mean baseline, no critic",
     "eval": "greedy held-out evaluation of a policy (a path, or a run directory)",
 }
 
-DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo", "eval": "runs/eval"}
+DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
+               "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "eval": "runs/eval"}
+# what each RL command changes in the shared `ppo` section before the user's file and overrides
+ALGO_DEFAULTS = {
+    "ppo": {"algo": "ppo"},
+    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
+    "rloo": {"algo": "rloo", "kl_coef": 0.05},
+    "reinforce": {"algo": "reinforce", "kl_coef": 0.05},
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args) -> Config:
-    base = Config().replace(run={"out_dir": DEFAULT_OUT[args.command]})
+    base = Config().replace(run={"out_dir": DEFAULT_OUT[args.command]}, ppo=ALGO_DEFAULTS.get(args.command, {}))
     return load_config(args.config, args.overrides, base=base)
 
 
@@ -68,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             from .trainers.reward import train_reward_model
 
             print(json.dumps(train_reward_model(cfg), indent=2))
-        elif args.command == "ppo":
-            from .trainers.ppo import train_ppo
+        elif args.command in ALGO_DEFAULTS:
+            from .trainers.rl import train_rl
 
-            print(json.dumps(train_ppo(cfg), indent=2))
+            print(json.dumps(train_rl(cfg), indent=2))
         elif args.command == "eval":
             from .evaluate import evaluate_path
 

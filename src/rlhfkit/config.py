@@ -68,7 +68,10 @@ class PretrainConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = ""
-    """Reward model for PPO: a local path or hub id (AutoModelForSequenceClassification)."""
+    """Reward model for RL: a local path or hub id (AutoModelForSequenceClassification)."""
+    function: str = ""
+    """Reward as a Python callable 'module:name', (prompts, completions, **meta) -> list[float];
+    used instead of a reward model when set (e.g. rlhfkit.tasks.doubling:format_reward)."""
     steps: int = 150
     """Optimizer steps of Bradley-Terry training."""
     batch_size: int = 64
@@ -91,10 +94,17 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
+    algo: Literal["ppo", "grpo", "rloo", "reinforce"] = "ppo"
+    """Advantage estimator: 'ppo' (critic + GAE), 'grpo' (group-relative), 'rloo' (leave-one-out),
+    'reinforce' (batch-mean baseline). Set by the command (rlhfkit ppo/grpo/rloo/reinforce)."""
+    group_size: int = 8
+    """Completions per prompt for grpo/rloo (batch_size / group_size prompts per rollout)."""
+    scale_rewards: bool = True
+    """GRPO: divide group-centred scores by the group's std."""
     steps: int = 200
     """Rollout + update iterations (upper bound; see stop_at_exact)."""
     batch_size: int = 64
-    """Prompts per rollout."""
+    """Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for grpo/rloo)."""
     minibatch_size: int = 16
     """Sequences per optimizer step."""
     ppo_epochs: int = 2

@@ -31,10 +31,13 @@ __all__ = [
     "shaped_rewards",
     "last_token_index",
     "gae",
+    "group_advantages",
+    "rloo_advantages",
     "policy_loss",
     "value_loss",
     "explained_variance",
     "bradley_terry_loss",
+    "dpo_loss",
     "adaptive_kl_coef",
 ]
 
@@ -269,6 +272,45 @@ def gae(
     return advantages, returns
 
 
+def group_advantages(scores: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's group-relative advantage of each completion (Shao et al. 2024).
+
+    Rows ``[g*G, (g+1)*G)`` are the ``G`` completions of prompt ``g``:
+    ``A_i = (s_i - mean_group(s))`` and, with ``scale``, divided by ``std_group(s) + eps``
+    (unbiased std, as in the paper's reference code).
+
+    Args:
+        scores: ``[B]`` with ``B = n_prompts * G``, grouped contiguously.
+    Returns:
+        ``[B]`` advantages (0 for a group whose scores are all equal).
+    """
+    if group_size < 2 or scores.shape[0] % group_size:
+        raise ValueError(f"group_size must be >= 2 and divide the batch ({scores.shape[0]}), got {group_size}")
+    grouped = scores.view(-1, group_size)  # [B/G, G]
+    centred = grouped - grouped.mean(-1, keepdim=True)
+    if scale:
+        centred = centred / (grouped.std(-1, keepdim=True) + eps)
+    return centred.reshape(-1)  # [B]
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantage (Kool et al. 2019; Ahmadian et al. 2024).
+
+    ``A_i = s_i - mean_{j != i} s_j = G / (G - 1) * (s_i - mean_group(s))`` within each group
+    of ``G`` completions of one prompt.
+
+    Args:
+        scores: ``[B]`` grouped contiguously in groups of ``G``.
+    Returns:
+        ``[B]`` advantages.
+    """
+    if group_size < 2 or scores.shape[0] % group_size:
+        raise ValueError(f"group_size must be >= 2 and divide the batch ({scores.shape[0]}), got {group_size}")
+    grouped = scores.view(-1, group_size)  # [B/G, G]
+    baseline = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)  # mean of the others
+    return (grouped - baseline).reshape(-1)  # [B]
+
+
 # --------------------------------------------------------------------------- losses
 
 
@@ -387,6 +429,40 @@ def bradley_terry_loss(
             "rm/delta": delta.mean(),
             "rm/chosen": chosen.mean(),
             "rm/rejected": rejected.mean(),
+        }
+    return loss, stats
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sigmoid DPO loss (Rafailov et al. 2023, eq. 7).
+
+    ``h = beta * ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)))``,
+    ``loss = mean(-logsigmoid(h))``.
+
+    Args:
+        policy_chosen, policy_rejected, ref_chosen, ref_rejected: ``[B]`` summed log-probs of
+            the chosen / rejected responses under the policy and the reference.
+        beta: inverse temperature of the implicit reward.
+    Returns:
+        ``(loss, stats)``; stats: ``dpo/loss``, ``dpo/accuracy`` (implicit reward of chosen >
+        rejected), ``dpo/margin`` (mean implicit-reward gap), ``dpo/chosen``, ``dpo/rejected``.
+    """
+    chosen_reward = beta * (policy_chosen - ref_chosen)  # [B]
+    rejected_reward = beta * (policy_rejected - ref_rejected)  # [B]
+    loss = -F.logsigmoid(chosen_reward - rejected_reward).mean()
+    with torch.no_grad():
+        stats = {
+            "dpo/loss": loss.detach(),
+            "dpo/accuracy": (chosen_reward > rejected_reward).float().mean(),
+            "dpo/margin": (chosen_reward - rejected_reward).mean(),
+            "dpo/chosen": chosen_reward.mean(),
+            "dpo/rejected": rejected_reward.mean(),
         }
     return loss, stats
 

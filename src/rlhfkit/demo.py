@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 from .config import Config
 from .evaluate import evaluate_doubling
 from .models import load_policy
-from .trainers.ppo import train_ppo
 from .trainers.pretrain import pretrain
 from .trainers.reward import train_reward_model
+from .trainers.rl import train_rl
 from .utils import resolve_device
 
 
@@ -56,7 +56,7 @@ def run_demo(cfg: Config) -> dict:
     rm = train_reward_model(_stage(cfg, "reward"), policy_path=pre["path"])
     print(f"[2/3] reward model in {rm['seconds']:.1f}s: held-out accuracy={rm['accuracy']:.3f} delta={rm['delta']:.2f}")
 
-    ppo = train_ppo(cfg, policy_path=pre["path"], reward_path=rm["path"])
+    ppo = train_rl(cfg, policy_path=pre["path"], reward_path=rm["path"])
     print(f"[3/3] PPO: {ppo['steps']} steps in {ppo['seconds']:.1f}s")
 
     tok = AutoTokenizer.from_pretrained(ppo["path"])

@@ -165,6 +165,21 @@ def verify(prompt: Prompt, completion: str) -> dict[str, bool]:
     return {"format": fmt, "exact": exact, "answer": answer_ok}
 
 
-def requested_charset_reward(prompts: list[Prompt], completions: list[str]) -> list[float]:
-    """Rule-based reward (1 if the format check passes, else 0) -- a verifier as a callable."""
-    return [float(verify(p, c)["format"]) for p, c in zip(prompts, completions)]
+def parse_prompt(text: str) -> Prompt:
+    """``'数字:3320x2='`` (BOS optional) -> ``Prompt(3320, 'digits')``."""
+    body = text[1:] if text.startswith(BOS) else text
+    prefix, rest = body.split(":", 1)
+    charset = {v: k for k, v in PREFIX.items()}.get(prefix)
+    if charset is None:
+        raise ValueError(f"prompt {text!r} has no character-set prefix ({', '.join(PREFIX.values())})")
+    return Prompt(int(rest.split("x", 1)[0]), charset)
+
+
+def format_reward(prompts: list[str], completions: list[str], **meta) -> list[float]:
+    """Rule-based reward callable: 1 when the answer passes the format check, else 0."""
+    return [float(verify(parse_prompt(p), c)["format"]) for p, c in zip(prompts, completions)]
+
+
+def exact_reward(prompts: list[str], completions: list[str], **meta) -> list[float]:
+    """Rule-based reward callable: 1 when the answer is exactly right in the requested set."""
+    return [float(verify(parse_prompt(p), c)["exact"]) for p, c in zip(prompts, completions)]

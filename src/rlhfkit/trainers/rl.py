@@ -1,10 +1,13 @@
-"""PPO for language models with four roles: actor, critic, reward model, reference.
+"""Policy optimisation for language models: PPO, GRPO, RLOO and REINFORCE in one loop.
 
-One loop, read top to bottom in :func:`train_ppo`:
+PPO has four roles: actor, critic, reward model, reference. GRPO, RLOO and REINFORCE drop
+the critic and differ only in the advantage estimator (:func:`sequence_advantages`); the
+rollout, experience and update code is shared. One loop, read top to bottom in
+:func:`train_rl`:
 
     rollout     sample responses from left-padded prompts (KV cache)          rollout.generate
     experience  one no-grad pass: old log-probs, reference log-probs, values,
-                reward scores -> shaped rewards -> GAE -> whitened advantages  make_experience
+                reward scores -> shaped rewards -> GAE (or a group baseline)  make_experience
     update      ppo_epochs x shuffled minibatches: clipped policy loss +
                 vf_coef * clipped value loss - entropy_coef * entropy          ppo_update
     log         every DESIGN.md diagnostic, samples, periodic greedy eval
@@ -15,9 +18,11 @@ response token -- the EOS when one was emitted, else the last sampled token.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,11 +36,13 @@ from ..core import (
     entropy_from_logits,
     explained_variance,
     gae,
+    group_advantages,
     kl_estimate,
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
     policy_loss,
+    rloo_advantages,
     shaped_rewards,
     value_loss,
 )
@@ -107,13 +114,18 @@ class RunningMoments:
 
 
 class ActorCritic(torch.nn.Module):
-    """The trained models: the actor and either a shared value head or a separate value model."""
+    """The trained models: the actor and a shared value head, a separate value model, or no
+    critic at all (GRPO / RLOO / REINFORCE: values are then ``None``)."""
 
     def __init__(self, policy, value_head: ValueHead | None = None, critic=None):
         super().__init__()
-        if (value_head is None) == (critic is None):
-            raise ValueError("give exactly one of value_head (shared) or critic (separate)")
+        if value_head is not None and critic is not None:
+            raise ValueError("give at most one of value_head (shared) or critic (separate)")
         self.policy, self.value_head, self.critic = policy, value_head, critic
+
+    @property
+    def has_critic(self) -> bool:
+        return self.value_head is not None or self.critic is not None
 
     def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, detach_value=False):
         """Response-aligned ``logits [B, R, V]`` (tempered) and ``values [B, R]``."""
@@ -124,32 +136,94 @@ class ActorCritic(torch.nn.Module):
         return logits / temperature, values
 
     def critic_parameters(self):
-        return (self.value_head or self.critic).parameters()
+        return list((self.value_head or self.critic).parameters()) if self.has_critic else []
+
+
+Scorer = Callable[[Rollout], torch.Tensor]
+
+
+def reward_model_scorer(reward_model) -> Scorer:
+    """Score = the reward model's scalar at the last attended token of prompt + response."""
+    return lambda roll: sequence_scores(reward_model, roll.input_ids, roll.attention_mask)
+
+
+def function_scorer(fn: Callable[..., list[float]], tokenizer) -> Scorer:
+    """Score = ``fn(prompts, completions)`` on decoded text (a task verifier, a heuristic ...)."""
+
+    def score(roll: Rollout) -> torch.Tensor:
+        prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+        completions = decode_responses(tokenizer, roll.response_ids, roll.response_mask)
+        values = fn(prompts, completions)
+        if len(values) != len(completions):
+            raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned {len(values)} "
+                             f"scores for {len(completions)} completions")
+        out = torch.tensor(values, dtype=torch.float32, device=roll.response_ids.device)
+        if not torch.isfinite(out).all():
+            raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned a non-finite score")
+        return out
+
+    return score
+
+
+def load_reward_function(spec: str) -> Callable[..., list[float]]:
+    """``'package.module:name'`` -> the callable."""
+    if ":" not in spec:
+        raise ValueError(f"reward.function={spec!r} must look like 'package.module:function'")
+    module, name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"reward.function={spec!r} is not callable")
+    return fn
+
+
+def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
+    """One advantage per completion for the critic-free estimators: ``[B] -> [B]``."""
+    if pc.algo == "grpo":
+        return group_advantages(score, pc.group_size, pc.scale_rewards)
+    if pc.algo == "rloo":
+        return rloo_advantages(score, pc.group_size)
+    if pc.algo == "reinforce":
+        return score - score.mean()
+    raise ValueError(f"no sequence-level advantage for algo {pc.algo!r}")
 
 
 @torch.no_grad()
 def make_experience(
-    ac: ActorCritic, ref, reward_model, roll: Rollout, pc: PPOConfig, kl_coef: float,
+    ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
     reward_stats: RunningMoments | None = None,
 ) -> tuple[Experience, dict[str, float]]:
-    """Score a rollout and turn it into advantages and returns (no grad)."""
+    """Score a rollout and turn it into advantages and returns (no grad).
+
+    PPO: per-token shaped rewards (-beta*KL, score on the last token) -> GAE with the critic.
+    GRPO / RLOO / REINFORCE: the sequence score (minus beta * sequence KL unless the KL is a
+    loss term) -> a baseline from the other samples -> the same advantage on every token.
+    """
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
     rmask = roll.response_mask
+    valid = rmask.bool()
     logits, old_values = ac(ids, mask, P, pc.temperature)
     old_logprobs = logprobs_from_logits(logits, roll.response_ids)  # [B, R]
     ref_logits, _ = policy_forward(ref, ids, mask, P)
     ref_logprobs = logprobs_from_logits(ref_logits / pc.temperature, roll.response_ids)  # [B, R]
-    raw_score = sequence_scores(reward_model, ids, mask)  # [B]
+    raw_score = scorer(roll)  # [B]
     score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
     if reward_stats is not None:
         reward_stats.update(score)
         score = (score - reward_stats.mean) / (reward_stats.std + 1e-8)
     kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
-    rewards = shaped_rewards(score, kl, rmask, 0.0 if pc.kl_in_loss else kl_coef, pc.score_clip)
-    advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
-    if pc.whiten_advantages:
-        advantages = masked_whiten(advantages, rmask)
-    valid = rmask.bool()
+    reward_kl_coef = 0.0 if pc.kl_in_loss else kl_coef
+    rewards = shaped_rewards(score, kl, rmask, reward_kl_coef, pc.score_clip)  # [B, R]
+    if pc.algo == "ppo":
+        advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
+        if pc.whiten_advantages:
+            advantages = masked_whiten(advantages, rmask)
+    else:
+        seq_adv = sequence_advantages(rewards.sum(-1), pc)  # [B]: clipped score - beta * sequence KL
+        advantages = torch.where(valid, seq_adv[:, None].expand_as(rewards), 0.0)  # [B, R]
+        old_values = returns = torch.zeros_like(rewards)
     kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
     stats = {
         "objective/score": raw_score.mean(),
@@ -157,7 +231,7 @@ def make_experience(
         "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
         "objective/entropy": masked_mean(entropy_from_logits(logits), rmask),
         "objective/kl_coef": kl_coef,
-        "value/explained_var": explained_variance(old_values, returns, rmask),
+        "value/explained_var": explained_variance(old_values, returns, rmask) if ac.has_critic else 0.0,
         "response/length": rmask.sum(-1).float().mean(),
         "response/eos_rate": roll.finished.float().mean(),
         # generation-time vs training-forward log-probs: a silent off-policy mismatch shows here
@@ -186,8 +260,10 @@ def ppo_update(
             logits, values = ac(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
                                 detach_value=not update_policy)
             logprobs = logprobs_from_logits(logits, exp.response_ids[mb])  # [b, R]
-            v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range)
-            loss = pc.vf_coef * v_loss
+            loss, stats = torch.zeros((), device=logits.device), {}
+            if values is not None:
+                v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range)
+                loss = pc.vf_coef * v_loss
             p_loss, p_stats = policy_loss(logprobs, exp.old_logprobs[mb], exp.advantages[mb], rmask, pc.clip_range)
             stats.update(p_stats)
             if update_policy:
@@ -205,33 +281,50 @@ def ppo_update(
             else:
                 loss.backward()
             stats["policy/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.policy.parameters(), pc.max_grad_norm)
-            stats["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.critic_parameters(), pc.max_grad_norm)
+            if ac.has_critic:
+                stats["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.critic_parameters(), pc.max_grad_norm)
             optimizer.step()
             all_stats.append(stats)
     return all_stats
 
 
-def build_actor_critic(cfg: Config, policy_path: str, reward_path: str, device):
-    """Load the four roles. Returns ``(actor_critic, ref, reward_model, tokenizer)``."""
-    pc = cfg.ppo
+def build_models(cfg: Config, policy_path: str, device):
+    """Load the roles. Returns ``(actor_critic, ref, scorer, tokenizer)``.
+
+    The critic exists only for ``algo == 'ppo'``; the scorer is the reward model at
+    ``reward.name`` or the callable at ``reward.function``.
+    """
+    pc, rc = cfg.ppo, cfg.reward
     trc = cfg.model.trust_remote_code
     tok = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trc)
     if tok.pad_token_id is None:
         raise ValueError(f"the tokenizer at {policy_path} has no pad token: set one (e.g. pad = eos) and save it")
     policy = disable_dropout(load_policy(policy_path, trust_remote_code=trc)).to(device).train()
     ref = freeze(load_policy(policy_path, trust_remote_code=trc)).to(device)
-    reward_model = freeze(load_scalar_model(reward_path, trust_remote_code=trc)).to(device)
-    if pc.value_model == "shared":
+    if rc.function:
+        scorer = function_scorer(load_reward_function(rc.function), tok)
+    else:
+        scorer = reward_model_scorer(freeze(load_scalar_model(rc.name, trust_remote_code=trc)).to(device))
+    if pc.algo != "ppo":
+        ac = ActorCritic(policy)
+    elif pc.value_model == "shared":
         ac = ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size).to(device))
     else:
-        critic_src = reward_path if pc.value_init == "reward" else policy_path
+        if pc.value_init == "reward" and not rc.name:
+            raise ValueError("ppo.value_init=reward needs reward.name (a reward model to start the critic from); "
+                             "use ppo.value_init=policy with a reward function")
+        critic_src = rc.name if pc.value_init == "reward" else policy_path
         critic = disable_dropout(load_scalar_model(critic_src, trust_remote_code=trc)).to(device).train()
         ac = ActorCritic(policy, critic=critic)
-    return ac, ref, reward_model, tok
+    return ac, ref, scorer, tok
 
 
-def train_ppo(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
-    """Run PPO; writes metrics, samples, plots and the trained models under ``run.out_dir``."""
+def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
+    """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the doubling task's prompts.
+
+    Writes metrics, samples, plots and the trained models under ``run.out_dir``; stops early
+    once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``.
+    """
     from ..plots import plot_ppo  # matplotlib only when a run finishes
 
     out = setup_run(cfg)
@@ -239,14 +332,19 @@ def train_ppo(cfg: Config, policy_path: str | None = None, reward_path: str | No
     device = accelerator.device
     pc = cfg.ppo
     policy_path = policy_path or cfg.model.name
-    reward_path = reward_path or cfg.reward.name
-    if not policy_path or not reward_path:
-        raise ValueError("PPO needs a pretrained policy and a reward model: set model.name=PATH and reward.name=PATH")
-    ac, ref, reward_model, tok = build_actor_critic(cfg, policy_path, reward_path, device)
-    optimizer = torch.optim.AdamW(
-        [{"params": ac.policy.parameters(), "lr": pc.lr}, {"params": ac.critic_parameters(), "lr": pc.value_lr}],
-        weight_decay=0.0,
-    )
+    if reward_path:
+        cfg = cfg.replace(reward={"name": reward_path})
+    if not policy_path or not (cfg.reward.name or cfg.reward.function):
+        raise ValueError(f"{pc.algo} needs a pretrained policy and a reward: set model.name=PATH and "
+                         "reward.name=PATH (a reward model) or reward.function=module:callable")
+    if pc.algo in ("grpo", "rloo") and pc.batch_size % pc.group_size:
+        raise ValueError(f"ppo.batch_size ({pc.batch_size}) must be a multiple of ppo.group_size ({pc.group_size})")
+    ac, ref, scorer, tok = build_models(cfg, policy_path, device)
+    groups = [{"params": ac.policy.parameters(), "lr": pc.lr}]
+    if ac.has_critic:
+        groups.append({"params": ac.critic_parameters(), "lr": pc.value_lr})
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    repeats = pc.group_size if pc.algo in ("grpo", "rloo") else 1
     data = doubling.DoublingData(cfg.run.seed + 2)
     reward_stats = RunningMoments() if pc.normalize_reward else None
     log = MetricsLogger(out / "metrics.jsonl")
@@ -255,17 +353,18 @@ def train_ppo(cfg: Config, policy_path: str | None = None, reward_path: str | No
     train_s = 0.0
     history: list[dict] = []
     reached = None
-    bar = progress(range(pc.steps), desc="ppo", enabled=cfg.run.progress)
+    bar = progress(range(pc.steps), desc=pc.algo, enabled=cfg.run.progress)
     for step in bar:
         t0 = time.perf_counter()
-        prompts = data.prompts(pc.batch_size)
+        # grpo / rloo: each prompt G times in a row, the grouping the baselines expect
+        prompts = [p for p in data.prompts(pc.batch_size // repeats) for _ in range(repeats)]
         ids, mask = tokenize_prompts(tok, [p.text for p in prompts], device)
         roll = generate(ac.policy, ids, mask, pc.max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature)
         t1 = time.perf_counter()
-        exp, stats = make_experience(ac, ref, reward_model, roll, pc, kl_coef, reward_stats)
+        exp, stats = make_experience(ac, ref, scorer, roll, pc, kl_coef, reward_stats)
         t2 = time.perf_counter()
-        mb_stats = ppo_update(ac, optimizer, exp, pc, kl_coef, update_policy=step >= pc.critic_warmup_steps,
-                               accelerator=accelerator)
+        warm = ac.has_critic and step < pc.critic_warmup_steps
+        mb_stats = ppo_update(ac, optimizer, exp, pc, kl_coef, update_policy=not warm, accelerator=accelerator)
         t3 = time.perf_counter()
         train_s += t3 - t0
         stats.update(mean_stats(mb_stats))
@@ -296,7 +395,7 @@ def train_ppo(cfg: Config, policy_path: str | None = None, reward_path: str | No
     tok.save_pretrained(save_dir / "policy")
     if ac.critic is not None:
         ac.critic.save_pretrained(save_dir / "value_model")
-    else:
+    elif ac.value_head is not None:
         save_file(ac.value_head.state_dict(), str(save_dir / "value_head.safetensors"))
     plot_ppo(history, save_dir)
     final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
