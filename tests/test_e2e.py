@@ -87,3 +87,17 @@ def test_grpo_with_the_task_verifier_as_reward_learns(demo_run, tmp_path):
     res = train_rl(cfg)
     assert res["final"]["eval/exact_acc"] >= 0.95 > summary["base"]["exact_acc"]
     assert not (tmp_path / "value_model").exists()  # no critic in GRPO
+
+
+def test_dpo_lifts_format_accuracy_without_sampling(demo_run, tmp_path):
+    from rlhfkit.trainers.dpo import train_dpo
+
+    out, summary = demo_run
+    cfg = Config().replace(run={"out_dir": str(tmp_path), "progress": False},
+                           model={"name": str(out / "pretrain" / "policy")},
+                           dpo={"steps": 300, "stop_at_format": 0.95})
+    res = train_dpo(cfg)
+    assert summary["base"]["format_acc"] <= 0.5
+    assert res["final"]["eval/format_acc"] >= 0.95
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[-1]["dpo/accuracy"] > 0.5 and rows[-1]["dpo/margin"] > rows[0]["dpo/margin"]
