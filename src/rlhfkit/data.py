@@ -1,0 +1,613 @@
+"""Loading training data in the formats users already have (TRL's dataset conventions).
+
+Sources: a JSONL file path (one JSON object a line, blank lines skipped), a list of dicts,
+or a ``datasets.Dataset`` / ``IterableDataset`` (pick a split first). Errors locate a record
+as ``path:LINE`` (1-based, like a compiler), ``list[i]`` or ``dataset[i]`` (0-based, the
+index you would type to look at it).
+
+Formats, by loader (other fields are ignored; a field set to ``null`` counts as missing,
+because a ``datasets.Dataset`` fills absent columns with ``None``):
+
+    load_preferences  ``prompt`` + ``chosen`` + ``rejected``, all strings; or ``prompt`` a
+                      list of messages and ``chosen``/``rejected`` lists of assistant
+                      messages; or no ``prompt`` and ``chosen``/``rejected`` two whole
+                      conversations: the leading messages they share are the prompt
+                      (implicit prompt). Optional ``margin`` (a number), on every record
+                      or on none.
+    load_sft          ``messages`` (a conversation ending with an assistant turn: that turn
+                      is the completion, everything before it the prompt); or ``prompt`` +
+                      ``completion`` (strings, or messages); or ``text`` (no prompt: the
+                      loss covers the whole sequence). Checked in that order, so a record
+                      with both ``messages`` and ``prompt`` (ultrachat's layout) is read as
+                      ``messages``.
+    load_prompts      ``prompt`` (a string or messages); the other fields are kept in
+                      ``PromptExample.meta`` for reward functions (ground truth and such).
+
+A message is ``{"role": ..., "content": <non-empty string>}`` with role one of ``ROLES``.
+Conversational records are rendered to text with the tokenizer's chat template: the prompt
+with ``add_generation_prompt=True``, the completion as the rendering of prompt + answer
+minus the rendered prompt (which must be a prefix of it). Plain strings are used as they
+are, with no template. Empty (or whitespace-only) prompts and responses are errors.
+
+A pair whose chosen and rejected texts are equal is an error, not a warning: the two
+sequences get the same score, so the pair gives no gradient to a Bradley-Terry or DPO loss
+yet counts in the batch mean and as a miss in the accuracy, and it is nearly always a data
+bug (a column copied twice) that should be seen rather than trained on.
+
+Tokenisation (``encode_sft``, ``encode_preferences``) tokenizes the prompt and the
+completion separately and concatenates them, so the prompt/completion boundary is exact;
+EOS is appended to each completion unless it already ends with it. Responses are never
+truncated: when prompt + response exceeds ``max_length``, ``truncation='left'`` drops tokens
+from the start of the prompt (BOS is kept), ``'error'`` raises; a response that leaves no
+room for even one prompt token always raises.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ROLES",
+    "DataError",
+    "PreferenceExample",
+    "SFTExample",
+    "PromptExample",
+    "load_records",
+    "load_preferences",
+    "load_sft",
+    "load_prompts",
+    "encode_sft",
+    "encode_preferences",
+    "pack_sft",
+]
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class DataError(ValueError):
+    """A malformed source or record; the message says where (``path:LINE``), which field,
+    and what was expected."""
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    """One comparison, as text ready to tokenize (chat template already applied)."""
+
+    prompt: str  # the context both responses continue
+    chosen: str  # the preferred response
+    rejected: str  # the dispreferred response
+    margin: float | None = None  # how much better chosen is, when the data says so
+    origin: str = field(default="", compare=False)  # "path:LINE" / "dataset[i]", for errors
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    """One demonstration; the loss covers ``completion`` only (all of it when prompt is "")."""
+
+    prompt: str  # context, not trained on ("" for the ``text`` format)
+    completion: str  # what the model learns to produce
+    origin: str = field(default="", compare=False)  # "path:LINE" / "dataset[i]", for errors
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    """One prompt for RL generation."""
+
+    prompt: str  # the text to generate from (chat template applied, generation prompt added)
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)  # the record's other fields
+    origin: str = field(default="", compare=False)  # "path:LINE" / "dataset[i]", for errors
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _located_records(source) -> tuple[str, list[tuple[str, Any]]]:
+    """``(source name, [(location, record), ...])``; records are not checked here."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        out = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append((f"{path}:{lineno}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        return path, out
+    ds = sys.modules.get("datasets")  # only a caller who imported datasets can hand us a Dataset
+    if ds is not None and isinstance(source, ds.DatasetDict | ds.IterableDatasetDict):
+        raise DataError(f"got a DatasetDict with splits {list(source)}: pass one split, e.g. source['train']")
+    if ds is not None and isinstance(source, ds.Dataset | ds.IterableDataset):
+        return "dataset", [(f"dataset[{i}]", rec) for i, rec in enumerate(source)]
+    if isinstance(source, Sequence) and not isinstance(source, bytes):
+        return "list", [(f"list[{i}]", rec) for i, rec in enumerate(source)]
+    raise TypeError(
+        f"source must be a JSONL path, a list of dicts or a datasets.Dataset, got {type(source).__name__}"
+    )
+
+
+def _records(source, allow_empty: bool = False) -> list[tuple[str, dict]]:
+    name, located = _located_records(source)
+    if not located and not allow_empty:  # an empty training set is a wrong path or a bad export
+        raise DataError(f"{name}: no records")
+    for where, rec in located:
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: expected a JSON object (a dict of fields), got {_kind(rec)}")
+    return located
+
+
+def load_records(source) -> list[dict]:
+    """The raw records of ``source`` (JSONL path, list of dicts, or ``datasets.Dataset``).
+
+    Blank JSONL lines are skipped; a line that is not valid JSON, or not a JSON object,
+    raises ``DataError`` naming the file and the line.
+    """
+    return [rec for _, rec in _records(source, allow_empty=True)]
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _get(rec: dict, key: str, where: str, expected: str):
+    value = rec.get(key)
+    if value is None:
+        raise DataError(f"{where}: field {key!r}: missing; expected {expected}")
+    return value
+
+
+def _text(value, where: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(
+            f"{where}: field {key!r}: expected a string or a list of messages, got {_kind(value)}"
+        )
+    if not value.strip():
+        raise DataError(f"{where}: field {key!r}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _is_chat(value) -> bool:
+    return isinstance(value, list)
+
+
+def _messages(value, where: str, key: str) -> list[dict]:
+    """Checked copy of a message list, ``None``-valued keys dropped (arrow fills them in)."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field {key!r}: expected a non-empty list of messages, got {_kind(value)}")
+    out = []
+    for j, msg in enumerate(value):
+        at = f"{where}: field {key!r}, message {j}"
+        if not isinstance(msg, dict):
+            raise DataError(f"{at}: expected a dict with 'role' and 'content', got {_kind(msg)}")
+        msg = {k: v for k, v in msg.items() if v is not None}
+        for part in ("role", "content"):
+            if part not in msg:
+                raise DataError(f"{at}: missing {part!r}; a message is {{'role': ..., 'content': ...}}")
+        if msg["role"] not in ROLES:
+            raise DataError(f"{at}: unknown role {msg['role']!r}; expected one of {sorted(ROLES)}")
+        if not isinstance(msg["content"], str) or not msg["content"].strip():
+            raise DataError(f"{at}: 'content' must be a non-empty string, got {_kind(msg['content'])}")
+        out.append(msg)
+    return out
+
+
+def _answer(value, where: str, key: str) -> list[dict]:
+    """Messages that form a response: assistant turns only."""
+    msgs = _messages(value, where, key)
+    for j, msg in enumerate(msgs):
+        if msg["role"] != "assistant":
+            raise DataError(
+                f"{where}: field {key!r}, message {j}: a response holds assistant turns only, got role {msg['role']!r}"
+            )
+    return msgs
+
+
+class _Renderer:
+    """Applies a tokenizer's chat template and splits completions off rendered prompts."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _apply(self, messages, generation: bool, where: str, key: str) -> str:
+        tok = self.tokenizer
+        if tok is None:
+            raise DataError(
+                f"{where}: field {key!r} is conversational (a list of messages) but no tokenizer was given; "
+                "pass tokenizer=... (one with a chat template) to render it"
+            )
+        if not getattr(tok, "chat_template", None):
+            raise DataError(
+                f"{where}: field {key!r} is conversational (a list of messages) but the tokenizer has no "
+                "chat_template; set one (tokenizer.chat_template = '<jinja template>'), use an instruct "
+                "model's tokenizer, or give plain-string fields"
+            )
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        except Exception as e:  # template code is the user's: report it against the record
+            raise DataError(f"{where}: field {key!r}: the chat template failed on these messages: {e}") from e
+        return text
+
+    def prompt(self, messages, where: str, key: str = "prompt") -> str:
+        return self._apply(messages, True, where, key)
+
+    def completion(self, prompt_msgs, prompt_text: str, answer_msgs, where: str, key: str) -> str:
+        full = self._apply(prompt_msgs + answer_msgs, False, where, key)
+        if not full.startswith(prompt_text):
+            # Templates that rewrite earlier turns (strip reasoning, stamp a date) do this; the
+            # completion cannot be cut off cleanly, and guessing would train on wrong tokens.
+            raise DataError(
+                f"{where}: field {key!r}: the chat template does not render the prompt (with generation "
+                "prompt) as a prefix of prompt + answer, so the completion cannot be split off; "
+                f"prompt ends {prompt_text[-30:]!r}, full text has {full[max(0, len(prompt_text) - 30) : len(prompt_text)]!r}"
+            )
+        completion = full[len(prompt_text) :]
+        if not completion.strip():
+            raise DataError(f"{where}: field {key!r}: the response renders to an empty string")
+        return completion
+
+
+def _margin(rec: dict, where: str) -> float | None:
+    value = rec.get("margin")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise DataError(f"{where}: field 'margin': expected a finite number, got {_kind(value)}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def load_preferences(source, tokenizer=None) -> list[PreferenceExample]:
+    """Preference pairs from ``source``; see the module docstring for the accepted formats.
+
+    ``tokenizer`` is needed only for conversational records (its chat template renders them).
+    Raises ``DataError`` on the first malformed record, on a pair with chosen == rejected,
+    and when ``margin`` is given on some records but not others.
+    """
+    render = _Renderer(tokenizer)
+    out = []
+    for where, rec in _records(source):
+        chosen = _get(rec, "chosen", where, "a string or a list of messages")
+        rejected = _get(rec, "rejected", where, "a string or a list of messages")
+        prompt = rec.get("prompt")
+        if prompt is None and _is_chat(chosen) and _is_chat(rejected):
+            cm, rm = _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected")
+            k = 0
+            while k < min(len(cm), len(rm)) and cm[k] == rm[k]:
+                k += 1
+            if k == 0:
+                raise DataError(
+                    f"{where}: field 'prompt': missing, and 'chosen'/'rejected' share no leading messages "
+                    "to take as an implicit prompt; add a 'prompt' field"
+                )
+            prompt, chosen, rejected = cm[:k], cm[k:], rm[k:]
+            for key, msgs in (("chosen", chosen), ("rejected", rejected)):
+                if not msgs:
+                    raise DataError(
+                        f"{where}: field {key!r}: no messages after the prompt shared with the other response "
+                        "(one conversation is a prefix of the other)"
+                    )
+        if prompt is None:
+            raise DataError(f"{where}: field 'prompt': missing; expected a string or a list of messages")
+        if _is_chat(prompt):
+            for key, value in (("chosen", chosen), ("rejected", rejected)):
+                if not _is_chat(value):
+                    raise DataError(
+                        f"{where}: field {key!r}: 'prompt' is a list of messages, so expected a list of "
+                        f"assistant messages, got {_kind(value)}"
+                    )
+            pm = _messages(prompt, where, "prompt")
+            prompt_text = render.prompt(pm, where)
+            chosen_text = render.completion(
+                pm, prompt_text, _answer(chosen, where, "chosen"), where, "chosen"
+            )
+            rejected_text = render.completion(
+                pm, prompt_text, _answer(rejected, where, "rejected"), where, "rejected"
+            )
+        else:
+            prompt_text = _text(prompt, where, "prompt")
+            for key, value in (("chosen", chosen), ("rejected", rejected)):
+                if _is_chat(value):
+                    raise DataError(
+                        f"{where}: field {key!r}: 'prompt' is a string, so expected a string, got a list"
+                    )
+            chosen_text, rejected_text = _text(chosen, where, "chosen"), _text(rejected, where, "rejected")
+        if chosen_text == rejected_text:
+            raise DataError(
+                f"{where}: field 'rejected': identical to 'chosen'; such a pair carries no preference signal "
+                "(zero gradient) and is usually a data bug"
+            )
+        out.append(PreferenceExample(prompt_text, chosen_text, rejected_text, _margin(rec, where), where))
+    with_margin = [ex.margin is not None for ex in out]
+    if any(with_margin) and not all(with_margin):
+        ex = out[with_margin.index(not with_margin[0])]
+        raise DataError(
+            f"{ex.origin}: field 'margin': given on some records but not this one; give it on every "
+            "record or on none"
+        )
+    return out
+
+
+def load_sft(source, tokenizer=None) -> list[SFTExample]:
+    """Demonstrations from ``source`` (``messages``, ``prompt`` + ``completion``, or ``text``).
+
+    ``tokenizer`` is needed only for conversational records. Raises ``DataError`` on the
+    first malformed record.
+    """
+    render = _Renderer(tokenizer)
+    out = []
+    for where, rec in _records(source):
+        if rec.get("messages") is not None:
+            msgs = _messages(rec["messages"], where, "messages")
+            last = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+            if last is None:
+                raise DataError(f"{where}: field 'messages': no assistant turn to learn from")
+            if last != len(msgs) - 1:
+                raise DataError(
+                    f"{where}: field 'messages': must end with an assistant turn (the completion), "
+                    f"ends with role {msgs[-1]['role']!r}"
+                )
+            if last == 0:
+                raise DataError(f"{where}: field 'messages': no prompt turn before the assistant turn")
+            prompt_text = render.prompt(msgs[:last], where, "messages")
+            completion = render.completion(msgs[:last], prompt_text, msgs[last:], where, "messages")
+            out.append(SFTExample(prompt_text, completion, where))
+        elif rec.get("prompt") is not None or rec.get("completion") is not None:
+            prompt = _get(rec, "prompt", where, "a string or a list of messages")
+            completion = _get(rec, "completion", where, "a string or a list of messages")
+            if _is_chat(prompt):
+                if not _is_chat(completion):
+                    raise DataError(
+                        f"{where}: field 'completion': 'prompt' is a list of messages, so expected a list "
+                        f"of assistant messages, got {_kind(completion)}"
+                    )
+                pm = _messages(prompt, where, "prompt")
+                prompt_text = render.prompt(pm, where)
+                completion_text = render.completion(
+                    pm, prompt_text, _answer(completion, where, "completion"), where, "completion"
+                )
+                out.append(SFTExample(prompt_text, completion_text, where))
+            else:
+                out.append(
+                    SFTExample(_text(prompt, where, "prompt"), _text(completion, where, "completion"), where)
+                )
+        elif rec.get("text") is not None:
+            out.append(SFTExample("", _text(rec["text"], where, "text"), where))
+        else:
+            raise DataError(
+                f"{where}: field 'messages': missing; expected 'messages', 'prompt' + 'completion', or 'text' "
+                f"(record has {sorted(rec)})"
+            )
+    return out
+
+
+def load_prompts(source, tokenizer=None) -> list[PromptExample]:
+    """RL prompts from ``source``: records with ``prompt`` (a string or messages).
+
+    The record's other fields go to ``PromptExample.meta`` (reward functions receive them).
+    """
+    render = _Renderer(tokenizer)
+    out = []
+    for where, rec in _records(source):
+        prompt = _get(rec, "prompt", where, "a string or a list of messages")
+        text = (
+            render.prompt(_messages(prompt, where, "prompt"), where)
+            if _is_chat(prompt)
+            else _text(prompt, where, "prompt")
+        )
+        out.append(PromptExample(text, {k: v for k, v in rec.items() if k != "prompt"}, where))
+    return out
+
+
+# --------------------------------------------------------------------------- tokenisation
+
+
+class _Codec:
+    """Tokenizes prompt and completion texts into the pieces a row is built from."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        # Does the tokenizer put BOS in front on its own? Then rows start with it (and keep it).
+        self.adds_bos = self.bos is not None and tokenizer("", add_special_tokens=True)["input_ids"][:1] == [
+            self.bos
+        ]
+        pad = tokenizer.pad_token_id
+        self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        return [list(x) for x in self.tok(texts, add_special_tokens=False)["input_ids"]]
+
+    def prompts(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+        """``(head, body)`` per prompt: head is the BOS kept under truncation."""
+        out = []
+        for ids in self.ids(texts):
+            if self.bos is not None and ids[:1] == [self.bos]:  # the chat template wrote BOS itself
+                out.append(([self.bos], ids[1:]))
+            else:
+                out.append(([self.bos] if self.adds_bos else [], ids))
+        return out
+
+    def completions(self, texts: list[str]) -> list[list[int]]:
+        out = self.ids(texts)
+        if self.eos is not None:
+            for ids in out:
+                if ids[-1:] != [self.eos]:
+                    ids.append(self.eos)
+        return out
+
+
+def _fit(
+    where: str,
+    head: list[int],
+    body: list[int],
+    responses: dict[str, list[int]],
+    max_length: int,
+    truncation: str,
+) -> list[int]:
+    """The prompt body cut so ``head + body + response`` fits ``max_length``, or DataError."""
+    key = max(responses, key=lambda k: len(responses[k]))
+    longest = len(responses[key])
+    need = len(head) + len(body) + longest
+    if need <= max_length:
+        return body
+    bos = " plus BOS" if head else ""
+    if len(head) + longest >= max_length:
+        raise DataError(
+            f"{where}: field {key!r}: the response is {longest} tokens (EOS included){bos}, which leaves no room "
+            f"for the prompt in max_length={max_length}; responses are never truncated: raise max_length or "
+            "drop the record"
+        )
+    if truncation == "error":
+        raise DataError(
+            f"{where}: field 'prompt': prompt ({len(body)} tokens) + {key} ({longest}){bos} = {need} tokens "
+            f"exceeds max_length={max_length} with truncation='error' ('left' would drop the first "
+            f"{need - max_length} prompt tokens)"
+        )
+    return body[need - max_length :]
+
+
+def _where(example, i: int) -> str:
+    return example.origin or f"example {i}"
+
+
+def _check_policy(examples, max_length: int, truncation: str) -> None:
+    if truncation not in ("left", "error"):
+        raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    if not examples:
+        raise ValueError("no examples to encode")
+
+
+def _pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def _rows(
+    prompts: list[list[int]], responses: list[list[int]], pad: int, width: int
+) -> dict[str, torch.Tensor]:
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    return {
+        "input_ids": _pad(seqs, pad, width),
+        "attention_mask": _pad([[1] * len(s) for s in seqs], 0, width),
+        "loss_mask": _pad([[0] * len(p) + [1] * len(r) for p, r in zip(prompts, responses)], 0, width),
+    }
+
+
+def encode_sft(
+    examples: Iterable[SFTExample], tokenizer, max_length: int, truncation: str = "left"
+) -> dict[str, torch.Tensor]:
+    """Tokenize demonstrations into right-padded rows, ``[N, L]`` with L the longest row.
+
+    Returns ``input_ids``, ``attention_mask`` (1 on tokens, 0 on padding) and ``loss_mask``
+    (1 on the completion tokens and the EOS, 0 on BOS, prompt and padding). ``loss_mask[t]``
+    marks token ``t`` as a target, predicted from position ``t - 1``: HF-style labels are
+    ``input_ids.masked_fill(loss_mask == 0, -100)`` (the model shifts them itself).
+
+    ``truncation``: what to do when prompt + completion exceeds ``max_length``: ``'left'``
+    drops prompt tokens from the start (keeping BOS), ``'error'`` raises ``DataError``. A
+    completion that leaves no room for a prompt token raises either way.
+    """
+    examples = list(examples)
+    _check_policy(examples, max_length, truncation)
+    codec = _Codec(tokenizer)
+    heads = codec.prompts([ex.prompt for ex in examples])
+    responses = codec.completions([ex.completion for ex in examples])
+    prompts = [
+        head + _fit(_where(ex, i), head, body, {"completion": resp}, max_length, truncation)
+        for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))
+    ]
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    return _rows(prompts, responses, codec.pad, width)
+
+
+def encode_preferences(
+    examples: Iterable[PreferenceExample], tokenizer, max_length: int, truncation: str = "left"
+) -> dict[str, torch.Tensor]:
+    """Tokenize pairs into right-padded ``[N, L]`` rows, chosen and rejected to one width L.
+
+    Returns ``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_loss_mask`` and the
+    same three for ``rejected`` (masks as in ``encode_sft``), plus ``margin`` ``[N]`` when
+    the examples carry margins. One width lets a trainer ``torch.cat`` both halves into a
+    single ``[2N, L]`` forward. Both rows of a pair keep the same prompt tokens: under
+    ``truncation='left'`` the cut is sized for the longer response, so DPO compares the two
+    responses in one context.
+    """
+    examples = list(examples)
+    _check_policy(examples, max_length, truncation)
+    codec = _Codec(tokenizer)
+    heads = codec.prompts([ex.prompt for ex in examples])
+    chosen = codec.completions([ex.chosen for ex in examples])
+    rejected = codec.completions([ex.rejected for ex in examples])
+    prompts = [
+        head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, max_length, truncation)
+        for i, (ex, (head, body), c, r) in enumerate(zip(examples, heads, chosen, rejected))
+    ]
+    width = max(len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected))
+    out = {}
+    for name, responses in (("chosen", chosen), ("rejected", rejected)):
+        out.update({f"{name}_{k}": v for k, v in _rows(prompts, responses, codec.pad, width).items()})
+    margins = [ex.margin for ex in examples]
+    if any(m is not None for m in margins):
+        if any(m is None for m in margins):
+            raise DataError(
+                "margin is given on some examples but not others; give it on every one or on none"
+            )
+        out["margin"] = torch.tensor(margins, dtype=torch.float32)
+    return out
+
+
+def pack_sft(
+    encoded: dict[str, torch.Tensor], max_length: int, pad_token_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """Concatenate ``encode_sft`` rows into ``[M, max_length]`` rows, fewer padding tokens.
+
+    Examples are taken in order and a row is closed when the next one does not fit (no
+    reordering, no splitting an example across rows). Returns ``input_ids``,
+    ``attention_mask`` (0 only on the padding at the end of a row), ``loss_mask`` and
+    ``position_ids``, which restart at 0 for each example. The first token of every example
+    is never a target, so no loss term predicts one example from the one before it (the
+    same targets as unpacked rows, where the shift drops position 0).
+
+    Attention across example boundaries is *not* blocked: tokens still see the previous
+    examples of their row unless the model's attention honours the restarting
+    ``position_ids`` as sequence boundaries (e.g. HF flash-attention-2 with padding-free
+    inputs); with eager or SDPA attention the examples leak context into each other.
+    """
+    rows: list[dict[str, list[int]]] = []
+    cur: dict[str, list[int]] = {"input_ids": [], "loss_mask": [], "position_ids": []}
+    lengths = encoded["attention_mask"].sum(-1).tolist()
+    for i, n in enumerate(lengths):
+        if n > max_length:
+            raise ValueError(f"example {i} is {n} tokens, longer than the packed row length {max_length}")
+        if len(cur["input_ids"]) + n > max_length:
+            rows.append(cur)
+            cur = {"input_ids": [], "loss_mask": [], "position_ids": []}
+        cur["input_ids"] += encoded["input_ids"][i, :n].tolist()
+        cur["loss_mask"] += [0] + encoded["loss_mask"][i, 1:n].tolist()
+        cur["position_ids"] += list(range(n))
+    if cur["input_ids"]:
+        rows.append(cur)
+    return {
+        "input_ids": _pad([r["input_ids"] for r in rows], pad_token_id, max_length),
+        "attention_mask": _pad([[1] * len(r["input_ids"]) for r in rows], 0, max_length),
+        "loss_mask": _pad([r["loss_mask"] for r in rows], 0, max_length),
+        "position_ids": _pad([r["position_ids"] for r in rows], 0, max_length),
+    }
