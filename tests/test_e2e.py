@@ -101,3 +101,29 @@ def test_dpo_lifts_format_accuracy_without_sampling(demo_run, tmp_path):
     assert res["final"]["eval/format_acc"] >= 0.95
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert rows[-1]["dpo/accuracy"] > 0.5 and rows[-1]["dpo/margin"] > rows[0]["dpo/margin"]
+
+
+def test_sft_from_a_jsonl_file_teaches_the_prefix(demo_run, tmp_path):
+    from rlhfkit.tasks import doubling
+
+    out, summary = demo_run
+    data = tmp_path / "sft.jsonl"
+    gen = doubling.DoublingData(11)
+    data.write_text("".join(
+        json.dumps({"prompt": p.text, "completion": doubling.render(2 * p.number, p.charset)}, ensure_ascii=False)
+        + "\n" for p in gen.prompts(1000)), encoding="utf-8")
+    assert main(["sft", f"model.name={out / 'pretrain' / 'policy'}", f"data.path={data}",
+                 f"run.out_dir={tmp_path / 'sft'}", "sft.steps=80", "run.progress=false"]) == 0
+    assert main(["eval", str(tmp_path / "sft"), f"run.out_dir={tmp_path / 'ev'}"]) == 0
+    result = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert result["format_acc"] >= 0.95 > summary["base"]["format_acc"]
+
+
+def test_sft_reports_a_malformed_record_by_line(tmp_path, capsys, demo_run):
+    out, _ = demo_run
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "数字:1234x2=", "completion": "2468"}\n{"prompt": "数字:1x2="}\n')
+    assert main(["sft", f"model.name={out / 'pretrain' / 'policy'}", f"data.path={bad}",
+                 f"run.out_dir={tmp_path / 'sft'}"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2" in err and "completion" in err

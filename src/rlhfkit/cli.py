@@ -22,12 +22,13 @@ COMMANDS = {
     "rloo": "RLOO: leave-one-out baseline over group_size samples per prompt, no critic",
     "reinforce": "REINFORCE with a batch-mean baseline, no critic",
     "dpo": "DPO on preference pairs: no reward model, no sampling (model.name = policy)",
+    "sft": "supervised fine-tuning: model.name = policy, data.path = JSONL of demonstrations",
     "eval": "greedy held-out evaluation of a policy (a path, or a run directory)",
 }
 
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
-               "eval": "runs/eval"}
+               "sft": "runs/sft", "eval": "runs/eval"}
 # what each RL command changes in the shared `ppo` section before the user's file and overrides
 ALGO_DEFAULTS = {
     "ppo": {"algo": "ppo"},
@@ -87,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             from .trainers.rl import train_rl
 
             print(json.dumps(train_rl(cfg), indent=2))
+        elif args.command == "sft":
+            from .trainers.sft import train_sft
+
+            print(json.dumps(train_sft(cfg), indent=2))
         elif args.command == "dpo":
             from .trainers.dpo import train_dpo
 

@@ -167,6 +167,32 @@ class PPOConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    path: str = ""
+    """JSONL file of SFT records (prompt/completion, messages or text; see rlhfkit.data)."""
+    max_length: int = 512
+    """Longest tokenized example (prompt + completion + EOS)."""
+    truncation: Literal["left", "error"] = "left"
+    """Too long: 'left' drops prompt tokens from the start, 'error' stops with the record named."""
+    completion_only: bool = True
+    """SFT loss on completion tokens only (False: every token after the first)."""
+    packing: bool = False
+    """Pack several examples into each max_length row (see rlhfkit.data.pack_sft)."""
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Rows per step."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+
+
+@dataclass(frozen=True)
 class DPOConfig:
     beta: float = 0.1
     """Inverse temperature of DPO's implicit reward."""
@@ -240,6 +266,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     gridworld: GridworldConfig = field(default_factory=GridworldConfig)
 
