@@ -15,34 +15,27 @@ import torch
 from transformers import AutoTokenizer
 
 from ..config import Config
-from ..core import dpo_loss
+from ..core import dpo_loss, logprobs_from_logits
 from ..evaluate import evaluate_doubling
 from ..models import disable_dropout, freeze, load_policy, position_ids_from_mask
 from ..tasks import doubling
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
+from .reward import encode_triples
 
 
-def encode_pairs(tokenizer, pairs: list[tuple[str, str, str]], device):
-    """Chosen rows then rejected rows, right-padded: ``ids [2B, T]``, ``attention [2B, T]`` and
-    ``response_mask [2B, T-1]`` marking the target positions that are response tokens."""
-    prompts = [p for p, _, _ in pairs] * 2
-    answers = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
-    enc = tokenizer([p + a for p, a in zip(prompts, answers)], padding=True, padding_side="right",
-                    return_tensors="pt")
-    prompt_lens = torch.tensor([len(ids) for ids in tokenizer(prompts)["input_ids"]])  # [2B]
-    ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    # target column t predicts token t + 1: a response token when t + 1 >= prompt length
-    cols = torch.arange(ids.shape[1] - 1, device=device)  # [T-1]
-    response_mask = (cols[None, :] + 1 >= prompt_lens.to(device)[:, None]) & attn[:, 1:].bool()  # [2B, T-1]
-    return ids, attn, response_mask
+def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of log pi(response tokens | prefix) per row: ``[2B, T]`` -> ``[2B]``.
 
-
-def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Sum of log pi(response tokens | prefix) per row: ``[2B, T]`` -> ``[2B]``."""
+    ``loss_mask[:, t]`` marks token t as a response token (predicted by position t - 1)."""
     logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
-    logits = logits[:, :-1].float()  # [2B, T-1, V]
-    picked = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits, -1)  # [2B, T-1]
-    return torch.where(response_mask, picked, 0.0).sum(-1)  # [2B]
+    logps = logprobs_from_logits(logits[:, :-1], ids[:, 1:])  # [2B, T-1]
+    return torch.where(loss_mask[:, 1:].bool(), logps, 0.0).sum(-1)  # [2B]
+
+
+def pair_rows(enc: dict, idx: torch.Tensor, device):
+    """Chosen rows then rejected rows of an ``encode_preferences`` result: ids, mask, loss mask."""
+    return tuple(torch.cat([enc[f"chosen_{k}"][idx], enc[f"rejected_{k}"][idx]]).to(device)
+                 for k in ("input_ids", "attention_mask", "loss_mask"))
 
 
 def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
@@ -57,28 +50,29 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(policy_path)
     policy = disable_dropout(load_policy(policy_path)).to(device).train()
     ref = freeze(load_policy(policy_path)).to(device)
-    pairs = doubling.DoublingData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
+    triples = doubling.DoublingData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
+    enc = encode_triples(tok, triples)
+    n_pairs = len(triples)
     ref_cache = None
     if dc.precompute_ref:
         with torch.no_grad():  # one reference pass over the whole set, reused every epoch
             ref_cache = torch.cat([
-                sequence_logprobs(ref, *encode_pairs(tok, pairs[i : i + 512], device)).view(2, -1)
-                for i in range(0, len(pairs), 512)
+                sequence_logprobs(ref, *pair_rows(enc, torch.arange(i, min(n_pairs, i + 512)), device)).view(2, -1)
+                for i in range(0, n_pairs, 512)
             ], dim=1)  # [2, N]: row 0 chosen, row 1 rejected
     opt = torch.optim.AdamW(policy.parameters(), lr=dc.lr, weight_decay=0.0)
     log = MetricsLogger(out / "metrics.jsonl")
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    order = torch.randperm(len(pairs), generator=gen)
+    order = torch.randperm(n_pairs, generator=gen)
     train_s, pos, reached, history = 0.0, 0, None, []
     bar = progress(range(dc.steps), desc="dpo", enabled=cfg.run.progress)
     for step in bar:
         t0 = time.perf_counter()
-        if pos + dc.batch_size > len(pairs):  # next epoch
-            order, pos = torch.randperm(len(pairs), generator=gen), 0
+        if pos + dc.batch_size > n_pairs:  # next epoch
+            order, pos = torch.randperm(n_pairs, generator=gen), 0
         idx = order[pos : pos + dc.batch_size]
         pos += dc.batch_size
-        batch = [pairs[i] for i in idx.tolist()]
-        ids, attn, rmask = encode_pairs(tok, batch, device)
+        ids, attn, rmask = pair_rows(enc, idx, device)
         logps = sequence_logprobs(policy, ids, attn, rmask).view(2, -1)  # [2, B]
         if ref_cache is not None:
             ref_logps = ref_cache[:, idx.to(ref_cache.device)]
@@ -87,7 +81,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
                 ref_logps = sequence_logprobs(ref, ids, attn, rmask).view(2, -1)
         loss, stats = dpo_loss(logps[0], logps[1], ref_logps[0], ref_logps[1], dc.beta)
         if dc.nll_coef:  # keep the chosen answers likely: DPO alone may win by only pushing rejected down
-            n_chosen = rmask[: len(batch)].sum()
+            n_chosen = rmask[: len(idx), 1:].sum()
             nll = -logps[0].sum() / n_chosen
             loss = loss + dc.nll_coef * nll
             stats["dpo/chosen_nll"] = nll.detach()
