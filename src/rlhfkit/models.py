@@ -167,3 +167,15 @@ def policy_forward(
     if value_head is not None:
         values = value_head(hidden.detach() if detach_value else hidden)  # [B, R]
     return logits, values
+
+
+def masked_lm_loss(model, ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:
+    """Mean cross-entropy over target tokens: ``loss_mask[:, t]`` marks token t as a target."""
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits  # [B, T, V]
+    targets = ids[:, 1:].masked_fill(loss_mask[:, 1:] == 0, -100)  # [B, T-1]
+    if bool((targets == -100).all()):
+        raise ValueError("an SFT batch has no target token: check data.completion_only and the records")
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(),
+                                             ignore_index=-100)

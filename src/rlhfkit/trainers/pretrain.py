@@ -14,7 +14,7 @@ import torch
 
 from ..config import Config
 from ..evaluate import evaluate_doubling
-from ..models import build_tiny_policy, position_ids_from_mask
+from ..models import build_tiny_policy, masked_lm_loss
 from ..tasks import doubling
 from ..utils import MetricsLogger, make_accelerator, progress, setup_run
 
@@ -29,14 +29,6 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
     return f
-
-
-def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over attended target tokens: ``[B, T]`` -> scalar."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_from_mask(attention_mask)).logits  # [B, T, V]
-    targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)  # [B, T-1]
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 def pretrain(cfg: Config) -> dict:
@@ -58,7 +50,7 @@ def pretrain(cfg: Config) -> dict:
         # texts end with the EOS character; right padding is fine, positions come from the mask
         enc = tok(data.pretrain_texts(pc.batch_size), padding=True, padding_side="right", return_tensors="pt")
         ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-        loss = lm_loss(model, ids, mask)
+        loss = masked_lm_loss(model, ids, mask, mask)  # every real token after BOS is a target
         accelerator.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -14,21 +14,9 @@ from transformers import AutoTokenizer
 
 from ..config import Config
 from ..data import encode_sft, load_sft, pack_sft
-from ..models import load_policy, position_ids_from_mask
+from ..models import load_policy, masked_lm_loss
 from ..utils import MetricsLogger, make_accelerator, progress, setup_run
 from .pretrain import lr_lambda
-
-
-def masked_lm_loss(model, ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:
-    """Mean cross-entropy over target tokens: ``loss_mask[:, t]`` marks token t as a target."""
-    if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)
-    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits  # [B, T, V]
-    targets = ids[:, 1:].masked_fill(loss_mask[:, 1:] == 0, -100)  # [B, T-1]
-    if bool((targets == -100).all()):
-        raise ValueError("an SFT batch has no target token: check data.completion_only and the records")
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(),
-                                             ignore_index=-100)
 
 
 def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None = None) -> dict:
