@@ -373,8 +373,9 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                       "time/train_s": train_s, "throughput/tokens_per_s": n_tokens / (t3 - t0)})
         if pc.adaptive_kl:
             kl_coef = adaptive_kl_coef(kl_coef, stats["objective/kl"], pc.kl_target, pc.kl_horizon, pc.batch_size)
-        texts = decode_responses(tok, exp.response_ids, exp.response_mask)
-        for p, c, s in list(zip(prompts, texts, exp.score.tolist()))[: pc.samples_per_log]:
+        k = pc.samples_per_log  # decode only the rows that are logged: this runs every step
+        texts = decode_responses(tok, exp.response_ids[:k], exp.response_mask[:k])
+        for p, c, s in zip(prompts[:k], texts, exp.score[:k].tolist()):
             samples.write(json.dumps({"step": step, "prompt": p.text, "response": c, "score": round(s, 4)},
                                      ensure_ascii=False) + "\n")
         last = step == pc.steps - 1
