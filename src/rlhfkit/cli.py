@@ -24,11 +24,12 @@ COMMANDS = {
     "dpo": "DPO on preference pairs: no reward model, no sampling (model.name = policy)",
     "sft": "supervised fine-tuning: model.name = policy, data.path = JSONL of demonstrations",
     "eval": "greedy held-out evaluation of a policy (a path, or a run directory)",
+    "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
 
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
-               "sft": "runs/sft", "eval": "runs/eval"}
+               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld"}
 # what each RL command changes in the shared `ppo` section before the user's file and overrides
 ALGO_DEFAULTS = {
     "ppo": {"algo": "ppo"},
@@ -100,6 +101,17 @@ def main(argv: list[str] | None = None) -> int:
             from .evaluate import evaluate_path
 
             print(json.dumps(evaluate_path(_policy_dir(args.path), cfg), indent=2))
+        elif args.command == "gridworld":
+            from .tasks.gridworld import train_gridworld
+
+            res = train_gridworld(cfg)
+            every = max(1, len(res["returns"]) // 10)
+            curve = "  ".join(f"{i}:{r:.1f}" for i, r in enumerate(res["returns"]) if i % every == 0)
+            print(f"{res['algo']}, seed {res['seed']}, {res['seconds']:.1f}s -> {res['out_dir']}")
+            print(res["policy"])
+            print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
+            verdict = "optimal" if res["optimal"] else "NOT optimal"
+            print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
         return 2

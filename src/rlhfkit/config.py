@@ -228,7 +228,7 @@ class EvalConfig:
 class GridworldConfig:
     algo: Literal["reinforce", "ppo"] = "reinforce"
     """'reinforce' (returns-to-go, batch-mean baseline) or 'ppo' (value head, GAE, clipped loss)."""
-    iterations: int = 150
+    iterations: int = 100
     """Rollout + update iterations."""
     episodes_per_iter: int = 32
     """Episodes sampled per iteration (the batch B of the [B, T] tensors)."""
@@ -246,7 +246,7 @@ class GridworldConfig:
     """Hidden width of the policy and value MLPs."""
     ppo_epochs: int = 4
     """Passes over each rollout (ppo)."""
-    minibatches: int = 4
+    minibatches: int = 2
     """Minibatches of episodes per pass (ppo)."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon."""
