@@ -105,8 +105,9 @@ class PPOConfig:
     """Rollout + update iterations (upper bound; see stop_at_exact)."""
     batch_size: int = 64
     """Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for grpo/rloo)."""
-    minibatch_size: int = 16
-    """Sequences per optimizer step."""
+    minibatch_size: int = 32
+    """Sequences per optimizer step. On the doubling task 32 beat 16 on 3/3 seeds: 40-55 steps
+    to 0.99 instead of 55-75, and half the optimizer steps per rollout."""
     ppo_epochs: int = 2
     """Passes over each rollout."""
     lr: float = 3e-4
