@@ -63,7 +63,7 @@ def run_rlhfkit(base: str, rm: str, out: Path, seed: int, target: float, max_ste
                            ppo={"stop_at_exact": target, "steps": max_steps})
     res = train_rl(cfg, base, rm)
     reached = res["reached"]
-    return {"name": "rlhfkit PPO (minibatches of 16)", "steps": res["steps"], "train_s": res["seconds"],
+    return {"name": f"rlhfkit PPO (minibatches of {cfg.ppo.minibatch_size})", "steps": res["steps"], "train_s": res["seconds"],
             "reached": reached is not None, "s_per_step": res["seconds"] / res["steps"],
             "final_exact": res["final"].get("eval/exact_acc")}
 
