@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from ..config import Config
 from ..core import bradley_terry_loss
@@ -127,7 +128,14 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
         if tok.pad_token_id is None:
             raise ValueError(f"the tokenizer at {path} has no pad token: set one (e.g. pad = eos) and save it")
-        model = load_scalar_model(path, trust_remote_code=cfg.model.trust_remote_code)  # new head, same backbone
+        # a causal-LM checkpoint: its backbone, a fresh scalar head. transformers prints a load
+        # report of the (expected) missing head / unused LM head; keep the demo output readable
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model = load_scalar_model(path, trust_remote_code=cfg.model.trust_remote_code)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         model.config.pad_token_id = tok.pad_token_id
     else:
         tok = doubling.make_tokenizer()
