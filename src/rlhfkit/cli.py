@@ -1,4 +1,4 @@
-"""Command line: ``rlhfkit {demo,pretrain,rm,ppo,eval} [--config FILE] [section.key=value ...]``.
+"""Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them).
 
 Each command is a thin wrapper over a Python function that a notebook can call the same
 way (``rlhfkit.demo.run_demo(cfg)``, ``rlhfkit.trainers.rl.train_rl(cfg)`` ...).
