@@ -145,3 +145,17 @@ def test_reward_model_from_a_preference_file_with_margins(demo_run, tmp_path):
     # the 60 held-out pairs (10% of the file) are ranked correctly, and the gap grew during training
     assert rows[-1]["eval/rm/accuracy"] >= 0.95
     assert rows[-2]["rm/delta"] > rows[0]["rm/delta"]
+
+
+def test_classifier_reward_of_seed_002_drives_ppo(demo_run, tmp_path):
+    # the reward is the logit of the requested label from a character-set classifier
+    out, summary = demo_run
+    base = out / "pretrain" / "policy"
+    assert main(["rm", f"model.name={base}", "reward.kind=classifier", f"run.out_dir={tmp_path / 'rm'}",
+                 "run.progress=false"]) == 0
+    rows = read_jsonl(tmp_path / "rm" / "metrics.jsonl")
+    assert rows[-1]["eval/rm/accuracy"] >= 0.95
+    assert main(["ppo", f"model.name={base}", f"reward.name={tmp_path / 'rm' / 'reward_model'}",
+                 f"run.out_dir={tmp_path / 'ppo'}", "run.progress=false"]) == 0
+    final = [r for r in read_jsonl(tmp_path / "ppo" / "metrics.jsonl") if r.get("eval/format_acc") is not None][-1]
+    assert final["eval/format_acc"] >= 0.95 > summary["base"]["format_acc"]

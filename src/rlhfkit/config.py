@@ -69,6 +69,12 @@ class PretrainConfig:
 class RewardConfig:
     name: str = ""
     """Reward model for RL: a local path or hub id (AutoModelForSequenceClassification)."""
+    kind: Literal["pairwise", "classifier"] = "pairwise"
+    """'pairwise': Bradley-Terry on chosen/rejected pairs, one scalar. 'classifier' (seed 002): a
+    head over the task's labels trained with cross-entropy; the reward is the logit of the label
+    the prompt asks for (see label_function)."""
+    label_function: str = "rlhfkit.tasks.doubling:label_of_prompt"
+    """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index."""
     function: str = ""
     """Reward as a Python callable 'module:name', (prompts, completions, **meta) -> list[float];
     used instead of a reward model when set (e.g. rlhfkit.tasks.doubling:format_reward)."""

@@ -69,9 +69,13 @@ def load_policy(path: str, dtype: torch.dtype | None = None, trust_remote_code: 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
-def load_scalar_model(path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
+def load_scalar_model(path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+                      num_labels: int | None = 1, **kwargs) -> PreTrainedModel:
+    """A sequence-classification model; ``num_labels=None`` keeps the checkpoint's own count.
+    ``kwargs`` go to ``from_pretrained`` (e.g. ``ignore_mismatched_sizes``)."""
+    extra = dict(kwargs) if num_labels is None else {"num_labels": num_labels, **kwargs}
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
+        path, dtype=dtype, trust_remote_code=trust_remote_code, **extra
     )
     scalar_head(model)  # fail now, with a clear message, if there is no head we can read
     return model
@@ -115,8 +119,8 @@ def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids
     return scalar_head(model)(hidden).squeeze(-1).float()  # [B, T]
 
 
-def sequence_scores(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-    """The scalar head at the last attended token of each row: ``[B]`` (a reward model).
+def sequence_logits(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    """The classification head at the last attended token of each row: ``[B, num_labels]``.
 
     Works for left and right padding: the last attended column is found from the mask.
     """
@@ -124,7 +128,12 @@ def sequence_scores(model: PreTrainedModel, input_ids, attention_mask, position_
     cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (cols * attention_mask.long()).argmax(-1)  # [B]
     pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
-    return scalar_head(model)(pooled).squeeze(-1).float()  # [B]
+    return scalar_head(model)(pooled).float()  # [B, L]
+
+
+def sequence_scores(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    """The scalar head at the last attended token of each row: ``[B]`` (a reward model)."""
+    return sequence_logits(model, input_ids, attention_mask, position_ids).squeeze(-1)  # [B]
 
 
 class ValueHead(nn.Module):

@@ -117,6 +117,15 @@ class DoublingData:
             out.append(prompt_text(num, None) + answer_text(num, self._charset()))
         return out
 
+    def labelled_texts(self, n: int) -> list[tuple[str, int]]:
+        """Unprefixed full sequences with the index (in ``SET_NAMES``) of the answer's set, for
+        the classification-style reward model of seed 002."""
+        out = []
+        for _ in range(n):
+            num, charset = self._number(), self._charset()
+            out.append((prompt_text(num, None) + answer_text(num, charset), SET_NAMES.index(charset)))
+        return out
+
     def prompts(self, n: int) -> list[Prompt]:
         """Prefixed prompts for RL."""
         return [Prompt(self._number(), self._charset()) for _ in range(n)]
@@ -173,6 +182,11 @@ def parse_prompt(text: str) -> Prompt:
     if charset is None:
         raise ValueError(f"prompt {text!r} has no character-set prefix ({', '.join(PREFIX.values())})")
     return Prompt(int(rest.split("x", 1)[0]), charset)
+
+
+def label_of_prompt(prompt: str) -> int:
+    """Index in ``SET_NAMES`` of the character set a prompt asks for (classifier rewards)."""
+    return SET_NAMES.index(parse_prompt(prompt).charset)
 
 
 def format_reward(prompts: list[str], completions: list[str], **meta) -> list[float]:

@@ -17,7 +17,13 @@ from transformers.utils import logging as hf_logging
 from ..config import Config
 from ..core import bradley_terry_loss
 from ..data import PreferenceExample, encode_preferences, load_preferences
-from ..models import build_tiny_scalar_model, disable_dropout, load_scalar_model, sequence_scores
+from ..models import (
+    build_tiny_scalar_model,
+    disable_dropout,
+    load_scalar_model,
+    sequence_logits,
+    sequence_scores,
+)
 from ..tasks import doubling
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
 
@@ -108,6 +114,36 @@ def evaluate_batches(model, batches) -> dict[str, float]:
     return mean_stats(rows)
 
 
+def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[str, float]:
+    """Seed 002's reward model: cross-entropy over the task's labels (the answer's character
+    set) on unprefixed text; at RL time the reward is the logit of the requested label."""
+    rc, device = cfg.reward, accelerator.device
+    data = doubling.DoublingData(cfg.run.seed + 1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
+
+    def batch(items):
+        enc = tok([t for t, _ in items], padding=True, return_tensors="pt")
+        labels = torch.tensor([y for _, y in items], device=device)
+        return sequence_logits(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)), labels
+
+    bar = progress(range(rc.steps), desc="reward classifier", enabled=cfg.run.progress)
+    for step in bar:
+        logits, labels = batch(data.labelled_texts(rc.batch_size))
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        accelerator.backward(loss)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 10 == 0 or step == rc.steps - 1:
+            acc = (logits.argmax(-1) == labels).float().mean()
+            log.log(step, {"rm/loss": loss, "rm/accuracy": acc})
+            bar.set_postfix(acc=f"{acc.item():.2f}")
+    with torch.no_grad():
+        logits, labels = batch(doubling.DoublingData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs))
+    return {"rm/accuracy": (logits.argmax(-1) == labels).float().mean().item(), "rm/delta": float("nan")}
+
+
 def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     """Train the reward model; saves it to ``<out_dir>/reward_model``. Returns a summary.
 
@@ -133,7 +169,8 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            model = load_scalar_model(path, trust_remote_code=cfg.model.trust_remote_code)
+            num_labels = len(doubling.SET_NAMES) if rc.kind == "classifier" else 1
+            model = load_scalar_model(path, trust_remote_code=cfg.model.trust_remote_code, num_labels=num_labels)
         finally:
             hf_logging.set_verbosity(verbosity)
         model.config.pad_token_id = tok.pad_token_id
@@ -144,6 +181,20 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     model = disable_dropout(model).to(device).train()
     if rc.freeze_backbone:
         model.base_model.requires_grad_(False)
+    if rc.kind == "classifier":
+        if rc.init_from != "policy":
+            raise ValueError("reward.kind=classifier starts from a policy checkpoint: set model.name and "
+                             "reward.init_from=policy")
+        log = MetricsLogger(out / "metrics.jsonl")
+        t0 = time.perf_counter()
+        ev = train_label_classifier(cfg, model, tok, accelerator, log)
+        log.log(rc.steps, {"eval/rm/accuracy": ev["rm/accuracy"]})
+        log.close()
+        save_dir = Path(out) / "reward_model"
+        model.save_pretrained(save_dir)
+        tok.save_pretrained(save_dir)
+        return {"path": str(save_dir), "seconds": time.perf_counter() - t0, "accuracy": ev["rm/accuracy"],
+                "delta": ev["rm/delta"]}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)

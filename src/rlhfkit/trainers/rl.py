@@ -54,6 +54,7 @@ from ..models import (
     load_policy,
     load_scalar_model,
     policy_forward,
+    sequence_logits,
     sequence_scores,
     token_values,
 )
@@ -145,6 +146,19 @@ Scorer = Callable[[Rollout], torch.Tensor]
 def reward_model_scorer(reward_model) -> Scorer:
     """Score = the reward model's scalar at the last attended token of prompt + response."""
     return lambda roll: sequence_scores(reward_model, roll.input_ids, roll.attention_mask)
+
+
+def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int]) -> Scorer:
+    """Score = the classifier's logit, at the last attended token, of the label the prompt asks
+    for (seed 002's reward: a classifier of the answer's character set)."""
+
+    def score(roll: Rollout) -> torch.Tensor:
+        logits = sequence_logits(classifier, roll.input_ids, roll.attention_mask)  # [B, L]
+        prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+        labels = torch.tensor([label_fn(p) for p in prompts], device=logits.device)  # [B]
+        return logits.gather(1, labels[:, None]).squeeze(1)  # [B]
+
+    return score
 
 
 def function_scorer(fn: Callable[..., list[float]], tokenizer) -> Scorer:
@@ -304,7 +318,11 @@ def build_models(cfg: Config, policy_path: str, device):
     if rc.function:
         scorer = function_scorer(load_reward_function(rc.function), tok)
     else:
-        scorer = reward_model_scorer(freeze(load_scalar_model(rc.name, trust_remote_code=trc)).to(device))
+        rm = freeze(load_scalar_model(rc.name, trust_remote_code=trc, num_labels=None)).to(device)
+        if rm.config.num_labels > 1:  # a label classifier (seed 002), not a pairwise scalar
+            scorer = classifier_scorer(rm, tok, load_reward_function(rc.label_function))
+        else:
+            scorer = reward_model_scorer(rm)
     if pc.algo != "ppo":
         ac = ActorCritic(policy)
     elif pc.value_model == "shared":
@@ -314,7 +332,9 @@ def build_models(cfg: Config, policy_path: str, device):
             raise ValueError("ppo.value_init=reward needs reward.name (a reward model to start the critic from); "
                              "use ppo.value_init=policy with a reward function")
         critic_src = rc.name if pc.value_init == "reward" else policy_path
-        critic = disable_dropout(load_scalar_model(critic_src, trust_remote_code=trc)).to(device).train()
+        # a classifier reward model has one logit per label: its backbone, a fresh scalar head
+        critic = load_scalar_model(critic_src, trust_remote_code=trc, ignore_mismatched_sizes=True)
+        critic = disable_dropout(critic).to(device).train()
         ac = ActorCritic(policy, critic=critic)
     return ac, ref, scorer, tok
 
