@@ -157,6 +157,17 @@ class DoublingData:
         return out
 
 
+def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:
+    """Preference pairs on the first ``n`` evaluation prompts (operands never trained on): the
+    answer in the requested set vs wholly in another one."""
+    rng = random.Random(seed)
+    out = []
+    for p in eval_prompts()[:n]:
+        other = rng.choice([s for s in SET_NAMES if s != p.charset])
+        out.append((p.text, answer_text(p.number, p.charset), answer_text(p.number, other)))
+    return out
+
+
 def verify(prompt: Prompt, completion: str) -> dict[str, bool]:
     """Score one completion (decoded response text, special tokens kept, padding removed).
 

@@ -20,7 +20,9 @@ from ..evaluate import evaluate_doubling
 from ..models import disable_dropout, freeze, load_policy, position_ids_from_mask
 from ..tasks import doubling
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
-from .reward import encode_triples
+from .reward import encode_triples, stack_pairs
+
+LOSS_FIELDS = ("input_ids", "attention_mask", "loss_mask")
 
 
 def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -30,12 +32,6 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: t
     logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
     logps = logprobs_from_logits(logits[:, :-1], ids[:, 1:])  # [2B, T-1]
     return torch.where(loss_mask[:, 1:].bool(), logps, 0.0).sum(-1)  # [2B]
-
-
-def pair_rows(enc: dict, idx: torch.Tensor, device):
-    """Chosen rows then rejected rows of an ``encode_preferences`` result: ids, mask, loss mask."""
-    return tuple(torch.cat([enc[f"chosen_{k}"][idx], enc[f"rejected_{k}"][idx]]).to(device)
-                 for k in ("input_ids", "attention_mask", "loss_mask"))
 
 
 def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
@@ -57,7 +53,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     if dc.precompute_ref:
         with torch.no_grad():  # one reference pass over the whole set, reused every epoch
             ref_cache = torch.cat([
-                sequence_logprobs(ref, *pair_rows(enc, torch.arange(i, min(n_pairs, i + 512)), device)).view(2, -1)
+                sequence_logprobs(ref, *stack_pairs(enc, torch.arange(i, min(n_pairs, i + 512)), device, LOSS_FIELDS)).view(2, -1)
                 for i in range(0, n_pairs, 512)
             ], dim=1)  # [2, N]: row 0 chosen, row 1 rejected
     opt = torch.optim.AdamW(policy.parameters(), lr=dc.lr, weight_decay=0.0)
@@ -72,7 +68,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
             order, pos = torch.randperm(n_pairs, generator=gen), 0
         idx = order[pos : pos + dc.batch_size]
         pos += dc.batch_size
-        ids, attn, rmask = pair_rows(enc, idx, device)
+        ids, attn, rmask = stack_pairs(enc, idx, device, LOSS_FIELDS)
         logps = sequence_logprobs(policy, ids, attn, rmask).view(2, -1)  # [2, B]
         if ref_cache is not None:
             ref_logps = ref_cache[:, idx.to(ref_cache.device)]

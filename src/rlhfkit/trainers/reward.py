@@ -28,30 +28,22 @@ from ..tasks import doubling
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
 
 
+def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
+    """Rows ``idx`` of an ``encode_preferences`` result as one forward: for each field, the
+    chosen rows then the rejected rows, ``[2B, T]``."""
+    return tuple(torch.cat([enc[f"chosen_{f}"][idx], enc[f"rejected_{f}"][idx]]).to(device) for f in fields)
+
+
 def pair_batch(enc: dict, idx: torch.Tensor, device, margin=None):
-    """Rows ``idx`` of an ``encode_preferences`` result as one forward: chosen rows then rejected
-    rows, ``[2B, T]`` ids and mask, plus the per-pair margin (``[B]``, or ``margin`` when the
-    data carries none)."""
-    ids = torch.cat([enc["chosen_input_ids"][idx], enc["rejected_input_ids"][idx]]).to(device)
-    mask = torch.cat([enc["chosen_attention_mask"][idx], enc["rejected_attention_mask"][idx]]).to(device)
+    """``(ids [2B, T], mask [2B, T], margin)``: the per-pair margin ``[B]`` when the data
+    carries one, else ``margin``."""
+    ids, mask = stack_pairs(enc, idx, device)
     return ids, mask, enc["margin"][idx].to(device) if "margin" in enc else margin
 
 
 def encode_triples(tok, triples: list[tuple[str, str, str]], max_length: int = 64) -> dict:
     """``(prompt, chosen, rejected)`` text triples -> ``encode_preferences`` tensors."""
     return encode_preferences([PreferenceExample(p, c, r) for p, c, r in triples], tok, max_length, "error")
-
-
-def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:
-    """Preference pairs on the evaluation operands (never seen in training)."""
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for p in doubling.eval_prompts()[:n]:
-        other = rng.choice([s for s in doubling.SET_NAMES if s != p.charset])
-        out.append((p.text, doubling.answer_text(p.number, p.charset), doubling.answer_text(p.number, other)))
-    return out
 
 
 class FilePairs:
@@ -95,7 +87,7 @@ class TaskPairs:
         return pair_batch(enc, torch.arange(batch_size), self.device, self.cfg.reward.margin or None)
 
     def eval_batches(self, batch_size: int = 256):
-        enc = encode_triples(self.tok, held_out_pairs(self.cfg.reward.eval_pairs, self.cfg.run.seed))
+        enc = encode_triples(self.tok, doubling.held_out_pairs(self.cfg.reward.eval_pairs, self.cfg.run.seed))
         n = enc["chosen_input_ids"].shape[0]
         for i in range(0, n, batch_size):
             yield pair_batch(enc, torch.arange(i, min(n, i + batch_size)), self.device)
