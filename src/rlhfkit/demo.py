@@ -14,7 +14,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from .config import Config
@@ -61,8 +60,7 @@ def run_demo(cfg: Config) -> dict:
 
     tok = AutoTokenizer.from_pretrained(ppo["path"])
     final_policy = load_policy(ppo["path"]).to(device)
-    with torch.no_grad():
-        final = evaluate_doubling(final_policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+    final = evaluate_doubling(final_policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
     summary = {
         "base": {"format_acc": pre["format_acc"], "exact_acc": pre["exact_acc"], "answer_acc": pre["answer_acc"]},
         "final": {"format_acc": final["format_acc"], "exact_acc": final["exact_acc"], "answer_acc": final["answer_acc"]},
