@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import Config, ConfigError, load_config
+from .config import ALGO_DEFAULTS, Config, ConfigError, load_config
 
 COMMANDS = {
     "demo": "pretrain -> reward model -> PPO -> evaluation on the doubling task (runs/demo)",
@@ -30,17 +30,6 @@ COMMANDS = {
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
                "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld"}
-# what each RL command changes in the shared `ppo` section before the user's file and overrides
-ALGO_DEFAULTS = {
-    "ppo": {"algo": "ppo"},
-    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
-    # KL as a k3 loss term here too: a per-sequence k1 sum in the reward is noisy enough that RLOO
-    # on the doubling task stalled at 0.66 exact (kl_coef 0.01, in reward) but reached 0.99 this way
-    "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
-    "reinforce": {"algo": "reinforce", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
-}
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -54,8 +43,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args) -> Config:
-    base = Config().replace(run={"out_dir": DEFAULT_OUT[args.command]}, ppo=ALGO_DEFAULTS.get(args.command, {}))
-    return load_config(args.config, args.overrides, base=base)
+    """Defaults <- the task's defaults <- the command's algorithm defaults <- file <- overrides."""
+    from .tasks import get_task
+
+    def build(task_defaults: dict) -> Config:
+        base = Config().replace(**task_defaults).replace(run={"out_dir": DEFAULT_OUT[args.command]},
+                                                          ppo=ALGO_DEFAULTS.get(args.command, {}))
+        return load_config(args.config, args.overrides, base=base)
+
+    cfg = build({})
+    task_defaults = getattr(get_task(cfg.run.task), "CONFIG_DEFAULTS", {})
+    return build(task_defaults) if task_defaults else cfg
 
 
 def _policy_dir(path: str) -> str:

@@ -18,6 +18,17 @@ from typing import Any, Literal
 
 import yaml
 
+# what each RL command (and the demo, per algorithm) changes in the shared `ppo` section before
+# the user's file and overrides
+ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ppo": {"algo": "ppo"},
+    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
+    # KL as a k3 loss term here too: a per-sequence k1 sum in the reward is noisy enough that RLOO
+    # on the doubling task stalled at 0.66 exact (kl_coef 0.01, in reward) but reached 0.99 this way
+    "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
+    "reinforce": {"algo": "reinforce", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
+}
+
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and says how to fix it."""
@@ -35,6 +46,9 @@ class RunConfig:
     """torch intra-op threads; 0 keeps torch's default."""
     progress: bool = True
     """Show progress bars."""
+    task: Literal["doubling", "cities"] = "doubling"
+    """Built-in task giving the tokenizer, data and evaluation: 'doubling' (seed 002) or 'cities'
+    ("Where is Pune?" -> "Pune is in India.", seeds 000/003)."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +87,9 @@ class RewardConfig:
     """'pairwise': Bradley-Terry on chosen/rejected pairs, one scalar. 'classifier' (seed 002): a
     head over the task's labels trained with cross-entropy; the reward is the logit of the label
     the prompt asks for (see label_function)."""
-    label_function: str = "rlhfkit.tasks.doubling:label_of_prompt"
-    """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index."""
+    label_function: str = ""
+    """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index
+    (empty: the task's ``label_of_prompt``)."""
     function: str = ""
     """Reward as a Python callable 'module:name', (prompts, completions, **meta) -> list[float];
     used instead of a reward model when set (e.g. rlhfkit.tasks.doubling:format_reward)."""
@@ -120,8 +135,8 @@ class PPOConfig:
     """Actor learning rate (AdamW)."""
     value_lr: float = 3e-3
     """Critic learning rate (value head or value model)."""
-    max_new_tokens: int = 8
-    """Longest response sampled."""
+    max_new_tokens: int | None = None
+    """Longest response sampled (None: the task's longest answer)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are taken under the same temperature)."""
     kl_coef: float = 0.2
@@ -227,8 +242,15 @@ class DPOConfig:
 class EvalConfig:
     batch_size: int = 512
     """Prompts per greedy-decoding batch."""
-    max_new_tokens: int = 8
-    """Longest answer decoded."""
+    max_new_tokens: int | None = None
+    """Longest answer decoded (None: the task's longest answer)."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    algos: str = "ppo"
+    """Comma-separated algorithms the demo runs after pretraining and the reward model, each from
+    the same base: any of ppo, grpo, rloo, reinforce (RL with the reward model) and dpo."""
 
 
 @dataclass(frozen=True)
@@ -276,6 +298,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
     gridworld: GridworldConfig = field(default_factory=GridworldConfig)
 
     def to_dict(self) -> dict[str, Any]:

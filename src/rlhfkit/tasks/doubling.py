@@ -34,6 +34,8 @@ VOCAB = [PAD, BOS, EOS, *"".join(CHARSETS.values()), *"数字小写大:=_x"]
 LOW, HIGH = 1000, 9999  # 4-digit operands
 EVAL_SIZE = 512
 EVAL_SEED = 20240601  # fixed: the held-out set is the same in every run and every process
+MAX_NEW_TOKENS = 8  # longest answer: 5 characters + EOS
+N_POSITIONS = 32
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -155,6 +157,14 @@ class DoublingData:
                 rejected = "".join(body) + EOS
             out.append((p.text, chosen, rejected))
         return out
+
+    def sft_examples(self, n: int) -> list[tuple[str, str]]:
+        """``(prompt, completion)`` demonstrations: the exact answer (without EOS) in the requested set."""
+        return [(p.text, render(2 * p.number, p.charset)) for p in self.prompts(n)]
+
+
+TaskData = DoublingData  # the name every task module offers (see rlhfkit.tasks)
+LABELS = SET_NAMES  # classes of the classifier reward model
 
 
 def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:

@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 
 from ..config import Config
 from ..core import dpo_loss, logprobs_from_logits
-from ..evaluate import evaluate_doubling
+from ..evaluate import evaluate_task
 from ..models import disable_dropout, freeze, load_policy, position_ids_from_mask
-from ..tasks import doubling
+from ..tasks import get_task
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
 from .reward import encode_triples, stack_pairs
 
@@ -35,7 +35,7 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: t
 
 
 def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
-    """DPO on the doubling task's preference pairs; saves the policy to ``<out_dir>/policy``."""
+    """DPO on the task's preference pairs (``run.task``); saves the policy to ``<out_dir>/policy``."""
     out = setup_run(cfg)
     accelerator = make_accelerator(cfg)
     device = accelerator.device
@@ -46,7 +46,8 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(policy_path)
     policy = disable_dropout(load_policy(policy_path)).to(device).train()
     ref = freeze(load_policy(policy_path)).to(device)
-    triples = doubling.DoublingData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
+    task = get_task(cfg.run.task)
+    triples = task.TaskData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
     enc = encode_triples(tok, triples)
     n_pairs = len(triples)
     ref_cache = None
@@ -88,7 +89,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
         train_s += time.perf_counter() - t0
         row = mean_stats([stats])
         if (dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1:
-            ev = evaluate_doubling(policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            ev = evaluate_task(task, policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
             row.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if dc.stop_at_format and ev["format_acc"] >= dc.stop_at_format:
                 reached = {"step": step + 1, "train_s": train_s}

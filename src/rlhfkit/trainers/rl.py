@@ -46,7 +46,7 @@ from ..core import (
     shaped_rewards,
     value_loss,
 )
-from ..evaluate import decode_responses, evaluate_doubling, tokenize_prompts
+from ..evaluate import decode_responses, evaluate_task, tokenize_prompts
 from ..models import (
     ValueHead,
     disable_dropout,
@@ -59,7 +59,7 @@ from ..models import (
     token_values,
 )
 from ..rollout import Rollout, generate
-from ..tasks import doubling
+from ..tasks import get_task
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run, to_float
 
 
@@ -320,7 +320,14 @@ def build_models(cfg: Config, policy_path: str, device):
     else:
         rm = freeze(load_scalar_model(rc.name, trust_remote_code=trc, num_labels=None)).to(device)
         if rm.config.num_labels > 1:  # a label classifier (seed 002), not a pairwise scalar
-            scorer = classifier_scorer(rm, tok, load_reward_function(rc.label_function))
+            label_fn = load_reward_function(rc.label_function) if rc.label_function else None
+            if label_fn is None:
+                task = get_task(cfg.run.task)
+                if not hasattr(task, "label_of_prompt"):
+                    raise ValueError(f"{rc.name} is a classifier with {rm.config.num_labels} labels but task "
+                                     f"{cfg.run.task!r} has no labels: set reward.label_function=module:name")
+                label_fn = task.label_of_prompt
+            scorer = classifier_scorer(rm, tok, label_fn)
         else:
             scorer = reward_model_scorer(rm)
     if pc.algo != "ppo":
@@ -340,7 +347,7 @@ def build_models(cfg: Config, policy_path: str, device):
 
 
 def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
-    """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the doubling task's prompts.
+    """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the task's prompts (``run.task``).
 
     Writes metrics, samples, plots and the trained models under ``run.out_dir``; stops early
     once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``.
@@ -365,7 +372,9 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         groups.append({"params": ac.critic_parameters(), "lr": pc.value_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, fused=True)  # one kernel per step, ~20% faster on CPU
     repeats = pc.group_size if pc.algo in ("grpo", "rloo") else 1
-    data = doubling.DoublingData(cfg.run.seed + 2)
+    task = get_task(cfg.run.task)
+    data = task.TaskData(cfg.run.seed + 2)
+    max_new_tokens = pc.max_new_tokens or task.MAX_NEW_TOKENS
     reward_stats = RunningMoments() if pc.normalize_reward else None
     log = MetricsLogger(out / "metrics.jsonl")
     samples = (out / "samples.jsonl").open("w", encoding="utf-8")
@@ -379,7 +388,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         # grpo / rloo: each prompt G times in a row, the grouping the baselines expect
         prompts = [p for p in data.prompts(pc.batch_size // repeats) for _ in range(repeats)]
         ids, mask = tokenize_prompts(tok, [p.text for p in prompts], device)
-        roll = generate(ac.policy, ids, mask, pc.max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature)
+        roll = generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature)
         t1 = time.perf_counter()
         exp, stats = make_experience(ac, ref, scorer, roll, pc, kl_coef, reward_stats)
         t2 = time.perf_counter()
@@ -400,7 +409,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                                      ensure_ascii=False) + "\n")
         last = step == pc.steps - 1
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
-            ev = evaluate_doubling(ac.policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            ev = evaluate_task(task, ac.policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
             stats.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if reached is None and pc.stop_at_exact and ev["exact_acc"] >= pc.stop_at_exact:
                 reached = {"step": step + 1, "train_s": train_s}

@@ -1,0 +1,229 @@
+"""The city-facts task (seeds 000 and 003): "Where is Pune?" -> "Pune is in India."
+
+A world of 130 real cities in 13 countries. Pretraining text states every fact in several
+ways and answers questions about every city in several styles, most often tersely
+(``India.``), sometimes with the full sentence (``Pune is in India.``), sometimes with a
+wrong country (the noise of web text). The base model therefore *knows* where each city is
+but greedily answers in the wrong form. Preference data prefers the full sentence with the
+right country; RL (or DPO) on the training cities must teach the form without losing the
+facts, and is evaluated on 26 held-out cities it never saw in a prompt during tuning (their
+facts were in the pretraining text).
+
+The module offers the same interface as :mod:`rlhfkit.tasks.doubling` (see
+:mod:`rlhfkit.tasks`): tokenizer, seeded data generators, fixed evaluation set, verifier.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+BOS, EOS, PAD = "^", "$", "~"
+COUNTRIES: dict[str, tuple[str, ...]] = {
+    "India": ("Pune", "Delhi", "Mumbai", "Chennai", "Kolkata", "Jaipur", "Lucknow", "Surat", "Indore", "Nagpur"),
+    "China": ("Beijing", "Shanghai", "Wuhan", "Chengdu", "Xian", "Nanjing", "Tianjin", "Suzhou", "Harbin", "Kunming"),
+    "Japan": ("Tokyo", "Osaka", "Kyoto", "Nagoya", "Sapporo", "Kobe", "Fukuoka", "Sendai", "Nara", "Yokohama"),
+    "France": ("Paris", "Lyon", "Marseille", "Nice", "Lille", "Nantes", "Bordeaux", "Toulouse", "Rennes", "Dijon"),
+    "Germany": ("Berlin", "Munich", "Hamburg", "Cologne", "Bonn", "Dresden", "Leipzig", "Stuttgart", "Bremen",
+                "Hanover"),
+    "Italy": ("Rome", "Milan", "Naples", "Turin", "Florence", "Venice", "Bologna", "Genoa", "Palermo", "Verona"),
+    "Spain": ("Madrid", "Barcelona", "Seville", "Valencia", "Bilbao", "Malaga", "Granada", "Toledo", "Cordoba",
+              "Zaragoza"),
+    "Brazil": ("Recife", "Salvador", "Manaus", "Curitiba", "Fortaleza", "Belem", "Natal", "Brasilia", "Santos",
+               "Goiania"),
+    "Mexico": ("Puebla", "Oaxaca", "Cancun", "Tijuana", "Merida", "Leon", "Toluca", "Monterrey", "Guadalajara",
+               "Acapulco"),
+    "Canada": ("Toronto", "Montreal", "Vancouver", "Ottawa", "Calgary", "Edmonton", "Winnipeg", "Halifax", "Quebec",
+               "Regina"),
+    "Egypt": ("Cairo", "Giza", "Luxor", "Aswan", "Alexandria", "Suez", "Tanta", "Asyut", "Ismailia", "Faiyum"),
+    "Kenya": ("Nairobi", "Mombasa", "Kisumu", "Nakuru", "Eldoret", "Malindi", "Thika", "Garissa", "Kitale", "Lamu"),
+    "Peru": ("Lima", "Cusco", "Arequipa", "Trujillo", "Piura", "Iquitos", "Chiclayo", "Huancayo", "Tacna", "Puno"),
+}
+COUNTRY_OF: dict[str, str] = {city: c for c, cities in COUNTRIES.items() for city in cities}
+# the last two cities of every country never appear in a tuning prompt (RM, RL, DPO, SFT)
+HELD_OUT: tuple[str, ...] = tuple(city for cities in COUNTRIES.values() for city in cities[-2:])
+TRAIN: tuple[str, ...] = tuple(city for city in COUNTRY_OF if city not in HELD_OUT)
+QUESTIONS = ("Where is {city}? ", "Which country is {city} in? ", "In which country is {city}? ")
+STATEMENTS = ("{city} is a city in {country}.", "The city of {city} lies in {country}.", "{city} ({country})",
+              "{country} has a city called {city}.")
+# answer styles in pretraining text and their shares: the terse one dominates, so the base
+# model's greedy answer is ``India.``; the full sentence is the target
+STYLES = (("terse", 0.45), ("sentence", 0.25), ("pronoun", 0.15), ("wrong", 0.15))
+MAX_NEW_TOKENS = 32  # longest answer: 'Guadalajara is in Mexico.$' is 26
+N_POSITIONS = 96
+VOCAB = [PAD, BOS, EOS, *sorted(set("".join(COUNTRY_OF) + "".join(COUNTRIES) + "".join(QUESTIONS + STATEMENTS)
+                                    + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .?,()'")
+                                - {"{", "}"})]
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer over the task's ASCII alphabet; ``^`` BOS (added by the
+    tokenizer), ``$`` EOS, ``~`` pad, left padding."""
+    vocab = {ch: i for i, ch in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left"
+    )
+    fast.model_max_length = N_POSITIONS
+    return fast
+
+
+def answer_text(city: str, country: str | None = None) -> str:
+    """The target completion, EOS included: ``'Pune is in India.$'``."""
+    return f"{city} is in {country or COUNTRY_OF[city]}.{EOS}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    city: str
+    template: int = 0  # index into QUESTIONS
+
+    @property
+    def text(self) -> str:
+        return QUESTIONS[self.template].format(city=self.city)
+
+    @property
+    def country(self) -> str:
+        return COUNTRY_OF[self.city]
+
+
+def eval_prompts() -> list[Prompt]:
+    """Fixed evaluation set: every held-out city in every question form (78 prompts)."""
+    return [Prompt(city, t) for t in range(len(QUESTIONS)) for city in HELD_OUT]
+
+
+class CitiesData:
+    """Seeded generators of training data; tuning prompts use only ``TRAIN`` cities."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def _wrong_country(self, city: str) -> str:
+        return self.rng.choice([c for c in COUNTRIES if c != COUNTRY_OF[city]])
+
+    def _answer(self, city: str, style: str) -> str:
+        country = COUNTRY_OF[city]
+        if style == "terse":
+            return f"{country}.{EOS}"
+        if style == "sentence":
+            return answer_text(city)
+        if style == "pronoun":
+            return f"It is in {country}.{EOS}"
+        return answer_text(city, self._wrong_country(city))
+
+    def pretrain_texts(self, n: int) -> list[str]:
+        """Statements (35%) and question-answer lines (65%) about all 130 cities, no BOS."""
+        names, weights = zip(*STYLES)
+        out = []
+        for _ in range(n):
+            city = self.rng.choice(list(COUNTRY_OF))
+            if self.rng.random() < 0.35:
+                out.append(self.rng.choice(STATEMENTS).format(city=city, country=COUNTRY_OF[city]) + EOS)
+            else:
+                style = self.rng.choices(names, weights)[0]
+                out.append(self.rng.choice(QUESTIONS).format(city=city) + self._answer(city, style))
+        return out
+
+    def prompts(self, n: int) -> list[Prompt]:
+        """Questions about training cities, for RL."""
+        return [Prompt(self.rng.choice(TRAIN), self.rng.randrange(len(QUESTIONS))) for _ in range(n)]
+
+    def _garble(self, text: str) -> str:
+        """One to three characters of ``text`` replaced by random letters."""
+        chars = list(text)
+        for i in self.rng.sample(range(len(chars)), self.rng.randint(1, min(3, len(chars)))):
+            chars[i] = self.rng.choice("abcdefghijklmnopqrstuvwxyz")
+        return "".join(chars)
+
+    def preference_pairs(self, n: int, hard: float = 0.5) -> list[tuple[str, str, str]]:
+        """``(prompt, chosen, rejected)``: chosen is the full sentence with the right country.
+
+        The rejected answer is, with probability ``1 - hard``, the full sentence with a wrong
+        country; otherwise a *form* negative: terse, pronoun, the sentence without EOS, about
+        another city, or with a few characters garbled. The first kind teaches that the facts
+        matter, the second that the form does -- without garbled negatives a reward model
+        scores misspelt sentences well and PPO learns to write them.
+        """
+        out = []
+        for p in self.prompts(n):
+            chosen = answer_text(p.city)
+            if self.rng.random() >= hard:
+                rejected = self._answer(p.city, "wrong")
+            else:
+                kind = self.rng.choice(("terse", "pronoun", "no_eos", "other_city", "garbled"))
+                if kind == "no_eos":
+                    rejected = chosen[:-1]
+                elif kind == "other_city":
+                    rejected = answer_text(self.rng.choice([c for c in COUNTRY_OF if c != p.city]))
+                elif kind == "garbled":
+                    rejected = self._garble(chosen[:-1]) + EOS
+                else:
+                    rejected = self._answer(p.city, kind)
+            out.append((p.text, chosen, rejected))
+        return out
+
+    def sft_examples(self, n: int) -> list[tuple[str, str]]:
+        """``(prompt, completion)`` demonstrations on training cities (completion without EOS)."""
+        return [(p.text, answer_text(p.city)[:-1]) for p in self.prompts(n)]
+
+
+TaskData = CitiesData
+
+
+def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:
+    """Preference pairs on the evaluation prompts (cities never tuned on): the right sentence
+    vs a wrong country or a terse answer."""
+    rng = random.Random(seed)
+    out = []
+    prompts = eval_prompts()
+    for i in range(n):
+        p = prompts[i % len(prompts)]
+        if rng.random() < 0.5:
+            rejected = answer_text(p.city, rng.choice([c for c in COUNTRIES if c != p.country]))
+        else:
+            rejected = f"{p.country}.{EOS}"
+        out.append((p.text, answer_text(p.city), rejected))
+    return out
+
+
+_SENTENCE = re.compile(r"(?P<city>[A-Z][a-z]+) is in (?P<country>[A-Z][a-z]+)\.")
+
+
+def verify(prompt: Prompt, completion: str) -> dict[str, bool]:
+    """Score one completion (decoded, special tokens kept, padding removed).
+
+    ``format``: exactly ``<the asked city> is in <a country of this world>.`` then EOS.
+    ``exact``: that, with the right country. ``answer``: the right country is named somewhere
+    before EOS (the knowledge alone, whatever the form).
+    """
+    ended = EOS in completion
+    answer = completion.split(EOS, 1)[0]
+    m = _SENTENCE.fullmatch(answer)
+    fmt = ended and m is not None and m["city"] == prompt.city and m["country"] in COUNTRIES
+    exact = fmt and m["country"] == prompt.country
+    answer_ok = ended and re.search(rf"\b{prompt.country}\b", answer) is not None
+    return {"format": fmt, "exact": exact, "answer": answer_ok}
+
+
+def parse_prompt(text: str) -> Prompt:
+    """``'Where is Pune? '`` (BOS optional) -> ``Prompt('Pune', 0)``."""
+    body = text[1:] if text.startswith(BOS) else text
+    for i, q in enumerate(QUESTIONS):
+        head, tail = q.split("{city}")
+        if body.startswith(head) and body.endswith(tail):
+            city = body[len(head) : len(body) - len(tail)]
+            if city in COUNTRY_OF:
+                return Prompt(city, i)
+    raise ValueError(f"prompt {text!r} is not a city question of this task (e.g. {QUESTIONS[0].format(city='Pune')!r})")
+
+
+def exact_reward(prompts: list[str], completions: list[str], **meta) -> list[float]:
+    """Rule-based reward callable: 1 for the full sentence with the right country."""
+    return [float(verify(parse_prompt(p), c)["exact"]) for p, c in zip(prompts, completions)]
