@@ -63,6 +63,34 @@ class ModelConfig:
     """Tiny GPT-2 width."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint's repository (off unless you trust it)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weight dtype of every loaded model (policy, reference, reward, value): 'auto' keeps the
+    checkpoint's own (bf16 for most hub LMs). float32 is the default: full fine-tuning keeps
+    AdamW's updates exact; use bfloat16 with LoRA on a GPU for large models."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass of the trained models (less memory, ~30% more
+    compute); rollouts run in eval mode, so the KV cache still works."""
+    lora_r: int = 0
+    """LoRA rank for the policy (peft); 0 trains all weights. With LoRA the reference is the same
+    model with its adapter disabled, so the base weights are held once."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input. 0 by default: PPO's first ratio must be exactly 1."""
+    lora_target_modules: str = "all-linear"
+    """Comma-separated module names the adapter wraps (e.g. 'q_proj,v_proj'), or 'all-linear'
+    (every linear layer except the output head)."""
+
+    def __post_init__(self):
+        if self.lora_r < 0:
+            raise ConfigError(f"model.lora_r must be >= 0 (0 = no LoRA), got {self.lora_r}")
+        if self.lora_r and self.lora_alpha <= 0:
+            raise ConfigError(f"model.lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"model.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_r and not self.lora_target_modules.strip():
+            raise ConfigError("model.lora_target_modules is empty: name modules (e.g. 'q_proj,v_proj') "
+                              "or use 'all-linear'")
 
 
 @dataclass(frozen=True)
@@ -111,6 +139,36 @@ class RewardConfig:
     """'policy' starts the backbone from the pretrained policy, 'scratch' from random init."""
     eval_pairs: int = 512
     """Held-out pairs for rm/accuracy and rm/delta."""
+
+
+@dataclass(frozen=True)
+class ValueConfig:
+    name: str = ""
+    """Separate value model (PPO): a local path or hub id loaded with its backbone and a scalar head
+    (a fresh one when the checkpoint has none); empty: ppo.value_init decides."""
+    lora: bool = False
+    """Train the separate value model through a LoRA adapter (model.lora_* settings); its scalar
+    head stays fully trainable."""
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    greedy: bool = True
+    """Greedy decoding; False samples with chat.temperature."""
+    temperature: float = 0.7
+    """Sampling temperature when chat.greedy is False."""
+    max_new_tokens: int = 128
+    """Longest reply."""
+    system: str = ""
+    """System message put first in the chat template's conversation (empty: none)."""
+    history: bool = True
+    """Keep earlier turns in the conversation (False: every prompt starts afresh)."""
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ConfigError(f"chat.temperature must be > 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"chat.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass(frozen=True)
@@ -173,7 +231,8 @@ class PPOConfig:
     value_model: Literal["separate", "shared"] = "separate"
     """'separate': a value model (backbone + scalar head); 'shared': a value head on the actor."""
     value_init: Literal["reward", "policy"] = "reward"
-    """Initialise a separate value model from the reward model or from the policy backbone."""
+    """Initialise a separate value model from the reward model or from the policy backbone
+    (value.name, when set, overrides both)."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that never emit EOS (0 = off)."""
     normalize_reward: bool = False
@@ -294,12 +353,14 @@ class Config:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    value: ValueConfig = field(default_factory=ValueConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     gridworld: GridworldConfig = field(default_factory=GridworldConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,15 +8,25 @@
   position. Using one class for both is what lets a critic start from the reward model.
 * shared value head: a ``ValueHead`` on the policy's last hidden state (seed 002), so one
   forward gives logits and values.
+* LoRA (peft): the adapter is injected into the policy's own modules; the reference is the
+  same model with the adapter switched off (:class:`AdapterDisabled`), so the base weights
+  are held once. :func:`save_policy` writes a merged plain ``transformers`` checkpoint.
+
+Every model is loaded through ``from_pretrained`` with a local path or a hub id alike.
 """
 
 from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoTokenizer,
     GPT2Config,
     GPT2ForSequenceClassification,
     GPT2LMHeadModel,
@@ -65,20 +75,261 @@ def build_tiny_scalar_model(tokenizer, seed: int, **arch) -> GPT2ForSequenceClas
     return GPT2ForSequenceClassification(cfg)
 
 
-def load_policy(path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype | None):
+    """``model.dtype`` -> what ``from_pretrained(dtype=...)`` takes (``'auto'`` keeps the checkpoint's)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+ARCHS = ("gpt2", "llama", "qwen2", "qwen3")
+
+
+def tiny_config(arch: str, tokenizer, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                max_positions: int = 128, num_labels: int = 1):
+    """A small random-init config of a real architecture (``ARCHS``) for tests and smoke runs:
+    the same classes a hub checkpoint of that family loads into, dropout off, embeddings untied."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, num_labels=num_labels)
+    if arch == "gpt2":
+        return AutoConfig.for_model("gpt2", n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}: choose one of {', '.join(ARCHS)}")
+    extra = {"head_dim": hidden // heads} if arch == "qwen3" else {}
+    return AutoConfig.for_model(arch, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                max_position_embeddings=max_positions, attention_dropout=0.0, **extra, **common)
+
+
+def build_tiny(arch: str, tokenizer, seed: int = 0, scalar: bool = False, **sizes) -> PreTrainedModel:
+    """A random-init causal LM (or, ``scalar=True``, a one-label sequence classifier) of
+    architecture ``arch`` built through the Auto classes from :func:`tiny_config`."""
+    torch.manual_seed(seed)
+    config = tiny_config(arch, tokenizer, **sizes)
+    auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
+    return auto.from_config(config)
+
+
+def load_policy(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
+    """A causal LM from a local directory or a hub id (``AutoModelForCausalLM``).
+
+    A directory holding only a LoRA adapter (``adapter_config.json``, as ``policy_adapter/``
+    of a LoRA run) is loaded onto its base model and merged."""
+    dtype = resolve_dtype(dtype) or torch.float32
+    p = Path(path)
+    if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return model.merge_and_unload()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
-def load_scalar_model(path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+def load_scalar_model(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
                       num_labels: int | None = 1, **kwargs) -> PreTrainedModel:
     """A sequence-classification model; ``num_labels=None`` keeps the checkpoint's own count.
     ``kwargs`` go to ``from_pretrained`` (e.g. ``ignore_mismatched_sizes``)."""
     extra = dict(kwargs) if num_labels is None else {"num_labels": num_labels, **kwargs}
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, **extra
+        path, dtype=resolve_dtype(dtype) or torch.float32, trust_remote_code=trust_remote_code, **extra
     )
     scalar_head(model)  # fail now, with a clear message, if there is no head we can read
     return model
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """``AutoTokenizer`` at ``path``; one without a pad token gets its EOS as pad (positions and
+    readouts come from the attention mask, never from the pad id)."""
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise ValueError(f"the tokenizer at {path} has neither a pad nor an EOS token: set a pad token and save it")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """Silence transformers' load report while a causal-LM checkpoint is read into a
+    sequence classifier (an unused LM head and a fresh scalar head are expected there)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The ``transformers`` model under a peft wrapper (its modules carry the injected LoRA
+    layers, so calling it still applies the adapter); any other model unchanged."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The transformer body without its head (``GPT2Model``, ``Qwen3Model`` ...), through peft."""
+    if isinstance(model, AdapterDisabled):
+        raise TypeError("call the reference through policy_forward / its __call__, which switch the adapter off")
+    return unwrap(model).base_model
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> PreTrainedModel:
+    """Activation checkpointing in the non-reentrant form (works with frozen embeddings and LoRA).
+
+    Layers drop their KV cache while checkpointing in train mode, so sampling must run in
+    :func:`eval_mode` (rollouts do)."""
+    unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Eval mode for the duration (generation: gradient-checkpointed layers keep their cache)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def lora_targets(spec: str) -> str | list[str]:
+    """``'all-linear'`` or ``'q_proj, v_proj'`` -> what ``peft.LoraConfig(target_modules=...)`` takes."""
+    spec = spec.strip()
+    return spec if spec == "all-linear" else [m.strip() for m in spec.split(",") if m.strip()]
+
+
+def add_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.0,
+             target_modules: str = "all-linear", trainable_head: bool = False) -> nn.Module:
+    """Wrap ``model`` with a fresh LoRA adapter (peft): base weights frozen, ``B = 0`` so the
+    wrapped model starts equal to the base. ``trainable_head`` keeps a scalar head (value
+    model) fully trainable. Returns the ``PeftModel``."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(target_modules)
+    heads = ["score", "classifier"]  # a scalar head is trained in full, never through an adapter
+    if isinstance(targets, list) and set(heads) & set(targets):
+        raise ValueError("model.lora_target_modules must not name the scalar head (score / classifier)")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                        exclude_modules=heads if trainable_head else None)
+    with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
+    if trainable_head:
+        scalar_head(peft_model).requires_grad_(True)
+    return peft_model
+
+
+def is_lora(model: nn.Module) -> bool:
+    return callable(getattr(model, "disable_adapter", None)) and callable(getattr(model, "get_base_model", None))
+
+
+class AdapterDisabled:
+    """The reference of a LoRA policy: the very same modules with the adapter switched off.
+
+    Holds no weights of its own. ``policy_forward(ref, ...)`` and ``ref(input_ids=...)`` run
+    inside ``peft_model.disable_adapter()``, which is the frozen base model exactly.
+    """
+
+    def __init__(self, peft_model: nn.Module):
+        if not is_lora(peft_model):
+            raise TypeError("AdapterDisabled needs a peft model (model.lora_r > 0)")
+        self.peft_model = peft_model
+
+    @contextlib.contextmanager
+    def active(self):
+        with self.peft_model.disable_adapter(), eval_mode(self.peft_model):
+            yield unwrap(self.peft_model)
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        with self.active() as base:
+            return base(*args, **kwargs)
+
+    def parameters(self):
+        return self.peft_model.parameters()
+
+
+def policy_with_reference(path: str, mc, device, reference: bool = True):
+    """Load the trained policy and its reference from ``path`` as ``model.*`` (``mc``) says.
+
+    Full fine-tuning: the policy and a frozen second copy. LoRA (``mc.lora_r > 0``): a peft
+    model and :class:`AdapterDisabled` over it, the base weights held once. Dropout is off
+    in the policy. Returns ``(policy, reference)`` (reference None with ``reference=False``).
+    """
+    lora = mc.lora_r > 0
+    policy = disable_dropout(load_policy(path, mc.dtype, mc.trust_remote_code))
+    if lora:
+        policy = add_lora(policy, mc.lora_r, mc.lora_alpha, mc.lora_dropout, mc.lora_target_modules)
+    if mc.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+    policy = policy.to(device).train()
+    if not reference:
+        return policy, None
+    ref = AdapterDisabled(policy) if lora else freeze(load_policy(path, mc.dtype, mc.trust_remote_code)).to(device)
+    return policy, ref
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """The plain ``transformers`` model to save: LoRA merged into the base weights (in place:
+    call it once, when training is over); any other model unchanged."""
+    return model.merge_and_unload() if is_lora(model) else model
+
+
+def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str | Path | None = None) -> nn.Module:
+    """Save a model as a plain Hugging Face checkpoint (safetensors + tokenizer).
+
+    A LoRA model is first saved as an adapter (to ``adapter_dir`` when given), then merged
+    into its base weights (``merge_and_unload``, in place) so ``path`` loads with
+    ``transformers`` alone. Returns the saved (merged) model.
+    """
+    if is_lora(model) and adapter_dir is not None:
+        model.save_pretrained(adapter_dir)
+    plain = merge_lora(model)
+    plain.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return plain
+
+
+def same_tokenizer(a, b) -> bool:
+    """True when two tokenizers map every text to the same ids: same class, same vocabulary
+    and the same special tokens (then token ids can be passed between models as they are)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or len(a) != len(b):
+        return False
+    specials = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    if any(getattr(a, s, None) != getattr(b, s, None) for s in specials):
+        return False
+    return a.get_vocab() == b.get_vocab()
+
+
+class ModuleForward(nn.Module):
+    """``fn(model, *args)`` as a module's forward.
+
+    Data-parallel engines (DDP, FSDP, DeepSpeed) synchronise gradients only for computations
+    that go through the wrapped module's ``forward``; our scalar-head readouts call the
+    backbone directly, so a trainer wraps them in this before ``accelerator.prepare``.
+    """
+
+    def __init__(self, model: nn.Module, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.model, *args, **kwargs)
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
@@ -96,6 +347,7 @@ def freeze(model: nn.Module) -> nn.Module:
 
 def scalar_head(model: PreTrainedModel) -> nn.Module:
     """The linear head of a sequence-classification model (``score`` or ``classifier``)."""
+    model = unwrap(model)
     for name in ("score", "classifier"):
         head = getattr(model, name, None)
         if isinstance(head, nn.Linear):
@@ -109,7 +361,7 @@ def scalar_head(model: PreTrainedModel) -> nn.Module:
 def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     return out.last_hidden_state  # [B, T, H]
 
 
@@ -146,7 +398,7 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.summary(hidden).squeeze(-1).float()  # [B, T]
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1).float()  # [B, T]
 
 
 def policy_forward(
@@ -169,9 +421,12 @@ def policy_forward(
     Returns:
         ``logits [B, R, V]`` and ``values [B, R]`` (None without a value head).
     """
+    if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off
+        with torch.no_grad(), policy.active() as base:
+            return policy_forward(base, input_ids, attention_mask, prompt_len)
     hidden = _hidden(policy, input_ids, attention_mask)  # [B, T, H]
     hidden = hidden[:, prompt_len - 1 : -1]  # [B, R, H]
-    logits = policy.get_output_embeddings()(hidden)  # [B, R, V]
+    logits = unwrap(policy).get_output_embeddings()(hidden)  # [B, R, V]
     values = None
     if value_head is not None:
         values = value_head(hidden.detach() if detach_value else hidden)  # [B, R]

@@ -58,6 +58,7 @@ def generate(
     temperature: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt.
 
@@ -68,6 +69,10 @@ def generate(
             those of the tempered distribution (the one actually sampled from).
         greedy: argmax decoding (log-probs still reported under the tempered softmax).
         generator: optional RNG for sampling, for reproducible rollouts.
+        uniforms: optional ``[B, max_new_tokens]`` draws from U(0, 1); token ``t`` of row ``i`` is
+            then the inverse CDF of its distribution at ``uniforms[i, t]`` (instead of
+            ``torch.multinomial``), so each row's sample depends on its own draws only and a
+            batch split across processes samples exactly what one process would.
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
@@ -89,6 +94,10 @@ def generate(
         logp_all = torch.log_softmax(logits, -1)  # [B, V]
         if greedy:
             tok = logits.argmax(-1)  # [B]
+        elif uniforms is not None:
+            cdf = logp_all.exp().cumsum(-1)  # [B, V]
+            u = uniforms[:, t : t + 1].to(cdf) * cdf[:, -1:]  # [B, 1], scaled to the total (float error)
+            tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # [B]
         else:
             tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)  # [B]
         tokens[:, t] = torch.where(alive, tok, pad_token_id)

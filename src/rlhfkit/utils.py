@@ -34,23 +34,35 @@ def resolve_device(name: str) -> torch.device:
 def make_accelerator(cfg: Config):
     """An ``accelerate.Accelerator`` on the configured device.
 
-    Trainers take their device from it and call ``accelerator.backward``; one process today,
-    and the seam through which ``accelerate launch`` distributes the same loops.
+    Trainers take their device from it, ``prepare`` the trained models and optimizers and
+    call ``accelerator.backward``: one process by default, DDP / DeepSpeed / FSDP under
+    ``accelerate launch`` (see :mod:`rlhfkit.distributed`). DDP looks for parameters a
+    backward did not reach (a PPO critic warm-up leaves the actor out).
     """
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     device = resolve_device(cfg.run.device)
-    return Accelerator(cpu=device.type == "cpu")
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
+    return Accelerator(cpu=device.type == "cpu", kwargs_handlers=[ddp])
+
+
+def is_main_process() -> bool:
+    """True unless this is a non-zero rank of a distributed launch (``accelerate launch``,
+    ``torchrun``): only the main process writes run files."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def setup_run(cfg: Config) -> Path:
-    """Seed, set threads, create the run directory and save the resolved config in it."""
+    """Seed, set threads, create the run directory and save the resolved config in it (the
+    main process only; every process of a distributed launch uses the same seed)."""
     seed_everything(cfg.run.seed)
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    if is_main_process():
+        save_config(cfg, out / "config.yaml")
     return out
 
 
@@ -65,12 +77,14 @@ def to_float(value: Any) -> float:
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null)."""
+    """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null).
 
-    def __init__(self, path: Path):
+    ``enabled=False`` (a non-main process) builds the same rows and writes nothing."""
+
+    def __init__(self, path: Path, enabled: bool = True):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self.path.open("a", encoding="utf-8")
+        self._fh = self.path.open("a", encoding="utf-8") if enabled else None
         self.t0 = time.perf_counter()
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
@@ -78,12 +92,14 @@ class MetricsLogger:
         for k, v in metrics.items():
             f = to_float(v)
             row[k] = f if math.isfinite(f) else None
-        self._fh.write(json.dumps(row) + "\n")
-        self._fh.flush()
+        if self._fh is not None:
+            self._fh.write(json.dumps(row) + "\n")
+            self._fh.flush()
         return row
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -2,8 +2,10 @@
 
 The policy is trained on a fixed set of (prompt, chosen, rejected) pairs with the sigmoid
 DPO loss of :func:`rlhfkit.core.dpo_loss`; the reference is a frozen copy of the starting
-policy, whose log-probs are computed once for the whole set (``dpo.precompute_ref``) or
-by a reference forward per batch.
+policy (or, with LoRA, the policy with its adapter disabled), whose log-probs are computed
+once for the whole set (``dpo.precompute_ref``) or by a reference forward per batch. Under
+``accelerate launch`` each process takes its share of every batch of pairs
+(``dpo.batch_size`` is global).
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from ..config import Config
 from ..core import dpo_loss, logprobs_from_logits
-from ..evaluate import evaluate_task
-from ..models import disable_dropout, freeze, load_policy, position_ids_from_mask
+from ..distributed import Shard, clip_grad_norm, evaluate_sharded
+from ..models import load_tokenizer, policy_with_reference, position_ids_from_mask, save_policy
 from ..tasks import get_task
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
 from .reward import encode_triples, stack_pairs
@@ -38,39 +39,44 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     """DPO on the task's preference pairs (``run.task``); saves the policy to ``<out_dir>/policy``."""
     out = setup_run(cfg)
     accelerator = make_accelerator(cfg)
+    shard = Shard(accelerator)
     device = accelerator.device
     dc = cfg.dpo
     policy_path = policy_path or cfg.model.name
     if not policy_path:
         raise ValueError("DPO needs a policy to start from: set model.name=PATH")
-    tok = AutoTokenizer.from_pretrained(policy_path)
-    policy = disable_dropout(load_policy(policy_path)).to(device).train()
-    ref = freeze(load_policy(policy_path)).to(device)
+    shard.local_size(dc.batch_size, "dpo.batch_size")
+    tok = load_tokenizer(policy_path, cfg.model.trust_remote_code)
+    policy, ref = policy_with_reference(policy_path, cfg.model, device)
     task = get_task(cfg.run.task)
     triples = task.TaskData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
     enc = encode_triples(tok, triples)
     n_pairs = len(triples)
     ref_cache = None
-    if dc.precompute_ref:
-        with torch.no_grad():  # one reference pass over the whole set, reused every epoch
-            ref_cache = torch.cat([
-                sequence_logprobs(ref, *stack_pairs(enc, torch.arange(i, min(n_pairs, i + 512)), device, LOSS_FIELDS)).view(2, -1)
-                for i in range(0, n_pairs, 512)
-            ], dim=1)  # [2, N]: row 0 chosen, row 1 rejected
-    opt = torch.optim.AdamW(policy.parameters(), lr=dc.lr, weight_decay=0.0)
-    log = MetricsLogger(out / "metrics.jsonl")
+    if dc.precompute_ref:  # one reference pass over the whole set, reused every epoch
+        ref_cache = torch.zeros((2, n_pairs), device=device)  # [2, N]: row 0 chosen, row 1 rejected
+        with torch.no_grad():  # chunks dealt round-robin to the processes, then summed
+            for k, i in enumerate(range(0, n_pairs, 512)):
+                if k % shard.world == shard.rank:
+                    idx = torch.arange(i, min(n_pairs, i + 512))
+                    ref_cache[:, idx] = sequence_logprobs(ref, *stack_pairs(enc, idx, device, LOSS_FIELDS)).view(2, -1)
+        ref_cache = shard.sum(ref_cache)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=dc.lr, weight_decay=0.0)
+    train_policy, opt = accelerator.prepare(policy, opt)  # DDP under accelerate launch
+    log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)
     train_s, pos, reached, history = 0.0, 0, None, []
-    bar = progress(range(dc.steps), desc="dpo", enabled=cfg.run.progress)
+    bar = progress(range(dc.steps), desc="dpo", enabled=cfg.run.progress and shard.is_main)
     for step in bar:
         t0 = time.perf_counter()
         if pos + dc.batch_size > n_pairs:  # next epoch
             order, pos = torch.randperm(n_pairs, generator=gen), 0
-        idx = order[pos : pos + dc.batch_size]
+        idx = shard.take(order[pos : pos + dc.batch_size])  # this process's pairs of the global batch
         pos += dc.batch_size
         ids, attn, rmask = stack_pairs(enc, idx, device, LOSS_FIELDS)
-        logps = sequence_logprobs(policy, ids, attn, rmask).view(2, -1)  # [2, B]
+        logps = sequence_logprobs(train_policy, ids, attn, rmask).view(2, -1)  # [2, B]
         if ref_cache is not None:
             ref_logps = ref_cache[:, idx.to(ref_cache.device)]
         else:
@@ -78,18 +84,19 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
                 ref_logps = sequence_logprobs(ref, ids, attn, rmask).view(2, -1)
         loss, stats = dpo_loss(logps[0], logps[1], ref_logps[0], ref_logps[1], dc.beta)
         if dc.nll_coef:  # keep the chosen answers likely: DPO alone may win by only pushing rejected down
-            n_chosen = rmask[: len(idx), 1:].sum()
-            nll = -logps[0].sum() / n_chosen
+            chosen_mask = rmask[: len(idx), 1:]
+            # a token mean: the weight makes the processes' average the mean over all their tokens
+            nll = -logps[0].sum() / chosen_mask.sum() * shard.token_weight(chosen_mask)
             loss = loss + dc.nll_coef * nll
             stats["dpo/chosen_nll"] = nll.detach()
         opt.zero_grad(set_to_none=True)
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        row = shard.mean(mean_stats([stats]))  # the DPO terms are means over pairs, equal on every process
+        row["dpo/grad_norm"] = clip_grad_norm(accelerator, params, 1.0)
         opt.step()
         train_s += time.perf_counter() - t0
-        row = mean_stats([stats])
         if (dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1:
-            ev = evaluate_task(task, policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            ev = evaluate_sharded(task, policy, tok, device, shard, cfg.eval.batch_size, cfg.eval.max_new_tokens)
             row.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if dc.stop_at_format and ev["format_acc"] >= dc.stop_at_format:
                 reached = {"step": step + 1, "train_s": train_s}
@@ -99,8 +106,10 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
         if reached:
             break
     log.close()
-    policy.save_pretrained(Path(out) / "policy")
-    tok.save_pretrained(Path(out) / "policy")
+    shard.wait()
+    if shard.is_main:  # LoRA: the adapter in policy_adapter/, merged plain weights in policy/
+        save_policy(policy, tok, Path(out) / "policy", Path(out) / "policy_adapter")
+    shard.wait()
     final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
     return {"path": str(Path(out) / "policy"), "seconds": train_s, "steps": len(history), "reached": reached,
             "final": final}

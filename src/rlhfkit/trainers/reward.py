@@ -2,7 +2,9 @@
 
 Loss: Bradley-Terry, ``-logsigmoid(r_chosen - r_rejected - margin)``. Logged every few
 steps: ``rm/loss``, ``rm/accuracy`` and ``rm/delta`` (mean chosen - rejected, which grows
-as the model separates the pair), and the same on held-out pairs at the end.
+as the model separates the pair), and the same on held-out pairs at the end. Under
+``accelerate launch`` each process scores its share of every batch of pairs
+(``reward.batch_size`` is global).
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ..config import Config
 from ..core import bradley_terry_loss
 from ..data import PreferenceExample, encode_preferences, load_preferences
+from ..distributed import Shard, clip_grad_norm
 from ..models import (
+    ModuleForward,
     build_tiny_scalar_model,
     disable_dropout,
+    enable_gradient_checkpointing,
     load_scalar_model,
+    load_tokenizer,
     sequence_logits,
     sequence_scores,
 )
@@ -64,9 +69,10 @@ class FilePairs:
         self.device, self.default_margin = device, cfg.reward.margin
         self.gen = torch.Generator().manual_seed(cfg.run.seed + 1)
 
-    def next(self, batch_size: int):
+    def next(self, batch_size: int, shard: Shard | None = None):
         n = self.train["chosen_input_ids"].shape[0]
         idx = torch.randint(0, n, (min(batch_size, n),), generator=self.gen)
+        idx = (shard or Shard()).take(idx, "reward.batch_size")
         return pair_batch(self.train, idx, self.device, self.default_margin or None)
 
     def eval_batches(self, batch_size: int = 256):
@@ -83,9 +89,10 @@ class TaskPairs:
         self.task = get_task(cfg.run.task)
         self.data = self.task.TaskData(cfg.run.seed + 1)
 
-    def next(self, batch_size: int):
+    def next(self, batch_size: int, shard: Shard | None = None):
         enc = encode_triples(self.tok, self.data.preference_pairs(batch_size, self.cfg.reward.hard_negatives))
-        return pair_batch(enc, torch.arange(batch_size), self.device, self.cfg.reward.margin or None)
+        idx = (shard or Shard()).take(torch.arange(batch_size), "reward.batch_size")
+        return pair_batch(enc, idx, self.device, self.cfg.reward.margin or None)
 
     def eval_batches(self, batch_size: int = 256):
         enc = encode_triples(self.tok, self.task.held_out_pairs(self.cfg.reward.eval_pairs, self.cfg.run.seed))
@@ -110,32 +117,42 @@ def evaluate_batches(model, batches) -> dict[str, float]:
 def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[str, float]:
     """Seed 002's reward model: cross-entropy over the task's labels (the answer's character
     set) on unprefixed text; at RL time the reward is the logit of the requested label."""
-    rc, device = cfg.reward, accelerator.device
+    rc, device, shard = cfg.reward, accelerator.device, Shard(accelerator)
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
+    train_logits, opt = accelerator.prepare(ModuleForward(model, sequence_logits), opt)
 
-    def batch(items):
+    def batch(items, forward):
         enc = tok([t for t, _ in items], padding=True, return_tensors="pt")
         labels = torch.tensor([y for _, y in items], device=device)
-        return sequence_logits(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)), labels
+        return forward(enc["input_ids"].to(device), enc["attention_mask"].to(device)), labels
 
-    bar = progress(range(rc.steps), desc="reward classifier", enabled=cfg.run.progress)
+    bar = progress(range(rc.steps), desc="reward classifier", enabled=cfg.run.progress and shard.is_main)
     for step in bar:
-        logits, labels = batch(data.labelled_texts(rc.batch_size))
+        logits, labels = batch(shard.take(data.labelled_texts(rc.batch_size), "reward.batch_size"), train_logits)
         loss = torch.nn.functional.cross_entropy(logits, labels)
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        clip_grad_norm(accelerator, params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
-            acc = (logits.argmax(-1) == labels).float().mean()
-            log.log(step, {"rm/loss": loss, "rm/accuracy": acc})
-            bar.set_postfix(acc=f"{acc.item():.2f}")
+            row = shard.mean({"rm/loss": loss.item(), "rm/accuracy": (logits.argmax(-1) == labels).float().mean()})
+            log.log(step, row)
+            bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}")
     with torch.no_grad():
-        logits, labels = batch(task.TaskData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs))
+        eval_items = task.TaskData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs)
+        logits, labels = batch(eval_items, lambda ids, mask: sequence_logits(model, ids, mask))
     return {"rm/accuracy": (logits.argmax(-1) == labels).float().mean().item(), "rm/delta": float("nan")}
+
+
+def _save(shard: Shard, model, tok, save_dir: Path) -> None:
+    shard.wait()
+    if shard.is_main:
+        model.save_pretrained(save_dir)
+        tok.save_pretrained(save_dir)
+    shard.wait()
 
 
 def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
@@ -148,6 +165,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     """
     out = setup_run(cfg)
     accelerator = make_accelerator(cfg)
+    shard = Shard(accelerator)
     device = accelerator.device
     rc = cfg.reward
     task = get_task(cfg.run.task)
@@ -159,16 +177,14 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         if not path:
             raise ValueError("reward.init_from=policy needs a pretrained policy: set model.name=PATH "
                              "(or reward.init_from=scratch)")
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-        if tok.pad_token_id is None:
-            raise ValueError(f"the tokenizer at {path} has no pad token: set one (e.g. pad = eos) and save it")
+        tok = load_tokenizer(path, cfg.model.trust_remote_code)  # no pad token: EOS pads
         # a causal-LM checkpoint: its backbone, a fresh scalar head. transformers prints a load
         # report of the (expected) missing head / unused LM head; keep the demo output readable
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
             num_labels = len(task.LABELS) if rc.kind == "classifier" else 1
-            model = load_scalar_model(path, trust_remote_code=cfg.model.trust_remote_code, num_labels=num_labels)
+            model = load_scalar_model(path, cfg.model.dtype, cfg.model.trust_remote_code, num_labels=num_labels)
         finally:
             hf_logging.set_verbosity(verbosity)
         model.config.pad_token_id = tok.pad_token_id
@@ -179,43 +195,45 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     model = disable_dropout(model).to(device).train()
     if rc.freeze_backbone:
         model.base_model.requires_grad_(False)
+    if cfg.model.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     if rc.kind == "classifier":
         if rc.init_from != "policy":
             raise ValueError("reward.kind=classifier starts from a policy checkpoint: set model.name and "
                              "reward.init_from=policy")
-        log = MetricsLogger(out / "metrics.jsonl")
+        log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
         t0 = time.perf_counter()
         ev = train_label_classifier(cfg, model, tok, accelerator, log)
         log.log(rc.steps, {"eval/rm/accuracy": ev["rm/accuracy"]})
         log.close()
         save_dir = Path(out) / "reward_model"
-        model.save_pretrained(save_dir)
-        tok.save_pretrained(save_dir)
+        _save(shard, model, tok, save_dir)
         return {"path": str(save_dir), "seconds": time.perf_counter() - t0, "accuracy": ev["rm/accuracy"],
                 "delta": ev["rm/delta"]}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
+    # the scalar readout as the module's forward, so DDP sees it (and syncs its gradients)
+    train_scores, opt = accelerator.prepare(ModuleForward(model, sequence_scores), opt)
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
     t0 = time.perf_counter()
-    bar = progress(range(rc.steps), desc="reward model", enabled=cfg.run.progress)
+    bar = progress(range(rc.steps), desc="reward model", enabled=cfg.run.progress and shard.is_main)
     for step in bar:
-        ids, mask, margin = pairs.next(rc.batch_size)
-        scores = sequence_scores(model, ids, mask)  # [2B]: chosen rows, then rejected rows
+        ids, mask, margin = pairs.next(rc.batch_size, shard)  # this process's pairs of the global batch
+        scores = train_scores(ids, mask)  # [2B]: chosen rows, then rejected rows
         half = scores.shape[0] // 2
         loss, stats = bradley_terry_loss(scores[:half], scores[half:], margin, rc.center_coef)
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        grad_norm = clip_grad_norm(accelerator, params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
-            log.log(step, stats)
-            bar.set_postfix(acc=f"{stats['rm/accuracy'].item():.2f}", delta=f"{stats['rm/delta'].item():.2f}")
+            row = log.log(step, {**shard.mean(mean_stats([stats])), "rm/grad_norm": grad_norm})  # means over pairs
+            bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}", delta=f"{row['rm/delta']:.2f}")
     seconds = time.perf_counter() - t0
-    ev = evaluate_batches(model, pairs.eval_batches())
+    ev = evaluate_batches(model, pairs.eval_batches())  # the whole held-out set on every process
     log.log(rc.steps, {f"eval/{k}": v for k, v in ev.items()})
     log.close()
     save_dir = Path(out) / "reward_model"
-    model.save_pretrained(save_dir)
-    tok.save_pretrained(save_dir)
+    _save(shard, model, tok, save_dir)
     return {"path": str(save_dir), "seconds": seconds, "accuracy": ev["rm/accuracy"], "delta": ev["rm/delta"]}

@@ -18,9 +18,11 @@ response token -- the EOS when one was emitted, else the last sampled token.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +30,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
 
 from ..config import Config, PPOConfig
 from ..core import (
@@ -46,14 +47,22 @@ from ..core import (
     shaped_rewards,
     value_loss,
 )
-from ..evaluate import decode_responses, evaluate_task, tokenize_prompts
+from ..distributed import Shard, clip_grad_norm, evaluate_sharded, rollout_uniforms
+from ..evaluate import decode_responses, tokenize_prompts
 from ..models import (
     ValueHead,
+    add_lora,
     disable_dropout,
+    enable_gradient_checkpointing,
+    eval_mode,
     freeze,
-    load_policy,
     load_scalar_model,
+    load_tokenizer,
     policy_forward,
+    policy_with_reference,
+    quiet_load_report,
+    same_tokenizer,
+    save_policy,
     sequence_logits,
     sequence_scores,
     token_values,
@@ -143,17 +152,45 @@ class ActorCritic(torch.nn.Module):
 Scorer = Callable[[Rollout], torch.Tensor]
 
 
-def reward_model_scorer(reward_model) -> Scorer:
-    """Score = the reward model's scalar at the last attended token of prompt + response."""
-    return lambda roll: sequence_scores(reward_model, roll.input_ids, roll.attention_mask)
+def retokenize(roll: Rollout, tokenizer, rm_tokenizer, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout in another model's vocabulary: ``(ids [B, T'], mask [B, T'])``.
+
+    Prompt and response are decoded to text without special tokens, joined, and, where the
+    response ended with the policy's EOS, closed with the reward model's own EOS; the text
+    is then tokenised by ``rm_tokenizer`` (its BOS / template post-processing included)."""
+    prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+    lengths = roll.response_mask.sum(-1).tolist()
+    responses = tokenizer.batch_decode([r[:n] for r, n in zip(roll.response_ids.tolist(), lengths)],
+                                       skip_special_tokens=True)
+    eos = rm_tokenizer.eos_token or ""
+    texts = [p + r + (eos if done else "") for p, r, done in zip(prompts, responses, roll.finished.tolist())]
+    enc = rm_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=True)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int]) -> Scorer:
+def reward_model_scorer(reward_model, tokenizer=None, rm_tokenizer=None) -> Scorer:
+    """Score = the reward model's scalar at the last attended token of prompt + response.
+
+    With ``rm_tokenizer`` (a reward model whose vocabulary differs from the policy's) the
+    texts are re-tokenised first (:func:`retokenize`); else the policy's ids are read as is."""
+
+    def score(roll: Rollout) -> torch.Tensor:
+        if rm_tokenizer is None:
+            return sequence_scores(reward_model, roll.input_ids, roll.attention_mask)
+        return sequence_scores(reward_model, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
+
+    return score
+
+
+def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_tokenizer=None) -> Scorer:
     """Score = the classifier's logit, at the last attended token, of the label the prompt asks
     for (seed 002's reward: a classifier of the answer's character set)."""
 
     def score(roll: Rollout) -> torch.Tensor:
-        logits = sequence_logits(classifier, roll.input_ids, roll.attention_mask)  # [B, L]
+        if rm_tokenizer is None:
+            logits = sequence_logits(classifier, roll.input_ids, roll.attention_mask)  # [B, L]
+        else:
+            logits = sequence_logits(classifier, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
         prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
         labels = torch.tensor([label_fn(p) for p in prompts], device=logits.device)  # [B]
         return logits.gather(1, labels[:, None]).squeeze(1)  # [B]
@@ -207,14 +244,18 @@ def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
 @torch.no_grad()
 def make_experience(
     ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
-    reward_stats: RunningMoments | None = None,
+    reward_stats: RunningMoments | None = None, shard: Shard | None = None,
 ) -> tuple[Experience, dict[str, float]]:
     """Score a rollout and turn it into advantages and returns (no grad).
 
     PPO: per-token shaped rewards (-beta*KL, score on the last token) -> GAE with the critic.
     GRPO / RLOO / REINFORCE: the sequence score (minus beta * sequence KL unless the KL is a
     loss term) -> a baseline from the other samples -> the same advantage on every token.
+
+    ``shard`` (data parallel): whitening, baselines and reward normalisation see the rows of
+    every process, so they equal the single-process values; the stats are this process's.
     """
+    shard = shard or Shard()
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
     rmask = roll.response_mask
     valid = rmask.bool()
@@ -225,7 +266,7 @@ def make_experience(
     raw_score = scorer(roll)  # [B]
     score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
     if reward_stats is not None:
-        reward_stats.update(score)
+        reward_stats.update(shard.gather_rows(score))
         score = (score - reward_stats.mean) / (reward_stats.std + 1e-8)
     kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
     reward_kl_coef = 0.0 if pc.kl_in_loss else kl_coef
@@ -233,9 +274,9 @@ def make_experience(
     if pc.algo == "ppo":
         advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
         if pc.whiten_advantages:
-            advantages = masked_whiten(advantages, rmask)
+            advantages = shard.apply_rows(masked_whiten, advantages, rmask)
     else:
-        seq_adv = sequence_advantages(rewards.sum(-1), pc)  # [B]: clipped score - beta * sequence KL
+        seq_adv = shard.apply_rows(lambda s: sequence_advantages(s, pc), rewards.sum(-1))  # [B]: score - beta*KL
         advantages = torch.where(valid, seq_adv[:, None].expand_as(rewards), 0.0)  # [B, R]
         old_values = returns = torch.zeros_like(rewards)
     kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
@@ -245,7 +286,7 @@ def make_experience(
         "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
         "objective/entropy": masked_mean(entropy_from_logits(logits), rmask),
         "objective/kl_coef": kl_coef,
-        "value/explained_var": explained_variance(old_values, returns, rmask) if ac.has_critic else 0.0,
+        "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         "response/length": rmask.sum(-1).float().mean(),
         "response/eos_rate": roll.finished.float().mean(),
         # generation-time vs training-forward log-probs: a silent off-policy mismatch shows here
@@ -258,21 +299,26 @@ def make_experience(
 
 def ppo_update(
     ac: ActorCritic, optimizer, exp: Experience, pc: PPOConfig, kl_coef: float, update_policy: bool = True,
-    generator: torch.Generator | None = None, accelerator=None,
+    generator: torch.Generator | None = None, accelerator=None, shard: Shard | None = None, train_model=None,
 ) -> list[dict[str, torch.Tensor]]:
     """``ppo_epochs`` passes over shuffled minibatches; returns per-minibatch stats in order.
 
     ``update_policy=False`` is the critic warm-up: only the value loss is applied (and with a
-    shared head it stops at the head). ``accelerator`` (optional) does the backward pass.
+    shared head it stops at the head). ``accelerator`` (optional) does the backward pass and
+    the gradient clipping. Data parallel: ``train_model`` is ``ac`` as prepared by accelerate
+    (DDP), ``pc.minibatch_size`` the per-process share, and ``shard`` rescales the token-mean
+    loss so the synchronised gradient, and the reduced stats, are those of the global minibatch.
     """
+    shard = shard or Shard()
+    model = train_model if train_model is not None else ac
     B = exp.input_ids.shape[0]
     all_stats = []
     for _ in range(pc.ppo_epochs):
         perm = torch.randperm(B, generator=generator).to(exp.input_ids.device)
         for mb in perm.split(pc.minibatch_size):
             rmask = exp.response_mask[mb]
-            logits, values = ac(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
-                                detach_value=not update_policy)
+            logits, values = model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
+                                   detach_value=not update_policy)
             logprobs = logprobs_from_logits(logits, exp.response_ids[mb])  # [b, R]
             loss, stats = torch.zeros((), device=logits.device), {}
             if values is not None:
@@ -289,36 +335,49 @@ def ppo_update(
                     kl_term = masked_mean(kl_estimate(logprobs, exp.ref_logprobs[mb], pc.kl_estimator), rmask)
                     loss = loss + kl_coef * kl_term
                     stats["policy/kl_loss"] = kl_term.detach()
+            weight = shard.token_weight(rmask)  # 1 with one process
             optimizer.zero_grad(set_to_none=True)
             if accelerator is not None:
-                accelerator.backward(loss)
+                accelerator.backward(loss * weight)
             else:
-                loss.backward()
-            stats["policy/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.policy.parameters(), pc.max_grad_norm)
+                (loss * weight).backward()
+            stats = shard.mean(stats, weight)  # every term is a token mean over rmask
+            stats["policy/grad_norm"] = clip_grad_norm(accelerator, ac.policy.parameters(), pc.max_grad_norm)
             if ac.has_critic:
-                stats["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.critic_parameters(), pc.max_grad_norm)
+                stats["value/grad_norm"] = clip_grad_norm(accelerator, ac.critic_parameters(), pc.max_grad_norm)
             optimizer.step()
             all_stats.append(stats)
     return all_stats
+
+
+def other_tokenizer(path: str, tok, trust_remote_code: bool = False):
+    """The tokenizer saved with the model at ``path`` when it differs from ``tok`` (the policy's),
+    else None: a model saved without one is taken to share the policy's."""
+    try:
+        own = load_tokenizer(path, trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    return None if same_tokenizer(own, tok) else own
 
 
 def build_models(cfg: Config, policy_path: str, device):
     """Load the roles. Returns ``(actor_critic, ref, scorer, tokenizer)``.
 
     The critic exists only for ``algo == 'ppo'``; the scorer is the reward model at
-    ``reward.name`` or the callable at ``reward.function``.
+    ``reward.name`` or the callable at ``reward.function``. With LoRA (``model.lora_r``) the
+    reference is the policy with its adapter disabled (no second copy). A reward model with
+    its own tokenizer reads re-tokenised text; the critic reads the policy's tokens, so its
+    source must share the policy's tokenizer.
     """
-    pc, rc = cfg.ppo, cfg.reward
-    trc = cfg.model.trust_remote_code
-    tok = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trc)
-    if tok.pad_token_id is None:
-        raise ValueError(f"the tokenizer at {policy_path} has no pad token: set one (e.g. pad = eos) and save it")
-    policy = disable_dropout(load_policy(policy_path, trust_remote_code=trc)).to(device).train()
-    ref = freeze(load_policy(policy_path, trust_remote_code=trc)).to(device)
+    pc, rc, mc = cfg.ppo, cfg.reward, cfg.model
+    trc = mc.trust_remote_code
+    tok = load_tokenizer(policy_path, trc)
+    policy, ref = policy_with_reference(policy_path, mc, device)
     if rc.function:
         scorer = function_scorer(load_reward_function(rc.function), tok)
     else:
-        rm = freeze(load_scalar_model(rc.name, trust_remote_code=trc, num_labels=None)).to(device)
+        rm = freeze(load_scalar_model(rc.name, mc.dtype, trc, num_labels=None)).to(device)
+        rm_tok = other_tokenizer(rc.name, tok, trc)  # None: the policy's token ids are read as they are
         if rm.config.num_labels > 1:  # a label classifier (seed 002), not a pairwise scalar
             label_fn = load_reward_function(rc.label_function) if rc.label_function else None
             if label_fn is None:
@@ -327,22 +386,35 @@ def build_models(cfg: Config, policy_path: str, device):
                     raise ValueError(f"{rc.name} is a classifier with {rm.config.num_labels} labels but task "
                                      f"{cfg.run.task!r} has no labels: set reward.label_function=module:name")
                 label_fn = task.label_of_prompt
-            scorer = classifier_scorer(rm, tok, label_fn)
+            scorer = classifier_scorer(rm, tok, label_fn, rm_tok)
         else:
-            scorer = reward_model_scorer(rm)
+            scorer = reward_model_scorer(rm, tok, rm_tok)
     if pc.algo != "ppo":
         ac = ActorCritic(policy)
     elif pc.value_model == "shared":
-        ac = ActorCritic(policy, value_head=ValueHead(policy.config.hidden_size).to(device))
+        hidden = policy.config.hidden_size
+        ac = ActorCritic(policy, value_head=ValueHead(hidden).to(device))
     else:
-        if pc.value_init == "reward" and not rc.name:
+        if pc.value_init == "reward" and not (rc.name or cfg.value.name):
             raise ValueError("ppo.value_init=reward needs reward.name (a reward model to start the critic from); "
-                             "use ppo.value_init=policy with a reward function")
-        critic_src = rc.name if pc.value_init == "reward" else policy_path
+                             "use ppo.value_init=policy or value.name=PATH with a reward function")
+        critic_src = cfg.value.name or (rc.name if pc.value_init == "reward" else policy_path)
+        if other_tokenizer(critic_src, tok, trc) is not None:
+            raise ValueError(f"the value model {critic_src} has a different tokenizer from the policy's; the critic "
+                             "reads the policy's tokens: use ppo.value_init=policy or a value.name that shares it")
         # a classifier reward model has one logit per label: its backbone, a fresh scalar head
-        critic = load_scalar_model(critic_src, trust_remote_code=trc, ignore_mismatched_sizes=True)
-        critic = disable_dropout(critic).to(device).train()
-        ac = ActorCritic(policy, critic=critic)
+        with quiet_load_report():  # from a causal LM: its LM head unused, a fresh scalar head
+            critic = disable_dropout(load_scalar_model(critic_src, mc.dtype, trc, ignore_mismatched_sizes=True))
+        if critic.config.pad_token_id is None:
+            critic.config.pad_token_id = tok.pad_token_id
+        if cfg.value.lora:
+            if not mc.lora_r:
+                raise ValueError("value.lora needs model.lora_r > 0 (the adapter's rank and targets)")
+            critic = add_lora(critic, mc.lora_r, mc.lora_alpha, mc.lora_dropout, mc.lora_target_modules,
+                              trainable_head=True)
+        if mc.gradient_checkpointing:
+            enable_gradient_checkpointing(critic)
+        ac = ActorCritic(policy, critic=critic.to(device).train())
     return ac, ref, scorer, tok
 
 
@@ -350,12 +422,15 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the task's prompts (``run.task``).
 
     Writes metrics, samples, plots and the trained models under ``run.out_dir``; stops early
-    once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``.
+    once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``. Under
+    ``accelerate launch`` each process takes its shard of every batch (``ppo.batch_size`` and
+    ``ppo.minibatch_size`` are global) and the main process writes the files.
     """
     from ..plots import plot_ppo  # matplotlib only when a run finishes
 
     out = setup_run(cfg)
     accelerator = make_accelerator(cfg)
+    shard = Shard(accelerator)
     device = accelerator.device
     pc = cfg.ppo
     policy_path = policy_path or cfg.model.name
@@ -366,34 +441,43 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                          "reward.name=PATH (a reward model) or reward.function=module:callable")
     if pc.algo in ("grpo", "rloo") and pc.batch_size % pc.group_size:
         raise ValueError(f"ppo.batch_size ({pc.batch_size}) must be a multiple of ppo.group_size ({pc.group_size})")
+    repeats = pc.group_size if pc.algo in ("grpo", "rloo") else 1
+    shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
+    local_pc = dataclasses.replace(pc, minibatch_size=shard.local_size(pc.minibatch_size, "ppo.minibatch_size"))
     ac, ref, scorer, tok = build_models(cfg, policy_path, device)
-    groups = [{"params": ac.policy.parameters(), "lr": pc.lr}]
+    groups = [{"params": [p for p in ac.policy.parameters() if p.requires_grad], "lr": pc.lr}]
     if ac.has_critic:
         groups.append({"params": ac.critic_parameters(), "lr": pc.value_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, fused=True)  # one kernel per step, ~20% faster on CPU
-    repeats = pc.group_size if pc.algo in ("grpo", "rloo") else 1
+    train_ac, optimizer = accelerator.prepare(ac, optimizer)  # DDP under accelerate launch; ac itself otherwise
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 2)
     max_new_tokens = pc.max_new_tokens or task.MAX_NEW_TOKENS
     reward_stats = RunningMoments() if pc.normalize_reward else None
-    log = MetricsLogger(out / "metrics.jsonl")
-    samples = (out / "samples.jsonl").open("w", encoding="utf-8")
+    log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
+    samples = open(out / "samples.jsonl" if shard.is_main else os.devnull, "w", encoding="utf-8")
     kl_coef = pc.kl_coef
     train_s = 0.0
     history: list[dict] = []
     reached = None
-    bar = progress(range(pc.steps), desc=pc.algo, enabled=cfg.run.progress)
+    bar = progress(range(pc.steps), desc=pc.algo, enabled=cfg.run.progress and shard.is_main)
     for step in bar:
         t0 = time.perf_counter()
         # grpo / rloo: each prompt G times in a row, the grouping the baselines expect
-        prompts = [p for p in data.prompts(pc.batch_size // repeats) for _ in range(repeats)]
+        prompts = shard.take([p for p in data.prompts(pc.batch_size // repeats) for _ in range(repeats)])
         ids, mask = tokenize_prompts(tok, [p.text for p in prompts], device)
-        roll = generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature)
+        # draws keyed to (seed, step, global row): the same samples with any number of processes
+        u = rollout_uniforms(cfg.run.seed, step, pc.batch_size, max_new_tokens, shard.rows(pc.batch_size))
+        with eval_mode(ac.policy):  # the unwrapped policy; eval keeps the KV cache under checkpointing
+            roll = generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature,
+                            uniforms=u.to(device))
         t1 = time.perf_counter()
-        exp, stats = make_experience(ac, ref, scorer, roll, pc, kl_coef, reward_stats)
+        exp, stats = make_experience(ac, ref, scorer, roll, pc, kl_coef, reward_stats, shard)
+        stats = shard.mean(stats, maxed=("policy/logprob_gap",))
         t2 = time.perf_counter()
         warm = ac.has_critic and step < pc.critic_warmup_steps
-        mb_stats = ppo_update(ac, optimizer, exp, pc, kl_coef, update_policy=not warm, accelerator=accelerator)
+        mb_stats = ppo_update(ac, optimizer, exp, local_pc, kl_coef, update_policy=not warm, accelerator=accelerator,
+                              shard=shard, train_model=train_ac)
         t3 = time.perf_counter()
         train_s += t3 - t0
         stats.update(mean_stats(mb_stats))
@@ -409,7 +493,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                                      ensure_ascii=False) + "\n")
         last = step == pc.steps - 1
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
-            ev = evaluate_task(task, ac.policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            ev = evaluate_sharded(task, ac.policy, tok, device, shard, cfg.eval.batch_size, cfg.eval.max_new_tokens)
             stats.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if reached is None and pc.stop_at_exact and ev["exact_acc"] >= pc.stop_at_exact:
                 reached = {"step": step + 1, "train_s": train_s}
@@ -421,13 +505,15 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     samples.close()
     log.close()
     save_dir = Path(out)
-    ac.policy.save_pretrained(save_dir / "policy")
-    tok.save_pretrained(save_dir / "policy")
-    if ac.critic is not None:
-        ac.critic.save_pretrained(save_dir / "value_model")
-    elif ac.value_head is not None:
-        save_file(ac.value_head.state_dict(), str(save_dir / "value_head.safetensors"))
-    plot_ppo(history, save_dir)
+    shard.wait()
+    if shard.is_main:  # LoRA: the adapter alone in policy_adapter/, merged plain weights in policy/
+        save_policy(ac.policy, tok, save_dir / "policy", save_dir / "policy_adapter")
+        if ac.critic is not None:
+            save_policy(ac.critic, tok, save_dir / "value_model")
+        elif ac.value_head is not None:
+            save_file(ac.value_head.state_dict(), str(save_dir / "value_head.safetensors"))
+        plot_ppo(history, save_dir)
+    shard.wait()
     final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
     return {"path": str(save_dir / "policy"), "seconds": train_s, "steps": len(history), "reached": reached,
             "final": final}

@@ -1,7 +1,9 @@
 """Supervised fine-tuning on demonstrations (prompt -> completion), any causal LM.
 
 Loss: next-token cross-entropy on completion tokens only (``data.completion_only``), or on
-every token; records in TRL's formats via :mod:`rlhfkit.data`; optional packing.
+every token; records in TRL's formats via :mod:`rlhfkit.data`; optional packing; optional
+LoRA (``model.lora_r``; the saved policy is merged). Under ``accelerate launch`` each process
+takes its share of every batch (``sft.batch_size`` is global).
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from ..config import Config
 from ..data import SFTExample, encode_sft, load_sft, pack_sft
-from ..models import load_policy, masked_lm_loss
+from ..distributed import Shard, clip_grad_norm
+from ..models import load_tokenizer, masked_lm_loss, policy_with_reference, save_policy
 from ..tasks import get_task
 from ..utils import MetricsLogger, make_accelerator, progress, setup_run
 from .pretrain import lr_lambda
@@ -25,14 +27,15 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     the task, ``run.task``); saves to ``<out_dir>/policy``."""
     out = setup_run(cfg)
     accelerator = make_accelerator(cfg)
+    shard = Shard(accelerator)
     device = accelerator.device
     sc, dc = cfg.sft, cfg.data
     policy_path, data_path = policy_path or cfg.model.name, data_path or dc.path
     if not policy_path:
         raise ValueError("SFT needs a model to start from: set model.name=PATH (and data.path=FILE.jsonl, "
                          "or nothing to use the task's demonstrations)")
-    tok = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code)
-    model = load_policy(policy_path, trust_remote_code=cfg.model.trust_remote_code).to(device).train()
+    tok = load_tokenizer(policy_path, cfg.model.trust_remote_code)
+    model, _ = policy_with_reference(policy_path, cfg.model, device, reference=False)
     if data_path:
         examples = load_sft(data_path, tok)
     else:
@@ -44,27 +47,35 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     if dc.packing:
         enc = pack_sft(enc, dc.max_length, tok.pad_token_id or 0)
     n = enc["input_ids"].shape[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=sc.lr, weight_decay=0.0)
+    train_model, opt = accelerator.prepare(model, opt)  # DDP under accelerate launch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
     t0 = time.perf_counter()
-    bar = progress(range(sc.steps), desc="sft", enabled=cfg.run.progress)
+    bar = progress(range(sc.steps), desc="sft", enabled=cfg.run.progress and shard.is_main)
     for step in bar:
-        idx = torch.randint(0, n, (min(sc.batch_size, n),), generator=gen)
+        idx = shard.take(torch.randint(0, n, (min(sc.batch_size, n),), generator=gen), "sft.batch_size")
         batch = {k: v[idx].to(device) for k, v in enc.items()}
-        loss = masked_lm_loss(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                              batch.get("position_ids"))
+        # a mean over target tokens: weighted so the processes' average is the global token mean
+        weight = shard.token_weight(batch["loss_mask"][:, 1:] != 0)
+        loss = weight * masked_lm_loss(train_model, batch["input_ids"], batch["attention_mask"],
+                                       batch["loss_mask"], batch.get("position_ids"))
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = clip_grad_norm(accelerator, params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == sc.steps - 1:
-            log.log(step, {"sft/loss": loss, "sft/lr": sched.get_last_lr()[0]})
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+            row = log.log(step, {**shard.mean({"sft/loss": loss.item()}), "sft/grad_norm": grad_norm,
+                                 "sft/lr": sched.get_last_lr()[0]})
+            bar.set_postfix(loss=f"{row['sft/loss']:.4f}")
     log.close()
     save_dir = Path(out) / "policy"
-    model.save_pretrained(save_dir)
-    tok.save_pretrained(save_dir)
-    return {"path": str(save_dir), "seconds": time.perf_counter() - t0, "examples": n, "final_loss": loss.item()}
+    shard.wait()
+    if shard.is_main:  # LoRA: the adapter in policy_adapter/, merged plain weights in policy/
+        save_policy(model, tok, save_dir, Path(out) / "policy_adapter")
+    shard.wait()
+    final_loss = shard.mean({"loss": loss.item()})["loss"]
+    return {"path": str(save_dir), "seconds": time.perf_counter() - t0, "examples": n, "final_loss": final_loss}

@@ -1,0 +1,171 @@
+"""Data parallelism through ``accelerate``: each process takes its shard of the global batch.
+
+``accelerate launch --num_processes N -m rlhfkit <command> ...`` runs the same loops in N
+processes (DDP on CPU with gloo or on GPUs; DeepSpeed / FSDP through an accelerate config).
+The rules the trainers follow, so that N processes compute what one process computes:
+
+* every process builds the same *global* batch (same seeds) and keeps rows
+  ``[rank * b, (rank + 1) * b)``, ``b = global / N`` (:meth:`Shard.take`);
+* a statistic over the whole batch (advantage whitening, a batch-mean baseline, reward
+  normalisation) is computed on rows gathered from every process (:meth:`Shard.apply_rows`);
+* a loss that is a mean over *tokens* is rescaled by ``N * n_local / n_global``
+  (:meth:`Shard.token_weight`): DDP averages gradients over processes, and the average of
+  the rescaled local means is the global token mean. A mean over rows needs nothing, the
+  shards being equal;
+* logged metrics are reduced over processes (:meth:`Shard.mean`); only the main process
+  writes files.
+
+With one process every method is the identity, so the single-process code path is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int, rows: slice) -> torch.Tensor:
+    """This process's rows of the step's ``[global_rows, max_new_tokens]`` U(0, 1) draws.
+
+    The draws depend on ``(seed, step)`` only, so sampling with them
+    (``rollout.generate(uniforms=...)``) gives every row the same response however many
+    processes share the batch."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+    return torch.rand((global_rows, max_new_tokens), generator=gen)[rows]  # [b, max_new_tokens]
+
+
+class Shard:
+    """This process's share of a global batch and the collectives the trainers need.
+
+    ``Shard(accelerator)``; ``Shard(None)`` is the single-process identity.
+    """
+
+    def __init__(self, accelerator=None):
+        self.accelerator = accelerator
+        self.rank = accelerator.process_index if accelerator is not None else 0
+        self.world = accelerator.num_processes if accelerator is not None else 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def local_size(self, global_size: int, what: str = "batch size", multiple: int = 1) -> int:
+        """``global_size / world``, which must be a whole multiple of ``multiple`` (e.g. GRPO's group)."""
+        if global_size % (self.world * multiple):
+            extra = f" x {multiple} (group size)" if multiple > 1 else ""
+            raise ValueError(f"{what} {global_size} must be divisible by {self.world} processes{extra}")
+        return global_size // self.world
+
+    def rows(self, global_size: int) -> slice:
+        b = global_size // self.world
+        return slice(self.rank * b, (self.rank + 1) * b)
+
+    def take(self, items: Sequence | torch.Tensor, what: str = "batch size", multiple: int = 1):
+        """This process's contiguous rows of a global batch (a list or a tensor's first dim)."""
+        self.local_size(len(items), what, multiple)
+        return items[self.rows(len(items))]
+
+    # ------------------------------------------------------------------ collectives
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduce sum (a copy; the identity with one process)."""
+        return self._all_reduce(x, torch.distributed.ReduceOp.SUM) if self.distributed else x
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduce max (a copy; the identity with one process)."""
+        return self._all_reduce(x, torch.distributed.ReduceOp.MAX) if self.distributed else x
+
+    def _all_reduce(self, x: torch.Tensor, op) -> torch.Tensor:
+        out = x.detach().clone()
+        torch.distributed.all_reduce(out, op=op)
+        return out
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every process's rows, in rank order: ``[b, ...] -> [world * b, ...]``. A ``[b, R]``
+        tensor whose ``R`` differs between processes (responses end at different lengths) is
+        right-padded with zeros to the longest first."""
+        if not self.distributed:
+            return x
+        if x.dim() > 1:
+            x = self.accelerator.pad_across_processes(x.contiguous(), dim=1, pad_index=0)
+        return self.accelerator.gather(x.contiguous())
+
+    def apply_rows(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+        """``fn`` on the global batch, returned for this process's rows.
+
+        ``fn`` maps ``[B, ...]`` tensors to a ``[B, ...]`` tensor (or a scalar, returned as is);
+        its inputs are gathered from every process and its output is cut back to this
+        process's rows and, for ``[b, R]`` inputs, its own width ``R``."""
+        if not self.distributed:
+            return fn(*tensors)
+        out = fn(*[self.gather_rows(t) for t in tensors])
+        if out.dim() == 0:
+            return out
+        b = tensors[0].shape[0]
+        out = out[self.rank * b : (self.rank + 1) * b]
+        return out[:, : tensors[0].shape[1]] if out.dim() > 1 and tensors[0].dim() > 1 else out
+
+    def token_weight(self, mask: torch.Tensor) -> float:
+        """``world * n_local / n_global`` for a token-mean loss over ``mask``: after DDP's average
+        the gradient is that of the mean over every process's tokens (1 with one process)."""
+        if not self.distributed:
+            return 1.0
+        n_local = mask.sum().float()
+        n_global = self.sum(n_local)
+        return float(self.world * n_local / n_global.clamp(min=1))
+
+    def mean(self, stats: dict[str, float], weight: float = 1.0, maxed: Sequence[str] = ()) -> dict[str, float]:
+        """Average scalar stats over processes (one all-reduce). ``weight`` multiplies this
+        process's values first (a :meth:`token_weight` makes a token mean exact); keys in
+        ``maxed`` are reduced with max instead."""
+        if not self.distributed or not stats:
+            return dict(stats)
+        keys = list(stats)
+        device = self.accelerator.device
+        vals = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=device)
+        is_max = torch.tensor([k in maxed for k in keys], device=device)
+        out = self.sum(torch.where(is_max, 0.0, vals * weight)) / self.world
+        if bool(is_max.any()):
+            out = torch.where(is_max, self.max(torch.where(is_max, vals, float("-inf"))), out)
+        return {k: float(v) for k, v in zip(keys, out.tolist())}
+
+    def wait(self) -> None:
+        if self.distributed:
+            self.accelerator.wait_for_everyone()
+
+
+def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: int = 512,
+                     max_new_tokens: int | None = None) -> dict:
+    """:func:`rlhfkit.evaluate.evaluate_task` with the held-out prompts split over processes
+    (contiguous shards) and the counts summed: every process gets the global accuracies; the
+    examples are this process's (the main process holds the first ones, as with one process)."""
+    from .evaluate import evaluate_task
+
+    prompts = task.eval_prompts()
+    if not shard.distributed:
+        return evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts)
+    n = len(prompts)
+    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
+    ev = evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts[lo:hi]) \
+        if hi > lo else {"format_acc": 0.0, "exact_acc": 0.0, "answer_acc": 0.0, "examples": []}
+    keys = ("format_acc", "exact_acc", "answer_acc")
+    counts = torch.tensor([ev[k] * (hi - lo) for k in keys], dtype=torch.float64, device=shard.accelerator.device)
+    totals = shard.sum(counts) / n
+    return {**{k: float(v) for k, v in zip(keys, totals.tolist())}, "examples": ev["examples"]}
+
+
+def clip_grad_norm(accelerator, parameters, max_norm: float) -> torch.Tensor:
+    """Clip the gradient norm through the engine (plain torch for one process and DDP, the
+    engine's own under FSDP). Returns the total norm before clipping as a detached scalar;
+    NaN where the engine clips internally and reports none (DeepSpeed: set
+    ``gradient_clipping`` in its config)."""
+    params = [p for p in parameters if p.requires_grad]
+    if accelerator is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+    norm = accelerator.clip_grad_norm_(params, max_norm)
+    return torch.tensor(float("nan")) if norm is None else torch.as_tensor(norm).detach()
