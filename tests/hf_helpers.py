@@ -25,28 +25,36 @@ def _task_texts() -> list[str]:
 
 
 def chat_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character (printable ASCII, newline, the doubling task's CJK characters),
-    ``<|im_end|>`` as EOS, ``<|endoftext|>`` as pad, no BOS and a chat template."""
+    """One token per character (printable ASCII, newline, the doubling task's CJK characters; any
+    other is ``<unk>``), ``<|im_end|>`` as EOS, ``<|endoftext|>`` as pad, no BOS and a chat template."""
     chars = sorted(set("".join(chr(c) for c in range(32, 127)) + "\n" + "".join(doubling.VOCAB)))
-    vocab = {t: i for i, t in enumerate(CHAT_SPECIALS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    vocab = {t: i for i, t in enumerate(CHAT_SPECIALS + ["<unk>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"], padding_side="left")
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>"], padding_side="left")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def bpe_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on the tasks' text: ``<s>`` BOS (prepended), ``</s>`` EOS, ``<pad>``;
-    it splits the same text into different tokens from :func:`chat_tokenizer`."""
+def bpe_tokenizer(vocab_size: int = 300, chat: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on the tasks' text; it splits text into other tokens than
+    :func:`chat_tokenizer`. ``chat=False``: ``<s>`` BOS (prepended), ``</s>`` EOS, ``<pad>``.
+    ``chat=True``: Qwen's special tokens and chat template, no BOS (what ``transformers`` loads a
+    Qwen2 checkpoint's tokenizer as must be a byte-level BPE)."""
+    specials = CHAT_SPECIALS if chat else ["<pad>", "<s>", "</s>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_task_texts(), trainer)
+    if chat:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                       additional_special_tokens=["<|im_start|>"], padding_side="left")
+        fast.chat_template = CHAT_TEMPLATE
+        return fast
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    padding_side="left")

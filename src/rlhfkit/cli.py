@@ -23,20 +23,22 @@ COMMANDS = {
     "reinforce": "REINFORCE with a batch-mean baseline, no critic",
     "dpo": "DPO on preference pairs: no reward model, no sampling (model.name = policy)",
     "sft": "supervised fine-tuning: model.name = policy, data.path = JSONL of demonstrations",
-    "eval": "greedy held-out evaluation of a policy (a path, or a run directory)",
+    "eval": "greedy held-out evaluation of a policy (a run directory, an HF model directory or hub id)",
+    "chat": "talk to a policy (run directory or HF model directory); /quit or Ctrl-D leaves",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
 
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
-               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld"}
+               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat"}
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        if name == "eval":
-            sp.add_argument("path", help="policy directory (HF format) or a run directory containing policy/")
+        if name in ("eval", "chat"):
+            sp.add_argument("path", help="policy directory (HF format, or a LoRA adapter directory), a hub id, "
+                                         "or a run directory containing policy/")
         sp.add_argument("--config", help="YAML config file (sections: run, model, pretrain, reward, ppo, eval)")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl_coef=0.1 run.seed=3")
     return p
@@ -57,11 +59,23 @@ def _config(args) -> Config:
 
 
 def _policy_dir(path: str) -> str:
+    """A model directory (``config.json``, or a LoRA ``adapter_config.json``), the ``policy/`` of a
+    run directory, or, when no such directory exists, the string itself as a hub id."""
     p = Path(path)
     for cand in (p, p / "policy", p / "ppo" / "policy"):
-        if (cand / "config.json").exists():
+        if (cand / "config.json").exists() or (cand / "adapter_config.json").exists():
             return str(cand)
+    if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/")):
+        return path  # "org/name": a hub id, resolved by from_pretrained
     raise FileNotFoundError(f"no model found at {path}: expected a directory with config.json (or policy/config.json)")
+
+
+def _emit(result) -> None:
+    """Print a command's summary once: from the main process of a distributed launch."""
+    from .utils import is_main_process
+
+    if is_main_process():
+        print(json.dumps(result, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,27 +92,31 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "pretrain":
             from .trainers.pretrain import pretrain
 
-            print(json.dumps(pretrain(cfg), indent=2))
+            _emit(pretrain(cfg))
         elif args.command == "rm":
             from .trainers.reward import train_reward_model
 
-            print(json.dumps(train_reward_model(cfg), indent=2))
+            _emit(train_reward_model(cfg))
         elif args.command in ALGO_DEFAULTS:
             from .trainers.rl import train_rl
 
-            print(json.dumps(train_rl(cfg), indent=2))
+            _emit(train_rl(cfg))
         elif args.command == "sft":
             from .trainers.sft import train_sft
 
-            print(json.dumps(train_sft(cfg), indent=2))
+            _emit(train_sft(cfg))
         elif args.command == "dpo":
             from .trainers.dpo import train_dpo
 
-            print(json.dumps(train_dpo(cfg), indent=2))
+            _emit(train_dpo(cfg))
         elif args.command == "eval":
             from .evaluate import evaluate_path
 
-            print(json.dumps(evaluate_path(_policy_dir(args.path), cfg), indent=2))
+            _emit(evaluate_path(_policy_dir(args.path), cfg))
+        elif args.command == "chat":
+            from .chat import run_chat
+
+            run_chat(_policy_dir(args.path), cfg)
         elif args.command == "gridworld":
             from .tasks.gridworld import train_gridworld
 

@@ -58,18 +58,17 @@ def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_
 
 
 def evaluate_path(path: str, cfg) -> dict:
-    """Load a saved policy (HF format) and evaluate it; writes ``eval.json`` to ``run.out_dir``."""
+    """Load a saved policy (any HF causal-LM directory or hub id, or a LoRA adapter directory)
+    and evaluate it on ``run.task``; writes ``eval.json`` to ``run.out_dir``."""
     import json
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
-    from .models import load_policy
+    from .models import load_policy, load_tokenizer
     from .utils import resolve_device
 
     device = resolve_device(cfg.run.device)
-    tok = AutoTokenizer.from_pretrained(path)
-    policy = load_policy(path, trust_remote_code=cfg.model.trust_remote_code).to(device)
+    tok = load_tokenizer(path, cfg.model.trust_remote_code)
+    policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device)
     ev = evaluate_task(get_task(cfg.run.task), policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
     result = {"path": path, "task": cfg.run.task, "format_acc": ev["format_acc"], "exact_acc": ev["exact_acc"], "answer_acc": ev["answer_acc"],
               "examples": [{"prompt": p, "completion": c, "format": f, "exact": e} for p, c, f, e in ev["examples"][:12]]}

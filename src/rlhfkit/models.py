@@ -18,6 +18,7 @@ Every model is loaded through ``from_pretrained`` with a local path or a hub id 
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from pathlib import Path
 
@@ -128,7 +129,9 @@ def load_policy(path: str, dtype: str | torch.dtype | None = None, trust_remote_
     if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
         return model.merge_and_unload()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
@@ -189,7 +192,11 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> PreTrainedModel:
 
     Layers drop their KV cache while checkpointing in train mode, so sampling must run in
     :func:`eval_mode` (rollouts do)."""
-    unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base = unwrap(model)
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -296,6 +303,8 @@ def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str 
     """
     if is_lora(model) and adapter_dir is not None:
         model.save_pretrained(adapter_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(adapter_dir)
     plain = merge_lora(model)
     plain.save_pretrained(path)
     if tokenizer is not None:
@@ -303,17 +312,28 @@ def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str 
     return plain
 
 
+def _pipeline(tok):
+    """What decides a tokenizer's ids beyond its vocabulary: the normaliser, pre-tokeniser, model
+    and post-processor of a fast tokenizer (the class of a slow one)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return type(tok).__name__
+    spec = json.loads(backend.to_str())
+    return {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "model", "post_processor")}
+
+
 def same_tokenizer(a, b) -> bool:
-    """True when two tokenizers map every text to the same ids: same class, same vocabulary
-    and the same special tokens (then token ids can be passed between models as they are)."""
+    """True when two tokenizers map every text to the same ids: same vocabulary, same BOS / EOS /
+    pad ids and the same pipeline (then token ids can pass between models as they are). The
+    class alone is not compared: ``transformers`` picks it by model family, so one tokenizer
+    saved with a Qwen2 and a Llama model loads as two classes."""
     if a is b:
         return True
-    if type(a) is not type(b) or len(a) != len(b):
+    if len(a) != len(b) or a.get_vocab() != b.get_vocab():
         return False
-    specials = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
-    if any(getattr(a, s, None) != getattr(b, s, None) for s in specials):
+    if any(getattr(a, s, None) != getattr(b, s, None) for s in ("bos_token_id", "eos_token_id", "pad_token_id")):
         return False
-    return a.get_vocab() == b.get_vocab()
+    return _pipeline(a) == _pipeline(b)
 
 
 class ModuleForward(nn.Module):

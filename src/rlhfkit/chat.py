@@ -1,0 +1,102 @@
+"""``rlhfkit chat RUN_DIR``: talk to a trained policy (seed 004 ends this way).
+
+Each line typed is a user turn. With a chat template in the tokenizer the conversation
+(optional system message, earlier turns unless ``chat.history=false``, the new turn) is
+rendered by it with the generation prompt; without one the line itself is the prompt, as
+the toy tasks expect (``数字:1234x2=`` -> ``2468``). Replies are greedy or sampled
+(``chat.greedy``, ``chat.temperature``) up to ``chat.max_new_tokens`` or the EOS. ``/reset``
+forgets the conversation; ``/quit`` or end of input (Ctrl-D) leaves.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+from .config import Config
+from .models import load_policy, load_tokenizer
+from .rollout import generate
+from .utils import resolve_device, seed_everything
+
+
+def context_length(model) -> int | None:
+    """The longest sequence the model's positions allow (None: no fixed limit known)."""
+    cfg = model.config
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
+class ChatSession:
+    """A conversation with one model; :meth:`reply` takes a user line and returns the answer."""
+
+    def __init__(self, path: str, cfg: Config):
+        self.cfg, self.cc = cfg, cfg.chat
+        self.device = resolve_device(cfg.run.device)
+        self.tok = load_tokenizer(path, cfg.model.trust_remote_code)
+        self.model = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(self.device).eval()
+        self.templated = bool(getattr(self.tok, "chat_template", None))
+        self.history: list[dict[str, str]] = []
+        self.gen = torch.Generator().manual_seed(cfg.run.seed)
+
+    def _prompt_ids(self, text: str) -> list[int]:
+        if not self.templated:
+            return self.tok(text)["input_ids"]
+        system = [{"role": "system", "content": self.cc.system}] if self.cc.system else []
+        turns = self.history if self.cc.history else []
+        messages = system + turns + [{"role": "user", "content": text}]
+        rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tok(rendered, add_special_tokens=False)["input_ids"]  # the template holds any BOS
+
+    @torch.no_grad()
+    def reply(self, text: str) -> str:
+        ids = self._prompt_ids(text)
+        limit = context_length(self.model)
+        while limit and len(ids) >= limit and self.history:  # forget the oldest exchange first
+            self.history = self.history[2:]
+            ids = self._prompt_ids(text)
+        if limit and len(ids) >= limit:
+            ids = ids[-(limit - 1):]
+        max_new = self.cc.max_new_tokens if not limit else max(1, min(self.cc.max_new_tokens, limit - len(ids)))
+        prompt = torch.tensor([ids], device=self.device)  # [1, P]
+        uniforms = None if self.cc.greedy else torch.rand((1, max_new), generator=self.gen).to(self.device)
+        out = generate(self.model, prompt, torch.ones_like(prompt), max_new, self.tok.eos_token_id,
+                       self.tok.pad_token_id, temperature=self.cc.temperature, greedy=self.cc.greedy, uniforms=uniforms)
+        n = int(out.response_mask.sum())
+        answer = self.tok.decode(out.response_ids[0, :n].tolist(), skip_special_tokens=True)  # EOS dropped
+        if self.templated and self.cc.history:
+            self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+        return answer
+
+    def reset(self) -> None:
+        self.history = []
+
+
+def run_chat(path: str, cfg: Config, read: Callable[[str], str] = input, write: Callable[[str], None] = print) -> int:
+    """The interactive loop; ``read`` / ``write`` default to the terminal. Returns the number of
+    replies given."""
+    seed_everything(cfg.run.seed)
+    session = ChatSession(path, cfg)
+    mode = "greedy" if cfg.chat.greedy else f"sampled at temperature {cfg.chat.temperature:g}"
+    template = "its chat template" if session.templated else "plain-text prompts (no chat template)"
+    write(f"chatting with {path}: {template}, {mode}. /reset forgets, /quit or Ctrl-D leaves.")
+    n = 0
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            write("")
+            break
+        line = line.strip()
+        if line == "/quit":
+            break
+        if line == "/reset":
+            session.reset()
+            write("(conversation cleared)")
+            continue
+        if not line:
+            continue
+        write(session.reply(line))
+        n += 1
+        sys.stdout.flush()
+    return n

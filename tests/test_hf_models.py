@@ -1,0 +1,274 @@
+"""Real Hugging Face architectures (GPT-2, Llama, Qwen2, Qwen3), built tiny and saved locally, loaded
+through the path a hub id takes; dtype, gradient checkpointing, reward models with their own
+tokenizer, and LoRA (reference = adapter off, one copy of the base, merged export)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from tokenizers import pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from hf_helpers import bpe_tokenizer, chat_tokenizer, save_tiny
+from rlhfkit.cli import main
+from rlhfkit.config import Config
+from rlhfkit.core import logprobs_from_logits
+from rlhfkit.models import (
+    ARCHS,
+    AdapterDisabled,
+    add_lora,
+    enable_gradient_checkpointing,
+    eval_mode,
+    load_policy,
+    load_scalar_model,
+    load_tokenizer,
+    policy_forward,
+    same_tokenizer,
+    save_policy,
+    sequence_scores,
+)
+from rlhfkit.rollout import Rollout, generate
+from rlhfkit.trainers.rl import build_models, other_tokenizer, reward_model_scorer, train_rl
+from rlhfkit.utils import read_jsonl
+
+PROMPTS = ["数字:1234x2=", "Where is Pune?", "大写:77x2="]
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """Directories standing in for hub checkpoints: one policy per architecture (a character-level
+    chat tokenizer; for Qwen2, which transformers always reads as a byte-level BPE, a BPE one
+    with the same chat markup), a Qwen3 reward model sharing the character tokenizer, and a
+    Llama reward model with a plain BPE tokenizer."""
+    root = tmp_path_factory.mktemp("hub")
+    tok, bpe = chat_tokenizer(), bpe_tokenizer()
+    paths = {arch: save_tiny(root / arch, arch, bpe_tokenizer(chat=True) if arch == "qwen2" else tok, seed=i)
+             for i, arch in enumerate(ARCHS)}
+    paths["rm"] = save_tiny(root / "rm", "qwen3", tok, seed=10, scalar=True)
+    paths["bpe_rm"] = save_tiny(root / "bpe_rm", "llama", bpe, seed=11, scalar=True)
+    return paths
+
+
+def scramble(model, seed: int = 0, scale: float = 0.3):
+    """Large random weights: the 0.02-std init makes outputs near-constant, hiding position bugs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype.is_floating_point:
+                p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * scale)
+    return model.eval()
+
+
+def left_padded(tok, texts):
+    enc = tok(texts, padding=True, padding_side="left", return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def tiny_rl_config(tmp_path, **sections) -> Config:
+    base = {"run": {"out_dir": str(tmp_path), "progress": False, "seed": 0, "threads": 1},
+            "ppo": {"steps": 2, "batch_size": 8, "minibatch_size": 4, "group_size": 4, "critic_warmup_steps": 0,
+                    "max_new_tokens": 6, "eval_every": 0, "stop_at_exact": 0.0}}
+    for sec, vals in sections.items():
+        base.setdefault(sec, {}).update(vals)
+    return Config().replace(**base)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture_loads_and_reads_responses_like_its_own_forward(hub, arch):
+    tok = load_tokenizer(hub[arch])
+    model = scramble(load_policy(hub[arch]), seed=1)
+    assert model.config.model_type == arch
+    assert type(model) is AutoModelForCausalLM._model_mapping[type(model.config)]  # what a hub id of it loads
+    ids, mask = left_padded(tok, [p + "6420" for p in PROMPTS])
+    P = ids.shape[1] - 4
+    with torch.no_grad():
+        ours, _ = policy_forward(model, ids, mask, P)  # [B, 4, V] through the backbone
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        theirs = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, P - 1 : -1]
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        # left padding changes nothing: each row alone gives the same response log-probs
+        lp = logprobs_from_logits(ours, ids[:, P:])
+        for i, text in enumerate(PROMPTS):
+            one = tok(text + "6420", return_tensors="pt")["input_ids"]
+            alone, _ = policy_forward(model, one, torch.ones_like(one), one.shape[1] - 4)
+            torch.testing.assert_close(lp[i], logprobs_from_logits(alone, one[:, -4:])[0], atol=1e-5, rtol=1e-5)
+
+
+def test_dtype_selection(hub, tmp_path):
+    assert all(p.dtype == torch.bfloat16 for p in load_policy(hub["qwen3"], "bfloat16").parameters())
+    assert all(p.dtype == torch.float32 for p in load_policy(hub["qwen3"], "auto").parameters())
+    load_policy(hub["qwen3"], "bfloat16").save_pretrained(tmp_path / "bf16")
+    assert all(p.dtype == torch.bfloat16 for p in load_policy(str(tmp_path / "bf16"), "auto").parameters())
+    rm = load_scalar_model(hub["rm"], "float16")
+    assert all(p.dtype == torch.float16 for p in rm.parameters())
+    with pytest.raises(Exception, match="model.dtype"):
+        Config().replace(model={"dtype": "float8"})
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_rollouts(hub):
+    tok = load_tokenizer(hub["qwen3"])
+    plain = scramble(load_policy(hub["qwen3"]), seed=2).train()
+    ckpt = enable_gradient_checkpointing(scramble(load_policy(hub["qwen3"]), seed=2)).train()
+    ids, mask = left_padded(tok, [p + "12" for p in PROMPTS])
+    grads = []
+    for model in (plain, ckpt):
+        logits, _ = policy_forward(model, ids, mask, ids.shape[1] - 2)
+        logprobs_from_logits(logits, ids[:, -2:]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+    pids, pmask = left_padded(tok, PROMPTS)
+    with eval_mode(ckpt):  # the way train_rl samples: checkpointed layers keep their KV cache
+        a = generate(ckpt, pids, pmask, 6, tok.eos_token_id, tok.pad_token_id, greedy=True)
+    b = generate(plain.eval(), pids, pmask, 6, tok.eos_token_id, tok.pad_token_id, greedy=True)
+    assert ckpt.training and torch.equal(a.response_ids, b.response_ids)
+
+
+@pytest.mark.parametrize("arch,algo", [("gpt2", "ppo"), ("llama", "grpo"), ("qwen2", "ppo"), ("qwen3", "grpo")])
+def test_rl_steps_on_real_architectures(hub, tmp_path, arch, algo):
+    # the Qwen2 policy's tokenizer differs from the reward model's: it is scored on re-tokenised text
+    # and its critic starts from the policy (a critic reads the policy's tokens)
+    ppo = {"algo": algo, "value_init": "policy" if arch == "qwen2" else "reward"}
+    cfg = tiny_rl_config(tmp_path, model={"name": hub[arch]}, reward={"name": hub["rm"]}, ppo=ppo)
+    result = train_rl(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert result["steps"] == 2 and len(rows) == 2
+    for row in rows:
+        assert row["policy/logprob_gap"] < 1e-4  # sampling and training forwards agree
+        assert all(v is not None and math.isfinite(v) for v in row.values())
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    assert saved.config.model_type == arch
+
+
+def test_tokenizers_compare_by_vocabulary_and_specials(hub):
+    tok = load_tokenizer(hub["qwen3"])
+    assert same_tokenizer(tok, chat_tokenizer()) and not same_tokenizer(tok, bpe_tokenizer())
+    assert same_tokenizer(tok, load_tokenizer(hub["llama"]))
+    assert other_tokenizer(hub["rm"], tok) is None  # same vocabulary: ids are read as they are
+    assert other_tokenizer(hub["bpe_rm"], tok) is not None
+    assert other_tokenizer(hub["qwen2"], tok) is not None
+    # the same vocabulary with another pre-tokeniser is another tokenizer
+    regrouped = chat_tokenizer()
+    regrouped.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert regrouped.get_vocab() == tok.get_vocab() and not same_tokenizer(tok, regrouped)
+
+
+def test_reward_model_with_its_own_tokenizer_scores_the_decoded_text(hub):
+    tok = load_tokenizer(hub["qwen3"])
+    rm_tok = other_tokenizer(hub["bpe_rm"], tok)
+    rm = scramble(load_scalar_model(hub["bpe_rm"]), seed=3)
+    responses, finished = ["2468", " Pune is in India.", "壹伍肆"], [True, False, True]
+    # a rollout in the policy's vocabulary: left-padded prompts, responses + EOS where finished, pad after
+    pids, pmask = left_padded(tok, PROMPTS)
+    rows = [tok(r, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if f else [])
+            for r, f in zip(responses, finished)]
+    R = max(map(len, rows))
+    rids = torch.tensor([r + [tok.pad_token_id] * (R - len(r)) for r in rows])
+    rmask = torch.tensor([[1] * len(r) + [0] * (R - len(r)) for r in rows])
+    roll = Rollout(pids, pmask, rids, rmask, torch.zeros(rids.shape), torch.tensor(finished))
+    with torch.no_grad():
+        got = reward_model_scorer(rm, tok, rm_tok)(roll)
+        for i, (p, r, f) in enumerate(zip(PROMPTS, responses, finished)):  # each text alone, RM's own vocabulary
+            ids = rm_tok(p + r + ("</s>" if f else ""), return_tensors="pt")["input_ids"]
+            assert ids[0, 0] == rm_tok.bos_token_id and (ids[0, -1] == rm_tok.eos_token_id) == f
+            want = sequence_scores(rm, ids, torch.ones_like(ids))[0]
+            torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_with_a_reward_model_of_another_tokenizer(hub, tmp_path):
+    cfg = tiny_rl_config(tmp_path, model={"name": hub["qwen2"]}, reward={"name": hub["bpe_rm"]},
+                         ppo={"value_init": "policy", "steps": 1})
+    train_rl(cfg)
+    assert math.isfinite(read_jsonl(tmp_path / "metrics.jsonl")[0]["objective/score"])
+    # the critic reads the policy's tokens: starting it from that reward model is refused
+    with pytest.raises(ValueError, match="different tokenizer"):
+        build_models(cfg.replace(ppo={"value_init": "reward"}), hub["qwen2"], torch.device("cpu"))
+
+
+def _bytes(params) -> int:
+    """Bytes of parameter storage, each storage counted once however many modules share it."""
+    seen = {}
+    for p in params:
+        seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_lora_reference_is_the_base_with_the_adapter_off_held_once(hub, tmp_path):
+    cfg = tiny_rl_config(tmp_path, model={"name": hub["qwen3"], "lora_r": 4, "lora_target_modules": "q_proj,v_proj"},
+                         reward={"function": "rlhfkit.tasks.doubling:format_reward"},
+                         ppo={"algo": "grpo"})
+    cpu = torch.device("cpu")
+    ac, ref, _, _ = build_models(cfg, hub["qwen3"], cpu)
+    full_ac, full_ref, _, _ = build_models(cfg.replace(model={"lora_r": 0}), hub["qwen3"], cpu)
+    base = _bytes(load_policy(hub["qwen3"]).parameters())
+    trainable = [p for p in ac.policy.parameters() if p.requires_grad]
+    # q_proj and v_proj in 2 layers, r = 4: A [4, 32] + B [out, 4] with out 32 (q) and 16 (v, 2 kv heads x 8)
+    assert sum(p.numel() for p in trainable) == 2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4)
+    assert isinstance(ref, AdapterDisabled)
+    lora_total = _bytes(list(ac.policy.parameters()) + list(ref.parameters()))
+    full_total = _bytes(list(full_ac.policy.parameters()) + list(full_ref.parameters()))
+    assert lora_total == base + _bytes(trainable)  # the reference adds nothing
+    assert full_total == 2 * base
+    print(f"\nLoRA policy + reference: {lora_total} B (base {base} B + adapter {_bytes(trainable)} B); "
+          f"full fine-tuning policy + reference: {full_total} B")
+    # with a non-zero adapter the policy moves, and the reference is exactly the base model
+    with torch.no_grad():
+        for p in trainable:
+            p.normal_(0, 0.5)
+    tok = load_tokenizer(hub["qwen3"])
+    ids, mask = left_padded(tok, [p + "88" for p in PROMPTS])
+    P = ids.shape[1] - 2
+    with torch.no_grad():
+        ref_logits, _ = policy_forward(ref, ids, mask, P)
+        base_logits, _ = policy_forward(load_policy(hub["qwen3"]), ids, mask, P)
+        pol_logits, _ = policy_forward(ac.policy, ids, mask, P)
+    torch.testing.assert_close(ref_logits, base_logits, atol=1e-6, rtol=0)
+    assert (pol_logits - base_logits).abs().max() > 1e-3
+    assert ac.policy.training  # the reference forward left the policy in train mode
+
+
+def test_lora_merged_export_loads_in_plain_transformers_with_identical_logits(hub, tmp_path):
+    tok = load_tokenizer(hub["qwen3"])
+    model = add_lora(load_policy(hub["qwen3"]), r=4, alpha=8)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.5)
+    ids, mask = left_padded(tok, PROMPTS)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    save_policy(model, tok, tmp_path / "merged", tmp_path / "adapter")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # transformers alone
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    from_adapter = load_policy(str(tmp_path / "adapter"))  # base + adapter, merged on load
+    with torch.no_grad():
+        got = plain(input_ids=ids, attention_mask=mask).logits
+        got_adapter = from_adapter(input_ids=ids, attention_mask=mask).logits
+    diff = (got - want).abs().max().item()
+    print(f"\nmerged export vs LoRA model: max |logit diff| = {diff:.2e}")
+    assert diff < 1e-5
+    torch.testing.assert_close(got_adapter, got, atol=1e-5, rtol=0)
+
+
+def test_lora_ppo_run_on_qwen3(hub, tmp_path):
+    """LoRA on the policy and on a critic started from the reward model; a few PPO steps."""
+    cfg = tiny_rl_config(tmp_path, model={"name": hub["qwen3"], "lora_r": 8, "lora_alpha": 16},
+                         reward={"name": hub["rm"]}, value={"lora": True}, ppo={"steps": 3, "lr": 1e-2})
+    train_rl(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3 and rows[0]["objective/kl"] == 0.0  # policy == adapter-off reference at the start
+    assert rows[-1]["objective/kl"] > 0.0  # the adapter moved the policy away from the base
+    assert all(math.isfinite(r["value/loss"]) for r in rows)
+    for rel in ("policy/model.safetensors", "policy_adapter/adapter_model.safetensors", "value_model/config.json"):
+        assert (tmp_path / rel).exists(), rel
+    critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "value_model")  # merged, plain
+    assert not any("lora" in n for n, _ in critic.named_parameters())
+    # eval works on the run directory, the merged policy and the adapter directory alike
+    results = []
+    for target in (tmp_path, tmp_path / "policy_adapter"):
+        out = tmp_path / f"eval_{len(results)}"
+        assert main(["eval", str(target), f"run.out_dir={out}", "eval.max_new_tokens=4"]) == 0
+        results.append(json.loads((out / "eval.json").read_text()))
+    assert results[0]["examples"] == results[1]["examples"]
