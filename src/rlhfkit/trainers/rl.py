@@ -284,7 +284,7 @@ def make_experience(
         "objective/score": raw_score.mean(),
         "objective/kl": kl_seq.mean(),
         "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
-        "objective/entropy": masked_mean(entropy_from_logits(logits), rmask),
+        "objective/entropy": shard.apply_rows(masked_mean, entropy_from_logits(logits), rmask),  # a token mean
         "objective/kl_coef": kl_coef,
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         "response/length": rmask.sum(-1).float().mean(),

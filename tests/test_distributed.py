@@ -1,0 +1,120 @@
+"""Data parallelism through accelerate: two CPU processes (gloo) compute what one process computes.
+
+One step of PPO, GRPO, DPO, SFT and the reward model runs once in a single process and once
+under ``accelerate launch`` with two processes, each taking half of every global batch. The
+logged losses, gradient norms and statistics and the saved weights must agree (1e-4), which
+holds only if sharding reproduces the single-process batch, sampling does not depend on the
+split, batch-wide statistics are gathered, token-mean losses are reweighted and metrics are
+reduced; and only the main process may write files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
+from rlhfkit.tasks.doubling import make_tokenizer
+from rlhfkit.utils import read_jsonl
+
+DRIVER = Path(__file__).parent / "dist" / "driver.py"
+TOL = 1e-4
+COMMANDS = ("ppo", "grpo", "dpo", "sft", "rm")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    tok = make_tokenizer()
+    arch = dict(n_layer=2, n_head=2, n_embd=32)
+    policy, rm = build_tiny_policy(tok, seed=0, **arch), build_tiny_scalar_model(tok, seed=1, **arch)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(2)
+        for p in rm.parameters():  # spread the random reward model's scores (0.02-std init scores all alike)
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+        # raise the EOS logit by ~2 on average: responses end at different lengths, so the processes'
+        # shards hold different token counts and token means must be reweighted to agree
+        ids = tok(["数字:1234x2=5", "小写:4321x2=八"], return_tensors="pt")["input_ids"]
+        h = policy.transformer(ids).last_hidden_state.mean((0, 1))  # [H]
+        policy.lm_head.weight[tok.eos_token_id] += 2.0 * h / h.square().sum()
+    for model, name in ((policy, "policy"), (rm, "rm")):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args = [str(root / "policy"), str(root / "rm")]
+    # --multi_gpu selects the torch.distributed launcher; on CPU the processes join with gloo
+    # (accelerate 1.x sends a bare --cpu multi-process launch to mpirun instead)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port())]
+    procs = {
+        1: subprocess.Popen([sys.executable, str(DRIVER), str(root / "one"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        2: subprocess.Popen([*launch, str(DRIVER), str(root / "two"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+    }
+    for n, proc in procs.items():
+        log, _ = proc.communicate(timeout=480)
+        assert proc.returncode == 0, f"{n}-process run failed:\n{log[-6000:]}"
+    return root / "one", root / "two"
+
+
+def test_two_processes_really_ran(runs):
+    one, two = runs
+    assert json.loads((one / "world.json").read_text())["num_processes"] == 1
+    world = json.loads((two / "world.json").read_text())
+    assert world["num_processes"] == 2 and "MULTI_CPU" in world["distributed_type"]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_first_step_matches_one_process(runs, cmd):
+    one, two = runs
+    a, b = read_jsonl(one / cmd / "metrics.jsonl"), read_jsonl(two / cmd / "metrics.jsonl")
+    assert len(a) == len(b) >= 1  # one row per logged step: written once, by the main process
+    keys = [k for k in a[0] if not k.startswith(("time/", "throughput/")) and k != "step"]
+    assert any("loss" in k for k in keys) and any("grad_norm" in k for k in keys), keys
+    diffs = {}
+    for ra, rb in zip(a, b):
+        for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step"):
+            va, vb = ra[k], rb[k]
+            assert (va is None) == (vb is None), k
+            if va is not None:
+                diffs[k] = max(diffs.get(k, 0.0), abs(va - vb))
+    print(f"\n{cmd}: max |1 process - 2 processes| over {len(diffs)} metrics = {max(diffs.values()):.2e}; "
+          + ", ".join(f"{k} {v:.1e}" for k, v in sorted(diffs.items()) if "loss" in k or "grad_norm" in k))
+    bad = {k: v for k, v in diffs.items() if not v <= TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("cmd,weights", [("ppo", "policy"), ("grpo", "policy"), ("dpo", "policy"),
+                                         ("sft", "policy"), ("rm", "reward_model")])
+def test_saved_weights_match_one_process(runs, cmd, weights):
+    one, two = runs
+    wa = load_file(one / cmd / weights / "model.safetensors")
+    wb = load_file(two / cmd / weights / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    diff = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    assert math.isfinite(diff) and diff < TOL, diff
+
+
+def test_only_the_main_process_writes_samples(runs):
+    one, two = runs
+    for cmd in ("ppo", "grpo"):
+        sa = read_jsonl(one / cmd / "samples.jsonl")
+        sb = read_jsonl(two / cmd / "samples.jsonl")
+        assert sa == sb  # the first rows of the global batch, sampled identically, written once
