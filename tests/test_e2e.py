@@ -7,6 +7,12 @@ minute on two CPU cores) feeds every test here.
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -159,3 +165,49 @@ def test_classifier_reward_of_seed_002_drives_ppo(demo_run, tmp_path):
                  f"run.out_dir={tmp_path / 'ppo'}", "run.progress=false"]) == 0
     final = [r for r in read_jsonl(tmp_path / "ppo" / "metrics.jsonl") if r.get("eval/format_acc") is not None][-1]
     assert final["eval/format_acc"] >= 0.95 > summary["base"]["format_acc"]
+
+
+def test_chat_answers_from_piped_input(demo_run):
+    out, _ = demo_run
+    proc = subprocess.run([sys.executable, "-m", "rlhfkit", "chat", str(out), "run.device=cpu"],
+                          input="数字:1234x2=\n大写:1234x2=\n/quit\n数字:1111x2=\n", capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert proc.returncode == 0, proc.stderr
+    assert "2468" in proc.stdout and "贰肆陆捌" in proc.stdout and "2222" not in proc.stdout  # stopped at /quit
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")
+def test_chat_session_driven_through_tmux(demo_run):
+    """A scripted terminal session: type prompts into `rlhfkit chat`, read the screen, /quit."""
+    out, _ = demo_run
+    tmux = ["tmux", "-u", "-L", f"rlhfkit-test-{os.getpid()}"]  # a private server: kill-server ends only it
+    env = {**os.environ, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    cmd = f"{shlex.quote(sys.executable)} -m rlhfkit chat {shlex.quote(str(out))} run.device=cpu; echo CHAT-EXIT $?; sleep 60"
+
+    def screen() -> str:
+        return subprocess.run([*tmux, "capture-pane", "-p", "-t", "chat"], capture_output=True, text=True,
+                              env=env).stdout
+
+    def wait_for(text: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in (shown := screen()):
+                return shown
+            time.sleep(0.2)
+        raise AssertionError(f"{text!r} never appeared; screen:\n{screen()}")
+
+    def type_line(text: str) -> None:
+        subprocess.run([*tmux, "send-keys", "-t", "chat", "-l", text], check=True, env=env)
+        subprocess.run([*tmux, "send-keys", "-t", "chat", "Enter"], check=True, env=env)
+
+    subprocess.run([*tmux, "new-session", "-d", "-s", "chat", "-x", "150", "-y", "40", cmd], check=True, env=env)
+    try:
+        wait_for("chatting with")
+        type_line("数字:4321x2=")
+        wait_for("8642")
+        type_line("小写:1500x2=")
+        wait_for("三〇〇〇")
+        type_line("/quit")
+        wait_for("CHAT-EXIT 0")
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)

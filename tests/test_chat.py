@@ -1,0 +1,76 @@
+"""rlhfkit chat: prompts rendered by the tokenizer's chat template (or plain text without one),
+history, /reset, /quit and end of input; scripted, no terminal needed (the tmux-driven check on a
+trained model is in test_e2e.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_helpers import chat_tokenizer, save_tiny
+from rlhfkit.chat import ChatSession, run_chat
+from rlhfkit.config import Config
+from rlhfkit.models import build_tiny_policy
+from rlhfkit.rollout import generate
+from rlhfkit.tasks.doubling import make_tokenizer
+
+
+def scripted(lines):
+    """A ``read`` that returns the lines in turn, then raises EOFError like ``input`` at Ctrl-D."""
+    it = iter(lines)
+
+    def read(prompt: str) -> str:
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+
+    return read
+
+
+def test_templated_chat_renders_the_conversation_and_answers_greedily(tmp_path):
+    tok = chat_tokenizer()
+    path = save_tiny(tmp_path / "qwen3", "qwen3", tok, seed=4)
+    cfg = Config().replace(run={"device": "cpu"}, chat={"max_new_tokens": 5, "system": "Be brief."})
+    session = ChatSession(path, cfg)
+    assert session.templated
+    first = session.reply("Where is Pune?")
+    # the model saw exactly the template's rendering, and answered what greedy decoding gives
+    want_text = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhere is Pune?<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+    ids = torch.tensor([tok(want_text)["input_ids"]])
+    out = generate(session.model, ids, torch.ones_like(ids), 5, tok.eos_token_id, tok.pad_token_id, greedy=True)
+    n = int(out.response_mask.sum())
+    assert first == tok.decode(out.response_ids[0, :n].tolist(), skip_special_tokens=True)
+    # the next turn carries the first exchange
+    assert session.history == [{"role": "user", "content": "Where is Pune?"},
+                               {"role": "assistant", "content": first}]
+    rendered = tok.decode(session._prompt_ids("And Lyon?"))
+    assert rendered == (want_text + first + "<|im_end|>\n<|im_start|>user\nAnd Lyon?<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    session.reset()
+    assert tok.decode(session._prompt_ids("And Lyon?")).count("<|im_start|>user") == 1
+
+
+def test_loop_handles_reset_quit_and_end_of_input(tmp_path):
+    path = save_tiny(tmp_path / "llama", "llama", chat_tokenizer(), seed=5)
+    cfg = Config().replace(run={"device": "cpu"}, chat={"max_new_tokens": 3})
+    written = []
+    assert run_chat(path, cfg, scripted(["hi", "", "/reset", "again", "/quit", "never read"]), written.append) == 2
+    assert written[0].startswith("chatting with") and "(conversation cleared)" in written
+    assert run_chat(path, cfg, scripted(["hi"]), written.append) == 1  # EOF after one line ends the loop
+
+
+def test_plain_prompt_without_a_template_and_sampling(tmp_path):
+    tok = make_tokenizer()  # the doubling task's tokenizer: no chat template, BOS added
+    policy = build_tiny_policy(tok, seed=0, n_layer=1, n_head=2, n_embd=16)
+    policy.save_pretrained(tmp_path / "p")
+    tok.save_pretrained(tmp_path / "p")
+    greedy = ChatSession(str(tmp_path / "p"), Config().replace(run={"device": "cpu"}))
+    assert not greedy.templated and greedy._prompt_ids("数字:1234x2=") == tok("数字:1234x2=")["input_ids"]
+    # the reply never runs past the model's 32 positions, whatever chat.max_new_tokens says
+    assert len(tok(greedy.reply("数字:1234x2="))["input_ids"]) <= 32
+    sampled = [ChatSession(str(tmp_path / "p"), Config().replace(run={"device": "cpu", "seed": s},
+                                                                 chat={"greedy": False, "temperature": 2.0}))
+               for s in (0, 0, 1)]
+    answers = [s.reply("数字:1234x2=") for s in sampled]
+    assert answers[0] == answers[1] and answers[0] != answers[2]  # seeded sampling
