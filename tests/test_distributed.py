@@ -1,6 +1,6 @@
 """Data parallelism through accelerate: two CPU processes (gloo) compute what one process computes.
 
-One step of PPO, GRPO, DPO, SFT and the reward model runs once in a single process and once
+One step of PPO (also a critic warm-up step), GRPO, DPO, SFT and the reward model runs once in a single process and once
 under ``accelerate launch`` with two processes, each taking half of every global batch. The
 logged losses, gradient norms and statistics and the saved weights must agree (1e-4), which
 holds only if sharding reproduces the single-process batch, sampling does not depend on the
@@ -28,7 +28,7 @@ from rlhfkit.utils import read_jsonl
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-COMMANDS = ("ppo", "grpo", "dpo", "sft", "rm")
+RUNS = ("ppo", "ppo_warmup", "grpo", "dpo", "sft", "rm")
 
 
 def _free_port() -> int:
@@ -81,13 +81,15 @@ def test_two_processes_really_ran(runs):
     assert world["num_processes"] == 2 and "MULTI_CPU" in world["distributed_type"]
 
 
-@pytest.mark.parametrize("cmd", COMMANDS)
+@pytest.mark.parametrize("cmd", RUNS)
 def test_first_step_matches_one_process(runs, cmd):
     one, two = runs
     a, b = read_jsonl(one / cmd / "metrics.jsonl"), read_jsonl(two / cmd / "metrics.jsonl")
     assert len(a) == len(b) >= 1  # one row per logged step: written once, by the main process
     keys = [k for k in a[0] if not k.startswith(("time/", "throughput/")) and k != "step"]
     assert any("loss" in k for k in keys) and any("grad_norm" in k for k in keys), keys
+    if cmd == "ppo_warmup":
+        assert all(r["policy/grad_norm"] == 0.0 for r in a + b)  # warm-up: only the value head learned
     diffs = {}
     for ra, rb in zip(a, b):
         for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step"):

@@ -187,6 +187,17 @@ def test_ppo_with_a_reward_model_of_another_tokenizer(hub, tmp_path):
         build_models(cfg.replace(ppo={"value_init": "reward"}), hub["qwen2"], torch.device("cpu"))
 
 
+def test_value_name_chooses_the_critic_checkpoint(hub, tmp_path):
+    # the reward model has another tokenizer; value.name starts the critic from a checkpoint that
+    # shares the policy's, whatever ppo.value_init says
+    cfg = tiny_rl_config(tmp_path, model={"name": hub["qwen3"]}, reward={"name": hub["bpe_rm"]},
+                         value={"name": hub["rm"]})
+    ac, _, _, _ = build_models(cfg, hub["qwen3"], torch.device("cpu"))
+    want = load_scalar_model(hub["rm"]).state_dict()
+    got = ac.critic.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def _bytes(params) -> int:
     """Bytes of parameter storage, each storage counted once however many modules share it."""
     seen = {}

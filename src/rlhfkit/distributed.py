@@ -169,3 +169,13 @@ def clip_grad_norm(accelerator, parameters, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
     norm = accelerator.clip_grad_norm_(params, max_norm)
     return torch.tensor(float("nan")) if norm is None else torch.as_tensor(norm).detach()
+
+
+def prepare(accelerator, *objects, micro_batch: int):
+    """``accelerator.prepare(*objects)``; under DeepSpeed it first tells the engine the
+    per-process micro-batch, which it would otherwise read from a dataloader (rlhfkit's
+    trainers build their batches themselves and prepare none)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
+    return accelerator.prepare(*objects)

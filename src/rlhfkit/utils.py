@@ -31,19 +31,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_accelerator(cfg: Config):
+def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
     """An ``accelerate.Accelerator`` on the configured device.
 
     Trainers take their device from it, ``prepare`` the trained models and optimizers and
     call ``accelerator.backward``: one process by default, DDP / DeepSpeed / FSDP under
-    ``accelerate launch`` (see :mod:`rlhfkit.distributed`). DDP looks for parameters a
-    backward did not reach (a PPO critic warm-up leaves the actor out).
+    ``accelerate launch`` (see :mod:`rlhfkit.distributed`). ``find_unused_parameters``: some
+    backward passes leave trained parameters out (a PPO critic warm-up skips the actor),
+    which DDP must be told (it costs a graph traversal per backward).
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
     device = resolve_device(cfg.run.device)
-    ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
     return Accelerator(cpu=device.type == "cpu", kwargs_handlers=[ddp])
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..config import Config
 from ..core import dpo_loss, logprobs_from_logits
-from ..distributed import Shard, clip_grad_norm, evaluate_sharded
+from ..distributed import Shard, clip_grad_norm, evaluate_sharded, prepare
 from ..models import load_tokenizer, policy_with_reference, position_ids_from_mask, save_policy
 from ..tasks import get_task
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
@@ -63,7 +63,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
         ref_cache = shard.sum(ref_cache)
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=dc.lr, weight_decay=0.0)
-    train_policy, opt = accelerator.prepare(policy, opt)  # DDP under accelerate launch
+    train_policy, opt = prepare(accelerator, policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
     log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)

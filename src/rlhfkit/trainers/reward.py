@@ -18,7 +18,7 @@ from transformers.utils import logging as hf_logging
 from ..config import Config
 from ..core import bradley_terry_loss
 from ..data import PreferenceExample, encode_preferences, load_preferences
-from ..distributed import Shard, clip_grad_norm
+from ..distributed import Shard, clip_grad_norm, prepare
 from ..models import (
     ModuleForward,
     build_tiny_scalar_model,
@@ -122,7 +122,8 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[st
     data = task.TaskData(cfg.run.seed + 1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
-    train_logits, opt = accelerator.prepare(ModuleForward(model, sequence_logits), opt)
+    train_logits, opt = prepare(accelerator, ModuleForward(model, sequence_logits), opt,
+                                micro_batch=max(1, rc.batch_size // shard.world))
 
     def batch(items, forward):
         enc = tok([t for t, _ in items], padding=True, return_tensors="pt")
@@ -213,7 +214,8 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
     # the scalar readout as the module's forward, so DDP sees it (and syncs its gradients)
-    train_scores, opt = accelerator.prepare(ModuleForward(model, sequence_scores), opt)
+    train_scores, opt = prepare(accelerator, ModuleForward(model, sequence_scores), opt,
+                                micro_batch=max(1, rc.batch_size // shard.world))
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
     log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
     t0 = time.perf_counter()

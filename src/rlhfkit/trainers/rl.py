@@ -47,7 +47,7 @@ from ..core import (
     shaped_rewards,
     value_loss,
 )
-from ..distributed import Shard, clip_grad_norm, evaluate_sharded, rollout_uniforms
+from ..distributed import Shard, clip_grad_norm, evaluate_sharded, prepare, rollout_uniforms
 from ..evaluate import decode_responses, tokenize_prompts
 from ..models import (
     ValueHead,
@@ -429,10 +429,11 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     from ..plots import plot_ppo  # matplotlib only when a run finishes
 
     out = setup_run(cfg)
-    accelerator = make_accelerator(cfg)
+    pc = cfg.ppo
+    # a critic warm-up's backward skips the actor: DDP must look for unused parameters
+    accelerator = make_accelerator(cfg, find_unused_parameters=pc.algo == "ppo" and pc.critic_warmup_steps > 0)
     shard = Shard(accelerator)
     device = accelerator.device
-    pc = cfg.ppo
     policy_path = policy_path or cfg.model.name
     if reward_path:
         cfg = cfg.replace(reward={"name": reward_path})
@@ -449,7 +450,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     if ac.has_critic:
         groups.append({"params": ac.critic_parameters(), "lr": pc.value_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, fused=True)  # one kernel per step, ~20% faster on CPU
-    train_ac, optimizer = accelerator.prepare(ac, optimizer)  # DDP under accelerate launch; ac itself otherwise
+    # DDP under accelerate launch (ac itself otherwise); generation and the experience pass use ac
+    train_ac, optimizer = prepare(accelerator, ac, optimizer, micro_batch=local_pc.minibatch_size)
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 2)
     max_new_tokens = pc.max_new_tokens or task.MAX_NEW_TOKENS

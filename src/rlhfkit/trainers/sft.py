@@ -15,7 +15,7 @@ import torch
 
 from ..config import Config
 from ..data import SFTExample, encode_sft, load_sft, pack_sft
-from ..distributed import Shard, clip_grad_norm
+from ..distributed import Shard, clip_grad_norm, prepare
 from ..models import load_tokenizer, masked_lm_loss, policy_with_reference, save_policy
 from ..tasks import get_task
 from ..utils import MetricsLogger, make_accelerator, progress, setup_run
@@ -49,7 +49,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     n = enc["input_ids"].shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=sc.lr, weight_decay=0.0)
-    train_model, opt = accelerator.prepare(model, opt)  # DDP under accelerate launch
+    train_model, opt = prepare(accelerator, model, opt, micro_batch=max(1, sc.batch_size // shard.world))  # DDP
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
     log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
