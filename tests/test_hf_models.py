@@ -31,6 +31,7 @@ from rlhfkit.models import (
     sequence_scores,
 )
 from rlhfkit.rollout import Rollout, generate
+from rlhfkit.trainers.reward import train_reward_model
 from rlhfkit.trainers.rl import build_models, other_tokenizer, reward_model_scorer, train_rl
 from rlhfkit.utils import read_jsonl
 
@@ -283,3 +284,18 @@ def test_lora_ppo_run_on_qwen3(hub, tmp_path):
         assert main(["eval", str(target), f"run.out_dir={out}", "eval.max_new_tokens=4"]) == 0
         results.append(json.loads((out / "eval.json").read_text()))
     assert results[0]["examples"] == results[1]["examples"]
+
+
+def test_reward_model_with_lora_saves_a_plain_merged_classifier(hub, tmp_path):
+    cfg = Config().replace(run={"out_dir": str(tmp_path), "progress": False, "threads": 1},
+                           model={"name": hub["qwen3"], "lora_r": 4},
+                           reward={"steps": 2, "batch_size": 8, "eval_pairs": 16, "lr": 1e-2})
+    result = train_reward_model(cfg)
+    rm = AutoModelForSequenceClassification.from_pretrained(result["path"])  # transformers alone
+    assert rm.config.num_labels == 1 and not any("lora" in n for n, _ in rm.named_parameters())
+    base = load_policy(hub["qwen3"]).state_dict()
+    merged = rm.state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], base[q])  # the trained adapter is in the merged weights
+    for k in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):  # no adapter there
+        assert torch.equal(merged[k], base[k])

@@ -21,11 +21,13 @@ from ..data import PreferenceExample, encode_preferences, load_preferences
 from ..distributed import Shard, clip_grad_norm, prepare
 from ..models import (
     ModuleForward,
+    add_lora,
     build_tiny_scalar_model,
     disable_dropout,
     enable_gradient_checkpointing,
     load_scalar_model,
     load_tokenizer,
+    save_policy,
     sequence_logits,
     sequence_scores,
 )
@@ -151,8 +153,7 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[st
 def _save(shard: Shard, model, tok, save_dir: Path) -> None:
     shard.wait()
     if shard.is_main:
-        model.save_pretrained(save_dir)
-        tok.save_pretrained(save_dir)
+        save_policy(model, tok, save_dir)  # LoRA merged: a plain sequence-classification checkpoint
     shard.wait()
 
 
@@ -196,6 +197,13 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     model = disable_dropout(model).to(device).train()
     if rc.freeze_backbone:
         model.base_model.requires_grad_(False)
+    if cfg.model.lora_r:  # an adapter on the backbone, the scalar head trained in full; saved merged
+        if rc.freeze_backbone:
+            raise ValueError("reward.freeze_backbone and model.lora_r both limit what the backbone learns: "
+                             "choose one")
+        mc = cfg.model
+        model = add_lora(model, mc.lora_r, mc.lora_alpha, mc.lora_dropout, mc.lora_target_modules,
+                         trainable_head=True)
     if cfg.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if rc.kind == "classifier":
