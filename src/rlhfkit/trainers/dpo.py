@@ -12,12 +12,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from ..config import Config
 from ..core import dpo_loss, logprobs_from_logits
 from ..evaluate import evaluate_doubling
-from ..models import disable_dropout, freeze, load_policy, position_ids_from_mask
+from ..models import disable_dropout, freeze, load_policy, load_tokenizer, position_ids_from_mask
 from ..tasks import doubling
 from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
 from .reward import encode_triples, stack_pairs
@@ -43,9 +42,10 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     policy_path = policy_path or cfg.model.name
     if not policy_path:
         raise ValueError("DPO needs a policy to start from: set model.name=PATH")
-    tok = AutoTokenizer.from_pretrained(policy_path)
-    policy = disable_dropout(load_policy(policy_path)).to(device).train()
-    ref = freeze(load_policy(policy_path)).to(device)
+    trc = cfg.model.trust_remote_code
+    tok = load_tokenizer(policy_path, trc)
+    policy = disable_dropout(load_policy(policy_path, trust_remote_code=trc)).to(device).train()
+    ref = freeze(load_policy(policy_path, trust_remote_code=trc)).to(device)
     triples = doubling.DoublingData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
     enc = encode_triples(tok, triples)
     n_pairs = len(triples)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ..config import Config
@@ -21,6 +20,7 @@ from ..models import (
     build_tiny_scalar_model,
     disable_dropout,
     load_scalar_model,
+    load_tokenizer,
     sequence_logits,
     sequence_scores,
 )
@@ -153,9 +153,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         if not path:
             raise ValueError("reward.init_from=policy needs a pretrained policy: set model.name=PATH "
                              "(or reward.init_from=scratch)")
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-        if tok.pad_token_id is None:
-            raise ValueError(f"the tokenizer at {path} has no pad token: set one (e.g. pad = eos) and save it")
+        tok = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
         # a causal-LM checkpoint: its backbone, a fresh scalar head. transformers prints a load
         # report of the (expected) missing head / unused LM head; keep the demo output readable
         verbosity = hf_logging.get_verbosity()

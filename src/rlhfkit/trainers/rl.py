@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
 
 from ..config import Config, PPOConfig
 from ..core import (
@@ -53,6 +52,7 @@ from ..models import (
     freeze,
     load_policy,
     load_scalar_model,
+    load_tokenizer,
     policy_forward,
     sequence_logits,
     sequence_scores,
@@ -310,9 +310,7 @@ def build_models(cfg: Config, policy_path: str, device):
     """
     pc, rc = cfg.ppo, cfg.reward
     trc = cfg.model.trust_remote_code
-    tok = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trc)
-    if tok.pad_token_id is None:
-        raise ValueError(f"the tokenizer at {policy_path} has no pad token: set one (e.g. pad = eos) and save it")
+    tok = load_tokenizer(policy_path, trust_remote_code=trc)
     policy = disable_dropout(load_policy(policy_path, trust_remote_code=trc)).to(device).train()
     ref = freeze(load_policy(policy_path, trust_remote_code=trc)).to(device)
     if rc.function:

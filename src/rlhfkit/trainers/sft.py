@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from ..config import Config
 from ..data import encode_sft, load_sft, pack_sft
-from ..models import load_policy, masked_lm_loss
+from ..models import load_policy, load_tokenizer, masked_lm_loss
 from ..utils import MetricsLogger, make_accelerator, progress, setup_run
 from .pretrain import lr_lambda
 
@@ -28,7 +27,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     policy_path, data_path = policy_path or cfg.model.name, data_path or dc.path
     if not policy_path or not data_path:
         raise ValueError("SFT needs a model and data: set model.name=PATH and data.path=FILE.jsonl")
-    tok = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code)
+    tok = load_tokenizer(policy_path, cfg.model.trust_remote_code, need_pad=False)  # rows pad with EOS if none
     model = load_policy(policy_path, trust_remote_code=cfg.model.trust_remote_code).to(device).train()
     enc = encode_sft(load_sft(data_path, tok), tok, dc.max_length, dc.truncation)
     if not dc.completion_only:  # every real token after the first is a target
