@@ -28,6 +28,14 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture
+def no_plots(monkeypatch):
+    """Skip the RL run's PNG plots (matplotlib is most of a tiny run's time; they are tested in e2e)."""
+    import rlhfkit.plots
+
+    monkeypatch.setattr(rlhfkit.plots, "plot_ppo", lambda history, out_dir: [])
+
+
+@pytest.fixture
 def tiny_config():
     """``tiny_config(out_dir, **sections)``: a validated Config with few, small steps everywhere."""
 

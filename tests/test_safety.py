@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCANNED = [ROOT / "src" / "rlhfkit", ROOT / "benchmarks"]
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
 PICKLE_CALLS = {"torch.jit.load", "jit.load", "read_pickle", "torch.serialization.load"}
+pytestmark = pytest.mark.usefixtures("no_plots")
+
 PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"}
 
 

@@ -25,7 +25,7 @@ from ..models import (
     sequence_scores,
 )
 from ..tasks import doubling
-from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run
 
 
 def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
@@ -119,17 +119,18 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[st
         labels = torch.tensor([y for _, y in items], device=device)
         return sequence_logits(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)), labels
 
+    guard = UpdateGuard(cfg.run.max_bad_updates, "reward classifier")
     bar = progress(range(rc.steps), desc="reward classifier", enabled=cfg.run.progress)
     for step in bar:
         logits, labels = batch(data.labelled_texts(rc.batch_size))
         loss = torch.nn.functional.cross_entropy(logits, labels)
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if guard.ok(loss, torch.nn.utils.clip_grad_norm_(params, 1.0)):
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
             acc = (logits.argmax(-1) == labels).float().mean()
-            log.log(step, {"rm/loss": loss, "rm/accuracy": acc})
+            log.log(step, {"rm/loss": loss, "rm/accuracy": acc, "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{acc.item():.2f}")
     with torch.no_grad():
         logits, labels = batch(doubling.DoublingData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs))
@@ -189,6 +190,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
     log = MetricsLogger(out / "metrics.jsonl")
+    guard = UpdateGuard(cfg.run.max_bad_updates, "reward model")
     t0 = time.perf_counter()
     bar = progress(range(rc.steps), desc="reward model", enabled=cfg.run.progress)
     for step in bar:
@@ -197,11 +199,11 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         half = scores.shape[0] // 2
         loss, stats = bradley_terry_loss(scores[:half], scores[half:], margin, rc.center_coef)
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if guard.ok(loss, torch.nn.utils.clip_grad_norm_(params, 1.0)):
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
-            log.log(step, stats)
+            log.log(step, {**stats, "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{stats['rm/accuracy'].item():.2f}", delta=f"{stats['rm/delta'].item():.2f}")
     seconds = time.perf_counter() - t0
     ev = evaluate_batches(model, pairs.eval_batches())

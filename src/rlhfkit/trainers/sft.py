@@ -14,7 +14,7 @@ import torch
 from ..config import Config
 from ..data import encode_sft, load_sft, pack_sft
 from ..models import load_policy, load_tokenizer, masked_lm_loss
-from ..utils import MetricsLogger, make_accelerator, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run
 from .pretrain import lr_lambda
 
 
@@ -39,6 +39,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
     log = MetricsLogger(out / "metrics.jsonl")
+    guard = UpdateGuard(cfg.run.max_bad_updates, "sft")
     t0 = time.perf_counter()
     bar = progress(range(sc.steps), desc="sft", enabled=cfg.run.progress)
     for step in bar:
@@ -47,12 +48,12 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
         loss = masked_lm_loss(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                               batch.get("position_ids"))
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if guard.ok(loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == sc.steps - 1:
-            log.log(step, {"sft/loss": loss, "sft/lr": sched.get_last_lr()[0]})
+            log.log(step, {"sft/loss": loss, "sft/lr": sched.get_last_lr()[0], "guard/skipped_updates": guard.skipped})
             bar.set_postfix(loss=f"{loss.item():.4f}")
     log.close()
     save_dir = Path(out) / "policy"
