@@ -405,8 +405,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             loaded = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        except yaml.YAMLError as e:  # one line: where it broke and why, not PyYAML's multi-line report
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(e, 'problem', None) or e}; "
+                              "fix the syntax there") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         for sec, values in loaded.items():

@@ -149,7 +149,7 @@ def _located_records(source) -> tuple[str, list[tuple[str, Any]]]:
 def _records(source, allow_empty: bool = False) -> list[tuple[str, dict]]:
     name, located = _located_records(source)
     if not located and not allow_empty:  # an empty training set is a wrong path or a bad export
-        raise DataError(f"{name}: no records")
+        raise DataError(f"{name}: no records (empty or blank); check the path or the export that wrote it")
     for where, rec in located:
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object (a dict of fields), got {_kind(rec)}")

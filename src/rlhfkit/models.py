@@ -86,12 +86,18 @@ def _from_pretrained(loader, path: str, what: str, **kwargs):
     if not path:
         raise ModelLoadError(f"no {what} path given")
     if not os.path.exists(path) and _looks_local(path):
-        raise ModelLoadError(f"{what} {path!r} does not exist: give a directory written by save_pretrained "
-                             "(config.json, model.safetensors, tokenizer files) or a hub id")
+        raise ModelLoadError(f"{path!r} does not exist (looked for the {what} there): point model.name / "
+                             "reward.name at a directory written by save_pretrained (config.json, model.safetensors, "
+                             "tokenizer files) or at a hub id")
+    if os.path.isdir(path):  # a local directory: say which file is missing before HF guesses
+        need = ("tokenizer_config.json", "tokenizer.json") if loader is AutoTokenizer else ("config.json",)
+        if not any(os.path.isfile(os.path.join(path, f)) for f in need):
+            raise ModelLoadError(f"{what} {path!r} is a directory without {' or '.join(need)}: give a directory "
+                                 "written by save_pretrained (model and tokenizer), e.g. <run>/policy")
     try:
         return loader.from_pretrained(path, **kwargs)
-    except OSError as e:  # HF reports missing files, bad ids and network failures as OSError
-        reason = " ".join(str(e).split())[:300]
+    except (OSError, ValueError) as e:  # HF: OSError for missing files, bad ids, no network; ValueError others
+        reason = " ".join(str(e).split())[:300].rstrip(".")
         hint = ""
         if kwargs.get("use_safetensors") and os.path.isdir(path) and any(
             f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path)

@@ -202,7 +202,8 @@ def load_reward_function(spec: str) -> Callable[..., list[float]]:
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}") from None
+        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}; the module must be importable "
+                         "(installed or on PYTHONPATH) and define that name") from None
     if not callable(fn):
         raise ValueError(f"reward.function={spec!r} is not callable")
     return fn
