@@ -659,3 +659,16 @@ def test_bad_input(name, env):
 
 def test_the_suite_is_big_enough():
     assert len(BAD_INPUTS) >= 50, len(BAD_INPUTS)
+
+
+def test_every_range_names_a_config_key_and_the_defaults_pass():
+    from rlhfkit.config import POSITIVE, RANGES, Config, ConfigError, from_dict
+
+    cfg = Config()
+    for key in [*RANGES, *POSITIVE]:
+        sec, name = key.split(".")
+        assert hasattr(getattr(cfg, sec), name), f"RANGES names {key}, which Config does not have"
+    assert set(POSITIVE) <= set(RANGES)
+    assert from_dict(cfg.to_dict()) == cfg  # every default is inside its range
+    with pytest.raises(ConfigError, match="must be >= 1, got -3"):
+        cfg.replace(ppo={"steps": -3})  # replace() validates too, not just the CLI
