@@ -91,7 +91,8 @@ def soak(args) -> dict:
             rss = rss_mib(child.pid)
             if child.poll() is not None or rss is None:
                 raise RuntimeError(f"the PPO run exited early (code {child.returncode}); see {out / 'soak_child.log'}")
-            samples.append((elapsed, count_lines(run_dir / "metrics.jsonl"), rss))
+            if rss > 0:  # 0 in the instant between fork and exec
+                samples.append((elapsed, count_lines(run_dir / "metrics.jsonl"), rss))
             if elapsed >= args.minutes * 60:
                 break
             time.sleep(min(args.interval, max(0.0, args.minutes * 60 - elapsed)))

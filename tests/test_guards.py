@@ -186,3 +186,19 @@ def test_cli_reports_a_diverged_run_with_exit_code_1(tiny_models, tmp_path, monk
     assert code == 1
     err = capsys.readouterr().err
     assert err.startswith("rlhfkit dpo: error: dpo: 2 optimizer updates in a row") and "Traceback" not in err
+
+
+def test_metrics_logger_reads_back_only_its_own_rows(tmp_path):
+    # the RL loop keeps no per-step rows in memory and reads them back at the end; a run directory
+    # reused by a second run must not mix the first run's rows into the second run's plots
+    from rlhfkit.utils import MetricsLogger
+
+    first = MetricsLogger(tmp_path / "metrics.jsonl")
+    first.log(0, {"a": 1.0})
+    first.close()
+    second = MetricsLogger(tmp_path / "metrics.jsonl")
+    second.log(0, {"a": 2.0, "b": math.nan})
+    second.log(1, {"a": 3.0})
+    assert [(r["step"], r["a"]) for r in second.rows()] == [(0, 2.0), (1, 3.0)]  # readable while open
+    second.close()
+    assert second.rows()[0]["b"] is None and len(read_jsonl(tmp_path / "metrics.jsonl")) == 3

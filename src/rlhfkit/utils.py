@@ -66,11 +66,15 @@ def to_float(value: Any) -> float:
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null)."""
+    """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null).
+
+    ``rows()`` reads this logger's rows back from the file, so a trainer need not keep every
+    step's row in memory (a long run would grow by one dict per step)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._start = self.path.stat().st_size if self.path.exists() else 0  # earlier runs' rows end here
         self._fh = self.path.open("a", encoding="utf-8")
         self.t0 = time.perf_counter()
 
@@ -85,6 +89,14 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._fh.close()
+
+    def rows(self) -> list[dict]:
+        """The rows this logger wrote (not those of an earlier run appended to the same file)."""
+        if not self._fh.closed:
+            self._fh.flush()
+        with self.path.open("rb") as f:
+            f.seek(self._start)
+            return [json.loads(line) for line in f if line.strip()]
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -392,7 +392,6 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     kl_coef = pc.kl_coef
     guard = UpdateGuard(cfg.run.max_bad_updates, pc.algo)
     train_s = 0.0
-    history: list[dict] = []
     reached = None
     bar = progress(range(pc.steps), desc=pc.algo, enabled=cfg.run.progress)
     for step in bar:
@@ -427,7 +426,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
             stats.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if reached is None and pc.stop_at_exact and ev["exact_acc"] >= pc.stop_at_exact:
                 reached = {"step": step + 1, "train_s": train_s}
-        history.append(log.log(step, stats))
+        log.log(step, stats)
         bar.set_postfix(score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
                         exact=f"{stats.get('eval/exact_acc', float('nan')):.3f}")
         if reached is not None:
@@ -441,6 +440,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         ac.critic.save_pretrained(save_dir / "value_model")
     elif ac.value_head is not None:
         save_file(ac.value_head.state_dict(), str(save_dir / "value_head.safetensors"))
+    history = log.rows()  # read back, not kept per step: memory stays flat over a long run
     plot_ppo(history, save_dir)
     final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
     return {"path": str(save_dir / "policy"), "seconds": train_s, "steps": len(history), "reached": reached,
