@@ -58,7 +58,8 @@ def pretrain(cfg: Config) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 20 == 0 or step == pc.steps - 1:
-            log.log(step, {"train/loss": loss, "train/lr": sched.get_last_lr()[0], "guard/skipped_updates": guard.skipped})
+            log.log(step, {"train/loss": loss, "train/lr": sched.get_last_lr()[0],
+                           "guard/skipped_updates": guard.skipped})
             bar.set_postfix(loss=f"{loss.item():.4f}")
     seconds = time.perf_counter() - t0
     ev = evaluate_doubling(model, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
