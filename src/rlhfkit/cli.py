@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
+    from .utils import TrainingError  # torch comes with it: not before `rlhfkit -h` is answered
+
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
     try:
         cfg = _config(args)
@@ -110,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
             verdict = "optimal" if res["optimal"] else "NOT optimal"
             print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # the inputs were fine but the run diverged
+        print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

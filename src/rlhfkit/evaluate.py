@@ -62,13 +62,11 @@ def evaluate_path(path: str, cfg) -> dict:
     import json
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
-    from .models import load_policy
+    from .models import load_policy, load_tokenizer
     from .utils import resolve_device
 
     device = resolve_device(cfg.run.device)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path, cfg.model.trust_remote_code)
     policy = load_policy(path, trust_remote_code=cfg.model.trust_remote_code).to(device)
     ev = evaluate_task(get_task(cfg.run.task), policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
     result = {"path": path, "task": cfg.run.task, "format_acc": ev["format_acc"], "exact_acc": ev["exact_acc"], "answer_acc": ev["answer_acc"],

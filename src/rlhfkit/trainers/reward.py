@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ..config import Config
@@ -21,11 +20,12 @@ from ..models import (
     build_tiny_scalar_model,
     disable_dropout,
     load_scalar_model,
+    load_tokenizer,
     sequence_logits,
     sequence_scores,
 )
 from ..tasks import get_task
-from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run
 
 
 def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
@@ -121,17 +121,18 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[st
         labels = torch.tensor([y for _, y in items], device=device)
         return sequence_logits(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)), labels
 
+    guard = UpdateGuard(cfg.run.max_bad_updates, "reward classifier")
     bar = progress(range(rc.steps), desc="reward classifier", enabled=cfg.run.progress)
     for step in bar:
         logits, labels = batch(data.labelled_texts(rc.batch_size))
         loss = torch.nn.functional.cross_entropy(logits, labels)
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if guard.ok(loss, torch.nn.utils.clip_grad_norm_(params, 1.0)):
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
             acc = (logits.argmax(-1) == labels).float().mean()
-            log.log(step, {"rm/loss": loss, "rm/accuracy": acc})
+            log.log(step, {"rm/loss": loss, "rm/accuracy": acc, "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{acc.item():.2f}")
     with torch.no_grad():
         logits, labels = batch(task.TaskData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs))
@@ -159,9 +160,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         if not path:
             raise ValueError("reward.init_from=policy needs a pretrained policy: set model.name=PATH "
                              "(or reward.init_from=scratch)")
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-        if tok.pad_token_id is None:
-            raise ValueError(f"the tokenizer at {path} has no pad token: set one (e.g. pad = eos) and save it")
+        tok = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
         # a causal-LM checkpoint: its backbone, a fresh scalar head. transformers prints a load
         # report of the (expected) missing head / unused LM head; keep the demo output readable
         verbosity = hf_logging.get_verbosity()
@@ -197,6 +196,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
     log = MetricsLogger(out / "metrics.jsonl")
+    guard = UpdateGuard(cfg.run.max_bad_updates, "reward model")
     t0 = time.perf_counter()
     bar = progress(range(rc.steps), desc="reward model", enabled=cfg.run.progress)
     for step in bar:
@@ -205,11 +205,11 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         half = scores.shape[0] // 2
         loss, stats = bradley_terry_loss(scores[:half], scores[half:], margin, rc.center_coef)
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if guard.ok(loss, torch.nn.utils.clip_grad_norm_(params, 1.0)):
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
-            log.log(step, stats)
+            log.log(step, {**stats, "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{stats['rm/accuracy'].item():.2f}", delta=f"{stats['rm/delta'].item():.2f}")
     seconds = time.perf_counter() - t0
     ev = evaluate_batches(model, pairs.eval_batches())

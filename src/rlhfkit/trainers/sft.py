@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from ..config import Config
 from ..data import SFTExample, encode_sft, load_sft, pack_sft
-from ..models import load_policy, masked_lm_loss
+from ..models import load_policy, load_tokenizer, masked_lm_loss
 from ..tasks import get_task
-from ..utils import MetricsLogger, make_accelerator, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run
 from .pretrain import lr_lambda
 
 
@@ -31,7 +30,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     if not policy_path:
         raise ValueError("SFT needs a model to start from: set model.name=PATH (and data.path=FILE.jsonl, "
                          "or nothing to use the task's demonstrations)")
-    tok = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code)
+    tok = load_tokenizer(policy_path, cfg.model.trust_remote_code, need_pad=False)  # rows pad with EOS if none
     model = load_policy(policy_path, trust_remote_code=cfg.model.trust_remote_code).to(device).train()
     if data_path:
         examples = load_sft(data_path, tok)
@@ -48,6 +47,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
     log = MetricsLogger(out / "metrics.jsonl")
+    guard = UpdateGuard(cfg.run.max_bad_updates, "sft")
     t0 = time.perf_counter()
     bar = progress(range(sc.steps), desc="sft", enabled=cfg.run.progress)
     for step in bar:
@@ -56,12 +56,12 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
         loss = masked_lm_loss(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                               batch.get("position_ids"))
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if guard.ok(loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == sc.steps - 1:
-            log.log(step, {"sft/loss": loss, "sft/lr": sched.get_last_lr()[0]})
+            log.log(step, {"sft/loss": loss, "sft/lr": sched.get_last_lr()[0], "guard/skipped_updates": guard.skipped})
             bar.set_postfix(loss=f"{loss.item():.4f}")
     log.close()
     save_dir = Path(out) / "policy"
