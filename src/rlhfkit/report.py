@@ -56,7 +56,7 @@ PANELS = [
 SKIP = {"step", "time/elapsed_s", "time/train_s"}
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b"]
 MAX_POINTS = 400
-MAX_SAMPLE_STEPS = 30
+MAX_SAMPLE_STEPS = 16
 
 
 def _esc(x) -> str:
@@ -66,6 +66,8 @@ def _esc(x) -> str:
 def _fmt(v: float) -> str:
     if v == 0:
         return "0"
+    if float(v).is_integer() and abs(v) < 1e6:
+        return str(int(v))
     a = abs(v)
     if a >= 1000 or a < 1e-3:
         return f"{v:.2e}"
@@ -263,6 +265,7 @@ table.trajectory td.na{color:#bbb;text-align:center}
 .seglegend span{padding:1px 6px;margin-left:4px;border:1px solid #ccc}
 .controls{margin:6px 0}.hint{color:#666;font-size:12px;margin-left:10px}
 pre{background:#fff;border:1px solid #dde;padding:8px;overflow-x:auto;font-size:12px}
+#config-yaml{column-width:300px;column-rule:1px solid #eee}
 dl.rowlegend dt{font-weight:600;font-family:ui-monospace,monospace}dl.rowlegend dd{margin:0 0 4px 16px}
 .empty{color:#777}
 """
