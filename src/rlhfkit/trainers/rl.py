@@ -354,7 +354,7 @@ def build_models(cfg: Config, policy_path: str, device):
 def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
     """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the task's prompts (``run.task``).
 
-    Writes metrics, samples, plots and the trained models under ``run.out_dir``; stops early
+    Writes metrics, samples, trajectories, plots and the trained models under ``run.out_dir``; stops early
     once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``.
     """
     from ..plots import plot_ppo  # matplotlib only when a run finishes
