@@ -24,6 +24,7 @@ COMMANDS = {
     "dpo": "DPO on preference pairs: no reward model, no sampling (model.name = policy)",
     "sft": "supervised fine-tuning: model.name = policy, data.path = JSONL of demonstrations",
     "eval": "greedy held-out evaluation of a policy (a path, or a run directory)",
+    "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
 
@@ -37,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         if name == "eval":
             sp.add_argument("path", help="policy directory (HF format) or a run directory containing policy/")
+        if name == "report":
+            sp.add_argument("path", help="run directory (holding metrics.jsonl, config.yaml ...)")
+            sp.add_argument("--screenshot", action="store_true",
+                            help="also save report.png beside it with headless Chromium (must be installed)")
+            continue
         sp.add_argument("--config", help="YAML config file (sections: run, model, pretrain, reward, ppo, eval)")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl_coef=0.1 run.seed=3")
     return p
@@ -71,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     from .utils import TrainingError  # torch comes with it: not before `rlhfkit -h` is answered
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    if args.command == "report":
+        return _report(args)
     try:
         cfg = _config(args)
         if args.command == "demo":
@@ -118,6 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:  # the inputs were fine but the run diverged
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _report(args) -> int:
+    import subprocess
+
+    from .report import screenshot, write_report
+
+    try:
+        path = write_report(args.path)
+        print(f"report: {path} ({path.stat().st_size / 1e6:.2f} MB)")
+        if args.screenshot:
+            print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        print(f"rlhfkit report: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

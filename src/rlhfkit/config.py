@@ -53,6 +53,12 @@ class RunConfig:
     max_bad_updates: int = 5
     """An optimizer update whose loss or gradient norm is NaN/inf is skipped (warning, counted in
     guard/skipped_updates); this many skipped in a row stop the run with an error."""
+    tensorboard: bool = True
+    """Write every logged metric as TensorBoard events under OUT_DIR/tb/ too (tensorboardX);
+    view with ``tensorboard --logdir OUT_DIR``."""
+    trackers: str = ""
+    """Extra experiment trackers, comma-separated: 'wandb', 'trackio' (each must be installed;
+    empty = none)."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,12 @@ class PPOConfig:
     """Stop once held-out greedy exact accuracy reaches this (0 = run all steps)."""
     samples_per_log: int = 4
     """Generations saved to samples.jsonl per step."""
+    trajectories_every: int = 10
+    """Save per-token trajectories (log-probs, KL, reward, value, advantages, returns, mask) to
+    trajectories.jsonl at the first step, every N steps and the last step, for the trajectory
+    view of ``rlhfkit report`` (0 = never)."""
+    trajectories_per_step: int = 2
+    """Rows of the batch saved each time, spread over the score ranks (lowest and highest first)."""
 
 
 @dataclass(frozen=True)

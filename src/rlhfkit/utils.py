@@ -69,12 +69,18 @@ class MetricsLogger:
     """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null).
 
     ``rows()`` reads this logger's rows back from the file, so a trainer need not keep every
-    step's row in memory (a long run would grow by one dict per step)."""
+    step's row in memory (a long run would grow by one dict per step).
 
-    def __init__(self, path: Path):
+    Given the run's ``cfg``, the same rows also go to TensorBoard event files under
+    ``OUT_DIR/tb/`` (``run.tensorboard``) and to the trackers named in ``run.trackers``
+    (``wandb``, ``trackio``), each only when asked for.
+    """
+
+    def __init__(self, path: Path, cfg: Config | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._start = self.path.stat().st_size if self.path.exists() else 0  # earlier runs' rows end here
+        self._sinks = make_sinks(cfg, self.path.parent) if cfg is not None else []
         self._fh = self.path.open("a", encoding="utf-8")
         self.t0 = time.perf_counter()
 
@@ -85,10 +91,15 @@ class MetricsLogger:
             row[k] = f if math.isfinite(f) else None
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
+        scalars = {k: v for k, v in row.items() if k != "step" and v is not None}
+        for sink in self._sinks:
+            sink.log(step, scalars)
         return row
 
     def close(self) -> None:
         self._fh.close()
+        for sink in self._sinks:
+            sink.close()
 
     def rows(self) -> list[dict]:
         """The rows this logger wrote (not those of an earlier run appended to the same file)."""
@@ -97,6 +108,54 @@ class MetricsLogger:
         with self.path.open("rb") as f:
             f.seek(self._start)
             return [json.loads(line) for line in f if line.strip()]
+
+
+class _TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(logdir=str(log_dir), flush_secs=30)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _TrackerSink:
+    """wandb or trackio: both expose ``init(project, name, config)``, ``log(dict, step)`` and ``finish()``."""
+
+    def __init__(self, name: str, cfg: Config, out_dir: Path):
+        import importlib
+
+        try:
+            self.mod = importlib.import_module(name)
+        except ImportError:
+            raise ValueError(f"run.trackers={cfg.run.trackers!r} asks for {name}, which is not installed: "
+                             f"pip install {name} (or drop it from run.trackers)") from None
+        self.run = self.mod.init(project="rlhfkit", name=str(out_dir), config=cfg.to_dict())
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.mod.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.mod.finish()
+
+
+TRACKERS = ("wandb", "trackio")
+
+
+def make_sinks(cfg: Config, out_dir: Path) -> list:
+    """The metric sinks ``cfg.run`` asks for, besides metrics.jsonl."""
+    names = [t.strip() for t in cfg.run.trackers.split(",") if t.strip()]
+    bad = [t for t in names if t not in TRACKERS]
+    if bad:
+        raise ValueError(f"run.trackers={cfg.run.trackers!r}: unknown tracker {bad[0]!r}; choose from {', '.join(TRACKERS)}")
+    sinks: list = [_TensorBoardSink(Path(out_dir) / "tb")] if cfg.run.tensorboard else []
+    sinks += [_TrackerSink(n, cfg, Path(out_dir)) for n in names]
+    return sinks
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

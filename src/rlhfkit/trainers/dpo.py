@@ -58,7 +58,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
                 for i in range(0, n_pairs, 512)
             ], dim=1)  # [2, N]: row 0 chosen, row 1 rejected
     opt = torch.optim.AdamW(policy.parameters(), lr=dc.lr, weight_decay=0.0)
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
     guard = UpdateGuard(cfg.run.max_bad_updates, "dpo")
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)

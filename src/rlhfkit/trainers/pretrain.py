@@ -45,7 +45,7 @@ def pretrain(cfg: Config) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=pc.lr, weight_decay=pc.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(pc.warmup_steps, pc.steps))
     data = task.TaskData(cfg.run.seed)
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
     guard = UpdateGuard(cfg.run.max_bad_updates, "pretrain")
     t0 = time.perf_counter()
     bar = progress(range(pc.steps), desc="pretrain", enabled=cfg.run.progress)

@@ -182,7 +182,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         if rc.init_from != "policy":
             raise ValueError("reward.kind=classifier starts from a policy checkpoint: set model.name and "
                              "reward.init_from=policy")
-        log = MetricsLogger(out / "metrics.jsonl")
+        log = MetricsLogger(out / "metrics.jsonl", cfg)
         t0 = time.perf_counter()
         ev = train_label_classifier(cfg, model, tok, accelerator, log)
         log.log(rc.steps, {"eval/rm/accuracy": ev["rm/accuracy"]})
@@ -195,7 +195,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
     guard = UpdateGuard(cfg.run.max_bad_updates, "reward model")
     t0 = time.perf_counter()
     bar = progress(range(rc.steps), desc="reward model", enabled=cfg.run.progress)

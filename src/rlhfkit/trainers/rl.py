@@ -60,6 +60,7 @@ from ..models import (
 )
 from ..rollout import Rollout, generate
 from ..tasks import get_task
+from ..trajectories import TrajectoryWriter
 from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run, to_float
 
 
@@ -79,6 +80,7 @@ class Experience:
         rewards:        ``[B, R]`` shaped per-token rewards.
         advantages:     ``[B, R]`` GAE advantages (whitened if configured).
         returns:        ``[B, R]`` GAE returns (value targets).
+        raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
     """
 
     input_ids: torch.Tensor
@@ -93,6 +95,7 @@ class Experience:
     rewards: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    raw_advantages: torch.Tensor | None = None
 
 
 class RunningMoments:
@@ -249,8 +252,10 @@ def make_experience(
     kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
     reward_kl_coef = 0.0 if pc.kl_in_loss else kl_coef
     rewards = shaped_rewards(score, kl, rmask, reward_kl_coef, pc.score_clip)  # [B, R]
+    raw_advantages = None
     if pc.algo == "ppo":
         advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
+        raw_advantages = advantages
         if pc.whiten_advantages:
             advantages = masked_whiten(advantages, rmask)
     else:
@@ -271,7 +276,7 @@ def make_experience(
         "policy/logprob_gap": torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max(),
     }
     exp = Experience(ids, mask, P, roll.response_ids, rmask, old_logprobs, ref_logprobs, old_values, score,
-                     rewards, advantages, returns)
+                     rewards, advantages, returns, raw_advantages)
     return exp, {k: to_float(v) for k, v in stats.items()}
 
 
@@ -369,7 +374,7 @@ def build_models(cfg: Config, policy_path: str, device):
 def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
     """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the task's prompts (``run.task``).
 
-    Writes metrics, samples, plots and the trained models under ``run.out_dir``; stops early
+    Writes metrics, samples, trajectories, plots and the trained models under ``run.out_dir``; stops early
     once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``.
     """
     from ..plots import plot_ppo  # matplotlib only when a run finishes
@@ -396,8 +401,9 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     data = task.TaskData(cfg.run.seed + 2)
     max_new_tokens = pc.max_new_tokens or task.MAX_NEW_TOKENS
     reward_stats = RunningMoments() if pc.normalize_reward else None
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
     samples = (out / "samples.jsonl").open("w", encoding="utf-8")
+    trajectories = TrajectoryWriter(out / "trajectories.jsonl", pc.trajectories_every, pc.trajectories_per_step)
     kl_coef = pc.kl_coef
     guard = UpdateGuard(cfg.run.max_bad_updates, pc.algo)
     train_s = 0.0
@@ -435,12 +441,14 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
             stats.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if reached is None and pc.stop_at_exact and ev["exact_acc"] >= pc.stop_at_exact:
                 reached = {"step": step + 1, "train_s": train_s}
+        trajectories.maybe_write(step, last or reached is not None, exp, tok, pc, stats["objective/kl_coef"])
         log.log(step, stats)
         bar.set_postfix(score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
                         exact=f"{stats.get('eval/exact_acc', float('nan')):.3f}")
         if reached is not None:
             break
     samples.close()
+    trajectories.close()
     log.close()
     save_dir = Path(out)
     ac.policy.save_pretrained(save_dir / "policy")

@@ -46,7 +46,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
     guard = UpdateGuard(cfg.run.max_bad_updates, "sft")
     t0 = time.perf_counter()
     bar = progress(range(sc.steps), desc="sft", enabled=cfg.run.progress)
