@@ -10,8 +10,8 @@ from rlhfkit.tasks import cities, get_task
 from rlhfkit.tasks.cities import (
     COUNTRY_OF,
     EOS,
-    HELD_OUT,
-    TRAIN,
+    HELD_OUT_FORM,
+    TUNING_PROMPTS,
     CitiesData,
     Prompt,
     answer_text,
@@ -44,17 +44,16 @@ def test_tokenizer_round_trip_and_lengths():
     assert longest <= cities.N_POSITIONS
 
 
-def test_held_out_cities_never_appear_in_tuning_data():
-    held = set(HELD_OUT)
-    assert len(held) == 26 and not held & set(TRAIN) and len(TRAIN) + len(held) == len(COUNTRY_OF)
+def test_held_out_prompts_never_appear_in_tuning_data():
+    held = {(p.city, p.template) for p in eval_prompts()}
+    assert len(held) == len(COUNTRY_OF) == 130 and not held & set(TUNING_PROMPTS)
+    assert len(TUNING_PROMPTS) == 2 * len(COUNTRY_OF)
+    assert {t for t in HELD_OUT_FORM.values()} == {0, 1, 2}  # every question form is held out somewhere
     data = CitiesData(0)
-    assert all(p.city not in held for p in data.prompts(2000))
-    assert all(parse_prompt(p).city not in held for p, _chosen, _rejected in data.preference_pairs(2000))
-    assert all(parse_prompt(p).city not in held for p, _ in data.sft_examples(500))
-    # ... but pretraining text covers them: the facts must be learnable before tuning
-    pre = " ".join(data.pretrain_texts(4000))
-    assert all(city in pre for city in held)
-    assert {p.city for p in eval_prompts()} == held and len(eval_prompts()) == 3 * len(held)
+    assert all((p.city, p.template) not in held for p in data.prompts(2000))
+    assert all((parse_prompt(p).city, parse_prompt(p).template) not in held
+               for p, _chosen, _rejected in data.preference_pairs(2000))
+    assert all((parse_prompt(p).city, parse_prompt(p).template) not in held for p, _ in data.sft_examples(500))
 
 
 def test_pretraining_answers_are_mostly_terse():
@@ -76,8 +75,8 @@ def test_pretraining_answers_are_mostly_terse():
     total = sum(styles.values())
     assert abs(len(qa) / len(texts) - 0.65) < 0.03
     # the terse style dominates so the base greedily answers in the wrong form
-    assert styles["terse"] / total == pytest.approx(0.45, abs=0.03)
-    assert styles["sentence"] / total == pytest.approx(0.25, abs=0.03)
+    assert styles["terse"] / total == pytest.approx(0.40, abs=0.03)
+    assert styles["sentence"] / total == pytest.approx(0.30, abs=0.03)
 
 
 def test_preference_pairs_prefer_the_right_sentence():
@@ -120,3 +119,30 @@ def test_parse_prompt_inverts_every_template():
 def test_exact_reward_callable():
     prompts = [Prompt("Kyoto").text, Prompt("Kyoto").text]
     assert cities.exact_reward(prompts, ["Kyoto is in Japan.$", "Japan.$"]) == [1.0, 0.0]
+
+
+def test_cities_demo_pipeline_runs_every_algorithm(tmp_path, capsys):
+    # plumbing only (tiny budgets): the command applies the task's defaults, every algorithm
+    # starts from the same base, and the summary pairs base and tuned answers per prompt.
+    # Learning is measured in the README (rlhfkit demo run.task=cities).
+    from rlhfkit.cli import main
+
+    out = tmp_path / "cities"
+    assert main(["demo", "run.task=cities", f"run.out_dir={out}", "run.progress=false", "model.n_layer=1",
+                 "model.n_embd=32", "pretrain.steps=20", "reward.steps=5", "ppo.steps=2", "ppo.batch_size=16",
+                 "ppo.minibatch_size=16", "ppo.group_size=4", "dpo.steps=2", "dpo.num_pairs=64",
+                 "eval.batch_size=130"]) == 0
+    import json
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "cities" and set(summary["algos"]) == {"ppo", "grpo", "dpo"}
+    assert all(summary["algos"][a]["steps"] == 2 for a in ("ppo", "grpo", "dpo"))
+    cfg_text = (out / "pretrain" / "config.yaml").read_text()
+    assert "task: cities" in cfg_text and "n_embd: 32" in cfg_text and "lr: 0.0001" in (out / "config.yaml").read_text()
+    held = [p.text for p in eval_prompts()]
+    assert [ex["prompt"] for ex in summary["examples"]] == held[: len(summary["examples"])]
+    for ex in summary["examples"]:
+        assert {"base", "ppo", "grpo", "dpo", "ppo_exact"} <= set(ex)
+    for sub in ("pretrain/policy", "reward/reward_model", "policy", "grpo/policy", "dpo/policy"):
+        assert (out / sub / "model.safetensors").exists(), sub
+    assert "after grpo" in capsys.readouterr().out

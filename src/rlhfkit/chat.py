@@ -33,7 +33,8 @@ class ChatSession:
     def __init__(self, path: str, cfg: Config):
         self.cfg, self.cc = cfg, cfg.chat
         self.device = resolve_device(cfg.run.device)
-        self.tok = load_tokenizer(path, cfg.model.trust_remote_code)
+        self.tok = load_tokenizer(path, cfg.model.trust_remote_code, need_pad=False)  # one row: no padding
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.model = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(self.device).eval()
         self.templated = bool(getattr(self.tok, "chat_template", None))
         self.history: list[dict[str, str]] = []
@@ -61,7 +62,7 @@ class ChatSession:
         prompt = torch.tensor([ids], device=self.device)  # [1, P]
         uniforms = None if self.cc.greedy else torch.rand((1, max_new), generator=self.gen).to(self.device)
         out = generate(self.model, prompt, torch.ones_like(prompt), max_new, self.tok.eos_token_id,
-                       self.tok.pad_token_id, temperature=self.cc.temperature, greedy=self.cc.greedy, uniforms=uniforms)
+                       self.pad_id, temperature=self.cc.temperature, greedy=self.cc.greedy, uniforms=uniforms)
         n = int(out.response_mask.sum())
         answer = self.tok.decode(out.response_ids[0, :n].tolist(), skip_special_tokens=True)  # EOS dropped
         if self.templated and self.cc.history:

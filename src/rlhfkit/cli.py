@@ -25,6 +25,7 @@ COMMANDS = {
     "sft": "supervised fine-tuning: model.name = policy, data.path = JSONL of demonstrations",
     "eval": "greedy held-out evaluation of a policy (a run directory, an HF model directory or hub id)",
     "chat": "talk to a policy (run directory or HF model directory); /quit or Ctrl-D leaves",
+    "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
 
@@ -39,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("eval", "chat"):
             sp.add_argument("path", help="policy directory (HF format, or a LoRA adapter directory), a hub id, "
                                          "or a run directory containing policy/")
+        if name == "report":
+            sp.add_argument("path", help="run directory (holding metrics.jsonl, config.yaml ...)")
+            sp.add_argument("--screenshot", action="store_true",
+                            help="also save report.png beside it with headless Chromium (must be installed)")
+            continue
         sp.add_argument("--config", help="YAML config file (sections: run, model, pretrain, reward, ppo, eval)")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl_coef=0.1 run.seed=3")
     return p
@@ -82,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
+    from .utils import TrainingError  # torch comes with it: not before `rlhfkit -h` is answered
+
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    if args.command == "report":
+        return _report(args)
     try:
         cfg = _config(args)
         if args.command == "demo":
@@ -128,8 +138,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
             verdict = "optimal" if res["optimal"] else "NOT optimal"
             print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:  # the inputs were fine but the run diverged
+        print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(args) -> int:
+    import subprocess
+
+    from .report import screenshot, write_report
+
+    try:
+        path = write_report(args.path)
+        print(f"report: {path} ({path.stat().st_size / 1e6:.2f} MB)")
+        if args.screenshot:
+            print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        print(f"rlhfkit report: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -9,6 +9,7 @@ Layout of ``run.out_dir`` (default ``runs/demo``)::
     pretrain/policy/   reward/reward_model/                             (earlier stages)
     grpo/ rloo/ reinforce/ dpo/                                         (other algorithms, if asked)
     summary.json                                                        (base vs tuned + timings)
+    trajectories.jsonl  report.html  tb/                                (report, TensorBoard events)
 
 Every algorithm starts from the same pretrained base; the RL ones share the reward model.
 The RL commands' algorithm defaults (``config.ALGO_DEFAULTS``, e.g. GRPO's k3 KL loss term)
@@ -26,6 +27,7 @@ from transformers import AutoTokenizer
 from .config import ALGO_DEFAULTS, Config
 from .evaluate import evaluate_task
 from .models import load_policy
+from .report import write_report
 from .tasks import get_task
 from .trainers.dpo import train_dpo
 from .trainers.pretrain import pretrain
@@ -116,5 +118,7 @@ def run_demo(cfg: Config) -> dict:
     print(f"\nheld-out: {len(prompts)} prompts, greedy decoding; base -> {first}")
     for ex in summary["examples"][:4]:
         print(f"  {ex['prompt']!r}: {ex['base']!r} -> {ex[first]!r}  {'ok' if ex[first + '_exact'] else 'WRONG'}")
+    report = write_report(out)
     print(f"\nsummary: {out / 'summary.json'}   plots: {out / 'plots.png' if 'ppo' in results else out}")
+    print(f"report:  {report} (curves, samples, per-token trajectories; open it in a browser)")
     return summary

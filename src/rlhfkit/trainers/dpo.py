@@ -20,7 +20,7 @@ from ..core import dpo_loss, logprobs_from_logits
 from ..distributed import Shard, clip_grad_norm, evaluate_sharded, prepare
 from ..models import load_tokenizer, policy_with_reference, position_ids_from_mask, save_policy
 from ..tasks import get_task
-from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run
 from .reward import encode_triples, stack_pairs
 
 LOSS_FIELDS = ("input_ids", "attention_mask", "loss_mask")
@@ -64,7 +64,8 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=dc.lr, weight_decay=0.0)
     train_policy, opt = prepare(accelerator, policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
-    log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
+    guard = UpdateGuard(cfg.run.max_bad_updates, "dpo")
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)
     train_s, pos, reached, history = 0.0, 0, None, []
@@ -93,14 +94,15 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
         accelerator.backward(loss)
         row = shard.mean(mean_stats([stats]))  # the DPO terms are means over pairs, equal on every process
         row["dpo/grad_norm"] = clip_grad_norm(accelerator, params, 1.0)
-        opt.step()
+        if guard.ok(loss, row["dpo/grad_norm"]):
+            opt.step()
         train_s += time.perf_counter() - t0
         if (dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1:
             ev = evaluate_sharded(task, policy, tok, device, shard, cfg.eval.batch_size, cfg.eval.max_new_tokens)
             row.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if dc.stop_at_format and ev["format_acc"] >= dc.stop_at_format:
                 reached = {"step": step + 1, "train_s": train_s}
-        row["time/train_s"] = train_s
+        row["time/train_s"], row["guard/skipped_updates"] = train_s, guard.skipped
         history.append(log.log(step, row))
         bar.set_postfix(loss=f"{row['dpo/loss']:.3f}", acc=f"{row['dpo/accuracy']:.2f}")
         if reached:

@@ -17,7 +17,7 @@ from ..config import Config
 from ..evaluate import evaluate_task
 from ..models import build_tiny_policy, masked_lm_loss
 from ..tasks import get_task
-from ..utils import MetricsLogger, make_accelerator, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
@@ -45,7 +45,8 @@ def pretrain(cfg: Config) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=pc.lr, weight_decay=pc.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(pc.warmup_steps, pc.steps))
     data = task.TaskData(cfg.run.seed)
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
+    guard = UpdateGuard(cfg.run.max_bad_updates, "pretrain")
     t0 = time.perf_counter()
     bar = progress(range(pc.steps), desc="pretrain", enabled=cfg.run.progress)
     for step in bar:
@@ -54,12 +55,13 @@ def pretrain(cfg: Config) -> dict:
         ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
         loss = masked_lm_loss(model, ids, mask, mask)  # every real token after BOS is a target
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if guard.ok(loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 20 == 0 or step == pc.steps - 1:
-            log.log(step, {"train/loss": loss, "train/lr": sched.get_last_lr()[0]})
+            log.log(step, {"train/loss": loss, "train/lr": sched.get_last_lr()[0],
+                           "guard/skipped_updates": guard.skipped})
             bar.set_postfix(loss=f"{loss.item():.4f}")
     seconds = time.perf_counter() - t0
     ev = evaluate_task(task, model, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)

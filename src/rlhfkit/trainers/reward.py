@@ -32,7 +32,7 @@ from ..models import (
     sequence_scores,
 )
 from ..tasks import get_task
-from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run
 
 
 def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
@@ -132,17 +132,18 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[st
         labels = torch.tensor([y for _, y in items], device=device)
         return forward(enc["input_ids"].to(device), enc["attention_mask"].to(device)), labels
 
+    guard = UpdateGuard(cfg.run.max_bad_updates, "reward classifier")
     bar = progress(range(rc.steps), desc="reward classifier", enabled=cfg.run.progress and shard.is_main)
     for step in bar:
         logits, labels = batch(shard.take(data.labelled_texts(rc.batch_size), "reward.batch_size"), train_logits)
         loss = torch.nn.functional.cross_entropy(logits, labels)
         accelerator.backward(loss)
-        clip_grad_norm(accelerator, params, 1.0)
-        opt.step()
+        if guard.ok(loss, clip_grad_norm(accelerator, params, 1.0)):
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
             row = shard.mean({"rm/loss": loss.item(), "rm/accuracy": (logits.argmax(-1) == labels).float().mean()})
-            log.log(step, row)
+            log.log(step, {**row, "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}")
     with torch.no_grad():
         eval_items = task.TaskData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs)
@@ -179,7 +180,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         if not path:
             raise ValueError("reward.init_from=policy needs a pretrained policy: set model.name=PATH "
                              "(or reward.init_from=scratch)")
-        tok = load_tokenizer(path, cfg.model.trust_remote_code)  # no pad token: EOS pads
+        tok = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
         # a causal-LM checkpoint: its backbone, a fresh scalar head. transformers prints a load
         # report of the (expected) missing head / unused LM head; keep the demo output readable
         verbosity = hf_logging.get_verbosity()
@@ -210,7 +211,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         if rc.init_from != "policy":
             raise ValueError("reward.kind=classifier starts from a policy checkpoint: set model.name and "
                              "reward.init_from=policy")
-        log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
+        log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
         t0 = time.perf_counter()
         ev = train_label_classifier(cfg, model, tok, accelerator, log)
         log.log(rc.steps, {"eval/rm/accuracy": ev["rm/accuracy"]})
@@ -225,7 +226,8 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     train_scores, opt = prepare(accelerator, ModuleForward(model, sequence_scores), opt,
                                 micro_batch=max(1, rc.batch_size // shard.world))
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
-    log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
+    guard = UpdateGuard(cfg.run.max_bad_updates, "reward model")
     t0 = time.perf_counter()
     bar = progress(range(rc.steps), desc="reward model", enabled=cfg.run.progress and shard.is_main)
     for step in bar:
@@ -235,10 +237,12 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         loss, stats = bradley_terry_loss(scores[:half], scores[half:], margin, rc.center_coef)
         accelerator.backward(loss)
         grad_norm = clip_grad_norm(accelerator, params, 1.0)
-        opt.step()
+        if guard.ok(loss, grad_norm):
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
-            row = log.log(step, {**shard.mean(mean_stats([stats])), "rm/grad_norm": grad_norm})  # means over pairs
+            row = log.log(step, {**shard.mean(mean_stats([stats])), "rm/grad_norm": grad_norm,  # means over pairs
+                                 "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}", delta=f"{row['rm/delta']:.2f}")
     seconds = time.perf_counter() - t0
     ev = evaluate_batches(model, pairs.eval_batches())  # the whole held-out set on every process

@@ -69,7 +69,8 @@ from ..models import (
 )
 from ..rollout import Rollout, generate
 from ..tasks import get_task
-from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run, to_float
+from ..trajectories import TrajectoryWriter
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run, to_float
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Experience:
         rewards:        ``[B, R]`` shaped per-token rewards.
         advantages:     ``[B, R]`` GAE advantages (whitened if configured).
         returns:        ``[B, R]`` GAE returns (value targets).
+        raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
     """
 
     input_ids: torch.Tensor
@@ -102,6 +104,7 @@ class Experience:
     rewards: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    raw_advantages: torch.Tensor | None = None
 
 
 class RunningMoments:
@@ -199,19 +202,34 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_
 
 
 def function_scorer(fn: Callable[..., list[float]], tokenizer) -> Scorer:
-    """Score = ``fn(prompts, completions)`` on decoded text (a task verifier, a heuristic ...)."""
+    """Score = ``fn(prompts, completions)`` on decoded text (a task verifier, a heuristic ...).
+
+    Policy for a bad return value: stop with a ``ValueError`` naming the function and the fix --
+    not exactly one number per completion, or any NaN/inf. Nothing is skipped or patched up: a
+    NaN score would reach the advantages of the whole batch, and a silently dropped row would
+    bias the baseline. A function that cannot judge a completion should give it a low score.
+    """
+    name = getattr(fn, "__module__", "?") + ":" + getattr(fn, "__qualname__", repr(fn))
 
     def score(roll: Rollout) -> torch.Tensor:
         prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
         completions = decode_responses(tokenizer, roll.response_ids, roll.response_mask)
-        values = fn(prompts, completions)
-        if len(values) != len(completions):
-            raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned {len(values)} "
-                             f"scores for {len(completions)} completions")
-        out = torch.tensor(values, dtype=torch.float32, device=roll.response_ids.device)
-        if not torch.isfinite(out).all():
-            raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned a non-finite score")
-        return out
+        values, n = fn(prompts, completions), len(completions)
+        fix = f"return a list of {n} floats, one per completion, in order"
+        try:
+            out = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values), dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"reward function {name} returned {type(values).__name__} {str(values)[:60]!r}, "
+                             f"not numbers: {fix}") from None
+        if out.shape != (n,):
+            raise ValueError(f"reward function {name} returned {out.numel()} scores (shape {tuple(out.shape)}) "
+                             f"for {n} completions: {fix}")
+        bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"reward function {name} returned {len(bad)} non-finite score(s) (NaN/inf) for {n} "
+                             f"completions, e.g. {out[bad[0]].item()} for {completions[bad[0]]!r}: give every "
+                             "completion a finite score (a low one if it cannot be judged)")
+        return out.to(roll.response_ids.device)
 
     return score
 
@@ -224,7 +242,8 @@ def load_reward_function(spec: str) -> Callable[..., list[float]]:
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}") from None
+        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}; the module must be importable "
+                         "(installed or on PYTHONPATH) and define that name") from None
     if not callable(fn):
         raise ValueError(f"reward.function={spec!r} is not callable")
     return fn
@@ -264,6 +283,9 @@ def make_experience(
     ref_logits, _ = policy_forward(ref, ids, mask, P)
     ref_logprobs = logprobs_from_logits(ref_logits / pc.temperature, roll.response_ids)  # [B, R]
     raw_score = scorer(roll)  # [B]
+    if not bool(torch.isfinite(raw_score).all()):  # a NaN here would reach every advantage of the batch
+        raise ValueError(f"the reward gave non-finite scores to {int((~torch.isfinite(raw_score)).sum())} of "
+                         f"{raw_score.numel()} responses: check the reward model's weights (reward.name) or function")
     score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
     if reward_stats is not None:
         reward_stats.update(shard.gather_rows(score))
@@ -271,8 +293,10 @@ def make_experience(
     kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
     reward_kl_coef = 0.0 if pc.kl_in_loss else kl_coef
     rewards = shaped_rewards(score, kl, rmask, reward_kl_coef, pc.score_clip)  # [B, R]
+    raw_advantages = None
     if pc.algo == "ppo":
         advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
+        raw_advantages = advantages
         if pc.whiten_advantages:
             advantages = shard.apply_rows(masked_whiten, advantages, rmask)
     else:
@@ -293,22 +317,26 @@ def make_experience(
         "policy/logprob_gap": torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max(),
     }
     exp = Experience(ids, mask, P, roll.response_ids, rmask, old_logprobs, ref_logprobs, old_values, score,
-                     rewards, advantages, returns)
+                     rewards, advantages, returns, raw_advantages)
     return exp, {k: to_float(v) for k, v in stats.items()}
 
 
 def ppo_update(
     ac: ActorCritic, optimizer, exp: Experience, pc: PPOConfig, kl_coef: float, update_policy: bool = True,
-    generator: torch.Generator | None = None, accelerator=None, shard: Shard | None = None, train_model=None,
+    generator: torch.Generator | None = None, accelerator=None, guard: UpdateGuard | None = None,
+    shard: Shard | None = None, train_model=None,
 ) -> list[dict[str, torch.Tensor]]:
     """``ppo_epochs`` passes over shuffled minibatches; returns per-minibatch stats in order.
 
     ``update_policy=False`` is the critic warm-up: only the value loss is applied (and with a
     shared head it stops at the head). ``accelerator`` (optional) does the backward pass and
-    the gradient clipping. Data parallel: ``train_model`` is ``ac`` as prepared by accelerate
-    (DDP), ``pc.minibatch_size`` the per-process share, and ``shard`` rescales the token-mean
-    loss so the synchronised gradient, and the reduced stats, are those of the global minibatch.
+    the gradient clipping. ``guard`` skips minibatch updates with a NaN/inf loss or gradient (a
+    fresh one per call if None). Data parallel: ``train_model`` is ``ac`` as prepared by
+    accelerate (DDP), ``pc.minibatch_size`` the per-process share, and ``shard`` rescales the
+    token-mean loss so the synchronised gradient, and the reduced stats, are those of the global
+    minibatch (the synchronised gradient norms make every process's guard decide alike).
     """
+    guard = guard or UpdateGuard(where=pc.algo)
     shard = shard or Shard()
     model = train_model if train_model is not None else ac
     B = exp.input_ids.shape[0]
@@ -345,19 +373,26 @@ def ppo_update(
             stats["policy/grad_norm"] = clip_grad_norm(accelerator, ac.policy.parameters(), pc.max_grad_norm)
             if ac.has_critic:
                 stats["value/grad_norm"] = clip_grad_norm(accelerator, ac.critic_parameters(), pc.max_grad_norm)
-            optimizer.step()
+            if guard.ok(loss, stats["policy/grad_norm"], stats.get("value/grad_norm", 0.0)):
+                optimizer.step()
             all_stats.append(stats)
     return all_stats
 
 
 def other_tokenizer(path: str, tok, trust_remote_code: bool = False):
     """The tokenizer saved with the model at ``path`` when it differs from ``tok`` (the policy's),
-    else None: a model saved without one is taken to share the policy's."""
-    try:
-        own = load_tokenizer(path, trust_remote_code)
-    except (OSError, ValueError):
+    else None. A model directory saved without tokenizer files is taken to share the policy's.
+    One without a pad token pads with its EOS: it only batches the reward model's inputs, whose
+    readout comes from the attention mask."""
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("tokenizer_config.json", "tokenizer.json")):
         return None
-    return None if same_tokenizer(own, tok) else own
+    own = load_tokenizer(path, trust_remote_code=trust_remote_code, need_pad=False)
+    if same_tokenizer(own, tok):
+        return None
+    if own.pad_token_id is None:
+        own.pad_token = own.eos_token
+    return own
 
 
 def build_models(cfg: Config, policy_path: str, device):
@@ -371,7 +406,7 @@ def build_models(cfg: Config, policy_path: str, device):
     """
     pc, rc, mc = cfg.ppo, cfg.reward, cfg.model
     trc = mc.trust_remote_code
-    tok = load_tokenizer(policy_path, trc)
+    tok = load_tokenizer(policy_path, trust_remote_code=trc)
     policy, ref = policy_with_reference(policy_path, mc, device)
     if rc.function:
         scorer = function_scorer(load_reward_function(rc.function), tok)
@@ -421,8 +456,8 @@ def build_models(cfg: Config, policy_path: str, device):
 def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
     """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the task's prompts (``run.task``).
 
-    Writes metrics, samples, plots and the trained models under ``run.out_dir``; stops early
-    once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``. Under
+    Writes metrics, samples, trajectories, plots and the trained models under ``run.out_dir``; stops
+    early once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``. Under
     ``accelerate launch`` each process takes its shard of every batch (``ppo.batch_size`` and
     ``ppo.minibatch_size`` are global) and the main process writes the files.
     """
@@ -456,11 +491,13 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     data = task.TaskData(cfg.run.seed + 2)
     max_new_tokens = pc.max_new_tokens or task.MAX_NEW_TOKENS
     reward_stats = RunningMoments() if pc.normalize_reward else None
-    log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
     samples = open(out / "samples.jsonl" if shard.is_main else os.devnull, "w", encoding="utf-8")
+    trajectories = TrajectoryWriter(out / "trajectories.jsonl", pc.trajectories_every if shard.is_main else 0,
+                                    pc.trajectories_per_step)  # the main process's rows: the batch's first
     kl_coef = pc.kl_coef
+    guard = UpdateGuard(cfg.run.max_bad_updates, pc.algo)
     train_s = 0.0
-    history: list[dict] = []
     reached = None
     bar = progress(range(pc.steps), desc=pc.algo, enabled=cfg.run.progress and shard.is_main)
     for step in bar:
@@ -479,13 +516,14 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         t2 = time.perf_counter()
         warm = ac.has_critic and step < pc.critic_warmup_steps
         mb_stats = ppo_update(ac, optimizer, exp, local_pc, kl_coef, update_policy=not warm, accelerator=accelerator,
-                              shard=shard, train_model=train_ac)
+                              guard=guard, shard=shard, train_model=train_ac)
         t3 = time.perf_counter()
         train_s += t3 - t0
         stats.update(mean_stats(mb_stats))
         n_tokens = int(exp.attention_mask.sum())
         stats.update({"time/rollout_s": t1 - t0, "time/experience_s": t2 - t1, "time/update_s": t3 - t2,
-                      "time/train_s": train_s, "throughput/tokens_per_s": n_tokens / (t3 - t0)})
+                      "time/train_s": train_s, "throughput/tokens_per_s": n_tokens / (t3 - t0),
+                      "guard/skipped_updates": guard.skipped})
         if pc.adaptive_kl:
             kl_coef = adaptive_kl_coef(kl_coef, stats["objective/kl"], pc.kl_target, pc.kl_horizon, pc.batch_size)
         k = pc.samples_per_log  # decode only the rows that are logged: this runs every step
@@ -499,14 +537,17 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
             stats.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if reached is None and pc.stop_at_exact and ev["exact_acc"] >= pc.stop_at_exact:
                 reached = {"step": step + 1, "train_s": train_s}
-        history.append(log.log(step, stats))
+        trajectories.maybe_write(step, last or reached is not None, exp, tok, pc, stats["objective/kl_coef"])
+        log.log(step, stats)
         bar.set_postfix(score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
                         exact=f"{stats.get('eval/exact_acc', float('nan')):.3f}")
         if reached is not None:
             break
     samples.close()
+    trajectories.close()
     log.close()
     save_dir = Path(out)
+    history = log.rows()  # read back, not kept per step: memory stays flat over a long run
     shard.wait()
     if shard.is_main:  # LoRA: the adapter alone in policy_adapter/, merged plain weights in policy/
         save_policy(ac.policy, tok, save_dir / "policy", save_dir / "policy_adapter")

@@ -18,7 +18,7 @@ from ..data import SFTExample, encode_sft, load_sft, pack_sft
 from ..distributed import Shard, clip_grad_norm, prepare
 from ..models import load_tokenizer, masked_lm_loss, policy_with_reference, save_policy
 from ..tasks import get_task
-from ..utils import MetricsLogger, make_accelerator, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run
 from .pretrain import lr_lambda
 
 
@@ -34,7 +34,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     if not policy_path:
         raise ValueError("SFT needs a model to start from: set model.name=PATH (and data.path=FILE.jsonl, "
                          "or nothing to use the task's demonstrations)")
-    tok = load_tokenizer(policy_path, cfg.model.trust_remote_code)
+    tok = load_tokenizer(policy_path, cfg.model.trust_remote_code, need_pad=False)  # rows pad with EOS if none
     model, _ = policy_with_reference(policy_path, cfg.model, device, reference=False)
     if data_path:
         examples = load_sft(data_path, tok)
@@ -52,7 +52,8 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     train_model, opt = prepare(accelerator, model, opt, micro_batch=max(1, sc.batch_size // shard.world))  # DDP
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    log = MetricsLogger(out / "metrics.jsonl", enabled=shard.is_main)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
+    guard = UpdateGuard(cfg.run.max_bad_updates, "sft")
     t0 = time.perf_counter()
     bar = progress(range(sc.steps), desc="sft", enabled=cfg.run.progress and shard.is_main)
     for step in bar:
@@ -64,12 +65,13 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
                                        batch["loss_mask"], batch.get("position_ids"))
         accelerator.backward(loss)
         grad_norm = clip_grad_norm(accelerator, params, 1.0)
-        opt.step()
+        if guard.ok(loss, grad_norm):
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == sc.steps - 1:
             row = log.log(step, {**shard.mean({"sft/loss": loss.item()}), "sft/grad_norm": grad_norm,
-                                 "sft/lr": sched.get_last_lr()[0]})
+                                 "sft/lr": sched.get_last_lr()[0], "guard/skipped_updates": guard.skipped})
             bar.set_postfix(loss=f"{row['sft/loss']:.4f}")
     log.close()
     save_dir = Path(out) / "policy"
