@@ -241,8 +241,8 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
             opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
-            row = log.log(step, {**shard.mean(mean_stats([stats])), "rm/grad_norm": grad_norm,  # means over pairs
-                                 "guard/skipped_updates": guard.skipped})
+            row = shard.mean(mean_stats([stats]))  # means over pairs: exact over processes
+            log.log(step, {**row, "rm/grad_norm": grad_norm, "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}", delta=f"{row['rm/delta']:.2f}")
     seconds = time.perf_counter() - t0
     ev = evaluate_batches(model, pairs.eval_batches())  # the whole held-out set on every process

@@ -70,9 +70,10 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == sc.steps - 1:
-            row = log.log(step, {**shard.mean({"sft/loss": loss.item()}), "sft/grad_norm": grad_norm,
-                                 "sft/lr": sched.get_last_lr()[0], "guard/skipped_updates": guard.skipped})
-            bar.set_postfix(loss=f"{row['sft/loss']:.4f}")
+            mean_loss = shard.mean({"sft/loss": loss.item()})
+            log.log(step, {**mean_loss, "sft/grad_norm": grad_norm, "sft/lr": sched.get_last_lr()[0],
+                           "guard/skipped_updates": guard.skipped})
+            bar.set_postfix(loss=f"{mean_loss['sft/loss']:.4f}")
     log.close()
     save_dir = Path(out) / "policy"
     shard.wait()
