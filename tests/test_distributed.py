@@ -110,8 +110,12 @@ def test_saved_weights_match_one_process(runs, cmd, weights):
     wa = load_file(one / cmd / weights / "model.safetensors")
     wb = load_file(two / cmd / weights / "model.safetensors")
     assert wa.keys() == wb.keys()
-    diff = max((wa[k] - wb[k]).abs().max().item() for k in wa)
-    assert math.isfinite(diff) and diff < TOL, diff
+    diff = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
+    # Adam's first step moves every weight by about lr * g / |g|: float noise in a near-zero gradient
+    # can show up to ~lr in a few weights (1.7e-5 on one of 10^4 in the reward model), while a wrong
+    # batch would move most of them by O(lr). Hence a bound on the mean and a looser one on the max.
+    assert math.isfinite(diff.max().item()) and diff.mean().item() < 1e-7 and diff.max().item() < 1e-3, \
+        (diff.mean().item(), diff.max().item())
 
 
 def test_only_the_main_process_writes_samples(runs):
