@@ -22,6 +22,24 @@ from types import ModuleType
 TASKS = {"doubling": "rlhfkit.tasks.doubling", "cities": "rlhfkit.tasks.cities"}
 
 
+def char_tokenizer(vocab: list[str], bos: str, eos: str, pad: str, max_length: int):
+    """A character-level ``PreTrainedTokenizerFast`` over ``vocab`` (one token per character):
+    BOS prepended by the tokenizer itself, EOS and pad set, left padding (what batched
+    generation needs), decoding joins characters with no spaces."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    ids = {ch: i for i, ch in enumerate(vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, ids[bos])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   padding_side="left")
+    fast.model_max_length = max_length
+    return fast
+
+
 def get_task(name: str) -> ModuleType:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)} (run.task)")

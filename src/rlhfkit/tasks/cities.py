@@ -23,8 +23,9 @@ import random
 import re
 from dataclasses import dataclass
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from . import char_tokenizer
 
 BOS, EOS, PAD = "^", "$", "~"
 COUNTRIES: dict[str, tuple[str, ...]] = {
@@ -83,16 +84,7 @@ VOCAB = [PAD, BOS, EOS, *sorted(set("".join(COUNTRY_OF) + "".join(COUNTRIES) + "
 def make_tokenizer() -> PreTrainedTokenizerFast:
     """Character-level tokenizer over the task's ASCII alphabet; ``^`` BOS (added by the
     tokenizer), ``$`` EOS, ``~`` pad, left padding."""
-    vocab = {ch: i for i, ch in enumerate(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left"
-    )
-    fast.model_max_length = N_POSITIONS
-    return fast
+    return char_tokenizer(VOCAB, BOS, EOS, PAD, N_POSITIONS)
 
 
 def answer_text(city: str, country: str | None = None) -> str:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from . import char_tokenizer
 
 BOS, EOS, PAD = "S", "E", "P"
 CHARSETS: dict[str, str] = {
@@ -46,16 +47,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     the left, which is what batched generation needs. Decoding joins characters with no
     spaces.
     """
-    vocab = {ch: i for i, ch in enumerate(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left"
-    )
-    fast.model_max_length = 32
-    return fast
+    return char_tokenizer(VOCAB, BOS, EOS, PAD, 32)
 
 
 def render(number: int, charset: str) -> str:
