@@ -23,6 +23,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from . import lean
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that count only attended tokens, so left padding shifts nothing: ``[B, T]``."""
@@ -109,6 +111,8 @@ def scalar_head(model: PreTrainedModel) -> nn.Module:
 def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
+    if lean.supported(model):  # GPT-2 / Llama / Qwen2: the same forward with less overhead
+        return lean.hidden_states(model, input_ids, attention_mask, position_ids)
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     return out.last_hidden_state  # [B, T, H]
 

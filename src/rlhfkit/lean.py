@@ -1,0 +1,319 @@
+"""A lean functional forward for the common decoder families: GPT-2 and Llama/Qwen2.
+
+Hugging Face's modelling code is general (cache classes, mask factories, hooks, many
+attention back-ends); at the sizes RLHF on a CPU deals with, that generality costs more
+than the arithmetic. This module runs the *same* computation straight from a model's own
+parameters (no copies, so autograd and the optimizer see the usual ``nn.Parameter``s):
+
+* :func:`hidden_states` -- the full-sequence forward (left or right padding, with grad);
+* :func:`prefill` / :func:`decode_step` -- generation with a pre-allocated KV cache
+  ``[layers, B, kv_heads, T_max, head_dim]`` written in place, one position per step, and a
+  boolean key mask instead of per-step mask rebuilding.
+
+Differences from the reference implementations are rounding only (GPT-2's ``gelu_new`` is
+computed by the fused ``gelu(approximate='tanh')`` kernel, the same formula); tests compare
+both against ``transformers`` to 1e-5. :func:`supported` says whether a model can take this
+path; callers fall back to the model's own forward otherwise (other architectures, dropout
+active, sliding windows, unusual attention scalings ...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_LLAMA_LIKE = ("llama", "qwen2")
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The decoder stack (``GPT2Model`` / ``LlamaModel`` ...) of a model with or without a head."""
+    return getattr(model, "base_model", model)
+
+
+def _dropout_active(model: nn.Module) -> bool:
+    return model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def supported(model: nn.Module) -> bool:
+    """True when :func:`hidden_states` / :func:`prefill` reproduce this model's forward: a GPT-2
+    or Llama/Qwen2 stack of plain layers (no adapters, quantised or otherwise replaced linear
+    layers), no active dropout, no gradient checkpointing, no sliding window."""
+    base = _base(model)
+    cfg = getattr(base, "config", None)
+    if cfg is None or _dropout_active(base) or (base.training and getattr(base, "gradient_checkpointing", False)):
+        return False
+    kind = getattr(cfg, "model_type", None)
+    if kind == "gpt2":
+        if (not hasattr(base, "h") or cfg.add_cross_attention or cfg.scale_attn_by_inverse_layer_idx
+                or cfg.reorder_and_upcast_attn or not cfg.scale_attn_weights):
+            return False
+        return all(type(m).__name__ == "Conv1D" for b in base.h
+                   for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
+    if kind in _LLAMA_LIKE:
+        if (not hasattr(base, "rotary_emb") or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+                or getattr(cfg, "pretraining_tp", 1) != 1 or not len(base.layers)):
+            return False
+        return all(not hasattr(b.self_attn, "q_norm") and all(
+            type(m) is nn.Linear for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
+                                           b.self_attn.o_proj, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj))
+            for b in base.layers)
+    return False
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+_C1 = 2.0 * math.sqrt(2.0 / math.pi)
+_C3 = 0.044715 * _C1
+
+
+class _GeluTanhCPU(torch.autograd.Function):
+    """``gelu(x, approximate='tanh')`` as ``x * sigmoid(c1 x + c3 x^3)`` (the identity
+    ``(1 + tanh z) / 2 = sigmoid(2z)``): this CPU build's ``tanh`` is ~3.5x slower than its
+    ``sigmoid``, and the tanh-GELU is the largest element-wise cost of a GPT-2 step."""
+
+    @staticmethod
+    def forward(ctx, x):
+        s = torch.sigmoid(x * (_C1 + _C3 * x * x))
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, s = ctx.saved_tensors
+        # d/dx [x s(z)] = s + x s (1 - s) dz/dx,  dz/dx = c1 + 3 c3 x^2
+        return grad * (s + x * s * (1 - s) * (_C1 + 3 * _C3 * x * x))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return F.gelu(x, approximate="tanh")
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GeluTanhCPU.apply(x)
+    y = x * x  # in place from here: no graph to keep
+    return y.mul_(_C3).add_(_C1).mul_(x).sigmoid_().mul_(x)
+
+
+def _gpt2_act(mlp: nn.Module):
+    if type(mlp.act).__name__ in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh"):
+        return _gelu_tanh  # the same formula as gelu_new, one fused kernel instead of seven
+    return mlp.act
+
+
+def _norm_params(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    return norm.weight, getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+
+
+def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tensor:
+    weight, eps = params
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin  # x [B, H, T, D], cos/sin [B, 1, T, D]
+
+
+def _attend(q, k, v, mask, scale, groups: int) -> torch.Tensor:
+    """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
+    boolean (True = may attend) or additive."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+
+
+def _full_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, T, T]`` causal and key-padding mask. Every query may see itself, so rows of
+    padding get a finite (unused) output instead of a softmax over nothing."""
+    T = attention_mask.shape[1]
+    idx = torch.arange(T, device=attention_mask.device)
+    causal = idx[None, :] <= idx[:, None]  # [T, T]: key j <= query i
+    keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
+    return causal & (keys | torch.eye(T, dtype=torch.bool, device=attention_mask.device))
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``(weight, bias)`` computing several linear layers on the same input, outputs concatenated."""
+    weight = torch.cat([lin.weight for lin in linears])
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    return weight, torch.cat([lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
+                              for lin in linears])
+
+
+class _Arch:
+    """A model's parameters gathered once per call into plain lists (module attribute look-ups
+    are a large share of a small model's step), plus the layer arithmetic. The tensors are
+    the live parameters (or, for generation, concatenations of them), never stale copies."""
+
+    def __init__(self, model: nn.Module, fuse: bool = False):
+        self.base = base = _base(model)
+        cfg = base.config
+        self.gpt2 = cfg.model_type == "gpt2"
+        if self.gpt2:
+            self.n_heads = self.kv_heads = cfg.n_head
+            self.head_dim = cfg.n_embd // cfg.n_head
+            self.eps = cfg.layer_norm_epsilon
+            self.layers = [(b.ln_1.weight, b.ln_1.bias, b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight,
+                            b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias, b.mlp.c_fc.weight, b.mlp.c_fc.bias,
+                            b.mlp.c_proj.weight, b.mlp.c_proj.bias, _gpt2_act(b.mlp)) for b in base.h]
+            self.wte, self.wpe = base.wte.weight, base.wpe.weight
+            self.final = (base.ln_f.weight, base.ln_f.bias)
+        else:
+            self.n_heads = cfg.num_attention_heads
+            self.kv_heads = cfg.num_key_value_heads
+            self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            self.layers = []
+            for b in base.layers:
+                a, m = b.self_attn, b.mlp
+                if fuse:  # one matmul for q, k, v and one for gate, up (generation only: no grad to route)
+                    proj = [_fuse([a.q_proj, a.k_proj, a.v_proj])]
+                    mlp_in = [_fuse([m.gate_proj, m.up_proj])]
+                else:
+                    proj = [(lin.weight, lin.bias) for lin in (a.q_proj, a.k_proj, a.v_proj)]
+                    mlp_in = [(lin.weight, lin.bias) for lin in (m.gate_proj, m.up_proj)]
+                self.layers.append((_norm_params(b.input_layernorm), proj, (a.o_proj.weight, a.o_proj.bias),
+                                    _norm_params(b.post_attention_layernorm), mlp_in,
+                                    (m.down_proj.weight, m.down_proj.bias), m.act_fn))
+            self.wte = base.embed_tokens.weight
+            self.final = _norm_params(base.norm)
+        self.groups = self.n_heads // self.kv_heads
+        self.scale = self.head_dim**-0.5
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.gpt2:
+            return F.embedding(ids, self.wte) + F.embedding(positions, self.wpe)
+        return F.embedding(ids, self.wte)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor):
+        """``cos, sin [B, 1, T, D]`` for Llama-like models (None for GPT-2)."""
+        if self.gpt2:
+            return None
+        cos, sin = self.base.rotary_emb(x, positions)
+        return cos[:, None], sin[:, None]
+
+    def qkv(self, layer, x: torch.Tensor, rope):
+        """Residual stream ``[B, T, H]`` -> ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``."""
+        B, T, C = x.shape
+        if self.gpt2:
+            h = F.layer_norm(x, (C,), layer[0], layer[1], self.eps)
+            qkv = torch.addmm(layer[3], h.view(B * T, C), layer[2])
+            q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            return q, k, v
+        h = _rms_norm(layer[0], x)
+        D, nq, nkv = self.head_dim, self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        if len(layer[1]) == 1:
+            q, k, v = F.linear(h, *layer[1][0]).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = (F.linear(h, w, b) for w, b in layer[1])
+        q = q.view(B, T, self.n_heads, D).transpose(1, 2)
+        k = k.view(B, T, self.kv_heads, D).transpose(1, 2)
+        v = v.view(B, T, self.kv_heads, D).transpose(1, 2)
+        cos, sin = rope
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def finish_layer(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, H, T, D]`` -> output projection, residual, MLP, residual."""
+        B, _, T, _ = attn_out.shape
+        C = x.shape[-1]
+        a = attn_out.transpose(1, 2).reshape(B * T, -1)
+        if self.gpt2:
+            x = x + torch.addmm(layer[5], a, layer[4]).view(B, T, C)
+            h = F.layer_norm(x, (C,), layer[6], layer[7], self.eps).view(B * T, C)
+            m = layer[12](torch.addmm(layer[9], h, layer[8]))
+            return x + torch.addmm(layer[11], m, layer[10]).view(B, T, C)
+        x = x + F.linear(a, *layer[2]).view(B, T, C)
+        h = _rms_norm(layer[3], x)
+        if len(layer[4]) == 1:
+            gate, up = F.linear(h, *layer[4][0]).chunk(2, dim=-1)
+        else:
+            gate, up = (F.linear(h, w, b) for w, b in layer[4])
+        return x + F.linear(layer[6](gate) * up, *layer[5])
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gpt2:
+            return F.layer_norm(x, x.shape[-1:], self.final[0], self.final[1], self.eps)
+        return _rms_norm(self.final, x)
+
+
+# --------------------------------------------------------------------------- full forward
+
+
+def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  position_ids: torch.Tensor) -> torch.Tensor:
+    """Last hidden state ``[B, T, H]`` (after the final norm), as ``model.base_model(...)``."""
+    arch = _Arch(model)
+    x = arch.embed(input_ids, position_ids)
+    rope = arch.rope(x, position_ids)
+    mask = _full_mask(attention_mask)
+    for layer in arch.layers:
+        q, k, v = arch.qkv(layer, x, rope)
+        x = arch.finish_layer(layer, x, _attend(q, k, v, mask, arch.scale, arch.groups))
+    return arch.final_norm(x)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass
+class KVCache:
+    """Pre-allocated keys and values (one ``[B, Hkv, T_max, D]`` tensor per layer), the additive
+    key mask ``[B, T_max]`` (0 attend, -inf padding; cheaper than a boolean one in CPU
+    attention), the number of filled columns and the gathered parameters."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    key_bias: torch.Tensor
+    length: int
+    arch: _Arch
+
+
+@torch.no_grad()
+def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            max_new_tokens: int) -> tuple[torch.Tensor, KVCache]:
+    """Run the prompt, fill the cache; returns the last column's hidden state ``[B, H]``."""
+    arch = _Arch(model, fuse=True)
+    B, P = input_ids.shape
+    x = arch.embed(input_ids, position_ids)
+    rope = arch.rope(x, position_ids)
+    L, T_max = len(arch.layers), P + max_new_tokens
+    keys = [x.new_empty((B, arch.kv_heads, T_max, arch.head_dim)) for _ in range(L)]
+    values = [torch.empty_like(k) for k in keys]
+    key_bias = x.new_zeros((B, T_max))
+    key_bias[:, :P].masked_fill_(attention_mask == 0, float("-inf"))
+    mask = _full_mask(attention_mask)
+    for i, layer in enumerate(arch.layers):
+        q, k, v = arch.qkv(layer, x, rope)
+        keys[i][:, :, :P] = k
+        values[i][:, :, :P] = v
+        if i == L - 1:  # only the last column is needed from here on
+            q, x, mask = q[:, :, -1:], x[:, -1:], mask[:, :, -1:]
+        x = arch.finish_layer(layer, x, _attend(q, k, v, mask, arch.scale, arch.groups))
+    return arch.final_norm(x[:, -1]), KVCache(keys, values, key_bias, P, arch)
+
+
+@torch.no_grad()
+def decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One cached step: ``tokens, positions [B]`` -> last hidden state ``[B, H]``; appends to
+    ``cache`` and uses the parameters :func:`prefill` gathered into it."""
+    arch = cache.arch
+    t = cache.length
+    x = arch.embed(tokens[:, None], positions[:, None])  # [B, 1, H]
+    rope = arch.rope(x, positions[:, None])
+    mask = cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
+    for layer, kc, vc in zip(arch.layers, cache.keys, cache.values):
+        q, k, v = arch.qkv(layer, x, rope)
+        kc.narrow(2, t, 1).copy_(k)
+        vc.narrow(2, t, 1).copy_(v)
+        out = _attend(q, kc[:, :, : t + 1], vc[:, :, : t + 1], mask, arch.scale, arch.groups)
+        x = arch.finish_layer(layer, x, out)
+    cache.length = t + 1
+    return arch.final_norm(x[:, 0])
