@@ -130,14 +130,18 @@ def _attend(q, k, v, mask, scale, groups: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
 
 
-def _full_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, T, T]`` causal and key-padding mask. Every query may see itself, so rows of
-    padding get a finite (unused) output instead of a softmax over nothing."""
+def _full_mask(attention_mask: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[B, 1, T, T]`` causal and key-padding mask, boolean or (with ``dtype``) additive. Every
+    query may see itself, so rows of padding get a finite (unused) output instead of a
+    softmax over nothing."""
     T = attention_mask.shape[1]
     idx = torch.arange(T, device=attention_mask.device)
     causal = idx[None, :] <= idx[:, None]  # [T, T]: key j <= query i
     keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
-    return causal & (keys | torch.eye(T, dtype=torch.bool, device=attention_mask.device))
+    allowed = causal & (keys | torch.eye(T, dtype=torch.bool, device=attention_mask.device))
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -289,7 +293,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     values = [torch.empty_like(k) for k in keys]
     key_bias = x.new_zeros((B, T_max))
     key_bias[:, :P].masked_fill_(attention_mask == 0, float("-inf"))
-    mask = _full_mask(attention_mask)
+    mask = _full_mask(attention_mask, x.dtype)  # additive: the cheaper one in CPU attention
     for i, layer in enumerate(arch.layers):
         q, k, v = arch.qkv(layer, x, rope)
         keys[i][:, :, :P] = k
@@ -305,6 +309,8 @@ def decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -
     """One cached step: ``tokens, positions [B]`` -> last hidden state ``[B, H]``; appends to
     ``cache`` and uses the parameters :func:`prefill` gathered into it."""
     arch = cache.arch
+    if arch.gpt2:
+        return _gpt2_decode_step(cache, tokens, positions)
     t = cache.length
     x = arch.embed(tokens[:, None], positions[:, None])  # [B, 1, H]
     rope = arch.rope(x, positions[:, None])
@@ -317,3 +323,25 @@ def decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -
         x = arch.finish_layer(layer, x, out)
     cache.length = t + 1
     return arch.final_norm(x[:, 0])
+
+
+def _gpt2_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_step` for GPT-2 written out flat: at a small model's sizes each tensor op
+    costs a few microseconds and the Python around it as much again."""
+    arch = cache.arch
+    t, eps, H, D = cache.length, arch.eps, arch.n_heads, arch.head_dim
+    B = tokens.shape[0]
+    x = torch.embedding(arch.wte, tokens) + torch.embedding(arch.wpe, positions)  # [B, C]
+    C = x.shape[-1]
+    mask = cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
+    sdpa = F.scaled_dot_product_attention
+    for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kc, vc in zip(arch.layers, cache.keys,
+                                                                                    cache.values):
+        qkv = torch.addmm(ab, torch.layer_norm(x, (C,), ln1w, ln1b, eps), aw).view(B, 3, H, 1, D)
+        kc.narrow(2, t, 1).copy_(qkv[:, 1])
+        vc.narrow(2, t, 1).copy_(qkv[:, 2])
+        a = sdpa(qkv[:, 0], kc[:, :, : t + 1], vc[:, :, : t + 1], attn_mask=mask, scale=arch.scale)  # [B, H, 1, D]
+        x = torch.addmm(pb, a.view(B, C), pw).add_(x)
+        x = torch.addmm(mb, act(torch.addmm(fb, torch.layer_norm(x, (C,), ln2w, ln2b, eps), fw)), mw).add_(x)
+    cache.length = t + 1
+    return torch.layer_norm(x, (C,), arch.final[0], arch.final[1], eps)

@@ -107,42 +107,41 @@ def generate(
     # checking "all rows finished" reads a flag back from the device; on GPUs do it every few steps
     check_every = 1 if device.type == "cpu" else 8
 
-    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    # per step only what sampling needs; masks, padding and trimming once at the end
+    sampled, logps = [], []
     alive = torch.ones(B, dtype=torch.bool, device=device)
-    alive_cols = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
-    steps = 0
     for t in range(max_new_tokens):
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
         logp_all = torch.log_softmax(logits, -1)  # [B, V]
-        if greedy:
-            tok = logits.argmax(-1)  # [B]
-        else:
-            tok = sample_tokens(logp_all, generator)  # [B]
-        tokens[:, t] = torch.where(alive, tok, pad_token_id)
-        logps[:, t] = torch.where(alive, logp_all.gather(-1, tok[:, None]).squeeze(-1), 0.0)
-        alive_cols[:, t] = alive
+        tok = logits.argmax(-1) if greedy else sample_tokens(logp_all, generator)  # [B]
+        sampled.append(tok)
+        logps.append(logp_all.gather(-1, tok[:, None]))
         alive = alive & (tok != eos_token_id)
-        steps = t + 1
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and not bool(alive.any())):
             break
+        # rows that already ended are fed their own samples: their outputs are masked out
         if use_lean:
-            logits = head(lean_lm.decode_step(cache, tokens[:, t], next_pos))
+            logits = head(lean_lm.decode_step(cache, tok, next_pos))
         else:
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], 1)
-            out = model(input_ids=tokens[:, t : t + 1], attention_mask=mask, position_ids=next_pos[:, None],
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                         past_key_values=out.past_key_values, use_cache=True)
             logits = out.logits[:, -1]
         next_pos = next_pos + 1
+    raw = torch.stack(sampled, 1)  # [B, R]
+    is_eos = (raw == eos_token_id).long()
+    after_eos = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first EOS
+    steps = raw.shape[1]
     if check_every > 1:  # rows may have finished before the last check: trim the all-padding tail
-        steps = max(1, int(alive_cols[:, :steps].any(0).sum()))
+        steps = max(1, int((~after_eos).any(0).sum()))
+        raw, after_eos = raw[:, :steps], after_eos[:, :steps]
     return Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask.long(),
-        response_ids=tokens[:, :steps],
-        response_mask=alive_cols[:, :steps].long(),
-        logprobs=logps[:, :steps],
+        response_ids=raw.masked_fill(after_eos, pad_token_id),
+        response_mask=(~after_eos).long(),
+        logprobs=torch.cat(logps, 1)[:, :steps].masked_fill(after_eos, 0.0),
         finished=~alive,
     )
