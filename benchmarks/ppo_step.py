@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+
 from bench_common import DEFAULT_OUT, peak_rss_mib, pin_to_core, pinned_cmd, prepare, quiet_hf  # noqa: E402
 
 RESULT = "RESULT "

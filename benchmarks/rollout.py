@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+
 from bench_common import DEFAULT_OUT, peak_rss_mib, pin_to_core, prepare, quiet_hf  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -154,7 +155,6 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     params = sum(p.numel() for p in model.parameters())
     print(f"  {name}: {params / 1e6:.1f}M parameters, prompts {ids.shape[1]} tokens (left-padded), "
           f"{fpt / 1e9:.2f} GFLOP per generated token", flush=True)
-    del model
     return rows
 
 
