@@ -133,3 +133,19 @@ def test_inverse_cdf_sampling_follows_the_probabilities():
     freq = torch.stack([torch.bincount(draws[:, r], minlength=4) for r in range(3)]).float() / n
     assert (freq[probs == 0] == 0).all()  # a zero-probability token is never drawn
     assert (freq - probs).abs().max() < 0.01  # 4 sigma of a binomial at n=40000 is ~0.01
+
+
+def test_repeated_prompts_share_one_prefill():
+    """GRPO-style batches (each prompt G times) give the same rollout as distinct rows would."""
+    model = MODELS["qwen2"]()
+    ids, mask = batch()
+    rep_ids, rep_mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
+    grouped = generate(model, rep_ids, rep_mask, 6, TOK.eos_token_id, TOK.pad_token_id, greedy=True)
+    plain = generate(model, rep_ids, rep_mask, 6, TOK.eos_token_id, TOK.pad_token_id, greedy=True, lean=False)
+    assert torch.equal(grouped.response_ids, plain.response_ids)
+    torch.testing.assert_close(grouped.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+    pos = position_ids_from_mask(rep_mask)
+    hidden, cache = lean.prefill(model, rep_ids, rep_mask, pos, 6)
+    assert cache.keys[0].shape[0] == rep_ids.shape[0]  # expanded back to one row per sample
+    alone, _ = lean.prefill(model, ids[:1], mask[:1], position_ids_from_mask(mask[:1]), 6)
+    torch.testing.assert_close(hidden[:3], alone.expand(3, -1), atol=1e-5, rtol=0)

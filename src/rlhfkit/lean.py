@@ -283,8 +283,21 @@ class KVCache:
 @torch.no_grad()
 def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
             max_new_tokens: int) -> tuple[torch.Tensor, KVCache]:
-    """Run the prompt, fill the cache; returns the last column's hidden state ``[B, H]``."""
+    """Run the prompt, fill the cache; returns the last column's hidden state ``[B, H]``.
+
+    Repeated prompts (GRPO and RLOO sample each prompt G times) are run once and their
+    cache rows copied, which divides the prompt's cost by G.
+    """
     arch = _Arch(model, fuse=True)
+    rows = None
+    if input_ids.shape[0] > 1:
+        key = torch.cat([input_ids, attention_mask.long()], 1)
+        uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+        if uniq.shape[0] < key.shape[0]:
+            first = torch.empty(uniq.shape[0], dtype=torch.long, device=key.device)
+            first.scatter_(0, inverse, torch.arange(key.shape[0], device=key.device))  # a row of each prompt
+            input_ids, attention_mask, position_ids = input_ids[first], attention_mask[first], position_ids[first]
+            rows = inverse
     B, P = input_ids.shape
     x = arch.embed(input_ids, position_ids)
     rope = arch.rope(x, position_ids)
@@ -301,7 +314,12 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         if i == L - 1:  # only the last column is needed from here on
             q, x, mask = q[:, :, -1:], x[:, -1:], mask[:, :, -1:]
         x = arch.finish_layer(layer, x, _attend(q, k, v, mask, arch.scale, arch.groups))
-    return arch.final_norm(x[:, -1]), KVCache(keys, values, key_bias, P, arch)
+    hidden = arch.final_norm(x[:, -1])
+    if rows is not None:  # back to one row per sample
+        keys = [k.index_select(0, rows) for k in keys]
+        values = [v.index_select(0, rows) for v in values]
+        key_bias, hidden = key_bias.index_select(0, rows), hidden.index_select(0, rows)
+    return hidden, KVCache(keys, values, key_bias, P, arch)
 
 
 @torch.no_grad()
