@@ -287,21 +287,19 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
             max_new_tokens: int) -> tuple[torch.Tensor, KVCache]:
     """Run the prompt, fill the cache; returns the last column's hidden state ``[B, H]``.
 
-    Repeated prompts (GRPO and RLOO sample each prompt G times) are run once and their
-    cache rows copied, which divides the prompt's cost by G.
+    A prompt repeated in consecutive rows (GRPO and RLOO lay out each group that way) is run
+    once and its cache rows copied, which divides the prompt's cost by the group size.
     """
     # fusing q/k/v and gate/up saves kernel launches on a GPU; on a CPU the copy of the weights
     # (fresh memory, page faults) costs more than the matmuls it merges
     arch = _Arch(model, fuse=input_ids.device.type == "cuda")
     rows = None
-    if input_ids.shape[0] > 1:
-        key = torch.cat([input_ids, attention_mask.long()], 1)
-        uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
-        if uniq.shape[0] < key.shape[0]:
-            first = torch.empty(uniq.shape[0], dtype=torch.long, device=key.device)
-            first.scatter_(0, inverse, torch.arange(key.shape[0], device=key.device))  # a row of each prompt
+    if input_ids.shape[0] > 1:  # runs of identical rows (how GRPO lays out a group): keep the first of each
+        same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(1)  # [B-1]
+        if bool(same.any()):
+            rows = torch.cat([same.new_zeros(1), ~same]).long().cumsum(0)  # [B]: run of each row
+            first = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(1)  # first row of each run
             input_ids, attention_mask, position_ids = input_ids[first], attention_mask[first], position_ids[first]
-            rows = inverse
     B, P = input_ids.shape
     x = arch.embed(input_ids, position_ids)
     rope = arch.rope(x, position_ids)
