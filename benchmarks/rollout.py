@@ -4,7 +4,8 @@ Both sample (temperature 1, no top-k / top-p) from the same left-padded prompts 
 cache (transformers: its default ``DynamicCache``), for the same number of new tokens: EOS
 is disabled for both (rlhfkit gets ``eos_token_id=-1``, transformers a generation config
 without one), so every row generates exactly ``--new-tokens`` tokens and tokens/s compare
-like for like. Calls are interleaved and repeated; the table shows the median. A third row,
+like for like. Calls are interleaved and repeated; the table shows the best of the repeats
+(``--stat median`` for the median). A third row,
 ``rlhfkit (HF forward)``, runs rlhfkit's decode loop through the model's own forward
 (``lean=False``), to separate the decode loop from the lean forward.
 
@@ -144,7 +145,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     fpt = flops_per_token(model, context)
     rows = []
     for k, ts in times.items():
-        sec = statistics.median(ts)
+        sec = min(ts) if args.stat == "best" else statistics.median(ts)
         row = {"model": name, "runner": k, "batch": batch, "new": new, "s": sec, "tok_s": tokens / sec}
         if device.type == "cuda":
             row["mfu"] = row["tok_s"] * fpt / (args.peak_tflops * 1e12)
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=0, help="default 8 for tiny, 64 otherwise")
     ap.add_argument("--prompt-len", type=int, default=32, help="longest random prompt (not tiny)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--stat", choices=["best", "median"], default="best",
+                    help="best of the repeats (least disturbed by other jobs, as timeit) or their median")
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: by GPU name)")
     ap.add_argument("--out", default=DEFAULT_OUT)

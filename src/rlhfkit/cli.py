@@ -33,7 +33,9 @@ DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm"
 # what each RL command changes in the shared `ppo` section before the user's file and overrides
 ALGO_DEFAULTS = {
     "ppo": {"algo": "ppo"},
-    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
+    # groups of 4 (16 prompts per batch of 64): on the doubling task with the exact-match reward,
+    # 90-100 steps to 0.99 over seeds 10-12 against 150-190 with groups of 8
+    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05, "group_size": 4},
     # KL as a k3 loss term here too: a per-sequence k1 sum in the reward is noisy enough that RLOO
     # on the doubling task stalled at 0.66 exact (kl_coef 0.01, in reward) but reached 0.99 this way
     "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},

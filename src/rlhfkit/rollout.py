@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from . import lean as lean_lm
@@ -96,6 +97,8 @@ def generate(
     use_lean = lean and lean_lm.supported(model)
     if use_lean:  # pre-allocated cache, functional forward (rlhfkit.lean)
         head = model.get_output_embeddings()
+        if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
+            head = lambda h, w=head.weight, b=head.bias: F.linear(h, w, b)  # noqa: E731
         hidden, cache = lean_lm.prefill(model, prompt_ids, mask, positions, max_new_tokens)
         logits = head(hidden)  # [B, V]
     else:  # any causal LM: its own forward with a DynamicCache
