@@ -16,7 +16,8 @@ runs in its own process pinned to the same core with one torch thread, takes
           reference model); reward: the task's exact-match verifier. A third row runs rlhfkit
           GRPO on TRL's schedule (one update of 64, no KL) for a like-for-like step.
 
-Phases of TRL are timed from the outside: generation by wrapping its generation function,
+``--clock cpu`` times each process's CPU seconds instead of wall seconds (for a machine
+shared with other jobs). Phases of TRL are timed from the outside: generation by wrapping its generation function,
 experience up to the first update forward (PPO) or the end of
 ``_generate_and_score_completions`` (GRPO), update to the end of the step. Peak memory is
 the process's peak resident set (``ru_maxrss``: model, optimizer state, activations and the
@@ -210,6 +211,8 @@ def run_trl_ppo(paths: dict, args) -> dict:
 
 def worker(args) -> None:
     pin_to_core(args.core)
+    if args.clock == "cpu":  # every timer of both libraries reads this process's CPU seconds instead
+        time.perf_counter = time.process_time
     quiet_hf()
     paths = prepare(args.out)
     runs = {"trl_grpo": run_trl_grpo, "trl_ppo": run_trl_ppo}
@@ -226,6 +229,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="'cpu' times CPU seconds of each contender's process (for a machine shared with other jobs)")
     ap.add_argument("--trl112-python", default=".venv-trl112/bin/python",
                     help="a Python with trl==1.12.* and rlhfkit installed, for TRL's PPOTrainer")
     ap.add_argument("--worker", choices=[r for rows in ROWS.values() for r in rows], help=argparse.SUPPRESS)
@@ -252,7 +257,8 @@ def main() -> None:
                     print("skipping TRL GRPOTrainer: TRL is not installed (pip install -e .[bench])")
                     continue
             cmd = pinned_cmd(args.core, __file__, "--worker", kind, "--steps", str(args.steps), "--warmup",
-                             str(args.warmup), "--seed", str(args.seed), "--core", str(args.core), "--out", args.out)
+                             str(args.warmup), "--seed", str(args.seed), "--core", str(args.core), "--out", args.out,
+                             "--clock", args.clock)
             cmd[cmd.index(sys.executable)] = python
             env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -262,8 +268,9 @@ def main() -> None:
                 continue
             results[kind] = json.loads(lines[-1][len(RESULT):])
             print(f"  {NAMES[kind]}: {results[kind]['phases']['total'] * 1e3:.1f} ms/step", flush=True)
+    unit = "CPU milliseconds" if args.clock == "cpu" else "milliseconds"
     print(f"\nOne RL step of 64 completions (<= 8 tokens), tiny doubling GPT-2, one core (taskset -c {args.core}), "
-          f"1 torch thread; median of {args.steps} steps after {args.warmup} warm-up; milliseconds")
+          f"1 torch thread; median of {args.steps} steps after {args.warmup} warm-up; {unit}")
     print(f"{'contender':<32}{'updates':>16}{'rollout':>9}{'experience':>12}{'update':>8}{'total':>8}"
           f"{'peak RSS':>11}")
     for kind, r in results.items():

@@ -76,19 +76,21 @@ _C3 = 0.044715 * _C1
 class _GeluTanhCPU(torch.autograd.Function):
     """``gelu(x, approximate='tanh')`` as ``x * sigmoid(c1 x + c3 x^3)`` (the identity
     ``(1 + tanh z) / 2 = sigmoid(2z)``): this CPU build's ``tanh`` is ~3.5x slower than its
-    ``sigmoid``, and the tanh-GELU is the largest element-wise cost of a GPT-2 step."""
+    ``sigmoid``, and the tanh-GELU is the largest element-wise cost of a GPT-2 step. Both
+    passes work in place on their own temporaries (fewer allocations, fewer page faults)."""
 
     @staticmethod
     def forward(ctx, x):
-        s = torch.sigmoid(x * (_C1 + _C3 * x * x))
+        s = (x * x).mul_(_C3).add_(_C1).mul_(x).sigmoid_()  # sigmoid(c1 x + c3 x^3)
         ctx.save_for_backward(x, s)
         return x * s
 
     @staticmethod
     def backward(ctx, grad):
         x, s = ctx.saved_tensors
-        # d/dx [x s(z)] = s + x s (1 - s) dz/dx,  dz/dx = c1 + 3 c3 x^2
-        return grad * (s + x * s * (1 - s) * (_C1 + 3 * _C3 * x * x))
+        # d/dx [x s(z)] = s + s (1 - s) x dz/dx,  x dz/dx = c1 x + 3 c3 x^3
+        xdz = (x * x).mul_(3 * _C3).add_(_C1).mul_(x)
+        return torch.rsub(s, 1.0).mul_(s).mul_(xdz).add_(s).mul_(grad)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
