@@ -10,11 +10,12 @@ runs in its own process pinned to the same core with one torch thread, takes
           ``.venv-trl112/bin/python``; skipped with a note when it is missing). Same schedule
           for both: batch 64, 2 epochs x 2 minibatches of 32, a value model initialised from
           the pairwise reward model, which also scores; KL 0.2 (k1) in the reward.
-    GRPO  rlhfkit GRPO (its defaults: 8 prompts x 8 samples, 2 epochs x 2 minibatches of 32,
-          k3 KL in the loss, so a reference forward) vs TRL's GRPOTrainer (its defaults adapted
-          as in time_to_accuracy.py: one optimizer step on the 64 completions, beta 0 so no
-          reference model); reward: the task's exact-match verifier. A third row runs rlhfkit
-          GRPO on TRL's schedule (one update of 64, no KL) for a like-for-like step.
+    GRPO  rlhfkit GRPO (its defaults: 16 prompts x 4 samples, 2 epochs x 2 minibatches of 32,
+          k3 KL 0.05 in the loss) vs TRL's GRPOTrainer (configured as in time_to_accuracy.py:
+          8 prompts x 8 samples, one optimizer step on the 64 completions, k3 KL 0.1 in the
+          loss); both compute reference log-probs; reward: the task's exact-match verifier. A
+          third row runs rlhfkit GRPO on TRL's schedule (8 x 8, one update of 64, KL 0.1) for
+          a like-for-like step.
 
 ``--clock cpu`` times each process's CPU seconds instead of wall seconds (for a machine
 shared with other jobs). Phases of TRL are timed from the outside: generation by wrapping its generation function,
@@ -51,8 +52,8 @@ ROWS = {
 }
 NAMES = {"rlhfkit_ppo": "rlhfkit PPO", "trl_ppo": "TRL PPOTrainer 1.12", "rlhfkit_grpo": "rlhfkit GRPO",
          "rlhfkit_grpo_trl_schedule": "rlhfkit GRPO, TRL's schedule", "trl_grpo": "TRL GRPOTrainer"}
-SCHEDULE = {"rlhfkit_ppo": "2x2 of 32", "trl_ppo": "2x2 of 32", "rlhfkit_grpo": "2x2 of 32, ref",
-            "rlhfkit_grpo_trl_schedule": "1x1 of 64", "trl_grpo": "1x1 of 64"}
+SCHEDULE = {"rlhfkit_ppo": "2x2 of 32", "trl_ppo": "2x2 of 32", "rlhfkit_grpo": "16x4, 2x2 of 32",
+            "rlhfkit_grpo_trl_schedule": "8x8, 1x1 of 64", "trl_grpo": "8x8, 1x1 of 64"}
 
 
 def median_phases(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -73,7 +74,7 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
     ppo = {**ALGO_DEFAULTS[algo], "steps": args.warmup + args.steps, "stop_at_exact": 0.0, "eval_every": 0,
            "critic_warmup_steps": 0}
     if kind == "rlhfkit_grpo_trl_schedule":
-        ppo.update(ppo_epochs=1, minibatch_size=64, kl_coef=0.0)
+        ppo.update(group_size=8, ppo_epochs=1, minibatch_size=64, kl_coef=0.1)
     reward = {"name": paths["rm"]} if algo == "ppo" else {"function": "rlhfkit.tasks.doubling:exact_reward"}
     cfg = Config().replace(run={"out_dir": str(out), "seed": args.seed, "progress": False, "threads": 1},
                            ppo=ppo, reward=reward)
@@ -112,9 +113,9 @@ class PhaseClock:
 def run_trl_grpo(paths: dict, args) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    from bench_common import exact_reward_with_ids
+    from bench_common import exact_reward_with_ids, trl_grpo_config
     from rlhfkit.models import load_policy
     from rlhfkit.tasks import doubling
 
@@ -123,11 +124,7 @@ def run_trl_grpo(paths: dict, args) -> dict:
     model = load_policy(paths["base"])
     steps = args.warmup + args.steps
     dataset = Dataset.from_dict({"prompt": [p.text for p in doubling.DoublingData(args.seed + 2).prompts(steps * 8)]})
-    config = GRPOConfig(output_dir=str(Path(args.out) / "step_trl_grpo"), learning_rate=3e-4,
-                        lr_scheduler_type="constant", num_generations=8, per_device_train_batch_size=64,
-                        max_completion_length=8, max_steps=steps, bf16=False, gradient_checkpointing=False,
-                        use_cpu=True, seed=args.seed, logging_steps=10, report_to="none", save_strategy="no",
-                        disable_tqdm=True, log_level="error")
+    config = trl_grpo_config(str(Path(args.out) / "step_trl_grpo"), args.seed, steps)
     clock = PhaseClock()
 
     class Clock(TrainerCallback):

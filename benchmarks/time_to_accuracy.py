@@ -74,12 +74,15 @@ import torch  # noqa: E402
 
 from bench_common import (  # noqa: E402
     DEFAULT_OUT,
+    TRL_GRPO_BETA,
+    TRL_GRPO_LR,
     ClassifierReward,
     exact_reward_with_ids,
     pin_to_core,
     pinned_cmd,
     prepare,
     quiet_hf,
+    trl_grpo_config,
 )
 
 CONTENDERS = {
@@ -125,7 +128,7 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
 def run_trl_grpo(paths: dict, args) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rlhfkit.evaluate import evaluate_doubling
     from rlhfkit.models import load_policy
@@ -138,29 +141,8 @@ def run_trl_grpo(paths: dict, args) -> dict:
     group = args.trl_num_generations
     prompts = doubling.DoublingData(args.seed + 2).prompts(args.max_steps * args.batch_size // group)
     dataset = Dataset.from_dict({"prompt": [p.text for p in prompts]})
-    config = GRPOConfig(
-        output_dir=str(Path(args.out) / f"tta_trl_grpo_{args.seed}"),
-        # TRL's documented GRPO defaults (loss_type='dapo', scale_rewards='group', epsilon 0.2,
-        # beta 0 i.e. no reference model, num_iterations 1, temperature 1) adapted to the task:
-        learning_rate=args.trl_lr,              # 1e-6 is for billion-parameter models
-        lr_scheduler_type="constant",           # as rlhfkit; linear decay would only slow it down
-        beta=args.trl_beta,
-        num_generations=group,
-        per_device_train_batch_size=args.batch_size,  # 64 completions = 8 prompts x 8 per rollout
-        gradient_accumulation_steps=1,
-        max_completion_length=8,
-        max_steps=args.max_steps,
-        bf16=False,                             # float32 on CPU, as rlhfkit
-        gradient_checkpointing=False,           # a 2-layer model: recomputation would only cost time
-        use_cpu=True,
-        seed=args.seed,
-        logging_steps=10,
-        log_level="error",
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    config = trl_grpo_config(str(Path(args.out) / f"tta_trl_grpo_{args.seed}"), args.seed, args.max_steps,
+                             args.trl_lr, args.trl_beta, group, args.batch_size)
 
     state = {"train_s": 0.0, "t0": None, "reached": None, "exact": None}
 
@@ -245,8 +227,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=64, help="completions per rollout (TRL)")
     ap.add_argument("--reward", choices=["exact", "classifier"], default="exact")
-    ap.add_argument("--trl-lr", type=float, default=3e-4)
-    ap.add_argument("--trl-beta", type=float, default=0.0)
+    ap.add_argument("--trl-lr", type=float, default=TRL_GRPO_LR)
+    ap.add_argument("--trl-beta", type=float, default=TRL_GRPO_BETA)
     ap.add_argument("--trl-num-generations", type=int, default=8)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="'cpu' times CPU seconds of each contender's process (for a machine shared with other jobs)")
