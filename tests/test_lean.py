@@ -149,3 +149,34 @@ def test_repeated_prompts_share_one_prefill():
     assert cache.keys[0].shape[0] == rep_ids.shape[0]  # expanded back to one row per sample
     alone, _ = lean.prefill(model, ids[:1], mask[:1], position_ids_from_mask(mask[:1]), 6)
     torch.testing.assert_close(hidden[:3], alone.expand(3, -1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_shared_prompt_forward_matches_the_full_forward(name):
+    """Rows that repeat a prompt (shuffled, as in a GRPO minibatch) run it once: same logits
+    and the same gradients as running every row in full."""
+    from rlhfkit.models import policy_forward
+
+    model = MODELS[name]().train()
+    ids, mask = batch()
+    P = ids.shape[1]
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    ids, mask = ids.repeat(3, 1)[order], mask.repeat(3, 1)[order]
+    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1))
+    resp_mask = torch.ones_like(resp)
+    resp_mask[0, 3:] = 0  # a response that ended early: padding after it
+    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, resp_mask], 1)
+    assert lean.shared_prompts(seq, seq_mask, P) is not None  # 4 distinct prompts in 12 rows
+    pos = position_ids_from_mask(seq_mask)
+    ref = lean.hidden_states(model, seq, seq_mask, pos)[:, P - 1 : -1]
+    ours, _ = policy_forward(model, seq, seq_mask, P)  # takes the shared path
+    ref_logits = model.get_output_embeddings()(ref)
+    valid = resp_mask.bool()
+    torch.testing.assert_close(ours[valid], ref_logits[valid], atol=1e-5, rtol=1e-5)
+    grads = []
+    for out in (ref_logits, ours):
+        model.zero_grad()
+        out[valid].logsumexp(-1).sum().backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)

@@ -268,6 +268,59 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     return arch.final_norm(x)
 
 
+def shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                   max_share: float = 0.75) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first, rows)`` when the ``[B, P]`` prompts repeat enough to be worth computing once:
+    ``first [U]`` a row holding each distinct prompt, ``rows [B]`` the distinct prompt of each
+    row. None when more than ``max_share`` of the rows are distinct (or B == 1)."""
+    B = input_ids.shape[0]
+    if B < 2:
+        return None
+    key = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len].to(input_ids.dtype)], 1)
+    uniq, rows = torch.unique(key, dim=0, return_inverse=True)
+    if uniq.shape[0] > max_share * B:
+        return None
+    first = torch.empty(uniq.shape[0], dtype=torch.long, device=key.device)
+    first.scatter_(0, rows, torch.arange(B, device=key.device))
+    return first, rows
+
+
+def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor, prompt_len: int, first: torch.Tensor,
+                           rows: torch.Tensor) -> torch.Tensor:
+    """Hidden states at columns ``P-1 .. T-2`` (those that predict the response tokens),
+    ``[B, R, H]``, with each distinct prompt run once (``first`` / ``rows`` from
+    :func:`shared_prompts`).
+
+    A prompt's states never depend on what follows it (causal attention), so the rows of a
+    GRPO group share one prompt pass: its keys and values are copied to every row for the
+    response queries, and autograd sums the gradients of the copies back into it. Equal to
+    ``hidden_states(...)[:, P-1:-1]`` up to rounding; on a group of 4 with 11-token prompts and
+    6-token responses it runs ~45% fewer tokens.
+    """
+    arch = _Arch(model)
+    P = prompt_len
+    full_mask = _full_mask(attention_mask)  # [B, 1, T, T]
+    mask_p = full_mask[first, :, :P, :P]  # [U, 1, P, P]
+    mask_r = full_mask[:, :, P:, :]  # [B, 1, R, T]: response queries see the whole prompt row
+    pos_p, pos_r = position_ids[first, :P], position_ids[:, P:]
+    xp = arch.embed(input_ids[first, :P], pos_p)  # [U, P, H]
+    xr = arch.embed(input_ids[:, P:], pos_r)  # [B, R, H]
+    rope_p, rope_r = arch.rope(xp, pos_p), arch.rope(xr, pos_r)
+    last = len(arch.layers) - 1
+    for i, layer in enumerate(arch.layers):
+        qp, kp, vp = arch.qkv(layer, xp, rope_p)
+        qr, kr, vr = arch.qkv(layer, xr, rope_r)
+        keys = torch.cat([kp.index_select(0, rows), kr], 2)  # [B, Hkv, T, D]
+        values = torch.cat([vp.index_select(0, rows), vr], 2)
+        if i == last:  # the prompt's last column is all that is still needed from it
+            qp, xp, mask_p = qp[:, :, -1:], xp[:, -1:], mask_p[:, :, -1:]
+        xp = arch.finish_layer(layer, xp, _attend(qp, kp, vp, mask_p, arch.scale, arch.groups))
+        xr = arch.finish_layer(layer, xr, _attend(qr, keys, values, mask_r, arch.scale, arch.groups))
+    hp = arch.final_norm(xp[:, -1]).index_select(0, rows)  # [B, H]: the state at column P-1
+    return torch.cat([hp[:, None], arch.final_norm(xr[:, :-1])], 1)  # [B, R, H]
+
+
 # --------------------------------------------------------------------------- generation
 
 

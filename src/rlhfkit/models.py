@@ -117,6 +117,20 @@ def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None
     return out.last_hidden_state  # [B, T, H]
 
 
+def response_hidden(model: PreTrainedModel, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
+    """Hidden states at the columns that predict the response tokens, ``[B, R, H]``.
+
+    When prompts repeat across rows (GRPO / RLOO groups) and the model takes the lean path,
+    each distinct prompt is computed once (:func:`rlhfkit.lean.response_hidden_states`).
+    """
+    positions = position_ids_from_mask(attention_mask)
+    if lean.supported(model):
+        shared = lean.shared_prompts(input_ids, attention_mask, prompt_len)
+        if shared is not None:
+            return lean.response_hidden_states(model, input_ids, attention_mask, positions, prompt_len, *shared)
+    return _hidden(model, input_ids, attention_mask, positions)[:, prompt_len - 1 : -1]
+
+
 def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
     """The scalar head at every position: ``[B, T]`` (a value model)."""
     hidden = _hidden(model, input_ids, attention_mask, position_ids)
@@ -173,8 +187,7 @@ def policy_forward(
     Returns:
         ``logits [B, R, V]`` and ``values [B, R]`` (None without a value head).
     """
-    hidden = _hidden(policy, input_ids, attention_mask)  # [B, T, H]
-    hidden = hidden[:, prompt_len - 1 : -1]  # [B, R, H]
+    hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
     logits = policy.get_output_embeddings()(hidden)  # [B, R, V]
     values = None
     if value_head is not None:
