@@ -64,8 +64,7 @@ def median_phases(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_rlhfkit(kind: str, paths: dict, args) -> dict:
-    from rlhfkit.cli import ALGO_DEFAULTS
-    from rlhfkit.config import Config
+    from rlhfkit.config import ALGO_DEFAULTS, Config
     from rlhfkit.trainers.rl import train_rl
     from rlhfkit.utils import read_jsonl
 

@@ -97,8 +97,7 @@ RESULT = "RESULT "
 
 
 def run_rlhfkit(algo: str, paths: dict, args) -> dict:
-    from rlhfkit.cli import ALGO_DEFAULTS
-    from rlhfkit.config import Config, load_config
+    from rlhfkit.config import ALGO_DEFAULTS, Config, load_config
     from rlhfkit.trainers.rl import train_rl
 
     reward = ({"name": paths["classifier"]} if args.reward == "classifier"

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from rlhfkit.cli import ALGO_DEFAULTS, main
-from rlhfkit.config import Config
+from rlhfkit.cli import main
+from rlhfkit.config import ALGO_DEFAULTS, Config
 from rlhfkit.demo import run_demo
 from rlhfkit.utils import read_jsonl
 
@@ -35,7 +35,8 @@ def test_ppo_teaches_the_prefix(demo_run):
 
 def test_run_directory_contents(demo_run):
     out, _ = demo_run
-    for rel in ["config.yaml", "metrics.jsonl", "samples.jsonl", "plots.png", "plot_score.png",
+    for rel in ["config.yaml", "metrics.jsonl", "samples.jsonl", "trajectories.jsonl", "report.html", "tb",
+                "plots.png", "plot_score.png",
                 "policy/model.safetensors", "value_model/model.safetensors",
                 "pretrain/policy/model.safetensors", "reward/reward_model/model.safetensors"]:
         assert (out / rel).exists(), rel

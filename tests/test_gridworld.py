@@ -224,7 +224,6 @@ def test_learns_the_optimal_policy(tmp_path, algo, seed):
     assert result["greedy_return"] == 99.0, f"{algo} seed {seed}:\n{result['policy']}"
     assert result["optimal"]
     assert result["returns"][-1] > 90  # the sampling policy has settled too, not just its argmax
-    assert result["seconds"] < 60  # measured ~0.5 s (reinforce) and ~2 s (ppo) on one core
 
 
 def test_train_writes_outputs(tmp_path):

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import Config, ConfigError, load_config
+from .config import ALGO_DEFAULTS, Config, ConfigError, load_config
 
 COMMANDS = {
     "demo": "pretrain -> reward model -> PPO -> evaluation on the doubling task (runs/demo)",
@@ -24,25 +24,13 @@ COMMANDS = {
     "dpo": "DPO on preference pairs: no reward model, no sampling (model.name = policy)",
     "sft": "supervised fine-tuning: model.name = policy, data.path = JSONL of demonstrations",
     "eval": "greedy held-out evaluation of a policy (a path, or a run directory)",
+    "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
 
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
                "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld"}
-# what each RL command changes in the shared `ppo` section before the user's file and overrides
-ALGO_DEFAULTS = {
-    "ppo": {"algo": "ppo"},
-    # groups of 4 (16 prompts per batch of 64): on the doubling task with the exact-match reward,
-    # 90-100 steps to 0.99 over seeds 10-12 against 150-190 with groups of 8
-    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05, "group_size": 4},
-    # KL as a k3 loss term here too: a per-sequence k1 sum in the reward is noisy enough that RLOO
-    # on the doubling task stalled at 0.66 exact (kl_coef 0.01, in reward) but reached 0.99 this way
-    "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
-    "reinforce": {"algo": "reinforce", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
-}
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -50,14 +38,28 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text)
         if name == "eval":
             sp.add_argument("path", help="policy directory (HF format) or a run directory containing policy/")
+        if name == "report":
+            sp.add_argument("path", help="run directory (holding metrics.jsonl, config.yaml ...)")
+            sp.add_argument("--screenshot", action="store_true",
+                            help="also save report.png beside it with headless Chromium (must be installed)")
+            continue
         sp.add_argument("--config", help="YAML config file (sections: run, model, pretrain, reward, ppo, eval)")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl_coef=0.1 run.seed=3")
     return p
 
 
 def _config(args) -> Config:
-    base = Config().replace(run={"out_dir": DEFAULT_OUT[args.command]}, ppo=ALGO_DEFAULTS.get(args.command, {}))
-    return load_config(args.config, args.overrides, base=base)
+    """Defaults <- the task's defaults <- the command's algorithm defaults <- file <- overrides."""
+    from .tasks import get_task
+
+    def build(task_defaults: dict) -> Config:
+        base = Config().replace(**task_defaults).replace(run={"out_dir": DEFAULT_OUT[args.command]},
+                                                          ppo=ALGO_DEFAULTS.get(args.command, {}))
+        return load_config(args.config, args.overrides, base=base)
+
+    cfg = build({})
+    task_defaults = getattr(get_task(cfg.run.task), "CONFIG_DEFAULTS", {})
+    return build(task_defaults) if task_defaults else cfg
 
 
 def _policy_dir(path: str) -> str:
@@ -72,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
+    from .utils import TrainingError  # torch comes with it: not before `rlhfkit -h` is answered
+
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    if args.command == "report":
+        return _report(args)
     try:
         cfg = _config(args)
         if args.command == "demo":
@@ -114,8 +120,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
             verdict = "optimal" if res["optimal"] else "NOT optimal"
             print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:  # the inputs were fine but the run diverged
+        print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(args) -> int:
+    import subprocess
+
+    from .report import screenshot, write_report
+
+    try:
+        path = write_report(args.path)
+        print(f"report: {path} ({path.stat().st_size / 1e6:.2f} MB)")
+        if args.screenshot:
+            print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        print(f"rlhfkit report: error: {e}", file=sys.stderr)
         return 2
     return 0
 

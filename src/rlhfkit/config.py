@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+# what each RL command (and the demo, per algorithm) changes in the shared `ppo` section before
+# the user's file and overrides
+ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ppo": {"algo": "ppo"},
+    # groups of 4 (16 prompts per batch of 64): on the doubling task with the exact-match reward,
+    # 90-100 steps to 0.99 over seeds 10-12 against 150-190 with groups of 8
+    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05, "group_size": 4},
+    # KL as a k3 loss term here too: a per-sequence k1 sum in the reward is noisy enough that RLOO
+    # on the doubling task stalled at 0.66 exact (kl_coef 0.01, in reward) but reached 0.99 this way
+    "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
+    "reinforce": {"algo": "reinforce", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
+}
 
 
 class ConfigError(ValueError):
@@ -35,6 +49,18 @@ class RunConfig:
     """torch intra-op threads; 0 keeps torch's default."""
     progress: bool = True
     """Show progress bars."""
+    task: Literal["doubling", "cities"] = "doubling"
+    """Built-in task giving the tokenizer, data and evaluation: 'doubling' (seed 002) or 'cities'
+    ("Where is Pune?" -> "Pune is in India.", seeds 000/003)."""
+    max_bad_updates: int = 5
+    """An optimizer update whose loss or gradient norm is NaN/inf is skipped (warning, counted in
+    guard/skipped_updates); this many skipped in a row stop the run with an error."""
+    tensorboard: bool = True
+    """Write every logged metric as TensorBoard events under OUT_DIR/tb/ too (tensorboardX);
+    view with ``tensorboard --logdir OUT_DIR``."""
+    trackers: str = ""
+    """Extra experiment trackers, comma-separated: 'wandb', 'trackio' (each must be installed;
+    empty = none)."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +99,9 @@ class RewardConfig:
     """'pairwise': Bradley-Terry on chosen/rejected pairs, one scalar. 'classifier' (seed 002): a
     head over the task's labels trained with cross-entropy; the reward is the logit of the label
     the prompt asks for (see label_function)."""
-    label_function: str = "rlhfkit.tasks.doubling:label_of_prompt"
-    """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index."""
+    label_function: str = ""
+    """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index
+    (empty: the task's ``label_of_prompt``)."""
     function: str = ""
     """Reward as a Python callable 'module:name', (prompts, completions, **meta) -> list[float];
     used instead of a reward model when set (e.g. rlhfkit.tasks.doubling:format_reward)."""
@@ -120,8 +147,8 @@ class PPOConfig:
     """Actor learning rate (AdamW)."""
     value_lr: float = 3e-3
     """Critic learning rate (value head or value model)."""
-    max_new_tokens: int = 8
-    """Longest response sampled."""
+    max_new_tokens: int | None = None
+    """Longest response sampled (None: the task's longest answer)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are taken under the same temperature)."""
     kl_coef: float = 0.2
@@ -171,6 +198,12 @@ class PPOConfig:
     """Stop once held-out greedy exact accuracy reaches this (0 = run all steps)."""
     samples_per_log: int = 4
     """Generations saved to samples.jsonl per step."""
+    trajectories_every: int = 10
+    """Save per-token trajectories (log-probs, KL, reward, value, advantages, returns, mask) to
+    trajectories.jsonl at the first step, every N steps and the last step, for the trajectory
+    view of ``rlhfkit report`` (0 = never)."""
+    trajectories_per_step: int = 2
+    """Rows of the batch saved each time, spread over the score ranks (lowest and highest first)."""
 
 
 @dataclass(frozen=True)
@@ -227,8 +260,15 @@ class DPOConfig:
 class EvalConfig:
     batch_size: int = 512
     """Prompts per greedy-decoding batch."""
-    max_new_tokens: int = 8
-    """Longest answer decoded."""
+    max_new_tokens: int | None = None
+    """Longest answer decoded (None: the task's longest answer)."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    algos: str = "ppo"
+    """Comma-separated algorithms the demo runs after pretraining and the reward model, each from
+    the same base: any of ppo, grpo, rloo, reinforce (RL with the reward model) and dpo."""
 
 
 @dataclass(frozen=True)
@@ -276,6 +316,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
     gridworld: GridworldConfig = field(default_factory=GridworldConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -333,13 +374,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads '1e-4' (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads '1e-4' (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # a NaN rate or coefficient would reach the weights silently
+                raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -371,7 +417,9 @@ def from_dict(data: dict[str, Any]) -> Config:
                 raise ConfigError(f"unknown config key '{sec}.{key}'.{_suggest(key, fhints)}")
             kwargs[key] = _coerce(val, fhints[key], f"{sec}.{key}")
         sections[sec] = cls(**kwargs)
-    return Config(**sections)
+    cfg = Config(**sections)
+    check_values(cfg)
+    return cfg
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -394,8 +442,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             loaded = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        except yaml.YAMLError as e:  # one line: where it broke and why, not PyYAML's multi-line report
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(e, 'problem', None) or e}; "
+                              "fix the syntax there") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         for sec, values in loaded.items():
@@ -411,3 +462,57 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True))
+
+
+# --------------------------------------------------------------------------- value ranges
+
+# What the types cannot say: (lowest, highest) allowed, None for unbounded; checked after every
+# load/replace so a zero batch or a negative rate stops the run before any work, with its key.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "run.threads": (0, None), "run.max_bad_updates": (1, None),
+    "model.n_layer": (1, None), "model.n_head": (1, None), "model.n_embd": (1, None),
+    "pretrain.steps": (1, None), "pretrain.batch_size": (1, None), "pretrain.lr": (0, None),
+    "pretrain.warmup_steps": (0, None), "pretrain.weight_decay": (0, None),
+    "reward.steps": (1, None), "reward.batch_size": (1, None), "reward.lr": (0, None),
+    "reward.center_coef": (0, None), "reward.hard_negatives": (0, 1), "reward.eval_pairs": (1, None),
+    "ppo.group_size": (2, None), "ppo.steps": (1, None), "ppo.batch_size": (1, None),
+    "ppo.minibatch_size": (1, None), "ppo.ppo_epochs": (1, None), "ppo.lr": (0, None), "ppo.value_lr": (0, None),
+    "ppo.max_new_tokens": (1, None), "ppo.temperature": (0, None), "ppo.kl_coef": (0, None),
+    "ppo.kl_target": (0, None), "ppo.kl_horizon": (1, None), "ppo.gamma": (0, 1), "ppo.lam": (0, 1),
+    "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
+    "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
+    "ppo.missing_eos_penalty": (0, None), "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
+    "ppo.stop_at_exact": (0, 1), "ppo.samples_per_log": (0, None),
+    "data.max_length": (2, None),
+    "sft.steps": (1, None), "sft.batch_size": (1, None), "sft.lr": (0, None), "sft.warmup_steps": (0, None),
+    "dpo.beta": (0, None), "dpo.steps": (1, None), "dpo.batch_size": (1, None), "dpo.lr": (0, None),
+    "dpo.num_pairs": (1, None), "dpo.nll_coef": (0, None), "dpo.eval_every": (0, None),
+    "dpo.stop_at_format": (0, 1),
+    "eval.batch_size": (1, None), "eval.max_new_tokens": (1, None),
+    "gridworld.iterations": (1, None), "gridworld.episodes_per_iter": (1, None), "gridworld.lr": (0, None),
+    "gridworld.gamma": (0, 1), "gridworld.lam": (0, 1), "gridworld.drunk": (0, 1), "gridworld.max_steps": (1, None),
+    "gridworld.hidden": (1, None), "gridworld.ppo_epochs": (1, None), "gridworld.minibatches": (1, None),
+    "gridworld.clip_range": (0, None), "gridworld.vf_coef": (0, None), "gridworld.entropy_coef": (0, None),
+    "gridworld.reward_scale": (0, None),
+}
+# rates, scales and coefficients that must be strictly positive (0 would train nothing or divide by 0)
+POSITIVE = {"pretrain.lr", "reward.lr", "ppo.lr", "ppo.value_lr", "ppo.temperature", "ppo.kl_target",
+            "ppo.clip_range", "ppo.value_clip_range", "ppo.score_clip", "ppo.max_grad_norm", "sft.lr", "dpo.beta",
+            "dpo.lr", "gridworld.lr", "gridworld.clip_range", "gridworld.reward_scale"}
+
+
+def check_values(cfg: Config) -> None:
+    """Raise ConfigError for the first value outside its range (see RANGES) or an inconsistent pair."""
+    for key, (lo, hi) in RANGES.items():
+        sec, name = key.split(".")
+        value = getattr(getattr(cfg, sec, None), name, None)
+        if value is None:  # an optional key left unset (or a key another version does not have)
+            continue
+        if key in POSITIVE and value <= 0:
+            raise ConfigError(f"config key '{key}' must be > 0, got {value!r}")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            want = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise ConfigError(f"config key '{key}' must be {want}, got {value!r}")
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise ConfigError(f"config key 'model.n_embd' ({cfg.model.n_embd}) must be a multiple of "
+                          f"model.n_head ({cfg.model.n_head})")

@@ -337,7 +337,9 @@ def policy_loss(
         clipped term was the active one), ``policy/approx_kl`` (k3 estimate of
         KL(old || new), exactly 0 when ratio == 1), ``policy/ratio_mean``.
     """
-    log_ratio = logprobs - old_logprobs
+    # where(), not a product: a NaN/inf in a padded slot must reach neither the loss nor, through
+    # exp's backward (0 * inf), the gradient of the valid tokens
+    log_ratio = torch.where(response_mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)  # [B, R]
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
@@ -371,6 +373,10 @@ def value_loss(
     Returns:
         ``(loss, stats)``; stats: ``value/loss``, ``value/clipfrac``.
     """
+    valid = response_mask.bool()
+    values = torch.where(valid, values, torch.zeros_like(values))  # padded garbage: no grad, no NaN
+    old_values = torch.where(valid, old_values, torch.zeros_like(old_values))
+    returns = torch.where(valid, returns, torch.zeros_like(returns))
     err = (values - returns) ** 2
     if clip_range is None:
         per_token, clip_active = err, torch.zeros_like(err)

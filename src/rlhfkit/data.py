@@ -114,14 +114,25 @@ def _located_records(source) -> tuple[str, list[tuple[str, Any]]]:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         out = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        try:
+            f = open(path, "rb")  # bytes, decoded line by line, so a bad byte is reported at its line
+        except OSError as e:
+            raise DataError(f"{path}: cannot read this data file ({e.strerror or e}); check the path "
+                            "(data.path) points to a JSONL file") from None
+        with f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a BOM
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line); "
+                                    "re-encode the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
                     out.append((f"{path}:{lineno}", json.loads(line)))
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); "
+                                    "each line must be one JSON object") from None
         return path, out
     ds = sys.modules.get("datasets")  # only a caller who imported datasets can hand us a Dataset
     if ds is not None and isinstance(source, ds.DatasetDict | ds.IterableDatasetDict):
@@ -138,7 +149,7 @@ def _located_records(source) -> tuple[str, list[tuple[str, Any]]]:
 def _records(source, allow_empty: bool = False) -> list[tuple[str, dict]]:
     name, located = _located_records(source)
     if not located and not allow_empty:  # an empty training set is a wrong path or a bad export
-        raise DataError(f"{name}: no records")
+        raise DataError(f"{name}: no records (empty or blank); check the path or the export that wrote it")
     for where, rec in located:
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object (a dict of fields), got {_kind(rec)}")

@@ -1,11 +1,19 @@
-"""The built-in demo: pretrain -> reward model -> PPO -> evaluation on the doubling task.
+"""The built-in demo: pretrain -> reward model -> PPO (and any of GRPO, RLOO, REINFORCE, DPO)
+-> evaluation, on the task of ``run.task`` (the doubling task by default; ``cities`` for
+"Where is Pune?" -> "Pune is in India.").
 
 Layout of ``run.out_dir`` (default ``runs/demo``)::
 
     config.yaml  metrics.jsonl  samples.jsonl  plots.png  plot_*.png   (PPO stage)
     policy/  value_model/ (or value_head.safetensors)                  (PPO models, HF format)
     pretrain/policy/   reward/reward_model/                             (earlier stages)
-    summary.json                                                        (before/after + timings)
+    grpo/ rloo/ reinforce/ dpo/                                         (other algorithms, if asked)
+    summary.json                                                        (base vs tuned + timings)
+    trajectories.jsonl  report.html  tb/                                (report, TensorBoard events)
+
+Every algorithm starts from the same pretrained base; the RL ones share the reward model.
+The RL commands' algorithm defaults (``config.ALGO_DEFAULTS``, e.g. GRPO's k3 KL loss term)
+are applied on top of the ``ppo`` section for each of them.
 """
 
 from __future__ import annotations
@@ -16,65 +24,101 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from .config import Config
-from .evaluate import evaluate_doubling
+from .config import ALGO_DEFAULTS, Config
+from .evaluate import evaluate_task
 from .models import load_policy
+from .report import write_report
+from .tasks import get_task
+from .trainers.dpo import train_dpo
 from .trainers.pretrain import pretrain
 from .trainers.reward import train_reward_model
 from .trainers.rl import train_rl
 from .utils import resolve_device
+
+METRICS = ("format_acc", "exact_acc", "answer_acc")
 
 
 def _stage(cfg: Config, sub: str) -> Config:
     return cfg.replace(run={"out_dir": str(Path(cfg.run.out_dir) / sub)})
 
 
-def _table(base: dict, final: dict) -> str:
-    rows = [("", "format_acc", "exact_acc"), ("base (pretrained)", base["format_acc"], base["exact_acc"]),
-            ("after PPO", final["format_acc"], final["exact_acc"])]
-    lines = []
-    for name, a, b in rows:
-        a = a if isinstance(a, str) else f"{a:.4f}"
-        b = b if isinstance(b, str) else f"{b:.4f}"
-        lines.append(f"{name:<20}{a:>12}{b:>12}")
+def parse_algos(spec: str) -> list[str]:
+    algos = [a.strip() for a in spec.split(",") if a.strip()]
+    known = [*ALGO_DEFAULTS, "dpo"]
+    bad = [a for a in algos if a not in known]
+    if not algos or bad:
+        raise ValueError(f"demo.algos={spec!r}: choose a comma-separated list of {', '.join(known)}")
+    return algos
+
+
+def _table(rows: list[tuple[str, dict]]) -> str:
+    lines = [f"{'':<20}" + "".join(f"{m:>12}" for m in METRICS)]
+    for name, ev in rows:
+        lines.append(f"{name:<20}" + "".join(f"{ev[m]:>12.4f}" for m in METRICS))
     return "\n".join(lines)
 
 
 def run_demo(cfg: Config) -> dict:
     """Run every stage; returns (and writes) ``summary.json``."""
     t_start = time.perf_counter()
+    algos = parse_algos(cfg.demo.algos)
+    task = get_task(cfg.run.task)
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.run.device)
-    print(f"[rlhfkit demo] writing to {out}/ on {device}")
+    n_stages = 2 + len(algos)
+    print(f"[rlhfkit demo] task {cfg.run.task}: pretrain -> reward model -> {', '.join(algos)}; writing to {out}/ "
+          f"on {device}")
 
     pre = pretrain(_stage(cfg, "pretrain"))
-    print(f"[1/3] pretrained base in {pre['seconds']:.1f}s: format_acc={pre['format_acc']:.3f} "
-          f"exact_acc={pre['exact_acc']:.3f} (doubles correctly in some set: {pre['answer_acc']:.3f})")
+    print(f"[1/{n_stages}] pretrained base in {pre['seconds']:.1f}s: format_acc={pre['format_acc']:.3f} "
+          f"exact_acc={pre['exact_acc']:.3f} (right answer in any form: {pre['answer_acc']:.3f})")
 
     rm = train_reward_model(_stage(cfg, "reward"), policy_path=pre["path"])
-    print(f"[2/3] reward model in {rm['seconds']:.1f}s: held-out accuracy={rm['accuracy']:.3f} delta={rm['delta']:.2f}")
+    print(f"[2/{n_stages}] reward model in {rm['seconds']:.1f}s: held-out accuracy={rm['accuracy']:.3f} "
+          f"delta={rm['delta']:.2f}")
 
-    ppo = train_rl(cfg, policy_path=pre["path"], reward_path=rm["path"])
-    print(f"[3/3] PPO: {ppo['steps']} steps in {ppo['seconds']:.1f}s")
+    results, seconds = {}, {"pretrain": round(pre["seconds"], 2), "reward": round(rm["seconds"], 2)}
+    for i, algo in enumerate(algos):
+        # PPO keeps the top of the run directory (the layout above); the others get a folder each
+        stage = cfg if algo == "ppo" else _stage(cfg, algo)
+        if algo == "dpo":
+            res = train_dpo(stage, policy_path=pre["path"])
+        else:
+            res = train_rl(stage.replace(ppo=ALGO_DEFAULTS[algo]), policy_path=pre["path"], reward_path=rm["path"])
+        print(f"[{3 + i}/{n_stages}] {algo}: {res['steps']} steps in {res['seconds']:.1f}s")
+        results[algo] = res
+        seconds[algo] = round(res["seconds"], 2)
 
-    tok = AutoTokenizer.from_pretrained(ppo["path"])
-    final_policy = load_policy(ppo["path"]).to(device)
-    final = evaluate_doubling(final_policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+    tok = AutoTokenizer.from_pretrained(pre["path"])
+    prompts = task.eval_prompts()
+    evals = {"base": evaluate_task(task, load_policy(pre["path"]).to(device), tok, device, cfg.eval.batch_size,
+                                   cfg.eval.max_new_tokens, prompts)}
+    for algo, res in results.items():
+        policy = load_policy(res["path"]).to(device)
+        evals[algo] = evaluate_task(task, policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens, prompts)
+    seconds["total"] = round(time.perf_counter() - t_start, 2)
+    first = algos[0]
     summary = {
-        "base": {"format_acc": pre["format_acc"], "exact_acc": pre["exact_acc"], "answer_acc": pre["answer_acc"]},
-        "final": {"format_acc": final["format_acc"], "exact_acc": final["exact_acc"], "answer_acc": final["answer_acc"]},
+        "task": cfg.run.task,
+        "base": {m: evals["base"][m] for m in METRICS},
+        "final": {m: evals[first][m] for m in METRICS},  # the first algorithm (PPO by default)
+        "algos": {a: {**{m: evals[a][m] for m in METRICS}, "steps": r["steps"], "reached_target": r["reached"]}
+                  for a, r in results.items()},
         "reward_model": {"accuracy": rm["accuracy"], "delta": rm["delta"]},
-        "ppo": {"steps": ppo["steps"], "reached_target": ppo["reached"]},
-        "seconds": {"pretrain": round(pre["seconds"], 2), "reward": round(rm["seconds"], 2),
-                    "ppo": round(ppo["seconds"], 2), "total": round(time.perf_counter() - t_start, 2)},
-        "examples": [{"prompt": p, "completion": c, "exact": e} for p, c, _f, e in final["examples"][:6]],
+        "seconds": seconds,
+        # the same held-out prompts answered by the base and by each tuned policy
+        "examples": [{"prompt": p, "base": c, **{a: evals[a]["examples"][j][1] for a in results},
+                      **{f"{a}_exact": evals[a]["examples"][j][3] for a in results}}
+                     for j, (p, c, _f, _e) in enumerate(evals["base"]["examples"][:8])],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     print()
-    print(_table(summary["base"], summary["final"]))
-    print(f"\nheld-out: {len(final['examples'])} prefixed prompts, greedy decoding")
-    for ex in summary["examples"][:3]:
-        print(f"  S{ex['prompt']} -> {ex['completion']}  {'ok' if ex['exact'] else 'WRONG'}")
-    print(f"\nsummary: {out / 'summary.json'}   plots: {out / 'plots.png'}")
+    print(_table([("base (pretrained)", evals["base"]), *((f"after {a}", evals[a]) for a in results)]))
+    print(f"\nheld-out: {len(prompts)} prompts, greedy decoding; base -> {first}")
+    for ex in summary["examples"][:4]:
+        print(f"  {ex['prompt']!r}: {ex['base']!r} -> {ex[first]!r}  {'ok' if ex[first + '_exact'] else 'WRONG'}")
+    report = write_report(out)
+    print(f"\nsummary: {out / 'summary.json'}   plots: {out / 'plots.png' if 'ppo' in results else out}")
+    print(f"report:  {report} (curves, samples, per-token trajectories; open it in a browser)")
     return summary

@@ -12,11 +12,14 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoTokenizer,
     GPT2Config,
     GPT2ForSequenceClassification,
     GPT2LMHeadModel,
@@ -67,8 +70,63 @@ def build_tiny_scalar_model(tokenizer, seed: int, **arch) -> GPT2ForSequenceClas
     return GPT2ForSequenceClassification(cfg)
 
 
+class ModelLoadError(ValueError):
+    """A model or tokenizer cannot be loaded from a path; the message names the path and the fix."""
+
+
+def _looks_local(path: str) -> bool:
+    """True for what can only be a filesystem path, never a hub id ('name' or 'org/name')."""
+    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") >= 2 or (os.sep != "/" and os.sep in path)
+
+
+def _from_pretrained(loader, path: str, what: str, **kwargs):
+    """``loader.from_pretrained(path, **kwargs)`` with a one-paragraph error instead of a traceback.
+
+    Weights are read from safetensors only (``use_safetensors=True`` for models): a pickle-based
+    ``pytorch_model.bin`` can execute code when loaded, so it is refused, not loaded."""
+    path = os.fspath(path)
+    if not path:
+        raise ModelLoadError(f"no {what} path given")
+    if not os.path.exists(path) and _looks_local(path):
+        raise ModelLoadError(f"{path!r} does not exist (looked for the {what} there): point model.name / "
+                             "reward.name at a directory written by save_pretrained (config.json, model.safetensors, "
+                             "tokenizer files) or at a hub id")
+    if os.path.isdir(path):  # a local directory: say which file is missing before HF guesses
+        need = ("tokenizer_config.json", "tokenizer.json") if loader is AutoTokenizer else ("config.json",)
+        if not any(os.path.isfile(os.path.join(path, f)) for f in need):
+            raise ModelLoadError(f"{what} {path!r} is a directory without {' or '.join(need)}: give a directory "
+                                 "written by save_pretrained (model and tokenizer), e.g. <run>/policy")
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:  # HF: OSError for missing files, bad ids, no network; ValueError others
+        reason = " ".join(str(e).split())[:300].rstrip(".")
+        hint = ""
+        if kwargs.get("use_safetensors") and os.path.isdir(path) and any(
+            f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path)
+        ):
+            hint = (" It holds pickle-based weights (.bin/.pt), which rlhfkit does not load because unpickling can "
+                    "run arbitrary code; convert them once in a trusted session (load, then save_pretrained, "
+                    "which writes model.safetensors).")
+        raise ModelLoadError(f"cannot load the {what} from {path!r}: {reason}.{hint} Give a directory written by "
+                             "save_pretrained (config.json + model.safetensors) or a hub id.") from None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, need_pad: bool = True):
+    """``AutoTokenizer`` at ``path``; with ``need_pad``, one without a pad token is an error (batches
+    are padded: rollouts on the left, pairs on the right) that says how to add one."""
+    tok = _from_pretrained(AutoTokenizer, path, "tokenizer", trust_remote_code=trust_remote_code)
+    if need_pad and tok.pad_token_id is None:
+        raise ModelLoadError(
+            f"the tokenizer at {path} has no pad token, and batches need one: set it and save the tokenizer, "
+            "e.g. tok.pad_token = tok.eos_token; tok.save_pretrained(path) (the attention mask, not the pad "
+            "id, marks padding here, so pad = EOS is safe)"
+        )
+    return tok
+
+
 def load_policy(path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return _from_pretrained(AutoModelForCausalLM, path, "policy model", dtype=dtype,
+                            trust_remote_code=trust_remote_code, use_safetensors=True)
 
 
 def load_scalar_model(path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
@@ -76,9 +134,8 @@ def load_scalar_model(path: str, dtype: torch.dtype | None = None, trust_remote_
     """A sequence-classification model; ``num_labels=None`` keeps the checkpoint's own count.
     ``kwargs`` go to ``from_pretrained`` (e.g. ``ignore_mismatched_sizes``)."""
     extra = dict(kwargs) if num_labels is None else {"num_labels": num_labels, **kwargs}
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, **extra
-    )
+    model = _from_pretrained(AutoModelForSequenceClassification, path, "scalar (reward/value) model", dtype=dtype,
+                             trust_remote_code=trust_remote_code, use_safetensors=True, **extra)
     scalar_head(model)  # fail now, with a clear message, if there is no head we can read
     return model
 

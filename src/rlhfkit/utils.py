@@ -7,6 +7,7 @@ import math
 import os
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .config import Config, save_config
+from .config import Config, ConfigError, save_config
 
 
 def seed_everything(seed: int) -> None:
@@ -27,7 +28,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+        raise ConfigError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
     return torch.device(name)
 
 
@@ -65,11 +66,21 @@ def to_float(value: Any) -> float:
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null)."""
+    """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null).
 
-    def __init__(self, path: Path):
+    ``rows()`` reads this logger's rows back from the file, so a trainer need not keep every
+    step's row in memory (a long run would grow by one dict per step).
+
+    Given the run's ``cfg``, the same rows also go to TensorBoard event files under
+    ``OUT_DIR/tb/`` (``run.tensorboard``) and to the trackers named in ``run.trackers``
+    (``wandb``, ``trackio``), each only when asked for.
+    """
+
+    def __init__(self, path: Path, cfg: Config | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._start = self.path.stat().st_size if self.path.exists() else 0  # earlier runs' rows end here
+        self._sinks = make_sinks(cfg, self.path.parent) if cfg is not None else []
         self._fh = self.path.open("a", encoding="utf-8")
         self.t0 = time.perf_counter()
 
@@ -80,10 +91,71 @@ class MetricsLogger:
             row[k] = f if math.isfinite(f) else None
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
+        scalars = {k: v for k, v in row.items() if k != "step" and v is not None}
+        for sink in self._sinks:
+            sink.log(step, scalars)
         return row
 
     def close(self) -> None:
         self._fh.close()
+        for sink in self._sinks:
+            sink.close()
+
+    def rows(self) -> list[dict]:
+        """The rows this logger wrote (not those of an earlier run appended to the same file)."""
+        if not self._fh.closed:
+            self._fh.flush()
+        with self.path.open("rb") as f:
+            f.seek(self._start)
+            return [json.loads(line) for line in f if line.strip()]
+
+
+class _TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(logdir=str(log_dir), flush_secs=30)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _TrackerSink:
+    """wandb or trackio: both expose ``init(project, name, config)``, ``log(dict, step)`` and ``finish()``."""
+
+    def __init__(self, name: str, cfg: Config, out_dir: Path):
+        import importlib
+
+        try:
+            self.mod = importlib.import_module(name)
+        except ImportError:
+            raise ValueError(f"run.trackers={cfg.run.trackers!r} asks for {name}, which is not installed: "
+                             f"pip install {name} (or drop it from run.trackers)") from None
+        self.run = self.mod.init(project="rlhfkit", name=str(out_dir), config=cfg.to_dict())
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.mod.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.mod.finish()
+
+
+TRACKERS = ("wandb", "trackio")
+
+
+def make_sinks(cfg: Config, out_dir: Path) -> list:
+    """The metric sinks ``cfg.run`` asks for, besides metrics.jsonl."""
+    names = [t.strip() for t in cfg.run.trackers.split(",") if t.strip()]
+    bad = [t for t in names if t not in TRACKERS]
+    if bad:
+        raise ValueError(f"run.trackers={cfg.run.trackers!r}: unknown tracker {bad[0]!r}; choose from {', '.join(TRACKERS)}")
+    sinks: list = [_TensorBoardSink(Path(out_dir) / "tb")] if cfg.run.tensorboard else []
+    sinks += [_TrackerSink(n, cfg, Path(out_dir)) for n in names]
+    return sinks
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -95,3 +167,53 @@ def mean_stats(rows: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Average a list of stats dicts key by key."""
     keys = rows[0].keys() if rows else []
     return {k: sum(to_float(r[k]) for r in rows) / len(rows) for k in keys}
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. its updates keep coming out NaN); the message says what to change."""
+
+
+class UpdateGuard:
+    """Skips optimizer updates whose loss or gradient norm is NaN/inf; stops after too many in a row.
+
+    Call it between the backward pass (and gradient clipping, whose returned norm is NaN/inf
+    when any gradient is) and ``optimizer.step()``::
+
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if guard.ok(loss, norm):
+            optimizer.step()
+
+    A skipped update leaves the weights and the optimizer state as they were (the bad gradients
+    are dropped by the next ``zero_grad``); it warns and counts in ``skipped`` (logged as
+    ``guard/skipped_updates``). ``max_bad`` skipped updates in a row raise :class:`TrainingError`:
+    one bad minibatch is noise, a run of them is a diverged model or broken data. One host sync
+    per update (the finiteness check).
+    """
+
+    def __init__(self, max_bad: int = 5, where: str = "training"):
+        if max_bad < 1:
+            raise ValueError(f"max_bad must be >= 1, got {max_bad}")
+        self.max_bad, self.where = max_bad, where
+        self.skipped = 0  # updates skipped so far
+        self.in_a_row = 0  # consecutive skipped updates, reset by a good one
+
+    def ok(self, loss: torch.Tensor, *grad_norms: torch.Tensor) -> bool:
+        """True if this update may be applied; False (after a warning) if it must be skipped."""
+        dev = loss.device if isinstance(loss, torch.Tensor) else None
+        vals = torch.stack([torch.as_tensor(v, device=dev).detach().float().reshape(()) for v in (loss, *grad_norms)])
+        vals = vals.cpu()
+        if bool(torch.isfinite(vals).all()):
+            self.in_a_row = 0
+            return True
+        self.skipped += 1
+        self.in_a_row += 1
+        shown = ", ".join(f"{v:.4g}" for v in vals.tolist())
+        if self.in_a_row >= self.max_bad:
+            raise TrainingError(
+                f"{self.where}: {self.in_a_row} optimizer updates in a row had a non-finite loss or gradient "
+                f"(loss, grad norms = {shown}); stopping before the weights are ruined. Lower the learning rate, "
+                "check the reward/score scale and the data, or allow more with run.max_bad_updates"
+            )
+        warnings.warn(f"{self.where}: non-finite loss or gradient (loss, grad norms = {shown}); update skipped "
+                      f"({self.in_a_row} in a row, {self.skipped} in total)", RuntimeWarning, stacklevel=2)
+        return False

@@ -1,0 +1,46 @@
+"""Built-in tasks. ``get_task(cfg.run.task)`` returns the task's module; every trainer takes
+its tokenizer, data and evaluation from it, so the same loops run on any task.
+
+A task module provides:
+
+* ``make_tokenizer()``: a ``PreTrainedTokenizerFast`` (BOS added, EOS and pad set, left padding);
+* ``N_POSITIONS`` (context of the tiny model built for it) and ``MAX_NEW_TOKENS`` (longest answer);
+* ``TaskData(seed)``: seeded generators ``pretrain_texts(n)``, ``prompts(n)`` (objects with
+  ``.text``), ``preference_pairs(n, hard)`` -> ``(prompt, chosen, rejected)`` and
+  ``sft_examples(n)`` -> ``(prompt, completion)``; tuning prompts never come from the evaluation set;
+* ``eval_prompts()`` (fixed held-out set) and ``held_out_pairs(n, seed)`` (preference pairs on it);
+* ``verify(prompt, completion) -> {"format", "exact", "answer"}`` (booleans; ``exact`` is the
+  task's success) and ``exact_reward(prompts, completions)``, the verifier as a reward callable;
+* optionally ``LABELS`` and ``TaskData.labelled_texts(n)`` for a classifier reward model (seed 002).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+TASKS = {"doubling": "rlhfkit.tasks.doubling", "cities": "rlhfkit.tasks.cities"}
+
+
+def char_tokenizer(vocab: list[str], bos: str, eos: str, pad: str, max_length: int):
+    """A character-level ``PreTrainedTokenizerFast`` over ``vocab`` (one token per character):
+    BOS prepended by the tokenizer itself, EOS and pad set, left padding (what batched
+    generation needs), decoding joins characters with no spaces."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    ids = {ch: i for i, ch in enumerate(vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, ids[bos])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   padding_side="left")
+    fast.model_max_length = max_length
+    return fast
+
+
+def get_task(name: str) -> ModuleType:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)} (run.task)")
+    return importlib.import_module(TASKS[name])

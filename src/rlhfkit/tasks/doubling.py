@@ -18,8 +18,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from . import char_tokenizer
 
 BOS, EOS, PAD = "S", "E", "P"
 CHARSETS: dict[str, str] = {
@@ -34,6 +35,8 @@ VOCAB = [PAD, BOS, EOS, *"".join(CHARSETS.values()), *"数字小写大:=_x"]
 LOW, HIGH = 1000, 9999  # 4-digit operands
 EVAL_SIZE = 512
 EVAL_SEED = 20240601  # fixed: the held-out set is the same in every run and every process
+MAX_NEW_TOKENS = 8  # longest answer: 5 characters + EOS
+N_POSITIONS = 32
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -44,16 +47,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     the left, which is what batched generation needs. Decoding joins characters with no
     spaces.
     """
-    vocab = {ch: i for i, ch in enumerate(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left"
-    )
-    fast.model_max_length = 32
-    return fast
+    return char_tokenizer(VOCAB, BOS, EOS, PAD, 32)
 
 
 def render(number: int, charset: str) -> str:
@@ -155,6 +149,14 @@ class DoublingData:
                 rejected = "".join(body) + EOS
             out.append((p.text, chosen, rejected))
         return out
+
+    def sft_examples(self, n: int) -> list[tuple[str, str]]:
+        """``(prompt, completion)`` demonstrations: the exact answer (without EOS) in the requested set."""
+        return [(p.text, render(2 * p.number, p.charset)) for p in self.prompts(n)]
+
+
+TaskData = DoublingData  # the name every task module offers (see rlhfkit.tasks)
+LABELS = SET_NAMES  # classes of the classifier reward model
 
 
 def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:

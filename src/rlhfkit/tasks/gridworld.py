@@ -382,7 +382,7 @@ def train_gridworld(cfg: Config, layout: Sequence[str] = DEFAULT_LAYOUT) -> dict
     generator = torch.Generator().manual_seed(cfg.run.seed)
     net = GridNet(env.n_states, gc.hidden)  # init from the torch RNG that setup_run seeded
     optimizer = torch.optim.Adam(net.parameters(), lr=gc.lr, fused=True)  # fused: one kernel per step, ~20% faster here
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
     curve: list[float] = []
     greedy_curve: list[float] = []
     t0 = time.perf_counter()

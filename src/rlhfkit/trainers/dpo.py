@@ -12,14 +12,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from ..config import Config
 from ..core import dpo_loss, logprobs_from_logits
-from ..evaluate import evaluate_doubling
-from ..models import disable_dropout, freeze, load_policy, position_ids_from_mask
-from ..tasks import doubling
-from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run
+from ..evaluate import evaluate_task
+from ..models import disable_dropout, freeze, load_policy, load_tokenizer, position_ids_from_mask
+from ..tasks import get_task
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run
 from .reward import encode_triples, stack_pairs
 
 LOSS_FIELDS = ("input_ids", "attention_mask", "loss_mask")
@@ -35,7 +34,7 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: t
 
 
 def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
-    """DPO on the doubling task's preference pairs; saves the policy to ``<out_dir>/policy``."""
+    """DPO on the task's preference pairs (``run.task``); saves the policy to ``<out_dir>/policy``."""
     out = setup_run(cfg)
     accelerator = make_accelerator(cfg)
     device = accelerator.device
@@ -43,10 +42,12 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     policy_path = policy_path or cfg.model.name
     if not policy_path:
         raise ValueError("DPO needs a policy to start from: set model.name=PATH")
-    tok = AutoTokenizer.from_pretrained(policy_path)
-    policy = disable_dropout(load_policy(policy_path)).to(device).train()
-    ref = freeze(load_policy(policy_path)).to(device)
-    triples = doubling.DoublingData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
+    trc = cfg.model.trust_remote_code
+    tok = load_tokenizer(policy_path, trc)
+    policy = disable_dropout(load_policy(policy_path, trust_remote_code=trc)).to(device).train()
+    ref = freeze(load_policy(policy_path, trust_remote_code=trc)).to(device)
+    task = get_task(cfg.run.task)
+    triples = task.TaskData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
     enc = encode_triples(tok, triples)
     n_pairs = len(triples)
     ref_cache = None
@@ -57,7 +58,8 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
                 for i in range(0, n_pairs, 512)
             ], dim=1)  # [2, N]: row 0 chosen, row 1 rejected
     opt = torch.optim.AdamW(policy.parameters(), lr=dc.lr, weight_decay=0.0)
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
+    guard = UpdateGuard(cfg.run.max_bad_updates, "dpo")
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)
     train_s, pos, reached, history = 0.0, 0, None, []
@@ -83,16 +85,16 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
             stats["dpo/chosen_nll"] = nll.detach()
         opt.zero_grad(set_to_none=True)
         accelerator.backward(loss)
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
+        if guard.ok(loss, torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)):
+            opt.step()
         train_s += time.perf_counter() - t0
         row = mean_stats([stats])
         if (dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1:
-            ev = evaluate_doubling(policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            ev = evaluate_task(task, policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
             row.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if dc.stop_at_format and ev["format_acc"] >= dc.stop_at_format:
                 reached = {"step": step + 1, "train_s": train_s}
-        row["time/train_s"] = train_s
+        row["time/train_s"], row["guard/skipped_updates"] = train_s, guard.skipped
         history.append(log.log(step, row))
         bar.set_postfix(loss=f"{row['dpo/loss']:.3f}", acc=f"{row['dpo/accuracy']:.2f}")
         if reached:

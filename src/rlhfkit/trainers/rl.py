@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
 
 from ..config import Config, PPOConfig
 from ..core import (
@@ -46,21 +45,23 @@ from ..core import (
     shaped_rewards,
     value_loss,
 )
-from ..evaluate import decode_responses, evaluate_doubling, tokenize_prompts
+from ..evaluate import decode_responses, evaluate_task, tokenize_prompts
 from ..models import (
     ValueHead,
     disable_dropout,
     freeze,
     load_policy,
     load_scalar_model,
+    load_tokenizer,
     policy_forward,
     sequence_logits,
     sequence_scores,
     token_values,
 )
 from ..rollout import Rollout, generate
-from ..tasks import doubling
-from ..utils import MetricsLogger, make_accelerator, mean_stats, progress, setup_run, to_float
+from ..tasks import get_task
+from ..trajectories import TrajectoryWriter
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run, to_float
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Experience:
         rewards:        ``[B, R]`` shaped per-token rewards.
         advantages:     ``[B, R]`` GAE advantages (whitened if configured).
         returns:        ``[B, R]`` GAE returns (value targets).
+        raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
     """
 
     input_ids: torch.Tensor
@@ -93,6 +95,7 @@ class Experience:
     rewards: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    raw_advantages: torch.Tensor | None = None
 
 
 class RunningMoments:
@@ -162,19 +165,34 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int]) -> 
 
 
 def function_scorer(fn: Callable[..., list[float]], tokenizer) -> Scorer:
-    """Score = ``fn(prompts, completions)`` on decoded text (a task verifier, a heuristic ...)."""
+    """Score = ``fn(prompts, completions)`` on decoded text (a task verifier, a heuristic ...).
+
+    Policy for a bad return value: stop with a ``ValueError`` naming the function and the fix --
+    not exactly one number per completion, or any NaN/inf. Nothing is skipped or patched up: a
+    NaN score would reach the advantages of the whole batch, and a silently dropped row would
+    bias the baseline. A function that cannot judge a completion should give it a low score.
+    """
+    name = getattr(fn, "__module__", "?") + ":" + getattr(fn, "__qualname__", repr(fn))
 
     def score(roll: Rollout) -> torch.Tensor:
         prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
         completions = decode_responses(tokenizer, roll.response_ids, roll.response_mask)
-        values = fn(prompts, completions)
-        if len(values) != len(completions):
-            raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned {len(values)} "
-                             f"scores for {len(completions)} completions")
-        out = torch.tensor(values, dtype=torch.float32, device=roll.response_ids.device)
-        if not torch.isfinite(out).all():
-            raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned a non-finite score")
-        return out
+        values, n = fn(prompts, completions), len(completions)
+        fix = f"return a list of {n} floats, one per completion, in order"
+        try:
+            out = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values), dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"reward function {name} returned {type(values).__name__} {str(values)[:60]!r}, "
+                             f"not numbers: {fix}") from None
+        if out.shape != (n,):
+            raise ValueError(f"reward function {name} returned {out.numel()} scores (shape {tuple(out.shape)}) "
+                             f"for {n} completions: {fix}")
+        bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"reward function {name} returned {len(bad)} non-finite score(s) (NaN/inf) for {n} "
+                             f"completions, e.g. {out[bad[0]].item()} for {completions[bad[0]]!r}: give every "
+                             "completion a finite score (a low one if it cannot be judged)")
+        return out.to(roll.response_ids.device)
 
     return score
 
@@ -187,7 +205,8 @@ def load_reward_function(spec: str) -> Callable[..., list[float]]:
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}") from None
+        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}; the module must be importable "
+                         "(installed or on PYTHONPATH) and define that name") from None
     if not callable(fn):
         raise ValueError(f"reward.function={spec!r} is not callable")
     return fn
@@ -223,6 +242,9 @@ def make_experience(
     ref_logits, _ = policy_forward(ref, ids, mask, P)
     ref_logprobs = logprobs_from_logits(ref_logits / pc.temperature, roll.response_ids)  # [B, R]
     raw_score = scorer(roll)  # [B]
+    if not bool(torch.isfinite(raw_score).all()):  # a NaN here would reach every advantage of the batch
+        raise ValueError(f"the reward gave non-finite scores to {int((~torch.isfinite(raw_score)).sum())} of "
+                         f"{raw_score.numel()} responses: check the reward model's weights (reward.name) or function")
     score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
     if reward_stats is not None:
         reward_stats.update(score)
@@ -230,8 +252,10 @@ def make_experience(
     kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
     reward_kl_coef = 0.0 if pc.kl_in_loss else kl_coef
     rewards = shaped_rewards(score, kl, rmask, reward_kl_coef, pc.score_clip)  # [B, R]
+    raw_advantages = None
     if pc.algo == "ppo":
         advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
+        raw_advantages = advantages
         if pc.whiten_advantages:
             advantages = masked_whiten(advantages, rmask)
     else:
@@ -252,19 +276,21 @@ def make_experience(
         "policy/logprob_gap": torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max(),
     }
     exp = Experience(ids, mask, P, roll.response_ids, rmask, old_logprobs, ref_logprobs, old_values, score,
-                     rewards, advantages, returns)
+                     rewards, advantages, returns, raw_advantages)
     return exp, {k: to_float(v) for k, v in stats.items()}
 
 
 def ppo_update(
     ac: ActorCritic, optimizer, exp: Experience, pc: PPOConfig, kl_coef: float, update_policy: bool = True,
-    generator: torch.Generator | None = None, accelerator=None,
+    generator: torch.Generator | None = None, accelerator=None, guard: UpdateGuard | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """``ppo_epochs`` passes over shuffled minibatches; returns per-minibatch stats in order.
 
     ``update_policy=False`` is the critic warm-up: only the value loss is applied (and with a
     shared head it stops at the head). ``accelerator`` (optional) does the backward pass.
+    ``guard`` skips minibatch updates with a NaN/inf loss or gradient (a fresh one per call if None).
     """
+    guard = guard or UpdateGuard(where=pc.algo)
     B = exp.input_ids.shape[0]
     all_stats = []
     for _ in range(pc.ppo_epochs):
@@ -297,7 +323,8 @@ def ppo_update(
             stats["policy/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.policy.parameters(), pc.max_grad_norm)
             if ac.has_critic:
                 stats["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(ac.critic_parameters(), pc.max_grad_norm)
-            optimizer.step()
+            if guard.ok(loss, stats["policy/grad_norm"], stats.get("value/grad_norm", 0.0)):
+                optimizer.step()
             all_stats.append(stats)
     return all_stats
 
@@ -310,9 +337,7 @@ def build_models(cfg: Config, policy_path: str, device):
     """
     pc, rc = cfg.ppo, cfg.reward
     trc = cfg.model.trust_remote_code
-    tok = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=trc)
-    if tok.pad_token_id is None:
-        raise ValueError(f"the tokenizer at {policy_path} has no pad token: set one (e.g. pad = eos) and save it")
+    tok = load_tokenizer(policy_path, trust_remote_code=trc)
     policy = disable_dropout(load_policy(policy_path, trust_remote_code=trc)).to(device).train()
     ref = freeze(load_policy(policy_path, trust_remote_code=trc)).to(device)
     if rc.function:
@@ -320,7 +345,14 @@ def build_models(cfg: Config, policy_path: str, device):
     else:
         rm = freeze(load_scalar_model(rc.name, trust_remote_code=trc, num_labels=None)).to(device)
         if rm.config.num_labels > 1:  # a label classifier (seed 002), not a pairwise scalar
-            scorer = classifier_scorer(rm, tok, load_reward_function(rc.label_function))
+            label_fn = load_reward_function(rc.label_function) if rc.label_function else None
+            if label_fn is None:
+                task = get_task(cfg.run.task)
+                if not hasattr(task, "label_of_prompt"):
+                    raise ValueError(f"{rc.name} is a classifier with {rm.config.num_labels} labels but task "
+                                     f"{cfg.run.task!r} has no labels: set reward.label_function=module:name")
+                label_fn = task.label_of_prompt
+            scorer = classifier_scorer(rm, tok, label_fn)
         else:
             scorer = reward_model_scorer(rm)
     if pc.algo != "ppo":
@@ -340,9 +372,9 @@ def build_models(cfg: Config, policy_path: str, device):
 
 
 def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
-    """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the doubling task's prompts.
+    """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the task's prompts (``run.task``).
 
-    Writes metrics, samples, plots and the trained models under ``run.out_dir``; stops early
+    Writes metrics, samples, trajectories, plots and the trained models under ``run.out_dir``; stops early
     once held-out greedy exact accuracy reaches ``ppo.stop_at_exact``.
     """
     from ..plots import plot_ppo  # matplotlib only when a run finishes
@@ -365,13 +397,16 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         groups.append({"params": ac.critic_parameters(), "lr": pc.value_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, fused=True)  # one kernel per step, ~20% faster on CPU
     repeats = pc.group_size if pc.algo in ("grpo", "rloo") else 1
-    data = doubling.DoublingData(cfg.run.seed + 2)
+    task = get_task(cfg.run.task)
+    data = task.TaskData(cfg.run.seed + 2)
+    max_new_tokens = pc.max_new_tokens or task.MAX_NEW_TOKENS
     reward_stats = RunningMoments() if pc.normalize_reward else None
-    log = MetricsLogger(out / "metrics.jsonl")
+    log = MetricsLogger(out / "metrics.jsonl", cfg)
     samples = (out / "samples.jsonl").open("w", encoding="utf-8")
+    trajectories = TrajectoryWriter(out / "trajectories.jsonl", pc.trajectories_every, pc.trajectories_per_step)
     kl_coef = pc.kl_coef
+    guard = UpdateGuard(cfg.run.max_bad_updates, pc.algo)
     train_s = 0.0
-    history: list[dict] = []
     reached = None
     bar = progress(range(pc.steps), desc=pc.algo, enabled=cfg.run.progress)
     for step in bar:
@@ -379,18 +414,20 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         # grpo / rloo: each prompt G times in a row, the grouping the baselines expect
         prompts = [p for p in data.prompts(pc.batch_size // repeats) for _ in range(repeats)]
         ids, mask = tokenize_prompts(tok, [p.text for p in prompts], device)
-        roll = generate(ac.policy, ids, mask, pc.max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature)
+        roll = generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature)
         t1 = time.perf_counter()
         exp, stats = make_experience(ac, ref, scorer, roll, pc, kl_coef, reward_stats)
         t2 = time.perf_counter()
         warm = ac.has_critic and step < pc.critic_warmup_steps
-        mb_stats = ppo_update(ac, optimizer, exp, pc, kl_coef, update_policy=not warm, accelerator=accelerator)
+        mb_stats = ppo_update(ac, optimizer, exp, pc, kl_coef, update_policy=not warm, accelerator=accelerator,
+                              guard=guard)
         t3 = time.perf_counter()
         train_s += t3 - t0
         stats.update(mean_stats(mb_stats))
         n_tokens = int(exp.attention_mask.sum())
         stats.update({"time/rollout_s": t1 - t0, "time/experience_s": t2 - t1, "time/update_s": t3 - t2,
-                      "time/train_s": train_s, "throughput/tokens_per_s": n_tokens / (t3 - t0)})
+                      "time/train_s": train_s, "throughput/tokens_per_s": n_tokens / (t3 - t0),
+                      "guard/skipped_updates": guard.skipped})
         if pc.adaptive_kl:
             kl_coef = adaptive_kl_coef(kl_coef, stats["objective/kl"], pc.kl_target, pc.kl_horizon, pc.batch_size)
         k = pc.samples_per_log  # decode only the rows that are logged: this runs every step
@@ -400,16 +437,18 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                                      ensure_ascii=False) + "\n")
         last = step == pc.steps - 1
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
-            ev = evaluate_doubling(ac.policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            ev = evaluate_task(task, ac.policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
             stats.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if reached is None and pc.stop_at_exact and ev["exact_acc"] >= pc.stop_at_exact:
                 reached = {"step": step + 1, "train_s": train_s}
-        history.append(log.log(step, stats))
+        trajectories.maybe_write(step, last or reached is not None, exp, tok, pc, stats["objective/kl_coef"])
+        log.log(step, stats)
         bar.set_postfix(score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
                         exact=f"{stats.get('eval/exact_acc', float('nan')):.3f}")
         if reached is not None:
             break
     samples.close()
+    trajectories.close()
     log.close()
     save_dir = Path(out)
     ac.policy.save_pretrained(save_dir / "policy")
@@ -418,6 +457,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         ac.critic.save_pretrained(save_dir / "value_model")
     elif ac.value_head is not None:
         save_file(ac.value_head.state_dict(), str(save_dir / "value_head.safetensors"))
+    history = log.rows()  # read back, not kept per step: memory stays flat over a long run
     plot_ppo(history, save_dir)
     final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
     return {"path": str(save_dir / "policy"), "seconds": train_s, "steps": len(history), "reached": reached,

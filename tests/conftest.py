@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random-init models saved the way a user's checkpoints are, and a
+config factory sized so that every trainer runs end to end in a second or two."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from rlhfkit.config import Config
+from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
+from rlhfkit.tasks import doubling
+
+TINY_ARCH = {"n_layer": 1, "n_head": 2, "n_embd": 16}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """``.policy`` and ``.reward``: directories with a random-init tiny GPT-2 (causal LM / scalar
+    head) and the doubling tokenizer, written by ``save_pretrained``."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    tok = doubling.make_tokenizer()
+    for name, model in (("policy", build_tiny_policy(tok, 0, **TINY_ARCH)),
+                        ("reward", build_tiny_scalar_model(tok, 1, **TINY_ARCH))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return SimpleNamespace(root=root, policy=str(root / "policy"), reward=str(root / "reward"))
+
+
+@pytest.fixture
+def no_plots(monkeypatch):
+    """Skip the RL run's PNG plots (matplotlib is most of a tiny run's time; they are tested in e2e)."""
+    import rlhfkit.plots
+
+    monkeypatch.setattr(rlhfkit.plots, "plot_ppo", lambda history, out_dir: [])
+
+
+@pytest.fixture
+def tiny_config():
+    """``tiny_config(out_dir, **sections)``: a validated Config with few, small steps everywhere."""
+
+    def make(out_dir, **sections) -> Config:
+        small = {
+            "run": {"out_dir": str(out_dir), "progress": False},
+            "model": dict(TINY_ARCH),
+            "pretrain": {"steps": 3, "batch_size": 8, "warmup_steps": 1},
+            "reward": {"steps": 3, "batch_size": 8, "eval_pairs": 16},
+            "ppo": {"steps": 2, "batch_size": 8, "minibatch_size": 4, "max_new_tokens": 4, "eval_every": 0,
+                    "critic_warmup_steps": 0, "stop_at_exact": 0.0, "group_size": 4},
+            "sft": {"steps": 3, "batch_size": 4, "warmup_steps": 1},
+            "dpo": {"steps": 3, "batch_size": 4, "num_pairs": 16, "eval_every": 0},
+            "eval": {"batch_size": 512, "max_new_tokens": 4},
+        }
+        for sec, values in sections.items():
+            small.setdefault(sec, {}).update(values)
+        return Config().replace(**small)
+
+    return make
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the bad-input suite's count: cases tried, cases handled (passed)."""
+    tried, handled = set(), set()
+    for kind in ("passed", "failed", "error"):
+        for rep in terminalreporter.stats.get(kind, []):
+            if "test_bad_inputs.py::test_bad_input[" in getattr(rep, "nodeid", ""):
+                tried.add(rep.nodeid)
+                if kind == "passed" and rep.when == "call":
+                    handled.add(rep.nodeid)
+    if tried:
+        terminalreporter.write_line(
+            f"bad-input suite: {len(tried)} bad inputs tried, {len(handled)} handled with a clear error or a "
+            "documented policy"
+        )
