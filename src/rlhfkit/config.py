@@ -132,6 +132,10 @@ class PPOConfig:
     'reinforce' (batch-mean baseline). Set by the command (rlhfkit ppo/grpo/rloo/reinforce)."""
     group_size: int = 8
     """Completions per prompt for grpo/rloo (batch_size / group_size prompts per rollout)."""
+    samples_per_prompt: int = 1
+    """Completions per prompt for ppo/reinforce (grpo/rloo use group_size). More than one puts
+    each prompt in consecutive rows, and rlhfkit computes a repeated prompt once in rollout,
+    experience and update."""
     scale_rewards: bool = True
     """GRPO: divide group-centred scores by the group's std."""
     steps: int = 200

@@ -292,9 +292,15 @@ def ppo_update(
     """
     guard = guard or UpdateGuard(where=pc.algo)
     B = exp.input_ids.shape[0]
+    # rows of one prompt stay together in a minibatch (shuffled as blocks): its prompt is then
+    # computed once per minibatch (models.response_hidden), and a GRPO group's zero-sum
+    # advantages stay in one gradient step
+    G = pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
+    G = G if G > 1 and B % G == 0 else 1
     all_stats = []
     for _ in range(pc.ppo_epochs):
-        perm = torch.randperm(B, generator=generator).to(exp.input_ids.device)
+        perm = (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()
+        perm = perm.to(exp.input_ids.device)
         for mb in perm.split(pc.minibatch_size):
             rmask = exp.response_mask[mb]
             logits, values = ac(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
@@ -391,12 +397,15 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                          "reward.name=PATH (a reward model) or reward.function=module:callable")
     if pc.algo in ("grpo", "rloo") and pc.batch_size % pc.group_size:
         raise ValueError(f"ppo.batch_size ({pc.batch_size}) must be a multiple of ppo.group_size ({pc.group_size})")
+    if pc.samples_per_prompt < 1 or pc.batch_size % pc.samples_per_prompt:
+        raise ValueError(f"ppo.samples_per_prompt ({pc.samples_per_prompt}) must be >= 1 and divide ppo.batch_size "
+                         f"({pc.batch_size})")
     ac, ref, scorer, tok = build_models(cfg, policy_path, device)
     groups = [{"params": ac.policy.parameters(), "lr": pc.lr}]
     if ac.has_critic:
         groups.append({"params": ac.critic_parameters(), "lr": pc.value_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, fused=True)  # one kernel per step, ~20% faster on CPU
-    repeats = pc.group_size if pc.algo in ("grpo", "rloo") else 1
+    repeats = pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 2)
     max_new_tokens = pc.max_new_tokens or task.MAX_NEW_TOKENS
