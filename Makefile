@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
 #   make test   create .venv if missing, install, lint and run the test suite
+#   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
 #
 # PyTorch: the CPU build is installed by default. On a GPU machine install a CUDA build of
 # torch into .venv first (see README), or pass TORCH="torch==2.13.0 <your index options>".
@@ -42,7 +43,26 @@ tmux:
 test: lint browser tmux
 	$(BIN)/pytest
 
-bench: $(STAMP)
+# Benchmarks (each pins itself to one core). TRL is an optional benchmark dependency: the
+# .[bench] extra (trl 1.16, for GRPOTrainer); TRL's PPOTrainer only exists up to trl 1.12 and
+# runs from its own venv, .venv-trl112 (made here when missing; ppo_step skips it otherwise).
+BENCH_STAMP := $(VENV)/.rlhfkit-bench-installed
+TRL112 := .venv-trl112
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+$(TRL112)/.installed:
+	test -x $(TRL112)/bin/python || $(PYTHON) -m venv $(TRL112)
+	$(TRL112)/bin/python -c "import torch" 2>/dev/null || $(TRL112)/bin/pip install -q $(TORCH)
+	$(TRL112)/bin/pip install -q 'trl==1.12.*' -e .
+	touch $(TRL112)/.installed
+
+bench: $(BENCH_STAMP) $(TRL112)/.installed
+	$(BIN)/python benchmarks/rollout.py
+	$(BIN)/python benchmarks/ppo_step.py
+	$(BIN)/python benchmarks/time_to_accuracy.py
 	$(BIN)/python benchmarks/ppo_vs_tutorial.py
 
 clean:

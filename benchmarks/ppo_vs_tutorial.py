@@ -21,38 +21,16 @@ bound (budget / rlhfkit time).
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
 
-def pin_to_one_core() -> None:
-    if os.environ.get("RLHFKIT_BENCH_PINNED") != "1" and shutil.which("taskset"):
-        os.environ["RLHFKIT_BENCH_PINNED"] = "1"
-        os.execvp("taskset", ["taskset", "-c", "0", sys.executable, *sys.argv])
-    torch.set_num_threads(1)
-
-
-def prepare(out: Path, seed: int) -> tuple[str, str]:
-    """Pretrained base and reward model, built once and cached under ``out``."""
-    from rlhfkit.config import Config
-    from rlhfkit.trainers.pretrain import pretrain
-    from rlhfkit.trainers.reward import train_reward_model
-
-    base, rm = out / "pretrain" / "policy", out / "reward" / "reward_model"
-    cfg = Config().replace(run={"seed": seed, "progress": False})
-    if not (base / "config.json").exists():
-        print("preparing the base model (cached for later runs) ...", flush=True)
-        pretrain(cfg.replace(run={"out_dir": str(out / "pretrain")}))
-    if not (rm / "config.json").exists():
-        print("preparing the reward model ...", flush=True)
-        train_reward_model(cfg.replace(run={"out_dir": str(out / "reward")}), policy_path=str(base))
-    return str(base), str(rm)
+from bench_common import pin_to_core, prepare  # noqa: E402
 
 
 def run_rlhfkit(base: str, rm: str, out: Path, seed: int, target: float, max_steps: int) -> dict:
@@ -159,12 +137,13 @@ def main() -> None:
     ap.add_argument("--baseline-budget", type=float, default=900.0, help="max training seconds for the baseline")
     ap.add_argument("--eval-every", type=int, default=5)
     args = ap.parse_args()
-    pin_to_one_core()
+    pin_to_core(0)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out = Path(args.out)
-    base, rm = prepare(out, args.seed)
+    paths = prepare(out, args.seed)
+    base, rm = paths["base"], paths["rm"]
     print("rlhfkit PPO ...", flush=True)
     ours = run_rlhfkit(base, rm, out, args.seed, args.target, max_steps=300)
     print(f"  reached={ours['reached']} in {ours['train_s']:.1f}s ({ours['steps']} steps)", flush=True)

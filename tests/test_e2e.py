@@ -17,7 +17,7 @@ import time
 import pytest
 
 from rlhfkit.cli import main
-from rlhfkit.config import Config
+from rlhfkit.config import ALGO_DEFAULTS, Config
 from rlhfkit.demo import run_demo
 from rlhfkit.utils import read_jsonl
 
@@ -89,7 +89,7 @@ def test_grpo_with_the_task_verifier_as_reward_learns(demo_run, tmp_path):
         run={"out_dir": str(tmp_path), "progress": False},
         model={"name": str(out / "pretrain" / "policy")},
         reward={"function": "rlhfkit.tasks.doubling:exact_reward"},
-        ppo={"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05, "steps": 150},
+        ppo={**ALGO_DEFAULTS["grpo"], "steps": 150},  # what `rlhfkit grpo` runs
     )
     res = train_rl(cfg)
     assert res["final"]["eval/exact_acc"] >= 0.95 > summary["base"]["exact_acc"]

@@ -137,9 +137,10 @@ def test_critic_warmup_leaves_policy_untouched(value_model):
 def _one_step(overrides: dict, value_model: str = "separate"):
     ac, ref, rm = _setup(value_model)
     pc = Config().replace(ppo=overrides).ppo
-    ids, mask = prompts(16, seed=5)
+    ids, mask = prompts(48, seed=5)
     torch.manual_seed(5)
-    roll = generate(ac.policy, ids, mask, 3, TOK.eos_token_id, TOK.pad_token_id)  # short: some rows lack EOS
+    # short: most rows lack EOS, and (with these seeds) two emit it
+    roll = generate(ac.policy, ids, mask, 4, TOK.eos_token_id, TOK.pad_token_id)
     moments = RunningMoments() if pc.normalize_reward else None
     exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef, reward_stats=moments)
     opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-3},

@@ -23,7 +23,9 @@ import yaml
 # the user's file and overrides
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "ppo": {"algo": "ppo"},
-    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
+    # groups of 4 (16 prompts per batch of 64): on the doubling task with the exact-match reward,
+    # 90-100 steps to 0.99 over seeds 10-12 against 150-190 with groups of 8
+    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05, "group_size": 4},
     # KL as a k3 loss term here too: a per-sequence k1 sum in the reward is noisy enough that RLOO
     # on the doubling task stalled at 0.66 exact (kl_coef 0.01, in reward) but reached 0.99 this way
     "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
@@ -188,6 +190,10 @@ class PPOConfig:
     'reinforce' (batch-mean baseline). Set by the command (rlhfkit ppo/grpo/rloo/reinforce)."""
     group_size: int = 8
     """Completions per prompt for grpo/rloo (batch_size / group_size prompts per rollout)."""
+    samples_per_prompt: int = 1
+    """Completions per prompt for ppo/reinforce (grpo/rloo use group_size). More than one puts
+    each prompt in consecutive rows, and rlhfkit computes a repeated prompt once in rollout,
+    experience and update."""
     scale_rewards: bool = True
     """GRPO: divide group-centred scores by the group's std."""
     steps: int = 200

@@ -35,6 +35,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from . import lean
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that count only attended tokens, so left padding shifts nothing: ``[B, T]``."""
@@ -427,8 +429,24 @@ def scalar_head(model: PreTrainedModel) -> nn.Module:
 def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
+    if lean.supported(model):  # GPT-2 / Llama / Qwen2: the same forward with less overhead
+        return lean.hidden_states(model, input_ids, attention_mask, position_ids)
     out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     return out.last_hidden_state  # [B, T, H]
+
+
+def response_hidden(model: PreTrainedModel, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
+    """Hidden states at the columns that predict the response tokens, ``[B, R, H]``.
+
+    When prompts repeat across rows (GRPO / RLOO groups) and the model takes the lean path,
+    each distinct prompt is computed once (:func:`rlhfkit.lean.response_hidden_states`).
+    """
+    positions = position_ids_from_mask(attention_mask)
+    if lean.supported(model):
+        shared = lean.shared_prompts(input_ids, attention_mask, prompt_len)
+        if shared is not None:
+            return lean.response_hidden_states(model, input_ids, attention_mask, positions, prompt_len, *shared)
+    return _hidden(model, input_ids, attention_mask, positions)[:, prompt_len - 1 : -1]
 
 
 def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
@@ -490,8 +508,7 @@ def policy_forward(
     if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off
         with torch.no_grad(), policy.active() as base:
             return policy_forward(base, input_ids, attention_mask, prompt_len)
-    hidden = _hidden(policy, input_ids, attention_mask)  # [B, T, H]
-    hidden = hidden[:, prompt_len - 1 : -1]  # [B, R, H]
+    hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
     logits = unwrap(policy).get_output_embeddings()(hidden)  # [B, R, V]
     values = None
     if value_head is not None:

@@ -340,9 +340,15 @@ def ppo_update(
     shard = shard or Shard()
     model = train_model if train_model is not None else ac
     B = exp.input_ids.shape[0]
+    # rows of one prompt stay together in a minibatch (shuffled as blocks): its prompt is then
+    # computed once per minibatch (models.response_hidden), and a GRPO group's zero-sum
+    # advantages stay in one gradient step
+    G = pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
+    G = G if G > 1 and B % G == 0 else 1
     all_stats = []
     for _ in range(pc.ppo_epochs):
-        perm = torch.randperm(B, generator=generator).to(exp.input_ids.device)
+        perm = (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()
+        perm = perm.to(exp.input_ids.device)
         for mb in perm.split(pc.minibatch_size):
             rmask = exp.response_mask[mb]
             logits, values = model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
@@ -477,7 +483,10 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                          "reward.name=PATH (a reward model) or reward.function=module:callable")
     if pc.algo in ("grpo", "rloo") and pc.batch_size % pc.group_size:
         raise ValueError(f"ppo.batch_size ({pc.batch_size}) must be a multiple of ppo.group_size ({pc.group_size})")
-    repeats = pc.group_size if pc.algo in ("grpo", "rloo") else 1
+    if pc.samples_per_prompt < 1 or pc.batch_size % pc.samples_per_prompt:
+        raise ValueError(f"ppo.samples_per_prompt ({pc.samples_per_prompt}) must be >= 1 and divide ppo.batch_size "
+                         f"({pc.batch_size})")
+    repeats = pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
     shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
     local_pc = dataclasses.replace(pc, minibatch_size=shard.local_size(pc.minibatch_size, "ppo.minibatch_size"))
     ac, ref, scorer, tok = build_models(cfg, policy_path, device)

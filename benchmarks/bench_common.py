@@ -1,0 +1,135 @@
+"""Shared pieces of the benchmark scripts: core pinning, the cached doubling base and rewards.
+
+Every script pins itself (and each contender subprocess) to one core with ``taskset`` and
+runs torch with one intra-op thread, so contenders see the same hardware.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+DEFAULT_OUT = "runs/bench_tutorial"
+
+
+def pin_to_core(core: int = 0) -> None:
+    """Re-exec this script under ``taskset -c core`` (once) and use one torch thread."""
+    if os.environ.get("RLHFKIT_BENCH_PINNED") != "1" and shutil.which("taskset"):
+        os.environ["RLHFKIT_BENCH_PINNED"] = "1"
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.execvp("taskset", ["taskset", "-c", str(core), sys.executable, *sys.argv])
+    torch.set_num_threads(1)
+
+
+def pinned_cmd(core: int, *args: str) -> list[str]:
+    """Command line running this Python on ``core`` (for contender subprocesses)."""
+    prefix = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
+    return [*prefix, sys.executable, *args]
+
+
+def quiet_hf() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def prepare(out: Path | str = DEFAULT_OUT, seed: int = 0) -> dict[str, str]:
+    """Pretrained doubling base, pairwise reward model and label-classifier reward model,
+    built once and cached under ``out``. Returns their paths."""
+    from rlhfkit.config import Config
+    from rlhfkit.trainers.pretrain import pretrain
+    from rlhfkit.trainers.reward import train_reward_model
+
+    out = Path(out)
+    paths = {"base": out / "pretrain" / "policy", "rm": out / "reward" / "reward_model",
+             "classifier": out / "reward_classifier" / "reward_model"}
+    cfg = Config().replace(run={"seed": seed, "progress": False})
+    if not (paths["base"] / "config.json").exists():
+        print("preparing the base model (cached for later runs) ...", flush=True)
+        pretrain(cfg.replace(run={"out_dir": str(out / "pretrain")}))
+    if not (paths["rm"] / "config.json").exists():
+        print("preparing the pairwise reward model ...", flush=True)
+        train_reward_model(cfg.replace(run={"out_dir": str(out / "reward")}), policy_path=str(paths["base"]))
+    if not (paths["classifier"] / "config.json").exists():
+        print("preparing the classifier reward model ...", flush=True)
+        train_reward_model(cfg.replace(run={"out_dir": str(out / "reward_classifier")}, reward={"kind": "classifier"}),
+                           policy_path=str(paths["base"]))
+    return {k: str(v) for k, v in paths.items()}
+
+
+class ClassifierReward:
+    """Seed 002's reward as a plain callable ``(prompts, completions, **kw) -> list[float]``:
+    the label classifier's logit, at the last token of prompt + completion, of the character
+    set the prompt asks for. ``completions`` are response texts with EOS kept (rlhfkit's
+    decode); a trainer that strips special tokens passes ``completion_ids`` instead, which are
+    decoded here with EOS kept, so both see the same text and get the same number.
+    """
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        from rlhfkit.models import freeze, load_scalar_model
+
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.model = freeze(load_scalar_model(path, num_labels=None))
+        self.__name__ = "classifier_reward"
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list, completion_ids=None, **kw) -> list[float]:
+        from rlhfkit.models import sequence_logits
+        from rlhfkit.tasks.doubling import BOS, label_of_prompt
+
+        if completion_ids is not None:
+            completions = self.tok.batch_decode(completion_ids, skip_special_tokens=False)
+        prompts = [p[len(BOS):] if p.startswith(BOS) else p for p in prompts]  # the tokenizer adds BOS
+        enc = self.tok([p + c for p, c in zip(prompts, completions)], padding=True, return_tensors="pt")
+        logits = sequence_logits(self.model, enc["input_ids"], enc["attention_mask"])  # [B, L]
+        labels = torch.tensor([label_of_prompt(p) for p in prompts])
+        return logits.gather(1, labels[:, None]).squeeze(1).tolist()
+
+
+def exact_reward_with_ids(tok):
+    """rlhfkit's exact-match verifier for a trainer that strips special tokens from completions:
+    re-decodes ``completion_ids`` with EOS kept (the verifier needs to see the EOS)."""
+    from rlhfkit.tasks.doubling import exact_reward
+
+    def exact(prompts, completions, completion_ids=None, **kw):
+        if completion_ids is not None:
+            completions = tok.batch_decode(completion_ids, skip_special_tokens=False)
+        return exact_reward(prompts, completions)
+
+    exact.__name__ = "exact_reward"
+    return exact
+
+
+TRL_GRPO_LR = 5e-4
+TRL_GRPO_BETA = 0.1
+
+
+def trl_grpo_config(output_dir: str, seed: int, max_steps: int, lr: float = TRL_GRPO_LR, beta: float = TRL_GRPO_BETA,
+                    num_generations: int = 8, batch_size: int = 64):
+    """TRL's GRPOConfig: its documented defaults (loss 'dapo', group-scaled rewards, epsilon 0.2,
+    one iteration per generation, temperature 1, no top-k / top-p) adapted to the doubling task:
+    64 completions per step in one optimizer step, 8-token completions, float32 and no
+    gradient checkpointing on a CPU, a constant learning rate and KL weight chosen by a sweep
+    (time_to_accuracy.py's docstring). The default lr 1e-6 is for billion-parameter models."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir, learning_rate=lr, lr_scheduler_type="constant", beta=beta,
+        num_generations=num_generations, per_device_train_batch_size=batch_size, gradient_accumulation_steps=1,
+        max_completion_length=8, max_steps=max_steps, bf16=False, gradient_checkpointing=False, use_cpu=True,
+        seed=seed, logging_steps=10, log_level="error", report_to="none", save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,300 @@
+"""Time to accuracy on the doubling task: rlhfkit PPO and GRPO vs TRL's GRPOTrainer.
+
+Every contender starts from the same pretrained doubling base, optimises the same reward and
+stops once greedy exact accuracy on the 512 held-out prompts reaches the target (0.99),
+checked every ``--eval-every`` rollouts. Each (contender, seed) runs in its own process
+pinned to the same core (``taskset -c CORE``) with one torch thread, contenders interleaved
+seed by seed so that they share the machine's conditions.
+
+Time counts training only -- rollout + experience + update -- for every contender; the
+periodic evaluation is excluded for all of them. rlhfkit measures the three phases itself
+(``time/train_s``); for TRL a callback sums ``on_step_begin`` -> ``on_step_end`` of the
+HF Trainer (generation, scoring, loss, backward and optimizer step; the dataloader fetch
+and logging fall outside, to TRL's favour), and runs the same greedy evaluation
+(``rlhfkit.evaluate.evaluate_doubling``) outside the timed span. A step is one rollout of
+64 completions for everyone (TRL: one optimizer step per generation batch of 64).
+
+Configurations (each from a small sweep on seeds 10-12, never on the reported seeds 0-2; steps
+to 0.99 with the exact reward):
+
+    rlhfkit GRPO  ``rlhfkit grpo`` defaults: 16 prompts x 4 samples, 2 epochs x 2 minibatches
+                  of 32, Adam 3e-4, k3 KL 0.05 in the loss. (Groups of 8: 150-190 steps, of
+                  4: 90-100; lr 5e-4 or 1e-3, KL 0 or 0.1, one epoch: all slower.)
+    rlhfkit PPO   ``rlhfkit ppo`` defaults (64 prompts, 2 x 2 minibatches of 32, KL 0.2 in the
+                  reward, GAE) with, for a reward *function*, a value head shared with the actor
+                  (there is no reward model to start a critic from) and Adam at 6e-4: 75-95
+                  steps and 35% less time per step than a separate critic started from the
+                  policy (65-110 steps at 3e-4).
+    TRL GRPO      GRPOConfig defaults adapted to the task: 8 prompts x 8 samples
+                  (``num_generations=8``), one optimizer step per rollout of 64
+                  (``per_device_train_batch_size=64``, ``num_iterations=1``), loss 'dapo',
+                  ``beta=0`` (no reference model), ``max_completion_length=8``, float32, no
+                  gradient checkpointing, constant learning rate 3e-4 (the default 1e-6 is for
+                  billion-parameter models). Swept: lr 2e-4 (not at 0.99 after 400 steps),
+                  3e-4 (295-365 steps), 5e-4 (250 steps on one seed, not reached in 400 on the
+                  other), 7e-4 and 1e-3 (not reached); ``num_generations=4``: no better (245-380);
+                  beta 0.04: slower.
+
+Reward (``--reward``):
+    exact       (default) the task's exact-match verifier, a Python callable: 1 if the answer is
+                right and in the requested character set, else 0. TRL strips special tokens
+                from the completions it passes, so its copy re-decodes ``completion_ids`` with
+                EOS kept; the verifier then sees the same text as rlhfkit's.
+    classifier  seed 002's label classifier (cached under --out): the logit of the character
+                set the prompt asks for, at the last token of prompt + completion. rlhfkit uses
+                its built-in classifier scorer, TRL the callable ``bench_common.ClassifierReward``;
+                the script checks that both give the same numbers before it starts. It checks
+                the character set, not the digits: both GRPO implementations learn to game it
+                (mixed-set answers it still scores high) and never reach 0.99 exact; PPO, with
+                its KL penalty in the reward, does.
+
+``--clock cpu`` replaces wall seconds by each process's CPU seconds (for all contenders alike),
+which other jobs on a shared machine disturb much less.
+
+Needs TRL (``pip install -e .[bench]``); without it the TRL contender is skipped with a note.
+
+    python benchmarks/time_to_accuracy.py                      # 3 seeds, all contenders
+    python benchmarks/time_to_accuracy.py --seeds 0 --contenders trl_grpo --trl-lr 1e-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from bench_common import (  # noqa: E402
+    DEFAULT_OUT,
+    TRL_GRPO_BETA,
+    TRL_GRPO_LR,
+    ClassifierReward,
+    exact_reward_with_ids,
+    pin_to_core,
+    pinned_cmd,
+    prepare,
+    quiet_hf,
+    trl_grpo_config,
+)
+
+CONTENDERS = {
+    "rlhfkit_ppo": "rlhfkit PPO",
+    "rlhfkit_grpo": "rlhfkit GRPO",
+    "trl_grpo": "TRL GRPOTrainer",
+}
+RESULT = "RESULT "
+
+
+# --------------------------------------------------------------------------- rlhfkit
+
+
+def run_rlhfkit(algo: str, paths: dict, args) -> dict:
+    from rlhfkit.config import ALGO_DEFAULTS, Config, load_config
+    from rlhfkit.trainers.rl import train_rl
+
+    reward = ({"name": paths["classifier"]} if args.reward == "classifier"
+              else {"function": "rlhfkit.tasks.doubling:exact_reward"})
+    cfg = Config().replace(
+        run={"out_dir": str(Path(args.out) / f"tta_rlhfkit_{algo}_{args.seed}"), "seed": args.seed,
+             "progress": False, "threads": 1},
+        ppo={**ALGO_DEFAULTS[algo], "stop_at_exact": args.target, "steps": args.max_steps,
+             "eval_every": args.eval_every},
+        reward=reward,
+    )
+    if algo == "ppo" and args.reward == "exact":
+        # no reward model to start a critic from: a value head on the actor (one forward gives
+        # log-probs and values), Adam at 6e-4 (see the module docstring)
+        cfg = cfg.replace(ppo={"value_model": "shared", "lr": 6e-4})
+    cfg = load_config(None, args.ppo_override if algo == "ppo" else args.grpo_override, base=cfg)
+    res = train_rl(cfg, paths["base"])
+    reached = res["reached"]
+    return {"steps": reached["step"] if reached else res["steps"],
+            "train_s": reached["train_s"] if reached else res["seconds"],
+            "reached": reached is not None, "final_exact": res["final"].get("eval/exact_acc")}
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def run_trl_grpo(paths: dict, args) -> dict:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from rlhfkit.evaluate import evaluate_doubling
+    from rlhfkit.models import load_policy
+    from rlhfkit.tasks import doubling
+
+    torch.manual_seed(args.seed)
+    tok = AutoTokenizer.from_pretrained(paths["base"])
+    model = load_policy(paths["base"])
+    reward = ClassifierReward(paths["classifier"]) if args.reward == "classifier" else exact_reward_with_ids(tok)
+    group = args.trl_num_generations
+    prompts = doubling.DoublingData(args.seed + 2).prompts(args.max_steps * args.batch_size // group)
+    dataset = Dataset.from_dict({"prompt": [p.text for p in prompts]})
+    config = trl_grpo_config(str(Path(args.out) / f"tta_trl_grpo_{args.seed}"), args.seed, args.max_steps,
+                             args.trl_lr, args.trl_beta, group, args.batch_size)
+
+    state = {"train_s": 0.0, "t0": None, "reached": None, "exact": None}
+
+    class TimeAndEval(TrainerCallback):
+        def on_step_begin(self, a, s, control, **kw):
+            state["t0"] = time.perf_counter()
+
+        def on_step_end(self, a, s, control, **kw):
+            state["train_s"] += time.perf_counter() - state["t0"]
+            if s.global_step % args.eval_every == 0:
+                ev = evaluate_doubling(model, tok, "cpu")  # not timed
+                state["exact"] = ev["exact_acc"]
+                print(f"eval step {s.global_step}: train {state['train_s']:.2f}s format {ev['format_acc']:.3f} "
+                      f"exact {ev['exact_acc']:.3f}", file=sys.stderr, flush=True)
+                if ev["exact_acc"] >= args.target:
+                    state["reached"] = {"step": s.global_step, "train_s": state["train_s"]}
+                    control.should_training_stop = True
+            return control
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tok, callbacks=[TimeAndEval()])
+    trainer.train()
+    reached = state["reached"]
+    return {"steps": reached["step"] if reached else trainer.state.global_step,
+            "train_s": reached["train_s"] if reached else state["train_s"],
+            "reached": reached is not None, "final_exact": state["exact"]}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def check_same_reward(paths: dict) -> float:
+    """Largest gap between rlhfkit's built-in classifier scorer and the callable TRL gets."""
+    from transformers import AutoTokenizer
+
+    from rlhfkit.evaluate import decode_responses, tokenize_prompts
+    from rlhfkit.models import freeze, load_policy, load_scalar_model
+    from rlhfkit.rollout import generate
+    from rlhfkit.tasks import doubling
+    from rlhfkit.trainers.rl import classifier_scorer
+
+    tok = AutoTokenizer.from_pretrained(paths["base"])
+    policy = load_policy(paths["base"]).eval()
+    texts = [p.text for p in doubling.DoublingData(123).prompts(64)]
+    ids, mask = tokenize_prompts(tok, texts, "cpu")
+    roll = generate(policy, ids, mask, 8, tok.eos_token_id, tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+    clf = freeze(load_scalar_model(paths["classifier"], num_labels=None))
+    ours = classifier_scorer(clf, tok, doubling.label_of_prompt)(roll)
+    theirs = ClassifierReward(paths["classifier"])(texts, decode_responses(tok, roll.response_ids, roll.response_mask))
+    return float((ours - torch.tensor(theirs)).abs().max())
+
+
+def worker(args) -> None:
+    pin_to_core(args.core)
+    if args.clock == "cpu":  # every timer of both libraries reads this process's CPU seconds instead
+        time.perf_counter = time.process_time
+    quiet_hf()
+    paths = prepare(args.out)
+    if args.worker == "trl_grpo":
+        res = run_trl_grpo(paths, args)
+    else:
+        res = run_rlhfkit(args.worker.removeprefix("rlhfkit_"), paths, args)
+    print(RESULT + json.dumps(res), flush=True)
+
+
+def trl_available() -> str | None:
+    try:
+        import trl
+    except ImportError:
+        return "TRL is not installed (pip install -e .[bench])"
+    return None if trl.__version__.startswith("1.") else f"TRL {trl.__version__} found, the benchmark targets 1.x"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
+    ap.add_argument("--core", type=int, default=0, help="CPU core every contender is pinned to")
+    ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--max-steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=64, help="completions per rollout (TRL)")
+    ap.add_argument("--reward", choices=["exact", "classifier"], default="exact")
+    ap.add_argument("--trl-lr", type=float, default=TRL_GRPO_LR)
+    ap.add_argument("--trl-beta", type=float, default=TRL_GRPO_BETA)
+    ap.add_argument("--trl-num-generations", type=int, default=8)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="'cpu' times CPU seconds of each contender's process (for a machine shared with other jobs)")
+    ap.add_argument("--ppo-override", nargs="*", default=[], help="dotted overrides for rlhfkit PPO")
+    ap.add_argument("--grpo-override", nargs="*", default=[], help="dotted overrides for rlhfkit GRPO")
+    ap.add_argument("--worker", choices=list(CONTENDERS), help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    quiet_hf()
+    paths = prepare(args.out)
+    contenders = list(args.contenders)
+    skipped = trl_available()
+    if skipped and "trl_grpo" in contenders:
+        print(f"skipping TRL GRPOTrainer: {skipped}")
+        contenders.remove("trl_grpo")
+    if args.reward == "classifier":
+        print(f"same reward check: rlhfkit scorer vs TRL callable, max |diff| = {check_same_reward(paths):.2e}")
+    results: dict[str, list[dict]] = {c: [] for c in contenders}
+    for seed in args.seeds:
+        for c in contenders:
+            cmd = pinned_cmd(args.core, __file__, "--worker", c, "--seed", str(seed), "--out", args.out,
+                             "--target", str(args.target), "--eval-every", str(args.eval_every),
+                             "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size),
+                             "--reward", args.reward, "--trl-lr", str(args.trl_lr), "--trl-beta", str(args.trl_beta),
+                             "--trl-num-generations", str(args.trl_num_generations), "--core", str(args.core),
+                             "--clock", args.clock,
+                             "--ppo-override", *args.ppo_override, "--grpo-override", *args.grpo_override)
+            env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+            if proc.returncode or not lines:
+                print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n")
+                raise SystemExit(f"{c} seed {seed} failed (exit {proc.returncode})")
+            res = json.loads(lines[-1][len(RESULT):])
+            results[c].append({"seed": seed, **res})
+            print(f"  {CONTENDERS[c]:<18} seed {seed}: {res['steps']:>4} steps {res['train_s']:7.2f} s "
+                  f"reached={res['reached']} exact={res['final_exact']}", flush=True)
+    report(results, args)
+
+
+def report(results: dict[str, list[dict]], args) -> None:
+    clock = "CPU seconds" if args.clock == "cpu" else "Training seconds"
+    print(f"\n{clock} (rollout + experience + update, evaluation excluded) to greedy exact_acc >= "
+          f"{args.target} on the 512 held-out prompts; reward: {args.reward}; one core (taskset -c {args.core}), "
+          f"1 torch thread; torch {torch.__version__}")
+    seeds = args.seeds
+    head = "".join(f"{'seed ' + str(s):>16}" for s in seeds)
+    print(f"{'contender':<18}{head}{'median steps':>14}{'median s':>10}{'s/step':>8}")
+    medians = {}
+    for c, rows in results.items():
+        cells = "".join(f"{r['steps']:>6} {r['train_s']:>7.2f}s{'' if r['reached'] else '*':1}" for r in rows)
+        med_s = statistics.median(r["train_s"] for r in rows)
+        med_steps = statistics.median(r["steps"] for r in rows)
+        per_step = sum(r["train_s"] for r in rows) / sum(r["steps"] for r in rows)
+        medians[c] = med_s
+        print(f"{CONTENDERS[c]:<18}{cells}{med_steps:>14g}{med_s:>10.2f}{per_step:>8.3f}")
+    if any(not r["reached"] for rows in results.values() for r in rows):
+        print("* did not reach the target within --max-steps (time is a lower bound)")
+    if "trl_grpo" in medians:
+        for c in ("rlhfkit_ppo", "rlhfkit_grpo"):
+            if c in medians:
+                print(f"{CONTENDERS[c]} / TRL GRPOTrainer median time: {medians[c] / medians['trl_grpo']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""rlhfkit.lean against transformers: same hidden states, gradients and generations.
+
+The lean forward replaces the models' own forward in training and rollout for GPT-2 and
+Llama/Qwen2 stacks, so it must agree with ``transformers`` (the independent reference) to
+float rounding, with left padding, grouped-query attention and rotary positions included,
+and must step aside for anything it does not reproduce.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from rlhfkit import lean
+from rlhfkit.models import build_tiny_policy, position_ids_from_mask
+from rlhfkit.rollout import generate, sample_tokens
+from rlhfkit.tasks import doubling
+
+TOK = doubling.make_tokenizer()
+TEXTS = ["数字:12x2=", "__:7x2=", "小写:1234x2=45", "大写:9999x2="]
+
+
+def scramble(model, seed=0):
+    """Large weights: GPT-2-style inits give near-constant outputs that would hide bugs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def qwen2():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    return scramble(Qwen2ForCausalLM(cfg), 1)
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    return scramble(LlamaForCausalLM(cfg), 2)
+
+
+MODELS = {"gpt2": lambda: scramble(build_tiny_policy(TOK, 1, n_layer=2, n_head=2, n_embd=32)),
+          "qwen2": qwen2, "llama": llama}
+
+
+def batch():
+    enc = TOK(TEXTS, padding=True, return_tensors="pt")
+    assert (enc["attention_mask"] == 0).any()  # left padding present
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hidden_states_and_grads_match_transformers(name):
+    model = MODELS[name]()
+    assert lean.supported(model)
+    ids, mask = batch()
+    pos = position_ids_from_mask(mask)
+    valid = mask.bool()
+    ref = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    ours = lean.hidden_states(model, ids, mask, pos)
+    torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    # gradients of a loss on the valid positions reach the same parameters with the same values
+    weight = torch.randn(ref.shape[-1])
+    grads = []
+    for h in (ref, ours):
+        model.zero_grad()
+        (h[valid] @ weight).square().mean().backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generation_with_static_cache_matches_the_models_own_forward(name):
+    model = MODELS[name]()
+    ids, mask = batch()
+    a = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, greedy=True)
+    b = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, greedy=True, lean=False)
+    assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    gen = [torch.Generator().manual_seed(7) for _ in range(2)]
+    a = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, generator=gen[0])
+    b = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, generator=gen[1], lean=False)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_unsupported_models_fall_back():
+    model = MODELS["gpt2"]()
+    model.train()
+    assert lean.supported(model)  # dropout probabilities are 0 in the tiny config
+    model.transformer.drop.p = 0.1
+    assert not lean.supported(model)  # active dropout: the lean path has none
+    model.eval()
+    assert lean.supported(model)
+
+    class Adapter(torch.nn.Linear):  # stands for a LoRA / quantised replacement of a projection
+        pass
+
+    q = qwen2()
+    proj = q.model.layers[1].self_attn.v_proj
+    q.model.layers[1].self_attn.v_proj = Adapter(proj.in_features, proj.out_features)
+    assert not lean.supported(q)
+    ids, mask = batch()
+    out = generate(q, ids, mask, 4, TOK.eos_token_id, TOK.pad_token_id, greedy=True)  # still works, HF path
+    assert out.response_ids.shape[0] == len(TEXTS)
+
+
+def test_sigmoid_form_gelu_is_the_tanh_gelu():
+    x = torch.linspace(-8, 8, 2001, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lean._GeluTanhCPU.apply, (x[::50].detach().requires_grad_(),))
+    ours, ref = lean._gelu_tanh(x), F.gelu(x, approximate="tanh")
+    torch.testing.assert_close(ours, ref, atol=1e-12, rtol=1e-12)
+    g_ours, = torch.autograd.grad(ours.sum(), x)
+    g_ref, = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(g_ours, g_ref, atol=1e-10, rtol=1e-10)
+    with torch.no_grad():  # the in-place inference branch
+        y = torch.randn(1000) * 4
+        torch.testing.assert_close(lean._gelu_tanh(y), F.gelu(y, approximate="tanh"), atol=1e-6, rtol=1e-6)
+
+
+def test_inverse_cdf_sampling_follows_the_probabilities():
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.3], [0.0, 0.0, 1.0, 0.0], [0.1, 0.1, 0.1, 0.7]])
+    n = 40000
+    draws = sample_tokens(probs.log().repeat(n, 1), torch.Generator().manual_seed(0)).view(n, 3)
+    freq = torch.stack([torch.bincount(draws[:, r], minlength=4) for r in range(3)]).float() / n
+    assert (freq[probs == 0] == 0).all()  # a zero-probability token is never drawn
+    assert (freq - probs).abs().max() < 0.01  # 4 sigma of a binomial at n=40000 is ~0.01
+
+
+def test_repeated_prompts_share_one_prefill():
+    """GRPO-style batches (each prompt G times) give the same rollout as distinct rows would."""
+    model = MODELS["qwen2"]()
+    ids, mask = batch()
+    rep_ids, rep_mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
+    grouped = generate(model, rep_ids, rep_mask, 6, TOK.eos_token_id, TOK.pad_token_id, greedy=True)
+    plain = generate(model, rep_ids, rep_mask, 6, TOK.eos_token_id, TOK.pad_token_id, greedy=True, lean=False)
+    assert torch.equal(grouped.response_ids, plain.response_ids)
+    torch.testing.assert_close(grouped.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+    pos = position_ids_from_mask(rep_mask)
+    hidden, cache = lean.prefill(model, rep_ids, rep_mask, pos, 6)
+    assert cache.keys[0].shape[0] == rep_ids.shape[0]  # expanded back to one row per sample
+    alone, _ = lean.prefill(model, ids[:1], mask[:1], position_ids_from_mask(mask[:1]), 6)
+    torch.testing.assert_close(hidden[:3], alone.expand(3, -1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_shared_prompt_forward_matches_the_full_forward(name):
+    """Rows that repeat a prompt (shuffled, as in a GRPO minibatch) run it once: same logits
+    and the same gradients as running every row in full."""
+    from rlhfkit.models import policy_forward
+
+    model = MODELS[name]().train()
+    ids, mask = batch()
+    P = ids.shape[1]
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    ids, mask = ids.repeat(3, 1)[order], mask.repeat(3, 1)[order]
+    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1))
+    resp_mask = torch.ones_like(resp)
+    resp_mask[0, 3:] = 0  # a response that ended early: padding after it
+    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, resp_mask], 1)
+    assert lean.shared_prompts(seq, seq_mask, P) is not None  # 4 distinct prompts in 12 rows
+    pos = position_ids_from_mask(seq_mask)
+    ref = lean.hidden_states(model, seq, seq_mask, pos)[:, P - 1 : -1]
+    ours, _ = policy_forward(model, seq, seq_mask, P)  # takes the shared path
+    ref_logits = model.get_output_embeddings()(ref)
+    valid = resp_mask.bool()
+    torch.testing.assert_close(ours[valid], ref_logits[valid], atol=1e-5, rtol=1e-5)
+    grads = []
+    for out in (ref_logits, ours):
+        model.zero_grad()
+        out[valid].logsumexp(-1).sum().backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
