@@ -1,0 +1,34 @@
+"""Runs one step of every trainer through the CLI; launched by tests/test_distributed.py with one
+process (plain python) and with two (``accelerate launch``). Usage: driver.py OUT POLICY RM."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rlhfkit.cli import main
+
+out, policy, rm = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+common = ["run.device=cpu", "run.threads=1", "run.progress=false", "run.seed=0", f"model.name={policy}"]
+rl = ["ppo.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=2", "ppo.critic_warmup_steps=0",
+      "ppo.max_new_tokens=6", f"reward.name={rm}"]
+runs = {  # run name: (command, overrides)
+    "ppo": ("ppo", rl),
+    # a critic warm-up step on a shared value head: the actor gets no gradient (DDP's unused parameters)
+    "ppo_warmup": ("ppo", [*rl, "ppo.critic_warmup_steps=1", "ppo.value_model=shared"]),
+    "grpo": ("grpo", [*rl, "ppo.group_size=4"]),
+    "dpo": ("dpo", ["dpo.steps=1", "dpo.batch_size=8", "dpo.num_pairs=64"]),
+    "sft": ("sft", ["sft.steps=1", "sft.batch_size=8"]),
+    "rm": ("rm", ["reward.steps=1", "reward.batch_size=8", "reward.eval_pairs=64"]),
+}
+for name, (cmd, args) in runs.items():
+    if main([cmd, *common, *args, f"run.out_dir={out / name}"]) != 0:
+        sys.exit(f"rlhfkit {cmd} ({name}) failed")
+
+from accelerate import PartialState  # noqa: E402  (the state the trainers ran under)
+
+state = PartialState()
+if state.is_main_process:
+    (out / "world.json").write_text(json.dumps({"num_processes": state.num_processes,
+                                                "distributed_type": str(state.distributed_type)}))
