@@ -89,10 +89,13 @@ def test_grpo_with_the_task_verifier_as_reward_learns(demo_run, tmp_path):
         run={"out_dir": str(tmp_path), "progress": False},
         model={"name": str(out / "pretrain" / "policy")},
         reward={"function": "rlhfkit.tasks.doubling:exact_reward"},
-        ppo={**ALGO_DEFAULTS["grpo"], "steps": 150},  # what `rlhfkit grpo` runs
+        # what `rlhfkit grpo` runs, stopping at 0.95. GRPO learns the three character sets one
+        # after another (plateaus near 1/3 and 2/3), so the step it gets there varies with the
+        # seed: 120 steps to 0.99 from this base at eval_every 10, 90-190 over other seeds
+        ppo={**ALGO_DEFAULTS["grpo"], "steps": 300, "stop_at_exact": 0.95},
     )
     res = train_rl(cfg)
-    assert res["final"]["eval/exact_acc"] >= 0.95 > summary["base"]["exact_acc"]
+    assert res["reached"] is not None and res["final"]["eval/exact_acc"] >= 0.95 > summary["base"]["exact_acc"]
     assert not (tmp_path / "value_model").exists()  # no critic in GRPO
 
 

@@ -4,9 +4,14 @@ The lean forward replaces the models' own forward in training and rollout for GP
 Llama/Qwen2 stacks, so it must agree with ``transformers`` (the independent reference) to
 float rounding, with left padding, grouped-query attention and rotary positions included,
 and must step aside for anything it does not reproduce.
+
+The comparisons run on the CPU; ``RLHFKIT_TEST_DEVICE=cuda pytest tests/test_lean.py`` runs
+them on a GPU (the lean path takes GPU-only branches there: fused q/k/v and gate/up).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ from rlhfkit.rollout import generate, sample_tokens
 from rlhfkit.tasks import doubling
 
 TOK = doubling.make_tokenizer()
+DEV = torch.device(os.environ.get("RLHFKIT_TEST_DEVICE", "cpu"))
 TEXTS = ["数字:12x2=", "__:7x2=", "小写:1234x2=45", "大写:9999x2="]
 
 
@@ -28,7 +34,7 @@ def scramble(model, seed=0):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
+    return model.to(DEV).eval()
 
 
 def qwen2():
@@ -52,7 +58,7 @@ MODELS = {"gpt2": lambda: scramble(build_tiny_policy(TOK, 1, n_layer=2, n_head=2
 def batch():
     enc = TOK(TEXTS, padding=True, return_tensors="pt")
     assert (enc["attention_mask"] == 0).any()  # left padding present
-    return enc["input_ids"], enc["attention_mask"]
+    return enc["input_ids"].to(DEV), enc["attention_mask"].to(DEV)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -66,7 +72,7 @@ def test_hidden_states_and_grads_match_transformers(name):
     ours = lean.hidden_states(model, ids, mask, pos)
     torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
     # gradients of a loss on the valid positions reach the same parameters with the same values
-    weight = torch.randn(ref.shape[-1])
+    weight = torch.randn(ref.shape[-1]).to(DEV)
     grads = []
     for h in (ref, ours):
         model.zero_grad()
@@ -85,9 +91,9 @@ def test_generation_with_static_cache_matches_the_models_own_forward(name):
     b = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, greedy=True, lean=False)
     assert torch.equal(a.response_ids, b.response_ids)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
-    gen = [torch.Generator().manual_seed(7) for _ in range(2)]
-    a = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, generator=gen[0])
-    b = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, generator=gen[1], lean=False)
+    u = torch.rand((ids.shape[0], 8), generator=torch.Generator().manual_seed(7)).to(DEV)
+    a = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, uniforms=u)
+    b = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, uniforms=u, lean=False)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
@@ -106,7 +112,7 @@ def test_unsupported_models_fall_back():
 
     q = qwen2()
     proj = q.model.layers[1].self_attn.v_proj
-    q.model.layers[1].self_attn.v_proj = Adapter(proj.in_features, proj.out_features)
+    q.model.layers[1].self_attn.v_proj = Adapter(proj.in_features, proj.out_features).to(DEV)
     assert not lean.supported(q)
     ids, mask = batch()
     out = generate(q, ids, mask, 4, TOK.eos_token_id, TOK.pad_token_id, greedy=True)  # still works, HF path
@@ -160,9 +166,9 @@ def test_shared_prompt_forward_matches_the_full_forward(name):
     model = MODELS[name]().train()
     ids, mask = batch()
     P = ids.shape[1]
-    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0)).to(DEV)
     ids, mask = ids.repeat(3, 1)[order], mask.repeat(3, 1)[order]
-    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1))
+    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
     resp_mask = torch.ones_like(resp)
     resp_mask[0, 3:] = 0  # a response that ended early: padding after it
     seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, resp_mask], 1)

@@ -533,6 +533,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         stats.update({"time/rollout_s": t1 - t0, "time/experience_s": t2 - t1, "time/update_s": t3 - t2,
                       "time/train_s": train_s, "throughput/tokens_per_s": n_tokens / (t3 - t0),
                       "guard/skipped_updates": guard.skipped})
+        if device.type == "cuda":  # high-water mark of the tensors allocated so far (models, states, activations)
+            stats["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if pc.adaptive_kl:
             kl_coef = adaptive_kl_coef(kl_coef, stats["objective/kl"], pc.kl_target, pc.kl_horizon, pc.batch_size)
         k = pc.samples_per_log  # decode only the rows that are logged: this runs every step
