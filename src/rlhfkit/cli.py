@@ -29,6 +29,9 @@ COMMANDS = {
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
 
+# the training loops that write checkpoints (run.checkpoint_every) and can continue from them
+RESUMABLE = ("pretrain", "rm", "ppo", "grpo", "rloo", "reinforce", "dpo", "sft")
+
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
                "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat"}
@@ -46,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                             help="also save report.png beside it with headless Chromium (must be installed)")
             continue
         sp.add_argument("--config", help="YAML config file (sections: run, model, pretrain, reward, ppo, eval)")
+        if name in RESUMABLE:
+            sp.add_argument("--resume", action="store_true",
+                            help="continue from the newest checkpoint in run.out_dir (same as run.resume=true)")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.kl_coef=0.1 run.seed=3")
     return p
 
@@ -57,7 +63,8 @@ def _config(args) -> Config:
     def build(task_defaults: dict) -> Config:
         base = Config().replace(**task_defaults).replace(run={"out_dir": DEFAULT_OUT[args.command]},
                                                           ppo=ALGO_DEFAULTS.get(args.command, {}))
-        return load_config(args.config, args.overrides, base=base)
+        overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else [])]
+        return load_config(args.config, overrides, base=base)
 
     cfg = build({})
     task_defaults = getattr(get_task(cfg.run.task), "CONFIG_DEFAULTS", {})

@@ -61,6 +61,15 @@ class RunConfig:
     trackers: str = ""
     """Extra experiment trackers, comma-separated: 'wandb', 'trackio' (each must be installed;
     empty = none)."""
+    checkpoint_every: int = 100
+    """Write a checkpoint (trainable weights, optimizer, RNG states, data position, counters) to
+    OUT_DIR/checkpoints/ every this many optimizer steps of the RL, SFT, DPO, reward and
+    pretraining loops; 0 = never. Written to a temporary directory, then renamed."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept; older ones are deleted."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in run.out_dir (``--resume`` on the command
+    line); starts from step 0 when there is none. Use the same config as the interrupted run."""
 
 
 @dataclass(frozen=True)
@@ -534,7 +543,8 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # What the types cannot say: (lowest, highest) allowed, None for unbounded; checked after every
 # load/replace so a zero batch or a negative rate stops the run before any work, with its key.
 RANGES: dict[str, tuple[float | None, float | None]] = {
-    "run.threads": (0, None), "run.max_bad_updates": (1, None),
+    "run.threads": (0, None), "run.max_bad_updates": (1, None), "run.checkpoint_every": (0, None),
+    "run.keep_checkpoints": (1, None),
     "model.n_layer": (1, None), "model.n_head": (1, None), "model.n_embd": (1, None),
     "pretrain.steps": (1, None), "pretrain.batch_size": (1, None), "pretrain.lr": (0, None),
     "pretrain.warmup_steps": (0, None), "pretrain.weight_decay": (0, None),

@@ -127,9 +127,22 @@ class TrajectoryWriter:
     """Appends :func:`trajectory_records` to ``trajectories.jsonl`` at step 0, every ``every``
     steps and at the run's last step (``every == 0``: never; the file is then not created)."""
 
-    def __init__(self, path: str | Path, every: int, per_step: int):
+    def __init__(self, path: str | Path, every: int, per_step: int, resume_offset: int | None = None):
         self.path, self.every, self.per_step = Path(path), every, per_step
-        self._fh = self.path.open("w", encoding="utf-8") if every > 0 and per_step > 0 else None
+        self._fh = None
+        if every > 0 and per_step > 0:
+            if resume_offset is not None:  # continuing from a checkpoint: keep what was written up to it
+                from .checkpoint import cut_file
+
+                cut_file(self.path, resume_offset)
+            self._fh = self.path.open("w" if resume_offset is None else "a", encoding="utf-8")
+
+    def position(self) -> int:
+        """Bytes written so far (for a checkpoint)."""
+        if self._fh is None:
+            return 0
+        self._fh.flush()
+        return self.path.stat().st_size
 
     def wanted(self, step: int, last: bool) -> bool:
         return self._fh is not None and (step == 0 or last or (step + 1) % self.every == 0)

@@ -68,8 +68,9 @@ def setup_run(cfg: Config) -> Path:
     return out
 
 
-def progress(iterable=None, total=None, desc: str = "", enabled: bool = True):
-    return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+def progress(iterable=None, total=None, desc: str = "", enabled: bool = True, initial: int = 0):
+    return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True,
+                initial=initial)
 
 
 def to_float(value: Any) -> float:
@@ -92,15 +93,22 @@ class MetricsLogger:
     writes nothing: no file, no sinks; ``rows()`` then returns them from memory.
     """
 
-    def __init__(self, path: Path, cfg: Config | None = None, enabled: bool = True):
+    def __init__(self, path: Path, cfg: Config | None = None, enabled: bool = True, resume: dict | None = None):
         self.path = Path(path)
         self.enabled = enabled
         self._kept: list[dict] = []  # rows of a disabled logger
         self._sinks, self._fh, self._start = [], None, 0
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._start = self.path.stat().st_size if self.path.exists() else 0  # earlier runs' rows end here
-            self._sinks = make_sinks(cfg, self.path.parent) if cfg is not None else []
+            if resume:  # continuing a run from a checkpoint (position()): drop the rows logged after it
+                from .checkpoint import cut_file
+
+                cut_file(self.path, resume["offset"])
+                self._start = resume["start"]
+            else:
+                self._start = self.path.stat().st_size if self.path.exists() else 0  # earlier runs' rows end here
+            purge = resume["step"] if resume else None
+            self._sinks = make_sinks(cfg, self.path.parent, purge) if cfg is not None else []
             self._fh = self.path.open("a", encoding="utf-8")
         self.t0 = time.perf_counter()
 
@@ -118,6 +126,13 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.log(step, scalars)
         return row
+
+    def position(self, step: int) -> dict:
+        """Where a checkpoint taken after ``step`` steps finds this log (``MetricsLogger(resume=...)``)."""
+        if self._fh is not None:
+            self._fh.flush()
+        size = self.path.stat().st_size if self.enabled and self.path.exists() else 0
+        return {"offset": size, "start": self._start, "step": step}
 
     def close(self) -> None:
         if self._fh is not None:
@@ -137,10 +152,11 @@ class MetricsLogger:
 
 
 class _TensorBoardSink:
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(logdir=str(log_dir), flush_secs=30)
+        # purge_step: a resumed run hides the events an interrupted one wrote from that step on
+        self.writer = SummaryWriter(logdir=str(log_dir), flush_secs=30, purge_step=purge_step)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for k, v in scalars.items():
@@ -173,13 +189,13 @@ class _TrackerSink:
 TRACKERS = ("wandb", "trackio")
 
 
-def make_sinks(cfg: Config, out_dir: Path) -> list:
+def make_sinks(cfg: Config, out_dir: Path, purge_step: int | None = None) -> list:
     """The metric sinks ``cfg.run`` asks for, besides metrics.jsonl."""
     names = [t.strip() for t in cfg.run.trackers.split(",") if t.strip()]
     bad = [t for t in names if t not in TRACKERS]
     if bad:
         raise ValueError(f"run.trackers={cfg.run.trackers!r}: unknown tracker {bad[0]!r}; choose from {', '.join(TRACKERS)}")
-    sinks: list = [_TensorBoardSink(Path(out_dir) / "tb")] if cfg.run.tensorboard else []
+    sinks: list = [_TensorBoardSink(Path(out_dir) / "tb", purge_step)] if cfg.run.tensorboard else []
     sinks += [_TrackerSink(n, cfg, Path(out_dir)) for n in names]
     return sinks
 

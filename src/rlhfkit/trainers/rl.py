@@ -23,6 +23,7 @@ import importlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..checkpoint import Checkpointer, cut_file, data_state, fault_point, file_size, load_data_state
 from ..config import Config, PPOConfig
 from ..core import (
     adaptive_kl_coef,
@@ -500,15 +502,31 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     data = task.TaskData(cfg.run.seed + 2)
     max_new_tokens = pc.max_new_tokens or task.MAX_NEW_TOKENS
     reward_stats = RunningMoments() if pc.normalize_reward else None
-    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
-    samples = open(out / "samples.jsonl" if shard.is_main else os.devnull, "w", encoding="utf-8")
-    trajectories = TrajectoryWriter(out / "trajectories.jsonl", pc.trajectories_every if shard.is_main else 0,
-                                    pc.trajectories_per_step)  # the main process's rows: the batch's first
     kl_coef = pc.kl_coef
     guard = UpdateGuard(cfg.run.max_bad_updates, pc.algo)
     train_s = 0.0
     reached = None
-    bar = progress(range(pc.steps), desc=pc.algo, enabled=cfg.run.progress and shard.is_main)
+    # run.resume: every weight, optimizer moment, RNG, the data position and the counters below
+    # come back from the newest checkpoint, so the steps after it repeat those of an unbroken run
+    ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
+    trained, optimizers = {"actor_critic": ac}, {"optimizer": optimizer}
+    resumed = ckpt.restore(trained, optimizers) or {}
+    start = resumed.get("step", 0)
+    if resumed:
+        kl_coef, train_s = resumed["kl_coef"], resumed["train_s"]
+        guard.skipped, guard.in_a_row = resumed["guard"]
+        if reward_stats is not None:
+            reward_stats.count, reward_stats.mean, reward_stats.m2 = resumed["reward_stats"]
+        load_data_state(data, resumed["data"])
+        cut_file(out / "samples.jsonl", resumed["samples_offset"])
+        print(f"resuming {pc.algo} from {resumed['path']} (step {start} of {pc.steps})", file=sys.stderr)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resumed.get("metrics"))
+    samples = open(out / "samples.jsonl" if shard.is_main else os.devnull, "a" if resumed else "w", encoding="utf-8")
+    trajectories = TrajectoryWriter(out / "trajectories.jsonl", pc.trajectories_every if shard.is_main else 0,
+                                    pc.trajectories_per_step,  # the main process's rows: the batch's first
+                                    resumed.get("trajectories_offset"))
+    bar = progress(range(start, pc.steps), desc=pc.algo, enabled=cfg.run.progress and shard.is_main,
+                   total=pc.steps, initial=start)
     for step in bar:
         t0 = time.perf_counter()
         # grpo / rloo: each prompt G times in a row, the grouping the baselines expect
@@ -519,6 +537,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         with eval_mode(ac.policy):  # the unwrapped policy; eval keeps the KV cache under checkpointing
             roll = generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature,
                             uniforms=u.to(device))
+        fault_point("rollout", step)
         t1 = time.perf_counter()
         exp, stats = make_experience(ac, ref, scorer, roll, pc, kl_coef, reward_stats, shard)
         stats = shard.mean(stats, maxed=("policy/logprob_gap",))
@@ -554,6 +573,16 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                         exact=f"{stats.get('eval/exact_acc', float('nan')):.3f}")
         if reached is not None:
             break
+        fault_point("step_end", step)
+        if ckpt.due(step + 1, last):
+            samples.flush()
+            ckpt.save(step + 1, trained, optimizers, {
+                "kl_coef": kl_coef, "train_s": train_s, "guard": [guard.skipped, guard.in_a_row],
+                "reward_stats": None if reward_stats is None else [reward_stats.count, reward_stats.mean,
+                                                                    reward_stats.m2],
+                "data": data_state(data), "metrics": log.position(step + 1),
+                "samples_offset": file_size(out / "samples.jsonl"), "trajectories_offset": trajectories.position(),
+            })
     samples.close()
     trajectories.close()
     log.close()

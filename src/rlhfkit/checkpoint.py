@@ -1,0 +1,245 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is a directory ``OUT_DIR/checkpoints/step-00000040/`` holding
+
+* ``<name>.safetensors`` -- the *trainable* parameters of each trained module (frozen weights
+  come back from ``model.name`` as at the start; for LoRA that is the adapter alone);
+* ``trainer_state.pt`` -- optimizer and scheduler state dicts and torch's RNG states: tensors
+  and plain containers only, read back with ``torch.load(weights_only=True)`` (no pickle code);
+* ``meta.json`` -- the step, Python's and NumPy's RNG states, the data generator's state and the
+  loop's counters (KL coefficient, reward statistics, guard counts, file offsets ...).
+
+It is written under a temporary name (``.tmp-step-...``), flushed to disk, then renamed: a
+directory named ``step-N`` is always complete, and a process killed mid-write leaves only a
+temporary directory that the next resume deletes. ``run.keep_checkpoints`` newest ones are kept.
+
+``run.resume=true`` (``rlhfkit ppo --resume ...``) loads the newest complete checkpoint of
+``run.out_dir`` after the models are built and restores every RNG, so on CPU with the same
+settings a run killed at any point and resumed logs the same metrics as one never interrupted
+(``tests/test_resume.py`` kills runs with SIGKILL at several points and compares). Files the
+loop appends to (metrics, samples, trajectories) are cut back to where the checkpoint was taken,
+and TensorBoard events after it are purged.
+
+``RLHFKIT_FAULT=name@step`` makes :func:`fault_point` kill the process with SIGKILL when the
+loop passes that named point at that step: how the tests die in the middle of a checkpoint
+write or of a step, at a known place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CHECKPOINTS = "checkpoints"
+_PREFIX = "step-"
+
+
+def fault_point(name: str, step: int) -> None:
+    """SIGKILL this process if ``RLHFKIT_FAULT`` names this point and step (a test hook)."""
+    want = os.environ.get("RLHFKIT_FAULT")
+    if want and want == f"{name}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU and every CUDA device) RNG states, split into a JSON part
+    and a tensor part."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    plain = {"python": [version, list(internal), gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state_all()
+    return {"plain": plain, "tensors": tensors}
+
+
+def set_rng_state(plain: dict[str, Any], tensors: dict[str, Any]) -> None:
+    version, internal, gauss = plain["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(tensors["cuda"])
+
+
+def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters an optimizer changes (``requires_grad``), by name, as contiguous CPU tensors."""
+    return {n: p.detach().contiguous().cpu() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    params = dict(module.named_parameters())
+    want = {n for n, p in params.items() if p.requires_grad}
+    wrong = sorted(n for n in want & set(state) if state[n].shape != params[n].shape)[:3]
+    if set(state) != want or wrong:
+        missing, extra = sorted(want - set(state))[:3], sorted(set(state) - want)[:3]
+        raise ValueError(f"checkpoint {where} does not fit the model built from this config (missing {missing}, "
+                         f"unexpected {extra}, other shapes {wrong}): resume with the config the run was started with")
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(_PREFIX) or not (path / "meta.json").exists():
+        return None
+    try:
+        return int(name[len(_PREFIX):])
+    except ValueError:
+        return None
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``out_dir/checkpoints`` (None if there is none)."""
+    root = Path(out_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    found = [(s, p) for p in root.iterdir() if (s := _step_of(p)) is not None]
+    return max(found)[1] if found else None
+
+
+class Checkpointer:
+    """Saves and restores one training loop's state; see the module docstring.
+
+    ``every`` steps (0: never) the loop calls :meth:`save` with its trained modules, optimizers,
+    schedulers and a JSON-able ``state`` of its own; at start :meth:`restore` (when ``resume``)
+    loads the newest checkpoint into the same objects and returns that ``state`` (None: nothing
+    to resume, start from step 0). Only the main process of a distributed run writes; every
+    process restores the same files.
+    """
+
+    def __init__(self, out_dir: str | Path, every: int = 0, keep: int = 2, resume: bool = False,
+                 enabled: bool = True):
+        self.root = Path(out_dir) / CHECKPOINTS
+        self.every, self.keep, self.resume, self.enabled = every, max(1, keep), resume, enabled
+
+    @classmethod
+    def from_config(cls, cfg, out_dir: str | Path, enabled: bool = True) -> Checkpointer:
+        r = cfg.run
+        return cls(out_dir, r.checkpoint_every, r.keep_checkpoints, r.resume, enabled)
+
+    def due(self, steps_done: int, last: bool = False) -> bool:
+        """After ``steps_done`` steps: is a checkpoint due? (not after the last: the run saves its models)"""
+        return self.every > 0 and not last and steps_done % self.every == 0
+
+    def save(self, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
+             state: dict[str, Any], schedulers: dict[str, Any] | None = None) -> Path | None:
+        if not self.enabled:
+            return None
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"{_PREFIX}{steps_done:08d}"
+        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        for name, module in modules.items():
+            save_file(trainable_state(module), str(tmp / f"{name}.safetensors"))
+        rng = rng_state()
+        torch.save({"optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+                    "schedulers": {k: s.state_dict() for k, s in (schedulers or {}).items()},
+                    "rng": rng["tensors"]}, tmp / "trainer_state.pt")
+        meta = {"step": steps_done, "rng": rng["plain"], "state": state, "modules": sorted(modules)}
+        (tmp / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        fault_point("checkpoint_write", steps_done)  # files written, not yet renamed
+        if final.exists():  # a resumed run passing the same step again: replace it
+            old = self.root / f".old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            shutil.rmtree(old)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        done = sorted((s, p) for p in self.root.iterdir() if (s := _step_of(p)) is not None)
+        for _, p in done[: -self.keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def restore(self, modules: dict[str, nn.Module], optimizers: dict[str, Any],
+                schedulers: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Load the newest checkpoint into these objects (when ``resume``); its step and state."""
+        if not self.resume:
+            return None
+        if self.root.is_dir() and self.enabled:  # a write killed half-way: nothing of it is used
+            for p in self.root.glob(".tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+        path = latest_checkpoint(self.root.parent)
+        if path is None:
+            return None
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        if sorted(modules) != meta["modules"]:
+            raise ValueError(f"checkpoint {path} holds modules {meta['modules']}, this run trains {sorted(modules)}: "
+                             "resume with the command and config the run was started with")
+        for name, module in modules.items():
+            load_trainable_state(module, load_file(str(path / f"{name}.safetensors")), str(path))
+        trainer = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+        for k, o in optimizers.items():
+            o.load_state_dict(trainer["optimizers"][k])
+        for k, s in (schedulers or {}).items():
+            s.load_state_dict(trainer["schedulers"][k])
+        set_rng_state(meta["rng"], trainer["rng"])
+        return {"step": meta["step"], "path": str(path), **meta["state"]}
+
+
+def cut_file(path: str | Path, size: int) -> None:
+    """Truncate a file the loop appends to back to ``size`` bytes (where a checkpoint saw it)."""
+    path = Path(path)
+    if path.exists() and path.stat().st_size > size:
+        with open(path, "r+b") as fh:
+            fh.truncate(size)
+
+
+def file_size(path: str | Path) -> int:
+    path = Path(path)
+    return path.stat().st_size if path.exists() else 0
+
+
+def data_state(data) -> Any:
+    """A task data generator's position: ``data.state_dict()`` if it has one, else the state of
+    its ``random.Random`` (``data.rng``), as JSON."""
+    if hasattr(data, "state_dict"):
+        return data.state_dict()
+    rng = getattr(data, "rng", None)
+    if not isinstance(rng, random.Random):
+        raise TypeError(f"{type(data).__name__} has neither state_dict() nor a random.Random .rng: its position "
+                        "cannot be checkpointed (add state_dict / load_state_dict to it)")
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def load_data_state(data, state: Any) -> None:
+    if hasattr(data, "load_state_dict"):
+        data.load_state_dict(state)
+        return
+    version, internal, gauss = state
+    data.rng.setstate((version, tuple(internal), gauss))

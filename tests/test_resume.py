@@ -1,0 +1,120 @@
+"""Checkpoints and exact resume: a run killed with SIGKILL and resumed ends as an unbroken one.
+
+Each RL run here is the command a user types (``python -m rlhfkit ppo ...``) in its own
+process, killed at several points: inside a step (after the rollout), in the middle of writing
+a checkpoint (files written, directory not yet renamed), and from outside at a random moment.
+After every kill ``--resume`` continues it. The metrics (all but wall-clock times), samples,
+trajectories and final weights must equal those of a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfkit.checkpoint import Checkpointer, latest_checkpoint
+
+STEPS = 12
+
+
+def _args(algo: str, models, out: Path) -> list[str]:
+    args = [sys.executable, "-m", "rlhfkit", algo, f"model.name={models.policy}", f"run.out_dir={out}",
+            f"ppo.steps={STEPS}", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
+            "ppo.eval_every=4", "ppo.stop_at_exact=0", "ppo.trajectories_every=3", "eval.batch_size=512",
+            "eval.max_new_tokens=4", "run.checkpoint_every=2", "run.threads=1", "run.progress=false"]
+    if algo == "ppo":  # critic warm-up, adaptive KL and reward normalisation carry state across steps
+        args += [f"reward.name={models.reward}", "ppo.critic_warmup_steps=3", "ppo.adaptive_kl=true",
+                 "ppo.normalize_reward=true"]
+    else:
+        args += ["reward.function=rlhfkit.tasks.doubling:format_reward", "ppo.group_size=4"]
+    return args
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _run(args: list[str], fault: str | None = None) -> int:
+    env = {**ENV, **({"RLHFKIT_FAULT": fault} if fault else {})}
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600).returncode
+
+
+def _rows(out: Path) -> list[dict]:
+    with open(out / "metrics.jsonl", encoding="utf-8") as fh:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "throughput/"))}
+                for line in fh]
+
+
+def _kill_from_outside(args: list[str], out: Path, rows: int) -> int:
+    """Start the run and SIGKILL it once metrics.jsonl holds ``rows`` rows (wherever it is then)."""
+    proc = subprocess.Popen(args, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text(encoding="utf-8").count("\n") >= rows:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    return proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_killed_and_resumed_run_ends_as_an_unbroken_one(algo, tiny_models, tmp_path):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert _run(_args(algo, tiny_models, whole)) == 0
+    args = _args(algo, tiny_models, broken)
+
+    # 1. inside step 5 (0-based), after its rollout: the checkpoint after 4 steps is the newest
+    assert _run(args, fault="rollout@5") == -signal.SIGKILL
+    assert latest_checkpoint(broken).name == "step-00000004"
+    # 2. resumed, then killed while writing the checkpoint after 8 steps: a temporary directory
+    #    holds the files, no step-00000008 exists, so the next resume starts at 6
+    assert _run([*args, "--resume"], fault="checkpoint_write@8") == -signal.SIGKILL
+    assert latest_checkpoint(broken).name == "step-00000006"
+    assert list((broken / "checkpoints").glob(".tmp-step-00000008-*"))
+    # 3. resumed, then killed from outside at a random moment after a random number of steps
+    rows = random.Random(os.getpid()).randint(8, STEPS - 1)
+    assert _kill_from_outside([*args, "--resume"], broken, rows) == -signal.SIGKILL
+    # 4. resumed to the end
+    assert _run([*args, "--resume"]) == 0
+    assert not list((broken / "checkpoints").glob(".tmp-*"))  # the half-written one was cleared
+
+    a, b = _rows(whole), _rows(broken)
+    assert [r["step"] for r in b] == list(range(STEPS))  # no step missing or logged twice
+    assert a == b  # every loss, KL, score, advantage statistic, grad norm and eval accuracy
+    for name in ("samples.jsonl", "trajectories.jsonl"):
+        assert (whole / name).read_bytes() == (broken / name).read_bytes(), name
+    wa, wb = load_file(str(whole / "policy" / "model.safetensors")), load_file(str(broken / "policy" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_checkpoints_are_pruned_and_a_mismatched_resume_is_refused(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ck = Checkpointer(tmp_path, every=1, keep=2)
+    for step in range(1, 5):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        ck.save(step, {"m": model}, {"opt": opt}, {"note": step})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
+
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state = Checkpointer(tmp_path, resume=True).restore({"m": fresh}, {"opt": fresh_opt})
+    assert state["step"] == 4 and state["note"] == 4
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(ValueError, match="does not fit the model"):
+        Checkpointer(tmp_path, resume=True).restore({"m": torch.nn.Linear(3, 3)}, {})
+    with pytest.raises(ValueError, match="holds modules"):
+        Checkpointer(tmp_path, resume=True).restore({"other": fresh}, {})
+    assert Checkpointer(tmp_path / "elsewhere", resume=True).restore({"m": fresh}, {}) is None  # nothing to resume
