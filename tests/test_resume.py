@@ -118,3 +118,44 @@ def test_checkpoints_are_pruned_and_a_mismatched_resume_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds modules"):
         Checkpointer(tmp_path, resume=True).restore({"other": fresh}, {})
     assert Checkpointer(tmp_path / "elsewhere", resume=True).restore({"m": fresh}, {}) is None  # nothing to resume
+
+
+def _kill_after_checkpoint(args: list[str], out: Path, steps_done: int) -> int:
+    """Start the run and SIGKILL it as soon as the checkpoint after ``steps_done`` steps exists."""
+    proc = subprocess.Popen(args, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = out / "checkpoints" / f"step-{steps_done:08d}"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if target.exists():
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    return proc.wait(timeout=60)
+
+
+SUPERVISED = {  # command, its step budget, where it saves the trained weights
+    "pretrain": (["pretrain", "pretrain.steps=12", "pretrain.batch_size=8", "pretrain.warmup_steps=2",
+                  "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "eval.max_new_tokens=4"], "policy"),
+    "rm": (["rm", "reward.steps=12", "reward.batch_size=8", "reward.eval_pairs=16"], "reward_model"),
+    "sft": (["sft", "sft.steps=12", "sft.batch_size=4", "sft.warmup_steps=2"], "policy"),
+    "dpo": (["dpo", "dpo.steps=12", "dpo.batch_size=4", "dpo.num_pairs=16", "dpo.eval_every=0",
+             "eval.max_new_tokens=4"], "policy"),
+}
+
+
+@pytest.mark.parametrize("command", list(SUPERVISED))
+def test_supervised_loops_resume_exactly(command, tiny_models, tmp_path):
+    argv, saved = SUPERVISED[command]
+    base = [sys.executable, "-m", "rlhfkit", *argv, "run.checkpoint_every=2", "run.threads=1", "run.progress=false",
+            "run.tensorboard=false", *([] if command == "pretrain" else [f"model.name={tiny_models.policy}"])]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert _run([*base, f"run.out_dir={whole}"]) == 0
+    args = [*base, f"run.out_dir={broken}"]
+    assert _run(args, fault="checkpoint_write@4") == -signal.SIGKILL  # mid-write: resumes from 2
+    assert latest_checkpoint(broken).name == "step-00000002"
+    assert _kill_after_checkpoint([*args, "--resume"], broken, 8) == -signal.SIGKILL  # just after a checkpoint
+    assert _run([*args, "--resume"]) == 0
+    assert _rows(whole) == _rows(broken)
+    wa = load_file(str(whole / saved / "model.safetensors"))
+    wb = load_file(str(broken / saved / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -243,3 +243,25 @@ def load_data_state(data, state: Any) -> None:
         return
     version, internal, gauss = state
     data.rng.setstate((version, tuple(internal), gauss))
+
+
+def loop_state(steps_done: int, log, guard, data=None, generator: torch.Generator | None = None,
+               **extra: Any) -> dict[str, Any]:
+    """The JSON state of a supervised loop (pretrain, SFT, reward model, DPO) for :meth:`Checkpointer.save`:
+    the metrics log's position, the guard's counters, the data generator's position and, if the
+    loop samples batches with its own ``torch.Generator``, that generator's state."""
+    state = {"metrics": log.position(steps_done), "guard": [guard.skipped, guard.in_a_row], **extra}
+    if data is not None:
+        state["data"] = data_state(data)
+    if generator is not None:
+        state["generator"] = generator.get_state().tolist()
+    return state
+
+
+def restore_loop_state(resumed: dict[str, Any], guard, data=None, generator: torch.Generator | None = None) -> None:
+    """Put back what :func:`loop_state` saved (the metrics log takes ``resumed['metrics']`` itself)."""
+    guard.skipped, guard.in_a_row = resumed["guard"]
+    if data is not None:
+        load_data_state(data, resumed["data"])
+    if generator is not None:
+        generator.set_state(torch.tensor(resumed["generator"], dtype=torch.uint8))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import Config
 from ..core import dpo_loss, logprobs_from_logits
 from ..distributed import Shard, clip_grad_norm, evaluate_sharded, prepare
@@ -64,12 +65,20 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=dc.lr, weight_decay=0.0)
     train_policy, opt = prepare(accelerator, policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
-    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
     guard = UpdateGuard(cfg.run.max_bad_updates, "dpo")
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)
-    train_s, pos, reached, history = 0.0, 0, None, []
-    bar = progress(range(dc.steps), desc="dpo", enabled=cfg.run.progress and shard.is_main)
+    train_s, pos, reached = 0.0, 0, None
+    ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
+    trained, opts = {"policy": policy}, {"optimizer": opt}
+    resumed = ckpt.restore(trained, opts) or {}
+    if resumed:  # the epoch's order and the position in it, too
+        restore_loop_state(resumed, guard, generator=gen)
+        order, pos, train_s = torch.tensor(resumed["order"]), resumed["pos"], resumed["train_s"]
+    start = resumed.get("step", 0)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resumed.get("metrics"))
+    bar = progress(range(start, dc.steps), desc="dpo", enabled=cfg.run.progress and shard.is_main, total=dc.steps,
+                   initial=start)
     for step in bar:
         t0 = time.perf_counter()
         if pos + dc.batch_size > n_pairs:  # next epoch
@@ -103,15 +112,18 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
             if dc.stop_at_format and ev["format_acc"] >= dc.stop_at_format:
                 reached = {"step": step + 1, "train_s": train_s}
         row["time/train_s"], row["guard/skipped_updates"] = train_s, guard.skipped
-        history.append(log.log(step, row))
+        last_row = log.log(step, row)
         bar.set_postfix(loss=f"{row['dpo/loss']:.3f}", acc=f"{row['dpo/accuracy']:.2f}")
         if reached:
             break
+        if ckpt.due(step + 1, step == dc.steps - 1):
+            ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, generator=gen, order=order.tolist(),
+                                                          pos=pos, train_s=train_s))
     log.close()
     shard.wait()
     if shard.is_main:  # LoRA: the adapter in policy_adapter/, merged plain weights in policy/
         save_policy(policy, tok, Path(out) / "policy", Path(out) / "policy_adapter")
     shard.wait()
-    final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
-    return {"path": str(Path(out) / "policy"), "seconds": train_s, "steps": len(history), "reached": reached,
+    final = {k: v for k, v in last_row.items() if k.startswith("eval/")}
+    return {"path": str(Path(out) / "policy"), "seconds": train_s, "steps": step + 1, "reached": reached,
             "final": final}

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import Config
 from ..evaluate import evaluate_task
 from ..models import build_tiny_policy, masked_lm_loss
 from ..tasks import get_task
-from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, is_main_process, make_accelerator, progress, setup_run
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
@@ -45,10 +46,16 @@ def pretrain(cfg: Config) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=pc.lr, weight_decay=pc.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(pc.warmup_steps, pc.steps))
     data = task.TaskData(cfg.run.seed)
-    log = MetricsLogger(out / "metrics.jsonl", cfg)
     guard = UpdateGuard(cfg.run.max_bad_updates, "pretrain")
-    t0 = time.perf_counter()
-    bar = progress(range(pc.steps), desc="pretrain", enabled=cfg.run.progress)
+    ckpt = Checkpointer.from_config(cfg, out, enabled=is_main_process())
+    trained, opts, scheds = {"model": model}, {"optimizer": opt}, {"scheduler": sched}
+    resumed = ckpt.restore(trained, opts, scheds) or {}
+    if resumed:
+        restore_loop_state(resumed, guard, data)
+    start = resumed.get("step", 0)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, resume=resumed.get("metrics"))
+    t0 = time.perf_counter() - resumed.get("seconds", 0.0)
+    bar = progress(range(start, pc.steps), desc="pretrain", enabled=cfg.run.progress, total=pc.steps, initial=start)
     for step in bar:
         # texts end with the EOS character; right padding is fine, positions come from the mask
         enc = tok(data.pretrain_texts(pc.batch_size), padding=True, padding_side="right", return_tensors="pt")
@@ -63,6 +70,9 @@ def pretrain(cfg: Config) -> dict:
             log.log(step, {"train/loss": loss, "train/lr": sched.get_last_lr()[0],
                            "guard/skipped_updates": guard.skipped})
             bar.set_postfix(loss=f"{loss.item():.4f}")
+        if ckpt.due(step + 1, step == pc.steps - 1):
+            ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, data,
+                                                          seconds=time.perf_counter() - t0), scheds)
     seconds = time.perf_counter() - t0
     ev = evaluate_task(task, model, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
     log.log(pc.steps, {"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"],

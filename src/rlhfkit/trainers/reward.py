@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
+from ..checkpoint import Checkpointer, data_state, load_data_state, loop_state, restore_loop_state
 from ..config import Config
 from ..core import bradley_terry_loss
 from ..data import PreferenceExample, encode_preferences, load_preferences
@@ -77,6 +78,12 @@ class FilePairs:
         idx = (shard or Shard()).take(idx, "reward.batch_size")
         return pair_batch(self.train, idx, self.device, self.default_margin or None)
 
+    def state_dict(self) -> dict:  # the sampling position, for checkpoints
+        return {"gen": self.gen.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(torch.tensor(state["gen"], dtype=torch.uint8))
+
     def eval_batches(self, batch_size: int = 256):
         n = self.eval["chosen_input_ids"].shape[0]
         for i in range(0, n, batch_size):
@@ -95,6 +102,12 @@ class TaskPairs:
         enc = encode_triples(self.tok, self.data.preference_pairs(batch_size, self.cfg.reward.hard_negatives))
         idx = (shard or Shard()).take(torch.arange(batch_size), "reward.batch_size")
         return pair_batch(enc, idx, self.device, self.cfg.reward.margin or None)
+
+    def state_dict(self):  # the generator's position, for checkpoints
+        return data_state(self.data)
+
+    def load_state_dict(self, state) -> None:
+        load_data_state(self.data, state)
 
     def eval_batches(self, batch_size: int = 256):
         enc = encode_triples(self.tok, self.task.held_out_pairs(self.cfg.reward.eval_pairs, self.cfg.run.seed))
@@ -116,9 +129,10 @@ def evaluate_batches(model, batches) -> dict[str, float]:
     return mean_stats(rows)
 
 
-def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[str, float]:
+def train_label_classifier(cfg: Config, model, tok, accelerator, open_log) -> dict[str, float]:
     """Seed 002's reward model: cross-entropy over the task's labels (the answer's character
-    set) on unprefixed text; at RL time the reward is the logit of the requested label."""
+    set) on unprefixed text; at RL time the reward is the logit of the requested label.
+    ``open_log(resume)`` opens the run's MetricsLogger (after a checkpoint is found, if any)."""
     rc, device, shard = cfg.reward, accelerator.device, Shard(accelerator)
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 1)
@@ -133,7 +147,15 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[st
         return forward(enc["input_ids"].to(device), enc["attention_mask"].to(device)), labels
 
     guard = UpdateGuard(cfg.run.max_bad_updates, "reward classifier")
-    bar = progress(range(rc.steps), desc="reward classifier", enabled=cfg.run.progress and shard.is_main)
+    ckpt = Checkpointer.from_config(cfg, cfg.run.out_dir, enabled=shard.is_main)
+    trained, opts = {"model": model}, {"optimizer": opt}
+    resumed = ckpt.restore(trained, opts) or {}
+    if resumed:
+        restore_loop_state(resumed, guard, data)
+    start = resumed.get("step", 0)
+    log = open_log(resumed.get("metrics"))
+    bar = progress(range(start, rc.steps), desc="reward classifier", enabled=cfg.run.progress and shard.is_main,
+                   total=rc.steps, initial=start)
     for step in bar:
         logits, labels = batch(shard.take(data.labelled_texts(rc.batch_size), "reward.batch_size"), train_logits)
         loss = torch.nn.functional.cross_entropy(logits, labels)
@@ -145,10 +167,15 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, log) -> dict[st
             row = shard.mean({"rm/loss": loss.item(), "rm/accuracy": (logits.argmax(-1) == labels).float().mean()})
             log.log(step, {**row, "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}")
+        if ckpt.due(step + 1, step == rc.steps - 1):
+            ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, data))
     with torch.no_grad():
         eval_items = task.TaskData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs)
         logits, labels = batch(eval_items, lambda ids, mask: sequence_logits(model, ids, mask))
-    return {"rm/accuracy": (logits.argmax(-1) == labels).float().mean().item(), "rm/delta": float("nan")}
+    accuracy = (logits.argmax(-1) == labels).float().mean().item()
+    log.log(rc.steps, {"eval/rm/accuracy": accuracy})
+    log.close()
+    return {"rm/accuracy": accuracy, "rm/delta": float("nan")}
 
 
 def _save(shard: Shard, model, tok, save_dir: Path) -> None:
@@ -211,11 +238,9 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
         if rc.init_from != "policy":
             raise ValueError("reward.kind=classifier starts from a policy checkpoint: set model.name and "
                              "reward.init_from=policy")
-        log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
         t0 = time.perf_counter()
-        ev = train_label_classifier(cfg, model, tok, accelerator, log)
-        log.log(rc.steps, {"eval/rm/accuracy": ev["rm/accuracy"]})
-        log.close()
+        ev = train_label_classifier(cfg, model, tok, accelerator, lambda resume: MetricsLogger(
+            out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resume))
         save_dir = Path(out) / "reward_model"
         _save(shard, model, tok, save_dir)
         return {"path": str(save_dir), "seconds": time.perf_counter() - t0, "accuracy": ev["rm/accuracy"],
@@ -226,10 +251,17 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     train_scores, opt = prepare(accelerator, ModuleForward(model, sequence_scores), opt,
                                 micro_batch=max(1, rc.batch_size // shard.world))
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
-    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
     guard = UpdateGuard(cfg.run.max_bad_updates, "reward model")
-    t0 = time.perf_counter()
-    bar = progress(range(rc.steps), desc="reward model", enabled=cfg.run.progress and shard.is_main)
+    ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
+    trained, opts = {"model": model}, {"optimizer": opt}
+    resumed = ckpt.restore(trained, opts) or {}
+    if resumed:
+        restore_loop_state(resumed, guard, pairs)
+    start = resumed.get("step", 0)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resumed.get("metrics"))
+    t0 = time.perf_counter() - resumed.get("seconds", 0.0)
+    bar = progress(range(start, rc.steps), desc="reward model", enabled=cfg.run.progress and shard.is_main,
+                   total=rc.steps, initial=start)
     for step in bar:
         ids, mask, margin = pairs.next(rc.batch_size, shard)  # this process's pairs of the global batch
         scores = train_scores(ids, mask)  # [2B]: chosen rows, then rejected rows
@@ -244,6 +276,9 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
             row = shard.mean(mean_stats([stats]))  # means over pairs: exact over processes
             log.log(step, {**row, "rm/grad_norm": grad_norm, "guard/skipped_updates": guard.skipped})
             bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}", delta=f"{row['rm/delta']:.2f}")
+        if ckpt.due(step + 1, step == rc.steps - 1):
+            ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, pairs,
+                                                          seconds=time.perf_counter() - t0))
     seconds = time.perf_counter() - t0
     ev = evaluate_batches(model, pairs.eval_batches())  # the whole held-out set on every process
     log.log(rc.steps, {f"eval/{k}": v for k, v in ev.items()})

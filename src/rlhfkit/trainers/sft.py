@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import Config
 from ..data import SFTExample, encode_sft, load_sft, pack_sft
 from ..distributed import Shard, clip_grad_norm, prepare
@@ -52,10 +53,17 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     train_model, opt = prepare(accelerator, model, opt, micro_batch=max(1, sc.batch_size // shard.world))  # DDP
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main)
     guard = UpdateGuard(cfg.run.max_bad_updates, "sft")
-    t0 = time.perf_counter()
-    bar = progress(range(sc.steps), desc="sft", enabled=cfg.run.progress and shard.is_main)
+    ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
+    trained, opts, scheds = {"model": model}, {"optimizer": opt}, {"scheduler": sched}
+    resumed = ckpt.restore(trained, opts, scheds) or {}
+    if resumed:
+        restore_loop_state(resumed, guard, generator=gen)
+    start = resumed.get("step", 0)
+    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resumed.get("metrics"))
+    t0 = time.perf_counter() - resumed.get("seconds", 0.0)
+    bar = progress(range(start, sc.steps), desc="sft", enabled=cfg.run.progress and shard.is_main, total=sc.steps,
+                   initial=start)
     for step in bar:
         idx = shard.take(torch.randint(0, n, (min(sc.batch_size, n),), generator=gen), "sft.batch_size")
         batch = {k: v[idx].to(device) for k, v in enc.items()}
@@ -74,6 +82,9 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
             log.log(step, {**mean_loss, "sft/grad_norm": grad_norm, "sft/lr": sched.get_last_lr()[0],
                            "guard/skipped_updates": guard.skipped})
             bar.set_postfix(loss=f"{mean_loss['sft/loss']:.4f}")
+        if ckpt.due(step + 1, step == sc.steps - 1):
+            ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, generator=gen,
+                                                          seconds=time.perf_counter() - t0), scheds)
     log.close()
     save_dir = Path(out) / "policy"
     shard.wait()
