@@ -170,3 +170,23 @@ def test_options_run_and_stay_finite(overrides):
     if overrides.get("kl_in_loss"):
         # the KL moved out of the reward: with actor == ref the reward is just the score
         assert "policy/kl_loss" in mb[0] and mb[0]["policy/kl_loss"].item() < 1e-10
+
+
+@pytest.mark.parametrize("value_model", ["separate", "shared"])
+def test_experience_in_row_chunks_equals_the_whole_batch(value_model, monkeypatch):
+    """Big vocabularies run the experience forward in row chunks (EXPERIENCE_LOGITS): same numbers."""
+    import rlhfkit.trainers.rl as rl
+
+    ac, ref, rm = _setup(value_model)
+    pc = Config().ppo
+    ids, mask = prompts(12, seed=5)
+    roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id)
+    whole, whole_stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    R, V = roll.response_ids.shape[1], ac.policy.get_output_embeddings().out_features
+    monkeypatch.setattr(rl, "EXPERIENCE_LOGITS", 5 * R * V)  # chunks of 5 rows: 5 + 5 + 2
+    chunked, chunked_stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    for name in ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), atol=1e-6, rtol=1e-6)
+    assert chunked_stats.keys() == whole_stats.keys()
+    for k in whole_stats:
+        assert chunked_stats[k] == pytest.approx(whole_stats[k], abs=1e-6), k

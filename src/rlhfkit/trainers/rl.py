@@ -68,6 +68,7 @@ from ..models import (
     sequence_logits,
     sequence_scores,
     token_values,
+    unwrap,
 )
 from ..rollout import Rollout, generate
 from ..tasks import get_task
@@ -262,6 +263,9 @@ def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
     raise ValueError(f"no sequence-level advantage for algo {pc.algo!r}")
 
 
+EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chunk
+
+
 @torch.no_grad()
 def make_experience(
     ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
@@ -280,10 +284,22 @@ def make_experience(
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
     rmask = roll.response_mask
     valid = rmask.bool()
-    logits, old_values = ac(ids, mask, P, pc.temperature)
-    old_logprobs = logprobs_from_logits(logits, roll.response_ids)  # [B, R]
-    ref_logits, _ = policy_forward(ref, ids, mask, P)
-    ref_logprobs = logprobs_from_logits(ref_logits / pc.temperature, roll.response_ids)  # [B, R]
+    # the forward passes in row chunks whose logits stay within EXPERIENCE_LOGITS (elements):
+    # [B, R, V] logits of a 150k vocabulary would otherwise dominate the peak memory
+    B, R = roll.response_ids.shape
+    vocab = unwrap(ac.policy).get_output_embeddings().out_features
+    chunk = max(1, min(B, EXPERIENCE_LOGITS // max(1, R * vocab)))
+    parts = []
+    for rows in torch.arange(B, device=ids.device).split(chunk):
+        logits, values = ac(ids[rows], mask[rows], P, pc.temperature)
+        resp = roll.response_ids[rows]
+        ref_logits, _ = policy_forward(ref, ids[rows], mask[rows], P)
+        parts.append((logprobs_from_logits(logits, resp), values, entropy_from_logits(logits),
+                      logprobs_from_logits(ref_logits / pc.temperature, resp)))
+        del logits, ref_logits
+    old_logprobs, ref_logprobs = torch.cat([p[0] for p in parts]), torch.cat([p[3] for p in parts])  # [B, R]
+    entropy = torch.cat([p[2] for p in parts])  # [B, R]
+    old_values = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
     raw_score = scorer(roll)  # [B]
     if not bool(torch.isfinite(raw_score).all()):  # a NaN here would reach every advantage of the batch
         raise ValueError(f"the reward gave non-finite scores to {int((~torch.isfinite(raw_score)).sum())} of "
@@ -310,7 +326,7 @@ def make_experience(
         "objective/score": raw_score.mean(),
         "objective/kl": kl_seq.mean(),
         "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
-        "objective/entropy": shard.apply_rows(masked_mean, entropy_from_logits(logits), rmask),  # a token mean
+        "objective/entropy": shard.apply_rows(masked_mean, entropy, rmask),  # a token mean
         "objective/kl_coef": kl_coef,
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         "response/length": rmask.sum(-1).float().mean(),
