@@ -168,7 +168,41 @@ def clip_grad_norm(accelerator, parameters, max_norm: float) -> torch.Tensor:
     if accelerator is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
     norm = accelerator.clip_grad_norm_(params, max_norm)
-    return torch.tensor(float("nan")) if norm is None else torch.as_tensor(norm).detach()
+    if norm is None:
+        return torch.tensor(float("nan"))
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+        norm = norm.full_tensor()
+    return torch.as_tensor(norm).detach()
+
+
+def full_state_dict(module) -> dict | None:
+    """The module's weights with FSDP2's sharded tensors (DTensors) gathered, for saving; None
+    when nothing is sharded (save the module as it is). A collective: every process calls it."""
+    sd = module.state_dict()
+    if not any(hasattr(v, "full_tensor") for v in sd.values()):
+        return None
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in sd.items()}
+
+
+def full_weights(model):
+    """Context manager: under FSDP2, the model's root-level weights (embeddings, final norm, heads)
+    gathered for calls that bypass its own forward (generation with the unwrapped policy);
+    a no-op for any other model."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        unshard = getattr(model, "unshard", None)
+        if unshard is None:
+            yield
+            return
+        unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+
+    return ctx()
 
 
 def prepare(accelerator, *objects, micro_batch: int):

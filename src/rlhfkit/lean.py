@@ -46,6 +46,8 @@ def supported(model: nn.Module) -> bool:
     layers), no active dropout, no gradient checkpointing, no sliding window."""
     if callable(getattr(model, "get_base_model", None)):  # a peft wrapper: LoRA layers in the stack
         return False
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):  # sharded (FSDP2): not plain tensors
+        return False
     base = _base(model)
     cfg = getattr(base, "config", None)
     if cfg is None or _dropout_active(base) or (base.training and getattr(base, "gradient_checkpointing", False)):

@@ -342,19 +342,24 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model.merge_and_unload() if is_lora(model) else model
 
 
-def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str | Path | None = None) -> nn.Module:
+def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str | Path | None = None,
+                state_dict: dict | None = None) -> nn.Module:
     """Save a model as a plain Hugging Face checkpoint (safetensors + tokenizer).
 
     A LoRA model is first saved as an adapter (to ``adapter_dir`` when given), then merged
     into its base weights (``merge_and_unload``, in place) so ``path`` loads with
-    ``transformers`` alone. Returns the saved (merged) model.
+    ``transformers`` alone. ``state_dict``: the weights to write instead of the module's own
+    (FSDP: gathered by :func:`rlhfkit.distributed.full_state_dict`). Returns the saved model.
     """
+    if state_dict is not None and is_lora(model):
+        raise NotImplementedError("saving a LoRA model from gathered (FSDP) weights is not supported: train "
+                                  "LoRA under DDP (examples/accelerate/ddp.yaml)")
     if is_lora(model) and adapter_dir is not None:
         model.save_pretrained(adapter_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(adapter_dir)
     plain = merge_lora(model)
-    plain.save_pretrained(path)
+    plain.save_pretrained(path, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return plain

@@ -18,7 +18,7 @@ import torch
 from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import Config
 from ..core import dpo_loss, logprobs_from_logits
-from ..distributed import Shard, clip_grad_norm, evaluate_sharded, prepare
+from ..distributed import Shard, clip_grad_norm, evaluate_sharded, full_state_dict, full_weights, prepare
 from ..models import load_tokenizer, policy_with_reference, position_ids_from_mask, save_policy
 from ..tasks import get_task
 from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run
@@ -65,6 +65,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=dc.lr, weight_decay=0.0)
     train_policy, opt = prepare(accelerator, policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
+    params = [p for p in policy.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
     guard = UpdateGuard(cfg.run.max_bad_updates, "dpo")
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)
@@ -107,7 +108,8 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
             opt.step()
         train_s += time.perf_counter() - t0
         if (dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1:
-            ev = evaluate_sharded(task, policy, tok, device, shard, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            with full_weights(train_policy):
+                ev = evaluate_sharded(task, policy, tok, device, shard, cfg.eval.batch_size, cfg.eval.max_new_tokens)
             row.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if dc.stop_at_format and ev["format_acc"] >= dc.stop_at_format:
                 reached = {"step": step + 1, "train_s": train_s}
@@ -121,8 +123,9 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
                                                           pos=pos, train_s=train_s))
     log.close()
     shard.wait()
+    weights = full_state_dict(policy)  # FSDP: gathered on every process; None otherwise
     if shard.is_main:  # LoRA: the adapter in policy_adapter/, merged plain weights in policy/
-        save_policy(policy, tok, Path(out) / "policy", Path(out) / "policy_adapter")
+        save_policy(policy, tok, Path(out) / "policy", Path(out) / "policy_adapter", weights)
     shard.wait()
     final = {k: v for k, v in last_row.items() if k.startswith("eval/")}
     return {"path": str(Path(out) / "policy"), "seconds": train_s, "steps": step + 1, "reached": reached,

@@ -19,7 +19,7 @@ from ..checkpoint import Checkpointer, data_state, load_data_state, loop_state, 
 from ..config import Config
 from ..core import bradley_terry_loss
 from ..data import PreferenceExample, encode_preferences, load_preferences
-from ..distributed import Shard, clip_grad_norm, prepare
+from ..distributed import Shard, clip_grad_norm, full_state_dict, full_weights, prepare
 from ..models import (
     ModuleForward,
     add_lora,
@@ -140,6 +140,7 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, open_log) -> di
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
     train_logits, opt = prepare(accelerator, ModuleForward(model, sequence_logits), opt,
                                 micro_batch=max(1, rc.batch_size // shard.world))
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
 
     def batch(items, forward):
         enc = tok([t for t, _ in items], padding=True, return_tensors="pt")
@@ -171,7 +172,8 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, open_log) -> di
             ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, data))
     with torch.no_grad():
         eval_items = task.TaskData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs)
-        logits, labels = batch(eval_items, lambda ids, mask: sequence_logits(model, ids, mask))
+        with full_weights(train_logits):
+            logits, labels = batch(eval_items, lambda ids, mask: sequence_logits(model, ids, mask))
     accuracy = (logits.argmax(-1) == labels).float().mean().item()
     log.log(rc.steps, {"eval/rm/accuracy": accuracy})
     log.close()
@@ -180,8 +182,9 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, open_log) -> di
 
 def _save(shard: Shard, model, tok, save_dir: Path) -> None:
     shard.wait()
+    weights = full_state_dict(model)  # FSDP: gathered on every process; None otherwise
     if shard.is_main:
-        save_policy(model, tok, save_dir)  # LoRA merged: a plain sequence-classification checkpoint
+        save_policy(model, tok, save_dir, state_dict=weights)  # LoRA merged: a plain classification checkpoint
     shard.wait()
 
 
@@ -250,6 +253,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     # the scalar readout as the module's forward, so DDP sees it (and syncs its gradients)
     train_scores, opt = prepare(accelerator, ModuleForward(model, sequence_scores), opt,
                                 micro_batch=max(1, rc.batch_size // shard.world))
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
     pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
     guard = UpdateGuard(cfg.run.max_bad_updates, "reward model")
     ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
@@ -280,7 +284,8 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
             ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, pairs,
                                                           seconds=time.perf_counter() - t0))
     seconds = time.perf_counter() - t0
-    ev = evaluate_batches(model, pairs.eval_batches())  # the whole held-out set on every process
+    with full_weights(train_scores):  # FSDP: the root-level weights, which the plain forward reads
+        ev = evaluate_batches(model, pairs.eval_batches())  # the whole held-out set on every process
     log.log(rc.steps, {f"eval/{k}": v for k, v in ev.items()})
     log.close()
     save_dir = Path(out) / "reward_model"

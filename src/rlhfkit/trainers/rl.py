@@ -49,7 +49,15 @@ from ..core import (
     shaped_rewards,
     value_loss,
 )
-from ..distributed import Shard, clip_grad_norm, evaluate_sharded, prepare, rollout_uniforms
+from ..distributed import (
+    Shard,
+    clip_grad_norm,
+    evaluate_sharded,
+    full_state_dict,
+    full_weights,
+    prepare,
+    rollout_uniforms,
+)
 from ..evaluate import decode_responses, tokenize_prompts
 from ..models import (
     ValueHead,
@@ -550,7 +558,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         ids, mask = tokenize_prompts(tok, [p.text for p in prompts], device)
         # draws keyed to (seed, step, global row): the same samples with any number of processes
         u = rollout_uniforms(cfg.run.seed, step, pc.batch_size, max_new_tokens, shard.rows(pc.batch_size))
-        with eval_mode(ac.policy):  # the unwrapped policy; eval keeps the KV cache under checkpointing
+        with eval_mode(ac.policy), full_weights(train_ac):  # the unwrapped policy; eval keeps the KV cache under checkpointing
             roll = generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature,
                             uniforms=u.to(device))
         fault_point("rollout", step)
@@ -579,7 +587,9 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                                      ensure_ascii=False) + "\n")
         last = step == pc.steps - 1
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
-            ev = evaluate_sharded(task, ac.policy, tok, device, shard, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+            with full_weights(train_ac):
+                ev = evaluate_sharded(task, ac.policy, tok, device, shard, cfg.eval.batch_size,
+                                      cfg.eval.max_new_tokens)
             stats.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if reached is None and pc.stop_at_exact and ev["exact_acc"] >= pc.stop_at_exact:
                 reached = {"step": step + 1, "train_s": train_s}
@@ -605,10 +615,12 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     save_dir = Path(out)
     history = log.rows()  # read back, not kept per step: memory stays flat over a long run
     shard.wait()
+    # FSDP: weights gathered on every process; None otherwise
+    weights, critic_weights = full_state_dict(ac.policy), ac.critic is not None and full_state_dict(ac.critic)
     if shard.is_main:  # LoRA: the adapter alone in policy_adapter/, merged plain weights in policy/
-        save_policy(ac.policy, tok, save_dir / "policy", save_dir / "policy_adapter")
+        save_policy(ac.policy, tok, save_dir / "policy", save_dir / "policy_adapter", weights)
         if ac.critic is not None:
-            save_policy(ac.critic, tok, save_dir / "value_model")
+            save_policy(ac.critic, tok, save_dir / "value_model", state_dict=critic_weights or None)
         elif ac.value_head is not None:
             save_file(ac.value_head.state_dict(), str(save_dir / "value_head.safetensors"))
         plot_ppo(history, save_dir)

@@ -16,7 +16,7 @@ import torch
 from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import Config
 from ..data import SFTExample, encode_sft, load_sft, pack_sft
-from ..distributed import Shard, clip_grad_norm, prepare
+from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
 from ..models import load_tokenizer, masked_lm_loss, policy_with_reference, save_policy
 from ..tasks import get_task
 from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run
@@ -51,6 +51,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=sc.lr, weight_decay=0.0)
     train_model, opt = prepare(accelerator, model, opt, micro_batch=max(1, sc.batch_size // shard.world))  # DDP
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
     guard = UpdateGuard(cfg.run.max_bad_updates, "sft")
@@ -88,8 +89,9 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     log.close()
     save_dir = Path(out) / "policy"
     shard.wait()
+    weights = full_state_dict(model)  # FSDP: gathered on every process; None otherwise
     if shard.is_main:  # LoRA: the adapter in policy_adapter/, merged plain weights in policy/
-        save_policy(model, tok, save_dir, Path(out) / "policy_adapter")
+        save_policy(model, tok, save_dir, Path(out) / "policy_adapter", weights)
     shard.wait()
     final_loss = shard.mean({"loss": loss.item()})["loss"]
     return {"path": str(save_dir), "seconds": time.perf_counter() - t0, "examples": n, "final_loss": final_loss}
