@@ -542,7 +542,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         if reward_stats is not None:
             reward_stats.count, reward_stats.mean, reward_stats.m2 = resumed["reward_stats"]
         load_data_state(data, resumed["data"])
-        cut_file(out / "samples.jsonl", resumed["samples_offset"])
+        if shard.is_main:
+            cut_file(out / "samples.jsonl", resumed["samples_offset"])
         print(f"resuming {pc.algo} from {resumed['path']} (step {start} of {pc.steps})", file=sys.stderr)
     log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resumed.get("metrics"))
     samples = open(out / "samples.jsonl" if shard.is_main else os.devnull, "a" if resumed else "w", encoding="utf-8")
@@ -558,7 +559,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         ids, mask = tokenize_prompts(tok, [p.text for p in prompts], device)
         # draws keyed to (seed, step, global row): the same samples with any number of processes
         u = rollout_uniforms(cfg.run.seed, step, pc.batch_size, max_new_tokens, shard.rows(pc.batch_size))
-        with eval_mode(ac.policy), full_weights(train_ac):  # the unwrapped policy; eval keeps the KV cache under checkpointing
+        # the unwrapped policy (FSDP: root weights gathered); eval keeps the KV cache under checkpointing
+        with eval_mode(ac.policy), full_weights(train_ac):
             roll = generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature,
                             uniforms=u.to(device))
         fault_point("rollout", step)
