@@ -195,7 +195,7 @@ class Checkpointer:
         if not self.resume:
             return None
         if self.root.is_dir() and self.enabled:  # a write killed half-way: nothing of it is used
-            for p in self.root.glob(".tmp-*"):
+            for p in [*self.root.glob(".tmp-*"), *self.root.glob(".old-*")]:
                 shutil.rmtree(p, ignore_errors=True)
         path = latest_checkpoint(self.root.parent)
         if path is None:
