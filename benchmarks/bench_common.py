@@ -32,6 +32,19 @@ def pinned_cmd(core: int, *args: str) -> list[str]:
     return [*prefix, sys.executable, *args]
 
 
+def worker_setup(args) -> dict[str, str]:
+    """A contender process's start: pinned to ``args.core`` with one thread, every timer on
+    this process's CPU seconds if ``args.clock == 'cpu'``, quiet transformers; returns the
+    cached base / reward model paths (:func:`prepare`)."""
+    import time
+
+    pin_to_core(args.core)
+    if args.clock == "cpu":  # every timer of both libraries reads this process's CPU seconds instead
+        time.perf_counter = time.process_time
+    quiet_hf()
+    return prepare(args.out)
+
+
 def quiet_hf() -> None:
     from transformers.utils import logging as hf_logging
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import DEFAULT_OUT, peak_rss_mib, pin_to_core, pinned_cmd, prepare, quiet_hf  # noqa: E402
+from bench_common import DEFAULT_OUT, peak_rss_mib, pinned_cmd, prepare, quiet_hf, worker_setup  # noqa: E402
 
 RESULT = "RESULT "
 ROWS = {
@@ -206,11 +206,7 @@ def run_trl_ppo(paths: dict, args) -> dict:
 
 
 def worker(args) -> None:
-    pin_to_core(args.core)
-    if args.clock == "cpu":  # every timer of both libraries reads this process's CPU seconds instead
-        time.perf_counter = time.process_time
-    quiet_hf()
-    paths = prepare(args.out)
+    paths = worker_setup(args)
     runs = {"trl_grpo": run_trl_grpo, "trl_ppo": run_trl_ppo}
     phases = runs[args.worker](paths, args) if args.worker in runs else run_rlhfkit(args.worker, paths, args)
     phases["total"] = phases["rollout"] + phases["experience"] + phases["update"]

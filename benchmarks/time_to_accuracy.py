@@ -78,11 +78,11 @@ from bench_common import (  # noqa: E402
     TRL_GRPO_LR,
     ClassifierReward,
     exact_reward_with_ids,
-    pin_to_core,
     pinned_cmd,
     prepare,
     quiet_hf,
     trl_grpo_config,
+    worker_setup,
 )
 
 CONTENDERS = {
@@ -195,11 +195,7 @@ def check_same_reward(paths: dict) -> float:
 
 
 def worker(args) -> None:
-    pin_to_core(args.core)
-    if args.clock == "cpu":  # every timer of both libraries reads this process's CPU seconds instead
-        time.perf_counter = time.process_time
-    quiet_hf()
-    paths = prepare(args.out)
+    paths = worker_setup(args)
     if args.worker == "trl_grpo":
         res = run_trl_grpo(paths, args)
     else:
