@@ -118,6 +118,8 @@ def test_checkpoints_are_pruned_and_a_mismatched_resume_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds modules"):
         Checkpointer(tmp_path, resume=True).restore({"other": fresh}, {})
     assert Checkpointer(tmp_path / "elsewhere", resume=True).restore({"m": fresh}, {}) is None  # nothing to resume
+    with pytest.raises(ValueError, match="only 4 steps"):  # a budget that ends at or before the checkpoint
+        Checkpointer(tmp_path, resume=True).restore({"m": fresh}, {"opt": fresh_opt}, steps=4)
 
 
 def _kill_after_checkpoint(args: list[str], out: Path, steps_done: int) -> int:

@@ -190,8 +190,9 @@ class Checkpointer:
             shutil.rmtree(p, ignore_errors=True)
 
     def restore(self, modules: dict[str, nn.Module], optimizers: dict[str, Any],
-                schedulers: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """Load the newest checkpoint into these objects (when ``resume``); its step and state."""
+                schedulers: dict[str, Any] | None = None, steps: int | None = None) -> dict[str, Any] | None:
+        """Load the newest checkpoint into these objects (when ``resume``); its step and state.
+        ``steps``: the run's step budget, which must lie beyond the checkpoint."""
         if not self.resume:
             return None
         if self.root.is_dir() and self.enabled:  # a write killed half-way: nothing of it is used
@@ -201,6 +202,9 @@ class Checkpointer:
         if path is None:
             return None
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        if steps is not None and meta["step"] >= steps:
+            raise ValueError(f"checkpoint {path} is after step {meta['step']}, but this run has only {steps} steps: "
+                             "raise the step count to continue it, or start a fresh run.out_dir")
         if sorted(modules) != meta["modules"]:
             raise ValueError(f"checkpoint {path} holds modules {meta['modules']}, this run trains {sorted(modules)}: "
                              "resume with the command and config the run was started with")

@@ -72,7 +72,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     train_s, pos, reached = 0.0, 0, None
     ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
     trained, opts = {"policy": policy}, {"optimizer": opt}
-    resumed = ckpt.restore(trained, opts) or {}
+    resumed = ckpt.restore(trained, opts, steps=dc.steps) or {}
     if resumed:  # the epoch's order and the position in it, too
         restore_loop_state(resumed, guard, generator=gen)
         order, pos, train_s = torch.tensor(resumed["order"]), resumed["pos"], resumed["train_s"]

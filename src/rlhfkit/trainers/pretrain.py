@@ -49,7 +49,7 @@ def pretrain(cfg: Config) -> dict:
     guard = UpdateGuard(cfg.run.max_bad_updates, "pretrain")
     ckpt = Checkpointer.from_config(cfg, out, enabled=is_main_process())
     trained, opts, scheds = {"model": model}, {"optimizer": opt}, {"scheduler": sched}
-    resumed = ckpt.restore(trained, opts, scheds) or {}
+    resumed = ckpt.restore(trained, opts, scheds, steps=pc.steps) or {}
     if resumed:
         restore_loop_state(resumed, guard, data)
     start = resumed.get("step", 0)

@@ -150,7 +150,7 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, open_log) -> di
     guard = UpdateGuard(cfg.run.max_bad_updates, "reward classifier")
     ckpt = Checkpointer.from_config(cfg, cfg.run.out_dir, enabled=shard.is_main)
     trained, opts = {"model": model}, {"optimizer": opt}
-    resumed = ckpt.restore(trained, opts) or {}
+    resumed = ckpt.restore(trained, opts, steps=rc.steps) or {}
     if resumed:
         restore_loop_state(resumed, guard, data)
     start = resumed.get("step", 0)
@@ -258,7 +258,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     guard = UpdateGuard(cfg.run.max_bad_updates, "reward model")
     ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
     trained, opts = {"model": model}, {"optimizer": opt}
-    resumed = ckpt.restore(trained, opts) or {}
+    resumed = ckpt.restore(trained, opts, steps=rc.steps) or {}
     if resumed:
         restore_loop_state(resumed, guard, pairs)
     start = resumed.get("step", 0)

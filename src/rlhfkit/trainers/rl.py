@@ -534,7 +534,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     # come back from the newest checkpoint, so the steps after it repeat those of an unbroken run
     ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
     trained, optimizers = {"actor_critic": ac}, {"optimizer": optimizer}
-    resumed = ckpt.restore(trained, optimizers) or {}
+    resumed = ckpt.restore(trained, optimizers, steps=pc.steps) or {}
     start = resumed.get("step", 0)
     if resumed:
         kl_coef, train_s = resumed["kl_coef"], resumed["train_s"]

@@ -57,7 +57,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     guard = UpdateGuard(cfg.run.max_bad_updates, "sft")
     ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
     trained, opts, scheds = {"model": model}, {"optimizer": opt}, {"scheduler": sched}
-    resumed = ckpt.restore(trained, opts, scheds) or {}
+    resumed = ckpt.restore(trained, opts, scheds, steps=sc.steps) or {}
     if resumed:
         restore_loop_state(resumed, guard, generator=gen)
     start = resumed.get("step", 0)
