@@ -20,6 +20,7 @@ With one process every method is the identity, so the single-process code path i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -184,25 +185,19 @@ def full_state_dict(module) -> dict | None:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in sd.items()}
 
 
+@contextlib.contextmanager
 def full_weights(model):
-    """Context manager: under FSDP2, the model's root-level weights (embeddings, final norm, heads)
-    gathered for calls that bypass its own forward (generation with the unwrapped policy);
-    a no-op for any other model."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        unshard = getattr(model, "unshard", None)
-        if unshard is None:
-            yield
-            return
-        unshard()
-        try:
-            yield
-        finally:
-            model.reshard()
-
-    return ctx()
+    """Under FSDP2, the model's root-level weights (embeddings, final norm, heads) gathered for
+    calls that bypass its own forward (generation with the unwrapped policy); a no-op for any
+    other model."""
+    if not hasattr(model, "unshard"):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 def prepare(accelerator, *objects, micro_batch: int):

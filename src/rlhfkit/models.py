@@ -431,10 +431,12 @@ def scalar_head(model: PreTrainedModel) -> nn.Module:
     )
 
 
-def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None,
+            use_lean: bool | None = None) -> torch.Tensor:
+    """Last hidden states ``[B, T, H]``; ``use_lean``: the caller's :func:`lean.supported` answer, if it has one."""
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
-    if lean.supported(model):  # GPT-2 / Llama / Qwen2: the same forward with less overhead
+    if lean.supported(model) if use_lean is None else use_lean:  # GPT-2 / Llama / Qwen2: less overhead
         return lean.hidden_states(model, input_ids, attention_mask, position_ids)
     out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     return out.last_hidden_state  # [B, T, H]
@@ -447,11 +449,12 @@ def response_hidden(model: PreTrainedModel, input_ids, attention_mask, prompt_le
     each distinct prompt is computed once (:func:`rlhfkit.lean.response_hidden_states`).
     """
     positions = position_ids_from_mask(attention_mask)
-    if lean.supported(model):
+    use_lean = lean.supported(model)
+    if use_lean:
         shared = lean.shared_prompts(input_ids, attention_mask, prompt_len)
         if shared is not None:
             return lean.response_hidden_states(model, input_ids, attention_mask, positions, prompt_len, *shared)
-    return _hidden(model, input_ids, attention_mask, positions)[:, prompt_len - 1 : -1]
+    return _hidden(model, input_ids, attention_mask, positions, use_lean)[:, prompt_len - 1 : -1]
 
 
 def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import cut_file
 from .core import kl_estimate, last_token_index
 
 # row name -> what it shows (the report prints these as the table's row labels and legend)
@@ -132,8 +133,6 @@ class TrajectoryWriter:
         self._fh = None
         if every > 0 and per_step > 0:
             if resume_offset is not None:  # continuing from a checkpoint: keep what was written up to it
-                from .checkpoint import cut_file
-
                 cut_file(self.path, resume_offset)
             self._fh = self.path.open("w" if resume_offset is None else "a", encoding="utf-8")
 

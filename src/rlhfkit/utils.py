@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .checkpoint import cut_file
 from .config import Config, ConfigError, save_config
 
 
@@ -101,8 +102,6 @@ class MetricsLogger:
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume:  # continuing a run from a checkpoint (position()): drop the rows logged after it
-                from .checkpoint import cut_file
-
                 cut_file(self.path, resume["offset"])
                 self._start = resume["start"]
             else:

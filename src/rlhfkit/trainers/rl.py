@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import Checkpointer, cut_file, data_state, fault_point, file_size, load_data_state
+from ..checkpoint import Checkpointer, cut_file, fault_point, file_size, loop_state, restore_loop_state
 from ..config import Config, PPOConfig
 from ..core import (
     adaptive_kl_coef,
@@ -537,11 +537,10 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     resumed = ckpt.restore(trained, optimizers, steps=pc.steps) or {}
     start = resumed.get("step", 0)
     if resumed:
+        restore_loop_state(resumed, guard, data)
         kl_coef, train_s = resumed["kl_coef"], resumed["train_s"]
-        guard.skipped, guard.in_a_row = resumed["guard"]
         if reward_stats is not None:
             reward_stats.count, reward_stats.mean, reward_stats.m2 = resumed["reward_stats"]
-        load_data_state(data, resumed["data"])
         if shard.is_main:
             cut_file(out / "samples.jsonl", resumed["samples_offset"])
         print(f"resuming {pc.algo} from {resumed['path']} (step {start} of {pc.steps})", file=sys.stderr)
@@ -604,13 +603,10 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         fault_point("step_end", step)
         if ckpt.due(step + 1, last):
             samples.flush()
-            ckpt.save(step + 1, trained, optimizers, {
-                "kl_coef": kl_coef, "train_s": train_s, "guard": [guard.skipped, guard.in_a_row],
-                "reward_stats": None if reward_stats is None else [reward_stats.count, reward_stats.mean,
-                                                                    reward_stats.m2],
-                "data": data_state(data), "metrics": log.position(step + 1),
-                "samples_offset": file_size(out / "samples.jsonl"), "trajectories_offset": trajectories.position(),
-            })
+            moments = None if reward_stats is None else [reward_stats.count, reward_stats.mean, reward_stats.m2]
+            ckpt.save(step + 1, trained, optimizers, loop_state(
+                step + 1, log, guard, data, kl_coef=kl_coef, train_s=train_s, reward_stats=moments,
+                samples_offset=file_size(out / "samples.jsonl"), trajectories_offset=trajectories.position()))
     samples.close()
     trajectories.close()
     log.close()
