@@ -202,3 +202,28 @@ def test_metrics_logger_reads_back_only_its_own_rows(tmp_path):
     assert [(r["step"], r["a"]) for r in second.rows()] == [(0, 2.0), (1, 3.0)]  # readable while open
     second.close()
     assert second.rows()[0]["b"] is None and len(read_jsonl(tmp_path / "metrics.jsonl")) == 3
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3, float("nan")])
+def test_clip_grad_norm_matches_torch(scale):
+    """rlhfkit's single-process clipping is torch's: the same norm, the same clipped gradients, and a
+    NaN gradient comes back as a NaN norm (for the guard) rather than an error."""
+    from rlhfkit.distributed import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 4, 3), (1,)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)  # skipped, as torch skips no-grad params
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape, generator=gen) * scale
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm(None, [*ours, frozen], max_norm=1.0)
+    ref = torch.nn.utils.clip_grad_norm_(theirs, max_norm=1.0)
+    if math.isnan(scale):
+        assert math.isnan(float(norm))
+        return
+    torch.testing.assert_close(norm, ref, rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+    assert (float(ref) > 1.0) == (scale > 1e-2)  # the cases clip and do not clip

@@ -9,15 +9,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from rlhfkit.config import Config
-from rlhfkit.core import logprobs_from_logits
+from rlhfkit.core import entropy_from_logits, logprobs_from_logits
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze, policy_forward
 from rlhfkit.rollout import generate
 from rlhfkit.tasks import doubling
-from rlhfkit.trainers.rl import ActorCritic, RunningMoments, make_experience, ppo_update, reward_model_scorer
+from rlhfkit.trainers.rl import (
+    ActorCritic,
+    RunningMoments,
+    make_experience,
+    ppo_update,
+    reuse_rollout,
+    reward_model_scorer,
+)
 
 TOK = doubling.make_tokenizer()
 ARCH = {"n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -92,30 +101,65 @@ def _setup(value_model: str):
     return ac, ref, rm
 
 
+@pytest.mark.parametrize("reuse", [False, True], ids=["recomputed", "reused"])
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
-def test_first_minibatch_has_ratio_one_and_kl_zero(value_model):
+def test_first_minibatch_has_ratio_one_and_kl_zero(value_model, reuse):
     ac, ref, rm = _setup(value_model)
-    pc = Config().ppo
+    pc = dataclasses.replace(Config().ppo, reuse_rollout_logprobs=reuse)
     ids, mask = prompts(pc.batch_size // 2, seed=3)
     torch.manual_seed(3)
-    roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id)
+    roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, value_head=ac.value_head)
+    assert reuse_rollout(roll, ac, pc) == reuse
     exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
-    # actor == reference: every per-token KL is 0, so the reward is only the score, on the last token
-    assert stats["objective/kl"] == 0.0
+    # actor == reference: every per-token KL is 0, so the reward is only the score, on the last token;
+    # exactly when the experience pass runs the policy's forward again, up to rounding when it
+    # takes the sampler's (KV-cached) log-probs
+    tol = 1e-6 if reuse else 0.0
+    assert abs(stats["objective/kl"]) <= tol
     last = exp.response_mask.sum(-1) - 1
     expected = torch.zeros_like(exp.rewards)
     expected[torch.arange(len(last)), last] = exp.score.clamp(-pc.score_clip, pc.score_clip)
-    torch.testing.assert_close(exp.rewards, expected)
+    torch.testing.assert_close(exp.rewards, expected, atol=tol or None, rtol=tol or None)
 
     opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-2},
                              {"params": ac.critic_parameters(), "lr": 1e-2}])
-    mb_stats = ppo_update(ac, opt, exp, pc, pc.kl_coef)
+    mb_stats = ppo_update(ac, opt, exp, pc, pc.kl_coef, logprob_gap=reuse)
     first = mb_stats[0]
     assert abs(first["policy/ratio_mean"].item() - 1.0) < 1e-6
+    if reuse:  # measured on the first minibatch, before the optimizer moved anything
+        assert 0.0 < first["policy/logprob_gap"].item() < 1e-5
+        assert all("policy/logprob_gap" not in s for s in mb_stats[1:])
     assert first["policy/approx_kl"].item() < 1e-10
     assert first["policy/clipfrac"].item() == 0.0
     # and the update did move the policy: later minibatches see ratios != 1
     assert max(s["policy/approx_kl"].item() for s in mb_stats[1:]) > 1e-6
+
+
+@pytest.mark.parametrize("value_model", ["separate", "shared"])
+def test_reused_rollout_experience_matches_recomputation(value_model):
+    """With ppo.reuse_rollout_logprobs the experience pass takes the old log-probs, entropies
+    and (shared head) values from the sampler: the same numbers as running the policy again,
+    to rounding, so every advantage and return is too."""
+    ac, ref, rm = _setup(value_model)
+    with torch.no_grad():  # a value head that is not zero, so the values are compared for real
+        for p in ac.critic_parameters():
+            p.normal_(0.0, 0.5)
+    pc = Config().ppo
+    ids, mask = prompts(24, seed=8)
+    roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, temperature=0.8,
+                    generator=torch.Generator().manual_seed(2), value_head=ac.value_head)
+    pc = dataclasses.replace(pc, temperature=0.8)
+    assert reuse_rollout(roll, ac, pc)
+    reused, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    recomputed, stats = make_experience(ac, ref, reward_model_scorer(rm), roll,
+                                        dataclasses.replace(pc, reuse_rollout_logprobs=False), kl_coef=pc.kl_coef)
+    valid = roll.response_mask.bool()
+    assert stats["policy/logprob_gap"] < 1e-5
+    for name in ("old_logprobs", "old_values", "advantages", "returns", "rewards"):
+        a, b = getattr(reused, name), getattr(recomputed, name)
+        torch.testing.assert_close(a[valid], b[valid], atol=1e-5, rtol=1e-5, msg=name)
+    entropy = entropy_from_logits(ac(roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1], 0.8)[0])
+    torch.testing.assert_close(roll.entropy[valid], entropy[valid], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])

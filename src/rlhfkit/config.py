@@ -222,6 +222,12 @@ class PPOConfig:
     """Longest response sampled (None: the task's longest answer)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are taken under the same temperature)."""
+    reuse_rollout_logprobs: bool = True
+    """Use the sampler's log-probs (and a shared value head's values and the entropies) as the
+    experience pass's instead of running the policy again -- only when the sampler computed them
+    alike (rlhfkit's lean forward in float32: equal up to rounding, ~1e-6). Otherwise, and when
+    False, the policy is run again; ``policy/logprob_gap`` reports the largest difference either
+    way (with reuse, on the first minibatch of the update, before any optimizer step)."""
     kl_coef: float = 0.2
     """beta: weight of the KL(actor || reference) penalty."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"

@@ -160,14 +160,28 @@ def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: 
     return {**{k: float(v) for k, v in zip(keys, totals.tolist())}, "examples": ev["examples"]}
 
 
+def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm, same coefficient ``max_norm / (norm + 1e-6)``
+    capped at 1, NaN/inf passed through for the caller's guard) in four calls: torch's checks
+    and grouping cost a small model's minibatch ~0.3 ms, twice the arithmetic."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if any(g.device != grads[0].device or g.dtype != grads[0].dtype for g in grads):  # torch groups them
+        return torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp_(max=1.0))
+    return total.detach()
+
+
 def clip_grad_norm(accelerator, parameters, max_norm: float) -> torch.Tensor:
     """Clip the gradient norm through the engine (plain torch for one process and DDP, the
     engine's own under FSDP). Returns the total norm before clipping as a detached scalar;
     NaN where the engine clips internally and reports none (DeepSpeed: set
     ``gradient_clipping`` in its config)."""
     params = [p for p in parameters if p.requires_grad]
-    if accelerator is None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+    if accelerator is None or (accelerator.distributed_type == "NO" and accelerator.scaler is None):
+        return _clip_grad_norm(params, max_norm)
     norm = accelerator.clip_grad_norm_(params, max_norm)
     if norm is None:
         return torch.tensor(float("nan"))

@@ -22,6 +22,7 @@ quantised layers, active dropout, gradient checkpointing, sliding windows ...).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,36 +37,57 @@ def _base(model: nn.Module) -> nn.Module:
     return getattr(model, "base_model", model)
 
 
+# a model's dropout modules, found once: supported() runs before every forward, and walking the
+# module tree each time cost a small model's training step ~2%
+_DROPOUTS: weakref.WeakKeyDictionary[nn.Module, list[nn.Dropout]] = weakref.WeakKeyDictionary()
+
+
 def _dropout_active(model: nn.Module) -> bool:
-    return model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    if not model.training:
+        return False
+    found = _DROPOUTS.get(model)
+    if found is None:
+        found = _DROPOUTS[model] = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    return any(m.p > 0 for m in found)  # p read now: disable_dropout() after the first call counts
+
+
+def _plain(*modules: nn.Module) -> bool:
+    """No parameter of ``modules`` (their own, not their children's) is sharded (FSDP2's DTensor)."""
+    return all(type(p).__name__ != "DTensor" for m in modules for p in m._parameters.values())
 
 
 def supported(model: nn.Module) -> bool:
     """True when :func:`hidden_states` / :func:`prefill` reproduce this model's forward: a GPT-2
     or Llama/Qwen2 stack of plain layers (no adapters, quantised or otherwise replaced linear
-    layers), no active dropout, no gradient checkpointing, no sliding window."""
+    layers, no sharded parameters), no active dropout, no gradient checkpointing, no sliding
+    window. Cheap enough to ask before every forward: the layers' types and parameters are
+    looked at directly, and the dropout modules are found once per model."""
     if callable(getattr(model, "get_base_model", None)):  # a peft wrapper: LoRA layers in the stack
-        return False
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):  # sharded (FSDP2): not plain tensors
         return False
     base = _base(model)
     cfg = getattr(base, "config", None)
     if cfg is None or _dropout_active(base) or (base.training and getattr(base, "gradient_checkpointing", False)):
+        return False
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is not None and not _plain(head):
         return False
     kind = getattr(cfg, "model_type", None)
     if kind == "gpt2":
         if (not hasattr(base, "h") or cfg.add_cross_attention or cfg.scale_attn_by_inverse_layer_idx
                 or cfg.reorder_and_upcast_attn or not cfg.scale_attn_weights):
             return False
-        return all(type(m).__name__ == "Conv1D" for b in base.h
-                   for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
+        layers = [(b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj) for b in base.h]
+        return _plain(base.wte, base.wpe, base.ln_f, *(b.ln_1 for b in base.h), *(b.ln_2 for b in base.h)) and all(
+            type(m).__name__ == "Conv1D" and _plain(m) for ms in layers for m in ms)
     if kind in _LLAMA_LIKE:
         if (not hasattr(base, "rotary_emb") or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
                 or getattr(cfg, "pretraining_tp", 1) != 1 or not len(base.layers)):
             return False
-        return all(not hasattr(b.self_attn, "q_norm") and all(
-            type(m) is nn.Linear for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
-                                           b.self_attn.o_proj, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj))
+        return _plain(base.embed_tokens, base.norm) and all(
+            not hasattr(b.self_attn, "q_norm") and _plain(b.input_layernorm, b.post_attention_layernorm) and all(
+                type(m) is nn.Linear and _plain(m)
+                for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
+                          b.self_attn.o_proj, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj))
             for b in base.layers)
     return False
 

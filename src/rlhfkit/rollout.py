@@ -7,11 +7,13 @@ causal LM through its own forward with a ``DynamicCache``. Sampling happens on t
 rows that emitted EOS keep being fed (a batch moves in lockstep) but their later tokens are
 padding and masked; the loop ends as soon as every row has finished. It also returns the log-prob of every sampled token under the
 sampling distribution, which PPO compares against its own recomputation
-(``policy/logprob_gap``).
+(``policy/logprob_gap``) -- or, when the sampler ran the training forward's own arithmetic
+(``Rollout.forward_logprobs``), uses in place of a second forward pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,13 @@ class Rollout:
         response_mask:   ``[B, R]`` 1 up to and including the first EOS, 0 after.
         logprobs:        ``[B, R]`` log pi(a_t|s_t) of each token at sampling time (0 where masked).
         finished:        ``[B]`` bool, True where an EOS was emitted.
+        entropy:         ``[B, R]`` entropy of each sampling distribution (0 where masked).
+        values:          ``[B, R]`` ``value_head`` of the state before each token, when asked for
+                         and the lean path ran (else None).
+        forward_logprobs: True when ``logprobs`` (and ``values``) came from the same arithmetic
+                         as the training forward -- :mod:`rlhfkit.lean` in float32 -- so they
+                         equal a recomputation up to rounding (~1e-6) and PPO may use them as
+                         the old log-probs instead of running the policy again.
     """
 
     prompt_ids: torch.Tensor
@@ -41,6 +50,9 @@ class Rollout:
     response_mask: torch.Tensor
     logprobs: torch.Tensor
     finished: torch.Tensor
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    forward_logprobs: bool = False
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -68,6 +80,12 @@ def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None,
     return torch.searchsorted(cdf, point).squeeze(-1).clamp_(max=logp.shape[-1] - 1)  # [B]
 
 
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """``-sum p log p`` over the last dim of log-probabilities; a token ruled out (log p = -inf)
+    adds 0, not 0 * -inf."""
+    return -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -81,6 +99,7 @@ def generate(
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
     lean: bool = True,
+    value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Rollout:
     """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt.
 
@@ -97,6 +116,8 @@ def generate(
             batch split across processes samples exactly what one process would.
         lean: use :mod:`rlhfkit.lean` (pre-allocated KV cache, functional forward) when the
             architecture is supported; False always runs the model's own forward.
+        value_head: optional ``[B, H] -> [B]`` map (a shared value head) applied to the last
+            hidden state before each sampled token, giving ``Rollout.values`` on the lean path.
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
@@ -116,30 +137,42 @@ def generate(
         out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True)
         logits = out.logits[:, -1]
+    # the sampler's log-probs stand in for a training forward only when they are computed alike
+    forward_logprobs = use_lean and logits.dtype == torch.float32
     next_pos = positions[:, -1] + 1  # [B]
     # checking "all rows finished" reads a flag back from the device; on GPUs do it every few steps
     check_every = 1 if device.type == "cpu" else 8
 
-    # per step only what sampling needs; masks, padding and trimming once at the end
-    sampled, logps = [], []
+    if uniforms is None and not greedy:  # one draw per row and step, all at once
+        uniforms = torch.rand((B, max_new_tokens), generator=generator, device=device)
+    values = [] if value_head is not None and use_lean else None
+    # per step only what sampling needs; masks, padding and trimming once at the end. While the
+    # per-step distributions are small (a small vocabulary) they are kept and reduced to log-probs
+    # and entropies in one go; with a large one each is reduced as it comes.
+    keep = B * logits.shape[-1] * max_new_tokens <= 2**24
+    sampled, logps, entropies = [], [], []
     alive = torch.ones(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
+        if values is not None:
+            values.append(value_head(hidden))  # [B]: the state that samples token t
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
         logp_all = torch.log_softmax(logits, -1)  # [B, V]
-        if greedy:
-            tok = logits.argmax(-1)  # [B]
-        else:
-            tok = sample_tokens(logp_all, generator, None if uniforms is None else uniforms[:, t])  # [B]
+        tok = logits.argmax(-1) if greedy else sample_tokens(logp_all, u=uniforms[:, t])  # [B]
         sampled.append(tok)
-        logps.append(logp_all.gather(-1, tok[:, None]))
+        if keep:
+            logps.append(logp_all)
+        else:
+            logps.append(logp_all.gather(-1, tok[:, None]))
+            entropies.append(_entropy(logp_all))
         alive = alive & (tok != eos_token_id)
         if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and not bool(alive.any())):
             break
         # rows that already ended are fed their own samples: their outputs are masked out
         if use_lean:
-            logits = head(lean_lm.decode_step(cache, tok, next_pos))
+            hidden = lean_lm.decode_step(cache, tok, next_pos)
+            logits = head(hidden)
         else:
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], 1)
             out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
@@ -153,11 +186,19 @@ def generate(
     if check_every > 1:  # rows may have finished before the last check: trim the all-padding tail
         steps = max(1, int((~after_eos).any(0).sum()))
         raw, after_eos = raw[:, :steps], after_eos[:, :steps]
+    if keep:
+        logp = torch.stack(logps[:steps], 1)  # [B, R, V]
+        logprobs, entropy = logp.gather(-1, raw[..., None]).squeeze(-1), _entropy(logp)  # [B, R]
+    else:
+        logprobs, entropy = torch.cat(logps[:steps], 1), torch.stack(entropies[:steps], 1)  # [B, R]
     return Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask.long(),
         response_ids=raw.masked_fill(after_eos, pad_token_id),
         response_mask=(~after_eos).long(),
-        logprobs=torch.cat(logps, 1)[:, :steps].masked_fill(after_eos, 0.0),
+        logprobs=logprobs.masked_fill(after_eos, 0.0),
         finished=~alive,
+        entropy=entropy.masked_fill(after_eos, 0.0),
+        values=None if values is None else torch.stack(values[:steps], 1).float(),
+        forward_logprobs=forward_logprobs,
     )

@@ -205,9 +205,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def mean_stats(rows: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Average a list of stats dicts key by key."""
-    keys = rows[0].keys() if rows else []
-    return {k: sum(to_float(r[k]) for r in rows) / len(rows) for k in keys}
+    """Average a list of stats dicts key by key (a key over the dicts that have it)."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: sum(vals) / len(vals) for k in keys if (vals := [to_float(r[k]) for r in rows if k in r])}
 
 
 class TrainingError(RuntimeError):

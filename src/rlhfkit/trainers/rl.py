@@ -156,8 +156,12 @@ class ActorCritic(torch.nn.Module):
         logits, values = policy_forward(self.policy, input_ids, attention_mask, prompt_len, self.value_head,
                                         detach_value)
         if self.critic is not None:
-            values = token_values(self.critic, input_ids, attention_mask)[:, prompt_len - 1 : -1]  # [B, R]
+            values = self.critic_values(input_ids, attention_mask, prompt_len)  # [B, R]
         return logits / temperature, values
+
+    def critic_values(self, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
+        """A separate value model's ``values [B, R]`` (response-aligned)."""
+        return token_values(self.critic, input_ids, attention_mask)[:, prompt_len - 1 : -1]
 
     def critic_parameters(self):
         return list((self.value_head or self.critic).parameters()) if self.has_critic else []
@@ -274,6 +278,14 @@ def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
 EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chunk
 
 
+def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
+    """Whether :func:`make_experience` takes the old log-probs, entropies and (shared head)
+    values from the rollout instead of a policy forward: allowed by ``ppo.reuse_rollout_logprobs``,
+    computed alike (``Rollout.forward_logprobs``) and complete (a shared head's values present)."""
+    return (pc.reuse_rollout_logprobs and roll.forward_logprobs and roll.entropy is not None
+            and (ac.value_head is None or roll.values is not None))
+
+
 @torch.no_grad()
 def make_experience(
     ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
@@ -297,14 +309,25 @@ def make_experience(
     B, R = roll.response_ids.shape
     vocab = unwrap(ac.policy).get_output_embeddings().out_features
     chunk = max(1, min(B, EXPERIENCE_LOGITS // max(1, R * vocab)))
+    # the sampler's log-probs (and shared-head values) when it computed them as the training
+    # forward does: one policy forward less per step (ppo.reuse_rollout_logprobs)
+    reuse = reuse_rollout(roll, ac, pc)
     parts = []
     for rows in torch.arange(B, device=ids.device).split(chunk):
-        logits, values = ac(ids[rows], mask[rows], P, pc.temperature)
         resp = roll.response_ids[rows]
+        if reuse:
+            logprobs, values, entropy = roll.logprobs[rows], None, roll.entropy[rows]
+            if ac.value_head is not None:
+                values = roll.values[rows]
+            elif ac.critic is not None:
+                values = ac.critic_values(ids[rows], mask[rows], P)
+        else:
+            logits, values = ac(ids[rows], mask[rows], P, pc.temperature)
+            logprobs, entropy = logprobs_from_logits(logits, resp), entropy_from_logits(logits)
+            del logits
         ref_logits, _ = policy_forward(ref, ids[rows], mask[rows], P)
-        parts.append((logprobs_from_logits(logits, resp), values, entropy_from_logits(logits),
-                      logprobs_from_logits(ref_logits / pc.temperature, resp)))
-        del logits, ref_logits
+        parts.append((logprobs, values, entropy, logprobs_from_logits(ref_logits / pc.temperature, resp)))
+        del ref_logits
     old_logprobs, ref_logprobs = torch.cat([p[0] for p in parts]), torch.cat([p[3] for p in parts])  # [B, R]
     entropy = torch.cat([p[2] for p in parts])  # [B, R]
     old_values = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
@@ -339,9 +362,9 @@ def make_experience(
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         "response/length": rmask.sum(-1).float().mean(),
         "response/eos_rate": roll.finished.float().mean(),
-        # generation-time vs training-forward log-probs: a silent off-policy mismatch shows here
-        "policy/logprob_gap": torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max(),
     }
+    if not reuse:  # generation-time vs training-forward log-probs: a silent off-policy mismatch shows here
+        stats["policy/logprob_gap"] = torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max()
     exp = Experience(ids, mask, P, roll.response_ids, rmask, old_logprobs, ref_logprobs, old_values, score,
                      rewards, advantages, returns, raw_advantages)
     return exp, {k: to_float(v) for k, v in stats.items()}
@@ -350,7 +373,7 @@ def make_experience(
 def ppo_update(
     ac: ActorCritic, optimizer, exp: Experience, pc: PPOConfig, kl_coef: float, update_policy: bool = True,
     generator: torch.Generator | None = None, accelerator=None, guard: UpdateGuard | None = None,
-    shard: Shard | None = None, train_model=None,
+    shard: Shard | None = None, train_model=None, logprob_gap: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """``ppo_epochs`` passes over shuffled minibatches; returns per-minibatch stats in order.
 
@@ -361,6 +384,9 @@ def ppo_update(
     accelerate (DDP), ``pc.minibatch_size`` the per-process share, and ``shard`` rescales the
     token-mean loss so the synchronised gradient, and the reduced stats, are those of the global
     minibatch (the synchronised gradient norms make every process's guard decide alike).
+    ``logprob_gap``: the first minibatch's stats add ``policy/logprob_gap``, the largest
+    |log-prob - old log-prob| over its tokens before any update (the old ones came from the
+    sampler: :func:`reuse_rollout`).
     """
     guard = guard or UpdateGuard(where=pc.algo)
     shard = shard or Shard()
@@ -401,7 +427,11 @@ def ppo_update(
                 accelerator.backward(loss * weight)
             else:
                 (loss * weight).backward()
-            stats = shard.mean(stats, weight)  # every term is a token mean over rmask
+            if logprob_gap and not all_stats:  # no optimizer step yet: the policy that sampled
+                stats["policy/logprob_gap"] = torch.where(rmask.bool(), (logprobs.detach() - exp.old_logprobs[mb]).abs(),
+                                                          0.0).max()
+            # every term is a token mean over rmask but the gap
+            stats = shard.mean(stats, weight, maxed=("policy/logprob_gap",))
             stats["policy/grad_norm"] = clip_grad_norm(accelerator, ac.policy.parameters(), pc.max_grad_norm)
             if ac.has_critic:
                 stats["value/grad_norm"] = clip_grad_norm(accelerator, ac.critic_parameters(), pc.max_grad_norm)
@@ -561,7 +591,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         # the unwrapped policy (FSDP: root weights gathered); eval keeps the KV cache under checkpointing
         with eval_mode(ac.policy), full_weights(train_ac):
             roll = generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature,
-                            uniforms=u.to(device))
+                            uniforms=u.to(device), value_head=ac.value_head if pc.reuse_rollout_logprobs else None)
         fault_point("rollout", step)
         t1 = time.perf_counter()
         exp, stats = make_experience(ac, ref, scorer, roll, pc, kl_coef, reward_stats, shard)
@@ -569,7 +599,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         t2 = time.perf_counter()
         warm = ac.has_critic and step < pc.critic_warmup_steps
         mb_stats = ppo_update(ac, optimizer, exp, local_pc, kl_coef, update_policy=not warm, accelerator=accelerator,
-                              guard=guard, shard=shard, train_model=train_ac)
+                              guard=guard, shard=shard, train_model=train_ac,
+                              logprob_gap="policy/logprob_gap" not in stats)
         t3 = time.perf_counter()
         train_s += t3 - t0
         stats.update(mean_stats(mb_stats))
