@@ -107,7 +107,7 @@ class _GeluTanhCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        s = (x * x).mul_(_C3).add_(_C1).mul_(x).sigmoid_()  # sigmoid(c1 x + c3 x^3)
+        s = _gelu_gate(x)
         ctx.save_for_backward(x, s)
         return x * s
 
@@ -115,8 +115,20 @@ class _GeluTanhCPU(torch.autograd.Function):
     def backward(ctx, grad):
         x, s = ctx.saved_tensors
         # d/dx [x s(z)] = s + s (1 - s) x dz/dx,  x dz/dx = c1 x + 3 c3 x^3
-        xdz = (x * x).mul_(3 * _C3).add_(_C1).mul_(x)
-        return torch.rsub(s, 1.0).mul_(s).mul_(xdz).add_(s).mul_(grad)
+        xdz = torch.addcmul(_c1(x), x, x, value=3 * _C3).mul_(x)
+        return torch.addcmul(s, s, s, value=-1.0).mul_(xdz).add_(s).mul_(grad)  # (s - s^2) xdz + s
+
+
+_C1_TENSORS = {dtype: torch.tensor(_C1, dtype=dtype) for dtype in (torch.float32, torch.float64)}
+
+
+def _c1(x: torch.Tensor) -> torch.Tensor:
+    return _C1_TENSORS[x.dtype]  # a 0-dim CPU tensor (made once): addcmul's broadcast addend
+
+
+def _gelu_gate(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(c1 x + c3 x^3)`` in three kernels (addcmul gives c1 + c3 x^2 in one)."""
+    return torch.addcmul(_c1(x), x, x, value=_C3).mul_(x).sigmoid_()
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -124,8 +136,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if torch.is_grad_enabled() and x.requires_grad:
         return _GeluTanhCPU.apply(x)
-    y = x * x  # in place from here: no graph to keep
-    return y.mul_(_C3).add_(_C1).mul_(x).sigmoid_().mul_(x)
+    return _gelu_gate(x).mul_(x)  # no graph to keep: in place
 
 
 def _gpt2_act(mlp: nn.Module):
@@ -352,15 +363,23 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
 
 @dataclass
 class KVCache:
-    """Pre-allocated keys and values (one ``[B, Hkv, T_max, D]`` tensor per layer), the additive
+    """Pre-allocated keys and values (one ``[B, 2, Hkv, T_max, D]`` tensor per layer, keys at
+    ``[:, 0]`` and values at ``[:, 1]``, so that a step writes both with one copy), the additive
     key mask ``[B, T_max]`` (0 attend, -inf padding; cheaper than a boolean one in CPU
     attention), the number of filled columns and the gathered parameters."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    kv: list[torch.Tensor]
     key_bias: torch.Tensor
     length: int
     arch: _Arch
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [t[:, 0] for t in self.kv]  # [B, Hkv, T_max, D] views
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [t[:, 1] for t in self.kv]
 
 
 @torch.no_grad()
@@ -385,8 +404,8 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     x = arch.embed(input_ids, position_ids)
     rope = arch.rope(x, position_ids)
     L, T_max = len(arch.layers), P + max_new_tokens
-    keys = [x.new_empty((B, arch.kv_heads, T_max, arch.head_dim)) for _ in range(L)]
-    values = [torch.empty_like(k) for k in keys]
+    kv = [x.new_empty((B, 2, arch.kv_heads, T_max, arch.head_dim)) for _ in range(L)]
+    keys, values = [t[:, 0] for t in kv], [t[:, 1] for t in kv]
     key_bias = x.new_zeros((B, T_max))
     key_bias[:, :P].masked_fill_(attention_mask == 0, float("-inf"))
     mask = _full_mask(attention_mask, x.dtype)  # additive: the cheaper one in CPU attention
@@ -399,10 +418,9 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         x = arch.finish_layer(layer, x, _attend(q, k, v, mask, arch.scale, arch.groups))
     hidden = arch.final_norm(x[:, -1])
     if rows is not None:  # back to one row per sample
-        keys = [k.index_select(0, rows) for k in keys]
-        values = [v.index_select(0, rows) for v in values]
+        kv = [t.index_select(0, rows) for t in kv]
         key_bias, hidden = key_bias.index_select(0, rows), hidden.index_select(0, rows)
-    return hidden, KVCache(keys, values, key_bias, P, arch)
+    return hidden, KVCache(kv, key_bias, P, arch)
 
 
 @torch.no_grad()
@@ -416,8 +434,9 @@ def decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -
     x = arch.embed(tokens[:, None], positions[:, None])  # [B, 1, H]
     rope = arch.rope(x, positions[:, None])
     mask = cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
-    for layer, kc, vc in zip(arch.layers, cache.keys, cache.values):
+    for layer, kv in zip(arch.layers, cache.kv):
         q, k, v = arch.qkv(layer, x, rope)
+        kc, vc = kv[:, 0], kv[:, 1]
         kc.narrow(2, t, 1).copy_(k)
         vc.narrow(2, t, 1).copy_(v)
         out = _attend(q, kc[:, :, : t + 1], vc[:, :, : t + 1], mask, arch.scale, arch.groups)
@@ -436,12 +455,11 @@ def _gpt2_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Ten
     C = x.shape[-1]
     mask = cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
     sdpa = F.scaled_dot_product_attention
-    for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kc, vc in zip(arch.layers, cache.keys,
-                                                                                    cache.values):
+    for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kv in zip(arch.layers, cache.kv):
         qkv = torch.addmm(ab, torch.layer_norm(x, (C,), ln1w, ln1b, eps), aw).view(B, 3, H, 1, D)
-        kc.narrow(2, t, 1).copy_(qkv[:, 1])
-        vc.narrow(2, t, 1).copy_(qkv[:, 2])
-        a = sdpa(qkv[:, 0], kc[:, :, : t + 1], vc[:, :, : t + 1], attn_mask=mask, scale=arch.scale)  # [B, H, 1, D]
+        kv.narrow(3, t, 1).copy_(qkv[:, 1:])  # this step's key and value, one copy
+        seen = kv[:, :, :, : t + 1]
+        a = sdpa(qkv[:, 0], seen[:, 0], seen[:, 1], attn_mask=mask, scale=arch.scale)  # [B, H, 1, D]
         x = torch.addmm(pb, a.view(B, C), pw).add_(x)
         x = torch.addmm(mb, act(torch.addmm(fb, torch.layer_norm(x, (C,), ln2w, ln2b, eps), fw)), mw).add_(x)
     cache.length = t + 1
