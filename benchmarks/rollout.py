@@ -191,7 +191,7 @@ def main() -> None:
     where = (f"one CPU core (taskset -c {args.core}), {torch.get_num_threads()} torch thread" if device.type == "cpu"
              else torch.cuda.get_device_name(device))
     print(f"\nRollout throughput, sampling at temperature 1, KV cache, {args.dtype}, {where}; "
-          f"median of {args.repeats}; torch {torch.__version__}")
+          f"{args.stat} of {args.repeats} calls each; torch {torch.__version__}")
     mfu = device.type == "cuda"
     print(f"{'model':<12}{'runner':<24}{'batch x new':>12}{'s/call':>9}{'tokens/s':>11}{'vs generate':>13}"
           + (f"{'MFU':>8}" if mfu else ""))
