@@ -40,6 +40,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .distributed import is_sharded
+
 CHECKPOINTS = "checkpoints"
 _PREFIX = "step-"
 
@@ -77,7 +79,7 @@ def set_rng_state(plain: dict[str, Any], tensors: dict[str, Any]) -> None:
 def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters an optimizer changes (``requires_grad``), by name, as contiguous CPU tensors."""
     state = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    if any(hasattr(p, "full_tensor") for p in state.values()):
+    if any(is_sharded(p) for p in state.values()):
         raise NotImplementedError("checkpoints of FSDP-sharded weights are not supported: set run.checkpoint_every=0 "
                                   "under FSDP, or train under DDP")
     return {n: p.detach().contiguous().cpu() for n, p in state.items()}

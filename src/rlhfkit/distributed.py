@@ -160,6 +160,12 @@ def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: 
     return {**{k: float(v) for k, v in zip(keys, totals.tolist())}, "examples": ev["examples"]}
 
 
+def is_sharded(t) -> bool:
+    """True for FSDP2's sharded tensors (DTensors), which hold a shard and gather with
+    ``full_tensor()``; the one test every module uses for them."""
+    return hasattr(t, "full_tensor")
+
+
 def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` (2-norm, same coefficient ``max_norm / (norm + 1e-6)``
     capped at 1, NaN/inf passed through for the caller's guard) in four calls: torch's checks
@@ -185,7 +191,7 @@ def clip_grad_norm(accelerator, parameters, max_norm: float) -> torch.Tensor:
     norm = accelerator.clip_grad_norm_(params, max_norm)
     if norm is None:
         return torch.tensor(float("nan"))
-    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+    if is_sharded(norm):  # FSDP2: a DTensor
         norm = norm.full_tensor()
     return torch.as_tensor(norm).detach()
 
@@ -194,9 +200,9 @@ def full_state_dict(module) -> dict | None:
     """The module's weights with FSDP2's sharded tensors (DTensors) gathered, for saving; None
     when nothing is sharded (save the module as it is). A collective: every process calls it."""
     sd = module.state_dict()
-    if not any(hasattr(v, "full_tensor") for v in sd.values()):
+    if not any(is_sharded(v) for v in sd.values()):
         return None
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in sd.items()}
+    return {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu() for k, v in sd.items()}
 
 
 @contextlib.contextmanager

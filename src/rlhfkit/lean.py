@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import is_sharded
+
 _LLAMA_LIKE = ("llama", "qwen2")
 
 
@@ -53,7 +55,7 @@ def _dropout_active(model: nn.Module) -> bool:
 
 def _plain(*modules: nn.Module) -> bool:
     """No parameter of ``modules`` (their own, not their children's) is sharded (FSDP2's DTensor)."""
-    return all(type(p).__name__ != "DTensor" for m in modules for p in m._parameters.values())
+    return not any(is_sharded(p) for m in modules for p in m._parameters.values())
 
 
 def supported(model: nn.Module) -> bool:
