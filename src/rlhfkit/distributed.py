@@ -160,10 +160,14 @@ def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: 
     return {**{k: float(v) for k, v in zip(keys, totals.tolist())}, "examples": ev["examples"]}
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_sharded(t) -> bool:
     """True for FSDP2's sharded tensors (DTensors), which hold a shard and gather with
-    ``full_tensor()``; the one test every module uses for them."""
-    return hasattr(t, "full_tensor")
+    ``full_tensor()``; the one test every module uses for them. (A DTensor parameter keeps its
+    own class, so plain tensors and parameters are answered without the slower attribute probe.)"""
+    return type(t) not in _PLAIN and hasattr(t, "full_tensor")
 
 
 def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
