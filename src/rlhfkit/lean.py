@@ -12,6 +12,11 @@ parameters (no copies, so autograd and the optimizer see the usual ``nn.Paramete
   mask built once, the parameters gathered once per rollout, prompts that repeat (GRPO's
   groups) run once, and on a GPU q/k/v and gate/up each as one matmul.
 
+On a CPU in float32, attention outside autograd (generation, reference and reward forwards)
+and the tanh-GELU go to :mod:`rlhfkit.kernels` (compiled loops; PyTorch's ops without a C
+compiler): at a small model's sizes PyTorch spends more on setting up those ops than on
+their arithmetic.
+
 Differences from the reference implementations are rounding only: GPT-2's ``gelu_new`` is
 computed as ``x * sigmoid(2z)`` (equal to ``x * (1 + tanh z) / 2``; on this CPU build tanh
 is 3.5x slower than sigmoid). Tests compare hidden states, gradients and generations with
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .distributed import is_sharded
 
 _LLAMA_LIKE = ("llama", "qwen2")
@@ -109,9 +115,14 @@ class _GeluTanhCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        s = _gelu_gate(x)
+        if x.dtype == torch.float32 and x.is_contiguous() and kernels.available():
+            s = torch.empty_like(x)
+            out = kernels.gelu_tanh(x, gate=s)  # both in one pass
+        else:
+            s = _gelu_gate(x)
+            out = x * s
         ctx.save_for_backward(x, s)
-        return x * s
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -138,7 +149,9 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if torch.is_grad_enabled() and x.requires_grad:
         return _GeluTanhCPU.apply(x)
-    return _gelu_gate(x).mul_(x)  # no graph to keep: in place
+    if x.dtype == torch.float32 and x.is_contiguous() and kernels.available():
+        return kernels.gelu_tanh(x)  # one pass
+    return _gelu_gate(x).mul_(x)  # no graph to keep: the gate's memory is reused
 
 
 def _gpt2_act(mlp: nn.Module):
@@ -169,7 +182,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _attend(q, k, v, mask, scale, groups: int) -> torch.Tensor:
     """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
-    boolean (True = may attend) or additive."""
+    boolean (True = may attend) or additive. Small float32 CPU work outside autograd goes to the
+    compiled kernel (:mod:`rlhfkit.kernels`), the rest to PyTorch's."""
+    if kernels.worth_it(q, k):
+        bias = mask[:, 0]  # [B, Tq|1, Tk]
+        if bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=q.dtype).masked_fill_(~bias, float("-inf"))
+        return kernels.attention(q, k, v, bias, scale)  # [B, H, Tq, D], a view of [B, Tq, H, D]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
 
 
@@ -368,12 +387,15 @@ class KVCache:
     """Pre-allocated keys and values (one ``[B, 2, Hkv, T_max, D]`` tensor per layer, keys at
     ``[:, 0]`` and values at ``[:, 1]``, so that a step writes both with one copy), the additive
     key mask ``[B, T_max]`` (0 attend, -inf padding; cheaper than a boolean one in CPU
-    attention), the number of filled columns and the gathered parameters."""
+    attention), the number of filled columns and the gathered parameters. For GPT-2 on a CPU in
+    float32, ``bound`` holds per layer a ``qkv [B, 3C]`` and an ``out [B, C]`` buffer and the
+    compiled attention bound to them and to the cache (:func:`rlhfkit.kernels.decode_attention`)."""
 
     kv: list[torch.Tensor]
     key_bias: torch.Tensor
     length: int
     arch: _Arch
+    bound: list | None = None
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -422,7 +444,20 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     if rows is not None:  # back to one row per sample
         kv = [t.index_select(0, rows) for t in kv]
         key_bias, hidden = key_bias.index_select(0, rows), hidden.index_select(0, rows)
-    return hidden, KVCache(kv, key_bias, P, arch)
+    cache = KVCache(kv, key_bias, P, arch)
+    if arch.gpt2 and kernels.usable(kv[0], B * arch.n_heads * T_max * arch.head_dim):
+        cache.bound = [_bind_decode(cache, t) for t in kv]
+    return hidden, cache
+
+
+def _bind_decode(cache: KVCache, kv: torch.Tensor):
+    """``(qkv [B, 3C], out [B, C], step)`` for one GPT-2 layer: the step's projections are written
+    into ``qkv``; ``step(t)`` puts its key and value into cache column ``t`` and attends with its
+    query over columns ``0 .. t``, writing ``out`` (heads side by side)."""
+    B, _, H, _, D = kv.shape
+    qkv, out = kv.new_empty((B, 3 * H * D)), kv.new_empty((B, H * D))
+    step = kernels.decode_attention(qkv.view(B, 3, H, D), kv, cache.key_bias, out.view(B, H, D), cache.arch.scale)
+    return qkv, out, step
 
 
 @torch.no_grad()
@@ -455,14 +490,21 @@ def _gpt2_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Ten
     B = tokens.shape[0]
     x = torch.embedding(arch.wte, tokens) + torch.embedding(arch.wpe, positions)  # [B, C]
     C = x.shape[-1]
-    mask = cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
+    mask = None if cache.bound else cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
     sdpa = F.scaled_dot_product_attention
-    for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kv in zip(arch.layers, cache.kv):
-        qkv = torch.addmm(ab, torch.layer_norm(x, (C,), ln1w, ln1b, eps), aw).view(B, 3, H, 1, D)
-        kv.narrow(3, t, 1).copy_(qkv[:, 1:])  # this step's key and value, one copy
-        seen = kv[:, :, :, : t + 1]
-        a = sdpa(qkv[:, 0], seen[:, 0], seen[:, 1], attn_mask=mask, scale=arch.scale)  # [B, H, 1, D]
-        x = torch.addmm(pb, a.view(B, C), pw).add_(x)
+    for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kv, bound in zip(
+            arch.layers, cache.kv, cache.bound or [None] * len(cache.kv)):
+        h = torch.layer_norm(x, (C,), ln1w, ln1b, eps)
+        if bound is not None:  # the compiled attention, bound to this layer's buffers and cache
+            qkv, a, attend = bound
+            torch.addmm(ab, h, aw, out=qkv)  # [B, 3C]
+            attend(t)  # this step's key and value into cache column t, attention into a [B, C]
+        else:
+            qkv = torch.addmm(ab, h, aw).view(B, 3, H, 1, D)
+            kv.narrow(3, t, 1).copy_(qkv[:, 1:])  # this step's key and value, one copy
+            seen = kv[:, :, :, : t + 1]
+            a = sdpa(qkv[:, 0], seen[:, 0], seen[:, 1], attn_mask=mask, scale=arch.scale).view(B, C)
+        x = torch.addmm(pb, a, pw).add_(x)
         x = torch.addmm(mb, act(torch.addmm(fb, torch.layer_norm(x, (C,), ln2w, ln2b, eps), fw)), mw).add_(x)
     cache.length = t + 1
     return torch.layer_norm(x, (C,), arch.final[0], arch.final[1], eps)

@@ -3,10 +3,11 @@
 A lean decode loop instead of ``model.generate``: one prefill, then one cached forward per
 token -- for GPT-2 and Llama/Qwen2 models through :mod:`rlhfkit.lean` (a pre-allocated KV
 cache written in place, a functional forward with no per-step mask building), for any other
-causal LM through its own forward with a ``DynamicCache``. Sampling happens on the device;
-rows that emitted EOS keep being fed (a batch moves in lockstep) but their later tokens are
-padding and masked; the loop ends as soon as every row has finished. It also returns the log-prob of every sampled token under the
-sampling distribution, which PPO compares against its own recomputation
+causal LM through its own forward with a ``DynamicCache``. Sampling happens on the device (on a
+CPU, one compiled call per step: :class:`rlhfkit.kernels.Sampler`); rows that emitted EOS keep
+being fed (a batch moves in lockstep) but their later tokens are padding and masked; the loop
+ends as soon as every row has finished. It also returns the log-prob of every sampled token
+under the sampling distribution, which PPO compares against its own recomputation
 (``policy/logprob_gap``) -- or, when the sampler ran the training forward's own arithmetic
 (``Rollout.forward_logprobs``), uses in place of a second forward pass.
 """
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from . import kernels
 from . import lean as lean_lm
 from .models import position_ids_from_mask
 
@@ -146,28 +148,39 @@ def generate(
     if uniforms is None and not greedy:  # one draw per row and step, all at once
         uniforms = torch.rand((B, max_new_tokens), generator=generator, device=device)
     values = [] if value_head is not None and use_lean else None
-    # per step only what sampling needs; masks, padding and trimming once at the end. While the
-    # per-step distributions are small (a small vocabulary) they are kept and reduced to log-probs
-    # and entropies in one go; with a large one each is reduced as it comes.
-    keep = B * logits.shape[-1] * max_new_tokens <= 2**24
+    V = logits.shape[-1]
+    # on a CPU the sampling step is one compiled call (rlhfkit.kernels.Sampler), same arithmetic
+    sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos_token_id)
+               if not greedy and device.type == "cpu" and kernels.sampler_usable(B, V) else None)
+    if sampler is not None:
+        uniforms = uniforms.float()
+    # otherwise per step only what sampling needs; masks, padding and trimming once at the end.
+    # While the per-step distributions are small (a small vocabulary) they are kept and reduced
+    # to log-probs and entropies in one go; with a large one each is reduced as it comes.
+    keep = B * V * max_new_tokens <= 2**24
     sampled, logps, entropies = [], [], []
     alive = torch.ones(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         if values is not None:
             values.append(value_head(hidden))  # [B]: the state that samples token t
         logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp_all = torch.log_softmax(logits, -1)  # [B, V]
-        tok = logits.argmax(-1) if greedy else sample_tokens(logp_all, u=uniforms[:, t])  # [B]
-        sampled.append(tok)
-        if keep:
-            logps.append(logp_all)
+        if sampler is not None:
+            done = sampler.step(t, logits, uniforms[:, t]) == 0  # every row has emitted EOS
+            tok = sampler.tokens[:, t]  # [B]
         else:
-            logps.append(logp_all.gather(-1, tok[:, None]))
-            entropies.append(_entropy(logp_all))
-        alive = alive & (tok != eos_token_id)
-        if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and not bool(alive.any())):
+            if temperature != 1.0:
+                logits = logits / temperature
+            logp_all = torch.log_softmax(logits, -1)  # [B, V]
+            tok = logits.argmax(-1) if greedy else sample_tokens(logp_all, u=uniforms[:, t])  # [B]
+            sampled.append(tok)
+            if keep:
+                logps.append(logp_all)
+            else:
+                logps.append(logp_all.gather(-1, tok[:, None]))
+                entropies.append(_entropy(logp_all))
+            alive = alive & (tok != eos_token_id)
+            done = (t + 1) % check_every == 0 and not bool(alive.any())
+        if t == max_new_tokens - 1 or done:
             break
         # rows that already ended are fed their own samples: their outputs are masked out
         if use_lean:
@@ -179,14 +192,19 @@ def generate(
                         past_key_values=out.past_key_values, use_cache=True)
             logits = out.logits[:, -1]
         next_pos = next_pos + 1
-    raw = torch.stack(sampled, 1)  # [B, R]
+    if sampler is not None:
+        raw, alive = sampler.tokens[:, : t + 1], sampler.alive  # [B, R]
+    else:
+        raw = torch.stack(sampled, 1)  # [B, R]
     is_eos = (raw == eos_token_id).long()
     after_eos = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first EOS
     steps = raw.shape[1]
     if check_every > 1:  # rows may have finished before the last check: trim the all-padding tail
         steps = max(1, int((~after_eos).any(0).sum()))
         raw, after_eos = raw[:, :steps], after_eos[:, :steps]
-    if keep:
+    if sampler is not None:
+        logprobs, entropy = sampler.logprobs[:, :steps], sampler.entropy[:, :steps]  # [B, R]
+    elif keep:
         logp = torch.stack(logps[:steps], 1)  # [B, R, V]
         logprobs, entropy = logp.gather(-1, raw[..., None]).squeeze(-1), _entropy(logp)  # [B, R]
     else:

@@ -1,0 +1,348 @@
+/* rlhfkit's compiled pieces, float32 on a CPU: softmax attention for short contexts and the
+ * tanh-GELU. Called through ctypes from rlhfkit/kernels.py, which compiles this file on first
+ * use and falls back to PyTorch when it cannot.
+ *
+ * At a small model's sizes PyTorch's CPU kernels spend more on set-up than on arithmetic:
+ * attention for 64 rows x 4 heads x one query x a few dozen keys takes ~100 us, the GELU of a
+ * [64, 256] activation four element-wise passes of ~10 us each. The loops here do the same
+ * arithmetic in one pass. Written with GCC/Clang vector extensions (8 floats: one AVX
+ * register, two NEON ones), no intrinsics. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4))); /* unaligned loads and stores */
+
+static inline v8 ld(const float *p) { return *(const v8u *)p; }
+static inline void st(float *p, v8 x) { *(v8u *)p = x; }
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+static inline v8 sel(i8 m, v8 a, v8 b) { /* lane by lane: m ? a : b */
+    i8 ai, bi, r;
+    memcpy(&ai, &a, 32);
+    memcpy(&bi, &b, 32);
+    r = (ai & m) | (bi & ~m);
+    v8 o;
+    memcpy(&o, &r, 32);
+    return o;
+}
+
+static inline float hsum(v8 x) {
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+static inline float hmax(v8 x) {
+    float m = x[0];
+    for (int i = 1; i < 8; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* (sum a[0], ..., sum a[7]): eight dot products finished at once */
+static inline v8 hsum8(const v8 *a) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+    v8 b0 = __builtin_shufflevector(a[0], a[1], 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a[0], a[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8 b1 = __builtin_shufflevector(a[2], a[3], 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a[2], a[3], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8 b2 = __builtin_shufflevector(a[4], a[5], 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a[4], a[5], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8 b3 = __builtin_shufflevector(a[6], a[7], 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a[6], a[7], 1, 9, 3, 11, 5, 13, 7, 15);
+    /* b0 = (a0 01, a1 01, a0 23, a1 23, a0 45, a1 45, a0 67, a1 67): pair sums */
+    v8 c0 = __builtin_shufflevector(b0, b1, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(b0, b1, 2, 3, 10, 11, 6, 7, 14, 15);
+    v8 c1 = __builtin_shufflevector(b2, b3, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(b2, b3, 2, 3, 10, 11, 6, 7, 14, 15);
+    /* c0 = (a0..a3 over lanes 0-3, a0..a3 over lanes 4-7) */
+    return __builtin_shufflevector(c0, c1, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(c0, c1, 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+    v8 r;
+    for (int i = 0; i < 8; i++) r[i] = hsum(a[i]);
+    return r;
+#endif
+}
+
+/* exp(x) for x <= 87 (scores minus their maximum are <= 0), 0 below -87 and for -inf. Cephes' expf:
+ * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n put into the
+ * exponent bits. Relative error ~1e-7, as the vectorised exp of PyTorch's own kernels. */
+static inline v8 exp8(v8 x) {
+    const v8 lo = splat(-87.0f);
+    i8 dead = x < lo;
+    x = sel(dead, lo, x);
+    v8 y = x * splat(1.44269504088896341f) + splat(0.5f);
+    v8 n = __builtin_convertvector(__builtin_convertvector(y, i8), v8); /* truncation ... */
+    n = sel(n > y, n - splat(1.f), n);                                  /* ... to floor */
+    v8 r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);      /* ln2 in two parts */
+    v8 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * (r * r) + r + splat(1.f);
+    i8 e = (__builtin_convertvector(n, i8) + 127) << 23;
+    v8 two_n;
+    memcpy(&two_n, &e, 32);
+    return sel(dead, splat(0.f), p * two_n);
+}
+
+/* ------------------------------------------------------------------------------ attention
+ *
+ * out[b, h, i, :] = sum_j p_j v[b, h / g, j, :],  p = softmax_j(scale * q[b, h, i, :] . k[b, h / g, j, :] + bias[b, i, j])
+ *
+ * Strides are in elements; the innermost dimension (head_dim) of q, k, v and out is
+ * contiguous. A bias of -inf masks a key exactly (its probability is 0 whatever the key
+ * holds); every query row must leave at least one key unmasked. */
+
+#define MAX_D8 64 /* head_dim up to 512 */
+
+/* scores of keys j0 .. j0+7 (a partial block, full == 0, repeats the last key and masks the
+ * copies), plus the bias, -inf exactly where the bias is -inf */
+static inline __attribute__((always_inline)) v8 scores8(
+    const float *restrict qi, const v8 *restrict qv, const float *restrict kb, const float *restrict bi,
+    int64_t j0, int64_t Tk, const int64_t D, float scale, int64_t ksj, int64_t bsj, const int full)
+{
+    const int64_t n8 = D / 8, D8 = n8 * 8;
+    v8 a[8], bias;
+    float tail[8] = {0};
+    for (int jj = 0; jj < 8; jj++) {
+        const int64_t j = full || j0 + jj < Tk ? j0 + jj : Tk - 1;
+        const float *kj = kb + j * ksj;
+        v8 acc = qv[0] * ld(kj);
+        for (int64_t d = 1; d < n8; d++) acc += qv[d] * ld(kj + 8 * d);
+        a[jj] = acc;
+        for (int64_t d = D8; d < D; d++) tail[jj] += qi[d] * scale * kj[d];
+    }
+    if (full && bsj == 1) {
+        bias = ld(bi + j0);
+    } else {
+        for (int jj = 0; jj < 8; jj++) bias[jj] = full || j0 + jj < Tk ? bi[(j0 + jj) * bsj] : -INFINITY;
+    }
+    v8 sc = hsum8(a) + bias;
+    if (D8 < D) {
+        v8 t;
+        memcpy(&t, tail, 32);
+        sc += t;
+    }
+    const v8 ninf = splat(-INFINITY);
+    return sel(bias == ninf, ninf, sc);
+}
+
+/* one query row; D is a compile-time constant in the common cases (see rlhfkit_attend) */
+static inline __attribute__((always_inline)) void row(
+    const float *restrict qi, const float *restrict kb, const float *restrict vb, const float *restrict bi,
+    float *restrict o, int64_t Tk, const int64_t D, float scale, int64_t ksj, int64_t vsj, int64_t bsj,
+    float *restrict s)
+{
+    const int64_t n8 = D / 8, D8 = n8 * 8;
+    v8 qv[MAX_D8];
+    for (int64_t d = 0; d < n8; d++) qv[d] = ld(qi + 8 * d) * splat(scale);
+    v8 m8 = splat(-INFINITY);
+    int64_t j0 = 0;
+    for (; j0 + 8 <= Tk; j0 += 8) {
+        v8 sc = scores8(qi, qv, kb, bi, j0, Tk, D, scale, ksj, bsj, 1);
+        st(s + j0, sc);
+        m8 = sel(sc > m8, sc, m8);
+    }
+    if (j0 < Tk) {
+        v8 sc = scores8(qi, qv, kb, bi, j0, Tk, D, scale, ksj, bsj, 0);
+        st(s + j0, sc);
+        m8 = sel(sc > m8, sc, m8);
+    }
+    const v8 mv = splat(hmax(m8));
+    v8 sum8 = splat(0.f);
+    for (j0 = 0; j0 < Tk; j0 += 8) {
+        v8 e = exp8(ld(s + j0) - mv);
+        st(s + j0, e);
+        sum8 += e;
+    }
+    /* out = sum_j p_j v_j, keys two at a time into two accumulators: a single chain of
+     * dependent FMAs would wait on itself. Masked keys have p = 0 (their values must be finite,
+     * as for any matmul) */
+    v8 a0[MAX_D8], a1[MAX_D8];
+    float t0[8] = {0}, t1[8] = {0};
+    for (int64_t d = 0; d < n8; d++) a0[d] = a1[d] = splat(0.f);
+    int64_t j = 0;
+    for (; j + 2 <= Tk; j += 2) {
+        const float *v0 = vb + j * vsj, *v1 = v0 + vsj;
+        const v8 p0 = splat(s[j]), p1 = splat(s[j + 1]);
+        for (int64_t d = 0; d < n8; d++) {
+            a0[d] += p0 * ld(v0 + 8 * d);
+            a1[d] += p1 * ld(v1 + 8 * d);
+        }
+        for (int64_t d = D8; d < D; d++) {
+            t0[d - D8] += s[j] * v0[d];
+            t1[d - D8] += s[j + 1] * v1[d];
+        }
+    }
+    if (j < Tk) {
+        const float *v0 = vb + j * vsj;
+        const v8 p0 = splat(s[j]);
+        for (int64_t d = 0; d < n8; d++) a0[d] += p0 * ld(v0 + 8 * d);
+        for (int64_t d = D8; d < D; d++) t0[d - D8] += s[j] * v0[d];
+    }
+    const float inv = 1.f / hsum(sum8);
+    const v8 iv = splat(inv);
+    for (int64_t d = 0; d < n8; d++) st(o + 8 * d, (a0[d] + a1[d]) * iv);
+    for (int64_t d = D8; d < D; d++) o[d] = (t0[d - D8] + t1[d - D8]) * inv;
+}
+
+/* Returns 0, or 1 when head_dim is too large (the caller falls back). Strides: q (b, h, i),
+ * k and v (b, h_kv, j), bias (b, i, j), out (b, h, i). */
+int rlhfkit_attend(const float *q, const float *k, const float *v, const float *bias, float *out,
+                   int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, float scale,
+                   int64_t qb, int64_t qh, int64_t qi, int64_t kb, int64_t kh, int64_t kj,
+                   int64_t vb, int64_t vh, int64_t vj, int64_t bb, int64_t bi, int64_t bj,
+                   int64_t ob, int64_t oh, int64_t oi)
+{
+    if (D > 8 * MAX_D8 || Tk < 1 || H % Hkv) return 1;
+    float s[(Tk + 7) / 8 * 8];
+    const int64_t g = H / Hkv;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *kp = k + b * kb + (h / g) * kh, *vp = v + b * vb + (h / g) * vh;
+            for (int64_t i = 0; i < Tq; i++) {
+                const float *qp = q + b * qb + h * qh + i * qi, *bp = bias + b * bb + i * bi;
+                float *op = out + b * ob + h * oh + i * oi;
+                switch (D) {
+                case 16: row(qp, kp, vp, bp, op, Tk, 16, scale, kj, vj, bj, s); break;
+                case 32: row(qp, kp, vp, bp, op, Tk, 32, scale, kj, vj, bj, s); break;
+                case 64: row(qp, kp, vp, bp, op, Tk, 64, scale, kj, vj, bj, s); break;
+                case 128: row(qp, kp, vp, bp, op, Tk, 128, scale, kj, vj, bj, s); break;
+                default: row(qp, kp, vp, bp, op, Tk, D, scale, kj, vj, bj, s);
+                }
+            }
+        }
+    return 0;
+}
+
+/* One decode step over a cache laid out as rlhfkit.lean.KVCache, all contiguous: qkv [B, 3, H, D]
+ * (this step's query, key and value, as GPT-2's c_attn writes them), kv [B, 2, H, T_max, D],
+ * bias [B, T_max], out [B, H, D]. Writes the step's key and value into cache column t, then
+ * attends over columns 0 .. t: the copy and the attention in one call. */
+int rlhfkit_decode_attend(const float *qkv, float *kv, const float *bias, float *out,
+                          int64_t B, int64_t H, int64_t D, int64_t T_max, int64_t t, float scale)
+{
+    if (D > 8 * MAX_D8 || t < 0 || t >= T_max) return 1;
+    float s[(t + 1 + 7) / 8 * 8];
+    const int64_t HD = H * D, TD = T_max * D;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *qp = qkv + b * 3 * HD + h * D;
+            float *kp = kv + b * 2 * H * TD + h * TD, *vp = kp + H * TD;
+            memcpy(kp + t * D, qp + HD, D * sizeof(float));
+            memcpy(vp + t * D, qp + 2 * HD, D * sizeof(float));
+            const float *bp = bias + b * T_max;
+            float *op = out + b * HD + h * D;
+            switch (D) {
+            case 16: row(qp, kp, vp, bp, op, t + 1, 16, scale, D, D, 1, s); break;
+            case 32: row(qp, kp, vp, bp, op, t + 1, 32, scale, D, D, 1, s); break;
+            case 64: row(qp, kp, vp, bp, op, t + 1, 64, scale, D, D, 1, s); break;
+            case 128: row(qp, kp, vp, bp, op, t + 1, 128, scale, D, D, 1, s); break;
+            default: row(qp, kp, vp, bp, op, t + 1, D, scale, D, D, 1, s);
+            }
+        }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------ GELU
+ *
+ * gelu_tanh(x) = x (1 + tanh z) / 2 = x sigmoid(2z),  2z = c1 x + c3 x^3,  c1 = 2 sqrt(2 / pi),
+ * c3 = 0.044715 c1: out = x * gate and, when gate is not NULL, the gate sigmoid(2z) too (the
+ * backward pass needs it). out may be x itself. */
+void rlhfkit_gelu_tanh(const float *x, float *out, float *gate, int64_t n)
+{
+    const float c1 = 1.5957691216057308f, c3 = 0.044715f * 1.5957691216057308f;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 xv = ld(x + i);
+        const v8 y = xv * (splat(c1) + splat(c3) * xv * xv);  /* 2z */
+        const v8 neg = -y;
+        const v8 e = exp8(sel(neg > splat(87.f), splat(87.f), neg));  /* exp(-2z), 0 when 2z > 87 */
+        const v8 g = splat(1.f) / (splat(1.f) + e);                   /* ~6e-39 when 2z < -87: then 0 */
+        const v8 gz = sel(y < splat(-87.f), splat(0.f), g);
+        if (gate) st(gate + i, gz);
+        st(out + i, xv * gz);
+    }
+    for (; i < n; i++) {
+        const float xv = x[i], y = xv * (c1 + c3 * xv * xv);
+        const float g = y < -87.f ? 0.f : 1.f / (1.f + expf(-y));
+        if (gate) gate[i] = g;
+        out[i] = xv * g;
+    }
+}
+
+/* ------------------------------------------------------------------------------ sampling
+ *
+ * One step of rlhfkit.rollout.generate for B rows of V logits, as the PyTorch path computes it:
+ * y = logits / temperature, log p = log_softmax(y), token = the first index whose cumulative
+ * probability (summed in double, as torch.cumsum on a CPU, stored in float) reaches
+ * (1 - u) * total (inverse-CDF sampling with the row's uniform u; never a zero-probability
+ * token). Writes the token, its log-prob and the entropy -sum p log p (ruled-out tokens add 0),
+ * clears alive[b] when the token is eos, and returns how many rows are still alive. Logit rows
+ * have stride ls, the outputs strides ts (tokens) and os (log-probs, entropies). */
+static inline v8 ld_tail(const float *p, int64_t n) { /* n < 8 floats, -inf after them */
+    v8 x = splat(-INFINITY);
+    for (int64_t i = 0; i < n; i++) x[i] = p[i];
+    return x;
+}
+
+int64_t rlhfkit_sample(const float *logits, int64_t B, int64_t V, int64_t ls, float temperature,
+                       const float *u, int64_t us, int64_t eos, int64_t *tok, int64_t ts,
+                       float *logp, float *ent, int64_t os, uint8_t *alive, float *work)
+{
+    int64_t n_alive = 0;
+    const int64_t V8 = V / 8 * 8;
+    float *y = work, *cdf = work + V; /* 2 V floats from the caller */
+    for (int64_t b = 0; b < B; b++) {
+        const float *x = logits + b * ls;
+        v8 m8 = splat(-INFINITY);
+        int64_t j = 0;
+        for (; j < V8; j += 8) {
+            v8 v = ld(x + j) / splat(temperature);
+            st(y + j, v);
+            m8 = sel(v > m8, v, m8);
+        }
+        for (; j < V; j++) y[j] = x[j] / temperature;
+        float m = hmax(m8);
+        for (j = V8; j < V; j++) m = y[j] > m ? y[j] : m;
+        const v8 mv = splat(m);
+        v8 s8 = splat(0.f);
+        for (j = 0; j < V8; j += 8) s8 += exp8(ld(y + j) - mv);
+        if (V8 < V) s8 += exp8(ld_tail(y + V8, V - V8) - mv);
+        const float lse = m + logf(hsum(s8));
+        /* log-probs in place, probabilities, entropy */
+        v8 h8 = splat(0.f);
+        for (j = 0; j < V8; j += 8) {
+            const v8 lp = ld(y + j) - splat(lse);
+            const v8 p = exp8(lp);
+            st(y + j, lp);
+            st(cdf + j, p);
+            h8 -= sel(p > splat(0.f), p * lp, splat(0.f));
+        }
+        if (V8 < V) {
+            const v8 lp = ld_tail(y + V8, V - V8) - splat(lse);
+            const v8 p = exp8(lp);
+            h8 -= sel(p > splat(0.f), p * lp, splat(0.f));
+            for (int64_t i = 0; i < V - V8; i++) {
+                y[V8 + i] = lp[i];
+                cdf[V8 + i] = p[i];
+            }
+        }
+        double run = 0.0;
+        for (j = 0; j < V; j++) {
+            run += cdf[j];
+            cdf[j] = (float)run;
+        }
+        const float point = (1.0f - u[b * us]) * cdf[V - 1];
+        int64_t lo = 0, hi = V; /* first index with cdf >= point (torch.searchsorted, left) */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (cdf[mid] < point) lo = mid + 1;
+            else hi = mid;
+        }
+        const int64_t t = lo < V ? lo : V - 1;
+        tok[b * ts] = t;
+        logp[b * os] = y[t];
+        ent[b * os] = hsum(h8);
+        if (t == eos) alive[b] = 0;
+        n_alive += alive[b] != 0;
+    }
+    return n_alive;
+}

@@ -1,0 +1,254 @@
+"""The one compiled piece: CPU attention for short contexts (``csrc/attention.c``).
+
+At a small model's decode step (64 rows x 4 heads, one query each, a few dozen keys)
+PyTorch's CPU ``scaled_dot_product_attention`` spends ~100 us on set-up for ~1 us of
+arithmetic, and attention becomes a quarter of a rollout. ``csrc/attention.c`` does the same
+softmax attention in one plain loop, 3-5x faster at those sizes (``benchmarks/rollout.py``).
+
+The C file is compiled on first use with the system's C compiler (``$CC`` or ``cc``; ~0.3 s)
+into ``$RLHFKIT_CACHE`` (default ``~/.cache/rlhfkit``), under a name that hashes the source,
+the flags and the CPU's vector capability, and loaded with :mod:`ctypes`: no Python headers, no
+build step at install. Without a compiler, or with ``RLHFKIT_KERNELS=0``, :func:`available`
+is False and callers use PyTorch; results agree to rounding (~1e-7), as tests check.
+
+It is used for float32 CPU tensors outside autograd (generation, and the reference / reward
+forwards), where the work is small enough that set-up dominates (:func:`worth_it`); training
+forwards keep PyTorch's attention and its backward.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+_I64 = ctypes.c_int64
+_lib = None  # the loaded library, False once loading failed
+_lock = threading.Lock()
+
+# Work (B x H x Tq x Tk x head_dim) above which PyTorch's attention, blocked and threaded, is as
+# fast or faster. Measured on this project's 2-core machine: on one thread the kernel is 0.3-0.8x
+# PyTorch's time up to ~2^24 (16 x 12 heads x 32 x 32 x 64: 0.83x; 64 x 64 queries and keys:
+# 1.1x); on two threads up to ~2^21 (16 x 12 x 1 x 96 x 64: 0.84x; 8 x 14 x 1 x 512 x 64: 1.4x).
+SMALL_ONE_THREAD, SMALL_THREADED = 1 << 24, 1 << 21
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno"]
+    capability = torch.backends.cpu.get_cpu_capability()  # what ATen itself dispatches to here
+    if platform.machine() in ("x86_64", "AMD64") and capability in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]  # 8 floats per instruction: one vector of the kernel
+    return flags
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("RLHFKIT_CACHE") or Path.home() / ".cache" / "rlhfkit") / "kernels"
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise OSError(f"no C compiler ({cc!r} not on PATH)")
+    flags = _flags()
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # compile to a private name, then rename: processes starting together (one per rank) never
+    # load a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if done.returncode:
+            raise OSError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load():
+    """The loaded library (its two functions typed), or False when it cannot be had."""
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                if os.environ.get("RLHFKIT_KERNELS", "1") == "0":
+                    _lib = False
+                    return _lib
+                try:
+                    lib = ctypes.CDLL(str(_build()))
+                    ptr, f32 = ctypes.c_void_p, ctypes.c_float
+                    lib.rlhfkit_attend.argtypes = [ptr] * 5 + [_I64] * 6 + [f32] + [_I64] * 15
+                    lib.rlhfkit_decode_attend.argtypes = [ptr] * 4 + [_I64] * 5 + [f32]
+                    lib.rlhfkit_attend.restype = lib.rlhfkit_decode_attend.restype = ctypes.c_int
+                    lib.rlhfkit_gelu_tanh.argtypes = [ptr] * 3 + [_I64]
+                    lib.rlhfkit_gelu_tanh.restype = None
+                    lib.rlhfkit_sample.argtypes = ([ptr] + [_I64] * 3 + [f32, ptr, _I64, _I64, ptr, _I64]
+                                                   + [ptr] * 2 + [_I64] + [ptr] * 2)
+                    lib.rlhfkit_sample.restype = _I64
+                    _lib = lib
+                except OSError as err:  # no compiler, a failed build, an unloadable library
+                    log.warning("rlhfkit: CPU attention kernel unavailable, using PyTorch's (%s)", err)
+                    _lib = False
+    return _lib
+
+
+def available() -> bool:
+    """True when the compiled attention can be used (built or loaded now if need be)."""
+    return bool(_load())
+
+
+def usable(like: torch.Tensor, work: int) -> bool:
+    """Whether attention over tensors like ``like`` with ``work = B x H x Tq x Tk x head_dim``
+    should run here: float32 on a CPU, small enough work, the kernel available."""
+    limit = SMALL_ONE_THREAD if torch.get_num_threads() == 1 else SMALL_THREADED
+    return like.device.type == "cpu" and like.dtype == torch.float32 and work <= limit and available()
+
+
+def sampler_usable(B: int, V: int) -> bool:
+    """Whether :class:`Sampler` should sample ``B`` rows of a ``V``-token vocabulary (on one
+    thread always; on several, PyTorch's threaded ops win once the logits are large)."""
+    return (torch.get_num_threads() == 1 or B * V <= SMALL_THREADED) and available()
+
+
+def worth_it(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`attention` should replace PyTorch's for ``q [B, H, Tq, D]``, ``k [B, Hkv, Tk, D]``:
+    :func:`usable`, and no autograd graph to record."""
+    B, H, Tq, D = q.shape
+    return (k.dtype == q.dtype and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+            and usable(q, B * H * Tq * k.shape[2] * D))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(scale * q k^T + bias) v`` with grouped heads, as
+    ``F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None], scale=scale, enable_gqa=True)``.
+
+    Args:
+        q: ``[B, H, Tq, D]``; k, v: ``[B, Hkv, Tk, D]``, ``H`` a multiple of ``Hkv``. Any
+            strides, except that ``D`` must be contiguous.
+        bias: ``[B, Tq | 1, Tk]`` additive float32 mask (0 attend, -inf never); broadcast
+            dimensions may have stride 0. Each query must be allowed at least one key.
+        out: optional ``[B, H, Tq, D]`` destination (any strides, ``D`` contiguous), e.g. a
+            transposed view so that heads land side by side for the output projection.
+    Returns ``out``. No autograd: call under ``torch.no_grad()`` or on tensors without grad.
+    """
+    lib = _load()
+    if not lib:
+        raise RuntimeError("the compiled attention is not available (see kernels.available())")
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if out is None:
+        out = q.new_empty((B, Tq, H, D)).transpose(1, 2)  # [B, H, Tq, D] view of heads side by side
+    tensors = (q, k, v, bias, out)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+            or any(t.stride(-1) != 1 for t in (q, k, v, out)) or v.shape != k.shape
+            or k.shape[0] != B or out.shape != q.shape or bias.shape[-1] != Tk or bias.shape[1] not in (1, Tq)):
+        raise ValueError(f"attention: unsupported inputs q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)} bias {tuple(bias.shape)} (float32 CPU, contiguous head_dim)")
+    bs = bias.stride()
+    if lib.rlhfkit_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), out.data_ptr(), B, H, Hkv, Tq, Tk, D, scale,
+          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], bs[0], bs[1] if bias.shape[1] > 1 else 0, bs[2],
+          *out.stride()[:3]):
+        raise ValueError(f"attention: head_dim {D} or heads {H}/{Hkv} not supported by the kernel")
+    return out
+
+
+
+def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, scale: float):
+    """One decode step's attention over a pre-allocated cache, as a call ``step(t)`` bound to
+    fixed buffers: copies the step's key and value from ``qkv`` into cache column ``t``, then
+    attends with its query over columns ``0 .. t``, writing ``out``.
+
+    Layouts (contiguous float32 CPU): ``qkv [B, 3, H, D]`` (query, key, value of this step),
+    ``kv [B, 2, H, T_max, D]`` (keys, values), ``bias [B, T_max]`` (additive key mask),
+    ``out [B, H, D]``. For a decode loop that writes ``qkv`` in place each step: checks, pointers
+    and sizes are taken once, the copy and the attention are one call (each tensor op costs a
+    few microseconds, about what the attention itself costs at a tiny model's sizes)."""
+    lib = _load()
+    if not lib:
+        raise RuntimeError("the compiled attention is not available (see kernels.available())")
+    B, three, H, D = qkv.shape
+    T_max = kv.shape[3]
+    tensors = (qkv, kv, bias, out)
+    if (three != 3 or kv.shape != (B, 2, H, T_max, D) or bias.shape != (B, T_max) or out.shape != (B, H, D)
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)):
+        raise ValueError(f"decode_attention: unsupported buffers qkv {tuple(qkv.shape)} kv {tuple(kv.shape)} "
+                         f"bias {tuple(bias.shape)} out {tuple(out.shape)} (contiguous float32 CPU)")
+    step_fn = lib.rlhfkit_decode_attend
+    head = (qkv.data_ptr(), kv.data_ptr(), bias.data_ptr(), out.data_ptr(), B, H, D, T_max)
+
+    def step(t: int) -> None:
+        if step_fn(*head, t, scale):
+            raise ValueError(f"decode_attention: column {t} outside the cache ({T_max}) or head_dim {D} too large")
+
+    step.buffers = tensors  # the memory behind the pointers lives as long as the call
+    return step
+
+
+def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``gelu(x, approximate="tanh")`` in one pass, as ``x * sigmoid(c1 x + c3 x^3)``; ``out``
+    may be ``x`` (in place). With ``gate``, also writes ``sigmoid(c1 x + c3 x^3)`` there (for a
+    backward pass). Contiguous float32 CPU tensors of one shape; no autograd."""
+    lib = _load()
+    if not lib:
+        raise RuntimeError("the compiled kernels are not available (see kernels.available())")
+    out = torch.empty_like(x) if out is None else out
+    tensors = (x, out) if gate is None else (x, out, gate)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.shape != x.shape
+           for t in tensors):
+        raise ValueError("gelu_tanh: contiguous float32 CPU tensors of one shape")
+    lib.rlhfkit_gelu_tanh(x.data_ptr(), out.data_ptr(), None if gate is None else gate.data_ptr(), x.numel())
+    return out
+
+
+class Sampler:
+    """The sampling step of :func:`rlhfkit.rollout.generate` in one call per step, for float32
+    CPU logits ``[B, V]``: tempered softmax, inverse-CDF draw with the row's uniform, the
+    token's log-prob and the distribution's entropy, the EOS bookkeeping. Replaces ~12 tensor
+    ops (log_softmax, exp, cumsum, searchsorted, the alive mask and its check) of a few
+    microseconds each with one pass over the logits.
+
+    ``tokens, logprobs, entropy [B, R]`` and ``alive [B]`` (bool) are filled as steps go;
+    ``step(t, logits, u)`` samples column ``t`` with ``u [B]`` uniforms and returns how many
+    rows have not emitted ``eos`` yet."""
+
+    def __init__(self, B: int, R: int, V: int, temperature: float, eos: int):
+        lib = _load()
+        if not lib:
+            raise RuntimeError("the compiled kernels are not available (see kernels.available())")
+        self.tokens = torch.empty((B, R), dtype=torch.long)
+        self.logprobs = torch.empty((B, R))
+        self.entropy = torch.empty((B, R))
+        self.alive = torch.ones(B, dtype=torch.bool)
+        self._work = torch.empty(2 * V)
+        self._fn, self._B, self._V, self._R = lib.rlhfkit_sample, B, V, R
+        self._temperature, self._eos = float(temperature), int(eos)
+        esize = self.tokens.element_size()  # the column t of each output is at offset t
+        self._ptrs = (self.tokens.data_ptr(), self.logprobs.data_ptr(), self.entropy.data_ptr(), esize)
+
+    def step(self, t: int, logits: torch.Tensor, u: torch.Tensor) -> int:
+        B, V = self._B, self._V
+        if (logits.shape != (B, V) or logits.dtype != torch.float32 or logits.device.type != "cpu"
+                or logits.stride(1) != 1 or u.shape != (B,) or u.dtype != torch.float32 or not 0 <= t < self._R):
+            raise ValueError(f"Sampler.step: logits {tuple(logits.shape)} {logits.dtype}, u {tuple(u.shape)} "
+                             f"{u.dtype}, step {t} (expected float32 CPU [{B}, {V}], [{B}], step < {self._R})")
+        tok, lp, ent, esize = self._ptrs
+        return self._fn(logits.data_ptr(), B, V, logits.stride(0), self._temperature, u.data_ptr(), u.stride(0),
+                        self._eos, tok + t * esize, self._R, lp + t * 4, ent + t * 4, self._R,
+                        self.alive.data_ptr(), self._work.data_ptr())

@@ -1,0 +1,207 @@
+"""rlhfkit.kernels (the compiled CPU attention, tanh-GELU and sampling step) against PyTorch.
+
+Each kernel replaces a handful of PyTorch ops on the CPU hot paths, so each is checked against
+those ops (in float64 where rounding could hide a bug): attention against
+``scaled_dot_product_attention`` with padding, causal masks, grouped heads, strided inputs and
+head sizes that are not a multiple of the vector width; the GELU against ``F.gelu``; the sampler
+against rlhfkit's own PyTorch sampling path, token for token. The library falls back to PyTorch
+when there is no C compiler: that path is checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhfkit import kernels
+from rlhfkit.models import build_tiny_policy
+from rlhfkit.rollout import _entropy, generate, sample_tokens
+from rlhfkit.tasks import doubling
+
+HAVE_CC = shutil.which(os.environ.get("CC") or "cc") is not None
+needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: rlhfkit uses PyTorch's kernels here")
+
+
+def _reference(q, k, v, bias, scale):
+    """float64 softmax attention with grouped heads: ``bias [B, Tq|1, Tk]``."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    scores = q.double() @ k.transpose(-1, -2) * scale + bias.double()[:, None]
+    return scores.softmax(-1) @ v
+
+
+def _bias(B, Tq, Tk, causal, gen):
+    """Additive mask: random left padding per row, causal for Tq > 1; every query keeps a key."""
+    bias = torch.zeros(B, Tq, Tk)
+    pad = torch.randint(0, Tk - Tq + 1, (B,), generator=gen)
+    for b in range(B):
+        bias[b, :, : int(pad[b])] = float("-inf")
+    if causal:
+        bias.masked_fill_(torch.ones(Tq, Tk, dtype=torch.bool).triu(Tk - Tq + 1), float("-inf"))
+    return bias
+
+
+@pytest.mark.parametrize("B,H,Hkv,Tq,Tk,D", [
+    (64, 4, 4, 1, 19, 16),  # the tiny model's decode step
+    (5, 4, 4, 11, 11, 16),  # its prefill (causal)
+    (3, 6, 2, 1, 40, 64),  # grouped-query decode
+    (2, 4, 1, 7, 9, 12),  # head_dim not a multiple of 8, queries after a cached prefix
+    (2, 2, 2, 3, 3, 80),
+    (1, 2, 2, 1, 1, 8),  # a single key
+])
+@needs_cc
+def test_attention_matches_reference(B, H, Hkv, Tq, Tk, D):
+    gen = torch.Generator().manual_seed(B * 1000 + Tk)
+    qkv = torch.randn(B, Tq, H + 2 * Hkv, D, generator=gen) * 2  # strided views, as a fused projection gives
+    q = qkv[:, :, :H].transpose(1, 2)  # [B, H, Tq, D]
+    k, v = qkv[:, :, H:H + Hkv].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
+    if Tk > Tq:  # queries are the last Tq of Tk positions: prepend cached keys
+        extra = torch.randn(B, Hkv, Tk - Tq, D, generator=gen)
+        k, v = torch.cat([extra, k], 2), torch.cat([extra.flip(0), v], 2)
+    bias = _bias(B, Tq, Tk, Tq > 1, gen)
+    scale = D**-0.5
+    ours = kernels.attention(q, k, v, bias, scale)
+    torch.testing.assert_close(ours.double(), _reference(q, k, v, bias, scale), atol=2e-6, rtol=2e-6)
+    if Tq == 1:  # the mask broadcast over queries (stride 0), as decode passes it
+        ours = kernels.attention(q, k, v, bias[:, :1].expand(B, 1, Tk), scale)
+        torch.testing.assert_close(ours.double(), _reference(q, k, v, bias, scale), atol=2e-6, rtol=2e-6)
+    # PyTorch's own attention agrees too (same arithmetic in float32)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None], scale=scale, enable_gqa=Hkv < H)
+    torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
+
+
+@needs_cc
+def test_masked_keys_never_leak():
+    """A key under a -inf bias gets probability 0 whatever it holds (NaN, inf: uninitialised cache)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 1, 16, generator=gen)
+    k, v = torch.randn(2, 2, 9, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen)
+    bias = torch.zeros(2, 1, 9)
+    bias[:, :, :3] = float("-inf")
+    clean = kernels.attention(q, k, v, bias, 0.25)
+    k[:, :, 0], k[:, :, 1] = float("nan"), float("inf")
+    torch.testing.assert_close(kernels.attention(q, k, v, bias, 0.25), clean, atol=0, rtol=0)
+
+
+@needs_cc
+def test_decode_attention_appends_and_attends():
+    B, H, D, T_max, t = 3, 4, 16, 10, 6
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn(B, 2, H, T_max, D, generator=gen)
+    kv[:, :, :, t:] = float("nan")  # columns not written yet
+    qkv = torch.randn(B, 3, H, D, generator=gen)
+    bias = torch.zeros(B, T_max)
+    bias[0, :2] = float("-inf")  # a left-padded row
+    out = torch.empty(B, H, D)
+    step = kernels.decode_attention(qkv, kv, bias, out, D**-0.5)
+    step(t)
+    torch.testing.assert_close(kv[:, 0, :, t], qkv[:, 1], atol=0, rtol=0)  # the step's key and value landed
+    torch.testing.assert_close(kv[:, 1, :, t], qkv[:, 2], atol=0, rtol=0)
+    ref = _reference(qkv[:, 0, :, None], kv[:, 0, :, : t + 1], kv[:, 1, :, : t + 1], bias[:, None, : t + 1], D**-0.5)
+    torch.testing.assert_close(out.double(), ref[:, :, 0], atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="outside the cache"):
+        step(T_max)
+
+
+@needs_cc
+def test_attention_rejects_what_it_cannot_do():
+    q = torch.randn(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="unsupported"):
+        kernels.attention(q.double(), q.double(), q.double(), torch.zeros(1, 1, 1), 1.0)
+    with pytest.raises(ValueError, match="unsupported"):  # head_dim not contiguous
+        kernels.attention(q.transpose(-1, -2), q, q, torch.zeros(1, 1, 1), 1.0)
+
+
+@needs_cc
+def test_gelu_tanh():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1003, generator=gen) * 4  # a length that leaves a scalar tail
+    x[:8] = torch.tensor([-100.0, -30.0, -10.0, 0.0, 1e-4, 10.0, 30.0, 100.0])
+    gate = torch.empty_like(x)
+    out = kernels.gelu_tanh(x, gate=gate)
+    torch.testing.assert_close(out.double(), F.gelu(x.double(), approximate="tanh"), atol=1e-6, rtol=2e-6)
+    z2 = 2 * (2 / torch.pi) ** 0.5 * (x.double() + 0.044715 * x.double() ** 3)
+    torch.testing.assert_close(gate.double(), torch.sigmoid(z2), atol=2e-7, rtol=2e-6)
+    assert out[0] == 0 and out[7] == 100  # the saturated ends are exact
+    y = x.clone()
+    kernels.gelu_tanh(y, out=y)  # in place
+    torch.testing.assert_close(y, out, atol=0, rtol=0)
+
+
+@needs_cc
+@pytest.mark.parametrize("V,temperature", [(42, 1.0), (7, 0.7), (16, 1.3), (5000, 1.0)])
+def test_sampler_matches_the_pytorch_path(V, temperature):
+    """Same tokens (for draws not within float error of a CDF boundary), log-probs, entropies and
+    EOS bookkeeping as rollout.sample_tokens on log_softmax(logits / temperature)."""
+    B, R, eos = 64, 4, 3
+    gen = torch.Generator().manual_seed(V)
+    logits = torch.randn(R, B, V, generator=gen) * 3
+    logits[..., 0] = float("-inf")  # a banned token
+    u = torch.rand(B, R, generator=gen)
+    sampler = kernels.Sampler(B, R, V, temperature, eos)
+    alive = torch.ones(B, dtype=torch.bool)
+    for t in range(R):
+        n_alive = sampler.step(t, logits[t], u[:, t])
+        logp = torch.log_softmax(logits[t] / temperature, -1)
+        tok = sample_tokens(logp, u=u[:, t])
+        cdf = logp.exp().cumsum(-1)
+        point = (1 - u[:, t, None]) * cdf[:, -1:]
+        clear = ((cdf - point).abs() > 1e-5).all(-1)  # draws far from every boundary
+        assert clear.float().mean() > 0.9
+        assert torch.equal(sampler.tokens[clear, t], tok[clear])
+        assert (sampler.tokens[:, t] != 0).all()  # never the banned token
+        took = sampler.tokens[:, t]
+        torch.testing.assert_close(sampler.logprobs[:, t], logp.gather(1, took[:, None])[:, 0], atol=2e-6, rtol=1e-6)
+        torch.testing.assert_close(sampler.entropy[:, t], _entropy(logp), atol=2e-5, rtol=2e-6)
+        alive &= took != eos
+        assert n_alive == int(alive.sum())
+        assert torch.equal(sampler.alive, alive)
+
+
+@needs_cc
+def test_generate_same_with_and_without_kernels(monkeypatch):
+    """The lean rollout (compiled attention, GELU and sampler) and the PyTorch fallback agree."""
+    tok = doubling.make_tokenizer()
+    model = build_tiny_policy(tok, 0, n_layer=2, n_head=2, n_embd=32).eval()
+    enc = tok(["数字:12x2=", "__:7x2=", "小写:1234x2=45", "大写:9999x2="], padding=True, return_tensors="pt")
+    u = torch.rand((4, 6), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        return generate(model, enc["input_ids"], enc["attention_mask"], 6, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id, uniforms=u, temperature=0.9)
+
+    assert kernels.available()
+    fast = run()
+    monkeypatch.setattr(kernels, "_lib", False)  # as without a compiler
+    assert not kernels.available()
+    slow = run()
+    assert torch.equal(fast.response_ids, slow.response_ids)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(fast.entropy, slow.entropy, atol=2e-6, rtol=1e-6)
+    assert torch.equal(fast.response_mask, slow.response_mask) and torch.equal(fast.finished, slow.finished)
+
+
+def test_no_compiler_falls_back_and_builds_are_cached(tmp_path):
+    """Without a compiler the library says so once and uses PyTorch; with one, a build is made
+    once per cache directory and reused by later processes."""
+    code = "from rlhfkit import kernels; print(kernels.available())"
+    env = {**os.environ, "RLHFKIT_CACHE": str(tmp_path), "CC": "/nonexistent/cc"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False" and "unavailable" in done.stderr
+    if not HAVE_CC:
+        return
+    env["CC"] = os.environ.get("CC") or "cc"
+    stamps = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == "True", done.stderr
+        built = list((tmp_path / "kernels").glob("*.so"))
+        assert len(built) == 1
+        stamps.append(built[0].stat().st_mtime_ns)
+    assert stamps[0] == stamps[1]  # the second process loaded the first one's build
