@@ -42,6 +42,7 @@ _lock = threading.Lock()
 # PyTorch's time up to ~2^24 (16 x 12 heads x 32 x 32 x 64: 0.83x; 64 x 64 queries and keys:
 # 1.1x); on two threads up to ~2^21 (16 x 12 x 1 x 96 x 64: 0.84x; 8 x 14 x 1 x 512 x 64: 1.4x).
 SMALL_ONE_THREAD, SMALL_THREADED = 1 << 24, 1 << 21
+MAX_KEYS, MAX_HEAD_DIM = 16384, 512  # as csrc/cpu_kernels.c (one query's scores live on its stack)
 
 
 def _flags() -> list[str]:
@@ -113,11 +114,12 @@ def available() -> bool:
     return bool(_load())
 
 
-def usable(like: torch.Tensor, work: int) -> bool:
+def usable(like: torch.Tensor, work: int, keys: int, head_dim: int) -> bool:
     """Whether attention over tensors like ``like`` with ``work = B x H x Tq x Tk x head_dim``
-    should run here: float32 on a CPU, small enough work, the kernel available."""
+    and ``keys`` keys should run here: float32 on a CPU, small enough work, the kernel available."""
     limit = SMALL_ONE_THREAD if torch.get_num_threads() == 1 else SMALL_THREADED
-    return like.device.type == "cpu" and like.dtype == torch.float32 and work <= limit and available()
+    return (like.device.type == "cpu" and like.dtype == torch.float32 and work <= limit and keys <= MAX_KEYS
+            and head_dim <= MAX_HEAD_DIM and available())
 
 
 def sampler_usable(B: int, V: int) -> bool:
@@ -131,7 +133,7 @@ def worth_it(q: torch.Tensor, k: torch.Tensor) -> bool:
     :func:`usable`, and no autograd graph to record."""
     B, H, Tq, D = q.shape
     return (k.dtype == q.dtype and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-            and usable(q, B * H * Tq * k.shape[2] * D))
+            and usable(q, B * H * Tq * k.shape[2] * D, k.shape[2], D))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
@@ -165,7 +167,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     if lib.rlhfkit_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), out.data_ptr(), B, H, Hkv, Tq, Tk, D, scale,
           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], bs[0], bs[1] if bias.shape[1] > 1 else 0, bs[2],
           *out.stride()[:3]):
-        raise ValueError(f"attention: head_dim {D} or heads {H}/{Hkv} not supported by the kernel")
+        raise ValueError(f"attention: head_dim {D} (<= {MAX_HEAD_DIM}), keys {Tk} (<= {MAX_KEYS}) or heads "
+                         f"{H}/{Hkv} not supported by the kernel")
     return out
 
 
@@ -195,7 +198,8 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, ou
 
     def step(t: int) -> None:
         if step_fn(*head, t, scale):
-            raise ValueError(f"decode_attention: column {t} outside the cache ({T_max}) or head_dim {D} too large")
+            raise ValueError(f"decode_attention: column {t} outside the cache ({T_max}, at most {MAX_KEYS}) "
+                             f"or head_dim {D} above {MAX_HEAD_DIM}")
 
     step.buffers = tensors  # the memory behind the pointers lives as long as the call
     return step

@@ -90,7 +90,8 @@ static inline v8 exp8(v8 x) {
  * contiguous. A bias of -inf masks a key exactly (its probability is 0 whatever the key
  * holds); every query row must leave at least one key unmasked. */
 
-#define MAX_D8 64 /* head_dim up to 512 */
+#define MAX_D8 64        /* head_dim up to 512 */
+#define MAX_KEYS 16384   /* the scores of one query live on the stack: 64 KiB at most */
 
 /* scores of keys j0 .. j0+7 (a partial block, full == 0, repeats the last key and masks the
  * copies), plus the bias, -inf exactly where the bias is -inf */
@@ -183,7 +184,7 @@ static inline __attribute__((always_inline)) void row(
     for (int64_t d = D8; d < D; d++) o[d] = (t0[d - D8] + t1[d - D8]) * inv;
 }
 
-/* Returns 0, or 1 when head_dim is too large (the caller falls back). Strides: q (b, h, i),
+/* Returns 0, or 1 when head_dim or the number of keys is too large. Strides: q (b, h, i),
  * k and v (b, h_kv, j), bias (b, i, j), out (b, h, i). */
 int rlhfkit_attend(const float *q, const float *k, const float *v, const float *bias, float *out,
                    int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, float scale,
@@ -191,7 +192,7 @@ int rlhfkit_attend(const float *q, const float *k, const float *v, const float *
                    int64_t vb, int64_t vh, int64_t vj, int64_t bb, int64_t bi, int64_t bj,
                    int64_t ob, int64_t oh, int64_t oi)
 {
-    if (D > 8 * MAX_D8 || Tk < 1 || H % Hkv) return 1;
+    if (D > 8 * MAX_D8 || Tk < 1 || Tk > MAX_KEYS || H % Hkv) return 1;
     float s[(Tk + 7) / 8 * 8];
     const int64_t g = H / Hkv;
     for (int64_t b = 0; b < B; b++)
@@ -219,7 +220,7 @@ int rlhfkit_attend(const float *q, const float *k, const float *v, const float *
 int rlhfkit_decode_attend(const float *qkv, float *kv, const float *bias, float *out,
                           int64_t B, int64_t H, int64_t D, int64_t T_max, int64_t t, float scale)
 {
-    if (D > 8 * MAX_D8 || t < 0 || t >= T_max) return 1;
+    if (D > 8 * MAX_D8 || t < 0 || t >= T_max || t >= MAX_KEYS) return 1;
     float s[(t + 1 + 7) / 8 * 8];
     const int64_t HD = H * D, TD = T_max * D;
     for (int64_t b = 0; b < B; b++)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .. import kernels
 from ..checkpoint import Checkpointer, cut_file, fault_point, file_size, loop_state, restore_loop_state
 from ..config import Config, PPOConfig
 from ..core import (
@@ -546,6 +547,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
     local_pc = dataclasses.replace(pc, minibatch_size=shard.local_size(pc.minibatch_size, "ppo.minibatch_size"))
     ac, ref, scorer, tok = build_models(cfg, policy_path, device)
+    if device.type == "cpu":
+        kernels.available()  # compile the CPU kernels (first use only) now, not inside the first timed step
     groups = [{"params": [p for p in ac.policy.parameters() if p.requires_grad], "lr": pc.lr}]
     if ac.has_critic:
         groups.append({"params": ac.critic_parameters(), "lr": pc.value_lr})
