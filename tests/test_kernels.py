@@ -205,3 +205,16 @@ def test_no_compiler_falls_back_and_builds_are_cached(tmp_path):
         assert len(built) == 1
         stamps.append(built[0].stat().st_mtime_ns)
     assert stamps[0] == stamps[1]  # the second process loaded the first one's build
+
+
+@needs_cc
+def test_attention_steps_aside_for_autograd_and_large_work():
+    """A graph through any of q, k, v (e.g. only v_proj trainable) keeps PyTorch's attention."""
+    q, k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    assert kernels.worth_it(q, k, v)
+    assert not kernels.worth_it(q, k, v.clone().requires_grad_())
+    with torch.no_grad():
+        assert kernels.worth_it(q, k, v.clone().requires_grad_())
+    assert not kernels.worth_it(q.double(), k.double(), v.double())
+    big = torch.empty(1, 1, kernels.MAX_KEYS + 1, 16)
+    assert not kernels.worth_it(q[:1, :1], big, big)  # more keys than the kernel's stack holds

@@ -184,7 +184,7 @@ def _attend(q, k, v, mask, scale, groups: int) -> torch.Tensor:
     """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
     boolean (True = may attend) or additive. Small float32 CPU work outside autograd goes to the
     compiled kernel (:mod:`rlhfkit.kernels`), the rest to PyTorch's."""
-    if kernels.worth_it(q, k):
+    if kernels.worth_it(q, k, v):
         bias = mask[:, 0]  # [B, Tq|1, Tk]
         if bias.dtype == torch.bool:
             bias = torch.zeros(bias.shape, dtype=q.dtype).masked_fill_(~bias, float("-inf"))
