@@ -135,6 +135,23 @@ def test_gelu_tanh():
 
 
 @needs_cc
+def test_gelu_tanh_gradient():
+    """The training forward's GELU (forward saving its gate, one-pass backward) against autograd
+    through F.gelu in float64."""
+    from rlhfkit.lean import _gelu_tanh
+
+    x = (torch.randn(37, 29, generator=torch.Generator().manual_seed(3)) * 3).requires_grad_()
+    w = torch.randn(37, 29, generator=torch.Generator().manual_seed(4))
+    (_gelu_tanh(x) * w).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    (F.gelu(x64, approximate="tanh") * w.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=2e-6, rtol=2e-6)
+    direct = kernels.gelu_tanh_backward(x.detach(), torch.sigmoid(
+        2 * (2 / torch.pi) ** 0.5 * (x.detach() + 0.044715 * x.detach() ** 3)), w)
+    torch.testing.assert_close(direct.double(), x64.grad, atol=2e-6, rtol=2e-6)
+
+
+@needs_cc
 @pytest.mark.parametrize("V,temperature", [(42, 1.0), (7, 0.7), (16, 1.3), (5000, 1.0)])
 def test_sampler_matches_the_pytorch_path(V, temperature):
     """Same tokens (for draws not within float error of a CDF boundary), log-probs, entropies and

@@ -108,7 +108,8 @@ def _load():
                     lib.rlhfkit_decode_attend.argtypes = [ptr] * 4 + [_I64] * 5 + [f32]
                     lib.rlhfkit_attend.restype = lib.rlhfkit_decode_attend.restype = ctypes.c_int
                     lib.rlhfkit_gelu_tanh.argtypes = [ptr] * 3 + [_I64]
-                    lib.rlhfkit_gelu_tanh.restype = None
+                    lib.rlhfkit_gelu_tanh_backward.argtypes = [ptr] * 4 + [_I64]
+                    lib.rlhfkit_gelu_tanh.restype = lib.rlhfkit_gelu_tanh_backward.restype = None
                     lib.rlhfkit_sample.argtypes = ([ptr] + [_I64] * 3 + [f32, ptr, _I64, _I64, ptr, _I64]
                                                    + [ptr] * 2 + [_I64] + [ptr] * 2)
                     lib.rlhfkit_sample.restype = _I64
@@ -217,19 +218,35 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, ou
     return step
 
 
+def _check_same(name: str, *tensors: torch.Tensor) -> None:
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.shape != tensors[0].shape
+           for t in tensors):
+        raise ValueError(f"{name}: contiguous float32 CPU tensors of one shape")
+
+
 def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """``gelu(x, approximate="tanh")`` in one pass, as ``x * sigmoid(c1 x + c3 x^3)``; ``out``
-    may be ``x`` (in place). With ``gate``, also writes ``sigmoid(c1 x + c3 x^3)`` there (for a
-    backward pass). Contiguous float32 CPU tensors of one shape; no autograd."""
+    may be ``x`` (in place). With ``gate``, also writes ``sigmoid(c1 x + c3 x^3)`` there (for
+    :func:`gelu_tanh_backward`). Contiguous float32 CPU tensors of one shape; no autograd."""
     lib = _load()
     if not lib:
         raise RuntimeError("the compiled kernels are not available (see kernels.available())")
     out = torch.empty_like(x) if out is None else out
-    tensors = (x, out) if gate is None else (x, out, gate)
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.shape != x.shape
-           for t in tensors):
-        raise ValueError("gelu_tanh: contiguous float32 CPU tensors of one shape")
+    _check_same("gelu_tanh", x, out, *(() if gate is None else (gate,)))
     lib.rlhfkit_gelu_tanh(x.data_ptr(), out.data_ptr(), None if gate is None else gate.data_ptr(), x.numel())
+    return out
+
+
+def gelu_tanh_backward(x: torch.Tensor, gate: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`gelu_tanh` at ``x`` times ``grad``, from the ``gate`` its forward
+    saved: ``grad * (s + s (1 - s) x (c1 + 3 c3 x^2))``, one pass instead of six ops."""
+    lib = _load()
+    if not lib:
+        raise RuntimeError("the compiled kernels are not available (see kernels.available())")
+    grad = grad.contiguous()
+    out = torch.empty_like(x)
+    _check_same("gelu_tanh_backward", x, gate, grad, out)
+    lib.rlhfkit_gelu_tanh_backward(x.data_ptr(), gate.data_ptr(), grad.data_ptr(), out.data_ptr(), x.numel())
     return out
 
 
