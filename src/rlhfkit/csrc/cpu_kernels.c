@@ -129,7 +129,7 @@ static inline __attribute__((always_inline)) v8 scores8(
 static inline __attribute__((always_inline)) void row(
     const float *restrict qi, const float *restrict kb, const float *restrict vb, const float *restrict bi,
     float *restrict o, int64_t Tk, const int64_t D, float scale, int64_t ksj, int64_t vsj, int64_t bsj,
-    float *restrict s)
+    float *restrict s, float *restrict lse)
 {
     const int64_t n8 = D / 8, D8 = n8 * 8;
     v8 qv[MAX_D8];
@@ -178,15 +178,17 @@ static inline __attribute__((always_inline)) void row(
         for (int64_t d = 0; d < n8; d++) a0[d] += p0 * ld(v0 + 8 * d);
         for (int64_t d = D8; d < D; d++) t0[d - D8] += s[j] * v0[d];
     }
-    const float inv = 1.f / hsum(sum8);
+    const float total = hsum(sum8), inv = 1.f / total;
+    if (lse) *lse = hmax(m8) + logf(total); /* log-sum-exp of the scores: the backward's softmax */
     const v8 iv = splat(inv);
     for (int64_t d = 0; d < n8; d++) st(o + 8 * d, (a0[d] + a1[d]) * iv);
     for (int64_t d = D8; d < D; d++) o[d] = (t0[d - D8] + t1[d - D8]) * inv;
 }
 
 /* Returns 0, or 1 when head_dim or the number of keys is too large. Strides: q (b, h, i),
- * k and v (b, h_kv, j), bias (b, i, j), out (b, h, i). */
-int rlhfkit_attend(const float *q, const float *k, const float *v, const float *bias, float *out,
+ * k and v (b, h_kv, j), bias (b, i, j), out (b, h, i). lse, when not NULL, receives each
+ * query's log-sum-exp of scores, contiguous [B, H, Tq] (for rlhfkit_attend_backward). */
+int rlhfkit_attend(const float *q, const float *k, const float *v, const float *bias, float *out, float *lse,
                    int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, float scale,
                    int64_t qb, int64_t qh, int64_t qi, int64_t kb, int64_t kh, int64_t kj,
                    int64_t vb, int64_t vh, int64_t vj, int64_t bb, int64_t bi, int64_t bj,
@@ -200,13 +202,98 @@ int rlhfkit_attend(const float *q, const float *k, const float *v, const float *
             const float *kp = k + b * kb + (h / g) * kh, *vp = v + b * vb + (h / g) * vh;
             for (int64_t i = 0; i < Tq; i++) {
                 const float *qp = q + b * qb + h * qh + i * qi, *bp = bias + b * bb + i * bi;
-                float *op = out + b * ob + h * oh + i * oi;
+                float *op = out + b * ob + h * oh + i * oi, *lp = lse ? lse + (b * H + h) * Tq + i : NULL;
                 switch (D) {
-                case 16: row(qp, kp, vp, bp, op, Tk, 16, scale, kj, vj, bj, s); break;
-                case 32: row(qp, kp, vp, bp, op, Tk, 32, scale, kj, vj, bj, s); break;
-                case 64: row(qp, kp, vp, bp, op, Tk, 64, scale, kj, vj, bj, s); break;
-                case 128: row(qp, kp, vp, bp, op, Tk, 128, scale, kj, vj, bj, s); break;
-                default: row(qp, kp, vp, bp, op, Tk, D, scale, kj, vj, bj, s);
+                case 16: row(qp, kp, vp, bp, op, Tk, 16, scale, kj, vj, bj, s, lp); break;
+                case 32: row(qp, kp, vp, bp, op, Tk, 32, scale, kj, vj, bj, s, lp); break;
+                case 64: row(qp, kp, vp, bp, op, Tk, 64, scale, kj, vj, bj, s, lp); break;
+                case 128: row(qp, kp, vp, bp, op, Tk, 128, scale, kj, vj, bj, s, lp); break;
+                default: row(qp, kp, vp, bp, op, Tk, D, scale, kj, vj, bj, s, lp);
+                }
+            }
+        }
+    return 0;
+}
+
+/* the backward of one query row, from the forward's log-sum-exp: with p_j = exp(s_j - lse),
+ * dv_j += p_j dO, dp_j = dO . v_j, ds_j = p_j (dp_j - dO . O), dq = scale sum_j ds_j k_j,
+ * dk_j += scale ds_j q. dk and dv accumulate over queries and grouped heads. */
+static inline __attribute__((always_inline)) void row_backward(
+    const float *restrict qi, const float *restrict kb, const float *restrict vb, const float *restrict bi,
+    const float *restrict oi, const float *restrict goi, float lse, float *restrict dqi, float *restrict dkb,
+    float *restrict dvb, int64_t Tk, const int64_t D, float scale, int64_t ksj, int64_t vsj, int64_t bsj,
+    float *restrict p, float *restrict ds)
+{
+    const int64_t n8 = D / 8, D8 = n8 * 8;
+    v8 qv[MAX_D8], gv[MAX_D8];
+    float delta = 0.f; /* dO . O */
+    for (int64_t d = 0; d < n8; d++) {
+        qv[d] = ld(qi + 8 * d) * splat(scale);
+        gv[d] = ld(goi + 8 * d);
+        delta += hsum(gv[d] * ld(oi + 8 * d));
+    }
+    for (int64_t d = D8; d < D; d++) delta += goi[d] * oi[d];
+    const float zero = 0.f;
+    for (int64_t j0 = 0; j0 < Tk; j0 += 8) {
+        const int full = j0 + 8 <= Tk;
+        const v8 sc = full ? scores8(qi, qv, kb, bi, j0, Tk, D, scale, ksj, bsj, 1)
+                           : scores8(qi, qv, kb, bi, j0, Tk, D, scale, ksj, bsj, 0);
+        const v8 dp = full ? scores8(goi, gv, vb, &zero, j0, Tk, D, 1.f, vsj, 0, 1)
+                           : scores8(goi, gv, vb, &zero, j0, Tk, D, 1.f, vsj, 0, 0);
+        const v8 pv = exp8(sc - splat(lse)); /* 0 where masked */
+        st(p + j0, pv);
+        st(ds + j0, pv * (dp - splat(delta)) * splat(scale));
+    }
+    v8 dq[MAX_D8];
+    float dqt[8] = {0};
+    for (int64_t d = 0; d < n8; d++) dq[d] = splat(0.f);
+    for (int64_t j = 0; j < Tk; j++) {
+        if (p[j] == 0.f) continue; /* a masked key: no gradient either way */
+        const v8 pj = splat(p[j]), dsj = splat(ds[j]);
+        const float *kj = kb + j * ksj;
+        float *dkj = dkb + j * D, *dvj = dvb + j * D;
+        for (int64_t d = 0; d < n8; d++) {
+            dq[d] += dsj * ld(kj + 8 * d);
+            st(dkj + 8 * d, ld(dkj + 8 * d) + dsj * ld(qi + 8 * d));
+            st(dvj + 8 * d, ld(dvj + 8 * d) + pj * gv[d]);
+        }
+        for (int64_t d = D8; d < D; d++) {
+            dqt[d - D8] += ds[j] * kj[d];
+            dkj[d] += ds[j] * qi[d];
+            dvj[d] += p[j] * goi[d];
+        }
+    }
+    for (int64_t d = 0; d < n8; d++) st(dqi + 8 * d, dq[d]);
+    for (int64_t d = D8; d < D; d++) dqi[d] = dqt[d - D8];
+}
+
+/* Gradients of rlhfkit_attend: dq [B, H, Tq, D], dk and dv [B, Hkv, Tk, D] contiguous (dk and
+ * dv zeroed by the caller), from q, k, v, bias, out, its gradient gout (strides as out) and lse. */
+int rlhfkit_attend_backward(const float *q, const float *k, const float *v, const float *bias, const float *out,
+                            const float *gout, const float *lse, float *dq, float *dk, float *dv,
+                            int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, float scale,
+                            int64_t qb, int64_t qh, int64_t qi, int64_t kb, int64_t kh, int64_t kj,
+                            int64_t vb, int64_t vh, int64_t vj, int64_t bb, int64_t bi, int64_t bj,
+                            int64_t ob, int64_t oh, int64_t oi)
+{
+    if (D > 8 * MAX_D8 || Tk < 1 || Tk > MAX_KEYS || H % Hkv) return 1;
+    float p[(Tk + 7) / 8 * 8], ds[(Tk + 7) / 8 * 8];
+    const int64_t g = H / Hkv;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *kp = k + b * kb + (h / g) * kh, *vp = v + b * vb + (h / g) * vh;
+            float *dkp = dk + (b * Hkv + h / g) * Tk * D, *dvp = dv + (b * Hkv + h / g) * Tk * D;
+            for (int64_t i = 0; i < Tq; i++) {
+                const float *qp = q + b * qb + h * qh + i * qi, *bp = bias + b * bb + i * bi;
+                const float *op = out + b * ob + h * oh + i * oi, *gp = gout + b * ob + h * oh + i * oi;
+                const float l = lse[(b * H + h) * Tq + i];
+                float *dqp = dq + ((b * H + h) * Tq + i) * D;
+                switch (D) {
+                case 16: row_backward(qp, kp, vp, bp, op, gp, l, dqp, dkp, dvp, Tk, 16, scale, kj, vj, bj, p, ds); break;
+                case 32: row_backward(qp, kp, vp, bp, op, gp, l, dqp, dkp, dvp, Tk, 32, scale, kj, vj, bj, p, ds); break;
+                case 64: row_backward(qp, kp, vp, bp, op, gp, l, dqp, dkp, dvp, Tk, 64, scale, kj, vj, bj, p, ds); break;
+                case 128: row_backward(qp, kp, vp, bp, op, gp, l, dqp, dkp, dvp, Tk, 128, scale, kj, vj, bj, p, ds); break;
+                default: row_backward(qp, kp, vp, bp, op, gp, l, dqp, dkp, dvp, Tk, D, scale, kj, vj, bj, p, ds);
                 }
             }
         }
@@ -232,11 +319,11 @@ int rlhfkit_decode_attend(const float *qkv, float *kv, const float *bias, float 
             const float *bp = bias + b * T_max;
             float *op = out + b * HD + h * D;
             switch (D) {
-            case 16: row(qp, kp, vp, bp, op, t + 1, 16, scale, D, D, 1, s); break;
-            case 32: row(qp, kp, vp, bp, op, t + 1, 32, scale, D, D, 1, s); break;
-            case 64: row(qp, kp, vp, bp, op, t + 1, 64, scale, D, D, 1, s); break;
-            case 128: row(qp, kp, vp, bp, op, t + 1, 128, scale, D, D, 1, s); break;
-            default: row(qp, kp, vp, bp, op, t + 1, D, scale, D, D, 1, s);
+            case 16: row(qp, kp, vp, bp, op, t + 1, 16, scale, D, D, 1, s, NULL); break;
+            case 32: row(qp, kp, vp, bp, op, t + 1, 32, scale, D, D, 1, s, NULL); break;
+            case 64: row(qp, kp, vp, bp, op, t + 1, 64, scale, D, D, 1, s, NULL); break;
+            case 128: row(qp, kp, vp, bp, op, t + 1, 128, scale, D, D, 1, s, NULL); break;
+            default: row(qp, kp, vp, bp, op, t + 1, D, scale, D, D, 1, s, NULL);
             }
         }
     return 0;
