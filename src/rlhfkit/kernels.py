@@ -82,7 +82,11 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        try:
+            done = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+        except subprocess.TimeoutExpired as err:
+            raise OSError(f"{cc} did not finish in {err.timeout:.0f} s") from err
         if done.returncode:
             raise OSError(f"{cc} failed: {done.stderr.strip()[:500]}")
         os.replace(tmp, target)
@@ -93,7 +97,7 @@ def _build() -> Path:
 
 
 def _load():
-    """The loaded library (its two functions typed), or False when it cannot be had."""
+    """The loaded library with its functions typed, or False when it cannot be had."""
     global _lib
     if _lib is None:
         with _lock:
@@ -102,28 +106,34 @@ def _load():
                     _lib = False
                     return _lib
                 try:
-                    lib = ctypes.CDLL(str(_build()))
-                    ptr, f32 = ctypes.c_void_p, ctypes.c_float
-                    lib.rlhfkit_attend.argtypes = [ptr] * 6 + [_I64] * 6 + [f32] + [_I64] * 15
-                    lib.rlhfkit_attend_backward.argtypes = [ptr] * 10 + [_I64] * 6 + [f32] + [_I64] * 15
-                    lib.rlhfkit_attend_backward.restype = ctypes.c_int
-                    lib.rlhfkit_decode_attend.argtypes = [ptr] * 4 + [_I64] * 5 + [f32]
-                    lib.rlhfkit_attend.restype = lib.rlhfkit_decode_attend.restype = ctypes.c_int
-                    lib.rlhfkit_gelu_tanh.argtypes = [ptr] * 3 + [_I64]
-                    lib.rlhfkit_gelu_tanh_backward.argtypes = [ptr] * 4 + [_I64]
-                    lib.rlhfkit_gelu_tanh.restype = lib.rlhfkit_gelu_tanh_backward.restype = None
-                    lib.rlhfkit_sample.argtypes = ([ptr] + [_I64] * 3 + [f32, ptr, _I64, _I64, ptr, _I64]
-                                                   + [ptr] * 2 + [_I64] + [ptr] * 2)
-                    lib.rlhfkit_sample.restype = _I64
-                    _lib = lib
-                except OSError as err:  # no compiler, a failed build, an unloadable library
-                    log.warning("rlhfkit: CPU attention kernel unavailable, using PyTorch's (%s)", err)
+                    _lib = _typed(ctypes.CDLL(str(_build())))
+                except OSError as err:  # no compiler, a failed build, an unwritable cache, an unloadable library
+                    log.warning("rlhfkit: compiled CPU kernels unavailable, using PyTorch's ops (%s; "
+                                "RLHFKIT_CACHE sets where they are built)", err)
                     _lib = False
     return _lib
 
 
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Argument and result types of the C functions (ctypes would otherwise pass ints as 32-bit)."""
+    ptr, f32, i64, status = ctypes.c_void_p, ctypes.c_float, _I64, ctypes.c_int
+    strides = [i64] * 15  # q, k, v, bias, out: (batch, head, position) each
+    signatures = {
+        "rlhfkit_attend": ([ptr] * 6 + [i64] * 6 + [f32] + strides, status),
+        "rlhfkit_attend_backward": ([ptr] * 10 + [i64] * 6 + [f32] + strides, status),
+        "rlhfkit_decode_attend": ([ptr] * 4 + [i64] * 5 + [f32], status),
+        "rlhfkit_gelu_tanh": ([ptr] * 3 + [i64], None),
+        "rlhfkit_gelu_tanh_backward": ([ptr] * 4 + [i64], None),
+        "rlhfkit_sample": ([ptr, i64, i64, i64, f32, ptr, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr], i64),
+    }
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib
+
+
 def available() -> bool:
-    """True when the compiled attention can be used (built or loaded now if need be)."""
+    """True when the compiled kernels can be used (built or loaded now if need be)."""
     return bool(_load())
 
 
