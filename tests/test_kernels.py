@@ -68,12 +68,13 @@ def test_attention_matches_reference(B, H, Hkv, Tq, Tk, D):
     scale = D**-0.5
     ours = kernels.attention(q, k, v, bias, scale)
     torch.testing.assert_close(ours.double(), _reference(q, k, v, bias, scale), atol=2e-6, rtol=2e-6)
-    if Tq == 1:  # the mask broadcast over queries (stride 0), as decode passes it
-        ours = kernels.attention(q, k, v, bias[:, :1].expand(B, 1, Tk), scale)
-        torch.testing.assert_close(ours.double(), _reference(q, k, v, bias, scale), atol=2e-6, rtol=2e-6)
     # PyTorch's own attention agrees too (same arithmetic in float32)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None], scale=scale, enable_gqa=Hkv < H)
     torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
+    # a key-padding mask shared by every query ([B, 1, Tk], read with stride 0 over queries)
+    keys_only = _bias(B, 1, Tk, False, gen)
+    ours = kernels.attention(q, k, v, keys_only, scale)
+    torch.testing.assert_close(ours.double(), _reference(q, k, v, keys_only, scale), atol=2e-6, rtol=2e-6)
 
 
 @needs_cc

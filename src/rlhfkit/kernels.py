@@ -236,10 +236,11 @@ class _Attention(torch.autograd.Function):
         Hkv, Tk = k.shape[1], k.shape[2]
         dq = q.new_empty((B, H, Tq, D))
         dk, dv = k.new_zeros((B, Hkv, Tk, D)), v.new_zeros((B, Hkv, Tk, D))
-        _load().rlhfkit_attend_backward(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), out.data_ptr(), gout.data_ptr(),
-            lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), B, H, Hkv, Tq, Tk, D, ctx.scale,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *out.stride()[:3])
+        if _load().rlhfkit_attend_backward(
+                q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), out.data_ptr(), gout.data_ptr(),
+                lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), B, H, Hkv, Tq, Tk, D, ctx.scale,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *out.stride()[:3]):
+            raise ValueError("attention backward: sizes the forward accepted were refused")  # never expected
         return dq, dk, dv, None, None
 
 
@@ -335,7 +336,8 @@ class Sampler:
     def step(self, t: int, logits: torch.Tensor, u: torch.Tensor) -> int:
         B, V = self._B, self._V
         if (logits.shape != (B, V) or logits.dtype != torch.float32 or logits.device.type != "cpu"
-                or logits.stride(1) != 1 or u.shape != (B,) or u.dtype != torch.float32 or not 0 <= t < self._R):
+                or logits.stride(1) != 1 or u.shape != (B,) or u.dtype != torch.float32 or u.device.type != "cpu"
+                or not 0 <= t < self._R):
             raise ValueError(f"Sampler.step: logits {tuple(logits.shape)} {logits.dtype}, u {tuple(u.shape)} "
                              f"{u.dtype}, step {t} (expected float32 CPU [{B}, {V}], [{B}], step < {self._R})")
         tok, lp, ent, esize = self._ptrs

@@ -357,6 +357,23 @@ void rlhfkit_gelu_tanh(const float *x, float *out, float *gate, int64_t n)
     }
 }
 
+/* d gelu_tanh / dx times grad, from x and the gate s = sigmoid(2z) saved by the forward:
+ * out = grad * (s + s (1 - s) * x (c1 + 3 c3 x^2)). out may be grad itself. */
+void rlhfkit_gelu_tanh_backward(const float *x, const float *gate, const float *grad, float *out, int64_t n)
+{
+    const float c1 = 1.5957691216057308f, c3x3 = 3.f * 0.044715f * 1.5957691216057308f;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 xv = ld(x + i), s = ld(gate + i);
+        const v8 xdz = (splat(c1) + splat(c3x3) * xv * xv) * xv;
+        st(out + i, ((s - s * s) * xdz + s) * ld(grad + i));
+    }
+    for (; i < n; i++) {
+        const float xv = x[i], s = gate[i], xdz = (c1 + c3x3 * xv * xv) * xv;
+        out[i] = ((s - s * s) * xdz + s) * grad[i];
+    }
+}
+
 /* ------------------------------------------------------------------------------ sampling
  *
  * One step of rlhfkit.rollout.generate for B rows of V logits, as the PyTorch path computes it:
@@ -434,21 +451,4 @@ int64_t rlhfkit_sample(const float *logits, int64_t B, int64_t V, int64_t ls, fl
         n_alive += alive[b] != 0;
     }
     return n_alive;
-}
-
-/* d gelu_tanh / dx times grad, from x and the gate s = sigmoid(2z) saved by the forward:
- * out = grad * (s + s (1 - s) * x (c1 + 3 c3 x^2)). out may be grad itself. */
-void rlhfkit_gelu_tanh_backward(const float *x, const float *gate, const float *grad, float *out, int64_t n)
-{
-    const float c1 = 1.5957691216057308f, c3x3 = 3.f * 0.044715f * 1.5957691216057308f;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const v8 xv = ld(x + i), s = ld(gate + i);
-        const v8 xdz = (splat(c1) + splat(c3x3) * xv * xv) * xv;
-        st(out + i, ((s - s * s) * xdz + s) * ld(grad + i));
-    }
-    for (; i < n; i++) {
-        const float xv = x[i], s = gate[i], xdz = (c1 + c3x3 * xv * xv) * xv;
-        out[i] = ((s - s * s) * xdz + s) * grad[i];
-    }
 }
