@@ -21,9 +21,9 @@ source, the compiler and its flags (AVX2 when ATen itself uses it), and loaded w
 ``RLHFKIT_KERNELS=0``, :func:`available` is False and every caller uses PyTorch's ops; results
 agree to rounding (~1e-7), as ``tests/test_kernels.py`` checks.
 
-Callers use them for float32 CPU tensors outside autograd (generation, reference and reward
-forwards) when the work is small enough (:func:`worth_it`); training forwards keep PyTorch's
-attention and its backward (the GELU's forward, which saves its gate, is used there too).
+Callers use them for float32 CPU tensors when the work is small enough (:func:`worth_it`):
+in generation, in the reference and reward forwards, and in training forwards, where the
+attention and the GELU run their compiled backward passes.
 """
 from __future__ import annotations
 

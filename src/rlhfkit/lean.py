@@ -12,10 +12,9 @@ parameters (no copies, so autograd and the optimizer see the usual ``nn.Paramete
   mask built once, the parameters gathered once per rollout, prompts that repeat (GRPO's
   groups) run once, and on a GPU q/k/v and gate/up each as one matmul.
 
-On a CPU in float32, attention outside autograd (generation, reference and reward forwards)
-and the tanh-GELU go to :mod:`rlhfkit.kernels` (compiled loops; PyTorch's ops without a C
-compiler): at a small model's sizes PyTorch spends more on setting up those ops than on
-their arithmetic.
+On a CPU in float32, attention over short contexts and the tanh-GELU (forward and backward)
+go to :mod:`rlhfkit.kernels` (compiled loops; PyTorch's ops without a C compiler): at a small
+model's sizes PyTorch spends more on setting up those ops than on their arithmetic.
 
 Differences from the reference implementations are rounding only: GPT-2's ``gelu_new`` is
 computed as ``x * sigmoid(2z)`` (equal to ``x * (1 + tanh z) / 2``; on this CPU build tanh
@@ -184,8 +183,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _attend(q, k, v, mask, scale, groups: int) -> torch.Tensor:
     """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
-    boolean (True = may attend) or additive. Small float32 CPU work outside autograd goes to the
-    compiled kernel (:mod:`rlhfkit.kernels`), the rest to PyTorch's."""
+    boolean (True = may attend) or additive. Small float32 CPU work goes to the compiled kernel
+    (:mod:`rlhfkit.kernels`, with its own backward under autograd), the rest to PyTorch's."""
     if kernels.worth_it(q, k, v):
         bias = mask[:, 0]  # [B, Tq|1, Tk]
         if bias.dtype == torch.bool:
