@@ -132,6 +132,14 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _required() -> ctypes.CDLL:
+    """The library, for callers that checked :func:`available` (or :func:`worth_it`) first."""
+    lib = _load()
+    if not lib:
+        raise RuntimeError("the compiled kernels are not available (see kernels.available())")
+    return lib
+
+
 def available() -> bool:
     """True when the compiled kernels can be used (built or loaded now if need be)."""
     return bool(_load())
@@ -183,9 +191,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 
 
 def _attend(q, k, v, bias, scale, out, lse):
-    lib = _load()
-    if not lib:
-        raise RuntimeError("the compiled attention is not available (see kernels.available())")
+    lib = _required()
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if out is None:
@@ -254,9 +260,7 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, ou
     ``out [B, H, D]``. For a decode loop that writes ``qkv`` in place each step: checks, pointers
     and sizes are taken once, the copy and the attention are one call (each tensor op costs a
     few microseconds, about what the attention itself costs at a tiny model's sizes)."""
-    lib = _load()
-    if not lib:
-        raise RuntimeError("the compiled attention is not available (see kernels.available())")
+    lib = _required()
     B, three, H, D = qkv.shape
     T_max = kv.shape[3]
     tensors = (qkv, kv, bias, out)
@@ -286,9 +290,7 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None, gate: torch.Tens
     """``gelu(x, approximate="tanh")`` in one pass, as ``x * sigmoid(c1 x + c3 x^3)``; ``out``
     may be ``x`` (in place). With ``gate``, also writes ``sigmoid(c1 x + c3 x^3)`` there (for
     :func:`gelu_tanh_backward`). Contiguous float32 CPU tensors of one shape; no autograd."""
-    lib = _load()
-    if not lib:
-        raise RuntimeError("the compiled kernels are not available (see kernels.available())")
+    lib = _required()
     out = torch.empty_like(x) if out is None else out
     _check_same("gelu_tanh", x, out, *(() if gate is None else (gate,)))
     lib.rlhfkit_gelu_tanh(x.data_ptr(), out.data_ptr(), None if gate is None else gate.data_ptr(), x.numel())
@@ -298,9 +300,7 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None, gate: torch.Tens
 def gelu_tanh_backward(x: torch.Tensor, gate: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient of :func:`gelu_tanh` at ``x`` times ``grad``, from the ``gate`` its forward
     saved: ``grad * (s + s (1 - s) x (c1 + 3 c3 x^2))``, one pass instead of six ops."""
-    lib = _load()
-    if not lib:
-        raise RuntimeError("the compiled kernels are not available (see kernels.available())")
+    lib = _required()
     grad = grad.contiguous()
     out = torch.empty_like(x)
     _check_same("gelu_tanh_backward", x, gate, grad, out)
@@ -320,9 +320,7 @@ class Sampler:
     rows have not emitted ``eos`` yet."""
 
     def __init__(self, B: int, R: int, V: int, temperature: float, eos: int):
-        lib = _load()
-        if not lib:
-            raise RuntimeError("the compiled kernels are not available (see kernels.available())")
+        lib = _required()
         self.tokens = torch.empty((B, R), dtype=torch.long)
         self.logprobs = torch.empty((B, R))
         self.entropy = torch.empty((B, R))
