@@ -88,7 +88,7 @@ def main() -> None:
             reward={"name": reward}, value={"lora": True},
             ppo={"algo": "ppo", "steps": args.steps, "batch_size": args.batch, "minibatch_size": args.minibatch,
                  "ppo_epochs": 1, "max_new_tokens": args.new_tokens, "critic_warmup_steps": 0, "eval_every": 0,
-                 "stop_at_exact": 0.0, "value_init": "reward", "trajectories_every": 0},
+                 "stop_at": 0.0, "value_init": "reward", "trajectories_every": 0},
             eval={"batch_size": 512, "max_new_tokens": 8},
         )
         if args.device.startswith("cuda"):

@@ -70,7 +70,7 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
 
     algo = "ppo" if kind == "rlhfkit_ppo" else "grpo"
     out = Path(args.out) / f"step_{kind}"
-    ppo = {**ALGO_DEFAULTS[algo], "steps": args.warmup + args.steps, "stop_at_exact": 0.0, "eval_every": 0,
+    ppo = {**ALGO_DEFAULTS[algo], "steps": args.warmup + args.steps, "stop_at": 0.0, "eval_every": 0,
            "critic_warmup_steps": 0}
     if kind == "rlhfkit_grpo_trl_schedule":
         ppo.update(group_size=8, ppo_epochs=1, minibatch_size=64, kl_coef=0.1)

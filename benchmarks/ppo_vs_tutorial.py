@@ -38,7 +38,7 @@ def run_rlhfkit(base: str, rm: str, out: Path, seed: int, target: float, max_ste
     from rlhfkit.trainers.rl import train_rl
 
     cfg = Config().replace(run={"out_dir": str(out / "rlhfkit_ppo"), "seed": seed, "progress": False},
-                           ppo={"stop_at_exact": target, "steps": max_steps})
+                           ppo={"stop_at": target, "steps": max_steps})
     res = train_rl(cfg, base, rm)
     reached = res["reached"]
     return {"name": f"rlhfkit PPO (minibatches of {cfg.ppo.minibatch_size})", "steps": res["steps"], "train_s": res["seconds"],
@@ -74,8 +74,9 @@ def run_tutorial_design(base: str, rm_path: str, seed: int, target: float, budge
         masked_whiten,
         shaped_rewards,
     )
-    from rlhfkit.evaluate import evaluate_doubling, tokenize_prompts
+    from rlhfkit.evaluate import evaluate_doubling
     from rlhfkit.models import freeze, load_policy, load_scalar_model, sequence_scores
+    from rlhfkit.rollout import tokenize_prompts
     from rlhfkit.tasks import doubling
 
     torch.manual_seed(seed)

@@ -75,7 +75,7 @@ def prompts(name: str, batch: int, prompt_len: int, vocab: int, device, out: str
     if name == "tiny":
         from transformers import AutoTokenizer
 
-        from rlhfkit.evaluate import tokenize_prompts
+        from rlhfkit.rollout import tokenize_prompts
         from rlhfkit.tasks import doubling
 
         tok = AutoTokenizer.from_pretrained(prepare(out)["base"])

@@ -79,7 +79,7 @@ def soak(args) -> dict:
             f.unlink()
     cmd = rlhfkit("ppo", f"model.name={base}", f"reward.name={rm}", f"run.out_dir={run_dir}",
                   f"run.seed={args.seed}", f"run.threads={args.threads}", "run.progress=false",
-                  "ppo.steps=100000000", "ppo.stop_at_exact=0", f"ppo.eval_every={args.eval_every}")
+                  "ppo.steps=100000000", "ppo.stop_at=0", f"ppo.eval_every={args.eval_every}")
     print("soak:", " ".join(cmd[2:]), flush=True)
     log = open(out / "soak_child.log", "w")
     child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -105,7 +105,7 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
     cfg = Config().replace(
         run={"out_dir": str(Path(args.out) / f"tta_rlhfkit_{algo}_{args.seed}"), "seed": args.seed,
              "progress": False, "threads": 1},
-        ppo={**ALGO_DEFAULTS[algo], "stop_at_exact": args.target, "steps": args.max_steps,
+        ppo={**ALGO_DEFAULTS[algo], "stop_at": args.target, "steps": args.max_steps,
              "eval_every": args.eval_every},
         reward=reward,
     )
@@ -177,11 +177,10 @@ def check_same_reward(paths: dict) -> float:
     """Largest gap between rlhfkit's built-in classifier scorer and the callable TRL gets."""
     from transformers import AutoTokenizer
 
-    from rlhfkit.evaluate import decode_responses, tokenize_prompts
     from rlhfkit.models import freeze, load_policy, load_scalar_model
-    from rlhfkit.rollout import generate
+    from rlhfkit.rewards import classifier_scorer
+    from rlhfkit.rollout import decode_responses, generate, tokenize_prompts
     from rlhfkit.tasks import doubling
-    from rlhfkit.trainers.rl import classifier_scorer
 
     tok = AutoTokenizer.from_pretrained(paths["base"])
     policy = load_policy(paths["base"]).eval()

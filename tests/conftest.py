@@ -46,7 +46,7 @@ def tiny_config():
             "pretrain": {"steps": 3, "batch_size": 8, "warmup_steps": 1},
             "reward": {"steps": 3, "batch_size": 8, "eval_pairs": 16},
             "ppo": {"steps": 2, "batch_size": 8, "minibatch_size": 4, "max_new_tokens": 4, "eval_every": 0,
-                    "critic_warmup_steps": 0, "stop_at_exact": 0.0, "group_size": 4},
+                    "critic_warmup_steps": 0, "stop_at": 0.0, "group_size": 4},
             "sft": {"steps": 3, "batch_size": 4, "warmup_steps": 1},
             "dpo": {"steps": 3, "batch_size": 4, "num_pairs": 16, "eval_every": 0},
             "eval": {"batch_size": 512, "max_new_tokens": 4},

@@ -97,7 +97,7 @@ def rm_cli(env, lines, *needles, extra=()):
 def tiny_run(env, command: str, *overrides: str) -> int:
     argv = [command, f"run.out_dir={env.tmp / command}", "run.progress=false", "model.n_layer=1", "model.n_head=2",
             "model.n_embd=16", "ppo.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
-            "ppo.eval_every=0", "ppo.critic_warmup_steps=0", "ppo.stop_at_exact=0", "ppo.group_size=4",
+            "ppo.eval_every=0", "ppo.critic_warmup_steps=0", "ppo.stop_at=0", "ppo.group_size=4",
             "sft.steps=2", "sft.batch_size=4", "eval.max_new_tokens=4", *overrides]
     return main(argv)
 

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfkit.config import Config
+from rlhfkit.trainers.common import Engine
 from rlhfkit.utils import TrainingError, UpdateGuard, read_jsonl
 
 pytestmark = pytest.mark.usefixtures("no_plots")
@@ -62,9 +63,10 @@ def _poison(fn, bad_calls, calls: list):
 
 
 def _ppo_setup():
+    from rlhfkit.experience import make_experience
+    from rlhfkit.rewards import reward_model_scorer
     from rlhfkit.rollout import generate
     from rlhfkit.tasks import doubling
-    from rlhfkit.trainers.rl import make_experience, reward_model_scorer
     from test_ppo import _setup, prompts
 
     tok = doubling.make_tokenizer()
@@ -88,7 +90,7 @@ def test_ppo_update_skips_nan_minibatches_and_keeps_weights_finite(monkeypatch):
     original, calls = rl.policy_loss, []
     monkeypatch.setattr(rl, "policy_loss", _poison(original, "all", calls))
     guard = UpdateGuard(max_bad=100)
-    rl.ppo_update(ac, opt, exp, pc, pc.kl_coef, guard=guard)
+    rl.ppo_update(ac, opt, exp, pc, pc.kl_coef, engine=Engine(guard=guard))
     assert len(calls) == guard.skipped == pc.ppo_epochs * 16 // 4 == 8
     # every update was skipped: weights and optimizer state exactly as before
     assert all(torch.equal(before[k], v) for k, v in ac.state_dict().items())
@@ -97,7 +99,7 @@ def test_ppo_update_skips_nan_minibatches_and_keeps_weights_finite(monkeypatch):
     # one poisoned minibatch among eight: seven updates land, all weights stay finite
     monkeypatch.setattr(rl, "policy_loss", _poison(original, {3}, []))
     guard = UpdateGuard(max_bad=100)
-    rl.ppo_update(ac, opt, exp, pc, pc.kl_coef, guard=guard)
+    rl.ppo_update(ac, opt, exp, pc, pc.kl_coef, engine=Engine(guard=guard))
     assert guard.skipped == 1 and guard.in_a_row == 0
     assert any(not torch.equal(before[k], v) for k, v in ac.state_dict().items())
     assert all(torch.isfinite(v).all() for v in ac.state_dict().values())
@@ -111,7 +113,7 @@ def test_ppo_update_stops_after_max_bad_in_a_row(monkeypatch):
     calls: list = []
     monkeypatch.setattr(rl, "policy_loss", _poison(rl.policy_loss, "all", calls))
     with pytest.raises(TrainingError, match="ppo: 3 optimizer updates in a row had a non-finite loss"):
-        rl.ppo_update(ac, opt, exp, pc, pc.kl_coef, guard=UpdateGuard(max_bad=3, where="ppo"))
+        rl.ppo_update(ac, opt, exp, pc, pc.kl_coef, engine=Engine(guard=UpdateGuard(max_bad=3, where="ppo")))
     assert len(calls) == 3  # stopped at the third, not at the end of the epochs
 
 

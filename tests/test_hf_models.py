@@ -30,9 +30,10 @@ from rlhfkit.models import (
     save_policy,
     sequence_scores,
 )
+from rlhfkit.rewards import other_tokenizer, reward_model_scorer
 from rlhfkit.rollout import Rollout, generate
 from rlhfkit.trainers.reward import train_reward_model
-from rlhfkit.trainers.rl import build_models, other_tokenizer, reward_model_scorer, train_rl
+from rlhfkit.trainers.rl import build_models, train_rl
 from rlhfkit.utils import read_jsonl
 
 PROMPTS = ["数字:1234x2=", "Where is Pune?", "大写:77x2="]
@@ -71,7 +72,7 @@ def left_padded(tok, texts):
 def tiny_rl_config(tmp_path, **sections) -> Config:
     base = {"run": {"out_dir": str(tmp_path), "progress": False, "seed": 0, "threads": 1},
             "ppo": {"steps": 2, "batch_size": 8, "minibatch_size": 4, "group_size": 4, "critic_warmup_steps": 0,
-                    "max_new_tokens": 6, "eval_every": 0, "stop_at_exact": 0.0}}
+                    "max_new_tokens": 6, "eval_every": 0, "stop_at": 0.0}}
     for sec, vals in sections.items():
         base.setdefault(sec, {}).update(vals)
     return Config().replace(**base)

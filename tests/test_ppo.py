@@ -16,17 +16,12 @@ import torch
 
 from rlhfkit.config import Config
 from rlhfkit.core import entropy_from_logits, logprobs_from_logits
+from rlhfkit.experience import ActorCritic, RunningMoments, make_experience, reuse_rollout
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze, policy_forward
+from rlhfkit.rewards import reward_model_scorer
 from rlhfkit.rollout import generate
 from rlhfkit.tasks import doubling
-from rlhfkit.trainers.rl import (
-    ActorCritic,
-    RunningMoments,
-    make_experience,
-    ppo_update,
-    reuse_rollout,
-    reward_model_scorer,
-)
+from rlhfkit.trainers.rl import ppo_update
 
 TOK = doubling.make_tokenizer()
 ARCH = {"n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -219,7 +214,7 @@ def test_options_run_and_stay_finite(overrides):
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
 def test_experience_in_row_chunks_equals_the_whole_batch(value_model, monkeypatch):
     """Big vocabularies run the experience forward in row chunks (EXPERIENCE_LOGITS): same numbers."""
-    import rlhfkit.trainers.rl as rl
+    import rlhfkit.experience as rl
 
     ac, ref, rm = _setup(value_model)
     pc = Config().ppo

@@ -45,7 +45,7 @@ def ppo_run(tmp_path_factory):
     rm = train_reward_model(cfg.replace(run={"out_dir": str(root / "rm")}, reward={"steps": 30, "eval_pairs": 64}),
                             policy_path=pre["path"])
     ppo_cfg = cfg.replace(run={"out_dir": str(root / "ppo")},
-                          ppo={"steps": 4, "batch_size": 16, "minibatch_size": 8, "eval_every": 0, "stop_at_exact": 0,
+                          ppo={"steps": 4, "batch_size": 16, "minibatch_size": 8, "eval_every": 0, "stop_at": 0,
                                "critic_warmup_steps": 1, "trajectories_every": 2, "trajectories_per_step": 3})
     train_rl(ppo_cfg, policy_path=pre["path"], reward_path=rm["path"])
     return root / "ppo"
@@ -86,10 +86,11 @@ def test_trajectories_hold_the_per_token_quantities(ppo_run):
 
 
 def test_critic_free_trajectories_have_no_value_rows():
+    from rlhfkit.experience import ActorCritic, make_experience
     from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze
+    from rlhfkit.rewards import reward_model_scorer
     from rlhfkit.rollout import generate
     from rlhfkit.tasks import doubling
-    from rlhfkit.trainers.rl import ActorCritic, make_experience, reward_model_scorer
     from rlhfkit.trajectories import trajectory_records
 
     tok = doubling.make_tokenizer()

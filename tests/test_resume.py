@@ -30,7 +30,7 @@ STEPS = 12
 def _args(algo: str, models, out: Path) -> list[str]:
     args = [sys.executable, "-m", "rlhfkit", algo, f"model.name={models.policy}", f"run.out_dir={out}",
             f"ppo.steps={STEPS}", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
-            "ppo.eval_every=4", "ppo.stop_at_exact=0", "ppo.trajectories_every=3", "eval.batch_size=512",
+            "ppo.eval_every=4", "ppo.stop_at=0", "ppo.trajectories_every=3", "eval.batch_size=512",
             "eval.max_new_tokens=4", "run.checkpoint_every=2", "run.threads=1", "run.progress=false"]
     if algo == "ppo":  # critic warm-up, adaptive KL and reward normalisation carry state across steps
         args += [f"reward.name={models.reward}", "ppo.critic_warmup_steps=3", "ppo.adaptive_kl=true",

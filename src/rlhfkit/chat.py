@@ -1,4 +1,4 @@
-"""``rlhfkit chat RUN_DIR``: talk to a trained policy (seed 004 ends this way).
+"""``rlhfkit chat RUN_DIR``: talk to a trained policy, the last step of the SFT -> RM -> PPO pipeline.
 
 Each line typed is a user turn. With a chat template in the tokenizer the conversation
 (optional system message, earlier turns unless ``chat.history=false``, the new turn) is

@@ -221,19 +221,6 @@ class Checkpointer:
         return {"step": meta["step"], "path": str(path), **meta["state"]}
 
 
-def cut_file(path: str | Path, size: int) -> None:
-    """Truncate a file the loop appends to back to ``size`` bytes (where a checkpoint saw it)."""
-    path = Path(path)
-    if path.exists() and path.stat().st_size > size:
-        with open(path, "r+b") as fh:
-            fh.truncate(size)
-
-
-def file_size(path: str | Path) -> int:
-    path = Path(path)
-    return path.stat().st_size if path.exists() else 0
-
-
 def data_state(data) -> Any:
     """A task data generator's position: ``data.state_dict()`` if it has one, else the state of
     its ``random.Random`` (``data.rng``), as JSON."""

@@ -50,7 +50,7 @@ class RunConfig:
     progress: bool = True
     """Show progress bars."""
     task: Literal["doubling", "cities"] = "doubling"
-    """Built-in task giving the tokenizer, data and evaluation: 'doubling' (seed 002) or 'cities'
+    """Built-in task giving the tokenizer, data and evaluation: 'doubling' (the number-doubling tutorial task) or 'cities'
     ("Where is Pune?" -> "Pune is in India.", seeds 000/003)."""
     max_bad_updates: int = 5
     """An optimizer update whose loss or gradient norm is NaN/inf is skipped (warning, counted in
@@ -133,15 +133,20 @@ class RewardConfig:
     name: str = ""
     """Reward model for RL: a local path or hub id (AutoModelForSequenceClassification)."""
     kind: Literal["pairwise", "classifier"] = "pairwise"
-    """'pairwise': Bradley-Terry on chosen/rejected pairs, one scalar. 'classifier' (seed 002): a
+    """'pairwise': Bradley-Terry on chosen/rejected pairs, one scalar. 'classifier' (the doubling tutorial's): a
     head over the task's labels trained with cross-entropy; the reward is the logit of the label
     the prompt asks for (see label_function)."""
     label_function: str = ""
     """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index
     (empty: the task's ``label_of_prompt``)."""
     function: str = ""
-    """Reward as a Python callable 'module:name', (prompts, completions, **meta) -> list[float];
-    used instead of a reward model when set (e.g. rlhfkit.tasks.doubling:format_reward)."""
+    """Reward functions 'module:name', comma-separated for several, each called as
+    fn(prompts=, completions=, completion_ids=, finished=, **columns) -> list[float] (see
+    rlhfkit.rewards); added to the reward model's score when reward.name is set too (e.g.
+    rlhfkit.tasks.cities:exact_reward, which reads the 'country' column)."""
+    weights: str = ""
+    """Weights of the reward sources, comma-separated, one per source: the reward model first
+    (when reward.name is set), then each reward.function in order; empty: all 1."""
     steps: int = 150
     """Optimizer steps of Bradley-Terry training."""
     batch_size: int = 64
@@ -155,7 +160,7 @@ class RewardConfig:
     hard_negatives: float = 0.5
     """Share of pairs whose rejected answer mixes sets or lacks EOS (0 = only other-set answers)."""
     freeze_backbone: bool = False
-    """Train only the scalar head, backbone frozen (seed 000)."""
+    """Train only the scalar head, backbone frozen, as reward-model explainers often do."""
     init_from: str = "policy"
     """'policy' starts the backbone from the pretrained policy, 'scratch' from random init."""
     eval_pairs: int = 512
@@ -206,7 +211,7 @@ class PPOConfig:
     scale_rewards: bool = True
     """GRPO: divide group-centred scores by the group's std."""
     steps: int = 200
-    """Rollout + update iterations (upper bound; see stop_at_exact)."""
+    """Rollout + update iterations (upper bound; see stop_at)."""
     batch_size: int = 64
     """Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for grpo/rloo)."""
     minibatch_size: int = 32
@@ -219,7 +224,7 @@ class PPOConfig:
     value_lr: float = 3e-3
     """Critic learning rate (value head or value model)."""
     max_new_tokens: int | None = None
-    """Longest response sampled (None: the task's longest answer)."""
+    """Longest response sampled (None: the built-in task's longest answer; required with data.path)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are taken under the same temperature)."""
     reuse_rollout_logprobs: bool = True
@@ -272,8 +277,11 @@ class PPOConfig:
     """Initial steps that update only the critic."""
     eval_every: int = 5
     """Greedy evaluation on the held-out set every N steps (0 = only at the end)."""
-    stop_at_exact: float = 0.99
-    """Stop once held-out greedy exact accuracy reaches this (0 = run all steps)."""
+    stop_at: float = 0.99
+    """Stop once the held-out metric ppo.stop_metric reaches this (0 = run all steps)."""
+    stop_metric: str = "eval/exact_acc"
+    """Logged metric that ends the run early at ppo.stop_at: 'eval/exact_acc' (a built-in task's
+    verifier), 'eval/accuracy' or 'eval/reward' (held-out prompts scored by the rewards)."""
     samples_per_log: int = 4
     """Generations saved to samples.jsonl per step."""
     trajectories_every: int = 10
@@ -287,7 +295,21 @@ class PPOConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""
-    """JSONL file of SFT records (prompt/completion, messages or text; see rlhfkit.data)."""
+    """Your training data: a JSONL / JSON / Parquet / CSV file, a ``Dataset.save_to_disk``
+    directory or a hub dataset id. sft: demonstrations; rm and dpo: preference pairs; ppo, grpo,
+    rloo, reinforce: prompts (every other column reaches the reward functions). Empty: the
+    built-in task's generated data (run.task). Formats: README, "Your own data"."""
+    split: str = ""
+    """Split of a dataset directory or hub id (empty: 'train')."""
+    eval_path: str = ""
+    """Held-out data in the same format as data.path: RL prompts scored by the rewards every
+    ppo.eval_every steps (eval/reward, eval/accuracy), pairs for rm and dpo, demonstrations for
+    sft (eval loss). Empty: data.eval_fraction of data.path."""
+    eval_fraction: float = 0.0
+    """Share of data.path held out for evaluation when data.eval_path is empty (0: none; the
+    reward model always holds out 10% of a file's pairs)."""
+    max_prompt_length: int = 512
+    """Longest RL prompt in tokens; longer ones follow data.truncation."""
     max_length: int = 512
     """Longest tokenized example (prompt + completion + EOS)."""
     truncation: Literal["left", "error"] = "left"
@@ -338,6 +360,8 @@ class DPOConfig:
 class EvalConfig:
     batch_size: int = 512
     """Prompts per greedy-decoding batch."""
+    greedy: bool = True
+    """Held-out completions by greedy decoding (False: sampled at ppo.temperature, fixed seed)."""
     max_new_tokens: int | None = None
     """Longest answer decoded (None: the task's longest answer)."""
 
@@ -563,8 +587,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
     "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
     "ppo.missing_eos_penalty": (0, None), "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
-    "ppo.stop_at_exact": (0, 1), "ppo.samples_per_log": (0, None),
-    "data.max_length": (2, None),
+    "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None),
+    "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),
     "sft.steps": (1, None), "sft.batch_size": (1, None), "sft.lr": (0, None), "sft.warmup_steps": (0, None),
     "dpo.beta": (0, None), "dpo.steps": (1, None), "dpo.batch_size": (1, None), "dpo.lr": (0, None),
     "dpo.num_pairs": (1, None), "dpo.nll_coef": (0, None), "dpo.eval_every": (0, None),

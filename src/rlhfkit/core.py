@@ -10,7 +10,7 @@ the first EOS and 0 after it (padding). All reductions here are masked; an empty
 an error, never a silent NaN.
 
 Losses return ``(loss, stats)`` where ``stats`` holds detached scalar tensors named as the
-metrics in DESIGN.md (``policy/clipfrac`` ...), so trainers can log them as they are.
+metrics the trainers log (``policy/clipfrac`` ...), so trainers can log them as they are.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- log-probs
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only attended tokens, so left padding shifts nothing: ``[B, T]``."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:

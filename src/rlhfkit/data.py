@@ -64,8 +64,11 @@ __all__ = [
     "load_preferences",
     "load_sft",
     "load_prompts",
+    "encode_prompts",
     "encode_sft",
     "encode_preferences",
+    "encode_triples",
+    "stack_pairs",
     "pack_sft",
 ]
 
@@ -104,36 +107,97 @@ class PromptExample:
     prompt: str  # the text to generate from (chat template applied, generation prompt added)
     meta: dict[str, Any] = field(default_factory=dict, compare=False)  # the record's other fields
     origin: str = field(default="", compare=False)  # "path:LINE" / "dataset[i]", for errors
+    raw: Any = field(default=None, compare=False)  # the prompt as given: a string or messages
 
 
 # --------------------------------------------------------------------------- records
 
 
-def _located_records(source) -> tuple[str, list[tuple[str, Any]]]:
+_DATASET_FILES = (".json", ".parquet", ".csv")
+
+
+def _jsonl_records(path: str) -> list[tuple[str, Any]]:
+    out = []
+    try:
+        f = open(path, "rb")  # bytes, decoded line by line, so a bad byte is reported at its line
+    except OSError as e:
+        raise DataError(f"{path}: cannot read this data file ({e.strerror or e}); check the path "
+                        "(data.path) points to a JSONL file") from None
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a BOM
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line); "
+                                "re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                out.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); "
+                                "each line must be one JSON object") from None
+    return out
+
+
+def _json_records(path: str) -> list[tuple[str, Any]]:
+    """A ``.json`` file: one JSON array of records, or JSON lines (as ``datasets`` reads both)."""
+    try:
+        text = open(path, encoding="utf-8-sig").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read this JSON file ({e}); check the path and that it is UTF-8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return _jsonl_records(path)  # JSON lines under a .json name
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON array of records (or one JSON object a line), got "
+                        f"{type(data).__name__}")
+    return [(f"{path}[{i}]", rec) for i, rec in enumerate(data)]
+
+
+def _open_dataset(path: str, split: str | None):
+    """A Parquet or CSV file, a ``Dataset.save_to_disk`` directory, or a hub dataset id
+    (``datasets.load_dataset``) as a ``datasets.Dataset``; ``split`` picks one of several."""
+    import datasets
+
+    try:
+        if os.path.isdir(path):
+            if not any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+                raise DataError(f"{path}: cannot read this directory as data: it is not a directory written by "
+                                "Dataset.save_to_disk; point data.path at a JSONL/JSON/Parquet/CSV file or such a "
+                                "directory")
+            ds = datasets.load_from_disk(path)
+        elif os.path.isfile(path):
+            kind = {".parquet": "parquet", ".csv": "csv"}[os.path.splitext(path)[1]]
+            ds = datasets.load_dataset(kind, data_files=path, split="train")
+        elif os.path.sep in path and not path.count("/") == 1:
+            raise DataError(f"{path}: no such file or directory; check the path (data.path)")
+        else:  # a hub id such as 'trl-lib/tldr'
+            ds = datasets.load_dataset(path, split=split or "train")
+    except DataError:
+        raise
+    except Exception as e:  # datasets' own errors are many and long: one line that names the source
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path}: cannot load it as a dataset ({type(e).__name__}: {first}); data.path takes a "
+                        "JSONL/JSON/Parquet/CSV file, a save_to_disk directory or a hub dataset id") from None
+    if isinstance(ds, datasets.DatasetDict):
+        want = split or ("train" if "train" in ds else None)
+        if want not in ds:
+            raise DataError(f"{path}: holds splits {sorted(ds)}; choose one with data.split")
+        ds = ds[want]
+    return ds
+
+
+def _located_records(source, split: str | None = None) -> tuple[str, list[tuple[str, Any]]]:
     """``(source name, [(location, record), ...])``; records are not checked here."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        out = []
-        try:
-            f = open(path, "rb")  # bytes, decoded line by line, so a bad byte is reported at its line
-        except OSError as e:
-            raise DataError(f"{path}: cannot read this data file ({e.strerror or e}); check the path "
-                            "(data.path) points to a JSONL file") from None
-        with f:
-            for lineno, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a BOM
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line); "
-                                    "re-encode the file as UTF-8") from None
-                if not line.strip():
-                    continue
-                try:
-                    out.append((f"{path}:{lineno}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); "
-                                    "each line must be one JSON object") from None
-        return path, out
+        if path.endswith(".jsonl") or (os.path.isfile(path) and not path.endswith(_DATASET_FILES)):
+            return path, _jsonl_records(path)
+        if path.endswith(".json") and os.path.isfile(path):
+            return path, _json_records(path)
+        return path, [(f"{path}[{i}]", rec) for i, rec in enumerate(_open_dataset(path, split))]
     ds = sys.modules.get("datasets")  # only a caller who imported datasets can hand us a Dataset
     if ds is not None and isinstance(source, ds.DatasetDict | ds.IterableDatasetDict):
         raise DataError(f"got a DatasetDict with splits {list(source)}: pass one split, e.g. source['train']")
@@ -146,8 +210,8 @@ def _located_records(source) -> tuple[str, list[tuple[str, Any]]]:
     )
 
 
-def _records(source, allow_empty: bool = False) -> list[tuple[str, dict]]:
-    name, located = _located_records(source)
+def _records(source, allow_empty: bool = False, split: str | None = None) -> list[tuple[str, dict]]:
+    name, located = _located_records(source, split)
     if not located and not allow_empty:  # an empty training set is a wrong path or a bad export
         raise DataError(f"{name}: no records (empty or blank); check the path or the export that wrote it")
     for where, rec in located:
@@ -284,7 +348,7 @@ def _margin(rec: dict, where: str) -> float | None:
 # --------------------------------------------------------------------------- loaders
 
 
-def load_preferences(source, tokenizer=None) -> list[PreferenceExample]:
+def load_preferences(source, tokenizer=None, split: str | None = None) -> list[PreferenceExample]:
     """Preference pairs from ``source``; see the module docstring for the accepted formats.
 
     ``tokenizer`` is needed only for conversational records (its chat template renders them).
@@ -293,7 +357,7 @@ def load_preferences(source, tokenizer=None) -> list[PreferenceExample]:
     """
     render = _Renderer(tokenizer)
     out = []
-    for where, rec in _records(source):
+    for where, rec in _records(source, split=split):
         chosen = _get(rec, "chosen", where, "a string or a list of messages")
         rejected = _get(rec, "rejected", where, "a string or a list of messages")
         prompt = rec.get("prompt")
@@ -355,7 +419,7 @@ def load_preferences(source, tokenizer=None) -> list[PreferenceExample]:
     return out
 
 
-def load_sft(source, tokenizer=None) -> list[SFTExample]:
+def load_sft(source, tokenizer=None, split: str | None = None) -> list[SFTExample]:
     """Demonstrations from ``source`` (``messages``, ``prompt`` + ``completion``, or ``text``).
 
     ``tokenizer`` is needed only for conversational records. Raises ``DataError`` on the
@@ -363,7 +427,7 @@ def load_sft(source, tokenizer=None) -> list[SFTExample]:
     """
     render = _Renderer(tokenizer)
     out = []
-    for where, rec in _records(source):
+    for where, rec in _records(source, split=split):
         if rec.get("messages") is not None:
             msgs = _messages(rec["messages"], where, "messages")
             last = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
@@ -408,22 +472,51 @@ def load_sft(source, tokenizer=None) -> list[SFTExample]:
     return out
 
 
-def load_prompts(source, tokenizer=None) -> list[PromptExample]:
+def load_prompts(source, tokenizer=None, split: str | None = None) -> list[PromptExample]:
     """RL prompts from ``source``: records with ``prompt`` (a string or messages).
 
-    The record's other fields go to ``PromptExample.meta`` (reward functions receive them).
+    The record's other fields go to ``PromptExample.meta``; reward functions receive each as a
+    keyword argument (a list aligned with the completions). A field present in some records
+    but missing (or null) in others is an error naming the first such record: a reward
+    function would otherwise meet ``None`` mid-run.
     """
     render = _Renderer(tokenizer)
     out = []
-    for where, rec in _records(source):
+    records = _records(source, split=split)
+    columns = {k for _, rec in records for k, v in rec.items() if v is not None} - {"prompt"}
+    for where, rec in records:
         prompt = _get(rec, "prompt", where, "a string or a list of messages")
         text = (
             render.prompt(_messages(prompt, where, "prompt"), where)
             if _is_chat(prompt)
             else _text(prompt, where, "prompt")
         )
-        out.append(PromptExample(text, {k: v for k, v in rec.items() if k != "prompt"}, where))
+        missing = sorted(k for k in columns if rec.get(k) is None)
+        if missing:
+            raise DataError(f"{where}: field {missing[0]!r}: missing here but present in other records; every "
+                            "record needs the same fields (reward functions receive each field as a column)")
+        out.append(PromptExample(text, {k: rec[k] for k in sorted(columns)}, where, prompt))
     return out
+
+
+def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int,
+                   truncation: str = "left") -> tuple[list[list[int]], int]:
+    """Token ids of each prompt (BOS as the tokenizer adds it, or as the chat template wrote
+    it) and how many were cut. A prompt longer than ``max_length`` tokens loses tokens from
+    its start, BOS kept (``truncation='left'``), or raises ``DataError`` naming the record
+    (``'error'``)."""
+    if truncation not in ("left", "error"):
+        raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+    out, cut = [], 0
+    for i, (ex, (head, body)) in enumerate(zip(examples, _Codec(tokenizer).prompts([e.prompt for e in examples]))):
+        if len(head) + len(body) > max_length:
+            if truncation == "error" or len(head) >= max_length:
+                raise DataError(f"{_where(ex, i)}: field 'prompt': {len(head) + len(body)} tokens exceeds "
+                                f"data.max_prompt_length={max_length} with data.truncation={truncation!r}; "
+                                "raise the limit, shorten the prompt, or use data.truncation=left")
+            body, cut = body[len(head) + len(body) - max_length :], cut + 1
+        out.append(head + body)
+    return out, cut
 
 
 # --------------------------------------------------------------------------- tokenisation
@@ -583,6 +676,17 @@ def encode_preferences(
             )
         out["margin"] = torch.tensor(margins, dtype=torch.float32)
     return out
+
+
+def encode_triples(tok, triples: list[tuple[str, str, str]], max_length: int = 64) -> dict:
+    """``(prompt, chosen, rejected)`` text triples -> ``encode_preferences`` tensors."""
+    return encode_preferences([PreferenceExample(p, c, r) for p, c, r in triples], tok, max_length, "error")
+
+
+def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
+    """Rows ``idx`` of an ``encode_preferences`` result as one forward: for each field, the
+    chosen rows then the rejected rows, ``[2B, T]``."""
+    return tuple(torch.cat([enc[f"chosen_{f}"][idx], enc[f"rejected_{f}"][idx]]).to(device) for f in fields)
 
 
 def pack_sft(

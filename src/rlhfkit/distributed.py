@@ -140,26 +140,6 @@ class Shard:
             self.accelerator.wait_for_everyone()
 
 
-def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: int = 512,
-                     max_new_tokens: int | None = None) -> dict:
-    """:func:`rlhfkit.evaluate.evaluate_task` with the held-out prompts split over processes
-    (contiguous shards) and the counts summed: every process gets the global accuracies; the
-    examples are this process's (the main process holds the first ones, as with one process)."""
-    from .evaluate import evaluate_task
-
-    prompts = task.eval_prompts()
-    if not shard.distributed:
-        return evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts)
-    n = len(prompts)
-    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
-    ev = evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts[lo:hi]) \
-        if hi > lo else {"format_acc": 0.0, "exact_acc": 0.0, "answer_acc": 0.0, "examples": []}
-    keys = ("format_acc", "exact_acc", "answer_acc")
-    counts = torch.tensor([ev[k] * (hi - lo) for k in keys], dtype=torch.float64, device=shard.accelerator.device)
-    totals = shard.sum(counts) / n
-    return {**{k: float(v) for k, v in zip(keys, totals.tolist())}, "examples": ev["examples"]}
-
-
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 

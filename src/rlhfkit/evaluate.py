@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from .rollout import generate
+from .distributed import Shard
+from .models import load_policy, load_tokenizer
+from .prompts import prompt_tensors
+from .rollout import decode_responses, generate, tokenize_prompts
 from .tasks import doubling, get_task
-
-
-def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Decoded response text per row, special tokens kept (EOS matters), padding dropped."""
-    lengths = response_mask.sum(-1).tolist()
-    rows = [ids[:n] for ids, n in zip(response_ids.tolist(), lengths)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=False)
-
-
-def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    enc = tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+from .utils import resolve_device
 
 
 @torch.no_grad()
 def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int = 512,
                   max_new_tokens: int | None = None, prompts: list | None = None) -> dict:
-    """Greedy decoding on the task's held-out prompts (doubling: 512, cities: 78), scored by
+    """Greedy decoding on the task's held-out prompts (doubling: 512, cities: 130), scored by
     its verifier.
 
     Returns ``{"format_acc", "exact_acc", "answer_acc", "examples": [(prompt, completion, format, exact), ...]}``.
@@ -51,6 +45,24 @@ def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int =
     return {"format_acc": fmt / n, "exact_acc": exact / n, "answer_acc": answer / n, "examples": examples}
 
 
+def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: int = 512,
+                     max_new_tokens: int | None = None) -> dict:
+    """:func:`rlhfkit.evaluate.evaluate_task` with the held-out prompts split over processes
+    (contiguous shards) and the counts summed: every process gets the global accuracies; the
+    examples are this process's (the main process holds the first ones, as with one process)."""
+    prompts = task.eval_prompts()
+    if not shard.distributed:
+        return evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts)
+    n = len(prompts)
+    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
+    ev = evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts[lo:hi]) \
+        if hi > lo else {"format_acc": 0.0, "exact_acc": 0.0, "answer_acc": 0.0, "examples": []}
+    keys = ("format_acc", "exact_acc", "answer_acc")
+    counts = torch.tensor([ev[k] * (hi - lo) for k in keys], dtype=torch.float64, device=shard.accelerator.device)
+    totals = shard.sum(counts) / n
+    return {**{k: float(v) for k, v in zip(keys, totals.tolist())}, "examples": ev["examples"]}
+
+
 def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_tokens: int | None = None,
                       prompts: list[doubling.Prompt] | None = None) -> dict:
     """:func:`evaluate_task` on the doubling task."""
@@ -60,12 +72,6 @@ def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_
 def evaluate_path(path: str, cfg) -> dict:
     """Load a saved policy (any HF causal-LM directory or hub id, or a LoRA adapter directory)
     and evaluate it on ``run.task``; writes ``eval.json`` to ``run.out_dir``."""
-    import json
-    from pathlib import Path
-
-    from .models import load_policy, load_tokenizer
-    from .utils import resolve_device
-
     device = resolve_device(cfg.run.device)
     tok = load_tokenizer(path, cfg.model.trust_remote_code)
     policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device)
@@ -76,3 +82,46 @@ def evaluate_path(path: str, cfg) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False))
     return result
+
+
+@torch.no_grad()
+def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Shard | None = None,
+                     batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
+                     temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
+    """Completions of held-out prompt records (greedy, or sampled with a fixed seed) scored by
+    the training reward: ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>``
+    and, when some source gives only 0 or 1, ``eval/accuracy`` (the share of completions that
+    every such source scores 1). The records are split over processes; the means are global."""
+    shard = shard or Shard()
+    n = len(records)
+    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
+    names = list(reward.weights)
+    totals, parts = [torch.zeros(0, dtype=torch.float64)], {name: [torch.zeros(0, dtype=torch.float64)] for name in names}
+    was_training = policy.training
+    policy.eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for i in range(lo, hi, batch_size):
+        chunk = records[i : min(hi, i + batch_size)]
+        ids, mask = prompt_tensors(tokenizer, chunk, device)
+        roll = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                        temperature, greedy=greedy, generator=gen)
+        total, scores = reward.score(roll, chunk)
+        totals.append(total.double().cpu())
+        for name in names:
+            parts[name].append(scores[name].double().cpu())
+    policy.train(was_training)
+    total = torch.cat(totals)  # [n_local]
+    by_source = torch.stack([torch.cat(parts[name]) for name in names])  # [S, n_local]
+    # sums over every process: total, each source, and each source's count of scores other than 0/1
+    binary = (by_source == 0) | (by_source == 1)  # [S, n_local]
+    sums = torch.cat([total.sum()[None], by_source.sum(1), (~binary).sum(1).double()])
+    sums = shard.sum(sums.to(device)).cpu() if shard.distributed else sums
+    S = len(names)
+    out = {"eval/reward": float(sums[0] / n)}
+    out.update({f"eval/reward/{name}": float(sums[1 + j] / n) for j, name in enumerate(names)})
+    is01 = sums[1 + S :] == 0  # [S]: sources that gave only 0 or 1, on every process
+    if bool(is01.any()):
+        correct = (by_source[is01] == 1).all(0).double().sum()[None]
+        correct = shard.sum(correct.to(device)).cpu() if shard.distributed else correct
+        out["eval/accuracy"] = float(correct / n)
+    return out

@@ -6,7 +6,7 @@
   attention mask, not from ``pad_token_id``: many tokenizers use EOS as pad, and the EOS is
   exactly the token a reward must read); the value model applies the same head at every
   position. Using one class for both is what lets a critic start from the reward model.
-* shared value head: a ``ValueHead`` on the policy's last hidden state (seed 002), so one
+* shared value head: a ``ValueHead`` on the policy's last hidden state (as in the doubling tutorial), so one
   forward gives logits and values.
 * LoRA (peft): the adapter is injected into the policy's own modules; the reference is the
   same model with the adapter switched off (:class:`AdapterDisabled`), so the base weights
@@ -36,11 +36,7 @@ from transformers import (
 )
 
 from . import lean
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that count only attended tokens, so left padding shifts nothing: ``[B, T]``."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+from .core import position_ids_from_mask
 
 
 def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int = 64, n_positions: int = 32) -> GPT2Config:

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from . import kernels
 from . import lean as lean_lm
-from .models import position_ids_from_mask
+from .core import position_ids_from_mask
 
 
 @dataclass
@@ -65,6 +65,18 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.response_mask], 1)  # [B, T]
 
 
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Decoded response text per row, special tokens kept (EOS matters), padding dropped."""
+    lengths = response_mask.sum(-1).tolist()
+    rows = [ids[:n] for ids, n in zip(response_ids.tolist(), lengths)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=False)
+
+
+def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
 def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None,
                   u: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from ``logp [B, V]`` (log-probabilities) by inverting the CDF.
@@ -86,6 +98,109 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
     """``-sum p log p`` over the last dim of log-probabilities; a token ruled out (log p = -inf)
     adds 0, not 0 * -inf."""
     return -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
+
+
+class _Forward:
+    """The model's next-token logits one step at a time: the lean path (:mod:`rlhfkit.lean`,
+    pre-allocated cache, functional forward) or the model's own forward with a DynamicCache."""
+
+    def __init__(self, model, prompt_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, lean: bool):
+        self.model, self.mask, self.lean = model, mask, lean
+        positions = position_ids_from_mask(mask)  # [B, P]
+        self.next_pos = positions[:, -1] + 1  # [B]
+        self.hidden = None
+        if lean:
+            head = model.get_output_embeddings()
+            if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
+                head = lambda h, w=head.weight, b=head.bias: F.linear(h, w, b)  # noqa: E731
+            self.head = head
+            self.hidden, self.cache = lean_lm.prefill(model, prompt_ids, mask, positions, max_new_tokens)
+            self.logits = head(self.hidden)  # [B, V]
+        else:
+            self.cache = DynamicCache()
+            out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                        use_cache=True)
+            self.cache, self.logits = out.past_key_values, out.logits[:, -1]
+
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
+        """Feed ``tok [B]``; the logits ``[B, V]`` of the next position."""
+        if self.lean:
+            self.hidden = lean_lm.decode_step(self.cache, tok, self.next_pos)
+            logits = self.head(self.hidden)
+        else:
+            B = tok.shape[0]
+            self.mask = torch.cat([self.mask, torch.ones((B, 1), dtype=self.mask.dtype, device=tok.device)], 1)
+            out = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
+                             past_key_values=self.cache, use_cache=True)
+            self.cache, logits = out.past_key_values, out.logits[:, -1]
+        self.next_pos = self.next_pos + 1
+        return logits
+
+
+class _Draw:
+    """Picks each step's tokens and keeps what the rollout returns: the tokens, which rows are
+    still going, and the log-probs and entropies of the (tempered) distributions sampled from.
+
+    On a CPU the sampling step is one compiled call (:class:`rlhfkit.kernels.Sampler`, same
+    arithmetic). Otherwise per step only what sampling needs; masks, padding and trimming
+    happen once at the end. While the per-step distributions are small (a small vocabulary)
+    they are kept and reduced to log-probs and entropies in one go; with a large one each is
+    reduced as it comes.
+    """
+
+    def __init__(self, B: int, V: int, max_new_tokens: int, temperature: float, greedy: bool, eos_token_id: int,
+                 uniforms: torch.Tensor | None, device):
+        self.temperature, self.greedy, self.eos = temperature, greedy, eos_token_id
+        self.uniforms = uniforms
+        self.sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos_token_id)
+                        if not greedy and device.type == "cpu" and kernels.sampler_usable(B, V) else None)
+        if self.sampler is not None:
+            self.uniforms = uniforms.float()
+        # checking "all rows finished" reads a flag back from the device; on GPUs do it every few steps
+        self.check_every = 1 if device.type == "cpu" else 8
+        self.keep = B * V * max_new_tokens <= 2**24
+        self.tokens, self.logps, self.entropies = [], [], []
+        self.alive = torch.ones(B, dtype=torch.bool, device=device)
+
+    def step(self, t: int, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Token ``t`` of every row from ``logits [B, V]`` (float32): ``(tokens [B], all rows ended)``."""
+        if self.sampler is not None:
+            done = self.sampler.step(t, logits, self.uniforms[:, t]) == 0  # every row has emitted EOS
+            return self.sampler.tokens[:, t], done
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logp_all = torch.log_softmax(logits, -1)  # [B, V]
+        tok = logits.argmax(-1) if self.greedy else sample_tokens(logp_all, u=self.uniforms[:, t])  # [B]
+        self.tokens.append(tok)
+        if self.keep:
+            self.logps.append(logp_all)
+        else:
+            self.logps.append(logp_all.gather(-1, tok[:, None]))
+            self.entropies.append(_entropy(logp_all))
+        self.alive = self.alive & (tok != self.eos)
+        return tok, (t + 1) % self.check_every == 0 and not bool(self.alive.any())
+
+    def result(self, steps: int) -> tuple[torch.Tensor, ...]:
+        """``(raw tokens, after_eos, finished [B], logprobs, entropy)`` after ``steps`` steps; the
+        ``[B, R]`` tensors end at the last column any row still needs."""
+        if self.sampler is not None:
+            raw, alive = self.sampler.tokens[:, :steps], self.sampler.alive  # [B, R]
+        else:
+            raw, alive = torch.stack(self.tokens, 1), self.alive  # [B, R]
+        is_eos = (raw == self.eos).long()
+        after_eos = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first EOS
+        if self.check_every > 1:  # rows may have finished before the last check: trim the all-padding tail
+            R = max(1, int((~after_eos).any(0).sum()))
+            raw, after_eos = raw[:, :R], after_eos[:, :R]
+        R = raw.shape[1]
+        if self.sampler is not None:
+            logprobs, entropy = self.sampler.logprobs[:, :R], self.sampler.entropy[:, :R]  # [B, R]
+        elif self.keep:
+            logp = torch.stack(self.logps[:R], 1)  # [B, R, V]
+            logprobs, entropy = logp.gather(-1, raw[..., None]).squeeze(-1), _entropy(logp)
+        else:
+            logprobs, entropy = torch.cat(self.logps[:R], 1), torch.stack(self.entropies[:R], 1)
+        return raw, after_eos, ~alive, logprobs, entropy
 
 
 @torch.no_grad()
@@ -123,100 +238,26 @@ def generate(
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
-    B = prompt_ids.shape[0]
-    device = prompt_ids.device
-    mask = prompt_mask.long()
-    positions = position_ids_from_mask(mask)  # [B, P]
-    use_lean = lean and lean_lm.supported(model)
-    if use_lean:  # pre-allocated cache, functional forward (rlhfkit.lean)
-        head = model.get_output_embeddings()
-        if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
-            head = lambda h, w=head.weight, b=head.bias: F.linear(h, w, b)  # noqa: E731
-        hidden, cache = lean_lm.prefill(model, prompt_ids, mask, positions, max_new_tokens)
-        logits = head(hidden)  # [B, V]
-    else:  # any causal LM: its own forward with a DynamicCache
-        cache = DynamicCache()
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True)
-        logits = out.logits[:, -1]
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    fwd = _Forward(model, prompt_ids, prompt_mask.long(), max_new_tokens, lean and lean_lm.supported(model))
+    logits = fwd.logits  # [B, V]
     # the sampler's log-probs stand in for a training forward only when they are computed alike
-    forward_logprobs = use_lean and logits.dtype == torch.float32
-    next_pos = positions[:, -1] + 1  # [B]
-    # checking "all rows finished" reads a flag back from the device; on GPUs do it every few steps
-    check_every = 1 if device.type == "cpu" else 8
-
+    forward_logprobs = fwd.lean and logits.dtype == torch.float32
     if uniforms is None and not greedy:  # one draw per row and step, all at once
         uniforms = torch.rand((B, max_new_tokens), generator=generator, device=device)
-    values = [] if value_head is not None and use_lean else None
-    V = logits.shape[-1]
-    # on a CPU the sampling step is one compiled call (rlhfkit.kernels.Sampler), same arithmetic
-    sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos_token_id)
-               if not greedy and device.type == "cpu" and kernels.sampler_usable(B, V) else None)
-    if sampler is not None:
-        uniforms = uniforms.float()
-    # otherwise per step only what sampling needs; masks, padding and trimming once at the end.
-    # While the per-step distributions are small (a small vocabulary) they are kept and reduced
-    # to log-probs and entropies in one go; with a large one each is reduced as it comes.
-    keep = B * V * max_new_tokens <= 2**24
-    sampled, logps, entropies = [], [], []
-    alive = torch.ones(B, dtype=torch.bool, device=device)
+    draw = _Draw(B, logits.shape[-1], max_new_tokens, temperature, greedy, eos_token_id, uniforms, device)
+    values = [] if value_head is not None and fwd.lean else None
     for t in range(max_new_tokens):
         if values is not None:
-            values.append(value_head(hidden))  # [B]: the state that samples token t
-        logits = logits.float()
-        if sampler is not None:
-            done = sampler.step(t, logits, uniforms[:, t]) == 0  # every row has emitted EOS
-            tok = sampler.tokens[:, t]  # [B]
-        else:
-            if temperature != 1.0:
-                logits = logits / temperature
-            logp_all = torch.log_softmax(logits, -1)  # [B, V]
-            tok = logits.argmax(-1) if greedy else sample_tokens(logp_all, u=uniforms[:, t])  # [B]
-            sampled.append(tok)
-            if keep:
-                logps.append(logp_all)
-            else:
-                logps.append(logp_all.gather(-1, tok[:, None]))
-                entropies.append(_entropy(logp_all))
-            alive = alive & (tok != eos_token_id)
-            done = (t + 1) % check_every == 0 and not bool(alive.any())
+            values.append(value_head(fwd.hidden))  # [B]: the state that samples token t
+        tok, done = draw.step(t, logits.float())
         if t == max_new_tokens - 1 or done:
             break
-        # rows that already ended are fed their own samples: their outputs are masked out
-        if use_lean:
-            hidden = lean_lm.decode_step(cache, tok, next_pos)
-            logits = head(hidden)
-        else:
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], 1)
-            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                        past_key_values=out.past_key_values, use_cache=True)
-            logits = out.logits[:, -1]
-        next_pos = next_pos + 1
-    if sampler is not None:
-        raw, alive = sampler.tokens[:, : t + 1], sampler.alive  # [B, R]
-    else:
-        raw = torch.stack(sampled, 1)  # [B, R]
-    is_eos = (raw == eos_token_id).long()
-    after_eos = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first EOS
-    steps = raw.shape[1]
-    if check_every > 1:  # rows may have finished before the last check: trim the all-padding tail
-        steps = max(1, int((~after_eos).any(0).sum()))
-        raw, after_eos = raw[:, :steps], after_eos[:, :steps]
-    if sampler is not None:
-        logprobs, entropy = sampler.logprobs[:, :steps], sampler.entropy[:, :steps]  # [B, R]
-    elif keep:
-        logp = torch.stack(logps[:steps], 1)  # [B, R, V]
-        logprobs, entropy = logp.gather(-1, raw[..., None]).squeeze(-1), _entropy(logp)  # [B, R]
-    else:
-        logprobs, entropy = torch.cat(logps[:steps], 1), torch.stack(entropies[:steps], 1)  # [B, R]
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask.long(),
-        response_ids=raw.masked_fill(after_eos, pad_token_id),
-        response_mask=(~after_eos).long(),
-        logprobs=logprobs.masked_fill(after_eos, 0.0),
-        finished=~alive,
-        entropy=entropy.masked_fill(after_eos, 0.0),
-        values=None if values is None else torch.stack(values[:steps], 1).float(),
-        forward_logprobs=forward_logprobs,
-    )
+        logits = fwd.step(tok)  # rows that already ended are fed their own samples: masked out later
+    raw, after_eos, finished, logprobs, entropy = draw.result(t + 1)  # [B, R] but finished [B]
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(),
+                   response_ids=raw.masked_fill(after_eos, pad_token_id), response_mask=(~after_eos).long(),
+                   logprobs=logprobs.masked_fill(after_eos, 0.0), finished=finished,
+                   entropy=entropy.masked_fill(after_eos, 0.0),
+                   values=None if values is None else torch.stack(values[: raw.shape[1]], 1).float(),
+                   forward_logprobs=forward_logprobs)

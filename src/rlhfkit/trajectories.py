@@ -1,6 +1,6 @@
 """Per-token trajectories for the report's trajectory view.
 
-Seed 000 explains PPO on one sample ("Where is Pune? Pune is in India."): a column per token,
+PPO explainers walk through one sample ("Where is Pune? Pune is in India."): a column per token,
 a row per quantity -- log-prob, reference log-prob, KL, the reward that lands on the last
 token only, the critic's value, the GAE advantage, the return, and the mask that keeps
 prompt and padding out of the loss. This module saves exactly that table for a few rows of
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import cut_file
 from .core import kl_estimate, last_token_index
+from .utils import cut_file
 
 # row name -> what it shows (the report prints these as the table's row labels and legend)
 ROWS = {

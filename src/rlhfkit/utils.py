@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import cut_file
 from .config import Config, ConfigError, save_config
 
 
@@ -72,6 +71,19 @@ def setup_run(cfg: Config) -> Path:
 def progress(iterable=None, total=None, desc: str = "", enabled: bool = True, initial: int = 0):
     return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True,
                 initial=initial)
+
+
+def cut_file(path: str | Path, size: int) -> None:
+    """Truncate a file the loop appends to back to ``size`` bytes (where a checkpoint saw it)."""
+    path = Path(path)
+    if path.exists() and path.stat().st_size > size:
+        with open(path, "r+b") as fh:
+            fh.truncate(size)
+
+
+def file_size(path: str | Path) -> int:
+    path = Path(path)
+    return path.stat().st_size if path.exists() else 0
 
 
 def to_float(value: Any) -> float:

@@ -11,7 +11,8 @@ A task module provides:
 * ``eval_prompts()`` (fixed held-out set) and ``held_out_pairs(n, seed)`` (preference pairs on it);
 * ``verify(prompt, completion) -> {"format", "exact", "answer"}`` (booleans; ``exact`` is the
   task's success) and ``exact_reward(prompts, completions)``, the verifier as a reward callable;
-* optionally ``LABELS`` and ``TaskData.labelled_texts(n)`` for a classifier reward model (seed 002).
+* optionally ``LABELS`` and ``TaskData.labelled_texts(n)`` for a classifier reward model (the
+  number-doubling tutorial task's reward).
 """
 
 from __future__ import annotations

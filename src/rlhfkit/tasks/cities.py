@@ -1,4 +1,4 @@
-"""The city-facts task (seeds 000 and 003): "Where is Pune?" -> "Pune is in India."
+"""The city-facts task, after the running example of the PPO explainers: "Where is Pune?" -> "Pune is in India."
 
 A world of 130 real cities in 13 countries. Pretraining text states every fact in several
 ways and answers questions about every city in several styles, most often tersely
@@ -8,10 +8,11 @@ but greedily answers in the wrong form. Preference data prefers the full sentenc
 right country; RL (or DPO) must teach the form without losing the facts. Every city is
 evaluated in a question form that no tuning prompt uses for it.
 
-An earlier version held out 26 whole cities instead. The tiny model then learnt the form
-per city rather than in general and its held-out accuracy stalled at 0.86-0.90 (PPO, GRPO;
-copy errors like ``Veroncea`` and terse answers for some cities); a real model generalises
-across entities, a 100k-parameter one needs to have seen the entity asked about.
+Why held-out question forms and not held-out cities: with 26 whole cities held out, the tiny
+model learns the form per city rather than in general and its held-out accuracy stalls at
+0.86-0.90 (PPO, GRPO; copy errors like ``Veroncea`` and terse answers for some cities); a real
+model generalises across entities, a 100k-parameter one needs to have seen the entity asked
+about.
 
 The module offers the same interface as :mod:`rlhfkit.tasks.doubling` (see
 :mod:`rlhfkit.tasks`): tokenizer, seeded data generators, fixed evaluation set, verifier.
@@ -72,7 +73,7 @@ CONFIG_DEFAULTS = {
     "reward": {"steps": 300},
     # RL over-optimises the imperfect reward model after ~20 steps: held-out exact PPO 0.97, 0.95,
     # 0.96, 0.92 and GRPO 0.85, 0.96, 0.93, 0.88 at steps 10, 20, 30, 40
-    "ppo": {"lr": 1e-4, "steps": 20, "stop_at_exact": 0.0, "eval_every": 10},
+    "ppo": {"lr": 1e-4, "steps": 20, "stop_at": 0.0, "eval_every": 10},
     "dpo": {"lr": 3e-4, "steps": 50, "eval_every": 25},  # held-out exact 0.80 at 25, 0.82 at 50, 0.52 at 75
     "demo": {"algos": "ppo,grpo,dpo"},
 }
@@ -104,6 +105,11 @@ class Prompt:
     @property
     def country(self) -> str:
         return COUNTRY_OF[self.city]
+
+
+def columns(prompt: Prompt) -> dict:
+    """The columns a record of this prompt carries (what :func:`exact_reward` reads)."""
+    return {"city": prompt.city, "country": prompt.country}
 
 
 def eval_prompts() -> list[Prompt]:
@@ -215,12 +221,16 @@ def verify(prompt: Prompt, completion: str) -> dict[str, bool]:
     ``exact``: that, with the right country. ``answer``: the right country is named somewhere
     before EOS (the knowledge alone, whatever the form).
     """
+    return _verify(prompt.city, prompt.country, completion)
+
+
+def _verify(city: str, country: str, completion: str) -> dict[str, bool]:
     ended = EOS in completion
     answer = completion.split(EOS, 1)[0]
     m = _SENTENCE.fullmatch(answer)
-    fmt = ended and m is not None and m["city"] == prompt.city and m["country"] in COUNTRIES
-    exact = fmt and m["country"] == prompt.country
-    answer_ok = ended and re.search(rf"\b{prompt.country}\b", answer) is not None
+    fmt = ended and m is not None and m["city"] == city and m["country"] in COUNTRIES
+    exact = fmt and m["country"] == country
+    answer_ok = ended and re.search(rf"\b{country}\b", answer) is not None
     return {"format": fmt, "exact": exact, "answer": answer_ok}
 
 
@@ -236,6 +246,16 @@ def parse_prompt(text: str) -> Prompt:
     raise ValueError(f"prompt {text!r} is not a city question of this task (e.g. {QUESTIONS[0].format(city='Pune')!r})")
 
 
-def exact_reward(prompts: list[str], completions: list[str], **meta) -> list[float]:
-    """Rule-based reward callable: 1 for the full sentence with the right country."""
-    return [float(verify(parse_prompt(p), c)["exact"]) for p, c in zip(prompts, completions)]
+def exact_reward(prompts: list[str], completions: list[str], city: list | None = None, country: list | None = None,
+                 finished: list | None = None, **columns) -> list[float]:
+    """Rule-based reward callable: 1 for the full sentence with the right country.
+
+    Reads the ``city`` and ``country`` columns when the prompt records carry them (the exported
+    task files do), else parses the prompt. With ``finished`` (completions without their EOS, as
+    rlhfkit's RL loop passes them) an answer counts only where the response ended with EOS."""
+    out = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        q = parse_prompt(p) if city is None else None
+        text = c + EOS if finished is not None and finished[i] else c
+        out.append(float(_verify(q.city if q else city[i], q.country if q else country[i], text)["exact"]))
+    return out

@@ -1,4 +1,4 @@
-"""The number-doubling format task (seed 002).
+"""The number-doubling tutorial task: obey a prefix that names the answer's character set.
 
 A prompt asks for twice a 4-digit number, ``S数字:3320x2=``, with a prefix naming the
 character set of the answer:
@@ -77,6 +77,11 @@ class Prompt:
         return prompt_text(self.number, self.charset)
 
 
+def columns(prompt: Prompt) -> dict:
+    """The columns a record of this prompt carries (what :func:`exact_reward` reads)."""
+    return {"number": prompt.number, "charset": prompt.charset}
+
+
 def eval_numbers() -> list[int]:
     """The 512 operands held out from every training generator (fixed seed)."""
     return sorted(random.Random(EVAL_SEED).sample(range(LOW, HIGH + 1), EVAL_SIZE))
@@ -113,7 +118,7 @@ class DoublingData:
 
     def labelled_texts(self, n: int) -> list[tuple[str, int]]:
         """Unprefixed full sequences with the index (in ``SET_NAMES``) of the answer's set, for
-        the classification-style reward model of seed 002."""
+        the classification-style reward model of the tutorial."""
         out = []
         for _ in range(n):
             num, charset = self._number(), self._charset()
@@ -202,11 +207,26 @@ def label_of_prompt(prompt: str) -> int:
     return SET_NAMES.index(parse_prompt(prompt).charset)
 
 
-def format_reward(prompts: list[str], completions: list[str], **meta) -> list[float]:
-    """Rule-based reward callable: 1 when the answer passes the format check, else 0."""
-    return [float(verify(parse_prompt(p), c)["format"]) for p, c in zip(prompts, completions)]
+def _verified(key: str, prompts, completions, number, charset, finished) -> list[float]:
+    out = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        prompt = parse_prompt(p) if number is None else Prompt(int(number[i]), charset[i])
+        text = c + EOS if finished is not None and finished[i] else c
+        out.append(float(verify(prompt, text)[key]))
+    return out
 
 
-def exact_reward(prompts: list[str], completions: list[str], **meta) -> list[float]:
-    """Rule-based reward callable: 1 when the answer is exactly right in the requested set."""
-    return [float(verify(parse_prompt(p), c)["exact"]) for p, c in zip(prompts, completions)]
+def format_reward(prompts: list[str], completions: list[str], number: list | None = None,
+                  charset: list | None = None, finished: list | None = None, **columns) -> list[float]:
+    """Rule-based reward callable: 1 when the answer passes the format check, else 0. Reads the
+    ``number`` and ``charset`` columns when the records carry them, else parses the prompt; with
+    ``finished`` (completions without their EOS, as the RL loop passes them) only answers that
+    ended with EOS count."""
+    return _verified("format", prompts, completions, number, charset, finished)
+
+
+def exact_reward(prompts: list[str], completions: list[str], number: list | None = None,
+                 charset: list | None = None, finished: list | None = None, **columns) -> list[float]:
+    """Rule-based reward callable: 1 when the answer is exactly right in the requested set
+    (columns and ``finished`` as in :func:`format_reward`)."""
+    return _verified("exact", prompts, completions, number, charset, finished)

@@ -1,4 +1,4 @@
-"""Grid-world cat (seed 003): a tiny RL problem trained through the same core functions as RLHF.
+"""The grid-world cat of the RL course notes: a tiny RL problem trained through the same core functions as RLHF.
 
 A cat starts on ``C`` and moves one cell per step, up / down / left / right:
 

@@ -11,18 +11,18 @@ once for the whole set (``dpo.precompute_ref``) or by a reference forward per ba
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
-from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import Config
-from ..core import dpo_loss, logprobs_from_logits
-from ..distributed import Shard, clip_grad_norm, evaluate_sharded, full_state_dict, full_weights, prepare
-from ..models import load_tokenizer, policy_with_reference, position_ids_from_mask, save_policy
+from ..core import dpo_loss, logprobs_from_logits, position_ids_from_mask
+from ..data import encode_triples, stack_pairs
+from ..distributed import clip_grad_norm, full_weights
+from ..evaluate import evaluate_sharded
+from ..models import load_tokenizer, policy_with_reference
 from ..tasks import get_task
-from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run
-from .reward import encode_triples, stack_pairs
+from ..utils import mean_stats
+from .common import Run
 
 LOSS_FIELDS = ("input_ids", "attention_mask", "loss_mask")
 
@@ -36,75 +36,55 @@ def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: t
     return torch.where(loss_mask[:, 1:].bool(), logps, 0.0).sum(-1)  # [2B]
 
 
+def reference_logprobs(ref, enc: dict, shard, device) -> torch.Tensor:
+    """The reference's summed response log-probs of every pair, ``[2, N]`` (row 0 chosen, row 1
+    rejected): one pass over the whole set, chunks dealt round-robin to the processes, summed."""
+    n_pairs = enc["chosen_input_ids"].shape[0]
+    cache = torch.zeros((2, n_pairs), device=device)  # [2, N]
+    with torch.no_grad():
+        for k, i in enumerate(range(0, n_pairs, 512)):
+            if k % shard.world == shard.rank:
+                idx = torch.arange(i, min(n_pairs, i + 512))
+                cache[:, idx] = sequence_logprobs(ref, *stack_pairs(enc, idx, device, LOSS_FIELDS)).view(2, -1)
+    return shard.sum(cache)
+
+
 def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     """DPO on the task's preference pairs (``run.task``); saves the policy to ``<out_dir>/policy``."""
-    out = setup_run(cfg)
-    accelerator = make_accelerator(cfg)
-    shard = Shard(accelerator)
-    device = accelerator.device
     dc = cfg.dpo
     policy_path = policy_path or cfg.model.name
     if not policy_path:
         raise ValueError("DPO needs a policy to start from: set model.name=PATH")
+    run = Run(cfg, "dpo", dc.steps)
+    shard, device = run.shard, run.device
     shard.local_size(dc.batch_size, "dpo.batch_size")
     tok = load_tokenizer(policy_path, cfg.model.trust_remote_code)
     policy, ref = policy_with_reference(policy_path, cfg.model, device)
     task = get_task(cfg.run.task)
-    triples = task.TaskData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives)
-    enc = encode_triples(tok, triples)
-    n_pairs = len(triples)
-    ref_cache = None
-    if dc.precompute_ref:  # one reference pass over the whole set, reused every epoch
-        ref_cache = torch.zeros((2, n_pairs), device=device)  # [2, N]: row 0 chosen, row 1 rejected
-        with torch.no_grad():  # chunks dealt round-robin to the processes, then summed
-            for k, i in enumerate(range(0, n_pairs, 512)):
-                if k % shard.world == shard.rank:
-                    idx = torch.arange(i, min(n_pairs, i + 512))
-                    ref_cache[:, idx] = sequence_logprobs(ref, *stack_pairs(enc, idx, device, LOSS_FIELDS)).view(2, -1)
-        ref_cache = shard.sum(ref_cache)
+    enc = encode_triples(tok, task.TaskData(cfg.run.seed + 3).preference_pairs(dc.num_pairs, cfg.reward.hard_negatives))
+    n_pairs = enc["chosen_input_ids"].shape[0]
+    ref_cache = reference_logprobs(ref, enc, shard, device) if dc.precompute_ref else None  # reused every epoch
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=dc.lr, weight_decay=0.0)
-    train_policy, opt = prepare(accelerator, policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
+    train_policy, opt = run.prepare(policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
     params = [p for p in policy.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    guard = UpdateGuard(cfg.run.max_bad_updates, "dpo")
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)
     train_s, pos, reached = 0.0, 0, None
-    ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
-    trained, opts = {"policy": policy}, {"optimizer": opt}
-    resumed = ckpt.restore(trained, opts, steps=dc.steps) or {}
+    resumed = run.restore({"policy": policy}, {"optimizer": opt}, generator=gen)
     if resumed:  # the epoch's order and the position in it, too
-        restore_loop_state(resumed, guard, generator=gen)
         order, pos, train_s = torch.tensor(resumed["order"]), resumed["pos"], resumed["train_s"]
-    start = resumed.get("step", 0)
-    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resumed.get("metrics"))
-    bar = progress(range(start, dc.steps), desc="dpo", enabled=cfg.run.progress and shard.is_main, total=dc.steps,
-                   initial=start)
-    for step in bar:
+    for step in run.steps():
         t0 = time.perf_counter()
         if pos + dc.batch_size > n_pairs:  # next epoch
             order, pos = torch.randperm(n_pairs, generator=gen), 0
         idx = shard.take(order[pos : pos + dc.batch_size])  # this process's pairs of the global batch
         pos += dc.batch_size
-        ids, attn, rmask = stack_pairs(enc, idx, device, LOSS_FIELDS)
-        logps = sequence_logprobs(train_policy, ids, attn, rmask).view(2, -1)  # [2, B]
-        if ref_cache is not None:
-            ref_logps = ref_cache[:, idx.to(ref_cache.device)]
-        else:
-            with torch.no_grad():
-                ref_logps = sequence_logprobs(ref, ids, attn, rmask).view(2, -1)
-        loss, stats = dpo_loss(logps[0], logps[1], ref_logps[0], ref_logps[1], dc.beta)
-        if dc.nll_coef:  # keep the chosen answers likely: DPO alone may win by only pushing rejected down
-            chosen_mask = rmask[: len(idx), 1:]
-            # a token mean: the weight makes the processes' average the mean over all their tokens
-            nll = -logps[0].sum() / chosen_mask.sum() * shard.token_weight(chosen_mask)
-            loss = loss + dc.nll_coef * nll
-            stats["dpo/chosen_nll"] = nll.detach()
+        loss, row = dpo_step(train_policy, ref, ref_cache, enc, idx, dc, shard, device)
         opt.zero_grad(set_to_none=True)
-        accelerator.backward(loss)
-        row = shard.mean(mean_stats([stats]))  # the DPO terms are means over pairs, equal on every process
-        row["dpo/grad_norm"] = clip_grad_norm(accelerator, params, 1.0)
-        if guard.ok(loss, row["dpo/grad_norm"]):
+        run.accelerator.backward(loss)
+        row["dpo/grad_norm"] = clip_grad_norm(run.accelerator, params, 1.0)
+        if run.guard.ok(loss, row["dpo/grad_norm"]):
             opt.step()
         train_s += time.perf_counter() - t0
         if (dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1:
@@ -113,20 +93,31 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
             row.update({"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]})
             if dc.stop_at_format and ev["format_acc"] >= dc.stop_at_format:
                 reached = {"step": step + 1, "train_s": train_s}
-        row["time/train_s"], row["guard/skipped_updates"] = train_s, guard.skipped
-        last_row = log.log(step, row)
-        bar.set_postfix(loss=f"{row['dpo/loss']:.3f}", acc=f"{row['dpo/accuracy']:.2f}")
+        row["time/train_s"] = train_s
+        last_row = run.log(step, row, loss=f"{row['dpo/loss']:.3f}", acc=f"{row['dpo/accuracy']:.2f}")
         if reached:
             break
-        if ckpt.due(step + 1, step == dc.steps - 1):
-            ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, generator=gen, order=order.tolist(),
-                                                          pos=pos, train_s=train_s))
-    log.close()
-    shard.wait()
-    weights = full_state_dict(policy)  # FSDP: gathered on every process; None otherwise
-    if shard.is_main:  # LoRA: the adapter in policy_adapter/, merged plain weights in policy/
-        save_policy(policy, tok, Path(out) / "policy", Path(out) / "policy_adapter", weights)
-    shard.wait()
+        run.checkpoint(step, order=order.tolist(), pos=pos, train_s=train_s)
+    run.close()
+    save_dir = run.save_model(policy, tok, "policy", adapter="policy_adapter")  # LoRA: merged in policy/
     final = {k: v for k, v in last_row.items() if k.startswith("eval/")}
-    return {"path": str(Path(out) / "policy"), "seconds": train_s, "steps": step + 1, "reached": reached,
-            "final": final}
+    return {"path": str(save_dir), "seconds": train_s, "steps": step + 1, "reached": reached, "final": final}
+
+
+def dpo_step(train_policy, ref, ref_cache, enc: dict, idx: torch.Tensor, dc, shard, device):
+    """The loss on pairs ``idx`` (this process's share) and its stats, averaged over processes."""
+    ids, attn, rmask = stack_pairs(enc, idx, device, LOSS_FIELDS)
+    logps = sequence_logprobs(train_policy, ids, attn, rmask).view(2, -1)  # [2, B]
+    if ref_cache is not None:
+        ref_logps = ref_cache[:, idx.to(ref_cache.device)]
+    else:
+        with torch.no_grad():
+            ref_logps = sequence_logprobs(ref, ids, attn, rmask).view(2, -1)
+    loss, stats = dpo_loss(logps[0], logps[1], ref_logps[0], ref_logps[1], dc.beta)
+    if dc.nll_coef:  # keep the chosen answers likely: DPO alone may win by only pushing rejected down
+        chosen_mask = rmask[: len(idx), 1:]
+        # a token mean: the weight makes the processes' average the mean over all their tokens
+        nll = -logps[0].sum() / chosen_mask.sum() * shard.token_weight(chosen_mask)
+        loss = loss + dc.nll_coef * nll
+        stats["dpo/chosen_nll"] = nll.detach()
+    return loss, shard.mean(mean_stats([stats]))  # the DPO terms are means over pairs, equal on every process

@@ -9,17 +9,13 @@ as the model separates the pair), and the same on held-out pairs at the end. Und
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import torch
-from transformers.utils import logging as hf_logging
 
-from ..checkpoint import Checkpointer, data_state, load_data_state, loop_state, restore_loop_state
+from ..checkpoint import data_state, load_data_state
 from ..config import Config
 from ..core import bradley_terry_loss
-from ..data import PreferenceExample, encode_preferences, load_preferences
-from ..distributed import Shard, clip_grad_norm, full_state_dict, full_weights, prepare
+from ..data import encode_preferences, encode_triples, load_preferences, stack_pairs
+from ..distributed import Shard, clip_grad_norm, full_weights
 from ..models import (
     ModuleForward,
     add_lora,
@@ -28,18 +24,13 @@ from ..models import (
     enable_gradient_checkpointing,
     load_scalar_model,
     load_tokenizer,
-    save_policy,
+    quiet_load_report,
     sequence_logits,
     sequence_scores,
 )
 from ..tasks import get_task
-from ..utils import MetricsLogger, UpdateGuard, make_accelerator, mean_stats, progress, setup_run
-
-
-def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
-    """Rows ``idx`` of an ``encode_preferences`` result as one forward: for each field, the
-    chosen rows then the rejected rows, ``[2B, T]``."""
-    return tuple(torch.cat([enc[f"chosen_{f}"][idx], enc[f"rejected_{f}"][idx]]).to(device) for f in fields)
+from ..utils import mean_stats
+from .common import Run
 
 
 def pair_batch(enc: dict, idx: torch.Tensor, device, margin=None):
@@ -47,11 +38,6 @@ def pair_batch(enc: dict, idx: torch.Tensor, device, margin=None):
     carries one, else ``margin``."""
     ids, mask = stack_pairs(enc, idx, device)
     return ids, mask, enc["margin"][idx].to(device) if "margin" in enc else margin
-
-
-def encode_triples(tok, triples: list[tuple[str, str, str]], max_length: int = 64) -> dict:
-    """``(prompt, chosen, rejected)`` text triples -> ``encode_preferences`` tensors."""
-    return encode_preferences([PreferenceExample(p, c, r) for p, c, r in triples], tok, max_length, "error")
 
 
 class FilePairs:
@@ -129,17 +115,17 @@ def evaluate_batches(model, batches) -> dict[str, float]:
     return mean_stats(rows)
 
 
-def train_label_classifier(cfg: Config, model, tok, accelerator, open_log) -> dict[str, float]:
-    """Seed 002's reward model: cross-entropy over the task's labels (the answer's character
-    set) on unprefixed text; at RL time the reward is the logit of the requested label.
-    ``open_log(resume)`` opens the run's MetricsLogger (after a checkpoint is found, if any)."""
-    rc, device, shard = cfg.reward, accelerator.device, Shard(accelerator)
+def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float]:
+    """The number-doubling tutorial task's reward model: cross-entropy over the task's labels
+    (the answer's character set) on unprefixed text; at RL time the reward is the logit of the
+    requested label."""
+    rc, device, shard = cfg.reward, run.device, run.shard
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
-    train_logits, opt = prepare(accelerator, ModuleForward(model, sequence_logits), opt,
-                                micro_batch=max(1, rc.batch_size // shard.world))
+    train_logits, opt = run.prepare(ModuleForward(model, sequence_logits), opt,
+                                    micro_batch=max(1, rc.batch_size // shard.world))
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
 
     def batch(items, forward):
@@ -147,45 +133,62 @@ def train_label_classifier(cfg: Config, model, tok, accelerator, open_log) -> di
         labels = torch.tensor([y for _, y in items], device=device)
         return forward(enc["input_ids"].to(device), enc["attention_mask"].to(device)), labels
 
-    guard = UpdateGuard(cfg.run.max_bad_updates, "reward classifier")
-    ckpt = Checkpointer.from_config(cfg, cfg.run.out_dir, enabled=shard.is_main)
-    trained, opts = {"model": model}, {"optimizer": opt}
-    resumed = ckpt.restore(trained, opts, steps=rc.steps) or {}
-    if resumed:
-        restore_loop_state(resumed, guard, data)
-    start = resumed.get("step", 0)
-    log = open_log(resumed.get("metrics"))
-    bar = progress(range(start, rc.steps), desc="reward classifier", enabled=cfg.run.progress and shard.is_main,
-                   total=rc.steps, initial=start)
-    for step in bar:
+    run.restore({"model": model}, {"optimizer": opt}, data=data)
+    for step in run.steps():
         logits, labels = batch(shard.take(data.labelled_texts(rc.batch_size), "reward.batch_size"), train_logits)
         loss = torch.nn.functional.cross_entropy(logits, labels)
-        accelerator.backward(loss)
-        if guard.ok(loss, clip_grad_norm(accelerator, params, 1.0)):
+        run.accelerator.backward(loss)
+        if run.guard.ok(loss, clip_grad_norm(run.accelerator, params, 1.0)):
             opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
             row = shard.mean({"rm/loss": loss.item(), "rm/accuracy": (logits.argmax(-1) == labels).float().mean()})
-            log.log(step, {**row, "guard/skipped_updates": guard.skipped})
-            bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}")
-        if ckpt.due(step + 1, step == rc.steps - 1):
-            ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, data))
+            run.log(step, row, acc=f"{row['rm/accuracy']:.2f}")
+        run.checkpoint(step)
     with torch.no_grad():
         eval_items = task.TaskData(cfg.run.seed + 99).labelled_texts(rc.eval_pairs)
         with full_weights(train_logits):
             logits, labels = batch(eval_items, lambda ids, mask: sequence_logits(model, ids, mask))
     accuracy = (logits.argmax(-1) == labels).float().mean().item()
-    log.log(rc.steps, {"eval/rm/accuracy": accuracy})
-    log.close()
+    run.log_.log(rc.steps, {"eval/rm/accuracy": accuracy})
+    run.close()
     return {"rm/accuracy": accuracy, "rm/delta": float("nan")}
 
 
-def _save(shard: Shard, model, tok, save_dir: Path) -> None:
-    shard.wait()
-    weights = full_state_dict(model)  # FSDP: gathered on every process; None otherwise
-    if shard.is_main:
-        save_policy(model, tok, save_dir, state_dict=weights)  # LoRA merged: a plain classification checkpoint
-    shard.wait()
+def build_reward_model(cfg: Config, task, path: str | None, device):
+    """``(model, tokenizer)``: a sequence classifier (one label, or the task's labels for
+    ``reward.kind=classifier``) from the policy checkpoint's backbone with a fresh head
+    (``reward.init_from=policy``) or the tiny task model from scratch; dropout off, optionally
+    backbone frozen, LoRA, gradient checkpointing."""
+    rc, mc = cfg.reward, cfg.model
+    if rc.kind == "classifier" and rc.init_from != "policy":
+        raise ValueError("reward.kind=classifier starts from a policy checkpoint: set model.name and "
+                         "reward.init_from=policy")
+    if rc.init_from == "policy":
+        if not path:
+            raise ValueError("reward.init_from=policy needs a pretrained policy: set model.name=PATH "
+                             "(or reward.init_from=scratch)")
+        tok = load_tokenizer(path, trust_remote_code=mc.trust_remote_code)
+        num_labels = len(task.LABELS) if rc.kind == "classifier" else 1
+        with quiet_load_report():  # a causal-LM checkpoint: its backbone, a fresh scalar head
+            model = load_scalar_model(path, mc.dtype, mc.trust_remote_code, num_labels=num_labels)
+        model.config.pad_token_id = tok.pad_token_id
+    else:
+        tok = task.make_tokenizer()
+        model = build_tiny_scalar_model(tok, cfg.run.seed + 1, n_layer=mc.n_layer, n_head=mc.n_head,
+                                        n_embd=mc.n_embd, n_positions=task.N_POSITIONS)
+    model = disable_dropout(model).to(device).train()
+    if rc.freeze_backbone:
+        model.base_model.requires_grad_(False)
+    if mc.lora_r:  # an adapter on the backbone, the scalar head trained in full; saved merged
+        if rc.freeze_backbone:
+            raise ValueError("reward.freeze_backbone and model.lora_r both limit what the backbone learns: "
+                             "choose one")
+        model = add_lora(model, mc.lora_r, mc.lora_alpha, mc.lora_dropout, mc.lora_target_modules,
+                         trainable_head=True)
+    if mc.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model, tok
 
 
 def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
@@ -196,98 +199,51 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     label: from the policy checkpoint at ``policy_path`` / ``model.name`` (its backbone, a new
     scalar head) when ``reward.init_from == 'policy'``, else the tiny task model from scratch.
     """
-    out = setup_run(cfg)
-    accelerator = make_accelerator(cfg)
-    shard = Shard(accelerator)
-    device = accelerator.device
     rc = cfg.reward
     task = get_task(cfg.run.task)
     if rc.kind == "classifier" and not hasattr(task, "LABELS"):
         raise ValueError(f"reward.kind=classifier needs a task with labels; task {cfg.run.task!r} has none "
                          "(use reward.kind=pairwise)")
-    path = policy_path or cfg.model.name
-    if rc.init_from == "policy":
-        if not path:
-            raise ValueError("reward.init_from=policy needs a pretrained policy: set model.name=PATH "
-                             "(or reward.init_from=scratch)")
-        tok = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
-        # a causal-LM checkpoint: its backbone, a fresh scalar head. transformers prints a load
-        # report of the (expected) missing head / unused LM head; keep the demo output readable
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            num_labels = len(task.LABELS) if rc.kind == "classifier" else 1
-            model = load_scalar_model(path, cfg.model.dtype, cfg.model.trust_remote_code, num_labels=num_labels)
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        model.config.pad_token_id = tok.pad_token_id
-    else:
-        tok = task.make_tokenizer()
-        model = build_tiny_scalar_model(tok, cfg.run.seed + 1, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
-                                        n_embd=cfg.model.n_embd, n_positions=task.N_POSITIONS)
-    model = disable_dropout(model).to(device).train()
-    if rc.freeze_backbone:
-        model.base_model.requires_grad_(False)
-    if cfg.model.lora_r:  # an adapter on the backbone, the scalar head trained in full; saved merged
-        if rc.freeze_backbone:
-            raise ValueError("reward.freeze_backbone and model.lora_r both limit what the backbone learns: "
-                             "choose one")
-        mc = cfg.model
-        model = add_lora(model, mc.lora_r, mc.lora_alpha, mc.lora_dropout, mc.lora_target_modules,
-                         trainable_head=True)
-    if cfg.model.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    run = Run(cfg, "reward classifier" if rc.kind == "classifier" else "reward model", rc.steps)
+    model, tok = build_reward_model(cfg, task, policy_path or cfg.model.name, run.device)
     if rc.kind == "classifier":
-        if rc.init_from != "policy":
-            raise ValueError("reward.kind=classifier starts from a policy checkpoint: set model.name and "
-                             "reward.init_from=policy")
-        t0 = time.perf_counter()
-        ev = train_label_classifier(cfg, model, tok, accelerator, lambda resume: MetricsLogger(
-            out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resume))
-        save_dir = Path(out) / "reward_model"
-        _save(shard, model, tok, save_dir)
-        return {"path": str(save_dir), "seconds": time.perf_counter() - t0, "accuracy": ev["rm/accuracy"],
-                "delta": ev["rm/delta"]}
+        ev = train_label_classifier(cfg, run, model, tok)
+    else:
+        ev = train_pairwise(cfg, run, model, tok)
+    save_dir = run.save_model(model, tok, "reward_model")  # LoRA merged: a plain classification checkpoint
+    return {"path": str(save_dir), "seconds": ev.pop("seconds", run.seconds), "accuracy": ev["rm/accuracy"],
+            "delta": ev["rm/delta"]}
+
+
+def train_pairwise(cfg: Config, run: Run, model, tok) -> dict[str, float]:
+    """Bradley-Terry training on preference pairs; the held-out pairs' stats and the seconds."""
+    rc, shard = cfg.reward, run.shard
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
     # the scalar readout as the module's forward, so DDP sees it (and syncs its gradients)
-    train_scores, opt = prepare(accelerator, ModuleForward(model, sequence_scores), opt,
-                                micro_batch=max(1, rc.batch_size // shard.world))
+    train_scores, opt = run.prepare(ModuleForward(model, sequence_scores), opt,
+                                    micro_batch=max(1, rc.batch_size // shard.world))
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    pairs = FilePairs(cfg, tok, device) if cfg.data.path else TaskPairs(cfg, tok, device)
-    guard = UpdateGuard(cfg.run.max_bad_updates, "reward model")
-    ckpt = Checkpointer.from_config(cfg, out, enabled=shard.is_main)
-    trained, opts = {"model": model}, {"optimizer": opt}
-    resumed = ckpt.restore(trained, opts, steps=rc.steps) or {}
-    if resumed:
-        restore_loop_state(resumed, guard, pairs)
-    start = resumed.get("step", 0)
-    log = MetricsLogger(out / "metrics.jsonl", cfg, enabled=shard.is_main, resume=resumed.get("metrics"))
-    t0 = time.perf_counter() - resumed.get("seconds", 0.0)
-    bar = progress(range(start, rc.steps), desc="reward model", enabled=cfg.run.progress and shard.is_main,
-                   total=rc.steps, initial=start)
-    for step in bar:
+    pairs = FilePairs(cfg, tok, run.device) if cfg.data.path else TaskPairs(cfg, tok, run.device)
+    run.restore({"model": model}, {"optimizer": opt}, data=pairs)
+    for step in run.steps():
         ids, mask, margin = pairs.next(rc.batch_size, shard)  # this process's pairs of the global batch
         scores = train_scores(ids, mask)  # [2B]: chosen rows, then rejected rows
         half = scores.shape[0] // 2
         loss, stats = bradley_terry_loss(scores[:half], scores[half:], margin, rc.center_coef)
-        accelerator.backward(loss)
-        grad_norm = clip_grad_norm(accelerator, params, 1.0)
-        if guard.ok(loss, grad_norm):
+        run.accelerator.backward(loss)
+        grad_norm = clip_grad_norm(run.accelerator, params, 1.0)
+        if run.guard.ok(loss, grad_norm):
             opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == rc.steps - 1:
             row = shard.mean(mean_stats([stats]))  # means over pairs: exact over processes
-            log.log(step, {**row, "rm/grad_norm": grad_norm, "guard/skipped_updates": guard.skipped})
-            bar.set_postfix(acc=f"{row['rm/accuracy']:.2f}", delta=f"{row['rm/delta']:.2f}")
-        if ckpt.due(step + 1, step == rc.steps - 1):
-            ckpt.save(step + 1, trained, opts, loop_state(step + 1, log, guard, pairs,
-                                                          seconds=time.perf_counter() - t0))
-    seconds = time.perf_counter() - t0
+            run.log(step, {**row, "rm/grad_norm": grad_norm}, acc=f"{row['rm/accuracy']:.2f}",
+                    delta=f"{row['rm/delta']:.2f}")
+        run.checkpoint(step)
+    seconds = run.seconds
     with full_weights(train_scores):  # FSDP: the root-level weights, which the plain forward reads
         ev = evaluate_batches(model, pairs.eval_batches())  # the whole held-out set on every process
-    log.log(rc.steps, {f"eval/{k}": v for k, v in ev.items()})
-    log.close()
-    save_dir = Path(out) / "reward_model"
-    _save(shard, model, tok, save_dir)
-    return {"path": str(save_dir), "seconds": seconds, "accuracy": ev["rm/accuracy"], "delta": ev["rm/delta"]}
+    run.log_.log(rc.steps, {f"eval/{k}": v for k, v in ev.items()})
+    run.close()
+    return {**ev, "seconds": seconds}

@@ -1,0 +1,243 @@
+"""Experience: a rollout scored and turned into what the update needs (no grad).
+
+One pass per step, after the rollout: old log-probs (the sampler's, when it computed them as
+the training forward does, else a policy forward), reference log-probs, values, the reward's
+scores, then shaped per-token rewards and advantages / returns (GAE with a critic, a group or
+batch baseline without). Every ``[B, R]`` tensor is response-aligned (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import PPOConfig
+from .core import (
+    entropy_from_logits,
+    explained_variance,
+    gae,
+    group_advantages,
+    kl_estimate,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    rloo_advantages,
+    shaped_rewards,
+)
+from .distributed import Shard
+from .models import ValueHead, policy_forward, token_values, unwrap
+from .rewards import Scorer
+from .rollout import Rollout
+from .utils import to_float
+
+
+@dataclass(kw_only=True)
+class Experience:
+    """A rollout plus everything the update needs; every ``[B, R]`` tensor is response-aligned.
+    Built by keyword only.
+
+    Fields:
+        input_ids, attention_mask: ``[B, T]`` prompt + response (T = P + R).
+        prompt_len:     P, the column where responses start.
+        response_ids:   ``[B, R]`` actions a_t.
+        response_mask:  ``[B, R]`` 1 up to and including the first EOS.
+        old_logprobs:   ``[B, R]`` log pi_old(a_t|s_t): the sampler's own (``ppo.reuse_rollout_logprobs``,
+                        :func:`reuse_rollout`) or the training forward's, recomputed.
+        ref_logprobs:   ``[B, R]`` log pi_ref(a_t|s_t).
+        old_values:     ``[B, R]`` V_old(s_t).
+        score:          ``[B]`` reward-model score (after penalties/normalisation, before clip).
+        rewards:        ``[B, R]`` shaped per-token rewards.
+        advantages:     ``[B, R]`` GAE advantages (whitened if configured).
+        returns:        ``[B, R]`` GAE returns (value targets).
+        raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    score: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    raw_advantages: torch.Tensor | None = None
+
+
+class RunningMoments:
+    """Running mean / std of scalar rewards (parallel Welford), for reward normalisation."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        n, mean = x.numel(), x.float().mean().item()
+        m2 = ((x.float() - mean) ** 2).sum().item()
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / max(1, self.count - 1)) if self.count > 1 else 1.0
+
+
+class ActorCritic(torch.nn.Module):
+    """The trained models: the actor and a shared value head, a separate value model, or no
+    critic at all (GRPO / RLOO / REINFORCE: values are then ``None``)."""
+
+    def __init__(self, policy, value_head: ValueHead | None = None, critic=None):
+        super().__init__()
+        if value_head is not None and critic is not None:
+            raise ValueError("give at most one of value_head (shared) or critic (separate)")
+        self.policy, self.value_head, self.critic = policy, value_head, critic
+
+    @property
+    def has_critic(self) -> bool:
+        return self.value_head is not None or self.critic is not None
+
+    def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, detach_value=False):
+        """Response-aligned ``logits [B, R, V]`` (tempered) and ``values [B, R]``."""
+        logits, values = policy_forward(self.policy, input_ids, attention_mask, prompt_len, self.value_head,
+                                        detach_value)
+        if self.critic is not None:
+            values = self.critic_values(input_ids, attention_mask, prompt_len)  # [B, R]
+        return logits / temperature, values
+
+    def critic_values(self, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
+        """A separate value model's ``values [B, R]`` (response-aligned)."""
+        return token_values(self.critic, input_ids, attention_mask)[:, prompt_len - 1 : -1]
+
+    def critic_parameters(self):
+        return list((self.value_head or self.critic).parameters()) if self.has_critic else []
+
+
+def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
+    """One advantage per completion for the critic-free estimators: ``[B] -> [B]``."""
+    if pc.algo == "grpo":
+        return group_advantages(score, pc.group_size, pc.scale_rewards)
+    if pc.algo == "rloo":
+        return rloo_advantages(score, pc.group_size)
+    if pc.algo == "reinforce":
+        return score - score.mean()
+    raise ValueError(f"no sequence-level advantage for algo {pc.algo!r}")
+
+
+EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chunk
+
+
+def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
+    """Whether :func:`make_experience` takes the old log-probs, entropies and (shared head)
+    values from the rollout instead of a policy forward: allowed by ``ppo.reuse_rollout_logprobs``,
+    computed alike (``Rollout.forward_logprobs``) and complete (a shared head's values present)."""
+    return (pc.reuse_rollout_logprobs and roll.forward_logprobs and roll.entropy is not None
+            and (ac.value_head is None or roll.values is not None))
+
+
+@torch.no_grad()
+def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool) -> dict[str, torch.Tensor]:
+    """``old_logprobs``, ``ref_logprobs``, ``entropy`` ``[B, R]`` and ``old_values`` (``[B, R]`` or
+    None) of a rollout: the forwards run in row chunks whose logits stay within
+    ``EXPERIENCE_LOGITS`` elements ([B, R, V] logits of a 150k vocabulary would otherwise
+    dominate the peak memory). ``reuse``: old log-probs, entropies and shared-head values come
+    from the sampler (one policy forward less per step)."""
+    ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
+    B, R = roll.response_ids.shape
+    vocab = unwrap(ac.policy).get_output_embeddings().out_features
+    chunk = max(1, min(B, EXPERIENCE_LOGITS // max(1, R * vocab)))
+    parts: dict[str, list] = {"old_logprobs": [], "old_values": [], "entropy": [], "ref_logprobs": []}
+    for rows in torch.arange(B, device=ids.device).split(chunk):
+        resp = roll.response_ids[rows]
+        if reuse:
+            logprobs, values, entropy = roll.logprobs[rows], None, roll.entropy[rows]
+            if ac.value_head is not None:
+                values = roll.values[rows]
+            elif ac.critic is not None:
+                values = ac.critic_values(ids[rows], mask[rows], P)
+        else:
+            logits, values = ac(ids[rows], mask[rows], P, pc.temperature)
+            logprobs, entropy = logprobs_from_logits(logits, resp), entropy_from_logits(logits)
+            del logits
+        ref_logits, _ = policy_forward(ref, ids[rows], mask[rows], P)
+        for name, part in (("old_logprobs", logprobs), ("old_values", values), ("entropy", entropy),
+                           ("ref_logprobs", logprobs_from_logits(ref_logits / pc.temperature, resp))):
+            parts[name].append(part)
+        del ref_logits
+    return {k: torch.cat(v) if v[0] is not None else None for k, v in parts.items()}  # [B, R] each
+
+
+def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: RunningMoments | None,
+                 shard: Shard, records=None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``(raw_score [B], score [B], {source: [B]})``: the reward's weighted total, then the
+    missing-EOS penalty and the running normalisation (``ppo.normalize_reward``, over every
+    process's rows); and each source's own scores."""
+    raw_score, parts = scorer.score(roll, records)  # [B]
+    if not bool(torch.isfinite(raw_score).all()):  # a NaN here would reach every advantage of the batch
+        raise ValueError(f"the reward gave non-finite scores to {int((~torch.isfinite(raw_score)).sum())} of "
+                         f"{raw_score.numel()} responses: check the reward model's weights (reward.name) or function")
+    score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
+    if reward_stats is not None:
+        reward_stats.update(shard.gather_rows(score))
+        score = (score - reward_stats.mean) / (reward_stats.std + 1e-8)
+    return raw_score, score, parts
+
+
+@torch.no_grad()
+def make_experience(
+    ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
+    reward_stats: RunningMoments | None = None, shard: Shard | None = None, records=None,
+) -> tuple[Experience, dict[str, float]]:
+    """Score a rollout and turn it into advantages and returns (no grad).
+
+    PPO: per-token shaped rewards (-beta*KL, score on the last token) -> GAE with the critic.
+    GRPO / RLOO / REINFORCE: the sequence score (minus beta * sequence KL unless the KL is a
+    loss term) -> a baseline from the other samples -> the same advantage on every token.
+
+    ``shard`` (data parallel): whitening, baselines and reward normalisation see the rows of
+    every process, so they equal the single-process values; the stats are this process's.
+    ``records``: the prompt records of the rows, whose columns reach the reward functions.
+    """
+    shard = shard or Shard()
+    rmask = roll.response_mask
+    valid = rmask.bool()
+    reuse = reuse_rollout(roll, ac, pc)
+    f = experience_forwards(ac, ref, roll, pc, reuse)
+    old_logprobs, ref_logprobs, old_values = f["old_logprobs"], f["ref_logprobs"], f["old_values"]
+    raw_score, score, parts = final_scores(scorer, roll, pc, reward_stats, shard, records)
+    kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
+    rewards = shaped_rewards(score, kl, rmask, 0.0 if pc.kl_in_loss else kl_coef, pc.score_clip)  # [B, R]
+    raw_advantages = None
+    if pc.algo == "ppo":
+        advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
+        raw_advantages = advantages
+        if pc.whiten_advantages:
+            advantages = shard.apply_rows(masked_whiten, advantages, rmask)
+    else:
+        seq_adv = shard.apply_rows(lambda s: sequence_advantages(s, pc), rewards.sum(-1))  # [B]: score - beta*KL
+        advantages = torch.where(valid, seq_adv[:, None].expand_as(rewards), 0.0)  # [B, R]
+        old_values = returns = torch.zeros_like(rewards)
+    kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
+    stats = {
+        "objective/score": raw_score.mean(),
+        "objective/kl": kl_seq.mean(),
+        "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
+        "objective/entropy": shard.apply_rows(masked_mean, f["entropy"], rmask),  # a token mean
+        "objective/kl_coef": kl_coef,
+        "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
+        "response/length": rmask.sum(-1).float().mean(),
+        "response/eos_rate": roll.finished.float().mean(),
+        **{f"reward/{name}": s.mean() for name, s in parts.items()},
+    }
+    if not reuse:  # generation-time vs training-forward log-probs: a silent off-policy mismatch shows here
+        stats["policy/logprob_gap"] = torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max()
+    exp = Experience(input_ids=roll.input_ids, attention_mask=roll.attention_mask, prompt_len=roll.prompt_ids.shape[1],
+                     response_ids=roll.response_ids, response_mask=rmask, old_logprobs=old_logprobs,
+                     ref_logprobs=ref_logprobs, old_values=old_values, score=score, rewards=rewards,
+                     advantages=advantages, returns=returns, raw_advantages=raw_advantages)
+    return exp, {k: to_float(v) for k, v in stats.items()}

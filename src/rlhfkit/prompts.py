@@ -1,0 +1,155 @@
+"""Where RL prompts come from: the user's files or a built-in task, as one kind of record.
+
+A :class:`PromptRecord` is a prompt (its text, as tokenised, and the value the user gave:
+a string or a list of messages) plus every other column of its row. The RL loop asks a
+source for ``batch(n)`` records; the columns travel with the rows through grouping, process
+shards and checkpoints, and reach the reward functions by name.
+
+* :class:`FilePrompts` -- the user's prompts (``data.path``), passed over in epochs, each
+  epoch in a fresh order drawn from ``run.seed``; its position is part of every checkpoint.
+* :class:`TaskPrompts` -- the generator of a built-in task (``run.task``), whose columns are
+  what its verifier reads (doubling: ``number``, ``charset``; cities: ``city``, ``country``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .checkpoint import data_state, load_data_state
+from .data import DataError, PromptExample, encode_prompts, load_prompts
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt and the other columns of its row."""
+
+    text: str  # the prompt as the model reads it (chat template applied)
+    columns: dict[str, Any] = field(default_factory=dict)  # every other field of the record
+    prompt: Any = None  # the prompt as the user gave it (a string or messages); None: ``text``
+    ids: tuple[int, ...] | None = None  # token ids (BOS included), when tokenised at load time
+
+    @property
+    def original(self) -> Any:
+        return self.text if self.prompt is None else self.prompt
+
+
+class FilePrompts:
+    """The user's prompt records in epochs: each epoch a permutation drawn from a seeded
+    generator, batches taken in order across epoch boundaries. ``epoch`` counts completed
+    passes; :meth:`state_dict` is the exact position (for kill-and-resume)."""
+
+    def __init__(self, records: list[PromptRecord], seed: int):
+        if not records:
+            raise DataError("no prompts to train on")
+        self.records = records
+        self.gen = torch.Generator().manual_seed(seed)
+        self.epoch, self.pos = 0, 0
+        self.order = torch.randperm(len(records), generator=self.gen).tolist()
+
+    def batch(self, n: int) -> list[PromptRecord]:
+        out: list[PromptRecord] = []
+        while len(out) < n:
+            if self.pos == len(self.order):  # the pass is over: a fresh order for the next one
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.order = torch.randperm(len(self.records), generator=self.gen).tolist()
+            take = self.order[self.pos : self.pos + n - len(out)]
+            out += [self.records[i] for i in take]
+            self.pos += len(take)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "order": self.order, "gen": self.gen.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos, self.order = state["epoch"], state["pos"], list(state["order"])
+        self.gen.set_state(torch.tensor(state["gen"], dtype=torch.uint8))
+
+
+class TaskPrompts:
+    """A built-in task's seeded prompt generator as records (it never repeats a pass: epoch 0)."""
+
+    epoch = 0
+
+    def __init__(self, task, seed: int):
+        self.task, self.data = task, task.TaskData(seed)
+
+    def batch(self, n: int) -> list[PromptRecord]:
+        return [PromptRecord(p.text, self.task.columns(p)) for p in self.data.prompts(n)]
+
+    def state_dict(self):
+        return data_state(self.data)
+
+    def load_state_dict(self, state) -> None:
+        load_data_state(self.data, state)
+
+
+def task_records(task, prompts) -> list[PromptRecord]:
+    """A task's prompt objects (e.g. its held-out set) as records."""
+    return [PromptRecord(p.text, task.columns(p)) for p in prompts]
+
+
+def file_records(source, tok, cfg, what: str = "data.path") -> list[PromptRecord]:
+    """Prompt records from a file, directory or hub dataset (see :func:`rlhfkit.data.load_prompts`),
+    tokenised once: prompts over ``data.max_prompt_length`` tokens follow ``data.truncation``
+    (cut from the left with a warning, or an error naming the record)."""
+    dc = cfg.data
+    examples: list[PromptExample] = load_prompts(source, tok, split=dc.split or None)
+    ids, cut = encode_prompts(examples, tok, dc.max_prompt_length, dc.truncation)
+    if cut:
+        print(f"warning: {cut} of {len(examples)} prompts in {what}={source} are longer than "
+              f"data.max_prompt_length={dc.max_prompt_length} tokens; their first tokens were dropped "
+              "(data.truncation=left)", file=sys.stderr)
+    return [PromptRecord(ex.prompt, ex.meta, ex.raw, tuple(row)) for ex, row in zip(examples, ids)]
+
+
+def split_eval(records: list[PromptRecord], fraction: float, seed: int) -> tuple[list, list]:
+    """``(train, held_out)``: a seeded ``fraction`` of the records held out (at least one)."""
+    if not fraction:
+        return records, []
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + 7)).tolist()
+    n = max(1, round(len(records) * fraction))
+    if n >= len(records):
+        raise DataError(f"data.eval_fraction={fraction} holds out all {len(records)} prompts; lower it")
+    held = set(order[:n])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+def prompt_tensors(tok, records: list[PromptRecord], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(input_ids [B, P], attention_mask [B, P])`` of the records' prompts: their
+    ids when tokenised at load time, else their text through the tokenizer."""
+    if any(r.ids is None for r in records):
+        enc = tok([r.text for r in records], padding=True, return_tensors="pt", padding_side="left")
+        return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    width = max(len(r.ids) for r in records)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(r.ids)) + list(r.ids) for r in records], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r.ids)) + [1] * len(r.ids) for r in records], dtype=torch.long)
+    return ids.to(device), mask.to(device)
+
+
+@dataclass
+class PromptData:
+    """The RL loop's prompts: a training source and the held-out records (``eval_records``
+    empty: none; ``task``: a built-in task, evaluated by its own verifier)."""
+
+    train: FilePrompts | TaskPrompts
+    eval_records: list[PromptRecord]
+    task: Any = None
+
+
+def prompt_data(cfg, tok, task) -> PromptData:
+    """``data.path`` (with ``data.eval_path`` or ``data.eval_fraction``) when set, else the task's
+    prompts (``run.task``) and its held-out set."""
+    dc = cfg.data
+    if not dc.path:
+        return PromptData(TaskPrompts(task, cfg.run.seed + 2), task_records(task, task.eval_prompts()), task)
+    records = file_records(dc.path, tok, cfg)
+    if dc.eval_path:
+        held = file_records(dc.eval_path, tok, cfg, "data.eval_path")
+    else:
+        records, held = split_eval(records, dc.eval_fraction, cfg.run.seed)
+    return PromptData(FilePrompts(records, cfg.run.seed + 2), held)

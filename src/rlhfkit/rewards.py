@@ -1,0 +1,270 @@
+"""Reward sources: what turns a rollout into one score per response.
+
+A :class:`Reward` is a weighted sum of named sources, each mapping a rollout (and the prompt
+records it was sampled from) to a ``[B]`` score:
+
+* a reward model (:func:`reward_model_scorer`): the scalar head at the last attended token;
+* a label classifier (:func:`classifier_scorer`): the logit of the label the prompt asks for;
+* a Python function (:func:`function_scorer`), loaded by name (:func:`load_reward_function`,
+  ``'package.module:function'``) and called as TRL's GRPOTrainer calls one::
+
+      fn(prompts=[...], completions=[...], completion_ids=[[...], ...], finished=[...], **columns)
+
+  ``prompts``: each row's prompt as the data gave it (a string, or a list of messages);
+  ``completions``: the decoded responses, special tokens (EOS) removed -- for a
+  conversational prompt ``[{"role": "assistant", "content": text}]``; ``completion_ids``:
+  the response's token ids (the EOS included when one was emitted); ``finished``: True where
+  the response ended with EOS, False where ``max_new_tokens`` cut it; ``columns``: every
+  other field of the prompt's record, one list entry per completion (repeated for the
+  samples of a group). It returns one finite number per completion.
+
+A reward model whose tokenizer differs from the policy's reads the text re-tokenised in its own
+vocabulary (:func:`retokenize`, :func:`other_tokenizer`). :func:`build_reward` assembles the
+configured sources (``reward.name``, ``reward.function``, ``reward.weights``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import Config
+from .models import (
+    freeze,
+    load_scalar_model,
+    load_tokenizer,
+    same_tokenizer,
+    sequence_logits,
+    sequence_scores,
+)
+from .prompts import PromptRecord
+from .rollout import Rollout
+from .tasks import get_task
+
+
+class RewardError(ValueError):
+    """A reward source failed or returned something unusable; the message names it."""
+
+
+Source = Callable[[Rollout, Sequence[PromptRecord] | None], torch.Tensor]
+
+
+@dataclass
+class Reward:
+    """A weighted sum of named reward sources: ``score(roll, records) -> (total [B], {name: [B]})``.
+    Calling it returns the total alone."""
+
+    sources: list[tuple[str, float, Source]]
+
+    def score(self, roll: Rollout, records: Sequence[PromptRecord] | None = None):
+        parts = {name: fn(roll, records).float() for name, _, fn in self.sources}  # [B] each
+        total = sum(w * parts[name] for name, w, _ in self.sources)
+        return total, parts
+
+    def __call__(self, roll: Rollout, records: Sequence[PromptRecord] | None = None) -> torch.Tensor:
+        return self.score(roll, records)[0]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {name: w for name, w, _ in self.sources}
+
+
+Scorer = Reward  # the name the experience pass uses
+
+
+def retokenize(roll: Rollout, tokenizer, rm_tokenizer, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout in another model's vocabulary: ``(ids [B, T'], mask [B, T'])``.
+
+    Prompt and response are decoded to text without special tokens, joined, and, where the
+    response ended with the policy's EOS, closed with the reward model's own EOS; the text
+    is then tokenised by ``rm_tokenizer`` (its BOS / template post-processing included)."""
+    prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+    lengths = roll.response_mask.sum(-1).tolist()
+    responses = tokenizer.batch_decode([r[:n] for r, n in zip(roll.response_ids.tolist(), lengths)],
+                                       skip_special_tokens=True)
+    eos = rm_tokenizer.eos_token or ""
+    texts = [p + r + (eos if done else "") for p, r, done in zip(prompts, responses, roll.finished.tolist())]
+    enc = rm_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=True)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def reward_model_scorer(reward_model, tokenizer=None, rm_tokenizer=None, name: str = "reward_model") -> Reward:
+    """Score = the reward model's scalar at the last attended token of prompt + response.
+
+    With ``rm_tokenizer`` (a reward model whose vocabulary differs from the policy's) the
+    texts are re-tokenised first (:func:`retokenize`); else the policy's ids are read as is."""
+
+    def score(roll: Rollout, records=None) -> torch.Tensor:
+        if rm_tokenizer is None:
+            return sequence_scores(reward_model, roll.input_ids, roll.attention_mask)
+        return sequence_scores(reward_model, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
+
+    return Reward([(name, 1.0, score)])
+
+
+def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_tokenizer=None,
+                      name: str = "reward_model") -> Reward:
+    """Score = the classifier's logit, at the last attended token, of the label the prompt asks
+    for (the number-doubling tutorial task's reward: a classifier of the answer's character set)."""
+
+    def score(roll: Rollout, records=None) -> torch.Tensor:
+        if rm_tokenizer is None:
+            logits = sequence_logits(classifier, roll.input_ids, roll.attention_mask)  # [B, L]
+        else:
+            logits = sequence_logits(classifier, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
+        prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+        labels = torch.tensor([label_fn(p) for p in prompts], device=logits.device)  # [B]
+        return logits.gather(1, labels[:, None]).squeeze(1)  # [B]
+
+    return Reward([(name, 1.0, score)])
+
+
+def function_name(fn) -> str:
+    return getattr(fn, "__module__", "?") + ":" + getattr(fn, "__qualname__", repr(fn))
+
+
+def call_arguments(roll: Rollout, tokenizer, records: Sequence[PromptRecord] | None) -> dict:
+    """The keyword arguments a reward function receives for a rollout (see the module docstring)."""
+    lengths = roll.response_mask.sum(-1).tolist()
+    ids = [r[:n] for r, n in zip(roll.response_ids.tolist(), lengths)]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    if records is None:  # no records: the prompts as the model read them
+        prompts: list = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+        columns: dict[str, list] = {}
+    else:
+        prompts = [r.original for r in records]
+        columns = {k: [r.columns.get(k) for r in records] for k in (records[0].columns if records else {})}
+    completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+    return {"prompts": prompts, "completions": completions, "completion_ids": ids,
+            "finished": roll.finished.tolist(), **columns}
+
+
+def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None = None) -> Reward:
+    """Score = ``fn(prompts=, completions=, completion_ids=, finished=, **columns)``.
+
+    Policy for a failure: stop with a :class:`RewardError` naming the function -- it raised,
+    returned None or not one number per completion, or any NaN/inf. Nothing is skipped or
+    patched up: a NaN score would reach the advantages of the whole batch, and a silently
+    dropped row would bias the baseline. A function that cannot judge a completion should
+    give it a low score.
+    """
+    full = function_name(fn)
+    short = name or getattr(fn, "__name__", "function")
+
+    def score(roll: Rollout, records=None) -> torch.Tensor:
+        kwargs = call_arguments(roll, tokenizer, records)
+        n = len(kwargs["completions"])
+        try:
+            values = fn(**kwargs)
+        except Exception as e:  # the user's code: one line that names it (RLHFKIT_DEBUG=1 for the traceback)
+            raise RewardError(f"reward function {full} raised {type(e).__name__}: {e}") from e
+        return _as_scores(values, n, full, kwargs["completions"]).to(roll.response_ids.device)
+
+    return Reward([(short, 1.0, score)])
+
+
+def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
+    fix = f"return a list of {n} floats, one per completion, in order"
+    if values is None:
+        raise RewardError(f"reward function {name} returned None: {fix}")
+    try:
+        out = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values), dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise RewardError(f"reward function {name} returned {type(values).__name__} {str(values)[:60]!r}, "
+                          f"not numbers: {fix}") from None
+    if out.shape != (n,):
+        raise RewardError(f"reward function {name} returned {out.numel()} scores (shape {tuple(out.shape)}) "
+                          f"for {n} completions: {fix}")
+    bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
+    if bad:
+        raise RewardError(f"reward function {name} returned {len(bad)} non-finite score(s) (NaN/inf) for {n} "
+                          f"completions, e.g. {out[bad[0]].item()} for {completions[bad[0]]!r}: give every "
+                          "completion a finite score (a low one if it cannot be judged)")
+    return out
+
+
+def load_reward_function(spec: str | Callable) -> Callable[..., list[float]]:
+    """``'package.module:name'`` -> the callable (a callable is returned as it is)."""
+    if callable(spec):
+        return spec
+    if ":" not in spec:
+        raise ValueError(f"reward.function={spec!r} must look like 'package.module:function'")
+    module, name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}; the module must be importable "
+                         "(installed or on PYTHONPATH) and define that name") from None
+    if not callable(fn):
+        raise ValueError(f"reward.function={spec!r} is not callable")
+    return fn
+
+
+def other_tokenizer(path: str, tok, trust_remote_code: bool = False):
+    """The tokenizer saved with the model at ``path`` when it differs from ``tok`` (the policy's),
+    else None. A model directory saved without tokenizer files is taken to share the policy's.
+    One without a pad token pads with its EOS: it only batches the reward model's inputs, whose
+    readout comes from the attention mask."""
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("tokenizer_config.json", "tokenizer.json")):
+        return None
+    own = load_tokenizer(path, trust_remote_code=trust_remote_code, need_pad=False)
+    if same_tokenizer(own, tok):
+        return None
+    if own.pad_token_id is None:
+        own.pad_token = own.eos_token
+    return own
+
+
+def model_source(cfg: Config, tok, device) -> Reward:
+    """The reward model at ``reward.name``: a pairwise scalar model, or a label classifier when it
+    has several labels (read with ``reward.label_function`` or the task's ``label_of_prompt``)."""
+    rc, mc = cfg.reward, cfg.model
+    rm = freeze(load_scalar_model(rc.name, mc.dtype, mc.trust_remote_code, num_labels=None)).to(device)
+    rm_tok = other_tokenizer(rc.name, tok, mc.trust_remote_code)  # None: the policy's token ids are read as they are
+    if rm.config.num_labels == 1:
+        return reward_model_scorer(rm, tok, rm_tok)
+    # a label classifier (the number-doubling tutorial task's reward), not a pairwise scalar
+    if rc.label_function:
+        return classifier_scorer(rm, tok, load_reward_function(rc.label_function), rm_tok)
+    task = get_task(cfg.run.task)
+    if not hasattr(task, "label_of_prompt"):
+        raise ValueError(f"{rc.name} is a classifier with {rm.config.num_labels} labels but task "
+                         f"{cfg.run.task!r} has no labels: set reward.label_function=module:name")
+    return classifier_scorer(rm, tok, task.label_of_prompt, rm_tok)
+
+
+def split_specs(spec) -> list:
+    """``'a:f, b:g'`` -> ``['a:f', 'b:g']``; a callable or a list of them passes through."""
+    if callable(spec):
+        return [spec]
+    if isinstance(spec, (list, tuple)):
+        return list(spec)
+    return [s.strip() for s in str(spec).split(",") if s.strip()]
+
+
+def build_reward(cfg: Config, tok, device) -> Reward:
+    """The configured reward: the model at ``reward.name`` and/or the functions at
+    ``reward.function`` (comma-separated), weighted by ``reward.weights`` (one per source, the
+    model first; empty: all 1). Each source is logged as ``reward/<name>``."""
+    rc = cfg.reward
+    sources: list[tuple[str, float, Source]] = []
+    if rc.name:
+        sources += model_source(cfg, tok, device).sources
+    for spec in split_specs(rc.function):
+        sources += function_scorer(load_reward_function(spec), tok).sources
+    weights = [float(w) for w in str(rc.weights).split(",") if w.strip()] if rc.weights else [1.0] * len(sources)
+    if len(weights) != len(sources):
+        names = ", ".join(n for n, _, _ in sources)
+        raise ValueError(f"reward.weights={rc.weights!r} gives {len(weights)} weight(s) for {len(sources)} reward "
+                         f"source(s) ({names}): give one per source, the reward model first")
+    seen: dict[str, int] = {}
+    named = []
+    for (name, _, fn), w in zip(sources, weights):
+        seen[name] = seen.get(name, 0) + 1
+        named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", w, fn))
+    return Reward(named)

@@ -1,0 +1,173 @@
+"""What every training loop shares: the run's plumbing in one object, and small helpers.
+
+A trainer's own code is its arithmetic; :class:`Run` holds the rest, the same in all of them::
+
+    run = Run(cfg, "dpo", steps=cfg.dpo.steps)       # seed, run dir + config.yaml, accelerator, guard
+    model, opt = run.prepare(model, opt, micro_batch=...)
+    resumed = run.restore({"policy": model}, {"optimizer": opt}, generator=gen)
+    for step in run.steps():                          # progress from the resumed step on
+        ...                                           # the trainer's own step
+        run.log(step, row, loss=f"{row['dpo/loss']:.3f}")
+        run.checkpoint(step, pos=pos)                 # when due; extra state beside the standard one
+    run.close()
+    run.save_model(model, tok, "policy", adapter="policy_adapter")
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import Checkpointer, loop_state, restore_loop_state
+from ..config import Config
+from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
+from ..models import save_policy
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run
+
+
+def lr_lambda(warmup: int, total: int, floor: float = 0.1):
+    """Linear warm-up then cosine decay to ``floor`` of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(1, total - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+    return f
+
+
+@dataclass
+class Engine:
+    """How an update runs its backward pass, in one process or several.
+
+    ``model``: the trained module as ``accelerator.prepare`` returned it (DDP wraps it; None:
+    call the module itself). ``accelerator`` does the backward and the gradient clipping
+    (None: plain torch). ``shard`` rescales token-mean losses so the synchronised gradient is
+    that of the global minibatch, and reduces the stats. ``guard`` skips non-finite updates.
+    """
+
+    model: torch.nn.Module | None = None
+    accelerator: Any = None
+    shard: Shard = field(default_factory=Shard)
+    guard: UpdateGuard = field(default_factory=UpdateGuard)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.accelerator is not None:
+            self.accelerator.backward(loss)
+        else:
+            loss.backward()
+
+    def clip(self, parameters, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.accelerator, parameters, max_norm)
+
+
+class Run:
+    """One training run's plumbing: run directory, accelerator and shard, update guard,
+    checkpoints and exact resume, metrics log, progress, and the final save.
+
+    ``Run(cfg, name, steps)`` seeds every RNG, creates ``run.out_dir`` with the resolved
+    config, and builds the accelerator (one process, or DDP / FSDP under ``accelerate
+    launch``). :meth:`restore` must come after the models and optimizers exist: it loads the
+    newest checkpoint into them when ``run.resume`` is set and opens the metrics log.
+    Only the main process writes files; every process runs the same calls.
+    """
+
+    def __init__(self, cfg: Config, name: str, steps: int, find_unused_parameters: bool = False):
+        self.cfg, self.name, self.total = cfg, name, steps
+        self.out: Path = setup_run(cfg)
+        self.accelerator = make_accelerator(cfg, find_unused_parameters=find_unused_parameters)
+        self.shard = Shard(self.accelerator)
+        self.device = self.accelerator.device
+        self.guard = UpdateGuard(cfg.run.max_bad_updates, name)
+        self.ckpt = Checkpointer.from_config(cfg, self.out, enabled=self.shard.is_main)
+        self.start = 0
+        self.log_: MetricsLogger | None = None
+        self.bar = None
+        self._saved: dict[str, Any] = {}
+        self._t0 = time.perf_counter()
+
+    @property
+    def is_main(self) -> bool:
+        return self.shard.is_main
+
+    def engine(self, model) -> Engine:
+        """The :class:`Engine` for ``model`` as prepared by :meth:`prepare`."""
+        return Engine(model, self.accelerator, self.shard, self.guard)
+
+    def prepare(self, *objects, micro_batch: int):
+        """The trained model(s) and optimizer as the engine wants them (DDP / FSDP / DeepSpeed)."""
+        return prepare(self.accelerator, *objects, micro_batch=micro_batch)
+
+    def restore(self, modules: dict, optimizers: dict, schedulers: dict | None = None, data=None,
+                generator: torch.Generator | None = None) -> dict:
+        """Load the newest checkpoint (``run.resume``) into these objects and the data position,
+        then open the metrics log. Returns the checkpoint's loop state (``{}``: a fresh start).
+        The same objects are written by :meth:`checkpoint`."""
+        self._saved = {"modules": modules, "optimizers": optimizers, "schedulers": schedulers, "data": data,
+                       "generator": generator}
+        resumed = self.ckpt.restore(modules, optimizers, schedulers, steps=self.total) or {}
+        if resumed:
+            restore_loop_state(resumed, self.guard, data, generator)
+            print(f"resuming {self.name} from {resumed['path']} (step {resumed['step']} of {self.total})",
+                  file=sys.stderr)
+        self.start = resumed.get("step", 0)
+        self._t0 = time.perf_counter() - resumed.get("seconds", 0.0)
+        self.log_ = MetricsLogger(self.out / "metrics.jsonl", self.cfg, enabled=self.is_main,
+                                  resume=resumed.get("metrics"))
+        return resumed
+
+    def steps(self):
+        """The step numbers still to run, under a progress display (main process only)."""
+        self.bar = progress(range(self.start, self.total), desc=self.name, total=self.total, initial=self.start,
+                            enabled=self.cfg.run.progress and self.is_main)
+        return self.bar
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds since the start, a resumed run's earlier ones included."""
+        return time.perf_counter() - self._t0
+
+    def log(self, step: int, row: dict, **postfix: str) -> dict:
+        """One metrics row (``guard/skipped_updates`` added); ``postfix`` goes to the progress line."""
+        row = self.log_.log(step, {**row, "guard/skipped_updates": self.guard.skipped})
+        if postfix and self.bar is not None:
+            self.bar.set_postfix(**postfix)
+        return row
+
+    def rows(self) -> list[dict]:
+        return self.log_.rows()
+
+    def due(self, step: int, last: bool | None = None) -> bool:
+        """Is a checkpoint due after ``step`` (``run.checkpoint_every``; never after the last)?"""
+        return self.ckpt.due(step + 1, step == self.total - 1 if last is None else last)
+
+    def checkpoint(self, step: int, last: bool | None = None, **extra: Any) -> None:
+        """After ``step``: save a checkpoint when one is due, with the standard loop state (log
+        position, guard, data position, generator, seconds) and ``extra``."""
+        if not self.due(step, last):
+            return
+        s = self._saved
+        state = loop_state(step + 1, self.log_, self.guard, s["data"], s["generator"], seconds=self.seconds, **extra)
+        self.ckpt.save(step + 1, s["modules"], s["optimizers"], state, s["schedulers"])
+
+    def close(self) -> None:
+        self.log_.close()
+
+    def save_model(self, model, tokenizer, subdir: str, adapter: str | None = None) -> Path:
+        """Write ``model`` to ``OUT_DIR/subdir`` as a plain ``from_pretrained`` directory (a LoRA
+        adapter also to ``OUT_DIR/adapter``); FSDP-sharded weights are gathered first. A
+        collective: every process calls it, the main process writes."""
+        path = self.out / subdir
+        self.shard.wait()
+        weights = full_state_dict(model)  # FSDP: gathered on every process; None otherwise
+        if self.is_main:
+            save_policy(model, tokenizer, path, self.out / adapter if adapter else None, weights)
+        self.shard.wait()
+        return path

@@ -1,0 +1,265 @@
+"""The RL commands on the user's own prompt files: every format, every column reaching the
+reward functions (aligned through groups), several weighted rewards, held-out evaluation by
+the rewards, generic early stopping, passes over the prompt set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from rlhfkit.data import DataError, PromptExample, encode_prompts, load_prompts
+from rlhfkit.evaluate import evaluate_rewards
+from rlhfkit.models import load_policy
+from rlhfkit.prompts import FilePrompts, PromptRecord, file_records, split_eval
+from rlhfkit.rewards import Reward, RewardError, function_scorer
+from rlhfkit.rollout import generate
+from rlhfkit.tasks import doubling
+from rlhfkit.trainers.rl import train_rl
+from rlhfkit.utils import read_jsonl
+from test_data import TOK, user
+
+RECORDS = [{"prompt": f"double {n}", "answer": f"a{2 * n}", "level": n % 3} for n in range(1, 6)]
+
+
+def write_formats(tmp_path, records) -> dict[str, str]:
+    """The same records as JSONL, a JSON array, Parquet, CSV and a save_to_disk directory."""
+    ds = Dataset.from_list(records)
+    paths = {"jsonl": tmp_path / "p.jsonl", "json": tmp_path / "p.json", "parquet": tmp_path / "p.parquet",
+             "csv": tmp_path / "p.csv", "disk": tmp_path / "p_disk"}
+    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in records))
+    paths["json"].write_text(json.dumps(records))
+    ds.to_parquet(str(paths["parquet"]))
+    ds.to_csv(str(paths["csv"]), index=False)
+    ds.save_to_disk(str(paths["disk"]))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def test_every_prompt_file_format_gives_the_same_records(tmp_path):
+    paths = write_formats(tmp_path, RECORDS)
+    want = [(r["prompt"], {"answer": r["answer"], "level": r["level"]}) for r in RECORDS]
+    for kind, path in paths.items():
+        got = [(e.prompt, e.meta) for e in load_prompts(path, TOK)]
+        assert got == want, kind
+
+
+def test_a_split_of_a_saved_dataset_dict(tmp_path):
+    DatasetDict({"train": Dataset.from_list(RECORDS[:3]), "test": Dataset.from_list(RECORDS[3:])}).save_to_disk(
+        str(tmp_path / "dd"))
+    assert [e.prompt for e in load_prompts(str(tmp_path / "dd"), TOK)] == ["double 1", "double 2", "double 3"]
+    assert [e.prompt for e in load_prompts(str(tmp_path / "dd"), TOK, split="test")] == ["double 4", "double 5"]
+    with pytest.raises(DataError, match="holds splits"):
+        load_prompts(str(tmp_path / "dd"), TOK, split="validation")
+
+
+def test_conversational_prompt_keeps_the_messages_for_the_reward(tmp_path):
+    ex = load_prompts([{"prompt": [user("double 12")], "answer": "24"}], TOK)[0]
+    assert ex.prompt == "<|user|>double 12\n<|assistant|>"  # rendered with the generation prompt
+    assert ex.raw == [user("double 12")]
+
+
+def test_a_column_missing_in_some_records_is_named(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    with pytest.raises(DataError, match=rf"^{path}:2: field 'answer': missing here but present"):
+        load_prompts(str(path), TOK)
+
+
+def test_long_prompts_are_cut_from_the_left_or_refused():
+    exs = [PromptExample("abcdefgh", origin="p.jsonl:1"), PromptExample("ab", origin="p.jsonl:2")]
+    ids, cut = encode_prompts(exs, TOK, max_length=5, truncation="left")
+    assert cut == 1
+    assert TOK.decode(ids[0]) == "<s>efgh"  # BOS kept, the prompt's end kept
+    assert TOK.decode(ids[1]) == "<s>ab"
+    with pytest.raises(DataError, match=r"^p\.jsonl:1: field 'prompt': 9 tokens exceeds data.max_prompt_length=5"):
+        encode_prompts(exs, TOK, max_length=5, truncation="error")
+
+
+def test_passes_over_the_prompts_are_shuffled_per_seed_and_resume_exactly():
+    records = [PromptRecord(str(i)) for i in range(10)]
+    src = FilePrompts(records, seed=3)
+    seen = [r.text for r in src.batch(10)]
+    assert sorted(seen) == [str(i) for i in range(10)] and src.epoch == 0  # one pass, every record once
+    nxt = src.batch(4)  # crosses into the second pass
+    assert src.epoch == 1 and [r.text for r in nxt] != seen[:4]
+    state = json.loads(json.dumps(src.state_dict()))  # as a checkpoint stores it
+    after = [r.text for r in src.batch(13)]
+    other = FilePrompts(records, seed=3)
+    other.load_state_dict(state)
+    assert [r.text for r in other.batch(13)] == after and other.epoch == src.epoch == 2
+    assert [r.text for r in FilePrompts(records, seed=4).batch(10)] != seen  # another seed, another order
+
+
+def test_eval_fraction_holds_out_a_seeded_share():
+    records = [PromptRecord(str(i)) for i in range(20)]
+    train, held = split_eval(records, 0.25, seed=0)
+    assert len(held) == 5 and len(train) == 15 and not {r.text for r in train} & {r.text for r in held}
+    assert split_eval(records, 0.25, seed=0) == (train, held)
+
+
+# --------------------------------------------------------------------------- reward functions
+
+CALLS: list[dict] = []
+
+
+def capture_reward(prompts, completions, completion_ids, finished, answer, level, **kwargs):
+    CALLS.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                  "finished": finished, "answer": answer, "level": level, "extra": sorted(kwargs)})
+    return [1.0] * len(completions)
+
+
+def two_reward(prompts, completions, **columns):
+    return [2.0] * len(completions)
+
+
+def ones_and_zeros(prompts, completions, completion_ids, **columns):
+    return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+
+
+def boom(prompts, completions, **columns):
+    raise RuntimeError("my reward exploded")
+
+
+def returns_none(prompts, completions, **columns):
+    return None
+
+
+def doubling_file(tmp_path, n: int = 12, name: str = "prompts.jsonl") -> str:
+    """Doubling prompts with their verifier's columns and an extra ``answer`` column."""
+    rows = []
+    for i in range(n):
+        p = doubling.Prompt(1000 + 37 * i, doubling.SET_NAMES[i % 3])
+        rows.append({"prompt": p.text, **doubling.columns(p), "answer": doubling.render(2 * p.number, p.charset),
+                     "level": i % 3})
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_every_column_reaches_the_reward_aligned_with_the_completions(tiny_models, tiny_config, tmp_path, no_plots):
+    CALLS.clear()
+    path = doubling_file(tmp_path)
+    by_prompt = {r["prompt"]: r for r in read_jsonl(path)}
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy},
+                      reward={"function": "test_user_data:capture_reward"}, data={"path": path},
+                      ppo={"algo": "grpo", "steps": 3, "batch_size": 8, "group_size": 4, "max_new_tokens": 6})
+    train_rl(cfg)
+    assert len(CALLS) == 3
+    for call in CALLS:
+        n = len(call["completions"])
+        assert n == 8 and all(len(call[k]) == n for k in ("prompts", "completion_ids", "finished", "answer", "level"))
+        assert call["extra"] == ["charset", "number"]  # every other column, by name
+        for i in range(n):
+            rec = by_prompt[call["prompts"][i]]  # the prompt as the file gave it
+            assert (call["answer"][i], call["level"][i]) == (rec["answer"], rec["level"])
+            # completions: decoded without special tokens; ids: the EOS kept where one was emitted
+            ids = call["completion_ids"][i]
+            assert call["completions"][i] == TOK_D.decode(ids, skip_special_tokens=True)
+            assert call["finished"][i] == (TOK_D.eos_token_id in ids)
+        for g in range(0, n, 4):  # a group's rows: one prompt, its columns repeated
+            assert len({call["prompts"][j] for j in range(g, g + 4)}) == 1
+
+
+TOK_D = doubling.make_tokenizer()
+
+
+def test_weighted_rewards_are_logged_each_and_summed(tiny_models, tiny_config, tmp_path, no_plots):
+    path = doubling_file(tmp_path)
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, data={"path": path},
+                      reward={"name": tiny_models.reward, "function": "test_user_data:two_reward", "weights": "0.5,3"},
+                      ppo={"algo": "grpo", "steps": 2, "batch_size": 8, "group_size": 4, "max_new_tokens": 6})
+    train_rl(cfg)
+    for row in read_jsonl(tmp_path / "run" / "metrics.jsonl"):
+        assert row["reward/two_reward"] == 2.0
+        assert row["objective/score"] == pytest.approx(0.5 * row["reward/reward_model"] + 3 * 2.0, abs=1e-5)
+
+
+def test_a_weight_per_source_or_a_clear_error(tiny_models, tiny_config, tmp_path):
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, data={"path": doubling_file(tmp_path)},
+                      reward={"function": "test_user_data:two_reward", "weights": "1,2"},
+                      ppo={"algo": "grpo", "max_new_tokens": 6})
+    with pytest.raises(ValueError, match=r"reward.weights='1,2' gives 2 weight\(s\) for 1 reward source"):
+        train_rl(cfg)
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("boom", "reward function test_user_data:boom raised RuntimeError: my reward exploded"),
+    ("returns_none", "reward function test_user_data:returns_none returned None"),
+])
+def test_a_failing_reward_function_is_named(fn, message, tiny_models, tiny_config, tmp_path):
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, data={"path": doubling_file(tmp_path)},
+                      reward={"function": f"test_user_data:{fn}"}, ppo={"algo": "grpo", "max_new_tokens": 6})
+    with pytest.raises(RewardError) as err:
+        train_rl(cfg)
+    assert str(err.value).startswith(message)
+
+
+def test_held_out_prompts_are_scored_by_the_rewards(tiny_models, tmp_path):
+    policy = load_policy(tiny_models.policy)
+    records = file_records(doubling_file(tmp_path, 10), TOK_D, _cfg_data())
+    binary = function_scorer(ones_and_zeros, TOK_D)
+    both = Reward(binary.sources + [(n, 0.5, f) for n, _, f in function_scorer(two_reward, TOK_D).sources])
+    ev = evaluate_rewards(policy, TOK_D, records, both, torch.device("cpu"), batch_size=3, max_new_tokens=6)
+    # the same completions, decoded greedily by hand, scored by the function itself
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.ids[::-1]) for r in records], batch_first=True,
+                                          padding_value=TOK_D.pad_token_id).flip(1)
+    roll = generate(policy, ids, (ids != TOK_D.pad_token_id).long(), 6, TOK_D.eos_token_id, TOK_D.pad_token_id,
+                    greedy=True)
+    want = ones_and_zeros(None, [None] * 10, [r[:n] for r, n in zip(roll.response_ids.tolist(),
+                                                                   roll.response_mask.sum(-1).tolist())])
+    assert ev["eval/reward/ones_and_zeros"] == pytest.approx(sum(want) / 10)
+    assert ev["eval/accuracy"] == pytest.approx(sum(want) / 10)  # the binary source alone decides
+    assert ev["eval/reward/two_reward"] == 2.0
+    assert ev["eval/reward"] == pytest.approx(sum(want) / 10 + 0.5 * 2.0)
+    only_two = evaluate_rewards(policy, TOK_D, records, function_scorer(two_reward, TOK_D), torch.device("cpu"),
+                                max_new_tokens=6)
+    assert "eval/accuracy" not in only_two  # no 0/1 reward, no accuracy
+
+
+def _cfg_data():
+    from rlhfkit.config import Config
+
+    return Config()
+
+
+def test_evaluation_and_generic_early_stop_on_held_out_prompts(tiny_models, tiny_config, tmp_path, no_plots):
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy},
+                      data={"path": doubling_file(tmp_path), "eval_path": doubling_file(tmp_path, 5, "held.jsonl")},
+                      reward={"function": "test_user_data:two_reward"},
+                      ppo={"algo": "grpo", "steps": 6, "batch_size": 8, "group_size": 4, "max_new_tokens": 6,
+                           "eval_every": 2, "stop_metric": "eval/reward", "stop_at": 2.0})
+    out = train_rl(cfg)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert out["reached"]["step"] == 2 and len(rows) == 2  # the first evaluation already meets it
+    assert rows[1]["eval/reward"] == 2.0 and rows[1]["eval/reward/two_reward"] == 2.0
+    assert "eval/reward" not in rows[0]
+    assert [r["data/epoch"] for r in rows] == [0, 0]
+
+
+def test_prompt_file_passes_are_counted(tiny_models, tiny_config, tmp_path, no_plots):
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, data={"path": doubling_file(tmp_path, 4)},
+                      reward={"function": "rlhfkit.tasks.doubling:exact_reward"},
+                      ppo={"algo": "grpo", "steps": 4, "batch_size": 8, "group_size": 4, "max_new_tokens": 6})
+    train_rl(cfg)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["data/epoch"] for r in rows] == [0, 0, 1, 1]  # 2 prompts a step, 4 in the file
+
+
+def test_rl_on_a_file_needs_max_new_tokens(tiny_models, tiny_config, tmp_path):
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, data={"path": doubling_file(tmp_path)},
+                      reward={"function": "test_user_data:two_reward"}, ppo={"max_new_tokens": None})
+    with pytest.raises(ValueError, match="ppo.max_new_tokens must be set with data.path"):
+        train_rl(cfg)
+
+
+def test_task_verifiers_read_columns_and_the_finished_flag():
+    p = doubling.Prompt(1234, "digits")
+    cols = doubling.columns(p)
+    # the RL loop's convention: no EOS text, `finished` says whether the response ended with EOS
+    assert doubling.exact_reward(["anything"], ["2468"], number=[cols["number"]], charset=[cols["charset"]],
+                                 finished=[True]) == [1.0]
+    assert doubling.exact_reward(["anything"], ["2468"], number=[1234], charset=["digits"], finished=[False]) == [0.0]
+    # the old convention still holds: EOS in the text, prompt parsed
+    assert doubling.exact_reward([p.text], ["2468" + doubling.EOS]) == [1.0]
