@@ -23,12 +23,13 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
+from rlhfkit.tasks import doubling
 from rlhfkit.tasks.doubling import make_tokenizer
 from rlhfkit.utils import read_jsonl
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-RUNS = ("ppo", "ppo_warmup", "grpo", "dpo", "sft", "rm")
+RUNS = ("ppo", "ppo_warmup", "grpo", "grpo_file", "dpo", "sft", "rm")
 
 
 def _free_port() -> int:
@@ -55,6 +56,10 @@ def runs(tmp_path_factory):
     for model, name in ((policy, "policy"), (rm, "rm")):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
+    for name, numbers in (("prompts.jsonl", (1234, 4321, 2718)), ("held.jsonl", (1111, 2222, 3333, 4444, 5555))):
+        rows = [{"prompt": doubling.Prompt(n, doubling.SET_NAMES[n % 3]).text,
+                 **doubling.columns(doubling.Prompt(n, doubling.SET_NAMES[n % 3]))} for n in numbers]
+        (root / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = [str(root / "policy"), str(root / "rm")]
     # --multi_gpu selects the torch.distributed launcher; on CPU the processes join with gloo
@@ -90,6 +95,9 @@ def test_first_step_matches_one_process(runs, cmd):
     assert any("loss" in k for k in keys) and any("grad_norm" in k for k in keys), keys
     if cmd == "ppo_warmup":
         assert all(r["policy/grad_norm"] == 0.0 for r in a + b)  # warm-up: only the value head learned
+    if cmd == "grpo_file":  # both rewards, the held-out scores and the second pass are there
+        assert {"reward/reward_model", "reward/format_reward", "eval/reward", "eval/accuracy"} <= set(a[-1])
+        assert [r["data/epoch"] for r in a] == [0, 1]
     diffs = {}
     for ra, rb in zip(a, b):
         for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step"):
@@ -103,7 +111,7 @@ def test_first_step_matches_one_process(runs, cmd):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("cmd,weights", [("ppo", "policy"), ("grpo", "policy"), ("dpo", "policy"),
+@pytest.mark.parametrize("cmd,weights", [("ppo", "policy"), ("grpo", "policy"), ("grpo_file", "policy"), ("dpo", "policy"),
                                          ("sft", "policy"), ("rm", "reward_model")])
 def test_saved_weights_match_one_process(runs, cmd, weights):
     one, two = runs
@@ -120,7 +128,7 @@ def test_saved_weights_match_one_process(runs, cmd, weights):
 
 def test_only_the_main_process_writes_samples(runs):
     one, two = runs
-    for cmd in ("ppo", "grpo"):
+    for cmd in ("ppo", "grpo", "grpo_file"):
         sa = read_jsonl(one / cmd / "samples.jsonl")
         sb = read_jsonl(two / cmd / "samples.jsonl")
         assert sa == sb  # the first rows of the global batch, sampled identically, written once

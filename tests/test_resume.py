@@ -27,7 +27,21 @@ from rlhfkit.checkpoint import Checkpointer, latest_checkpoint
 STEPS = 12
 
 
+def _prompt_file(path: Path) -> Path:
+    """Five doubling prompts with the columns the verifier reads: 12 steps of 2 prompts make ~5 passes."""
+    from rlhfkit.tasks import doubling
+
+    prompts = [doubling.Prompt(1000 + 7 * i, doubling.SET_NAMES[i % 3]) for i in range(5)]
+    path.write_text("".join(json.dumps({"prompt": p.text, **doubling.columns(p)}, ensure_ascii=False) + "\n"
+                            for p in prompts), encoding="utf-8")
+    return path
+
+
 def _args(algo: str, models, out: Path) -> list[str]:
+    if algo == "grpo-file":  # the user's prompt file: its position (pass, order) must come back too
+        prompts = _prompt_file(out.parent / "prompts.jsonl")
+        return [*_args("grpo", models, out), f"data.path={prompts}", "data.eval_fraction=0.2",
+                "reward.function=rlhfkit.tasks.doubling:exact_reward", "ppo.stop_metric=eval/accuracy"]
     args = [sys.executable, "-m", "rlhfkit", algo, f"model.name={models.policy}", f"run.out_dir={out}",
             f"ppo.steps={STEPS}", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
             "ppo.eval_every=4", "ppo.stop_at=0", "ppo.trajectories_every=3", "eval.batch_size=512",
@@ -67,7 +81,7 @@ def _kill_from_outside(args: list[str], out: Path, rows: int) -> int:
     return proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "grpo-file"])
 def test_killed_and_resumed_run_ends_as_an_unbroken_one(algo, tiny_models, tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert _run(_args(algo, tiny_models, whole)) == 0
@@ -91,6 +105,8 @@ def test_killed_and_resumed_run_ends_as_an_unbroken_one(algo, tiny_models, tmp_p
     a, b = _rows(whole), _rows(broken)
     assert [r["step"] for r in b] == list(range(STEPS))  # no step missing or logged twice
     assert a == b  # every loss, KL, score, advantage statistic, grad norm and eval accuracy
+    if algo == "grpo-file":
+        assert a[-1]["data/epoch"] >= 3 and "eval/accuracy" in a[-1]  # several passes, held-out scored
     for name in ("samples.jsonl", "trajectories.jsonl"):
         assert (whole / name).read_bytes() == (broken / name).read_bytes(), name
     wa, wb = load_file(str(whole / "policy" / "model.safetensors")), load_file(str(broken / "policy" / "model.safetensors"))

@@ -18,6 +18,12 @@ runs = {  # run name: (command, overrides)
     # a critic warm-up step on a shared value head: the actor gets no gradient (DDP's unused parameters)
     "ppo_warmup": ("ppo", [*rl, "ppo.critic_warmup_steps=1", "ppo.value_model=shared"]),
     "grpo": ("grpo", [*rl, "ppo.group_size=4"]),
+    # the user's prompt file (3 prompts: the second step starts a new pass), its columns read by the
+    # verifier, weighted with the reward model; held-out prompts scored by both on every step
+    "grpo_file": ("grpo", [*rl, "ppo.group_size=4", "ppo.steps=2", "ppo.eval_every=1", "ppo.stop_at=0",
+                           f"data.path={Path(policy).parent / 'prompts.jsonl'}",
+                           f"data.eval_path={Path(policy).parent / 'held.jsonl'}",
+                           "reward.function=rlhfkit.tasks.doubling:format_reward", "reward.weights=1,2"]),
     "dpo": ("dpo", ["dpo.steps=1", "dpo.batch_size=8", "dpo.num_pairs=64"]),
     "sft": ("sft", ["sft.steps=1", "sft.batch_size=8"]),
     "rm": ("rm", ["reward.steps=1", "reward.batch_size=8", "reward.eval_pairs=64"]),
