@@ -282,6 +282,15 @@ class PPOConfig:
     stop_metric: str = "eval/exact_acc"
     """Logged metric that ends the run early at ppo.stop_at: 'eval/exact_acc' (a built-in task's
     verifier), 'eval/accuracy' or 'eval/reward' (held-out prompts scored by the rewards)."""
+    guard_kl: float = 10.0
+    """Reward-hacking watch: flag (guard/kl_high, one warning) steps whose per-sequence KL to the
+    reference exceeds this many nats (0 = off). See rlhfkit.watch."""
+    guard_eos: float = 0.5
+    """Flag (guard/eos_collapse) steps whose EOS rate falls below this share of the first step's
+    (0 = off)."""
+    guard_eval_drop: float = 0.2
+    """Flag (guard/eval_drop) evaluations where ppo.stop_metric is this far below its best while
+    the training score is above its value at that best (0 = off)."""
     samples_per_log: int = 4
     """Generations saved to samples.jsonl per step."""
     trajectories_every: int = 10
@@ -587,7 +596,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
     "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
     "ppo.missing_eos_penalty": (0, None), "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
-    "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None),
+    "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None), "ppo.guard_kl": (0, None),
+    "ppo.guard_eos": (0, 1), "ppo.guard_eval_drop": (0, None),
     "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),
     "sft.steps": (1, None), "sft.batch_size": (1, None), "sft.lr": (0, None), "sft.warmup_steps": (0, None),
     "dpo.beta": (0, None), "dpo.steps": (1, None), "dpo.batch_size": (1, None), "dpo.lr": (0, None),

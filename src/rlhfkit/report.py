@@ -50,10 +50,12 @@ PANELS = [
     ("length", "response length (tokens)", ["response/length"]),
     ("eos_rate", "EOS rate", ["response/eos_rate"]),
     ("eval", "held-out evaluation (greedy)", ["eval/*"]),
+    ("guard", "reward-hacking signs and skipped updates", ["guard/*"]),
     ("throughput", "throughput (tokens / s)", ["throughput/tokens_per_s"]),
     ("step_time", "seconds per step", ["time/rollout_s", "time/experience_s", "time/update_s"]),
 ]
 SKIP = {"step", "time/elapsed_s", "time/train_s"}
+HACKING_KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop")
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b"]
 MAX_POINTS = 400
 MAX_SAMPLE_STEPS = 16
@@ -109,8 +111,10 @@ def _panels(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def svg_curve(series: dict[str, list[tuple[float, float]]], width: int = 360, height: int = 190) -> str:
-    """Line plot of one or more ``key -> [(step, value)]`` series as an inline SVG string."""
+def svg_curve(series: dict[str, list[tuple[float, float]]], width: int = 360, height: int = 190,
+              marks: list[float] = ()) -> str:
+    """Line plot of one or more ``key -> [(step, value)]`` series as an inline SVG string;
+    ``marks``: steps drawn as thin red vertical lines (reward-hacking signs)."""
     left, right, top, bottom = 56, 10, 8, 24
     pts = [p for s in series.values() for p in s]
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
@@ -141,6 +145,10 @@ def svg_curve(series: dict[str, list[tuple[float, float]]], width: int = 360, he
         parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" class="ylab">{_esc(_fmt(yv))}</text>')
     if y0 < 0 < y1:
         parts.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(0):.1f}" y2="{sy(0):.1f}" class="zero"/>')
+    for xv in marks:
+        if x0 <= xv <= x1:
+            parts.append(f'<line x1="{sx(xv):.1f}" x2="{sx(xv):.1f}" y1="{top}" y2="{top + ph}" class="hack">'
+                         f'<title>step {_esc(_fmt(xv))}: reward-hacking sign (guard/*)</title></line>')
     for xv in sorted({min(xs), max(xs)}):
         parts.append(f'<text x="{sx(xv):.1f}" y="{height - 6}" class="xlab">{_esc(_fmt(xv))}</text>')
     for i, (key, s) in enumerate(series.items()):
@@ -157,7 +165,13 @@ def svg_curve(series: dict[str, list[tuple[float, float]]], width: int = 360, he
     return "".join(parts)
 
 
+def hacking_steps(rows: list[dict]) -> list[float]:
+    """Steps where a reward-hacking sign (a ``guard/*`` flag of :mod:`rlhfkit.watch`) showed."""
+    return [r["step"] for r in rows if any(r.get(k) for k in HACKING_KEYS)]
+
+
 def curves_html(rows: list[dict], prefix: str = "curve") -> str:
+    marks = hacking_steps(rows)
     figs = []
     for pid, title, keys in _panels(rows):
         series = {k: s for k in keys if (s := _series(rows, k))}
@@ -167,9 +181,16 @@ def curves_html(rows: list[dict], prefix: str = "curve") -> str:
             f'<span class="key"><i style="background:{COLOURS[i % len(COLOURS)]}"></i>{_esc(k)} '
             f'<b>{_esc(_fmt(s[-1][1]))}</b></span>' for i, (k, s) in enumerate(series.items()))
         figs.append(f'<figure class="curve" id="{prefix}-{pid}" data-metrics="{_esc(" ".join(series))}">'
-                    f'<figcaption>{_esc(title)}</figcaption>{svg_curve(series)}'
+                    f'<figcaption>{_esc(title)}</figcaption>{svg_curve(series, marks=marks)}'
                     f'<div class="legend">{legend}</div></figure>')
-    return f'<div class="curves">{"".join(figs)}</div>' if figs else '<p class="empty">no metrics logged</p>'
+    if not figs:
+        return '<p class="empty">no metrics logged</p>'
+    note = ""
+    if marks:
+        shown = ", ".join(_fmt(m) for m in marks[:20]) + (" ..." if len(marks) > 20 else "")
+        note = (f'<p class="hacknote" id="{prefix}-hacking">Signs of reward hacking (red lines; '
+                f'<code>guard/*</code> metrics) at steps {_esc(shown)}.</p>')
+    return f'{note}<div class="curves">{"".join(figs)}</div>'
 
 
 # --------------------------------------------------------------------------- other sections
@@ -245,6 +266,7 @@ section{padding:8px 24px 16px}h2{font-size:17px;border-bottom:1px solid #ccd;pad
 .curves{display:grid;grid-template-columns:repeat(auto-fill,minmax(372px,1fr));gap:10px}
 figure.curve{margin:0;background:#fff;border:1px solid #dde;border-radius:4px;padding:6px}
 figcaption{font-weight:600;font-size:13px;margin-bottom:2px}
+.hack{stroke:#d62728;stroke-width:1;stroke-dasharray:2 2}.hacknote{color:#b00}
 .plotbg{fill:#fcfcfe;stroke:#ccd}.grid{stroke:#e4e4ec}.zero{stroke:#888;stroke-dasharray:3 3}
 .ylab{font-size:10px;text-anchor:end;fill:#555}.xlab{font-size:10px;text-anchor:middle;fill:#555}
 .legend{font-size:11px}.legend .key{margin-right:10px;white-space:nowrap}

@@ -61,6 +61,7 @@ from ..rollout import decode_responses, generate
 from ..tasks import get_task
 from ..trajectories import TrajectoryWriter
 from ..utils import UpdateGuard, cut_file, file_size, mean_stats
+from ..watch import HackingWatch
 from .common import Engine, Run
 
 
@@ -204,20 +205,23 @@ def make_optimizer(ac: ActorCritic, pc: PPOConfig) -> torch.optim.Optimizer:
 
 
 class RLState:
-    """The loop's counters beyond the step: KL coefficient, training seconds, reward statistics."""
+    """The loop's counters beyond the step: KL coefficient, training seconds, reward statistics,
+    the reward-hacking watch."""
 
     def __init__(self, pc: PPOConfig):
         self.kl_coef, self.train_s = pc.kl_coef, 0.0
         self.reward_stats = RunningMoments() if pc.normalize_reward else None
         self.reached: dict | None = None
+        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, pc.stop_metric)
 
     def state_dict(self) -> dict:
         m = self.reward_stats
-        return {"kl_coef": self.kl_coef, "train_s": self.train_s,
+        return {"kl_coef": self.kl_coef, "train_s": self.train_s, "watch": self.watch.state_dict(),
                 "reward_stats": None if m is None else [m.count, m.mean, m.m2]}
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_coef, self.train_s = state["kl_coef"], state["train_s"]
+        self.watch.load_state_dict(state["watch"])
         if self.reward_stats is not None:
             self.reward_stats.count, self.reward_stats.mean, self.reward_stats.m2 = state["reward_stats"]
 
@@ -335,6 +339,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
             stats.update(evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens))
             if st.reached is None and pc.stop_at and stats.get(pc.stop_metric, -math.inf) >= pc.stop_at:
                 st.reached = {"step": step + 1, "train_s": st.train_s}
+        stats.update(st.watch.check(step, stats))  # reward-hacking signs: guard/* flags, one warning each
         trajectories.maybe_write(step, last or st.reached is not None, exp, tok, pc, stats["objective/kl_coef"])
         run.log(step, stats, score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
                 **{pc.stop_metric.rsplit("/", 1)[-1]: f"{stats.get(pc.stop_metric, math.nan):.3f}"})
