@@ -77,7 +77,7 @@ def prepare(out: Path | str = DEFAULT_OUT, seed: int = 0) -> dict[str, str]:
 
 
 class ClassifierReward:
-    """Seed 002's reward as a plain callable ``(prompts, completions, **kw) -> list[float]``:
+    """The doubling tutorial's classifier reward as a plain callable ``(prompts, completions, **kw) -> list[float]``:
     the label classifier's logit, at the last token of prompt + completion, of the character
     set the prompt asks for. ``completions`` are response texts with EOS kept (rlhfkit's
     decode); a trainer that strips special tokens passes ``completion_ids`` instead, which are

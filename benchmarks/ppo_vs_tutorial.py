@@ -5,7 +5,7 @@ greedy exact accuracy on the 512 held-out prefixed prompts reaches the target (0
 counts training only (rollout + experience + update); evaluation every few steps is not
 counted for either contender.
 
-The baseline re-implements the tutorial's *design* (seed 002) with this package's core
+The baseline re-implements the number-doubling tutorial's *design* with this package's core
 math: ``model.generate`` rollouts, a value head with dropout sharing the actor's backbone,
 KL coefficient 0.2 in the reward, gamma 0.95, lambda 1, whitened advantages, and -- the
 part that makes it slow -- four epochs of **one sample per optimizer step** (Adam, lr 1e-5),

@@ -40,7 +40,7 @@ Reward (``--reward``):
                 right and in the requested character set, else 0. TRL strips special tokens
                 from the completions it passes, so its copy re-decodes ``completion_ids`` with
                 EOS kept; the verifier then sees the same text as rlhfkit's.
-    classifier  seed 002's label classifier (cached under --out): the logit of the character
+    classifier  the doubling tutorial's label classifier (cached under --out): the logit of the character
                 set the prompt asks for, at the last token of prompt + completion. rlhfkit uses
                 its built-in classifier scorer, TRL the callable ``bench_common.ClassifierReward``;
                 the script checks that both give the same numbers before it starts. It checks

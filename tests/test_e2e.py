@@ -157,7 +157,7 @@ def test_reward_model_from_a_preference_file_with_margins(demo_run, tmp_path):
     assert rows[-2]["rm/delta"] > rows[0]["rm/delta"]
 
 
-def test_classifier_reward_of_seed_002_drives_ppo(demo_run, tmp_path):
+def test_classifier_reward_of_the_tutorial_drives_ppo(demo_run, tmp_path):
     # the reward is the logit of the requested label from a character-set classifier
     out, summary = demo_run
     base = out / "pretrain" / "policy"

@@ -1,6 +1,6 @@
 """Safe loading: no pickle anywhere a file is read, safetensors for every saved weight.
 
-Unpickling a file runs whatever code it names (seed 002 reloads whole models with
+Unpickling a file runs whatever code it names (the doubling tutorial reloads whole models with
 ``torch.load(weights_only=False)``, the thing never to do). Three guards:
 
 * a static scan (AST) of the package and the benchmarks fails on any pickle-based load: a
