@@ -6,7 +6,7 @@
   training forward recomputes them (gap <= 1e-5) and the first PPO ratio is 1;
 * a stop string ends a row at the token that completes it, the rest masked, the row finished;
 * with top-k / top-p the compiled CPU sampler steps aside; a row samples the same tokens
-  whichever processes share the batch.
+  whichever processes share the batch; the RL loop and its evaluation get the settings.
 """
 
 from __future__ import annotations
@@ -330,3 +330,27 @@ def test_a_rows_tokens_do_not_depend_on_the_batch_split():
         assert torch.equal(half.finished, full.finished[rows])
         assert (full.response_mask[rows, width:] == 0).all()
 
+
+def test_the_rl_loop_and_its_evaluation_use_the_settings(tiny_config, tiny_models, tmp_path, monkeypatch, no_plots):
+    import rlhfkit.evaluate
+    import rlhfkit.trainers.rl
+    from rlhfkit.trainers.rl import train_rl
+
+    calls = {"rollout": [], "eval": []}
+
+    def spy(where, real):
+        def run(*args, **kwargs):
+            calls[where].append(kwargs)
+            return real(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(rlhfkit.trainers.rl, "generate", spy("rollout", rlhfkit.trainers.rl.generate))
+    monkeypatch.setattr(rlhfkit.evaluate, "generate", spy("eval", rlhfkit.evaluate.generate))
+    cfg = tiny_config(tmp_path / "ppo", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                      ppo={"top_k": 5, "top_p": 0.9, "stop": ["0", "〇"], "max_new_tokens": 6})
+    train_rl(cfg)
+    assert calls["rollout"] and calls["eval"]
+    for kw in calls["rollout"]:
+        assert (kw["top_k"], kw["top_p"], kw["stop"], kw["tokenizer"] is not None) == (5, 0.9, ("0", "〇"), True)
+    for kw in calls["eval"]:
+        assert kw["greedy"] and kw["stop"] == ("0", "〇") and kw["tokenizer"] is not None
