@@ -160,3 +160,19 @@ def test_save_load_round_trip(tmp_path):
     # None survives too
     save_config(Config(), path)
     assert load_config(path) == Config()
+
+
+def test_generation_settings(tmp_path):
+    cfg = load_config(overrides=["ppo.top_k=20", "ppo.top_p=0.9", 'ppo.stop=["\\n\\n", "User:", "a,b"]'])
+    assert (cfg.ppo.top_k, cfg.ppo.top_p) == (20, 0.9)
+    assert cfg.ppo.stop == ("\n\n", "User:", "a,b")  # a list: any character may be in a stop string
+    assert load_config(overrides=["ppo.stop='###'"]).ppo.stop == ("###",)  # one string: a list of one
+    assert load_config(overrides=["ppo.stop="]).ppo.stop == () == PPOConfig().stop
+    path = tmp_path / "config.yaml"
+    save_config(cfg, path)
+    assert load_config(path) == cfg
+    for bad, key in [("ppo.top_p=0", "ppo.top_p"), ("ppo.top_p=1.5", "ppo.top_p"), ("ppo.top_k=-1", "ppo.top_k"),
+                     ('ppo.stop=["x", ""]', "ppo.stop"), ("ppo.stop=[[1]]", "ppo.stop"),
+                     ("ppo.stop=###", "ppo.stop")]:  # unquoted, YAML reads a comment: an error, not "no stop"
+        with raises(key):
+            load_config(overrides=[bad])

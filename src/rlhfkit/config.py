@@ -227,6 +227,20 @@ class PPOConfig:
     """Longest response sampled (None: the built-in task's longest answer; required with data.path)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are taken under the same temperature)."""
+    top_k: int = 0
+    """Sample each token from the top_k most likely ones only (0 = off). The log-probs PPO uses stay
+    those of the full tempered distribution (the policy optimised, what the training forward
+    recomputes), so the first ratio is still 1 and the data slightly off-policy -- as in vLLM or
+    TRL when the loss uses the full logits. The held-out evaluation's greedy decoding ignores it."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the smallest set of most likely tokens holding top_p of the
+    probability (after top_k), in (0, 1]; 1.0 = off. Log-probs as for top_k."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, a YAML list (one string is a list of one; quote what YAML would read otherwise:
+    ppo.stop='["###", "User:"]'): a response also ends, like at EOS, once its decoded new text
+    contains one -- the token completing it is its last and the row counts as finished (no
+    missing_eos_penalty; counted in response/eos_rate). The held-out evaluation uses them too.
+    Empty = none."""
     reuse_rollout_logprobs: bool = True
     """Use the sampler's log-probs (and a shared value head's values and the entropies) as the
     experience pass's instead of running the policy again -- only when the sampler computed them
@@ -299,6 +313,10 @@ class PPOConfig:
     view of ``rlhfkit report`` (0 = never)."""
     trajectories_per_step: int = 2
     """Rows of the batch saved each time, spread over the score ranks (lowest and highest first)."""
+
+    def __post_init__(self):
+        if any(not s for s in self.stop):
+            raise ConfigError(f"ppo.stop must hold non-empty strings, got {list(self.stop)!r}")
 
 
 @dataclass(frozen=True)
@@ -433,7 +451,9 @@ class Config:
     chat: ChatConfig = field(default_factory=ChatConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data: sections of values, a tuple as a list (what YAML, JSON and trackers take)."""
+        return {sec: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+                for sec, values in dataclasses.asdict(self).items()}
 
     def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with some fields changed: ``cfg.replace(ppo={"steps": 3})`` (validated)."""
@@ -468,6 +488,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in typing.get_args(tp):
             raise ConfigError(f"config key '{key}' must be one of {list(typing.get_args(tp))}, got {value!r}")
         return value
+    if origin is tuple:  # tuple[str, ...]: a YAML list, one value as a list of one, "" as none (null is
+        # an error: YAML reads an unquoted '#...' as a comment, and that must not turn stop strings off silently)
+        value = [] if value == "" else value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_coerce(v, typing.get_args(tp)[0], key) for v in value)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -591,7 +615,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "reward.center_coef": (0, None), "reward.hard_negatives": (0, 1), "reward.eval_pairs": (1, None),
     "ppo.group_size": (2, None), "ppo.steps": (1, None), "ppo.batch_size": (1, None),
     "ppo.minibatch_size": (1, None), "ppo.ppo_epochs": (1, None), "ppo.lr": (0, None), "ppo.value_lr": (0, None),
-    "ppo.max_new_tokens": (1, None), "ppo.temperature": (0, None), "ppo.kl_coef": (0, None),
+    "ppo.max_new_tokens": (1, None), "ppo.temperature": (0, None), "ppo.top_k": (0, None), "ppo.top_p": (0, 1),
+    "ppo.kl_coef": (0, None),
     "ppo.kl_target": (0, None), "ppo.kl_horizon": (1, None), "ppo.gamma": (0, 1), "ppo.lam": (0, 1),
     "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
     "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
@@ -611,7 +636,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "gridworld.reward_scale": (0, None),
 }
 # rates, scales and coefficients that must be strictly positive (0 would train nothing or divide by 0)
-POSITIVE = {"pretrain.lr", "reward.lr", "ppo.lr", "ppo.value_lr", "ppo.temperature", "ppo.kl_target",
+POSITIVE = {"pretrain.lr", "reward.lr", "ppo.lr", "ppo.value_lr", "ppo.temperature", "ppo.top_p", "ppo.kl_target",
             "ppo.clip_range", "ppo.value_clip_range", "ppo.score_clip", "ppo.max_grad_norm", "sft.lr", "dpo.beta",
             "dpo.lr", "gridworld.lr", "gridworld.clip_range", "gridworld.reward_scale"}
 

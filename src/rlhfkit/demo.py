@@ -93,10 +93,11 @@ def run_demo(cfg: Config) -> dict:
     tok = AutoTokenizer.from_pretrained(pre["path"])
     prompts = task.eval_prompts()
     evals = {"base": evaluate_task(task, load_policy(pre["path"]).to(device), tok, device, cfg.eval.batch_size,
-                                   cfg.eval.max_new_tokens, prompts)}
+                                   cfg.eval.max_new_tokens, prompts, cfg.ppo.stop)}
     for algo, res in results.items():
         policy = load_policy(res["path"]).to(device)
-        evals[algo] = evaluate_task(task, policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens, prompts)
+        evals[algo] = evaluate_task(task, policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens, prompts,
+                                    cfg.ppo.stop)
     seconds["total"] = round(time.perf_counter() - t_start, 2)
     first = algos[0]
     summary = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -18,9 +19,9 @@ from .utils import resolve_device
 
 @torch.no_grad()
 def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int = 512,
-                  max_new_tokens: int | None = None, prompts: list | None = None) -> dict:
+                  max_new_tokens: int | None = None, prompts: list | None = None, stop: Sequence[str] = ()) -> dict:
     """Greedy decoding on the task's held-out prompts (doubling: 512, cities: 130), scored by
-    its verifier.
+    its verifier; ``stop``: stop strings that end an answer, as in the RL rollouts (``ppo.stop``).
 
     Returns ``{"format_acc", "exact_acc", "answer_acc", "examples": [(prompt, completion, format, exact), ...]}``.
     """
@@ -33,7 +34,8 @@ def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int =
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         ids, mask = tokenize_prompts(tokenizer, [p.text for p in chunk], device)
-        out = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True)
+        out = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True,
+                       stop=stop, tokenizer=tokenizer)
         for p, c in zip(chunk, decode_responses(tokenizer, out.response_ids, out.response_mask)):
             v = task.verify(p, c)
             fmt += v["format"]
@@ -46,16 +48,16 @@ def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int =
 
 
 def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: int = 512,
-                     max_new_tokens: int | None = None) -> dict:
+                     max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> dict:
     """:func:`rlhfkit.evaluate.evaluate_task` with the held-out prompts split over processes
     (contiguous shards) and the counts summed: every process gets the global accuracies; the
     examples are this process's (the main process holds the first ones, as with one process)."""
     prompts = task.eval_prompts()
     if not shard.distributed:
-        return evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts)
+        return evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts, stop)
     n = len(prompts)
     lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
-    ev = evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts[lo:hi]) \
+    ev = evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts[lo:hi], stop) \
         if hi > lo else {"format_acc": 0.0, "exact_acc": 0.0, "answer_acc": 0.0, "examples": []}
     keys = ("format_acc", "exact_acc", "answer_acc")
     counts = torch.tensor([ev[k] * (hi - lo) for k in keys], dtype=torch.float64, device=shard.accelerator.device)
@@ -75,7 +77,8 @@ def evaluate_path(path: str, cfg) -> dict:
     device = resolve_device(cfg.run.device)
     tok = load_tokenizer(path, cfg.model.trust_remote_code)
     policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device)
-    ev = evaluate_task(get_task(cfg.run.task), policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+    ev = evaluate_task(get_task(cfg.run.task), policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens,
+                       stop=cfg.ppo.stop)
     result = {"path": path, "task": cfg.run.task, "format_acc": ev["format_acc"], "exact_acc": ev["exact_acc"], "answer_acc": ev["answer_acc"],
               "examples": [{"prompt": p, "completion": c, "format": f, "exact": e} for p, c, f, e in ev["examples"][:12]]}
     out = Path(cfg.run.out_dir)
@@ -87,11 +90,13 @@ def evaluate_path(path: str, cfg) -> dict:
 @torch.no_grad()
 def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Shard | None = None,
                      batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
-                     temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
-    """Completions of held-out prompt records (greedy, or sampled with a fixed seed) scored by
-    the training reward: ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>``
-    and, when some source gives only 0 or 1, ``eval/accuracy`` (the share of completions that
-    every such source scores 1). The records are split over processes; the means are global."""
+                     temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                     stop: Sequence[str] = ()) -> dict[str, float]:
+    """Completions of held-out prompt records (greedy, or sampled with a fixed seed, ``top_k``
+    and ``top_p``; ``stop`` strings end them either way) scored by the training reward:
+    ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>`` and, when some source
+    gives only 0 or 1, ``eval/accuracy`` (the share of completions that every such source scores
+    1). The records are split over processes; the means are global."""
     shard = shard or Shard()
     n = len(records)
     lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
@@ -104,7 +109,8 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
         chunk = records[i : min(hi, i + batch_size)]
         ids, mask = prompt_tensors(tokenizer, chunk, device)
         roll = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                        temperature, greedy=greedy, generator=gen)
+                        temperature, greedy=greedy, generator=gen, top_k=top_k, top_p=top_p, stop=stop,
+                        tokenizer=tokenizer)
         total, scores = reward.score(roll, chunk)
         totals.append(total.double().cpu())
         for name in names:

@@ -13,8 +13,9 @@ records it was sampled from) to a ``[B]`` score:
   ``prompts``: each row's prompt as the data gave it (a string, or a list of messages);
   ``completions``: the decoded responses, special tokens (EOS) removed -- for a
   conversational prompt ``[{"role": "assistant", "content": text}]``; ``completion_ids``:
-  the response's token ids (the EOS included when one was emitted); ``finished``: True where
-  the response ended with EOS, False where ``max_new_tokens`` cut it; ``columns``: every
+  the response's token ids (the EOS included when one was emitted; a stop string of
+  ``ppo.stop`` stays in both, being tokens the policy sampled); ``finished``: True where the
+  response ended with EOS or a stop string, False where ``max_new_tokens`` cut it; ``columns``: every
   other field of the prompt's record, one list entry per completion (repeated for the
   samples of a group). It returns one finite number per completion.
 
@@ -80,7 +81,7 @@ def retokenize(roll: Rollout, tokenizer, rm_tokenizer, device) -> tuple[torch.Te
     """A rollout in another model's vocabulary: ``(ids [B, T'], mask [B, T'])``.
 
     Prompt and response are decoded to text without special tokens, joined, and, where the
-    response ended with the policy's EOS, closed with the reward model's own EOS; the text
+    response ended (the policy's EOS or a stop string), closed with the reward model's own EOS; the text
     is then tokenised by ``rm_tokenizer`` (its BOS / template post-processing included)."""
     prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
     lengths = roll.response_mask.sum(-1).tolist()

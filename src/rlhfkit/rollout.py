@@ -4,17 +4,19 @@ A lean decode loop instead of ``model.generate``: one prefill, then one cached f
 token -- for GPT-2 and Llama/Qwen2 models through :mod:`rlhfkit.lean` (a pre-allocated KV
 cache written in place, a functional forward with no per-step mask building), for any other
 causal LM through its own forward with a ``DynamicCache``. Sampling happens on the device (on a
-CPU, one compiled call per step: :class:`rlhfkit.kernels.Sampler`); rows that emitted EOS keep
-being fed (a batch moves in lockstep) but their later tokens are padding and masked; the loop
-ends as soon as every row has finished. It also returns the log-prob of every sampled token
-under the sampling distribution, which PPO compares against its own recomputation
-(``policy/logprob_gap``) -- or, when the sampler ran the training forward's own arithmetic
-(``Rollout.forward_logprobs``), uses in place of a second forward pass.
+CPU, one compiled call per step: :class:`rlhfkit.kernels.Sampler`), optionally from the top-k /
+nucleus (top-p) truncation of the tempered distribution; rows that emitted EOS or completed a stop
+string keep being fed (a batch moves in lockstep) but their later tokens are padding and masked;
+the loop ends as soon as every row has finished. It also returns the log-prob of every sampled
+token under the policy's tempered distribution (the full one, also with top-k / top-p), which PPO
+compares against its own recomputation (``policy/logprob_gap``) -- or, when the sampler ran the
+training forward's own arithmetic (``Rollout.forward_logprobs``), uses in place of a second
+forward pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +35,15 @@ class Rollout:
     Fields:
         prompt_ids:      ``[B, P]`` left-padded prompts.
         prompt_mask:     ``[B, P]`` 1 on prompt tokens, 0 on left padding.
-        response_ids:    ``[B, R]`` sampled tokens; ``pad`` after the first EOS.
-        response_mask:   ``[B, R]`` 1 up to and including the first EOS, 0 after.
-        logprobs:        ``[B, R]`` log pi(a_t|s_t) of each token at sampling time (0 where masked).
-        finished:        ``[B]`` bool, True where an EOS was emitted.
-        entropy:         ``[B, R]`` entropy of each sampling distribution (0 where masked).
+        response_ids:    ``[B, R]`` sampled tokens; ``pad`` after the row's end.
+        response_mask:   ``[B, R]`` 1 up to and including the row's end -- its first EOS, or the
+                         token that completed a stop string -- 0 after.
+        logprobs:        ``[B, R]`` log pi(a_t|s_t) of each token at sampling time under the full
+                         tempered distribution, also when top-k / top-p truncated the draw (0 where
+                         masked).
+        finished:        ``[B]`` bool, True where an EOS was emitted or a stop string completed
+                         (False: cut off at ``max_new_tokens``).
+        entropy:         ``[B, R]`` entropy of each full tempered distribution (0 where masked).
         values:          ``[B, R]`` ``value_head`` of the state before each token, when asked for
                          and the lean path ran (else None).
         forward_logprobs: True when ``logprobs`` (and ``values``) came from the same arithmetic
@@ -94,6 +100,29 @@ def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None,
     return torch.searchsorted(cdf, point).squeeze(-1).clamp_(max=logp.shape[-1] - 1)  # [B]
 
 
+def truncate_logprobs(logp: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """``logp [B, V]`` with every token outside the top-k / nucleus set to ``-inf`` (the rest
+    unchanged: :func:`sample_tokens` renormalises by scaling to the total).
+
+    ``top_k > 0`` keeps the ``top_k`` most likely tokens; ``top_p < 1`` then keeps the smallest
+    set of most likely tokens whose probability -- renormalised over what top-k kept -- reaches
+    ``top_p``. Tokens tied with the last kept one are kept too, so the set does not depend on
+    how a sort orders ties. Each row on its own: a row's set depends on its logits only.
+    """
+    V = logp.shape[-1]
+    if 0 < top_k < V:
+        top = logp.topk(top_k, -1).values  # [B, k], descending
+    else:
+        top = logp.sort(-1, descending=True).values  # [B, V]
+    n = torch.full_like(top[:, :1], top.shape[-1], dtype=torch.long)  # [B, 1] tokens kept
+    if top_p < 1.0:
+        probs = torch.softmax(top, -1)
+        mass_before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(-1)[:, :-1]], -1)  # non-decreasing
+        n = (mass_before < top_p).sum(-1, keepdim=True)  # >= 1: the first token has 0 before it
+    cutoff = top.gather(-1, n - 1)  # [B, 1] the least likely kept token's log-prob
+    return logp.masked_fill(logp < cutoff, float("-inf"))
+
+
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     """``-sum p log p`` over the last dim of log-probabilities; a token ruled out (log p = -inf)
     adds 0, not 0 * -inf."""
@@ -137,23 +166,56 @@ class _Forward:
         return logits
 
 
+class _StopStrings:
+    """Ends rows whose response text contains a stop string, checked as each token comes.
+
+    Only the rows still going are decoded, and only their last ``window`` tokens: a stop string
+    of ``b`` UTF-8 bytes that the newest token completes lies within the text of the last ``b``
+    tokens when every token adds at least one byte (special tokens are decoded as their text);
+    one more token in front keeps a decoder's start-of-text rules (SentencePiece drops a leading
+    space) away from it. ``ended_at [B]``: the step whose token completed a stop string (-1: none).
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str], B: int):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.window = max(len(s.encode("utf-8")) for s in self.stop) + 1
+        self.ended_at = torch.full((B,), -1, dtype=torch.long)
+
+    def check(self, t: int, recent: torch.Tensor, alive: torch.Tensor) -> None:
+        """Step ``t``'s check: ``recent [B, w]`` are the rows' last response tokens; rows of
+        ``alive [B]`` (bool, changed in place) whose text now holds a stop string end."""
+        rows = alive.nonzero().squeeze(1)  # [n]
+        if rows.numel() == 0:
+            return
+        texts = self.tokenizer.batch_decode(recent[rows].tolist(), skip_special_tokens=False)
+        hit = [i for i, text in enumerate(texts) if any(s in text for s in self.stop)]
+        if hit:
+            ended = rows[hit]
+            alive[ended] = False
+            self.ended_at[ended.cpu()] = t
+
+
 class _Draw:
     """Picks each step's tokens and keeps what the rollout returns: the tokens, which rows are
     still going, and the log-probs and entropies of the (tempered) distributions sampled from.
 
     On a CPU the sampling step is one compiled call (:class:`rlhfkit.kernels.Sampler`, same
-    arithmetic). Otherwise per step only what sampling needs; masks, padding and trimming
-    happen once at the end. While the per-step distributions are small (a small vocabulary)
-    they are kept and reduced to log-probs and entropies in one go; with a large one each is
-    reduced as it comes.
+    arithmetic) unless top-k / top-p truncate the draw. Otherwise per step only what sampling
+    needs; masks, padding and trimming happen once at the end. While the per-step distributions
+    are small (a small vocabulary) they are kept and reduced to log-probs and entropies in one
+    go; with a large one each is reduced as it comes. With top-k / top-p the token is drawn from
+    the truncated distribution but the log-prob and entropy kept are the full one's.
     """
 
     def __init__(self, B: int, V: int, max_new_tokens: int, temperature: float, greedy: bool, eos_token_id: int,
-                 uniforms: torch.Tensor | None, device):
+                 uniforms: torch.Tensor | None, device, top_k: int = 0, top_p: float = 1.0,
+                 stop: _StopStrings | None = None):
         self.temperature, self.greedy, self.eos = temperature, greedy, eos_token_id
-        self.uniforms = uniforms
+        self.uniforms, self.top_k, self.top_p, self.stop = uniforms, top_k, top_p, stop
+        self.truncate = not greedy and (top_k > 0 or top_p < 1.0)  # the compiled sampler draws from the full one
         self.sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos_token_id)
-                        if not greedy and device.type == "cpu" and kernels.sampler_usable(B, V) else None)
+                        if not greedy and not self.truncate and device.type == "cpu" and kernels.sampler_usable(B, V)
+                        else None)
         if self.sampler is not None:
             self.uniforms = uniforms.float()
         # checking "all rows finished" reads a flag back from the device; on GPUs do it every few steps
@@ -166,32 +228,54 @@ class _Draw:
         """Token ``t`` of every row from ``logits [B, V]`` (float32): ``(tokens [B], all rows ended)``."""
         if self.sampler is not None:
             done = self.sampler.step(t, logits, self.uniforms[:, t]) == 0  # every row has emitted EOS
-            return self.sampler.tokens[:, t], done
+            tok, alive = self.sampler.tokens[:, t], self.sampler.alive
+        else:
+            tok = self._pick(t, logits)
+            self.alive = alive = self.alive & (tok != self.eos)
+            done = (t + 1) % self.check_every == 0 and not bool(alive.any())
+        if self.stop is not None and not done:  # decoding reads the tokens back anyway: check every step
+            first = max(0, t + 1 - self.stop.window)
+            recent = (self.sampler.tokens[:, first : t + 1] if self.sampler is not None
+                      else torch.stack(self.tokens[first:], 1))  # [B, w]
+            self.stop.check(t, recent, alive)
+            done = not bool(alive.any())
+        return tok, done
+
+    def _pick(self, t: int, logits: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path's tokens ``[B]`` of step ``t``; keeps the full tempered log-probs."""
         if self.temperature != 1.0:
             logits = logits / self.temperature
         logp_all = torch.log_softmax(logits, -1)  # [B, V]
-        tok = logits.argmax(-1) if self.greedy else sample_tokens(logp_all, u=self.uniforms[:, t])  # [B]
+        if self.greedy:
+            tok = logits.argmax(-1)  # [B]
+        else:
+            logp_draw = truncate_logprobs(logp_all, self.top_k, self.top_p) if self.truncate else logp_all
+            tok = sample_tokens(logp_draw, u=self.uniforms[:, t])  # [B]
         self.tokens.append(tok)
         if self.keep:
             self.logps.append(logp_all)
         else:
             self.logps.append(logp_all.gather(-1, tok[:, None]))
             self.entropies.append(_entropy(logp_all))
-        self.alive = self.alive & (tok != self.eos)
-        return tok, (t + 1) % self.check_every == 0 and not bool(self.alive.any())
+        return tok
 
     def result(self, steps: int) -> tuple[torch.Tensor, ...]:
-        """``(raw tokens, after_eos, finished [B], logprobs, entropy)`` after ``steps`` steps; the
-        ``[B, R]`` tensors end at the last column any row still needs."""
+        """``(raw tokens, ended, finished [B], logprobs, entropy)`` after ``steps`` steps, ``ended``
+        True strictly after a row's end (its first EOS or stop string); the ``[B, R]`` tensors
+        end at the last column any row still needs."""
         if self.sampler is not None:
             raw, alive = self.sampler.tokens[:, :steps], self.sampler.alive  # [B, R]
         else:
             raw, alive = torch.stack(self.tokens, 1), self.alive  # [B, R]
         is_eos = (raw == self.eos).long()
-        after_eos = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first EOS
+        ended = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first EOS
+        if self.stop is not None:
+            stopped_at = self.stop.ended_at.to(raw.device)  # [B]
+            cols = torch.arange(raw.shape[1], device=raw.device)
+            ended = ended | ((stopped_at[:, None] >= 0) & (cols[None] > stopped_at[:, None]))
         if self.check_every > 1:  # rows may have finished before the last check: trim the all-padding tail
-            R = max(1, int((~after_eos).any(0).sum()))
-            raw, after_eos = raw[:, :R], after_eos[:, :R]
+            R = max(1, int((~ended).any(0).sum()))
+            raw, ended = raw[:, :R], ended[:, :R]
         R = raw.shape[1]
         if self.sampler is not None:
             logprobs, entropy = self.sampler.logprobs[:, :R], self.sampler.entropy[:, :R]  # [B, R]
@@ -200,7 +284,7 @@ class _Draw:
             logprobs, entropy = logp.gather(-1, raw[..., None]).squeeze(-1), _entropy(logp)
         else:
             logprobs, entropy = torch.cat(self.logps[:R], 1), torch.stack(self.entropies[:R], 1)
-        return raw, after_eos, ~alive, logprobs, entropy
+        return raw, ended, ~alive, logprobs, entropy
 
 
 @torch.no_grad()
@@ -217,6 +301,10 @@ def generate(
     uniforms: torch.Tensor | None = None,
     lean: bool = True,
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop: Sequence[str] = (),
+    tokenizer=None,
 ) -> Rollout:
     """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt.
 
@@ -224,8 +312,9 @@ def generate(
         model: a causal LM returning ``.logits`` and accepting ``past_key_values``.
         prompt_ids, prompt_mask: ``[B, P]``, left-padded.
         temperature: logits are divided by it before sampling; the returned log-probs are
-            those of the tempered distribution (the one actually sampled from).
-        greedy: argmax decoding (log-probs still reported under the tempered softmax).
+            those of the tempered distribution.
+        greedy: argmax decoding (log-probs still reported under the tempered softmax; top-k and
+            top-p change nothing).
         generator: optional RNG for sampling, for reproducible rollouts.
         uniforms: optional ``[B, max_new_tokens]`` draws from U(0, 1); token ``t`` of row ``i`` is
             then the inverse CDF of its distribution at ``uniforms[i, t]`` (instead of a draw
@@ -235,9 +324,22 @@ def generate(
             architecture is supported; False always runs the model's own forward.
         value_head: optional ``[B, H] -> [B]`` map (a shared value head) applied to the last
             hidden state before each sampled token, giving ``Rollout.values`` on the lean path.
+        top_k, top_p: draw from the ``top_k`` most likely tokens (0: all) and then from the
+            smallest nucleus holding ``top_p`` of their probability (1.0: all), renormalised
+            (:func:`truncate_logprobs`). The log-probs and entropies returned stay those of the
+            full tempered distribution -- the policy PPO optimises and recomputes -- so the
+            samples are slightly off-policy for it, as with vLLM or TRL when the loss uses the
+            full logits; the first PPO ratio is still exactly 1.
+        stop: strings that end a response, like EOS, when its decoded new text contains one;
+            the token completing it is the row's last valid token and the row is ``finished``.
+        tokenizer: decodes the responses for ``stop`` (needed only with it).
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
+    if top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
+    if any(not s for s in stop) or (stop and tokenizer is None):
+        raise ValueError("stop strings must be non-empty and need the tokenizer to decode responses")
     B, device = prompt_ids.shape[0], prompt_ids.device
     fwd = _Forward(model, prompt_ids, prompt_mask.long(), max_new_tokens, lean and lean_lm.supported(model))
     logits = fwd.logits  # [B, V]
@@ -245,7 +347,8 @@ def generate(
     forward_logprobs = fwd.lean and logits.dtype == torch.float32
     if uniforms is None and not greedy:  # one draw per row and step, all at once
         uniforms = torch.rand((B, max_new_tokens), generator=generator, device=device)
-    draw = _Draw(B, logits.shape[-1], max_new_tokens, temperature, greedy, eos_token_id, uniforms, device)
+    draw = _Draw(B, logits.shape[-1], max_new_tokens, temperature, greedy, eos_token_id, uniforms, device,
+                 top_k, top_p, _StopStrings(tokenizer, stop, B) if stop else None)
     values = [] if value_head is not None and fwd.lean else None
     for t in range(max_new_tokens):
         if values is not None:
@@ -254,10 +357,10 @@ def generate(
         if t == max_new_tokens - 1 or done:
             break
         logits = fwd.step(tok)  # rows that already ended are fed their own samples: masked out later
-    raw, after_eos, finished, logprobs, entropy = draw.result(t + 1)  # [B, R] but finished [B]
+    raw, ended, finished, logprobs, entropy = draw.result(t + 1)  # [B, R] but finished [B]
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(),
-                   response_ids=raw.masked_fill(after_eos, pad_token_id), response_mask=(~after_eos).long(),
-                   logprobs=logprobs.masked_fill(after_eos, 0.0), finished=finished,
-                   entropy=entropy.masked_fill(after_eos, 0.0),
+                   response_ids=raw.masked_fill(ended, pad_token_id), response_mask=(~ended).long(),
+                   logprobs=logprobs.masked_fill(ended, 0.0), finished=finished,
+                   entropy=entropy.masked_fill(ended, 0.0),
                    values=None if values is None else torch.stack(values[: raw.shape[1]], 1).float(),
                    forward_logprobs=forward_logprobs)

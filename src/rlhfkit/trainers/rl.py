@@ -235,7 +235,8 @@ def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int, max_ne
     # the unwrapped policy (FSDP: root weights gathered); eval keeps the KV cache under checkpointing
     with eval_mode(ac.policy), full_weights(train_ac):
         return generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature,
-                        uniforms=u.to(run.device), value_head=ac.value_head if pc.reuse_rollout_logprobs else None)
+                        uniforms=u.to(run.device), value_head=ac.value_head if pc.reuse_rollout_logprobs else None,
+                        top_k=pc.top_k, top_p=pc.top_p, stop=pc.stop, tokenizer=tok)
 
 
 def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward: Reward,
@@ -247,13 +248,13 @@ def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward:
     with full_weights(train_ac):
         if data.task is not None:
             ev = evaluate_sharded(data.task, ac.policy, tok, run.device, run.shard, cfg.eval.batch_size,
-                                  cfg.eval.max_new_tokens)
+                                  cfg.eval.max_new_tokens, cfg.ppo.stop)
             return {"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]}
         if not data.eval_records:
             return {}
         return evaluate_rewards(ac.policy, tok, data.eval_records, reward, run.device, run.shard,
                                 cfg.eval.batch_size, cfg.eval.max_new_tokens or max_new_tokens, cfg.eval.greedy,
-                                cfg.ppo.temperature, cfg.run.seed)
+                                cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop)
 
 
 def write_samples(fh, step: int, prompts, exp: Experience, tok, k: int) -> None:
