@@ -31,6 +31,9 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
     "reinforce": {"algo": "reinforce", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
 }
+# k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
+# objective names (PPOConfig.kl_estimator); it is what TRL's GRPO does and what the step counts
+# above were measured with, so it stays until k2 (the reverse KL's gradient) is measured against it
 
 
 class ConfigError(ValueError):
@@ -234,11 +237,23 @@ class PPOConfig:
     False, the policy is run again; ``policy/logprob_gap`` reports the largest difference either
     way (with reuse, on the first minibatch of the update, before any optimizer step)."""
     kl_coef: float = 0.2
-    """beta: weight of the KL(actor || reference) penalty."""
+    """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator."""
+    """Per-token KL estimator from the sampled token's log-probs, with log r = log ref - log pi:
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As values (objective/kl) k1 and k3 are
+    unbiased for KL(pi || ref), k2 is biased. What each pulls on depends on kl_in_loss (exact
+    expected gradients, checked by tests/test_kl_gradients.py):
+    in the reward the estimate is a constant (no gradient through it); the policy gradient makes of it
+      k1: the gradient of the reverse KL(pi || ref) of whole responses, exactly (the default);
+      k2: a biased gradient, no KL's;
+      k3: the reverse KL's gradient minus the forward KL's at each token: near ref they cancel;
+    as a loss term (kl_in_loss=true) its gradient is
+      k1: zero in expectation (E_pi[grad log pi] = 0), only noise: refused;
+      k2: the reverse KL(pi || ref)'s gradient at each sampled token's state;
+      k3: the FORWARD KL(ref || pi)'s gradient at each sampled token's state (grpo/rloo/reinforce)."""
     kl_in_loss: bool = False
-    """Put the KL penalty in the loss (beta * mean KL, GRPO style) instead of the reward."""
+    """Put the KL penalty in the loss (beta * token-mean of kl_estimator, GRPO style) instead of
+    the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator."""
     adaptive_kl: bool = False
     """Adapt beta with the proportional controller towards kl_target."""
     kl_target: float = 0.5
@@ -290,6 +305,13 @@ class PPOConfig:
     view of ``rlhfkit report`` (0 = never)."""
     trajectories_per_step: int = 2
     """Rows of the batch saved each time, spread over the score ranks (lowest and highest first)."""
+
+    def __post_init__(self):
+        if self.kl_in_loss and self.kl_estimator == "k1":
+            raise ConfigError("ppo.kl_in_loss=true with ppo.kl_estimator=k1: k1 = log pi - log ref has a zero expected "
+                              "gradient (E_pi[grad log pi] = 0), so as a loss term it is only noise; use "
+                              "ppo.kl_estimator=k2 for the reverse KL's gradient (k3: the forward KL's), or move "
+                              "the KL to the reward with ppo.kl_in_loss=false")
 
 
 @dataclass(frozen=True)
