@@ -100,7 +100,11 @@ class ModelConfig:
     lora_alpha: float = 16.0
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input. 0 by default: PPO's first ratio must be exactly 1."""
+    """Dropout on the LoRA input, for sft, dpo and rm: one forward per loss term, so it is plain
+    regularisation there. The RL commands (ppo, grpo, rloo, reinforce) set it to 0, with every
+    other dropout of every role (policy, reference, critic, reward model; the checkpoint's own
+    attention_dropout, resid_pdrop ... too): they compare the sampler's forward with the update's,
+    whose ratio must be exactly 1. The other commands turn the checkpoint's own dropout off too."""
     lora_target_modules: str = "all-linear"
     """Comma-separated module names the adapter wraps (e.g. 'q_proj,v_proj'), or 'all-linear'
     (every linear layer except the output head)."""
@@ -176,8 +180,8 @@ class ValueConfig:
     """Separate value model (PPO): a local path or hub id loaded with its backbone and a scalar head
     (a fresh one when the checkpoint has none); empty: ppo.value_init decides."""
     lora: bool = False
-    """Train the separate value model through a LoRA adapter (model.lora_* settings); its scalar
-    head stays fully trainable."""
+    """Train the separate value model through a LoRA adapter (model.lora_* settings but
+    lora_dropout, which RL sets to 0); its scalar head stays fully trainable."""
 
 
 @dataclass(frozen=True)
