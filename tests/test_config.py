@@ -26,7 +26,7 @@ def test_defaults():
 
 def test_dotted_overrides_parse_values():
     cfg = load_config(
-        overrides=["ppo.lr=1e-4", "ppo.kl_in_loss=true", "run.seed=3", "ppo.kl_coef=1", "model.name=gpt2"]
+        overrides=["ppo.lr=1e-4", "ppo.kl_in_loss=true", "ppo.kl_estimator=k2", "run.seed=3", "ppo.kl_coef=1", "model.name=gpt2"]
     )
     # YAML reads '1e-4' (no dot) as a string; the float field still gets a float.
     assert cfg.ppo.lr == 1e-4 and isinstance(cfg.ppo.lr, float)

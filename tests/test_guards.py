@@ -127,7 +127,8 @@ TRAINERS = {
     "rm_classifier": ("train_reward_model", "rlhfkit.trainers.reward", "cross_entropy", {"reward": {"kind": "classifier"}}),
     "dpo": ("train_dpo", "rlhfkit.trainers.dpo", "dpo_loss", {}),
     "ppo": ("train_rl", "rlhfkit.trainers.rl", "policy_loss", {}),
-    "grpo": ("train_rl", "rlhfkit.trainers.rl", "policy_loss", {"ppo": {"algo": "grpo", "kl_in_loss": True}}),
+    "grpo": ("train_rl", "rlhfkit.trainers.rl", "policy_loss", {"ppo": {"algo": "grpo", "kl_in_loss": True,
+                                                                      "kl_estimator": "k3"}}),
 }
 
 

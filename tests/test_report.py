@@ -102,7 +102,7 @@ def test_critic_free_trajectories_have_no_value_rows():
     with torch.no_grad():
         for p in rm.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    pc = Config().replace(ppo={"algo": "grpo", "group_size": 4, "kl_in_loss": True}).ppo
+    pc = Config().replace(ppo={"algo": "grpo", "group_size": 4, "kl_in_loss": True, "kl_estimator": "k3"}).ppo
     texts = [p.text for p in doubling.DoublingData(0).prompts(2) for _ in range(4)]
     enc = tok(texts, padding=True, return_tensors="pt")
     roll = generate(ac.policy, enc["input_ids"], enc["attention_mask"], 6, tok.eos_token_id, tok.pad_token_id)

@@ -31,6 +31,9 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
     "reinforce": {"algo": "reinforce", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.05},
 }
+# k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
+# objective names (PPOConfig.kl_estimator); it is what TRL's GRPO does and what the step counts
+# above were measured with, so it stays until k2 (the reverse KL's gradient) is measured against it
 
 
 class ConfigError(ValueError):
@@ -97,7 +100,11 @@ class ModelConfig:
     lora_alpha: float = 16.0
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input. 0 by default: PPO's first ratio must be exactly 1."""
+    """Dropout on the LoRA input, for sft, dpo and rm: one forward per loss term, so it is plain
+    regularisation there. The RL commands (ppo, grpo, rloo, reinforce) set it to 0, with every
+    other dropout of every role (policy, reference, critic, reward model; the checkpoint's own
+    attention_dropout, resid_pdrop ... too): they compare the sampler's forward with the update's,
+    whose ratio must be exactly 1. The other commands turn the checkpoint's own dropout off too."""
     lora_target_modules: str = "all-linear"
     """Comma-separated module names the adapter wraps (e.g. 'q_proj,v_proj'), or 'all-linear'
     (every linear layer except the output head)."""
@@ -173,8 +180,8 @@ class ValueConfig:
     """Separate value model (PPO): a local path or hub id loaded with its backbone and a scalar head
     (a fresh one when the checkpoint has none); empty: ppo.value_init decides."""
     lora: bool = False
-    """Train the separate value model through a LoRA adapter (model.lora_* settings); its scalar
-    head stays fully trainable."""
+    """Train the separate value model through a LoRA adapter (model.lora_* settings but
+    lora_dropout, which RL sets to 0); its scalar head stays fully trainable."""
 
 
 @dataclass(frozen=True)
@@ -248,11 +255,23 @@ class PPOConfig:
     False, the policy is run again; ``policy/logprob_gap`` reports the largest difference either
     way (with reuse, on the first minibatch of the update, before any optimizer step)."""
     kl_coef: float = 0.2
-    """beta: weight of the KL(actor || reference) penalty."""
+    """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator."""
+    """Per-token KL estimator from the sampled token's log-probs, with log r = log ref - log pi:
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As values (objective/kl) k1 and k3 are
+    unbiased for KL(pi || ref), k2 is biased. What each pulls on depends on kl_in_loss (exact
+    expected gradients, checked by tests/test_kl_gradients.py):
+    in the reward the estimate is a constant (no gradient through it); the policy gradient makes of it
+      k1: the gradient of the reverse KL(pi || ref) of whole responses, exactly (the default);
+      k2: a biased gradient, no KL's;
+      k3: the reverse KL's gradient minus the forward KL's at each token: near ref they cancel;
+    as a loss term (kl_in_loss=true) its gradient is
+      k1: zero in expectation (E_pi[grad log pi] = 0), only noise: refused;
+      k2: the reverse KL(pi || ref)'s gradient at each sampled token's state;
+      k3: the FORWARD KL(ref || pi)'s gradient at each sampled token's state (grpo/rloo/reinforce)."""
     kl_in_loss: bool = False
-    """Put the KL penalty in the loss (beta * mean KL, GRPO style) instead of the reward."""
+    """Put the KL penalty in the loss (beta * token-mean of kl_estimator, GRPO style) instead of
+    the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator."""
     adaptive_kl: bool = False
     """Adapt beta with the proportional controller towards kl_target."""
     kl_target: float = 0.5
@@ -317,6 +336,11 @@ class PPOConfig:
     def __post_init__(self):
         if any(not s for s in self.stop):
             raise ConfigError(f"ppo.stop must hold non-empty strings, got {list(self.stop)!r}")
+        if self.kl_in_loss and self.kl_estimator == "k1":
+            raise ConfigError("ppo.kl_in_loss=true with ppo.kl_estimator=k1: k1 = log pi - log ref has a zero expected "
+                              "gradient (E_pi[grad log pi] = 0), so as a loss term it is only noise; use "
+                              "ppo.kl_estimator=k2 for the reverse KL's gradient (k3: the forward KL's), or move "
+                              "the KL to the reward with ppo.kl_in_loss=false")
 
 
 @dataclass(frozen=True)

@@ -312,24 +312,28 @@ class AdapterDisabled:
         return self.peft_model.parameters()
 
 
-def policy_with_reference(path: str, mc, device, reference: bool = True):
+def policy_with_reference(path: str, mc, device, reference: bool = True, adapter_dropout: bool = True):
     """Load the trained policy and its reference from ``path`` as ``model.*`` (``mc``) says.
 
     Full fine-tuning: the policy and a frozen second copy. LoRA (``mc.lora_r > 0``): a peft
-    model and :class:`AdapterDisabled` over it, the base weights held once. Dropout is off
-    in the policy. Returns ``(policy, reference)`` (reference None with ``reference=False``).
+    model and :class:`AdapterDisabled` over it, the base weights held once. The models' own
+    dropout is off (:func:`disable_dropout`); a LoRA adapter's is ``mc.lora_dropout`` with
+    ``adapter_dropout`` (SFT, DPO), else off too (RL). Returns ``(policy, reference)``
+    (reference None with ``reference=False``).
     """
     lora = mc.lora_r > 0
     policy = disable_dropout(load_policy(path, mc.dtype, mc.trust_remote_code))
     if lora:
-        policy = add_lora(policy, mc.lora_r, mc.lora_alpha, mc.lora_dropout, mc.lora_target_modules)
+        policy = add_lora(policy, mc.lora_r, mc.lora_alpha, mc.lora_dropout if adapter_dropout else 0.0,
+                          mc.lora_target_modules)
     if mc.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
     policy = policy.to(device).train()
     if not reference:
         return policy, None
-    ref = AdapterDisabled(policy) if lora else freeze(load_policy(path, mc.dtype, mc.trust_remote_code)).to(device)
-    return policy, ref
+    if lora:
+        return policy, AdapterDisabled(policy)
+    return policy, freeze(disable_dropout(load_policy(path, mc.dtype, mc.trust_remote_code))).to(device)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
@@ -401,11 +405,45 @@ class ModuleForward(nn.Module):
         return self.fn(self.model, *args, **kwargs)
 
 
+DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+# attributes holding the probability of a train-mode-only random perturbation: config keys and the
+# copies modules keep for functional dropout (Llama's attention_dropout, GPT-2's resid_pdrop,
+# Falcon's hidden_dropout, OPT's layerdrop, Mixtral's router_jitter_noise, peft's lora_dropout)
+DROPOUT_NAMES = ("dropout", "pdrop", "layerdrop", "jitter")
+
+
+def _zero_dropout_attributes(obj) -> None:
+    """Set ``obj``'s float attributes named like a dropout probability (``DROPOUT_NAMES``) to 0."""
+    for key, value in list(vars(obj).items()):
+        if isinstance(value, float) and value > 0 and any(name in key for name in DROPOUT_NAMES):
+            setattr(obj, key, 0.0)
+
+
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Set every dropout probability to 0: PPO's ratio must be exactly 1 before the first update."""
+    """Turn off every dropout of ``model``, in place: dropout modules get ``p = 0`` (a peft
+    adapter's ``lora_dropout`` ones too); the probabilities that modules keep for functional
+    dropout (``attention_dropout`` of Llama / Qwen attention) and their configs' keys
+    (``attention_dropout``, ``hidden_dropout``, ``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``,
+    ``dropout``, ``layerdrop`` ..., nested configs and peft's ``LoraConfig`` included) become 0.
+
+    RL compares two forwards of one policy (the sampler's in eval mode, the update's in train
+    mode, through Hugging Face's code with gradient checkpointing): with any dropout left the
+    ratio is not 1 at the first minibatch, and it drifts even at lr = 0.
+    """
+    configs = list(getattr(model, "peft_config", {}).values())
     for m in model.modules():
-        if isinstance(m, nn.Dropout):
+        if isinstance(m, DROPOUT_MODULES):
             m.p = 0.0
+        _zero_dropout_attributes(m)
+        configs.append(getattr(m, "config", None))
+    seen = set()
+    while configs:
+        cfg = configs.pop()
+        if id(cfg) in seen or not hasattr(cfg, "to_dict") or not hasattr(cfg, "__dict__"):
+            continue
+        seen.add(id(cfg))
+        _zero_dropout_attributes(cfg)
+        configs.extend(vars(cfg).values())  # sub-configs (a multimodal model's text_config ...)
     return model
 
 

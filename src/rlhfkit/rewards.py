@@ -35,6 +35,7 @@ import torch
 
 from .config import Config
 from .models import (
+    disable_dropout,
     freeze,
     load_scalar_model,
     load_tokenizer,
@@ -225,7 +226,8 @@ def model_source(cfg: Config, tok, device) -> Reward:
     """The reward model at ``reward.name``: a pairwise scalar model, or a label classifier when it
     has several labels (read with ``reward.label_function`` or the task's ``label_of_prompt``)."""
     rc, mc = cfg.reward, cfg.model
-    rm = freeze(load_scalar_model(rc.name, mc.dtype, mc.trust_remote_code, num_labels=None)).to(device)
+    rm = freeze(disable_dropout(load_scalar_model(rc.name, mc.dtype, mc.trust_remote_code, num_labels=None)))
+    rm = rm.to(device)
     rm_tok = other_tokenizer(rc.name, tok, mc.trust_remote_code)  # None: the policy's token ids are read as they are
     if rm.config.num_labels == 1:
         return reward_model_scorer(rm, tok, rm_tok)

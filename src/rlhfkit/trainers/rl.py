@@ -149,7 +149,8 @@ def build_models(cfg: Config, policy_path: str, device):
     pc, rc, mc = cfg.ppo, cfg.reward, cfg.model
     trc = mc.trust_remote_code
     tok = load_tokenizer(policy_path, trust_remote_code=trc)
-    policy, ref = policy_with_reference(policy_path, mc, device)
+    # RL compares the sampler's forward with the update's: every dropout off, the adapter's too
+    policy, ref = policy_with_reference(policy_path, mc, device, adapter_dropout=False)
     scorer = build_reward(cfg, tok, device)
     if pc.algo != "ppo":
         ac = ActorCritic(policy)
@@ -171,8 +172,8 @@ def build_models(cfg: Config, policy_path: str, device):
         if cfg.value.lora:
             if not mc.lora_r:
                 raise ValueError("value.lora needs model.lora_r > 0 (the adapter's rank and targets)")
-            critic = add_lora(critic, mc.lora_r, mc.lora_alpha, mc.lora_dropout, mc.lora_target_modules,
-                              trainable_head=True)
+            critic = disable_dropout(add_lora(critic, mc.lora_r, mc.lora_alpha, 0.0, mc.lora_target_modules,
+                                              trainable_head=True))
         if mc.gradient_checkpointing:
             enable_gradient_checkpointing(critic)
         ac = ActorCritic(policy, critic=critic.to(device).train())
