@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -11,6 +12,7 @@ import torch
 from .distributed import Shard
 from .models import load_policy, load_tokenizer
 from .prompts import prompt_tensors
+from .rewards import completion_texts
 from .rollout import decode_responses, generate, tokenize_prompts
 from .tasks import doubling, get_task
 from .utils import resolve_device
@@ -84,37 +86,54 @@ def evaluate_path(path: str, cfg) -> dict:
     return result
 
 
+@dataclass
+class ScoredCompletions:
+    """Completions of prompt records and their scores, one entry per record, in order."""
+
+    completions: list[str]  # decoded responses, special tokens removed (what a reward function reads)
+    finished: list[bool]  # True where the response ended with EOS
+    total: torch.Tensor  # [n] float64: the reward's weighted total
+    scores: dict[str, torch.Tensor]  # each source's [n] float64 score, by name
+
+
 @torch.no_grad()
-def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Shard | None = None,
-                     batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
-                     temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
-    """Completions of held-out prompt records (greedy, or sampled with a fixed seed) scored by
-    the training reward: ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>``
-    and, when some source gives only 0 or 1, ``eval/accuracy`` (the share of completions that
-    every such source scores 1). The records are split over processes; the means are global."""
-    shard = shard or Shard()
-    n = len(records)
-    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
+def complete_and_score(policy, tokenizer, records: list, reward, device, batch_size: int = 512,
+                       max_new_tokens: int = 64, greedy: bool = True, temperature: float = 1.0,
+                       seed: int = 0) -> ScoredCompletions:
+    """Complete every record's prompt (greedy, or sampled with a generator seeded by ``seed``) and
+    score the completions by ``reward`` (a :class:`rlhfkit.rewards.Reward`), batch by batch."""
     names = list(reward.weights)
+    texts: list[str] = []
+    finished: list[bool] = []
     totals, parts = [torch.zeros(0, dtype=torch.float64)], {name: [torch.zeros(0, dtype=torch.float64)] for name in names}
     was_training = policy.training
     policy.eval()
     gen = torch.Generator(device=device).manual_seed(seed)
-    for i in range(lo, hi, batch_size):
-        chunk = records[i : min(hi, i + batch_size)]
+    for i in range(0, len(records), batch_size):
+        chunk = records[i : i + batch_size]
         ids, mask = prompt_tensors(tokenizer, chunk, device)
         roll = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
                         temperature, greedy=greedy, generator=gen)
         total, scores = reward.score(roll, chunk)
+        texts += completion_texts(roll, tokenizer)[1]
+        finished += roll.finished.tolist()
         totals.append(total.double().cpu())
         for name in names:
             parts[name].append(scores[name].double().cpu())
     policy.train(was_training)
-    total = torch.cat(totals)  # [n_local]
-    by_source = torch.stack([torch.cat(parts[name]) for name in names])  # [S, n_local]
+    return ScoredCompletions(texts, finished, torch.cat(totals), {name: torch.cat(parts[name]) for name in names})
+
+
+def reward_means(scored: ScoredCompletions, n: int, shard: Shard | None = None, device=None) -> dict[str, float]:
+    """``eval/reward`` (the total's mean), ``eval/reward/<source>`` and, when some source gives only
+    0 or 1, ``eval/accuracy`` (the share of completions that every such source scores 1), over ``n``
+    completions: ``scored`` holds this process's share of them (summed over ``shard``)."""
+    shard = shard or Shard()
+    names = list(scored.scores)
+    by_source = torch.stack([scored.scores[name] for name in names]) if names else torch.zeros(0, len(scored.total))
     # sums over every process: total, each source, and each source's count of scores other than 0/1
     binary = (by_source == 0) | (by_source == 1)  # [S, n_local]
-    sums = torch.cat([total.sum()[None], by_source.sum(1), (~binary).sum(1).double()])
+    sums = torch.cat([scored.total.sum()[None], by_source.sum(1), (~binary).sum(1).double()])
     sums = shard.sum(sums.to(device)).cpu() if shard.distributed else sums
     S = len(names)
     out = {"eval/reward": float(sums[0] / n)}
@@ -125,3 +144,19 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
         correct = shard.sum(correct.to(device)).cpu() if shard.distributed else correct
         out["eval/accuracy"] = float(correct / n)
     return out
+
+
+def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Shard | None = None,
+                     batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
+                     temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
+    """Completions of held-out prompt records (greedy, or sampled with a fixed seed) scored by
+    the training reward: ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>``
+    and, when some source gives only 0 or 1, ``eval/accuracy`` (the share of completions that
+    every such source scores 1). The records are split over processes; the means are global."""
+    shard = shard or Shard()
+    n = len(records)
+    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
+    scored = complete_and_score(policy, tokenizer, records[lo:hi], reward, device, batch_size, max_new_tokens,
+                                greedy, temperature, seed)
+    return reward_means(scored, n, shard, device)
+
