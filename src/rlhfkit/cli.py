@@ -23,7 +23,9 @@ COMMANDS = {
     "reinforce": "REINFORCE with a batch-mean baseline, no critic",
     "dpo": "DPO on preference pairs: no reward model, no sampling (model.name = policy)",
     "sft": "supervised fine-tuning: model.name = policy, data.path = JSONL of demonstrations",
-    "eval": "greedy held-out evaluation of a policy (a run directory, an HF model directory or hub id)",
+    "eval": "evaluate a policy (run directory, HF model directory or hub id): on data.path's prompts scored by "
+            "reward.function / reward.name (eval.baseline: win rate against another policy), else greedily on "
+            "the task's held-out prompts",
     "chat": "talk to a policy (run directory or HF model directory); /quit or Ctrl-D leaves",
     "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
@@ -71,18 +73,6 @@ def _config(args) -> Config:
     return build(task_defaults) if task_defaults else cfg
 
 
-def _policy_dir(path: str) -> str:
-    """A model directory (``config.json``, or a LoRA ``adapter_config.json``), the ``policy/`` of a
-    run directory, or, when no such directory exists, the string itself as a hub id."""
-    p = Path(path)
-    for cand in (p, p / "policy", p / "ppo" / "policy"):
-        if (cand / "config.json").exists() or (cand / "adapter_config.json").exists():
-            return str(cand)
-    if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/")):
-        return path  # "org/name": a hub id, resolved by from_pretrained
-    raise FileNotFoundError(f"no model found at {path}: expected a directory with config.json (or policy/config.json)")
-
-
 def _emit(result) -> None:
     """Print a command's summary once: from the main process of a distributed launch."""
     from .utils import is_main_process
@@ -127,13 +117,12 @@ def main(argv: list[str] | None = None) -> int:
 
             _emit(train_dpo(cfg))
         elif args.command == "eval":
-            from .evaluate import evaluate_path
-
-            _emit(evaluate_path(_policy_dir(args.path), cfg))
+            _eval(args.path, cfg)
         elif args.command == "chat":
             from .chat import run_chat
+            from .models import policy_dir
 
-            run_chat(_policy_dir(args.path), cfg)
+            run_chat(policy_dir(args.path), cfg)
         elif args.command == "gridworld":
             from .tasks.gridworld import train_gridworld
 
@@ -152,6 +141,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _eval(path: str, cfg: Config) -> None:
+    """``rlhfkit eval``: on data.path's prompts scored by the configured rewards (a short summary
+    printed), or, without data.path, on the built-in task's held-out prompts by its verifier."""
+    from .evaluate import evaluate_files, evaluate_path
+    from .models import policy_dir
+    from .utils import is_main_process
+
+    if not cfg.data.path:
+        if cfg.eval.baseline:
+            raise ConfigError("eval.baseline compares completions of the prompts in data.path: set data.path=FILE "
+                              "and reward.function=module:name (or reward.name=REWARD_MODEL_DIR)")
+        _emit(evaluate_path(policy_dir(path), cfg))
+        return
+    res = evaluate_files(path, cfg)
+    if not is_main_process():
+        return
+
+    def scores(r: dict) -> str:
+        parts = ", ".join(f"{k.removeprefix('eval/reward/')} {v:.4f}" for k, v in r.items()
+                          if k.startswith("eval/reward/"))
+        acc = f", accuracy {r['eval/accuracy']:.4f}" if "eval/accuracy" in r else ""
+        return f"reward {r['eval/reward']:.4f} ({parts}){acc}"
+
+    how = "greedy" if res["greedy"] else f"sampled at ppo.temperature={cfg.ppo.temperature}"
+    print(f"{res['prompts']} prompts of {res['data']}, {how}, at most {res['max_new_tokens']} new tokens")
+    print(f"model {res['path']}: {scores(res)}")
+    if "baseline" in res:
+        print(f"baseline {res['baseline']['path']}: {scores(res['baseline'])}")
+        print(f"win rate of the model over the baseline: {res['win_rate']:.4f} (total reward; ties count half)")
+    out = Path(cfg.run.out_dir)
+    print(f"wrote {out / 'eval_samples.jsonl'} and {out / 'eval.json'}")
 
 
 def _report(args) -> int:
