@@ -27,6 +27,7 @@ COMMANDS = {
             "reward.function / reward.name (eval.baseline: win rate against another policy), else greedily on "
             "the task's held-out prompts",
     "chat": "talk to a policy (run directory or HF model directory); /quit or Ctrl-D leaves",
+    "export-task": "write a built-in task's data as JSONL files (sft, prefs, prompts, eval prompts ...) to DIR",
     "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
@@ -36,7 +37,8 @@ RESUMABLE = ("pretrain", "rm", "ppo", "grpo", "rloo", "reinforce", "dpo", "sft")
 
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
-               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat"}
+               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat",
+               "export-task": "runs/export"}
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -45,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("eval", "chat"):
             sp.add_argument("path", help="policy directory (HF format, or a LoRA adapter directory), a hub id, "
                                          "or a run directory containing policy/")
+        if name == "export-task":
+            sp.add_argument("task", choices=("doubling", "cities"), help="the built-in task to export")
+            sp.add_argument("dir", help="directory to write the files to")
         if name == "report":
             sp.add_argument("path", help="run directory (holding metrics.jsonl, config.yaml ...)")
             sp.add_argument("--screenshot", action="store_true",
@@ -65,7 +70,8 @@ def _config(args) -> Config:
     def build(task_defaults: dict) -> Config:
         base = Config().replace(**task_defaults).replace(run={"out_dir": DEFAULT_OUT[args.command]},
                                                           ppo=ALGO_DEFAULTS.get(args.command, {}))
-        overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else [])]
+        overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else []),
+                     *([f"run.task={args.task}"] if args.command == "export-task" else [])]
         return load_config(args.config, overrides, base=base)
 
     cfg = build({})
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             from .models import policy_dir
 
             run_chat(policy_dir(args.path), cfg)
+        elif args.command == "export-task":
+            _export_task(args.dir, cfg)
         elif args.command == "gridworld":
             from .tasks.gridworld import train_gridworld
 
@@ -174,6 +182,17 @@ def _eval(path: str, cfg: Config) -> None:
         print(f"win rate of the model over the baseline: {res['win_rate']:.4f} (total reward; ties count half)")
     out = Path(cfg.run.out_dir)
     print(f"wrote {out / 'eval_samples.jsonl'} and {out / 'eval.json'}")
+
+
+def _export_task(out_dir: str, cfg: Config) -> None:
+    from .tasks.export import export_task
+
+    info = export_task(cfg, out_dir)
+    out = Path(out_dir)
+    print(f"{info['task']} (run.seed={info['seed']}) -> {out}/: "
+          + ", ".join(f"{name} ({n})" for name, n in info["files"].items()) + ", info.json")
+    print(f"e.g. rlhfkit eval RUN_DIR data.path={out / 'eval_prompts.jsonl'} "
+          f"reward.function={info['reward_function']} eval.max_new_tokens={info['max_new_tokens']}")
 
 
 def _report(args) -> int:
