@@ -66,6 +66,22 @@ def test_eval_command_reproduces_final_accuracy(demo_run, tmp_path, capsys):
     assert result["exact_acc"] == summary["final"]["exact_acc"]
 
 
+def test_eval_on_the_exported_held_out_prompts_matches_the_task_eval(demo_run, tmp_path, capsys):
+    """The file route (export-task, then eval with data.path and the task's reward function)
+    measures what the task route measures, for the tuned policy and the base as its baseline."""
+    out, summary = demo_run
+    assert main(["export-task", "doubling", str(tmp_path / "data"), "pretrain.steps=1"]) == 0
+    info = json.loads((tmp_path / "data" / "info.json").read_text())
+    assert main(["eval", str(out), f"data.path={tmp_path / 'data' / 'eval_prompts.jsonl'}",
+                 f"reward.function={info['reward_function']}", f"eval.max_new_tokens={info['max_new_tokens']}",
+                 f"eval.baseline={out / 'pretrain'}", f"run.out_dir={tmp_path / 'ev'}"]) == 0
+    result = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert result["prompts"] == 512
+    assert result["eval/accuracy"] == summary["final"]["exact_acc"]
+    assert result["baseline"]["eval/accuracy"] == summary["base"]["exact_acc"]
+    assert result["win_rate"] > 0.5
+
+
 def test_cli_rejects_bad_config_with_a_clear_message(capsys):
     assert main(["ppo", "ppo.kl_cof=0.1"]) == 2
     err = capsys.readouterr().err

@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
 LAYERS = [
     ("base", {"core", "config", "utils", "kernels"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "prompts", "tasks", "tasks.doubling",
-                        "tasks.cities"}),
+                        "tasks.cities", "tasks.export"}),
     ("models", {"lean", "models"}),
     ("generation and scoring", {"rollout", "evaluate", "rewards", "experience", "trajectories", "plots",
                                 "watch"}),

@@ -23,8 +23,11 @@ COMMANDS = {
     "reinforce": "REINFORCE with a batch-mean baseline, no critic",
     "dpo": "DPO on preference pairs: no reward model, no sampling (model.name = policy)",
     "sft": "supervised fine-tuning: model.name = policy, data.path = JSONL of demonstrations",
-    "eval": "greedy held-out evaluation of a policy (a run directory, an HF model directory or hub id)",
+    "eval": "evaluate a policy (run directory, HF model directory or hub id): on data.path's prompts scored by "
+            "reward.function / reward.name (eval.baseline: win rate against another policy), else greedily on "
+            "the task's held-out prompts",
     "chat": "talk to a policy (run directory or HF model directory); /quit or Ctrl-D leaves",
+    "export-task": "write a built-in task's data as JSONL files (sft, prefs, prompts, eval prompts ...) to DIR",
     "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
@@ -34,7 +37,8 @@ RESUMABLE = ("pretrain", "rm", "ppo", "grpo", "rloo", "reinforce", "dpo", "sft")
 
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
-               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat"}
+               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat",
+               "export-task": "runs/export"}
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -43,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("eval", "chat"):
             sp.add_argument("path", help="policy directory (HF format, or a LoRA adapter directory), a hub id, "
                                          "or a run directory containing policy/")
+        if name == "export-task":
+            sp.add_argument("task", choices=("doubling", "cities"), help="the built-in task to export")
+            sp.add_argument("dir", help="directory to write the files to")
         if name == "report":
             sp.add_argument("path", help="run directory (holding metrics.jsonl, config.yaml ...)")
             sp.add_argument("--screenshot", action="store_true",
@@ -63,24 +70,13 @@ def _config(args) -> Config:
     def build(task_defaults: dict) -> Config:
         base = Config().replace(**task_defaults).replace(run={"out_dir": DEFAULT_OUT[args.command]},
                                                           ppo=ALGO_DEFAULTS.get(args.command, {}))
-        overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else [])]
+        overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else []),
+                     *([f"run.task={args.task}"] if args.command == "export-task" else [])]
         return load_config(args.config, overrides, base=base)
 
     cfg = build({})
     task_defaults = getattr(get_task(cfg.run.task), "CONFIG_DEFAULTS", {})
     return build(task_defaults) if task_defaults else cfg
-
-
-def _policy_dir(path: str) -> str:
-    """A model directory (``config.json``, or a LoRA ``adapter_config.json``), the ``policy/`` of a
-    run directory, or, when no such directory exists, the string itself as a hub id."""
-    p = Path(path)
-    for cand in (p, p / "policy", p / "ppo" / "policy"):
-        if (cand / "config.json").exists() or (cand / "adapter_config.json").exists():
-            return str(cand)
-    if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/")):
-        return path  # "org/name": a hub id, resolved by from_pretrained
-    raise FileNotFoundError(f"no model found at {path}: expected a directory with config.json (or policy/config.json)")
 
 
 def _emit(result) -> None:
@@ -127,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
 
             _emit(train_dpo(cfg))
         elif args.command == "eval":
-            from .evaluate import evaluate_path
-
-            _emit(evaluate_path(_policy_dir(args.path), cfg))
+            _eval(args.path, cfg)
         elif args.command == "chat":
             from .chat import run_chat
+            from .models import policy_dir
 
-            run_chat(_policy_dir(args.path), cfg)
+            run_chat(policy_dir(args.path), cfg)
+        elif args.command == "export-task":
+            _export_task(args.dir, cfg)
         elif args.command == "gridworld":
             from .tasks.gridworld import train_gridworld
 
@@ -152,6 +149,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _eval(path: str, cfg: Config) -> None:
+    """``rlhfkit eval``: on data.path's prompts scored by the configured rewards (a short summary
+    printed), or, without data.path, on the built-in task's held-out prompts by its verifier."""
+    from .evaluate import evaluate_files, evaluate_path
+    from .models import policy_dir
+    from .utils import is_main_process
+
+    if not cfg.data.path:
+        if cfg.eval.baseline:
+            raise ConfigError("eval.baseline compares completions of the prompts in data.path: set data.path=FILE "
+                              "and reward.function=module:name (or reward.name=REWARD_MODEL_DIR)")
+        _emit(evaluate_path(policy_dir(path), cfg))
+        return
+    res = evaluate_files(path, cfg)
+    if not is_main_process():
+        return
+
+    def scores(r: dict) -> str:
+        parts = ", ".join(f"{k.removeprefix('eval/reward/')} {v:.4f}" for k, v in r.items()
+                          if k.startswith("eval/reward/"))
+        acc = f", accuracy {r['eval/accuracy']:.4f}" if "eval/accuracy" in r else ""
+        return f"reward {r['eval/reward']:.4f} ({parts}){acc}"
+
+    how = "greedy" if res["greedy"] else f"sampled at ppo.temperature={cfg.ppo.temperature}"
+    print(f"{res['prompts']} prompts of {res['data']}, {how}, at most {res['max_new_tokens']} new tokens")
+    print(f"model {res['path']}: {scores(res)}")
+    if "baseline" in res:
+        print(f"baseline {res['baseline']['path']}: {scores(res['baseline'])}")
+        print(f"win rate of the model over the baseline: {res['win_rate']:.4f} (total reward; ties count half)")
+    out = Path(cfg.run.out_dir)
+    print(f"wrote {out / 'eval_samples.jsonl'} and {out / 'eval.json'}")
+
+
+def _export_task(out_dir: str, cfg: Config) -> None:
+    from .tasks.export import export_task
+
+    info = export_task(cfg, out_dir)
+    out = Path(out_dir)
+    print(f"{info['task']} (run.seed={info['seed']}) -> {out}/: "
+          + ", ".join(f"{name} ({n})" for name, n in info["files"].items()) + ", info.json")
+    print(f"e.g. rlhfkit eval RUN_DIR data.path={out / 'eval_prompts.jsonl'} "
+          f"reward.function={info['reward_function']} eval.max_new_tokens={info['max_new_tokens']}")
 
 
 def _report(args) -> int:

@@ -414,7 +414,9 @@ class EvalConfig:
     greedy: bool = True
     """Held-out completions by greedy decoding (False: sampled at ppo.temperature, fixed seed)."""
     max_new_tokens: int | None = None
-    """Longest answer decoded (None: the task's longest answer)."""
+    """Longest answer decoded (None: the task's longest answer; with data.path, ppo.max_new_tokens)."""
+    baseline: str = ""
+    """With data.path: a model or run directory whose completions of the same prompts are scored too (empty: none)."""
 
 
 @dataclass(frozen=True)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from .distributed import Shard
-from .models import load_policy, load_tokenizer
-from .prompts import prompt_tensors
+from .models import load_policy, load_tokenizer, policy_dir, same_tokenizer
+from .prompts import file_records, prompt_tensors
+from .rewards import build_reward, completion_texts
 from .rollout import decode_responses, generate, tokenize_prompts
 from .tasks import doubling, get_task
-from .utils import resolve_device
+from .utils import resolve_device, write_jsonl
 
 
 @torch.no_grad()
@@ -87,40 +89,57 @@ def evaluate_path(path: str, cfg) -> dict:
     return result
 
 
+@dataclass
+class ScoredCompletions:
+    """Completions of prompt records and their scores, one entry per record, in order."""
+
+    completions: list[str]  # decoded responses, special tokens removed (what a reward function reads)
+    finished: list[bool]  # True where the response ended with EOS
+    total: torch.Tensor  # [n] float64: the reward's weighted total
+    scores: dict[str, torch.Tensor]  # each source's [n] float64 score, by name
+
+
 @torch.no_grad()
-def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Shard | None = None,
-                     batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
-                     temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
-                     stop: Sequence[str] = ()) -> dict[str, float]:
-    """Completions of held-out prompt records (greedy, or sampled with a fixed seed, ``top_k``
-    and ``top_p``; ``stop`` strings end them either way) scored by the training reward:
-    ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>`` and, when some source
-    gives only 0 or 1, ``eval/accuracy`` (the share of completions that every such source scores
-    1). The records are split over processes; the means are global."""
-    shard = shard or Shard()
-    n = len(records)
-    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
+def complete_and_score(policy, tokenizer, records: list, reward, device, batch_size: int = 512,
+                       max_new_tokens: int = 64, greedy: bool = True, temperature: float = 1.0,
+                       seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                       stop: Sequence[str] = ()) -> ScoredCompletions:
+    """Complete every record's prompt (greedy, or sampled with a generator seeded by ``seed``,
+    ``top_k`` and ``top_p``; ``stop`` strings end a completion either way) and score the
+    completions by ``reward`` (a :class:`rlhfkit.rewards.Reward`), batch by batch."""
     names = list(reward.weights)
+    texts: list[str] = []
+    finished: list[bool] = []
     totals, parts = [torch.zeros(0, dtype=torch.float64)], {name: [torch.zeros(0, dtype=torch.float64)] for name in names}
     was_training = policy.training
     policy.eval()
     gen = torch.Generator(device=device).manual_seed(seed)
-    for i in range(lo, hi, batch_size):
-        chunk = records[i : min(hi, i + batch_size)]
+    for i in range(0, len(records), batch_size):
+        chunk = records[i : i + batch_size]
         ids, mask = prompt_tensors(tokenizer, chunk, device)
         roll = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
                         temperature, greedy=greedy, generator=gen, top_k=top_k, top_p=top_p, stop=stop,
                         tokenizer=tokenizer)
         total, scores = reward.score(roll, chunk)
+        texts += completion_texts(roll, tokenizer)[1]
+        finished += roll.finished.tolist()
         totals.append(total.double().cpu())
         for name in names:
             parts[name].append(scores[name].double().cpu())
     policy.train(was_training)
-    total = torch.cat(totals)  # [n_local]
-    by_source = torch.stack([torch.cat(parts[name]) for name in names])  # [S, n_local]
+    return ScoredCompletions(texts, finished, torch.cat(totals), {name: torch.cat(parts[name]) for name in names})
+
+
+def reward_means(scored: ScoredCompletions, n: int, shard: Shard | None = None, device=None) -> dict[str, float]:
+    """``eval/reward`` (the total's mean), ``eval/reward/<source>`` and, when some source gives only
+    0 or 1, ``eval/accuracy`` (the share of completions that every such source scores 1), over ``n``
+    completions: ``scored`` holds this process's share of them (summed over ``shard``)."""
+    shard = shard or Shard()
+    names = list(scored.scores)
+    by_source = torch.stack([scored.scores[name] for name in names]) if names else torch.zeros(0, len(scored.total))
     # sums over every process: total, each source, and each source's count of scores other than 0/1
     binary = (by_source == 0) | (by_source == 1)  # [S, n_local]
-    sums = torch.cat([total.sum()[None], by_source.sum(1), (~binary).sum(1).double()])
+    sums = torch.cat([scored.total.sum()[None], by_source.sum(1), (~binary).sum(1).double()])
     sums = shard.sum(sums.to(device)).cpu() if shard.distributed else sums
     S = len(names)
     out = {"eval/reward": float(sums[0] / n)}
@@ -131,3 +150,105 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
         correct = shard.sum(correct.to(device)).cpu() if shard.distributed else correct
         out["eval/accuracy"] = float(correct / n)
     return out
+
+
+def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Shard | None = None,
+                     batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
+                     temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                     stop: Sequence[str] = ()) -> dict[str, float]:
+    """Completions of held-out prompt records (:func:`complete_and_score`) scored by the training
+    reward: ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>``
+    and, when some source gives only 0 or 1, ``eval/accuracy`` (the share of completions that
+    every such source scores 1). The records are split over processes; the means are global."""
+    shard = shard or Shard()
+    n = len(records)
+    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
+    scored = complete_and_score(policy, tokenizer, records[lo:hi], reward, device, batch_size, max_new_tokens,
+                                greedy, temperature, seed, top_k, top_p, stop)
+    return reward_means(scored, n, shard, device)
+
+
+def win_rate(model: torch.Tensor, baseline: torch.Tensor) -> float:
+    """The share of prompts on which ``model``'s score beats ``baseline``'s (``[n]`` each); a tie
+    counts half, so a model scored against itself has exactly 0.5."""
+    wins = (model > baseline).double() + 0.5 * (model == baseline).double()
+    return float(wins.mean())
+
+
+@dataclass
+class _Completed:
+    path: str
+    tokenizer: object
+    records: list
+    reward: object
+    scored: ScoredCompletions
+
+
+def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _Completed | None = None) -> _Completed:
+    """The policy at ``path`` completes ``data.path``'s prompts, scored by the configured reward. The
+    prompts are read and the reward built once per tokenizer: ``like``'s are reused when it is the same."""
+    tok = load_tokenizer(path, cfg.model.trust_remote_code)
+    if like is not None and same_tokenizer(tok, like.tokenizer):
+        tok, records, reward = like.tokenizer, like.records, like.reward
+    else:
+        records = file_records(cfg.data.path, tok, cfg)
+        reward = build_reward(cfg, tok, device)
+    policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device)
+    ec = cfg.eval
+    scored = complete_and_score(policy, tok, records, reward, device, ec.batch_size, max_new_tokens, ec.greedy,
+                                cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop)
+    return _Completed(path, tok, records, reward, scored)
+
+
+def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
+    """One JSONL row per prompt: the prompt, its other columns, each policy's completion, whether it
+    ended with EOS, each reward source's score and the total."""
+    rows = []
+    for i, rec in enumerate(model.records):
+        row = {"prompt": rec.original, **({"columns": rec.columns} if rec.columns else {})}
+        for prefix, done in (("", model), ("baseline_", base)):
+            if done is None:
+                continue
+            sc = done.scored
+            row.update({f"{prefix}completion": sc.completions[i], f"{prefix}finished": sc.finished[i],
+                        f"{prefix}scores": {k: float(v[i]) for k, v in sc.scores.items()},
+                        f"{prefix}reward": float(sc.total[i])})
+        rows.append(row)
+    return rows
+
+
+def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
+    """Evaluate the policy at ``path`` (a model or run directory, or a hub id) on the prompts of
+    ``data.path``, scored by the configured reward (``reward.name`` / ``reward.function``).
+
+    Completions are greedy by default (``eval.greedy``), ``eval.max_new_tokens`` (else
+    ``ppo.max_new_tokens``) tokens at most. With a baseline (``baseline`` or ``eval.baseline``: a
+    model or run directory) the same prompts are completed by it and scored by the same rewards;
+    ``win_rate`` is the share of prompts where the model's total reward beats the baseline's, a tie
+    counting half (a model against itself: 0.5). Writes ``run.out_dir/eval_samples.jsonl`` (one row
+    per prompt) and ``run.out_dir/eval.json`` (the returned summary)."""
+    if not cfg.data.path:
+        raise ValueError("data.path is empty: give the prompts to evaluate on (a JSONL of {\"prompt\": ...})")
+    if not cfg.reward.name and not cfg.reward.function:
+        raise ValueError("no reward to score the completions of data.path with: set reward.function=module:name "
+                         "and/or reward.name=REWARD_MODEL_DIR")
+    max_new_tokens = cfg.eval.max_new_tokens or cfg.ppo.max_new_tokens
+    if not max_new_tokens:
+        raise ValueError("set eval.max_new_tokens (or ppo.max_new_tokens) with data.path: the longest completion "
+                         "to decode")
+    baseline = baseline if baseline is not None else cfg.eval.baseline
+    path, baseline = policy_dir(path), policy_dir(baseline) if baseline else None
+    device = resolve_device(cfg.run.device)
+    model = _complete_file_prompts(path, cfg, device, max_new_tokens)
+    base = _complete_file_prompts(baseline, cfg, device, max_new_tokens, like=model) if baseline else None
+    n = len(model.records)
+    result = {"path": path, "data": str(cfg.data.path), "prompts": n, "max_new_tokens": max_new_tokens,
+              "greedy": cfg.eval.greedy, **reward_means(model.scored, n)}
+    if base is not None:
+        result["baseline"] = {"path": baseline, **reward_means(base.scored, n)}
+        result["win_rate"] = win_rate(model.scored.total, base.scored.total)
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "eval_samples.jsonl", _sample_rows(model, base))
+    (out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
+    return result

@@ -172,6 +172,18 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, need_pad: bool = 
     return tok
 
 
+def policy_dir(path: str) -> str:
+    """A model directory (``config.json``, or a LoRA ``adapter_config.json``), the ``policy/`` of a
+    run directory, or, when no such directory exists, the string itself as a hub id."""
+    p = Path(path)
+    for cand in (p, p / "policy", p / "ppo" / "policy"):
+        if (cand / "config.json").exists() or (cand / "adapter_config.json").exists():
+            return str(cand)
+    if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/")):
+        return path  # "org/name": a hub id, resolved by from_pretrained
+    raise FileNotFoundError(f"no model found at {path}: expected a directory with config.json (or policy/config.json)")
+
+
 def load_policy(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
     """A causal LM from a local directory or a hub id (``AutoModelForCausalLM``, safetensors only).
 

@@ -129,11 +129,17 @@ def function_name(fn) -> str:
     return getattr(fn, "__module__", "?") + ":" + getattr(fn, "__qualname__", repr(fn))
 
 
-def call_arguments(roll: Rollout, tokenizer, records: Sequence[PromptRecord] | None) -> dict:
-    """The keyword arguments a reward function receives for a rollout (see the module docstring)."""
+def completion_texts(roll: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Each row's response token ids (the EOS included when emitted) and its text with the
+    special tokens removed: what a reward function receives as ``completion_ids`` and ``completions``."""
     lengths = roll.response_mask.sum(-1).tolist()
     ids = [r[:n] for r, n in zip(roll.response_ids.tolist(), lengths)]
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return ids, tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def call_arguments(roll: Rollout, tokenizer, records: Sequence[PromptRecord] | None) -> dict:
+    """The keyword arguments a reward function receives for a rollout (see the module docstring)."""
+    ids, texts = completion_texts(roll, tokenizer)
     if records is None:  # no records: the prompts as the model read them
         prompts: list = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
         columns: dict[str, list] = {}

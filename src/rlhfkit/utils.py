@@ -216,6 +216,16 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def write_jsonl(path: str | os.PathLike, rows) -> int:
+    """One JSON object a line, UTF-8 with non-ASCII characters kept readable; returns the count."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
 def mean_stats(rows: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Average a list of stats dicts key by key (a key over the dicts that have it)."""
     keys = dict.fromkeys(k for r in rows for k in r)

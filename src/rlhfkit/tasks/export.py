@@ -1,0 +1,65 @@
+"""A built-in task written out as data files, in the formats the commands read from ``data.path``.
+
+``export_task(cfg, out_dir)`` writes, for ``run.task`` and ``run.seed``, the data the built-in
+route generates, drawn from the same seeded generators:
+
+    sft.jsonl           ``{"prompt", "completion"}``: the 2048 demonstrations of ``rlhfkit sft``
+                        without data.path (``TaskData(seed + 4)``)
+    prefs.jsonl         ``{"prompt", "chosen", "rejected"}``: DPO's fixed set of ``dpo.num_pairs``
+                        pairs (``TaskData(seed + 3)``, ``reward.hard_negatives``); the reward
+                        model's built-in route draws a fresh stream of such pairs (``seed + 1``)
+    prefs_eval.jsonl    the reward model's held-out pairs (``held_out_pairs(reward.eval_pairs, seed)``)
+    prompts.jsonl       ``{"prompt", **columns}``: the first 2048 RL prompts (``TaskData(seed + 2)``)
+    eval_prompts.jsonl  the same for the task's fixed held-out prompts
+    pretrain.jsonl      ``{"text"}``: the pretraining stream, ``pretrain.steps x pretrain.batch_size``
+                        texts (``TaskData(seed)``)
+    info.json           the task, the seed, the reward function that reads the columns
+                        (``rlhfkit.tasks.<task>:exact_reward``), ``max_new_tokens`` and each file's size
+
+The columns are what the task's ``exact_reward`` reads (doubling: ``number``, ``charset``;
+cities: ``city``, ``country``). Answers keep the task's EOS character where the task's own
+pairs have it (a preference pair whose rejected answer lacks it differs from the chosen one
+only there).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import Config
+from ..utils import write_jsonl
+from . import get_task
+
+SFT_EXAMPLES = 2048  # as many as the sft command generates without data.path
+RL_PROMPTS = 2048
+
+
+def export_task(cfg: Config, out_dir: str | Path) -> dict:
+    """Write ``run.task``'s data to ``out_dir`` (see the module docstring); returns info.json's content."""
+    name, seed = cfg.run.task, cfg.run.seed
+    task = get_task(name)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def prompt_rows(prompts) -> list[dict]:
+        return [{"prompt": p.text, **task.columns(p)} for p in prompts]
+
+    def pair_rows(pairs) -> list[dict]:
+        return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in pairs]
+
+    hard = cfg.reward.hard_negatives
+    files = {
+        "sft.jsonl": [{"prompt": p, "completion": c} for p, c in task.TaskData(seed + 4).sft_examples(SFT_EXAMPLES)],
+        "prefs.jsonl": pair_rows(task.TaskData(seed + 3).preference_pairs(cfg.dpo.num_pairs, hard)),
+        "prefs_eval.jsonl": pair_rows(task.held_out_pairs(cfg.reward.eval_pairs, seed)),
+        "prompts.jsonl": prompt_rows(task.TaskData(seed + 2).prompts(RL_PROMPTS)),
+        "eval_prompts.jsonl": prompt_rows(task.eval_prompts()),
+        "pretrain.jsonl": [{"text": t} for t in
+                           task.TaskData(seed).pretrain_texts(cfg.pretrain.steps * cfg.pretrain.batch_size)],
+    }
+    info = {"task": name, "seed": seed, "reward_function": f"{task.__name__}:exact_reward",
+            "max_new_tokens": task.MAX_NEW_TOKENS,
+            "files": {file: write_jsonl(out / file, rows) for file, rows in files.items()}}
+    (out / "info.json").write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return info
