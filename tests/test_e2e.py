@@ -115,6 +115,28 @@ def test_grpo_with_the_task_verifier_as_reward_learns(demo_run, tmp_path):
     assert not (tmp_path / "value_model").exists()  # no critic in GRPO
 
 
+def test_the_file_route_reaches_the_built_in_accuracy(demo_run, tmp_path):
+    """The pipeline on files: the task exported, a reward model from the pairs file, PPO (that
+    reward model) and GRPO (the column-reading verifier) from the prompt file, each evaluated on
+    the held-out prompt file by the verifier -- as accurate as the built-in route's PPO."""
+    out, summary = demo_run
+    base, data = out / "pretrain" / "policy", tmp_path / "data"
+    common = ["run.progress=false", f"model.name={base}"]
+    assert main(["export-task", "doubling", str(data)]) == 0
+    assert main(["rm", *common, f"data.path={data / 'prefs.jsonl'}", f"run.out_dir={tmp_path / 'rm'}"]) == 0
+    rl = [*common, f"data.path={data / 'prompts.jsonl'}", f"data.eval_path={data / 'eval_prompts.jsonl'}",
+          "ppo.max_new_tokens=8", "ppo.stop_metric=eval/accuracy", "ppo.stop_at=0.99", "ppo.steps=300"]
+    verifier = "reward.function=rlhfkit.tasks.doubling:exact_reward"
+    # PPO on the learned reward; the verifier rides along with weight 0 to report held-out accuracy
+    assert main(["ppo", *rl, f"reward.name={tmp_path / 'rm' / 'reward_model'}", verifier, "reward.weights=1,0",
+                 f"run.out_dir={tmp_path / 'ppo'}"]) == 0
+    assert main(["grpo", *rl, verifier, f"run.out_dir={tmp_path / 'grpo'}"]) == 0
+    for algo in ("ppo", "grpo"):
+        last = read_jsonl(tmp_path / algo / "metrics.jsonl")[-1]
+        assert last["eval/accuracy"] >= 0.95, (algo, last["eval/accuracy"])
+    assert summary["final"]["exact_acc"] >= 0.95  # the built-in route, same base
+
+
 def test_dpo_lifts_format_accuracy_without_sampling(demo_run, tmp_path):
     from rlhfkit.trainers.dpo import train_dpo
 
