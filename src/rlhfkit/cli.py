@@ -93,65 +93,79 @@ def _emit(result) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    from .utils import TrainingError  # torch comes with it: not before `rlhfkit -h` is answered
-
-    hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
     if args.command == "report":
         return _report(args)
     try:
+        # the command line and the config are checked before torch and transformers are imported
+        # (seconds): a mistyped key is answered at once
         cfg = _config(args)
-        if args.command == "demo":
-            from .demo import run_demo
-
-            run_demo(cfg)
-        elif args.command == "pretrain":
-            from .trainers.pretrain import pretrain
-
-            _emit(pretrain(cfg))
-        elif args.command == "rm":
-            from .trainers.reward import train_reward_model
-
-            _emit(train_reward_model(cfg))
-        elif args.command in ALGO_DEFAULTS:
-            from .trainers.rl import train_rl
-
-            _emit(train_rl(cfg))
-        elif args.command == "sft":
-            from .trainers.sft import train_sft
-
-            _emit(train_sft(cfg))
-        elif args.command == "dpo":
-            from .trainers.dpo import train_dpo
-
-            _emit(train_dpo(cfg))
-        elif args.command == "eval":
-            from .evaluate import evaluate_path
-
-            _emit(evaluate_path(_policy_dir(args.path), cfg))
-        elif args.command == "chat":
-            from .chat import run_chat
-
-            run_chat(_policy_dir(args.path), cfg)
-        elif args.command == "gridworld":
-            from .tasks.gridworld import train_gridworld
-
-            res = train_gridworld(cfg)
-            every = max(1, len(res["returns"]) // 10)
-            curve = "  ".join(f"{i}:{r:.1f}" for i, r in enumerate(res["returns"]) if i % every == 0)
-            print(f"{res['algo']}, seed {res['seed']}, {res['seconds']:.1f}s -> {res['out_dir']}")
-            print(res["policy"])
-            print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
-            verdict = "optimal" if res["optimal"] else "NOT optimal"
-            print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
+        _run(args, cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:  # the inputs were fine but the run diverged
+    except RuntimeError as e:
+        from .utils import TrainingError
+
+        if not isinstance(e, TrainingError):
+            raise
+        # the inputs were fine but the run diverged
         print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run(args, cfg: Config) -> None:
+    """Run the command on the resolved config (the heavy imports happen here)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    if args.command == "demo":
+        from .demo import run_demo
+
+        run_demo(cfg)
+    elif args.command == "pretrain":
+        from .trainers.pretrain import pretrain
+
+        _emit(pretrain(cfg))
+    elif args.command == "rm":
+        from .trainers.reward import train_reward_model
+
+        _emit(train_reward_model(cfg))
+    elif args.command in ALGO_DEFAULTS:
+        from .trainers.rl import train_rl
+
+        _emit(train_rl(cfg))
+    elif args.command == "sft":
+        from .trainers.sft import train_sft
+
+        _emit(train_sft(cfg))
+    elif args.command == "dpo":
+        from .trainers.dpo import train_dpo
+
+        _emit(train_dpo(cfg))
+    elif args.command == "eval":
+        from .evaluate import evaluate_path
+
+        _emit(evaluate_path(_policy_dir(args.path), cfg))
+    elif args.command == "chat":
+        from .chat import run_chat
+
+        run_chat(_policy_dir(args.path), cfg)
+    elif args.command == "gridworld":
+        _gridworld(cfg)
+
+
+def _gridworld(cfg: Config) -> None:
+    from .tasks.gridworld import train_gridworld
+
+    res = train_gridworld(cfg)
+    every = max(1, len(res["returns"]) // 10)
+    curve = "  ".join(f"{i}:{r:.1f}" for i, r in enumerate(res["returns"]) if i % every == 0)
+    print(f"{res['algo']}, seed {res['seed']}, {res['seconds']:.1f}s -> {res['out_dir']}")
+    print(res["policy"])
+    print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
+    verdict = "optimal" if res["optimal"] else "NOT optimal"
+    print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
 
 
 def _report(args) -> int:
