@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,11 +36,19 @@ RESUMABLE = ("pretrain", "rm", "ppo", "grpo", "rloo", "reinforce", "dpo", "sft")
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
                "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat"}
+DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLHFKIT_DEBUG=1)"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.")
+    p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.",
+                                epilog="Errors in the input are one line and exit code 2; --debug (or "
+                                       "RLHFKIT_DEBUG=1) shows the full traceback instead.")
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
+        # after the command too; SUPPRESS: absent here, it leaves the global flag's value alone
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         if name in ("eval", "chat"):
             sp.add_argument("path", help="policy directory (HF format, or a LoRA adapter directory), a hub id, "
                                          "or a run directory containing policy/")
@@ -91,25 +100,37 @@ def _emit(result) -> None:
         print(json.dumps(result, indent=2))
 
 
+def debug_requested(args) -> bool:
+    """``--debug`` or ``RLHFKIT_DEBUG`` set to anything but empty/0: errors keep their traceback."""
+    return bool(getattr(args, "debug", False)) or os.environ.get("RLHFKIT_DEBUG", "").strip() not in ("", "0")
+
+
+def _error(command: str, e: BaseException) -> None:
+    message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
+    print(f"rlhfkit {command}: error: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    debug = debug_requested(args)
     if args.command == "report":
-        return _report(args)
+        return _report(args, debug)
     try:
         # the command line and the config are checked before torch and transformers are imported
         # (seconds): a mistyped key is answered at once
         cfg = _config(args)
         _run(args, cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models
-        print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
+        if debug:
+            raise
+        _error(args.command, e)
         return 2
     except RuntimeError as e:
         from .utils import TrainingError
 
-        if not isinstance(e, TrainingError):
+        if debug or not isinstance(e, TrainingError):
             raise
-        # the inputs were fine but the run diverged
-        print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+        _error(args.command, e)  # the inputs were fine but the run diverged
         return 1
     return 0
 
@@ -168,7 +189,7 @@ def _gridworld(cfg: Config) -> None:
     print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
 
 
-def _report(args) -> int:
+def _report(args, debug: bool = False) -> int:
     import subprocess
 
     from .report import screenshot, write_report
@@ -179,7 +200,9 @@ def _report(args) -> int:
         if args.screenshot:
             print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
     except (OSError, ValueError, subprocess.SubprocessError) as e:
-        print(f"rlhfkit report: error: {e}", file=sys.stderr)
+        if debug:
+            raise
+        _error("report", e)
         return 2
     return 0
 
