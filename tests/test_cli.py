@@ -77,3 +77,14 @@ def test_debug_flag_or_environment_gives_the_full_traceback(fast_rl, capsys, mon
     done = run_cli("ppo", "ppo.kl_cof=1", env={**os.environ, "RLHFKIT_DEBUG": "1"})
     assert done.returncode != 0 and "Traceback (most recent call last)" in done.stderr
     assert "rlhfkit.config.ConfigError: unknown config key 'ppo.kl_cof'" in done.stderr
+
+
+def test_sft_on_a_file_with_characters_outside_the_vocabulary(tiny_models, tmp_path, capsys):
+    path = tmp_path / "sft.jsonl"
+    path.write_text('{"prompt": "数字:1234x2=", "completion": "2468"}\n'
+                    '{"prompt": "hello 数字:12x2=", "completion": "24"}\n', encoding="utf-8")
+    assert main(["sft", f"model.name={tiny_models.policy}", f"data.path={path}", f"run.out_dir={tmp_path / 'run'}",
+                 "run.progress=false", "sft.steps=1", "sft.batch_size=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rlhfkit sft: error: {path}:2: field 'prompt': characters the tokenizer cannot encode: "
+                          "'h', 'e', 'l', 'o', ' '")
