@@ -160,3 +160,55 @@ def test_save_load_round_trip(tmp_path):
     # None survives too
     save_config(Config(), path)
     assert load_config(path) == Config()
+
+
+def test_sections_built_from_python_are_checked_like_the_command_line():
+    from rlhfkit.config import ModelConfig, RewardConfig, RunConfig
+
+    with raises("config key 'ppo.steps' expects int, got '3' (str)") as from_python:
+        PPOConfig(steps="3")
+    with raises("config key 'ppo.steps' expects int, got '3' (str)") as from_cli:
+        load_config(overrides=["ppo.steps='3'"])
+    assert str(from_python.value) == str(from_cli.value)
+    with raises("config key 'ppo.batch_size' must be >= 1, got 0"):
+        PPOConfig(batch_size=0)  # ranges too
+    with raises("config key 'ppo.kl_estimator' must be one of ['k1', 'k2', 'k3'], got 'k9'"):
+        PPOConfig(kl_estimator="k9")
+    with raises("config key 'model.lora_alpha' expects float, got 'big' (str)"):
+        ModelConfig(lora_alpha="big")
+    assert PPOConfig(kl_coef=1).kl_coef == 1.0 and type(PPOConfig(kl_coef=1).kl_coef) is float
+    assert RunConfig(out_dir=tmp_path_like()).out_dir == "runs/x"  # a pathlib.Path is taken as its string
+    # every section names its own key
+    for f in dataclasses.fields(Config):
+        cls = type(getattr(Config(), f.name))
+        first = next(g for g in dataclasses.fields(cls) if g.type in ("int", "float", "bool", "str"))
+        with raises(f"config key '{f.name}.{first.name}' expects"):
+            cls(**{first.name: object()})
+    with raises("config key 'reward.function' expects str | callable | list of (str | callable), got True"):
+        RewardConfig(function=True)
+
+
+def tmp_path_like():
+    from pathlib import Path
+
+    return Path("runs") / "x"
+
+
+def my_reward(prompts, completions, **columns):
+    return [0.0] * len(completions)
+
+
+def test_reward_callables_from_python_and_what_config_yaml_records(tmp_path):
+    from rlhfkit.config import RewardConfig
+    from rlhfkit.rewards import load_reward_function
+
+    assert RewardConfig(function=my_reward).function is my_reward
+    both = RewardConfig(function=[my_reward, "rlhfkit.tasks.doubling:exact_reward"])
+    assert both.function == (my_reward, "rlhfkit.tasks.doubling:exact_reward")  # frozen: a tuple
+    cfg = Config().replace(reward={"function": [my_reward, lambda prompts, completions, **kw: [1.0]]})
+    save_config(cfg, tmp_path / "config.yaml")  # no RepresenterError
+    back = load_config(tmp_path / "config.yaml")
+    assert back.reward.function == ("test_config:my_reward", "<callable>")
+    assert load_reward_function("test_config:my_reward") is my_reward
+    with pytest.raises(ValueError, match="was given a Python callable with no importable name"):
+        load_reward_function("<callable>")

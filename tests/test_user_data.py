@@ -263,3 +263,17 @@ def test_task_verifiers_read_columns_and_the_finished_flag():
     assert doubling.exact_reward(["anything"], ["2468"], number=[1234], charset=["digits"], finished=[False]) == [0.0]
     # the old convention still holds: EOS in the text, prompt parsed
     assert doubling.exact_reward([p.text], ["2468" + doubling.EOS]) == [1.0]
+
+
+def test_reward_functions_given_as_python_objects(tiny_models, tiny_config, tmp_path, no_plots):
+    def length_reward(prompts, completions, **columns):  # defined here: no importable name
+        return [float(len(c)) for c in completions]
+
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy},
+                      reward={"function": [two_reward, length_reward], "weights": "1,0.5"},
+                      ppo={"algo": "grpo", "steps": 2, "batch_size": 8, "group_size": 4, "max_new_tokens": 4})
+    train_rl(cfg)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["reward/two_reward"] for r in rows] == [2.0, 2.0] and all("reward/length_reward" in r for r in rows)
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "- test_user_data:two_reward\n" in saved and "- <callable>\n" in saved
