@@ -272,12 +272,12 @@ def _(env):
 
 @case("config_unknown_key")
 def _(env):
-    cli_error(env, ["ppo", "ppo.kl_cof=0.1"], "ppo.kl_cof", "Did you mean 'kl_coef'")
+    cli_error(env, ["ppo", "ppo.kl_cof=0.1"], "ppo.kl_cof", "Did you mean 'ppo.kl_coef'")
 
 
 @case("config_unknown_section")
 def _(env):
-    cli_error(env, ["ppo", "pppo.steps=3"], "pppo", "Did you mean 'ppo'")
+    cli_error(env, ["ppo", "pppo.steps=3"], "pppo", "Did you mean 'ppo.steps'")
 
 
 @case("config_ill_typed_int")
@@ -357,7 +357,7 @@ def _(env):
 def _(env):
     (env.tmp / "typo.yaml").write_text("ppo:\n  minibach_size: 8\n")
     cli_error(env, ["ppo", "--config", str(env.tmp / "typo.yaml")], "ppo.minibach_size",
-              "Did you mean 'minibatch_size'")
+              "Did you mean 'ppo.minibatch_size'")
 
 
 @case("config_cuda_without_a_gpu")

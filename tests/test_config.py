@@ -62,16 +62,16 @@ def test_yaml_file_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("ppp:\n  steps: 3\n")
-    with raises("Did you mean 'ppo'"):
+    with raises("Did you mean 'ppo'"):  # the file's section: no key to complete it with
         load_config(bad)
     typo = tmp_path / "typo.yaml"
     typo.write_text("ppo:\n  kl_cof: 0.1\n")
-    with raises("Did you mean 'kl_coef'"):
+    with raises("Did you mean 'ppo.kl_coef'"):
         load_config(typo)
 
 
 def test_unknown_key_suggests():
-    with raises("Did you mean 'kl_coef'"):
+    with raises("Did you mean 'ppo.kl_coef'"):  # the full dotted key to type
         load_config(overrides=["ppo.kl_cof=0.1"])
     with raises("ppo.kl_cof"):  # the message names the key
         load_config(overrides=["ppo.kl_cof=0.1"])
@@ -80,7 +80,7 @@ def test_unknown_key_suggests():
 def test_unknown_section():
     with raises("unknown config section 'ppp'"):
         load_config(overrides=["ppp.kl_coef=0.1"])
-    with raises("Did you mean 'ppo'"):
+    with raises("Did you mean 'ppo.kl_coef'"):
         load_config(overrides=["ppp.kl_coef=0.1"])
     with raises("unknown config section"):
         from_dict({"nope": {}})
@@ -131,7 +131,7 @@ def test_replace_copies_and_validates():
     assert new.ppo.steps == 3 and new.ppo.kl_coef == 1.0 and new.run.seed == 9
     assert cfg.ppo.steps == PPOConfig().steps  # original untouched
     assert new.reward == cfg.reward
-    with raises("Did you mean 'steps'"):
+    with raises("Did you mean 'ppo.steps'"):
         cfg.replace(ppo={"stepz": 3})
     with raises("must be one of"):
         cfg.replace(ppo={"kl_estimator": "k9"})

@@ -69,7 +69,7 @@ def test_eval_command_reproduces_final_accuracy(demo_run, tmp_path, capsys):
 def test_cli_rejects_bad_config_with_a_clear_message(capsys):
     assert main(["ppo", "ppo.kl_cof=0.1"]) == 2
     err = capsys.readouterr().err
-    assert "ppo.kl_cof" in err and "Did you mean 'kl_coef'" in err
+    assert "ppo.kl_cof" in err and "Did you mean 'ppo.kl_coef'" in err
     assert main(["ppo", "ppo.steps=many"]) == 2
     assert "ppo.steps" in capsys.readouterr().err
 

@@ -16,7 +16,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -464,22 +464,50 @@ class Config:
         return from_dict(data)
 
 
-def _suggest(name: str, options) -> str:
+def _suggest(name: str, options, prefix: str = "") -> str:
     close = difflib.get_close_matches(name, list(options), n=1)
-    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+    return f" Did you mean '{prefix}{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
 
 
-def _set(data: dict, dotted: str, value: Any) -> None:
+def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence[str] = ()) -> str:
+    """" Did you mean ...?" for an unknown key ``name`` (in ``section``, or given with none): the
+    full dotted keys, from the sections in ``prefer`` (a command's own) first."""
+    order = [s for s in dict.fromkeys([*prefer, *data]) if isinstance(data.get(s), dict)]
+    if section is not None:
+        close = difflib.get_close_matches(name, list(data[section]), n=1)
+        if close:
+            return f" Did you mean '{section}.{close[0]}'?"
+    found = [f"{s}.{name}" for s in order if name in data[s]]  # the same key in another section
+    if not found:
+        near = set(difflib.get_close_matches(name, {k for s in order for k in data[s]}, n=3))
+        found = [f"{s}.{k}" for s in order for k in data[s] if k in near]
+    if len(found) == 1:
+        return f" Did you mean '{found[0]}'?"
+    if found:
+        return f" Did you mean {', '.join(found[:5])}{' ...' if len(found) > 5 else ''}?"
+    if section is not None:
+        return f" Valid keys: {', '.join(sorted(data[section]))}."
+    return f" Sections: {', '.join(order)}."
+
+
+def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> None:
+    """``data[section][key] = value`` for ``'section.key'``; ConfigError with the full dotted key
+    to use when there is no such key."""
     keys = dotted.split(".")
-    node = data
-    for i, k in enumerate(keys[:-1]):
-        if not isinstance(node.get(k), dict):
-            where = ".".join(keys[:i]) or "top level"
-            raise ConfigError(f"unknown config section '{'.'.join(keys[: i + 1])}' ({where}).{_suggest(k, node)}")
-        node = node[k]
-    if keys[-1] not in node:
-        raise ConfigError(f"unknown config key '{dotted}'.{_suggest(keys[-1], node)}")
-    node[keys[-1]] = value
+    if len(keys) == 1:
+        if keys[0] not in data:  # a key without its section
+            raise ConfigError(f"unknown config key '{dotted}': keys are written section.key."
+                              f"{_key_suggestion(data, None, dotted, prefer)}")
+        data[dotted] = value
+        return
+    sec, rest = keys[0], ".".join(keys[1:])
+    if not isinstance(data.get(sec), dict):
+        close = difflib.get_close_matches(sec, [s for s in data if isinstance(data[s], dict)], n=1)
+        hint = f" Did you mean '{close[0]}.{rest}'?" if close and rest in data[close[0]] else _suggest(sec, data)
+        raise ConfigError(f"unknown config section '{sec}' (top level).{hint}")
+    if rest not in data[sec]:
+        raise ConfigError(f"unknown config key '{dotted}'.{_key_suggestion(data, sec, rest, prefer)}")
+    data[sec][rest] = value
 
 
 @functools.cache
@@ -581,7 +609,7 @@ def from_dict(data: dict[str, Any]) -> Config:
         fhints = _hints(cls)
         for key in values:
             if key not in fhints:
-                raise ConfigError(f"unknown config key '{sec}.{key}'.{_suggest(key, fhints)}")
+                raise ConfigError(f"unknown config key '{sec}.{key}'.{_suggest(key, fhints, f'{sec}.')}")
         sections[sec] = cls(**values)  # type- and range-checked by Section.__post_init__
     cfg = Config(**sections)
     check_values(cfg)
@@ -600,8 +628,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None) -> Config:
-    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None,
+                prefer: Sequence[str] = ()) -> Config:
+    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated. ``prefer``: the sections
+    an unknown key's suggestions come from first (the command's own)."""
     data = (base or Config()).to_dict()
     if path is not None:
         try:
@@ -619,11 +649,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if sec not in data:
                 raise ConfigError(f"unknown config section '{sec}' in {path}.{_suggest(sec, data)}")
             for key, val in (values or {}).items():
-                _set(data, f"{sec}.{key}", val)
+                _set(data, f"{sec}.{key}", val, prefer)
     for item in overrides:
         key, value = parse_override(item)
-        _set(data, key, value)
+        _set(data, key, value, prefer)
     return from_dict(data)
+
+
+@functools.cache
+def key_docs() -> dict[str, dict[str, str]]:
+    """``{section: {key: description}}``: the string literal under each field of the section
+    dataclasses, read from this module's source, so ``rlhfkit CMD --help`` cannot drift from it."""
+    import ast
+    import inspect
+    import sys
+
+    by_class = {}
+    for node in ast.parse(inspect.getsource(sys.modules[__name__])).body:
+        if isinstance(node, ast.ClassDef):
+            by_class[node.name] = {
+                a.target.id: inspect.cleandoc(b.value.value) for a, b in zip(node.body, node.body[1:])
+                if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
+    return {sec: by_class.get(cls.__name__, {}) for sec, cls in _hints(Config).items()}
+
+
+def key_types() -> dict[str, dict[str, str]]:
+    """``{section: {key: type as it reads in help}}`` (see :func:`type_name`)."""
+    return {sec: {k: type_name(tp) for k, tp in _hints(cls).items()} for sec, cls in _hints(Config).items()}
 
 
 CALLABLE_PLACEHOLDER = "<callable>"  # what config.yaml records for a callable with no importable name
