@@ -9,9 +9,10 @@ import sys
 import time
 
 import pytest
+import yaml
 
-from rlhfkit.cli import main
-from rlhfkit.config import ConfigError
+from rlhfkit.cli import COMMAND_SECTIONS, DEFAULT_OUT, _defaults, first_sentence, main
+from rlhfkit.config import ConfigError, key_docs, key_types
 from rlhfkit.rewards import RewardError
 
 
@@ -88,3 +89,74 @@ def test_sft_on_a_file_with_characters_outside_the_vocabulary(tiny_models, tmp_p
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"rlhfkit sft: error: {path}:2: field 'prompt': characters the tokenizer cannot encode: "
                           "'h', 'e', 'l', 'o', ' '")
+
+
+@pytest.mark.parametrize("command", list(COMMAND_SECTIONS))
+def test_help_lists_every_key_the_command_reads(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps: compare with whitespace collapsed
+    assert f"Writes to {DEFAULT_OUT[command]}/" in out
+    defaults, docs, types = _defaults(command).to_dict(), key_docs(), key_types()
+    listed = set()
+    for entry in COMMAND_SECTIONS[command]:
+        sec, _, only = entry.partition(".")
+        for key in [only] if only else docs[sec]:
+            listed.add(f"{sec}.{key}")
+            assert f"{sec}.{key}: {types[sec][key]} = {defaults[sec][key]!r} {first_sentence(docs[sec][key])}" in out
+    others = {f"{sec}.{key}:" for sec in docs for key in docs[sec] if f"{sec}.{key}" not in listed}
+    assert not [k for k in others if f" {k} " in out]  # nothing the command does not read
+
+
+def test_help_shows_the_commands_own_defaults_and_types(capsys):
+    with pytest.raises(SystemExit):
+        main(["grpo", "-h"])
+    out = capsys.readouterr().out
+    assert "  ppo.kl_coef: float = 0.05\n      beta: weight of the KL(actor || reference) penalty.\n" in out
+    assert "  ppo.kl_estimator: 'k1' | 'k2' | 'k3' = 'k3'\n" in out  # grpo's ALGO_DEFAULTS, Literal choices
+    assert "  run.out_dir: str = 'runs/grpo'\n" in out
+    assert "  ppo.max_new_tokens: int | None = None\n" in out
+    assert "  reward.function: str | callable | list of (str | callable) = ''\n" in out
+    assert "sft.steps" not in out
+
+
+def test_every_config_key_has_a_description():
+    docs, types = key_docs(), key_types()
+    assert set(docs) == set(types)
+    for sec in types:
+        missing = set(types[sec]) - set(docs[sec])
+        assert not missing, f"keys without a docstring under them in config.py: {sorted(missing)} ({sec})"
+
+
+def test_first_sentence_keeps_abbreviations_and_brackets():
+    assert first_sentence("Comma-separated names (e.g. 'q_proj,v_proj'), or 'all'. More.") == \
+        "Comma-separated names (e.g. 'q_proj,v_proj'), or 'all'."
+    assert first_sentence("A task ('a' or \"Where?\" -> \"x.\", seeds 0/3).\n  Second.") == \
+        "A task ('a' or \"Where?\" -> \"x.\", seeds 0/3)."
+    assert first_sentence("No period") == "No period"
+
+
+def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.yaml").write_text("ppo:\n  steps: 7\n  batch_size: 16\n")
+    assert main(["grpo", "--print-config", "--config", "my.yaml", "run.task=cities", "ppo.steps=3"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["ppo"]["algo"] == "grpo" and cfg["ppo"]["kl_coef"] == 0.05  # the command's ALGO_DEFAULTS
+    assert cfg["ppo"]["lr"] == 1e-4 and cfg["model"]["n_layer"] == 3  # the cities task's CONFIG_DEFAULTS
+    assert cfg["ppo"]["batch_size"] == 16 and cfg["ppo"]["steps"] == 3  # the file, then the override
+    assert cfg["run"]["out_dir"] == "runs/grpo"
+    assert list(tmp_path.iterdir()) == [tmp_path / "my.yaml"]  # nothing ran, nothing written
+    assert main(["gridworld", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["gridworld"]["algo"] == "reinforce"
+
+
+def test_an_unknown_key_suggests_the_full_dotted_key(capsys):
+    assert main(["ppo", "ppo.step=3"]) == 2
+    assert capsys.readouterr().err.strip() == "rlhfkit ppo: error: unknown config key 'ppo.step'. Did you mean 'ppo.steps'?"
+    assert main(["sft", "steps=3"]) == 2  # no section: the keys of that name, the command's sections first
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlhfkit sft: error: unknown config key 'steps': keys are written section.key. "
+                          "Did you mean sft.steps, pretrain.steps, reward.steps, ppo.steps, dpo.steps")
+    assert main(["ppo", "ppo.beta=0.1"]) == 2  # a key of another section
+    assert capsys.readouterr().err.strip().endswith("Did you mean 'dpo.beta'?")

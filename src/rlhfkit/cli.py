@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ALGO_DEFAULTS, Config, ConfigError, load_config
+from .config import ALGO_DEFAULTS, Config, ConfigError, dump_config, load_config
 
 COMMANDS = {
     "demo": "pretrain -> reward model -> PPO -> evaluation on the doubling task (runs/demo)",
@@ -36,7 +36,72 @@ RESUMABLE = ("pretrain", "rm", "ppo", "grpo", "rloo", "reinforce", "dpo", "sft")
 DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
                "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat"}
+# the config sections (or single keys) each command reads, listed by `rlhfkit CMD --help`
+RL_SECTIONS = ("run", "model", "reward", "ppo", "value", "data", "eval")
+COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
+    "demo": ("run", "model", "pretrain", "reward", "ppo", "value", "dpo", "data", "eval", "demo"),
+    "pretrain": ("run", "model", "pretrain", "eval"),
+    "rm": ("run", "model", "reward", "data"),
+    **dict.fromkeys(ALGO_DEFAULTS, RL_SECTIONS),
+    "dpo": ("run", "model", "dpo", "eval", "reward.hard_negatives"),
+    "sft": ("run", "model", "data", "sft"),
+    "eval": ("run", "model", "eval"),
+    "chat": ("run", "model", "chat"),
+    "gridworld": ("run", "gridworld"),
+}
 DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLHFKIT_DEBUG=1)"
+
+
+def _defaults(command: str, task_defaults: dict | None = None) -> Config:
+    """The config a command starts from: the task's defaults, then its output directory and its
+    algorithm's defaults (ALGO_DEFAULTS)."""
+    return Config().replace(**(task_defaults or {})).replace(run={"out_dir": DEFAULT_OUT[command]},
+                                                             ppo=ALGO_DEFAULTS.get(command, {}))
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a description, on one line (a period inside brackets or after
+    'e.g'/'i.e' does not end it)."""
+    text, depth = " ".join(text.split()), 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "." and depth <= 0 and text[i + 1 : i + 2] in (" ", "") and not text[:i].endswith(("e.g", "i.e")):
+            return text[: i + 1]
+    return text
+
+
+def keys_help(command: str) -> str:
+    """The epilog of ``rlhfkit CMD --help``: the output directory, then every key the command reads
+    with its type, default and description (from the docstrings in rlhfkit/config.py)."""
+    from textwrap import fill
+
+    from .config import key_docs, key_types
+
+    cfg, docs, types = _defaults(command).to_dict(), key_docs(), key_types()
+    lines = [f"Writes to {DEFAULT_OUT[command]}/ unless run.out_dir says otherwise.", "",
+             fill("Config keys (section.key=value on the command line, or a section: mapping in --config FILE) "
+                  "with this command's defaults; run.task=cities brings its own for some, and --print-config "
+                  "shows the resolved config:", 100)]
+    for entry in COMMAND_SECTIONS[command]:
+        sec, _, only = entry.partition(".")
+        lines += ["", f"{sec}:"]
+        for key, doc in docs[sec].items():
+            if only and key != only:
+                continue
+            lines.append(f"  {sec}.{key}: {types[sec][key]} = {cfg[sec][key]!r}")
+            lines.append(fill(first_sentence(doc), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: its key listing (``keys_help``) is built only when its help is shown."""
+
+    command = ""
+
+    def format_help(self) -> str:
+        if self.epilog is None and self.command in COMMAND_SECTIONS:
+            self.epilog = keys_help(self.command)
+        return super().format_help()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,9 +109,11 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="Errors in the input are one line and exit code 2; --debug (or "
                                        "RLHFKIT_DEBUG=1) shows the full traceback instead.")
     p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser)
     for name, help_text in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp = sub.add_parser(name, help=help_text, description=help_text,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.command = name  # its epilog, the keys it reads, is built when its help is shown
         # after the command too; SUPPRESS: absent here, it leaves the global flag's value alone
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         if name in ("eval", "chat"):
@@ -57,7 +124,10 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--screenshot", action="store_true",
                             help="also save report.png beside it with headless Chromium (must be installed)")
             continue
-        sp.add_argument("--config", help="YAML config file (sections: run, model, pretrain, reward, ppo, eval)")
+        sections = ", ".join(dict.fromkeys(e.partition(".")[0] for e in COMMAND_SECTIONS[name]))
+        sp.add_argument("--config", help=f"YAML config file (sections: {sections}; the keys are listed below)")
+        sp.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (defaults, --config file, overrides) as YAML and exit")
         if name in RESUMABLE:
             sp.add_argument("--resume", action="store_true",
                             help="continue from the newest checkpoint in run.out_dir (same as run.resume=true)")
@@ -70,10 +140,9 @@ def _config(args) -> Config:
     from .tasks import get_task
 
     def build(task_defaults: dict) -> Config:
-        base = Config().replace(**task_defaults).replace(run={"out_dir": DEFAULT_OUT[args.command]},
-                                                          ppo=ALGO_DEFAULTS.get(args.command, {}))
         overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else [])]
-        return load_config(args.config, overrides, base=base)
+        sections = [e.partition(".")[0] for e in COMMAND_SECTIONS[args.command]]
+        return load_config(args.config, overrides, base=_defaults(args.command, task_defaults), prefer=sections)
 
     cfg = build({})
     task_defaults = getattr(get_task(cfg.run.task), "CONFIG_DEFAULTS", {})
@@ -119,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         # the command line and the config are checked before torch and transformers are imported
         # (seconds): a mistyped key is answered at once
         cfg = _config(args)
+        if args.print_config:
+            print(dump_config(cfg), end="")
+            return 0
         _run(args, cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
         if debug:
