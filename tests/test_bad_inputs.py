@@ -368,8 +368,13 @@ def _(env):
 
 @case("config_value_init_reward_without_reward_model")
 def _(env):
-    cli_error(env, ["ppo", f"model.name={env.models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
-                    "ppo.value_init=reward"], "ppo.value_init=reward needs reward.name", "ppo.value_init=policy")
+    # policy: with reward functions alone, value_init=reward (the default) starts the critic from the policy
+    out = env.tmp / "out"
+    assert main(["ppo", f"model.name={env.models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
+                 "ppo.value_init=reward", "ppo.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=4",
+                 "ppo.max_new_tokens=3", "ppo.eval_every=0", "ppo.critic_warmup_steps=0", "run.progress=false",
+                 f"run.out_dir={out}"]) == 0
+    assert (out / "value_model" / "config.json").exists()
 
 
 # --------------------------------------------------------------------------- models and tokenizers

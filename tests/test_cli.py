@@ -160,3 +160,24 @@ def test_an_unknown_key_suggests_the_full_dotted_key(capsys):
                           "Did you mean sft.steps, pretrain.steps, reward.steps, ppo.steps, dpo.steps")
     assert main(["ppo", "ppo.beta=0.1"]) == 2  # a key of another section
     assert capsys.readouterr().err.strip().endswith("Did you mean 'dpo.beta'?")
+
+
+def test_ppo_with_a_reward_function_alone_starts_the_critic_from_the_policy(tiny_models, tiny_config, tmp_path,
+                                                                             capsys, no_plots):
+    import torch
+
+    from rlhfkit.trainers.rl import build_models
+
+    out = tmp_path / "run"
+    assert main(["ppo", f"model.name={tiny_models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
+                 f"run.out_dir={out}", "run.progress=false", "ppo.steps=2", "ppo.batch_size=8",
+                 "ppo.minibatch_size=4", "ppo.max_new_tokens=4", "ppo.eval_every=0", "ppo.stop_at=0"]) == 0, \
+        capsys.readouterr().err
+    assert (out / "value_model" / "config.json").exists()
+    cfg = tiny_config(tmp_path / "api", model={"name": tiny_models.policy},
+                      reward={"function": "rlhfkit.tasks.doubling:exact_reward"})
+    assert cfg.ppo.value_init == "reward" and not cfg.reward.name
+    ac = build_models(cfg, tiny_models.policy, torch.device("cpu"))[0]
+    critic, policy = ac.critic.state_dict(), ac.policy.state_dict()
+    shared = [k for k in critic if k.startswith("transformer.")]
+    assert shared and all(torch.equal(critic[k], policy[k]) for k in shared)  # the policy's backbone

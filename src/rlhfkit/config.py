@@ -293,8 +293,9 @@ class PPOConfig(Section):
     value_model: Literal["separate", "shared"] = "separate"
     """'separate': a value model (backbone + scalar head); 'shared': a value head on the actor."""
     value_init: Literal["reward", "policy"] = "reward"
-    """Initialise a separate value model from the reward model or from the policy backbone
-    (value.name, when set, overrides both)."""
+    """Start a separate value model from the reward model ('reward': when reward.name is set; with
+    reward functions alone, from the policy) or from the policy backbone ('policy'); value.name,
+    when set, overrides both."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that never emit EOS (0 = off)."""
     normalize_reward: bool = False
