@@ -3,6 +3,7 @@ traceback on request), help that lists every key, the resolved config printed.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -181,3 +182,20 @@ def test_ppo_with_a_reward_function_alone_starts_the_critic_from_the_policy(tiny
     critic, policy = ac.critic.state_dict(), ac.policy.state_dict()
     shared = [k for k in critic if k.startswith("transformer.")]
     assert shared and all(torch.equal(critic[k], policy[k]) for k in shared)  # the policy's backbone
+
+
+def 奖励(prompts, completions, **columns):  # a reward function named as its author writes
+    return [1.0] * len(completions)
+
+
+def test_json_for_people_keeps_non_ascii_text_readable(tiny_models, fast_rl, tmp_path, capsys):
+    assert main(["eval", tiny_models.policy, f"run.out_dir={tmp_path / 'eval'}", "eval.max_new_tokens=4"]) == 0
+    printed = capsys.readouterr().out
+    saved = (tmp_path / "eval" / "eval.json").read_text(encoding="utf-8")
+    for text in (printed, saved):
+        assert '"prompt": "数字:' in text or '"prompt": "小写:' in text or '"prompt": "大写:' in text
+        assert "\\u" not in text  # no escapes
+    assert json.loads(printed) == json.loads(saved)
+    assert main([*fast_rl, "reward.function=test_cli:奖励"]) == 0
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text(encoding="utf-8")
+    assert '"reward/奖励": 1.0' in metrics

@@ -166,7 +166,7 @@ def _emit(result) -> None:
     from .utils import is_main_process
 
     if is_main_process():
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2, ensure_ascii=False))  # prompts and answers as people write them
 
 
 def debug_requested(args) -> bool:
