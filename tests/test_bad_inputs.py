@@ -272,12 +272,12 @@ def _(env):
 
 @case("config_unknown_key")
 def _(env):
-    cli_error(env, ["ppo", "ppo.kl_cof=0.1"], "ppo.kl_cof", "Did you mean 'kl_coef'")
+    cli_error(env, ["ppo", "ppo.kl_cof=0.1"], "ppo.kl_cof", "Did you mean 'ppo.kl_coef'")
 
 
 @case("config_unknown_section")
 def _(env):
-    cli_error(env, ["ppo", "pppo.steps=3"], "pppo", "Did you mean 'ppo'")
+    cli_error(env, ["ppo", "pppo.steps=3"], "pppo", "Did you mean 'ppo.steps'")
 
 
 @case("config_ill_typed_int")
@@ -357,7 +357,7 @@ def _(env):
 def _(env):
     (env.tmp / "typo.yaml").write_text("ppo:\n  minibach_size: 8\n")
     cli_error(env, ["ppo", "--config", str(env.tmp / "typo.yaml")], "ppo.minibach_size",
-              "Did you mean 'minibatch_size'")
+              "Did you mean 'ppo.minibatch_size'")
 
 
 @case("config_cuda_without_a_gpu")
@@ -368,8 +368,13 @@ def _(env):
 
 @case("config_value_init_reward_without_reward_model")
 def _(env):
-    cli_error(env, ["ppo", f"model.name={env.models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
-                    "ppo.value_init=reward"], "ppo.value_init=reward needs reward.name", "ppo.value_init=policy")
+    # policy: with reward functions alone, value_init=reward (the default) starts the critic from the policy
+    out = env.tmp / "out"
+    assert main(["ppo", f"model.name={env.models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
+                 "ppo.value_init=reward", "ppo.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=4",
+                 "ppo.max_new_tokens=3", "ppo.eval_every=0", "ppo.critic_warmup_steps=0", "run.progress=false",
+                 f"run.out_dir={out}"]) == 0
+    assert (out / "value_model" / "config.json").exists()
 
 
 # --------------------------------------------------------------------------- models and tokenizers

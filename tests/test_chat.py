@@ -74,3 +74,15 @@ def test_plain_prompt_without_a_template_and_sampling(tmp_path):
                for s in (0, 0, 1)]
     answers = [s.reply("数字:1234x2=") for s in sampled]
     assert answers[0] == answers[1] and answers[0] != answers[2]  # seeded sampling
+
+
+def test_a_line_the_tokenizer_cannot_encode_is_named_and_the_chat_goes_on(tmp_path):
+    tok = make_tokenizer()  # the doubling task's character vocabulary: no 'h', no unknown token
+    build_tiny_policy(tok, seed=0, n_layer=1, n_head=2, n_embd=16).save_pretrained(tmp_path / "p")
+    tok.save_pretrained(tmp_path / "p")
+    written = []
+    cfg = Config().replace(run={"device": "cpu"}, chat={"max_new_tokens": 3})
+    assert run_chat(str(tmp_path / "p"), cfg, scripted(["hi 数字", "数字:1234x2="]), written.append) == 1
+    assert written[1] == ("(cannot encode this input: characters the tokenizer cannot encode: 'h', 'i', ' '; "
+                          "type another line)")
+    assert len(written) == 4 and written[3] == ""  # then the reply to the next line, and the newline at EOF

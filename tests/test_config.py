@@ -62,16 +62,16 @@ def test_yaml_file_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("ppp:\n  steps: 3\n")
-    with raises("Did you mean 'ppo'"):
+    with raises("Did you mean 'ppo'"):  # the file's section: no key to complete it with
         load_config(bad)
     typo = tmp_path / "typo.yaml"
     typo.write_text("ppo:\n  kl_cof: 0.1\n")
-    with raises("Did you mean 'kl_coef'"):
+    with raises("Did you mean 'ppo.kl_coef'"):
         load_config(typo)
 
 
 def test_unknown_key_suggests():
-    with raises("Did you mean 'kl_coef'"):
+    with raises("Did you mean 'ppo.kl_coef'"):  # the full dotted key to type
         load_config(overrides=["ppo.kl_cof=0.1"])
     with raises("ppo.kl_cof"):  # the message names the key
         load_config(overrides=["ppo.kl_cof=0.1"])
@@ -80,7 +80,7 @@ def test_unknown_key_suggests():
 def test_unknown_section():
     with raises("unknown config section 'ppp'"):
         load_config(overrides=["ppp.kl_coef=0.1"])
-    with raises("Did you mean 'ppo'"):
+    with raises("Did you mean 'ppo.kl_coef'"):
         load_config(overrides=["ppp.kl_coef=0.1"])
     with raises("unknown config section"):
         from_dict({"nope": {}})
@@ -131,7 +131,7 @@ def test_replace_copies_and_validates():
     assert new.ppo.steps == 3 and new.ppo.kl_coef == 1.0 and new.run.seed == 9
     assert cfg.ppo.steps == PPOConfig().steps  # original untouched
     assert new.reward == cfg.reward
-    with raises("Did you mean 'steps'"):
+    with raises("Did you mean 'ppo.steps'"):
         cfg.replace(ppo={"stepz": 3})
     with raises("must be one of"):
         cfg.replace(ppo={"kl_estimator": "k9"})
@@ -176,3 +176,55 @@ def test_generation_settings(tmp_path):
                      ("ppo.stop=###", "ppo.stop")]:  # unquoted, YAML reads a comment: an error, not "no stop"
         with raises(key):
             load_config(overrides=[bad])
+
+
+def test_sections_built_from_python_are_checked_like_the_command_line():
+    from rlhfkit.config import ModelConfig, RewardConfig, RunConfig
+
+    with raises("config key 'ppo.steps' expects int, got '3' (str)") as from_python:
+        PPOConfig(steps="3")
+    with raises("config key 'ppo.steps' expects int, got '3' (str)") as from_cli:
+        load_config(overrides=["ppo.steps='3'"])
+    assert str(from_python.value) == str(from_cli.value)
+    with raises("config key 'ppo.batch_size' must be >= 1, got 0"):
+        PPOConfig(batch_size=0)  # ranges too
+    with raises("config key 'ppo.kl_estimator' must be one of ['k1', 'k2', 'k3'], got 'k9'"):
+        PPOConfig(kl_estimator="k9")
+    with raises("config key 'model.lora_alpha' expects float, got 'big' (str)"):
+        ModelConfig(lora_alpha="big")
+    assert PPOConfig(kl_coef=1).kl_coef == 1.0 and type(PPOConfig(kl_coef=1).kl_coef) is float
+    assert RunConfig(out_dir=tmp_path_like()).out_dir == "runs/x"  # a pathlib.Path is taken as its string
+    # every section names its own key
+    for f in dataclasses.fields(Config):
+        cls = type(getattr(Config(), f.name))
+        first = next(g for g in dataclasses.fields(cls) if g.type in ("int", "float", "bool", "str"))
+        with raises(f"config key '{f.name}.{first.name}' expects"):
+            cls(**{first.name: object()})
+    with raises("config key 'reward.function' expects str | callable | list of (str | callable), got True"):
+        RewardConfig(function=True)
+
+
+def tmp_path_like():
+    from pathlib import Path
+
+    return Path("runs") / "x"
+
+
+def my_reward(prompts, completions, **columns):
+    return [0.0] * len(completions)
+
+
+def test_reward_callables_from_python_and_what_config_yaml_records(tmp_path):
+    from rlhfkit.config import RewardConfig
+    from rlhfkit.rewards import load_reward_function
+
+    assert RewardConfig(function=my_reward).function is my_reward
+    both = RewardConfig(function=[my_reward, "rlhfkit.tasks.doubling:exact_reward"])
+    assert both.function == (my_reward, "rlhfkit.tasks.doubling:exact_reward")  # frozen: a tuple
+    cfg = Config().replace(reward={"function": [my_reward, lambda prompts, completions, **kw: [1.0]]})
+    save_config(cfg, tmp_path / "config.yaml")  # no RepresenterError
+    back = load_config(tmp_path / "config.yaml")
+    assert back.reward.function == ("test_config:my_reward", "<callable>")
+    assert load_reward_function("test_config:my_reward") is my_reward
+    with pytest.raises(ValueError, match="was given a Python callable with no importable name"):
+        load_reward_function("<callable>")

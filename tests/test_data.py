@@ -275,3 +275,23 @@ def test_pack_sft_restarts_positions_and_masks_boundaries():
     assert pack_sft(bare, max_length=4)["loss_mask"].tolist() == [[0, 1, 0, 1]]
     with pytest.raises(ValueError, match="longer than the packed row length"):
         pack_sft(enc, max_length=8)
+
+
+def test_characters_the_tokenizer_cannot_encode_are_named_with_the_record():
+    from rlhfkit.data import PromptExample, encode_prompts
+    from rlhfkit.tasks import doubling
+
+    tok = doubling.make_tokenizer()  # one token per character, no unknown token
+    sft = [SFTExample("数字:1234x2=", "2468", "sft.jsonl:1"), SFTExample("hello 数字:12x2=", "24", "sft.jsonl:2")]
+    with pytest.raises(DataError) as err:
+        encode_sft(sft, tok, 32)
+    assert str(err.value).startswith("sft.jsonl:2: field 'prompt': characters the tokenizer cannot encode: "
+                                     "'h', 'e', 'l', 'o', ' '; ")
+    pairs = [PreferenceExample("数字:12x2=", "24", "2四", origin="p.jsonl:1"),
+             PreferenceExample("数字:12x2=", "24", "二four", origin="p.jsonl:2")]
+    with pytest.raises(DataError, match=r"^p\.jsonl:2: field 'rejected': characters the tokenizer cannot encode: "
+                                        r"'f', 'o', 'u', 'r';"):
+        encode_preferences(pairs, tok, 32)
+    many = [PromptExample("abcdefghijklmn")]  # no origin: its index; more than ten characters: a count
+    with pytest.raises(DataError, match=r"^example 0: field 'prompt': .*'j' \(and 4 more\);"):
+        encode_prompts(many, tok, 32)

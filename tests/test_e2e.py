@@ -85,7 +85,7 @@ def test_eval_on_the_exported_held_out_prompts_matches_the_task_eval(demo_run, t
 def test_cli_rejects_bad_config_with_a_clear_message(capsys):
     assert main(["ppo", "ppo.kl_cof=0.1"]) == 2
     err = capsys.readouterr().err
-    assert "ppo.kl_cof" in err and "Did you mean 'kl_coef'" in err
+    assert "ppo.kl_cof" in err and "Did you mean 'ppo.kl_coef'" in err
     assert main(["ppo", "ppo.steps=many"]) == 2
     assert "ppo.steps" in capsys.readouterr().err
 

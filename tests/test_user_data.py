@@ -263,3 +263,47 @@ def test_task_verifiers_read_columns_and_the_finished_flag():
     assert doubling.exact_reward(["anything"], ["2468"], number=[1234], charset=["digits"], finished=[False]) == [0.0]
     # the old convention still holds: EOS in the text, prompt parsed
     assert doubling.exact_reward([p.text], ["2468" + doubling.EOS]) == [1.0]
+
+
+def test_reward_functions_given_as_python_objects(tiny_models, tiny_config, tmp_path, no_plots):
+    def length_reward(prompts, completions, **columns):  # defined here: no importable name
+        return [float(len(c)) for c in completions]
+
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy},
+                      reward={"function": [two_reward, length_reward], "weights": "1,0.5"},
+                      ppo={"algo": "grpo", "steps": 2, "batch_size": 8, "group_size": 4, "max_new_tokens": 4})
+    train_rl(cfg)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["reward/two_reward"] for r in rows] == [2.0, 2.0] and all("reward/length_reward" in r for r in rows)
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "- test_user_data:two_reward\n" in saved and "- <callable>\n" in saved
+
+
+TASK_CALLS: list[dict] = []
+
+
+def capture_task_reward(prompts, completions, completion_ids, finished, number, charset, **columns):
+    TASK_CALLS.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                       "finished": finished})
+    return [0.0] * len(completions)
+
+
+def test_the_built_in_task_reward_sees_text_without_bos_or_eos(tiny_models, tiny_config, tmp_path, no_plots):
+    """TRL's convention on the built-in task's prompts (no data.path): the prompt as the task wrote it
+    (no BOS), completions decoded without the EOS text, finished exactly where the ids end in EOS."""
+    TASK_CALLS.clear()
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy},
+                      reward={"function": "test_user_data:capture_task_reward"},
+                      ppo={"algo": "grpo", "steps": 3, "batch_size": 8, "group_size": 4, "max_new_tokens": 6,
+                           "temperature": 2.0})
+    train_rl(cfg)
+    eos, specials = TOK_D.eos_token_id, {doubling.BOS, doubling.EOS, doubling.PAD}
+    rows = [(p, c, ids, done) for call in TASK_CALLS
+            for p, c, ids, done in zip(call["prompts"], call["completions"], call["completion_ids"], call["finished"])]
+    assert len(rows) == 24
+    for prompt, completion, ids, done in rows:
+        assert prompt[:2] in doubling.PREFIX.values() and not set(prompt) & specials  # as the task wrote it
+        assert done == (ids[-1:] == [eos]) and ids.count(eos) == int(done)  # the EOS id kept, once, at the end
+        assert not set(completion) & specials  # no EOS (nor BOS/pad) text in what the function reads
+        assert completion == TOK_D.decode([i for i in ids if i != eos], skip_special_tokens=True)
+    assert {done for *_, done in rows} == {True, False}  # both kinds of row were seen

@@ -5,7 +5,9 @@ Each line typed is a user turn. With a chat template in the tokenizer the conver
 rendered by it with the generation prompt; without one the line itself is the prompt, as
 the toy tasks expect (``数字:1234x2=`` -> ``2468``). Replies are greedy or sampled
 (``chat.greedy``, ``chat.temperature``) up to ``chat.max_new_tokens`` or the EOS. ``/reset``
-forgets the conversation; ``/quit`` or end of input (Ctrl-D) leaves.
+forgets the conversation; ``/quit`` or end of input (Ctrl-D) leaves. A line with characters the
+tokenizer cannot encode (outside a character vocabulary such as the toy tasks') is answered
+with a message naming them, and the chat waits for the next line.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from .config import Config
+from .data import describe_characters, unencodable_characters
 from .models import load_policy, load_tokenizer
 from .rollout import generate
 from .utils import resolve_device, seed_everything
@@ -25,6 +28,15 @@ def context_length(model) -> int | None:
     """The longest sequence the model's positions allow (None: no fixed limit known)."""
     cfg = model.config
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
+class UnencodableInput(ValueError):
+    """The typed line holds characters the tokenizer cannot encode (``.characters``)."""
+
+    def __init__(self, characters: list[str]):
+        super().__init__(f"cannot encode this input: characters the tokenizer cannot encode: "
+                         f"{describe_characters(characters)}")
+        self.characters = characters
 
 
 class ChatSession:
@@ -42,12 +54,21 @@ class ChatSession:
 
     def _prompt_ids(self, text: str) -> list[int]:
         if not self.templated:
-            return self.tok(text)["input_ids"]
+            return self._encode(text, text, add_special_tokens=True)
         system = [{"role": "system", "content": self.cc.system}] if self.cc.system else []
         turns = self.history if self.cc.history else []
         messages = system + turns + [{"role": "user", "content": text}]
         rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tok(rendered, add_special_tokens=False)["input_ids"]  # the template holds any BOS
+        return self._encode(rendered, text, add_special_tokens=False)  # the template holds any BOS
+
+    def _encode(self, full: str, typed: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return self.tok(full, add_special_tokens=add_special_tokens)["input_ids"]
+        except Exception:  # the tokenizers library raises a bare Exception (e.g. WordLevel without [UNK])
+            bad = unencodable_characters(self.tok, typed)
+            if not bad:
+                raise
+            raise UnencodableInput(bad) from None
 
     @torch.no_grad()
     def reply(self, text: str) -> str:
@@ -97,7 +118,12 @@ def run_chat(path: str, cfg: Config, read: Callable[[str], str] = input, write: 
             continue
         if not line:
             continue
-        write(session.reply(line))
+        try:
+            answer = session.reply(line)
+        except UnencodableInput as e:  # say so and wait for the next line
+            write(f"({e}; type another line)")
+            continue
+        write(answer)
         n += 1
         sys.stdout.flush()
     return n

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from .config import ALGO_DEFAULTS, Config, ConfigError, load_config
+from .config import ALGO_DEFAULTS, Config, ConfigError, dump_config, load_config
 
 COMMANDS = {
     "demo": "pretrain -> reward model -> PPO -> evaluation on the doubling task (runs/demo)",
@@ -27,8 +28,8 @@ COMMANDS = {
             "reward.function / reward.name (eval.baseline: win rate against another policy), else greedily on "
             "the task's held-out prompts",
     "chat": "talk to a policy (run directory or HF model directory); /quit or Ctrl-D leaves",
-    "export-task": "write a built-in task's data as JSONL files (sft, prefs, prompts, eval prompts ...) to DIR",
     "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
+    "export-task": "write a built-in task's data as JSONL files (sft, prefs, prompts, eval prompts ...) to DIR",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
 }
 
@@ -39,11 +40,87 @@ DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm"
                "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
                "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat",
                "export-task": "runs/export"}
+# the config sections (or single keys) each command reads, listed by `rlhfkit CMD --help`
+RL_SECTIONS = ("run", "model", "reward", "ppo", "value", "data", "eval")
+COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
+    "demo": ("run", "model", "pretrain", "reward", "ppo", "value", "dpo", "data", "eval", "demo"),
+    "pretrain": ("run", "model", "pretrain", "eval"),
+    "rm": ("run", "model", "reward", "data"),
+    **dict.fromkeys(ALGO_DEFAULTS, RL_SECTIONS),
+    "dpo": ("run", "model", "dpo", "eval", "reward.hard_negatives"),
+    "sft": ("run", "model", "data", "sft"),
+    "eval": ("run", "model", "eval", "data", "reward", "ppo.max_new_tokens"),
+    "export-task": ("run.seed", "dpo.num_pairs", "reward.eval_pairs", "pretrain.steps", "pretrain.batch_size"),
+    "chat": ("run", "model", "chat"),
+    "gridworld": ("run", "gridworld"),
+}
+DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLHFKIT_DEBUG=1)"
+
+
+def _defaults(command: str, task_defaults: dict | None = None) -> Config:
+    """The config a command starts from: the task's defaults, then its output directory and its
+    algorithm's defaults (ALGO_DEFAULTS)."""
+    return Config().replace(**(task_defaults or {})).replace(run={"out_dir": DEFAULT_OUT[command]},
+                                                             ppo=ALGO_DEFAULTS.get(command, {}))
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a description, on one line (a period inside brackets or after
+    'e.g'/'i.e' does not end it)."""
+    text, depth = " ".join(text.split()), 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "." and depth <= 0 and text[i + 1 : i + 2] in (" ", "") and not text[:i].endswith(("e.g", "i.e")):
+            return text[: i + 1]
+    return text
+
+
+def keys_help(command: str) -> str:
+    """The epilog of ``rlhfkit CMD --help``: the output directory, then every key the command reads
+    with its type, default and description (from the docstrings in rlhfkit/config.py)."""
+    from textwrap import fill
+
+    from .config import key_docs, key_types
+
+    cfg, docs, types = _defaults(command).to_dict(), key_docs(), key_types()
+    lines = [f"Writes to {DEFAULT_OUT[command]}/ unless run.out_dir says otherwise.", "",
+             fill("Config keys (section.key=value on the command line, or a section: mapping in --config FILE) "
+                  "with this command's defaults; run.task=cities brings its own for some, and --print-config "
+                  "shows the resolved config:", 100)]
+    for entry in COMMAND_SECTIONS[command]:
+        sec, _, only = entry.partition(".")
+        lines += ["", f"{sec}:"]
+        for key, doc in docs[sec].items():
+            if only and key != only:
+                continue
+            lines.append(f"  {sec}.{key}: {types[sec][key]} = {cfg[sec][key]!r}")
+            lines.append(fill(first_sentence(doc), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: its key listing (``keys_help``) is built only when its help is shown."""
+
+    command = ""
+
+    def format_help(self) -> str:
+        if self.epilog is None and self.command in COMMAND_SECTIONS:
+            self.epilog = keys_help(self.command)
+        return super().format_help()
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for language models: reward models and PPO.",
+                                epilog="Errors in the input are one line and exit code 2; --debug (or "
+                                       "RLHFKIT_DEBUG=1) shows the full traceback instead.")
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser)
     for name, help_text in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp = sub.add_parser(name, help=help_text, description=help_text,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.command = name  # its epilog, the keys it reads, is built when its help is shown
+        # after the command too; SUPPRESS: absent here, it leaves the global flag's value alone
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         if name in ("eval", "chat"):
             sp.add_argument("path", help="policy directory (HF format, or a LoRA adapter directory), a hub id, "
                                          "or a run directory containing policy/")
@@ -55,7 +132,10 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--screenshot", action="store_true",
                             help="also save report.png beside it with headless Chromium (must be installed)")
             continue
-        sp.add_argument("--config", help="YAML config file (sections: run, model, pretrain, reward, ppo, eval)")
+        sections = ", ".join(dict.fromkeys(e.partition(".")[0] for e in COMMAND_SECTIONS[name]))
+        sp.add_argument("--config", help=f"YAML config file (sections: {sections}; the keys are listed below)")
+        sp.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (defaults, --config file, overrides) as YAML and exit")
         if name in RESUMABLE:
             sp.add_argument("--resume", action="store_true",
                             help="continue from the newest checkpoint in run.out_dir (same as run.resume=true)")
@@ -68,11 +148,10 @@ def _config(args) -> Config:
     from .tasks import get_task
 
     def build(task_defaults: dict) -> Config:
-        base = Config().replace(**task_defaults).replace(run={"out_dir": DEFAULT_OUT[args.command]},
-                                                          ppo=ALGO_DEFAULTS.get(args.command, {}))
         overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else []),
                      *([f"run.task={args.task}"] if args.command == "export-task" else [])]
-        return load_config(args.config, overrides, base=base)
+        sections = [e.partition(".")[0] for e in COMMAND_SECTIONS[args.command]]
+        return load_config(args.config, overrides, base=_defaults(args.command, task_defaults), prefer=sections)
 
     cfg = build({})
     task_defaults = getattr(get_task(cfg.run.task), "CONFIG_DEFAULTS", {})
@@ -84,71 +163,87 @@ def _emit(result) -> None:
     from .utils import is_main_process
 
     if is_main_process():
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2, ensure_ascii=False))  # prompts and answers as people write them
+
+
+def debug_requested(args) -> bool:
+    """``--debug`` or ``RLHFKIT_DEBUG`` set to anything but empty/0: errors keep their traceback."""
+    return bool(getattr(args, "debug", False)) or os.environ.get("RLHFKIT_DEBUG", "").strip() not in ("", "0")
+
+
+def _error(command: str, e: BaseException) -> None:
+    message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
+    print(f"rlhfkit {command}: error: {message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    from .utils import TrainingError  # torch comes with it: not before `rlhfkit -h` is answered
-
-    hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    debug = debug_requested(args)
     if args.command == "report":
-        return _report(args)
+        return _report(args, debug)
     try:
+        # the command line and the config are checked before torch and transformers are imported
+        # (seconds): a mistyped key is answered at once
         cfg = _config(args)
-        if args.command == "demo":
-            from .demo import run_demo
-
-            run_demo(cfg)
-        elif args.command == "pretrain":
-            from .trainers.pretrain import pretrain
-
-            _emit(pretrain(cfg))
-        elif args.command == "rm":
-            from .trainers.reward import train_reward_model
-
-            _emit(train_reward_model(cfg))
-        elif args.command in ALGO_DEFAULTS:
-            from .trainers.rl import train_rl
-
-            _emit(train_rl(cfg))
-        elif args.command == "sft":
-            from .trainers.sft import train_sft
-
-            _emit(train_sft(cfg))
-        elif args.command == "dpo":
-            from .trainers.dpo import train_dpo
-
-            _emit(train_dpo(cfg))
-        elif args.command == "eval":
-            _eval(args.path, cfg)
-        elif args.command == "chat":
-            from .chat import run_chat
-            from .models import policy_dir
-
-            run_chat(policy_dir(args.path), cfg)
-        elif args.command == "export-task":
-            _export_task(args.dir, cfg)
-        elif args.command == "gridworld":
-            from .tasks.gridworld import train_gridworld
-
-            res = train_gridworld(cfg)
-            every = max(1, len(res["returns"]) // 10)
-            curve = "  ".join(f"{i}:{r:.1f}" for i, r in enumerate(res["returns"]) if i % every == 0)
-            print(f"{res['algo']}, seed {res['seed']}, {res['seconds']:.1f}s -> {res['out_dir']}")
-            print(res["policy"])
-            print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
-            verdict = "optimal" if res["optimal"] else "NOT optimal"
-            print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
-    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models
-        print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+        if args.print_config:
+            print(dump_config(cfg), end="")
+            return 0
+        _run(args, cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
+        if debug:
+            raise
+        _error(args.command, e)
         return 2
-    except TrainingError as e:  # the inputs were fine but the run diverged
-        print(f"rlhfkit {args.command}: error: {e}", file=sys.stderr)
+    except RuntimeError as e:
+        from .utils import TrainingError
+
+        if debug or not isinstance(e, TrainingError):
+            raise
+        _error(args.command, e)  # the inputs were fine but the run diverged
         return 1
     return 0
+
+
+def _run(args, cfg: Config) -> None:
+    """Run the command on the resolved config (the heavy imports happen here)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    if args.command == "demo":
+        from .demo import run_demo
+
+        run_demo(cfg)
+    elif args.command == "pretrain":
+        from .trainers.pretrain import pretrain
+
+        _emit(pretrain(cfg))
+    elif args.command == "rm":
+        from .trainers.reward import train_reward_model
+
+        _emit(train_reward_model(cfg))
+    elif args.command in ALGO_DEFAULTS:
+        from .trainers.rl import train_rl
+
+        _emit(train_rl(cfg))
+    elif args.command == "sft":
+        from .trainers.sft import train_sft
+
+        _emit(train_sft(cfg))
+    elif args.command == "dpo":
+        from .trainers.dpo import train_dpo
+
+        _emit(train_dpo(cfg))
+    elif args.command == "eval":
+        _eval(args.path, cfg)
+    elif args.command == "chat":
+        from .chat import run_chat
+        from .models import policy_dir
+
+        run_chat(policy_dir(args.path), cfg)
+    elif args.command == "export-task":
+        _export_task(args.dir, cfg)
+    elif args.command == "gridworld":
+        _gridworld(cfg)
 
 
 def _eval(path: str, cfg: Config) -> None:
@@ -195,7 +290,20 @@ def _export_task(out_dir: str, cfg: Config) -> None:
           f"reward.function={info['reward_function']} eval.max_new_tokens={info['max_new_tokens']}")
 
 
-def _report(args) -> int:
+def _gridworld(cfg: Config) -> None:
+    from .tasks.gridworld import train_gridworld
+
+    res = train_gridworld(cfg)
+    every = max(1, len(res["returns"]) // 10)
+    curve = "  ".join(f"{i}:{r:.1f}" for i, r in enumerate(res["returns"]) if i % every == 0)
+    print(f"{res['algo']}, seed {res['seed']}, {res['seconds']:.1f}s -> {res['out_dir']}")
+    print(res["policy"])
+    print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
+    verdict = "optimal" if res["optimal"] else "NOT optimal"
+    print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
+
+
+def _report(args, debug: bool = False) -> int:
     import subprocess
 
     from .report import screenshot, write_report
@@ -206,7 +314,9 @@ def _report(args) -> int:
         if args.screenshot:
             print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
     except (OSError, ValueError, subprocess.SubprocessError) as e:
-        print(f"rlhfkit report: error: {e}", file=sys.stderr)
+        if debug:
+            raise
+        _error("report", e)
         return 2
     return 0
 

@@ -8,11 +8,15 @@ Unknown keys and ill-typed values raise :class:`ConfigError` naming the key (wit
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
+import functools
 import math
+import os
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,8 +44,25 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and says how to fix it."""
 
 
+class Section:
+    """Base of the section dataclasses: every value is type-checked and range-checked (RANGES)
+    when the section is built, from Python as from the command line: ``PPOConfig(steps="3")``
+    raises the ConfigError that ``ppo.steps='3'`` does. An int given to a float key becomes a
+    float, a path-like given to a str key its string, a list a tuple (frozen all the way)."""
+
+    def __post_init__(self):
+        section = _section_name(type(self))
+        for name, tp in _hints(type(self)).items():
+            key = f"{section}.{name}"
+            value = getattr(self, name)
+            checked = _coerce(value, tp, key)
+            if checked is not value:
+                object.__setattr__(self, name, checked)  # frozen: the one place a value is normalised
+            _check_range(key, checked)
+
+
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Section):
     out_dir: str = "runs/demo"
     """Directory this command writes (config, metrics, checkpoints, plots)."""
     seed: int = 0
@@ -76,7 +97,7 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     name: str = ""
     """Policy: a local path or hub id of a causal LM; empty builds the task's tiny GPT-2."""
     n_layer: int = 2
@@ -110,6 +131,7 @@ class ModelConfig:
     (every linear layer except the output head)."""
 
     def __post_init__(self):
+        super().__post_init__()
         if self.lora_r < 0:
             raise ConfigError(f"model.lora_r must be >= 0 (0 = no LoRA), got {self.lora_r}")
         if self.lora_r and self.lora_alpha <= 0:
@@ -122,7 +144,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class PretrainConfig:
+class PretrainConfig(Section):
     steps: int = 1000
     """Optimizer steps of next-token training on unprefixed task text."""
     batch_size: int = 128
@@ -136,7 +158,7 @@ class PretrainConfig:
 
 
 @dataclass(frozen=True)
-class RewardConfig:
+class RewardConfig(Section):
     name: str = ""
     """Reward model for RL: a local path or hub id (AutoModelForSequenceClassification)."""
     kind: Literal["pairwise", "classifier"] = "pairwise"
@@ -146,11 +168,14 @@ class RewardConfig:
     label_function: str = ""
     """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index
     (empty: the task's ``label_of_prompt``)."""
-    function: str = ""
+    function: str | Callable[..., Any] | list[str | Callable[..., Any]] = ""
     """Reward functions 'module:name', comma-separated for several, each called as
     fn(prompts=, completions=, completion_ids=, finished=, **columns) -> list[float] (see
     rlhfkit.rewards); added to the reward model's score when reward.name is set too (e.g.
-    rlhfkit.tasks.cities:exact_reward, which reads the 'country' column)."""
+    rlhfkit.tasks.cities:exact_reward, which reads the 'country' column). From Python also the
+    callable itself or a list of callables and names; config.yaml records a callable as
+    'module:qualname', or '<callable>' when it has no importable name (a lambda, a function
+    defined in a notebook's __main__)."""
     weights: str = ""
     """Weights of the reward sources, comma-separated, one per source: the reward model first
     (when reward.name is set), then each reward.function in order; empty: all 1."""
@@ -175,7 +200,7 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class ValueConfig:
+class ValueConfig(Section):
     name: str = ""
     """Separate value model (PPO): a local path or hub id loaded with its backbone and a scalar head
     (a fresh one when the checkpoint has none); empty: ppo.value_init decides."""
@@ -185,7 +210,7 @@ class ValueConfig:
 
 
 @dataclass(frozen=True)
-class ChatConfig:
+class ChatConfig(Section):
     greedy: bool = True
     """Greedy decoding; False samples with chat.temperature."""
     temperature: float = 0.7
@@ -198,6 +223,7 @@ class ChatConfig:
     """Keep earlier turns in the conversation (False: every prompt starts afresh)."""
 
     def __post_init__(self):
+        super().__post_init__()
         if self.temperature <= 0:
             raise ConfigError(f"chat.temperature must be > 0, got {self.temperature}")
         if self.max_new_tokens < 1:
@@ -205,7 +231,7 @@ class ChatConfig:
 
 
 @dataclass(frozen=True)
-class PPOConfig:
+class PPOConfig(Section):
     algo: Literal["ppo", "grpo", "rloo", "reinforce"] = "ppo"
     """Advantage estimator: 'ppo' (critic + GAE), 'grpo' (group-relative), 'rloo' (leave-one-out),
     'reinforce' (batch-mean baseline). Set by the command (rlhfkit ppo/grpo/rloo/reinforce)."""
@@ -300,8 +326,9 @@ class PPOConfig:
     value_model: Literal["separate", "shared"] = "separate"
     """'separate': a value model (backbone + scalar head); 'shared': a value head on the actor."""
     value_init: Literal["reward", "policy"] = "reward"
-    """Initialise a separate value model from the reward model or from the policy backbone
-    (value.name, when set, overrides both)."""
+    """Start a separate value model from the reward model ('reward': when reward.name is set; with
+    reward functions alone, from the policy) or from the policy backbone ('policy'); value.name,
+    when set, overrides both."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that never emit EOS (0 = off)."""
     normalize_reward: bool = False
@@ -334,6 +361,7 @@ class PPOConfig:
     """Rows of the batch saved each time, spread over the score ranks (lowest and highest first)."""
 
     def __post_init__(self):
+        super().__post_init__()
         if any(not s for s in self.stop):
             raise ConfigError(f"ppo.stop must hold non-empty strings, got {list(self.stop)!r}")
         if self.kl_in_loss and self.kl_estimator == "k1":
@@ -344,7 +372,7 @@ class PPOConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Section):
     path: str = ""
     """Your training data: a JSONL / JSON / Parquet / CSV file, a ``Dataset.save_to_disk``
     directory or a hub dataset id. sft: demonstrations; rm and dpo: preference pairs; ppo, grpo,
@@ -372,7 +400,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class SFTConfig:
+class SFTConfig(Section):
     steps: int = 300
     """Optimizer steps."""
     batch_size: int = 32
@@ -384,7 +412,7 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
-class DPOConfig:
+class DPOConfig(Section):
     beta: float = 0.1
     """Inverse temperature of DPO's implicit reward."""
     steps: int = 300
@@ -408,7 +436,7 @@ class DPOConfig:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(Section):
     batch_size: int = 512
     """Prompts per greedy-decoding batch."""
     greedy: bool = True
@@ -416,18 +444,19 @@ class EvalConfig:
     max_new_tokens: int | None = None
     """Longest answer decoded (None: the task's longest answer; with data.path, ppo.max_new_tokens)."""
     baseline: str = ""
-    """With data.path: a model or run directory whose completions of the same prompts are scored too (empty: none)."""
+    """A model or run directory whose completions of the same prompts (data.path) are scored by the same
+    rewards, for a win rate (empty: none)."""
 
 
 @dataclass(frozen=True)
-class DemoConfig:
+class DemoConfig(Section):
     algos: str = "ppo"
     """Comma-separated algorithms the demo runs after pretraining and the reward model, each from
     the same base: any of ppo, grpo, rloo, reinforce (RL with the reward model) and dpo."""
 
 
 @dataclass(frozen=True)
-class GridworldConfig:
+class GridworldConfig(Section):
     algo: Literal["reinforce", "ppo"] = "reinforce"
     """'reinforce' (returns-to-go, batch-mean baseline) or 'ppo' (value head, GAE, clipped loss)."""
     iterations: int = 100
@@ -477,9 +506,11 @@ class Config:
     chat: ChatConfig = field(default_factory=ChatConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: sections of values, a tuple as a list (what YAML, JSON and trackers take)."""
-        return {sec: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
-                for sec, values in dataclasses.asdict(self).items()}
+        """``{section: {key: value}}``, a tuple as a list (what YAML, JSON and trackers take); a reward
+        callable stays a callable (:func:`dump_config` gives the YAML text)."""
+        return {f.name: {g.name: list(v) if isinstance(v, tuple) else v
+                         for g in dataclasses.fields(sec) for v in [getattr(sec, g.name)]}
+                for f in dataclasses.fields(self) for sec in [getattr(self, f.name)]}
 
     def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with some fields changed: ``cfg.replace(ppo={"steps": 3})`` (validated)."""
@@ -490,22 +521,77 @@ class Config:
         return from_dict(data)
 
 
-def _suggest(name: str, options) -> str:
+def _suggest(name: str, options, prefix: str = "") -> str:
     close = difflib.get_close_matches(name, list(options), n=1)
-    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+    return f" Did you mean '{prefix}{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
 
 
-def _set(data: dict, dotted: str, value: Any) -> None:
+def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence[str] = ()) -> str:
+    """" Did you mean ...?" for an unknown key ``name`` (in ``section``, or given with none): the
+    full dotted keys, from the sections in ``prefer`` (a command's own) first."""
+    order = [s for s in dict.fromkeys([*prefer, *data]) if isinstance(data.get(s), dict)]
+    if section is not None:
+        close = difflib.get_close_matches(name, list(data[section]), n=1)
+        if close:
+            return f" Did you mean '{section}.{close[0]}'?"
+    found = [f"{s}.{name}" for s in order if name in data[s]]  # the same key in another section
+    if not found:
+        near = set(difflib.get_close_matches(name, {k for s in order for k in data[s]}, n=3))
+        found = [f"{s}.{k}" for s in order for k in data[s] if k in near]
+    if len(found) == 1:
+        return f" Did you mean '{found[0]}'?"
+    if found:
+        return f" Did you mean {', '.join(found[:5])}{' ...' if len(found) > 5 else ''}?"
+    if section is not None:
+        return f" Valid keys: {', '.join(sorted(data[section]))}."
+    return f" Sections: {', '.join(order)}."
+
+
+def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> None:
+    """``data[section][key] = value`` for ``'section.key'``; ConfigError with the full dotted key
+    to use when there is no such key."""
     keys = dotted.split(".")
-    node = data
-    for i, k in enumerate(keys[:-1]):
-        if not isinstance(node.get(k), dict):
-            where = ".".join(keys[:i]) or "top level"
-            raise ConfigError(f"unknown config section '{'.'.join(keys[: i + 1])}' ({where}).{_suggest(k, node)}")
-        node = node[k]
-    if keys[-1] not in node:
-        raise ConfigError(f"unknown config key '{dotted}'.{_suggest(keys[-1], node)}")
-    node[keys[-1]] = value
+    if len(keys) == 1:
+        if keys[0] not in data:  # a key without its section
+            raise ConfigError(f"unknown config key '{dotted}': keys are written section.key."
+                              f"{_key_suggestion(data, None, dotted, prefer)}")
+        data[dotted] = value
+        return
+    sec, rest = keys[0], ".".join(keys[1:])
+    if not isinstance(data.get(sec), dict):
+        close = difflib.get_close_matches(sec, [s for s in data if isinstance(data[s], dict)], n=1)
+        hint = f" Did you mean '{close[0]}.{rest}'?" if close and rest in data[close[0]] else _suggest(sec, data)
+        raise ConfigError(f"unknown config section '{sec}' (top level).{hint}")
+    if rest not in data[sec]:
+        raise ConfigError(f"unknown config key '{dotted}'.{_key_suggestion(data, sec, rest, prefer)}")
+    data[sec][rest] = value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _section_name(cls: type) -> str:
+    for f in dataclasses.fields(Config):
+        if f.type in (cls, cls.__name__):
+            return f.name
+    return cls.__name__.removesuffix("Config").lower()
+
+
+def type_name(tp: Any) -> str:
+    """How a key's type reads in messages and help: ``int``, ``float | None``, ``'k1' | 'k2'``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is collections.abc.Callable:
+        return "callable"
+    if origin is list:
+        return f"list of ({type_name(typing.get_args(tp)[0])})"
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -529,8 +615,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 pass
-        raise ConfigError(f"config key '{key}' has type {tp}, got {value!r}")
-    if tp is bool:
+        raise ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if origin is collections.abc.Callable:
+        if callable(value):
+            return value
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(v, typing.get_args(tp)[0], key) for v in value)
+    elif tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:
@@ -548,15 +640,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if number is not None:
             if not math.isfinite(number):  # a NaN rate or coefficient would reach the weights silently
                 raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
-            return number
+            return value if type(value) is float else number
     elif tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, os.PathLike):  # a pathlib.Path from Python
+            return os.fspath(value)
     else:
         return value
-    raise ConfigError(f"config key '{key}' expects {tp.__name__}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def from_dict(data: dict[str, Any]) -> Config:
@@ -573,13 +667,11 @@ def from_dict(data: dict[str, Any]) -> Config:
             values = {}
         if not isinstance(values, dict):
             raise ConfigError(f"config section '{sec}' must be a mapping, got {values!r}")
-        fhints = typing.get_type_hints(cls)
-        kwargs = {}
-        for key, val in values.items():
+        fhints = _hints(cls)
+        for key in values:
             if key not in fhints:
-                raise ConfigError(f"unknown config key '{sec}.{key}'.{_suggest(key, fhints)}")
-            kwargs[key] = _coerce(val, fhints[key], f"{sec}.{key}")
-        sections[sec] = cls(**kwargs)
+                raise ConfigError(f"unknown config key '{sec}.{key}'.{_suggest(key, fhints, f'{sec}.')}")
+        sections[sec] = cls(**values)  # type- and range-checked by Section.__post_init__
     cfg = Config(**sections)
     check_values(cfg)
     return cfg
@@ -597,8 +689,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None) -> Config:
-    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None,
+                prefer: Sequence[str] = ()) -> Config:
+    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated. ``prefer``: the sections
+    an unknown key's suggestions come from first (the command's own)."""
     data = (base or Config()).to_dict()
     if path is not None:
         try:
@@ -616,15 +710,64 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if sec not in data:
                 raise ConfigError(f"unknown config section '{sec}' in {path}.{_suggest(sec, data)}")
             for key, val in (values or {}).items():
-                _set(data, f"{sec}.{key}", val)
+                _set(data, f"{sec}.{key}", val, prefer)
     for item in overrides:
         key, value = parse_override(item)
-        _set(data, key, value)
+        _set(data, key, value, prefer)
     return from_dict(data)
 
 
+@functools.cache
+def key_docs() -> dict[str, dict[str, str]]:
+    """``{section: {key: description}}``: the string literal under each field of the section
+    dataclasses, read from this module's source, so ``rlhfkit CMD --help`` cannot drift from it."""
+    import ast
+    import inspect
+    import sys
+
+    by_class = {}
+    for node in ast.parse(inspect.getsource(sys.modules[__name__])).body:
+        if isinstance(node, ast.ClassDef):
+            by_class[node.name] = {
+                a.target.id: inspect.cleandoc(b.value.value) for a, b in zip(node.body, node.body[1:])
+                if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
+    return {sec: by_class.get(cls.__name__, {}) for sec, cls in _hints(Config).items()}
+
+
+def key_types() -> dict[str, dict[str, str]]:
+    """``{section: {key: type as it reads in help}}`` (see :func:`type_name`)."""
+    return {sec: {k: type_name(tp) for k, tp in _hints(cls).items()} for sec, cls in _hints(Config).items()}
+
+
+CALLABLE_PLACEHOLDER = "<callable>"  # what config.yaml records for a callable with no importable name
+
+
+def callable_name(fn: Callable) -> str:
+    """``'module:qualname'`` of a function a later run can import, else ``'<callable>'`` (a
+    lambda, a nested function, one defined in ``__main__`` such as a notebook's)."""
+    module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not module or module == "__main__" or not qual or "<" in qual:
+        return CALLABLE_PLACEHOLDER
+    return f"{module}:{qual}"
+
+
+def _plain(value: Any) -> Any:
+    if callable(value):
+        return callable_name(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as YAML text (what ``config.yaml`` holds; ``load_config`` reads it back)."""
+    plain = {sec: {k: _plain(v) for k, v in values.items()} for sec, values in cfg.to_dict().items()}
+    return yaml.safe_dump(plain, sort_keys=False, allow_unicode=True)
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True))
+    Path(path).write_text(dump_config(cfg), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- value ranges
@@ -667,18 +810,23 @@ POSITIVE = {"pretrain.lr", "reward.lr", "ppo.lr", "ppo.value_lr", "ppo.temperatu
             "dpo.lr", "gridworld.lr", "gridworld.clip_range", "gridworld.reward_scale"}
 
 
+def _check_range(key: str, value: Any) -> None:
+    """ConfigError when ``value`` is outside the range RANGES gives ``key`` (if any)."""
+    if value is None or key not in RANGES:  # an optional key left unset, or a key without a range
+        return
+    lo, hi = RANGES[key]
+    if key in POSITIVE and value <= 0:
+        raise ConfigError(f"config key '{key}' must be > 0, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        want = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ConfigError(f"config key '{key}' must be {want}, got {value!r}")
+
+
 def check_values(cfg: Config) -> None:
     """Raise ConfigError for the first value outside its range (see RANGES) or an inconsistent pair."""
-    for key, (lo, hi) in RANGES.items():
+    for key in RANGES:
         sec, name = key.split(".")
-        value = getattr(getattr(cfg, sec, None), name, None)
-        if value is None:  # an optional key left unset (or a key another version does not have)
-            continue
-        if key in POSITIVE and value <= 0:
-            raise ConfigError(f"config key '{key}' must be > 0, got {value!r}")
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            want = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-            raise ConfigError(f"config key '{key}' must be {want}, got {value!r}")
+        _check_range(key, getattr(getattr(cfg, sec, None), name, None))
     if cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"config key 'model.n_embd' ({cfg.model.n_embd}) must be a multiple of "
                           f"model.n_head ({cfg.model.n_head})")

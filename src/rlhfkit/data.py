@@ -39,7 +39,9 @@ completion separately and concatenates them, so the prompt/completion boundary i
 EOS is appended to each completion unless it already ends with it. Responses are never
 truncated: when prompt + response exceeds ``max_length``, ``truncation='left'`` drops tokens
 from the start of the prompt (BOS is kept), ``'error'`` raises; a response that leaves no
-room for even one prompt token always raises.
+room for even one prompt token always raises. A text the tokenizer cannot encode (a character
+outside a vocabulary that has no unknown token, as in the built-in tasks' character
+tokenizers) raises ``DataError`` naming the record, the field and the characters.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ __all__ = [
     "encode_triples",
     "stack_pairs",
     "pack_sft",
+    "unencodable_characters",
+    "describe_characters",
 ]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -508,7 +512,8 @@ def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int
     if truncation not in ("left", "error"):
         raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
     out, cut = [], 0
-    for i, (ex, (head, body)) in enumerate(zip(examples, _Codec(tokenizer).prompts([e.prompt for e in examples]))):
+    pieces = _Codec(tokenizer).prompts([e.prompt for e in examples], _wheres(examples))
+    for i, (ex, (head, body)) in enumerate(zip(examples, pieces)):
         if len(head) + len(body) > max_length:
             if truncation == "error" or len(head) >= max_length:
                 raise DataError(f"{_where(ex, i)}: field 'prompt': {len(head) + len(body)} tokens exceeds "
@@ -535,26 +540,69 @@ class _Codec:
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
 
-    def ids(self, texts: list[str]) -> list[list[int]]:
-        return [list(x) for x in self.tok(texts, add_special_tokens=False)["input_ids"]]
+    def ids(self, texts: list[str], wheres: Sequence[str] = (), key: str = "text") -> list[list[int]]:
+        """Token ids of each text; a text the tokenizer cannot encode raises DataError naming its
+        record (``wheres[i]``), the field ``key`` and the characters."""
+        try:
+            encoded = self.tok(texts, add_special_tokens=False)["input_ids"]
+        except Exception as e:  # e.g. a WordLevel vocabulary without [UNK]: find the record and the characters
+            raise _encoding_error(self.tok, texts, wheres, key) or e from None
+        return [list(x) for x in encoded]
 
-    def prompts(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+    def prompts(self, texts: list[str], wheres: Sequence[str] = ()) -> list[tuple[list[int], list[int]]]:
         """``(head, body)`` per prompt: head is the BOS kept under truncation."""
         out = []
-        for ids in self.ids(texts):
+        for ids in self.ids(texts, wheres, "prompt"):
             if self.bos is not None and ids[:1] == [self.bos]:  # the chat template wrote BOS itself
                 out.append(([self.bos], ids[1:]))
             else:
                 out.append(([self.bos] if self.adds_bos else [], ids))
         return out
 
-    def completions(self, texts: list[str]) -> list[list[int]]:
-        out = self.ids(texts)
+    def completions(self, texts: list[str], wheres: Sequence[str] = (), key: str = "completion") -> list[list[int]]:
+        out = self.ids(texts, wheres, key)
         if self.eos is not None:
             for ids in out:
                 if ids[-1:] != [self.eos]:
                     ids.append(self.eos)
         return out
+
+
+def unencodable_characters(tokenizer, text: str) -> list[str]:
+    """The characters of ``text`` that ``tokenizer`` cannot encode on their own, in order of
+    first appearance (e.g. characters outside a WordLevel vocabulary that has no [UNK] token)."""
+    bad = []
+    for ch in dict.fromkeys(text):
+        try:
+            tokenizer(ch, add_special_tokens=False)
+        except Exception:  # the tokenizers library raises a bare Exception
+            bad.append(ch)
+    return bad
+
+
+def describe_characters(chars: Sequence[str], limit: int = 10) -> str:
+    """``"'h', 'e' (and 3 more)"``."""
+    shown = ", ".join(repr(c) for c in chars[:limit])
+    return shown + (f" (and {len(chars) - limit} more)" if len(chars) > limit else "")
+
+
+def _encoding_error(tokenizer, texts: Sequence[str], wheres: Sequence[str], key: str) -> DataError | None:
+    """The DataError for the first text the tokenizer cannot encode, or None when each encodes alone."""
+    for i, text in enumerate(texts):
+        try:
+            tokenizer(text, add_special_tokens=False)
+            continue
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            err = e
+        where = wheres[i] if i < len(wheres) else f"example {i}"
+        bad = unencodable_characters(tokenizer, text)
+        if bad:
+            return DataError(f"{where}: field {key!r}: characters the tokenizer cannot encode: "
+                             f"{describe_characters(bad)}; remove them from the data or use a tokenizer whose "
+                             "vocabulary has them")
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return DataError(f"{where}: field {key!r}: the tokenizer cannot encode this text ({first})")
+    return None
 
 
 def _fit(
@@ -589,6 +637,10 @@ def _fit(
 
 def _where(example, i: int) -> str:
     return example.origin or f"example {i}"
+
+
+def _wheres(examples: Sequence) -> list[str]:
+    return [_where(ex, i) for i, ex in enumerate(examples)]
 
 
 def _check_policy(examples, max_length: int, truncation: str) -> None:
@@ -632,8 +684,9 @@ def encode_sft(
     examples = list(examples)
     _check_policy(examples, max_length, truncation)
     codec = _Codec(tokenizer)
-    heads = codec.prompts([ex.prompt for ex in examples])
-    responses = codec.completions([ex.completion for ex in examples])
+    wheres = _wheres(examples)
+    heads = codec.prompts([ex.prompt for ex in examples], wheres)
+    responses = codec.completions([ex.completion for ex in examples], wheres)
     prompts = [
         head + _fit(_where(ex, i), head, body, {"completion": resp}, max_length, truncation)
         for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))
@@ -657,9 +710,10 @@ def encode_preferences(
     examples = list(examples)
     _check_policy(examples, max_length, truncation)
     codec = _Codec(tokenizer)
-    heads = codec.prompts([ex.prompt for ex in examples])
-    chosen = codec.completions([ex.chosen for ex in examples])
-    rejected = codec.completions([ex.rejected for ex in examples])
+    wheres = _wheres(examples)
+    heads = codec.prompts([ex.prompt for ex in examples], wheres)
+    chosen = codec.completions([ex.chosen for ex in examples], wheres, "chosen")
+    rejected = codec.completions([ex.rejected for ex in examples], wheres, "rejected")
     prompts = [
         head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, max_length, truncation)
         for i, (ex, (head, body), c, r) in enumerate(zip(examples, heads, chosen, rejected))

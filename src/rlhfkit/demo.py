@@ -113,7 +113,7 @@ def run_demo(cfg: Config) -> dict:
                       **{f"{a}_exact": evals[a]["examples"][j][3] for a in results}}
                      for j, (p, c, _f, _e) in enumerate(evals["base"]["examples"][:8])],
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
     print()
     print(_table([("base (pretrained)", evals["base"]), *((f"after {a}", evals[a]) for a in results)]))
     print(f"\nheld-out: {len(prompts)} prompts, greedy decoding; base -> {first}")

@@ -85,7 +85,7 @@ def evaluate_path(path: str, cfg) -> dict:
               "examples": [{"prompt": p, "completion": c, "format": f, "exact": e} for p, c, f, e in ev["examples"][:12]]}
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    (out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
     return result
 
 

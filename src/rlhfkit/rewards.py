@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Config
+from .config import CALLABLE_PLACEHOLDER, Config
 from .models import (
     disable_dropout,
     freeze,
@@ -199,11 +199,17 @@ def load_reward_function(spec: str | Callable) -> Callable[..., list[float]]:
     """``'package.module:name'`` -> the callable (a callable is returned as it is)."""
     if callable(spec):
         return spec
+    if spec == CALLABLE_PLACEHOLDER:
+        raise ValueError(f"reward.function={spec!r}: the run this config comes from was given a Python callable "
+                         "with no importable name (a lambda, a function defined in __main__); pass the callable "
+                         "again (RewardConfig(function=fn)) or name an importable one as 'package.module:function'")
     if ":" not in spec:
         raise ValueError(f"reward.function={spec!r} must look like 'package.module:function'")
     module, name = spec.split(":", 1)
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn = importlib.import_module(module)
+        for part in name.split("."):  # a qualified name: 'module:Class.method'
+            fn = getattr(fn, part)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}; the module must be importable "
                          "(installed or on PYTHONPATH) and define that name") from None

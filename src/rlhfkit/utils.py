@@ -131,7 +131,7 @@ class MetricsLogger:
         if not self.enabled:
             self._kept.append(row)
             return row
-        self._fh.write(json.dumps(row) + "\n")
+        self._fh.write(json.dumps(row, ensure_ascii=False) + "\n")  # reward/<name> as named
         self._fh.flush()
         scalars = {k: v for k, v in row.items() if k != "step" and v is not None}
         for sink in self._sinks:

@@ -23,10 +23,12 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from . import char_tokenizer
+
+if TYPE_CHECKING:  # importing the task stays light: the command line reads CONFIG_DEFAULTS before torch
+    from transformers import PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "^", "$", "~"
 COUNTRIES: dict[str, tuple[str, ...]] = {

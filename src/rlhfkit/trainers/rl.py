@@ -158,10 +158,8 @@ def build_models(cfg: Config, policy_path: str, device):
         hidden = policy.config.hidden_size
         ac = ActorCritic(policy, value_head=ValueHead(hidden).to(device))
     else:
-        if pc.value_init == "reward" and not (rc.name or cfg.value.name):
-            raise ValueError("ppo.value_init=reward needs reward.name (a reward model to start the critic from); "
-                             "use ppo.value_init=policy or value.name=PATH with a reward function")
-        critic_src = cfg.value.name or (rc.name if pc.value_init == "reward" else policy_path)
+        # value_init=reward: from the reward model when there is one; with reward functions alone, the policy
+        critic_src = cfg.value.name or (rc.name if pc.value_init == "reward" and rc.name else policy_path)
         if other_tokenizer(critic_src, tok, trc) is not None:
             raise ValueError(f"the value model {critic_src} has a different tokenizer from the policy's; the critic "
                              "reads the policy's tokens: use ppo.value_init=policy or a value.name that shares it")
