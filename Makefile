@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
-#   make test   create .venv if missing, install, lint and run the test suite
+#   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers)
+#   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
 #
 # PyTorch: the CPU build is installed by default. On a GPU machine install a CUDA build of
@@ -12,7 +13,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test lint bench clean browser tmux
+.PHONY: demo test test-fast lint bench clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,8 +41,21 @@ tmux:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null) || \
 	  echo "*** WARNING: could not install tmux (apt-get install -y tmux): the chat terminal test will not run ***"
 
+# Both run the tests in PYTEST_WORKERS pytest-xdist processes (tests/conftest.py gives each its
+# share of the cores). --dist loadfile keeps each test file on one worker, so a module fixture (the
+# e2e demo run, the DDP launches, the report's run) is computed once, not once per worker; files are
+# handed out in name order (--no-loadscope-reorder), not fewest-tests-last, which would start the
+# long e2e, DDP, resume and report files only at the end.
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: lint browser tmux
-	$(BIN)/pytest
+	$(PYTEST)
+
+# A minute or two: the tests not marked slow (see markers in pyproject.toml), which leaves out the
+# end-to-end, learning, kill/resume, DDP and browser tests.
+test-fast: lint
+	$(PYTEST) -m "not slow"
 
 # Benchmarks (each pins itself to one core). TRL is an optional benchmark dependency: the
 # .[bench] extra (trl 1.16, for GRPOTrainer); TRL's PPOTrainer only exists up to trl 1.12 and

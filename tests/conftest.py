@@ -3,15 +3,35 @@ config factory sized so that every trainer runs end to end in a second or two.""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from rlhfkit.config import Config
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
 from rlhfkit.tasks import doubling
 
 TINY_ARCH = {"n_layer": 1, "n_head": 2, "n_embd": 16}
+
+
+def _share_cores_among_xdist_workers() -> None:
+    """Under pytest-xdist (``make test``: ``-n 2``) each worker gets its share of the cores. By
+    default torch starts a thread per core in every worker; N workers then run N times as many
+    threads as cores, which (OpenMP threads waiting on each other) made the end-to-end tests
+    many times slower, not merely twice. ``OMP_NUM_THREADS`` passes the share on to the commands
+    tests start in subprocesses (those that pin their own thread count keep it)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // workers)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+_share_cores_among_xdist_workers()
 
 
 @pytest.fixture(scope="session")

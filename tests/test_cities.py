@@ -121,6 +121,7 @@ def test_exact_reward_callable():
     assert cities.exact_reward(prompts, ["Kyoto is in Japan.$", "Japan.$"]) == [1.0, 0.0]
 
 
+@pytest.mark.slow
 def test_cities_demo_pipeline_runs_every_algorithm(tmp_path, capsys):
     # plumbing only (tiny budgets): the command applies the task's defaults, every algorithm
     # starts from the same base, and the summary pairs base and tuned answers per prompt.

@@ -27,6 +27,9 @@ from rlhfkit.tasks import doubling
 from rlhfkit.tasks.doubling import make_tokenizer
 from rlhfkit.utils import read_jsonl
 
+# two launches of every trainer (one and two processes, a module fixture) feed every test here
+pytestmark = pytest.mark.slow
+
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
 RUNS = ("ppo", "ppo_warmup", "grpo", "grpo_file", "dpo", "sft", "rm")

@@ -30,6 +30,7 @@ def demo_run(tmp_path_factory):
     return out, summary
 
 
+@pytest.mark.slow
 def test_ppo_teaches_the_prefix(demo_run):
     out, summary = demo_run
     # the base picks a character set at random, the tuned policy obeys the prefix and doubles
@@ -39,6 +40,7 @@ def test_ppo_teaches_the_prefix(demo_run):
     assert summary == json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_run_directory_contents(demo_run):
     out, _ = demo_run
     for rel in ["config.yaml", "metrics.jsonl", "samples.jsonl", "trajectories.jsonl", "report.html", "tb",
@@ -59,6 +61,7 @@ def test_run_directory_contents(demo_run):
     assert rm_rows[-1]["eval/rm/accuracy"] >= 0.95 and rm_rows[-1]["eval/rm/delta"] > rm_rows[0]["rm/delta"]
 
 
+@pytest.mark.slow
 def test_eval_command_reproduces_final_accuracy(demo_run, tmp_path, capsys):
     out, summary = demo_run
     assert main(["eval", str(out), f"run.out_dir={tmp_path}"]) == 0
@@ -95,6 +98,7 @@ def test_cli_ppo_needs_models(tmp_path, capsys):
     assert "model.name" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_grpo_with_the_task_verifier_as_reward_learns(demo_run, tmp_path):
     # same base as the demo; GRPO shares rollout/experience/update with PPO, only the
     # advantage differs, and its reward is a plain Python callable (the task's verifier)
@@ -115,6 +119,7 @@ def test_grpo_with_the_task_verifier_as_reward_learns(demo_run, tmp_path):
     assert not (tmp_path / "value_model").exists()  # no critic in GRPO
 
 
+@pytest.mark.slow
 def test_the_file_route_reaches_the_built_in_accuracy(demo_run, tmp_path):
     """The pipeline on files: the task exported, a reward model from the pairs file, PPO (that
     reward model) and GRPO (the column-reading verifier) from the prompt file, each evaluated on
@@ -137,6 +142,7 @@ def test_the_file_route_reaches_the_built_in_accuracy(demo_run, tmp_path):
     assert summary["final"]["exact_acc"] >= 0.95  # the built-in route, same base
 
 
+@pytest.mark.slow
 def test_dpo_lifts_format_accuracy_without_sampling(demo_run, tmp_path):
     from rlhfkit.trainers.dpo import train_dpo
 
@@ -151,6 +157,7 @@ def test_dpo_lifts_format_accuracy_without_sampling(demo_run, tmp_path):
     assert rows[-1]["dpo/accuracy"] > 0.5 and rows[-1]["dpo/margin"] > rows[0]["dpo/margin"]
 
 
+@pytest.mark.slow
 def test_sft_from_a_jsonl_file_teaches_the_prefix(demo_run, tmp_path):
     from rlhfkit.tasks import doubling
 
@@ -167,6 +174,7 @@ def test_sft_from_a_jsonl_file_teaches_the_prefix(demo_run, tmp_path):
     assert result["format_acc"] >= 0.95 > summary["base"]["format_acc"]
 
 
+@pytest.mark.slow
 def test_sft_reports_a_malformed_record_by_line(tmp_path, capsys, demo_run):
     out, _ = demo_run
     bad = tmp_path / "bad.jsonl"
@@ -177,6 +185,7 @@ def test_sft_reports_a_malformed_record_by_line(tmp_path, capsys, demo_run):
     assert "bad.jsonl:2" in err and "completion" in err
 
 
+@pytest.mark.slow
 def test_reward_model_from_a_preference_file_with_margins(demo_run, tmp_path):
     from rlhfkit.tasks import doubling
 
@@ -195,6 +204,7 @@ def test_reward_model_from_a_preference_file_with_margins(demo_run, tmp_path):
     assert rows[-2]["rm/delta"] > rows[0]["rm/delta"]
 
 
+@pytest.mark.slow
 def test_classifier_reward_of_the_tutorial_drives_ppo(demo_run, tmp_path):
     # the reward is the logit of the requested label from a character-set classifier
     out, summary = demo_run
@@ -209,6 +219,7 @@ def test_classifier_reward_of_the_tutorial_drives_ppo(demo_run, tmp_path):
     assert final["eval/format_acc"] >= 0.95 > summary["base"]["format_acc"]
 
 
+@pytest.mark.slow
 def test_chat_answers_from_piped_input(demo_run):
     out, _ = demo_run
     proc = subprocess.run([sys.executable, "-m", "rlhfkit", "chat", str(out), "run.device=cpu"],
@@ -218,6 +229,7 @@ def test_chat_answers_from_piped_input(demo_run):
     assert "2468" in proc.stdout and "贰肆陆捌" in proc.stdout and "2222" not in proc.stdout  # stopped at /quit
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")
 def test_chat_session_driven_through_tmux(demo_run):
     """A scripted terminal session: type prompts into `rlhfkit chat`, read the screen, /quit."""

@@ -215,6 +215,7 @@ def _train(tmp_path, algo: str, seed: int) -> dict:
     return train_gridworld(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("algo", ["reinforce", "ppo"])
 def test_learns_the_optimal_policy(tmp_path, algo, seed):
@@ -226,6 +227,7 @@ def test_learns_the_optimal_policy(tmp_path, algo, seed):
     assert result["returns"][-1] > 90  # the sampling policy has settled too, not just its argmax
 
 
+@pytest.mark.slow
 def test_train_writes_outputs(tmp_path):
     result = _train(tmp_path, "reinforce", 0)
     out = tmp_path / "reinforce0"

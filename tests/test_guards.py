@@ -81,6 +81,7 @@ def _ppo_setup():
     return ac, exp, pc, opt
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*non-finite:RuntimeWarning")
 def test_ppo_update_skips_nan_minibatches_and_keeps_weights_finite(monkeypatch):
     import rlhfkit.trainers.rl as rl

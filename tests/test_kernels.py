@@ -205,6 +205,7 @@ def test_generate_same_with_and_without_kernels(monkeypatch):
     assert torch.equal(fast.response_mask, slow.response_mask) and torch.equal(fast.finished, slow.finished)
 
 
+@pytest.mark.slow
 def test_no_compiler_falls_back_and_builds_are_cached(tmp_path):
     """Without a compiler the library says so once and uses PyTorch; with one, a build is made
     once per cache directory and reused by later processes."""

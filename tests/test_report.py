@@ -54,6 +54,7 @@ def ppo_run(tmp_path_factory):
 # --------------------------------------------------------------------------- trajectories.jsonl
 
 
+@pytest.mark.slow
 def test_trajectories_hold_the_per_token_quantities(ppo_run):
     recs = read_jsonl(ppo_run / "trajectories.jsonl")
     assert sorted({r["step"] for r in recs}) == [0, 1, 3]  # first, every 2nd, last
@@ -176,6 +177,7 @@ def _check_tables(tables: list[dict], recs: list[dict]) -> None:
         assert {"logprob", "ref_logprob", "kl", "reward", "value", "advantage_raw", "advantage", "return"} <= set(t["rows"])
 
 
+@pytest.mark.slow
 def test_report_renders_in_headless_chromium(ppo_run):
     _need_chromium()
     assert main(["report", str(ppo_run)]) == 0
@@ -219,6 +221,7 @@ def test_report_of_a_run_without_trajectories(tmp_path):
     assert main(["report", str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow
 def test_report_lists_sub_runs(ppo_run):
     html = build_report(ppo_run.parent)  # the fixture's root: pre/, rm/, ppo/ are stages
     for sub in ("pre", "rm", "ppo"):
@@ -245,6 +248,7 @@ def _tb_scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_tensorboard_events_match_metrics(ppo_run):
     scalars = _tb_scalars(ppo_run / "tb")
     rows = read_jsonl(ppo_run / "metrics.jsonl")

@@ -81,6 +81,7 @@ def _kill_from_outside(args: list[str], out: Path, rows: int) -> int:
     return proc.wait(timeout=60)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "grpo", "grpo-file"])
 def test_killed_and_resumed_run_ends_as_an_unbroken_one(algo, tiny_models, tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
@@ -161,6 +162,7 @@ SUPERVISED = {  # command, its step budget, where it saves the trained weights
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", list(SUPERVISED))
 def test_supervised_loops_resume_exactly(command, tiny_models, tmp_path):
     argv, saved = SUPERVISED[command]
