@@ -69,6 +69,7 @@ def test_eval_command_reproduces_final_accuracy(demo_run, tmp_path, capsys):
     assert result["exact_acc"] == summary["final"]["exact_acc"]
 
 
+@pytest.mark.slow
 def test_eval_on_the_exported_held_out_prompts_matches_the_task_eval(demo_run, tmp_path, capsys):
     """The file route (export-task, then eval with data.path and the task's reward function)
     measures what the task route measures, for the tuned policy and the base as its baseline."""
