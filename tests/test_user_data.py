@@ -307,3 +307,16 @@ def test_the_built_in_task_reward_sees_text_without_bos_or_eos(tiny_models, tiny
         assert not set(completion) & specials  # no EOS (nor BOS/pad) text in what the function reads
         assert completion == TOK_D.decode([i for i in ids if i != eos], skip_special_tokens=True)
     assert {done for *_, done in rows} == {True, False}  # both kinds of row were seen
+
+
+def test_a_reward_model_object_from_python(tiny_models, tiny_config, tmp_path, no_plots):
+    from rlhfkit.models import load_scalar_model
+
+    rm = load_scalar_model(tiny_models.reward)
+    by_path = tiny_config(tmp_path / "path", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                          ppo={"algo": "grpo", "steps": 2})
+    train_rl(by_path)
+    train_rl(by_path.replace(run={"out_dir": str(tmp_path / "object")}, reward={"name": rm}))
+    a, b = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("path", "object"))
+    assert [r["reward/reward_model"] for r in a] == [r["reward/reward_model"] for r in b]  # the same scores
+    assert "name: <callable>" in (tmp_path / "object" / "config.yaml").read_text()

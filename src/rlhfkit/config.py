@@ -159,8 +159,10 @@ class PretrainConfig(Section):
 
 @dataclass(frozen=True)
 class RewardConfig(Section):
-    name: str = ""
-    """Reward model for RL: a local path or hub id (AutoModelForSequenceClassification)."""
+    name: str | Callable[..., Any] = ""
+    """Reward model for RL: a local path or hub id (AutoModelForSequenceClassification). From
+    Python also a loaded model object that reads the policy's tokens (config.yaml records it as
+    '<callable>'; a PPO critic then starts from the policy)."""
     kind: Literal["pairwise", "classifier"] = "pairwise"
     """'pairwise': Bradley-Terry on chosen/rejected pairs, one scalar. 'classifier' (the doubling tutorial's): a
     head over the task's labels trained with cross-entropy; the reward is the logit of the label

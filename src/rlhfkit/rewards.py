@@ -238,9 +238,12 @@ def model_source(cfg: Config, tok, device) -> Reward:
     """The reward model at ``reward.name``: a pairwise scalar model, or a label classifier when it
     has several labels (read with ``reward.label_function`` or the task's ``label_of_prompt``)."""
     rc, mc = cfg.reward, cfg.model
-    rm = freeze(disable_dropout(load_scalar_model(rc.name, mc.dtype, mc.trust_remote_code, num_labels=None)))
-    rm = rm.to(device)
-    rm_tok = other_tokenizer(rc.name, tok, mc.trust_remote_code)  # None: the policy's token ids are read as they are
+    if isinstance(rc.name, str):
+        rm = load_scalar_model(rc.name, mc.dtype, mc.trust_remote_code, num_labels=None)
+        rm_tok = other_tokenizer(rc.name, tok, mc.trust_remote_code)  # None: the policy's ids are read as they are
+    else:  # a model object given from Python: it reads the policy's token ids
+        rm, rm_tok = rc.name, None
+    rm = freeze(disable_dropout(rm)).to(device)
     if rm.config.num_labels == 1:
         return reward_model_scorer(rm, tok, rm_tok)
     # a label classifier (the number-doubling tutorial task's reward), not a pairwise scalar
