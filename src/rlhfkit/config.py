@@ -290,6 +290,11 @@ class PPOConfig:
     view of ``rlhfkit report`` (0 = never)."""
     trajectories_per_step: int = 2
     """Rows of the batch saved each time, spread over the score ranks (lowest and highest first)."""
+    micro_batch_size: int = 0
+    """Sequences per forward and backward pass, per process: each minibatch's gradient is
+    accumulated over micro-batches of this many rows, each loss weighted by its share of the
+    minibatch's response tokens, so the update equals the whole minibatch's (0 = the whole
+    minibatch at once)."""
 
 
 @dataclass(frozen=True)
@@ -587,7 +592,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
     "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
     "ppo.missing_eos_penalty": (0, None), "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
-    "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None),
+    "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None), "ppo.micro_batch_size": (0, None),
     "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),
     "sft.steps": (1, None), "sft.batch_size": (1, None), "sft.lr": (0, None), "sft.warmup_steps": (0, None),
     "dpo.beta": (0, None), "dpo.steps": (1, None), "dpo.batch_size": (1, None), "dpo.lr": (0, None),
