@@ -1,12 +1,13 @@
-"""Gradient accumulation (``ppo.micro_batch_size``): an update whose minibatch goes through the
-forward and backward passes in micro-batches is the update of the whole minibatch.
+"""Gradient accumulation (``ppo/sft.micro_batch_size``): an update whose minibatch goes
+through the forward and backward passes in micro-batches is the update of the whole minibatch.
 
-One update runs twice, whole (``micro_batch_size=0``) and in micro-batches of 3 rows of a
-minibatch of 10, on tiny float32 models. The optimizer is replaced by plain SGD that records the
-gradients it steps on, so the gradients themselves are compared (Adam's first step is about
-``lr * sign(g)`` and would hide a wrongly weighted one), then the weights after the step (lr 1: a
-gradient error shows in full), then every statistic. The rows' responses have different lengths,
-and the test checks that weighting micro-batches by rows instead of tokens would fail.
+Each case runs one update twice, whole (``micro_batch_size=0``) and in micro-batches of 3 rows
+of a minibatch whose size is not a multiple of 3, on tiny float32 models. The optimizer is
+replaced by plain SGD that records the gradients it steps on, so the gradients themselves are
+compared (Adam's first step is about ``lr * sign(g)`` and would hide a wrongly weighted one),
+then the weights after the step (lr 1: a gradient error shows in full), then every logged
+statistic. Token-mean losses (PPO, SFT, DPO's NLL term) meet rows of different lengths, and the
+PPO and SFT cases check that weighting micro-batches by rows instead of tokens would fail.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlhfkit.config import Config
 from rlhfkit.core import logprobs_from_logits
@@ -23,6 +25,7 @@ from rlhfkit.experience import ActorCritic, Experience
 from rlhfkit.models import ValueHead, build_tiny_policy, build_tiny_scalar_model, disable_dropout
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers.rl import minibatch_loss, ppo_update
+from rlhfkit.utils import read_jsonl
 
 TOK = doubling.make_tokenizer()
 ARCH = {"n_layer": 1, "n_head": 2, "n_embd": 16}
@@ -123,3 +126,68 @@ def test_ppo_micro_batches_give_the_minibatch_update(value_model):
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in naive.policy.parameters()]))
     naive_grads = [p.grad * min(1.0, 1.0 / (norm.item() + 1e-6)) for p in params[: len(list(naive.policy.parameters()))]]
     assert max_diff(grads[: len(naive_grads)], naive_grads) > 100 * TOL
+
+
+# --------------------------------------------------------------------------- SFT, DPO, reward model: the trainers
+
+
+def _run(monkeypatch, train, cfg):
+    """One step of ``train(cfg)`` with RecordingSGD as its optimizer: (grads, metrics rows, saved weights)."""
+    made: list[RecordingSGD] = []
+
+    def optimizer(params, lr=1.0, **kw):
+        made.append(RecordingSGD(params, lr=lr))
+        return made[-1]
+
+    monkeypatch.setattr(torch.optim, "AdamW", optimizer)
+    result = train(cfg)
+    weights = load_file(f"{result['path']}/model.safetensors")
+    return made[0].grads, read_jsonl(f"{cfg.run.out_dir}/metrics.jsonl"), weights
+
+
+def _compare_runs(monkeypatch, train, make_cfg):
+    grads, rows, weights = _run(monkeypatch, train, make_cfg("whole", 0))
+    micro_grads, micro_rows, micro_weights = _run(monkeypatch, train, make_cfg("micro", 3))
+    assert_same_grads(grads, micro_grads)
+    assert weights.keys() == micro_weights.keys()
+    for k in weights:
+        torch.testing.assert_close(weights[k], micro_weights[k], atol=TOL, rtol=TOL, msg=k)
+    assert len(rows) == len(micro_rows) >= 1
+    for a, b in zip(rows, micro_rows):
+        keys = [k for k in a if not k.startswith(("time/", "throughput/")) and k != "step"]
+        assert keys == [k for k in b if not k.startswith(("time/", "throughput/")) and k != "step"]
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], abs=TOL, rel=TOL), k
+    return grads, rows
+
+
+def test_sft_micro_batches_give_the_batch_update(tiny_models, tiny_config, tmp_path, monkeypatch):
+    from rlhfkit.trainers.sft import train_sft
+
+    data = tmp_path / "sft.jsonl"  # completions of 2 to 6 digits: the rows hold different token counts
+    data.write_text("".join(f'{{"prompt": "数字:{n}x2=", "completion": "{2 * n}"}}\n'
+                            for n in (3, 12, 345, 4321, 12345, 7, 88, 4444, 23456, 9, 610)), encoding="utf-8")
+
+    def cfg(name, micro):
+        return tiny_config(tmp_path / name, model={"name": tiny_models.policy}, data={"path": str(data)},
+                           sft={"steps": 1, "batch_size": 8, "lr": 1.0, "micro_batch_size": micro})
+
+    from rlhfkit.trainers import sft
+
+    grads, rows = _compare_runs(monkeypatch, train_sft, cfg)
+    assert rows[0]["sft/grad_norm"] > 0
+
+    # weighting the micro-batches by rows instead of tokens would be caught
+    calls = []
+    original = sft.micro_batch_loss
+
+    def by_rows(model, batch, weight, rows):
+        loss, stats = original(model, batch, weight, rows)
+        targets = batch["loss_mask"][:, 1:] != 0
+        n = batch["input_ids"].shape[0]
+        calls.append(rows)
+        return loss / (targets[rows].sum() / targets.sum()) * (len(range(n)[rows]) / n), stats
+
+    monkeypatch.setattr(sft, "micro_batch_loss", by_rows)
+    naive_grads, _, _ = _run(monkeypatch, train_sft, cfg("naive", 3))
+    assert len(calls) == 3 and max_diff(grads, naive_grads) > 100 * TOL

@@ -335,6 +335,13 @@ class SFTConfig:
     """Peak AdamW learning rate (linear warm-up, cosine decay)."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
+    eval_every: int = 0
+    """Held-out loss (eval/loss, the mean token NLL over data.eval_path or the data.eval_fraction
+    share of data.path) every N steps and at the end (0 = only at the end)."""
+    micro_batch_size: int = 0
+    """Rows per forward and backward pass, per process: each step's gradient is accumulated over
+    micro-batches of this many rows, each weighted by its share of the batch's target tokens, so
+    it equals the whole batch's (0 = the whole batch at once)."""
 
 
 @dataclass(frozen=True)
@@ -595,6 +602,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None), "ppo.micro_batch_size": (0, None),
     "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),
     "sft.steps": (1, None), "sft.batch_size": (1, None), "sft.lr": (0, None), "sft.warmup_steps": (0, None),
+    "sft.eval_every": (0, None), "sft.micro_batch_size": (0, None),
     "dpo.beta": (0, None), "dpo.steps": (1, None), "dpo.batch_size": (1, None), "dpo.lr": (0, None),
     "dpo.num_pairs": (1, None), "dpo.nll_coef": (0, None), "dpo.eval_every": (0, None),
     "dpo.stop_at_format": (0, 1),
