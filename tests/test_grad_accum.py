@@ -1,4 +1,4 @@
-"""Gradient accumulation (``ppo/sft.micro_batch_size``): an update whose minibatch goes
+"""Gradient accumulation (``ppo/sft/reward.micro_batch_size``): an update whose minibatch goes
 through the forward and backward passes in micro-batches is the update of the whole minibatch.
 
 Each case runs one update twice, whole (``micro_batch_size=0``) and in micro-batches of 3 rows
@@ -191,3 +191,15 @@ def test_sft_micro_batches_give_the_batch_update(tiny_models, tiny_config, tmp_p
     monkeypatch.setattr(sft, "micro_batch_loss", by_rows)
     naive_grads, _, _ = _run(monkeypatch, train_sft, cfg("naive", 3))
     assert len(calls) == 3 and max_diff(grads, naive_grads) > 100 * TOL
+
+
+@pytest.mark.parametrize("kind", ["pairwise", "classifier"])
+def test_reward_model_micro_batches_give_the_batch_update(kind, tiny_models, tiny_config, tmp_path, monkeypatch):
+    from rlhfkit.trainers.reward import train_reward_model
+
+    def cfg(name, micro):
+        return tiny_config(tmp_path / name, model={"name": tiny_models.policy},
+                           reward={"kind": kind, "steps": 1, "batch_size": 8, "lr": 1.0, "micro_batch_size": micro})
+
+    _, rows = _compare_runs(monkeypatch, train_reward_model, cfg)
+    assert "rm/accuracy" in rows[0]

@@ -165,6 +165,9 @@ class RewardConfig:
     """'policy' starts the backbone from the pretrained policy, 'scratch' from random init."""
     eval_pairs: int = 512
     """Held-out pairs for rm/accuracy and rm/delta."""
+    micro_batch_size: int = 0
+    """Pairs per forward and backward pass, per process: each step's gradient is accumulated over
+    micro-batches of this many pairs and equals the whole batch's (0 = the whole batch at once)."""
 
 
 @dataclass(frozen=True)
@@ -592,6 +595,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "pretrain.warmup_steps": (0, None), "pretrain.weight_decay": (0, None),
     "reward.steps": (1, None), "reward.batch_size": (1, None), "reward.lr": (0, None),
     "reward.center_coef": (0, None), "reward.hard_negatives": (0, 1), "reward.eval_pairs": (1, None),
+    "reward.micro_batch_size": (0, None),
     "ppo.group_size": (2, None), "ppo.steps": (1, None), "ppo.batch_size": (1, None),
     "ppo.minibatch_size": (1, None), "ppo.ppo_epochs": (1, None), "ppo.lr": (0, None), "ppo.value_lr": (0, None),
     "ppo.max_new_tokens": (1, None), "ppo.temperature": (0, None), "ppo.kl_coef": (0, None),
