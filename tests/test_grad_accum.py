@@ -1,4 +1,4 @@
-"""Gradient accumulation (``ppo/sft/reward.micro_batch_size``): an update whose minibatch goes
+"""Gradient accumulation (``ppo/sft/dpo/reward.micro_batch_size``): an update whose minibatch goes
 through the forward and backward passes in micro-batches is the update of the whole minibatch.
 
 Each case runs one update twice, whole (``micro_batch_size=0``) and in micro-batches of 3 rows
@@ -191,6 +191,17 @@ def test_sft_micro_batches_give_the_batch_update(tiny_models, tiny_config, tmp_p
     monkeypatch.setattr(sft, "micro_batch_loss", by_rows)
     naive_grads, _, _ = _run(monkeypatch, train_sft, cfg("naive", 3))
     assert len(calls) == 3 and max_diff(grads, naive_grads) > 100 * TOL
+
+
+def test_dpo_micro_batches_give_the_batch_update(tiny_models, tiny_config, tmp_path, monkeypatch):
+    from rlhfkit.trainers.dpo import train_dpo
+
+    def cfg(name, micro):  # the NLL term (a token mean) is on: dpo.nll_coef defaults to 1
+        return tiny_config(tmp_path / name, model={"name": tiny_models.policy},
+                           dpo={"steps": 1, "batch_size": 8, "lr": 1.0, "micro_batch_size": micro})
+
+    _, rows = _compare_runs(monkeypatch, train_dpo, cfg)
+    assert rows[0]["dpo/chosen_nll"] > 0 and rows[0]["rewards/accuracies"] == rows[0]["dpo/accuracy"]
 
 
 @pytest.mark.parametrize("kind", ["pairwise", "classifier"])
