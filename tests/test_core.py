@@ -405,3 +405,26 @@ def test_dpo_loss_hand_computed():
     close(loss, (nll(1.0) + nll(-0.5)) / 2)
     close(stats["dpo/accuracy"], 0.5)
     close(stats["dpo/margin"], (1.0 - 0.5) / 2)
+
+
+def test_ipo_loss_hand_computed():
+    from rlhfkit.core import ipo_loss
+
+    # beta=0.25: target gap 1/(2*0.25) = 2
+    # pair 1: h = (-1 - -2) - (-3 - -2) = 1 - (-1) = 2   -> (2 - 2)^2 = 0
+    # pair 2: h = (-2 - -1) - (-1 - -1) = -1 - 0 = -1    -> (-1 - 2)^2 = 9
+    policy_c, policy_r = torch.tensor([-1.0, -2.0], requires_grad=True), torch.tensor([-3.0, -1.0])
+    loss, stats = ipo_loss(policy_c, policy_r, torch.tensor([-2.0, -1.0]), torch.tensor([-2.0, -1.0]), beta=0.25)
+    close(loss, (0.0 + 9.0) / 2)
+    # implicit rewards beta * (log pi - log ref): chosen 0.25, -0.25; rejected -0.25, 0
+    close(stats["dpo/chosen"], 0.0)
+    close(stats["dpo/rejected"], -0.125)
+    close(stats["dpo/accuracy"], 0.5)
+    close(stats["dpo/margin"], (0.5 - 0.25) / 2)
+    close(stats["dpo/loss"], 4.5)
+    # d loss / d policy_chosen = 2 (h - 2) / B: 0 for the pair already at the target, -3 for the other
+    loss.backward()
+    close(policy_c.grad, [0.0, -3.0])
+    # a gap beyond the target is pulled back (the sigmoid loss would keep pushing it out)
+    far, _ = ipo_loss(torch.tensor([10.0]), torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([0.0]), beta=0.25)
+    close(far, (10.0 - 2.0) ** 2)

@@ -1,6 +1,7 @@
 """Data parallelism through accelerate: two CPU processes (gloo) compute what one process computes.
 
-One step of PPO (also a critic warm-up step), GRPO, DPO, SFT and the reward model runs once in a single process and once
+One step of PPO (also a critic warm-up step), GRPO, DPO, SFT and the reward model (PPO, DPO, SFT
+and the reward model also in micro-batches of 3 rows) runs once in a single process and once
 under ``accelerate launch`` with two processes, each taking half of every global batch. The
 logged losses, gradient norms and statistics and the saved weights must agree (1e-4), which
 holds only if sharding reproduces the single-process batch, sampling does not depend on the
@@ -32,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-RUNS = ("ppo", "ppo_warmup", "grpo", "grpo_file", "dpo", "sft", "rm")
+RUNS = ("ppo", "ppo_warmup", "grpo", "grpo_file", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro",
+        "rm_micro")
 
 
 def _free_port() -> int:
@@ -112,6 +114,24 @@ def test_first_step_matches_one_process(runs, cmd):
           + ", ".join(f"{k} {v:.1e}" for k, v in sorted(diffs.items()) if "loss" in k or "grad_norm" in k))
     bad = {k: v for k, v in diffs.items() if not v <= TOL}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("cmd", ["ppo", "dpo", "sft", "rm"])
+def test_micro_batches_on_two_processes_match_whole_batches_on_one(runs, cmd):
+    """Gradient accumulation under DDP (no gradient sync but on the last micro-batch) gives the
+    update of the whole global batch in one process: the same metrics and weights."""
+    one, two = runs
+    a, b = read_jsonl(one / cmd / "metrics.jsonl"), read_jsonl(two / f"{cmd}_micro" / "metrics.jsonl")
+    assert len(a) == len(b) >= 1
+    for ra, rb in zip(a, b):
+        for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step"):
+            assert (ra[k] is None) == (rb[k] is None), k
+            assert ra[k] is None or abs(ra[k] - rb[k]) <= TOL, (k, ra[k], rb[k])
+    weights = "reward_model" if cmd == "rm" else "policy"
+    wa, wb = load_file(one / cmd / weights / "model.safetensors"), load_file(two / f"{cmd}_micro" / weights /
+                                                                            "model.safetensors")
+    diff = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
+    assert diff.mean().item() < 1e-7 and diff.max().item() < 1e-3, (diff.mean().item(), diff.max().item())
 
 
 @pytest.mark.parametrize("cmd,weights", [("ppo", "policy"), ("grpo", "policy"), ("grpo_file", "policy"), ("dpo", "policy"),

@@ -159,6 +159,28 @@ def test_dpo_lifts_format_accuracy_without_sampling(demo_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_dpo_from_a_file_of_the_task_pairs_lifts_format_accuracy(demo_run, tmp_path):
+    """The user's-file route on the task's own pairs learns what the built-in route learns; its
+    held-out pairs (a seeded 5%) are separated, and greedy decoding obeys the prefix."""
+    from rlhfkit.tasks import doubling
+
+    out, summary = demo_run
+    data = tmp_path / "prefs.jsonl"
+    # no "EOS missing" negatives: every response is closed by EOS, so they would equal the chosen answer
+    pairs = doubling.DoublingData(3).preference_pairs(2000, hard=0.0)
+    data.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}, ensure_ascii=False) + "\n"
+                            for p, c, r in pairs), encoding="utf-8")
+    assert main(["dpo", f"model.name={out / 'pretrain' / 'policy'}", f"data.path={data}", "data.eval_fraction=0.05",
+                 f"run.out_dir={tmp_path / 'dpo'}", "dpo.steps=150", "dpo.eval_every=50", "run.progress=false"]) == 0
+    rows = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval/rewards/accuracies" in r] == [49, 99, 149]
+    assert rows[-1]["eval/rewards/accuracies"] >= 0.95 and rows[-1]["eval/rewards/margins"] > 0
+    assert main(["eval", str(tmp_path / "dpo"), f"run.out_dir={tmp_path / 'ev'}"]) == 0
+    result = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert result["format_acc"] >= 0.9 > summary["base"]["format_acc"]
+
+
+@pytest.mark.slow
 def test_sft_from_a_jsonl_file_teaches_the_prefix(demo_run, tmp_path):
     from rlhfkit.tasks import doubling
 

@@ -47,7 +47,7 @@ COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
     "pretrain": ("run", "model", "pretrain", "eval"),
     "rm": ("run", "model", "reward", "data"),
     **dict.fromkeys(ALGO_DEFAULTS, RL_SECTIONS),
-    "dpo": ("run", "model", "dpo", "eval", "reward.hard_negatives"),
+    "dpo": ("run", "model", "dpo", "data", "eval", "reward.hard_negatives"),
     "sft": ("run", "model", "data", "sft"),
     "eval": ("run", "model", "eval", "data", "reward", "ppo.max_new_tokens"),
     "export-task": ("run.seed", "dpo.num_pairs", "reward.eval_pairs", "pretrain.steps", "pretrain.batch_size"),

@@ -467,15 +467,47 @@ def dpo_loss(
     chosen_reward = beta * (policy_chosen - ref_chosen)  # [B]
     rejected_reward = beta * (policy_rejected - ref_rejected)  # [B]
     loss = -F.logsigmoid(chosen_reward - rejected_reward).mean()
+    return loss, _preference_stats(loss, chosen_reward, rejected_reward)
+
+
+def ipo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """IPO loss (Azar et al. 2023, eq. 17): a squared loss that pulls the log-ratio gap of every
+    pair to ``1 / (2 beta)`` instead of pushing it to infinity as the sigmoid loss can.
+
+    ``h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r))``,
+    ``loss = mean((h - 1 / (2 beta))^2)``.
+
+    The log-probs are *summed* over the response tokens, as in the paper and in
+    :func:`dpo_loss` (TRL averages them over the tokens for IPO, so its ``beta`` sets a
+    per-token target and is not interchangeable with this one).
+
+    Args:
+        policy_chosen, policy_rejected, ref_chosen, ref_rejected: ``[B]`` summed log-probs.
+        beta: regularisation strength; the target gap is ``1 / (2 beta)``.
+    Returns:
+        ``(loss, stats)`` with the keys of :func:`dpo_loss`; the implicit rewards are
+        ``beta * (log pi - log ref)`` as there.
+    """
+    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)  # [B]
+    loss = ((h - 1.0 / (2.0 * beta)) ** 2).mean()
+    return loss, _preference_stats(loss, beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected))
+
+
+def _preference_stats(loss: torch.Tensor, chosen_reward: torch.Tensor, rejected_reward: torch.Tensor) -> dict:
     with torch.no_grad():
-        stats = {
+        return {
             "dpo/loss": loss.detach(),
             "dpo/accuracy": (chosen_reward > rejected_reward).float().mean(),
             "dpo/margin": (chosen_reward - rejected_reward).mean(),
             "dpo/chosen": chosen_reward.mean(),
             "dpo/rejected": rejected_reward.mean(),
         }
-    return loss, stats
 
 
 def adaptive_kl_coef(kl_coef: float, observed_kl: float, target: float, horizon: int, n_steps: int) -> float:

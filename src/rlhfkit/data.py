@@ -70,6 +70,7 @@ __all__ = [
     "encode_sft",
     "encode_preferences",
     "encode_triples",
+    "hold_out",
     "stack_pairs",
     "pack_sft",
     "unencodable_characters",
@@ -735,6 +736,18 @@ def encode_preferences(
 def encode_triples(tok, triples: list[tuple[str, str, str]], max_length: int = 64) -> dict:
     """``(prompt, chosen, rejected)`` text triples -> ``encode_preferences`` tensors."""
     return encode_preferences([PreferenceExample(p, c, r) for p, c, r in triples], tok, max_length, "error")
+
+
+def hold_out(items: list, fraction: float, seed: int, what: str = "examples") -> tuple[list, list]:
+    """``(train, held_out)``: a seeded ``fraction`` of ``items`` held out (at least one when
+    ``fraction > 0``; none at 0), each part in its original order."""
+    if not fraction:
+        return list(items), []
+    n = max(1, round(len(items) * fraction))
+    if n >= len(items):
+        raise DataError(f"data.eval_fraction={fraction} holds out all {len(items)} {what}; lower it")
+    held = set(torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()[:n])
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
 
 def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:

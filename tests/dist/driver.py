@@ -28,6 +28,9 @@ runs = {  # run name: (command, overrides)
     "sft": ("sft", ["sft.steps=1", "sft.batch_size=8"]),
     "rm": ("rm", ["reward.steps=1", "reward.batch_size=8", "reward.eval_pairs=64"]),
 }
+# the same in micro-batches of 3 rows per process (gradient sync on the last one only)
+runs.update({f"{name}_micro": (cmd, [*args, f"{'reward' if cmd == 'rm' else cmd}.micro_batch_size=3"])
+             for name, (cmd, args) in list(runs.items()) if name in ("ppo", "dpo", "sft", "rm")})
 for name, (cmd, args) in runs.items():
     if main([cmd, *common, *args, f"run.out_dir={out / name}"]) != 0:
         sys.exit(f"rlhfkit {cmd} ({name}) failed")

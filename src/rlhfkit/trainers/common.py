@@ -15,9 +15,11 @@ A trainer's own code is its arithmetic; :class:`Run` holds the rest, the same in
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,38 @@ class Engine:
 
     def clip(self, parameters, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.accelerator, parameters, max_norm)
+
+    def accumulate(self, n_rows: int, micro_batch: int, step: Callable[[slice], tuple],
+                   maxed: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
+        """Forward and backward passes over a minibatch of ``n_rows`` rows in micro-batches of
+        ``micro_batch`` rows (0: all at once), their gradients summed in ``.grad``.
+
+        ``step(rows)`` (``rows`` a slice of ``range(n_rows)``) returns the micro-batch's
+        ``(loss, stats)`` already weighted by its share of the minibatch (its rows for a mean over
+        rows, its tokens for a mean over tokens), so the summed gradient, loss and stats are the
+        whole minibatch's; stats in ``maxed`` are maxed instead. Under DDP the gradients are
+        synchronised on the last micro-batch only (``accelerator.no_sync``). Returns the summed
+        loss (detached) and stats."""
+        size = micro_batch or n_rows
+        chunks = [slice(i, min(n_rows, i + size)) for i in range(0, n_rows, size)]
+        acc = self.accelerator
+        if len(chunks) > 1 and acc is not None and acc.distributed_type == "DEEPSPEED":
+            raise ValueError("micro_batch_size > 0 is not supported under DeepSpeed, whose engine steps the optimizer "
+                             "after every backward; set micro_batch_size=0 (or use DDP)")
+        total, out = torch.zeros(()), {}
+        for k, rows in enumerate(chunks):
+            quiet = k < len(chunks) - 1 and acc is not None and self.model is not None
+            with acc.no_sync(self.model) if quiet else contextlib.nullcontext():
+                loss, stats = step(rows)
+                self.backward(loss)
+            total = total.to(loss.device) + loss.detach()
+            for key, v in stats.items():
+                v = v.detach() if isinstance(v, torch.Tensor) else v
+                if key not in out:
+                    out[key] = v
+                else:
+                    out[key] = max(out[key], v) if key in maxed else out[key] + v
+        return total, out
 
 
 class Run:

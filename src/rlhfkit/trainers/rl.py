@@ -21,6 +21,7 @@ response token -- the EOS when one was emitted, else the last sampled token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -90,6 +91,23 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
     return loss, logprobs, stats
 
 
+def micro_batch_loss(model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float, update_policy: bool,
+                     weight: float, gap: bool, rows: slice) -> tuple[torch.Tensor, dict]:
+    """:func:`minibatch_loss` of the micro-batch ``mb[rows]``, loss and stats scaled by its share of
+    the minibatch's response tokens (every term is a token mean), the loss also by the process's
+    token ``weight``; with ``gap`` the stats add ``policy/logprob_gap``, the largest
+    |log-prob - old log-prob| over its tokens."""
+    sub = mb[rows]
+    rmask = exp.response_mask[sub]
+    loss, logprobs, stats = minibatch_loss(model, exp, sub, pc, kl_coef, update_policy)
+    share = rmask.sum() / exp.response_mask[mb].sum()  # 1 when the micro-batch is the minibatch
+    stats = {k: v * share for k, v in stats.items()}
+    if gap:
+        stats["policy/logprob_gap"] = torch.where(rmask.bool(), (logprobs.detach() - exp.old_logprobs[sub]).abs(),
+                                                  0.0).max()
+    return loss * share * weight, stats
+
+
 def ppo_update(
     ac: ActorCritic, optimizer, exp: Experience, pc: PPOConfig, kl_coef: float, update_policy: bool = True,
     generator: torch.Generator | None = None, engine: Engine | None = None, logprob_gap: bool = False,
@@ -104,7 +122,9 @@ def ppo_update(
     those of the global minibatch (the synchronised gradient norms make every process's guard
     decide alike). ``logprob_gap``: the first minibatch's stats add ``policy/logprob_gap``, the
     largest |log-prob - old log-prob| over its tokens before any update (the old ones came from
-    the sampler: :func:`rlhfkit.experience.reuse_rollout`).
+    the sampler: :func:`rlhfkit.experience.reuse_rollout`). ``pc.micro_batch_size`` rows of a
+    minibatch at a time go through the forward and backward passes, their gradients accumulated
+    into the minibatch's (:meth:`~rlhfkit.trainers.common.Engine.accumulate`).
     """
     engine = engine or Engine(guard=UpdateGuard(where=pc.algo))
     model = engine.model if engine.model is not None else ac
@@ -118,15 +138,13 @@ def ppo_update(
     for _ in range(pc.ppo_epochs):
         perm = (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()
         for mb in perm.to(exp.input_ids.device).split(pc.minibatch_size):
-            rmask = exp.response_mask[mb]
-            loss, logprobs, stats = minibatch_loss(model, exp, mb, pc, kl_coef, update_policy)
-            weight = engine.shard.token_weight(rmask)  # 1 with one process
+            weight = engine.shard.token_weight(exp.response_mask[mb])  # 1 with one process
             optimizer.zero_grad(set_to_none=True)
-            engine.backward(loss * weight)
-            if logprob_gap and not all_stats:  # no optimizer step yet: the policy that sampled
-                stats["policy/logprob_gap"] = torch.where(rmask.bool(), (logprobs.detach() - exp.old_logprobs[mb]).abs(),
-                                                          0.0).max()
-            # every term is a token mean over rmask but the gap
+            # no optimizer step yet on the first minibatch: the gap is to the policy that sampled
+            gap = logprob_gap and not all_stats
+            step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, weight, gap)
+            loss, stats = engine.accumulate(len(mb), pc.micro_batch_size, step, maxed=("policy/logprob_gap",))
+            # every term is a token mean over the response mask but the gap
             stats = engine.shard.mean(stats, weight, maxed=("policy/logprob_gap",))
             stats["policy/grad_norm"] = engine.clip(ac.policy.parameters(), pc.max_grad_norm)
             if ac.has_critic:
