@@ -13,7 +13,7 @@ from rlhfkit.config import Config
 from rlhfkit.data import encode_preferences, encode_triples, load_preferences, load_prompts, load_sft
 from rlhfkit.prompts import prompt_data
 from rlhfkit.tasks import cities, doubling, get_task
-from rlhfkit.trainers.sft import encode_demonstrations
+from rlhfkit.trainers.sft import encode_demonstrations, load_demonstrations
 from rlhfkit.utils import read_jsonl
 
 SEED = 3
@@ -99,7 +99,8 @@ def test_the_files_hold_what_the_built_in_route_generates(exported):
     assert [{k: r[k] for k in COLUMNS[name]} for r in rows[:64]] == [rec.columns for rec in got]
     assert [r["prompt"] for r in rows[:8]] == [p.text for p in task.TaskData(SEED + 2).prompts(8)]
     # SFT: the same encoded demonstrations with and without data.path
-    built_in, from_file = encode_demonstrations(cfg, tok, None), encode_demonstrations(cfg, tok, str(out / "sft.jsonl"))
+    built_in = encode_demonstrations(cfg, tok, load_demonstrations(cfg, tok, None)[0], packing=False)
+    from_file = encode_demonstrations(cfg, tok, load_demonstrations(cfg, tok, str(out / "sft.jsonl"))[0], packing=False)
     assert all(torch.equal(built_in[k], from_file[k]) for k in built_in)
     # DPO's fixed pair set, encoded as each route encodes it
     pairs = task.TaskData(SEED + 3).preference_pairs(64, cfg.reward.hard_negatives)
