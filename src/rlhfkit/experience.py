@@ -31,6 +31,7 @@ from .models import ValueHead, policy_forward, token_values, unwrap
 from .rewards import Scorer
 from .rollout import Rollout
 from .utils import to_float
+from .watch import HackingWatch
 
 
 @dataclass(kw_only=True)
@@ -241,3 +242,25 @@ def make_experience(
                      ref_logprobs=ref_logprobs, old_values=old_values, score=score, rewards=rewards,
                      advantages=advantages, returns=returns, raw_advantages=raw_advantages)
     return exp, {k: to_float(v) for k, v in stats.items()}
+
+
+class RLState:
+    """The loop's counters beyond the step: KL coefficient, training seconds, reward statistics,
+    the reward-hacking watch."""
+
+    def __init__(self, pc: PPOConfig):
+        self.kl_coef, self.train_s = pc.kl_coef, 0.0
+        self.reward_stats = RunningMoments() if pc.normalize_reward else None
+        self.reached: dict | None = None
+        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, pc.stop_metric)
+
+    def state_dict(self) -> dict:
+        m = self.reward_stats
+        return {"kl_coef": self.kl_coef, "train_s": self.train_s, "watch": self.watch.state_dict(),
+                "reward_stats": None if m is None else [m.count, m.mean, m.m2]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_coef, self.train_s = state["kl_coef"], state["train_s"]
+        self.watch.load_state_dict(state["watch"])
+        if self.reward_stats is not None:
+            self.reward_stats.count, self.reward_stats.mean, self.reward_stats.m2 = state["reward_stats"]

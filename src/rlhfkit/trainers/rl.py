@@ -44,7 +44,7 @@ from ..core import (
 )
 from ..distributed import full_weights, rollout_uniforms
 from ..evaluate import evaluate_rewards, evaluate_sharded
-from ..experience import ActorCritic, Experience, RunningMoments, make_experience
+from ..experience import ActorCritic, Experience, RLState, make_experience
 from ..models import (
     ValueHead,
     add_lora,
@@ -62,7 +62,6 @@ from ..rollout import decode_responses, generate
 from ..tasks import get_task
 from ..trajectories import TrajectoryWriter
 from ..utils import UpdateGuard, cut_file, file_size, mean_stats
-from ..watch import HackingWatch
 from .common import Engine, Run
 
 
@@ -220,28 +219,6 @@ def make_optimizer(ac: ActorCritic, pc: PPOConfig) -> torch.optim.Optimizer:
     if ac.has_critic:
         groups.append({"params": ac.critic_parameters(), "lr": pc.value_lr})
     return torch.optim.AdamW(groups, weight_decay=0.0, fused=True)  # one kernel per step, ~20% faster on CPU
-
-
-class RLState:
-    """The loop's counters beyond the step: KL coefficient, training seconds, reward statistics,
-    the reward-hacking watch."""
-
-    def __init__(self, pc: PPOConfig):
-        self.kl_coef, self.train_s = pc.kl_coef, 0.0
-        self.reward_stats = RunningMoments() if pc.normalize_reward else None
-        self.reached: dict | None = None
-        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, pc.stop_metric)
-
-    def state_dict(self) -> dict:
-        m = self.reward_stats
-        return {"kl_coef": self.kl_coef, "train_s": self.train_s, "watch": self.watch.state_dict(),
-                "reward_stats": None if m is None else [m.count, m.mean, m.m2]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.kl_coef, self.train_s = state["kl_coef"], state["train_s"]
-        self.watch.load_state_dict(state["watch"])
-        if self.reward_stats is not None:
-            self.reward_stats.count, self.reward_stats.mean, self.reward_stats.m2 = state["reward_stats"]
 
 
 def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int, max_new_tokens: int):
