@@ -18,11 +18,12 @@ $RLHFKIT rm model.name="$OUT/base/policy" data.path="$OUT/data/prefs.jsonl" \
     data.eval_path="$OUT/data/prefs_eval.jsonl" reward.steps=300 run.out_dir="$OUT/rm"
 
 # 2. PPO on the prompt file with the reward model; the verifier (which reads each record's
-#    'country' column) rides along with weight 0, so eval/accuracy reports held-out exactness
+#    'country' column) rides along with weight 0, so eval/accuracy reports held-out exactness.
+#    The learned reward is over-optimised after ~15-20 steps: stop at 0.95 held-out accuracy
 $RLHFKIT ppo model.name="$OUT/base/policy" data.path="$OUT/data/prompts.jsonl" \
     data.eval_path="$OUT/data/eval_prompts.jsonl" reward.name="$OUT/rm/reward_model" \
-    reward.function=rlhfkit.tasks.cities:exact_reward reward.weights=1,0 \
-    ppo.max_new_tokens=32 ppo.lr=1e-4 ppo.steps=20 ppo.eval_every=10 ppo.stop_at=0 run.out_dir="$OUT/ppo"
+    reward.function=rlhfkit.tasks.cities:exact_reward reward.weights=1,0 ppo.max_new_tokens=32 ppo.lr=1e-4 \
+    ppo.steps=40 ppo.eval_every=5 ppo.stop_metric=eval/accuracy ppo.stop_at=0.95 run.out_dir="$OUT/ppo"
 
 # 3. GRPO on the same prompts with the verifier itself as the reward
 $RLHFKIT grpo model.name="$OUT/base/policy" data.path="$OUT/data/prompts.jsonl" \
