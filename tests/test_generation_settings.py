@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,6 +38,7 @@ from rlhfkit.rewards import reward_model_scorer
 from rlhfkit.rollout import decode_responses, generate, truncate_logprobs
 from rlhfkit.tasks.doubling import make_tokenizer
 from rlhfkit.trainers.rl import ppo_update
+from test_sampling import FixedLogits
 
 TOK = make_tokenizer()
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
@@ -70,18 +70,6 @@ def prompts(n: int, tok=TOK) -> tuple[torch.Tensor, torch.Tensor]:
 
 def uniforms(B: int, R: int, seed: int = 0) -> torch.Tensor:
     return torch.rand((B, R), generator=torch.Generator().manual_seed(seed))
-
-
-class FixedLogits(torch.nn.Module):
-    """A 'model' whose next-token logits are the same everywhere."""
-
-    def __init__(self, logits: torch.Tensor):
-        super().__init__()
-        self.logits = logits
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
-        B, T = input_ids.shape
-        return SimpleNamespace(logits=self.logits.expand(B, T, -1), past_key_values=past_key_values)
 
 
 def nucleus(logits: list[float], top_k: int, top_p: float) -> set[int]:

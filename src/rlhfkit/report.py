@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .trajectories import ROWS
 from .utils import read_jsonl
+from .watch import KEYS as HACKING_KEYS
 
 # (id, title, metric keys) in display order; keys a run lacks are skipped, and every other
 # numeric key gets a panel of its own after these
@@ -55,7 +56,6 @@ PANELS = [
     ("step_time", "seconds per step", ["time/rollout_s", "time/experience_s", "time/update_s"]),
 ]
 SKIP = {"step", "time/elapsed_s", "time/train_s"}
-HACKING_KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop")
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b"]
 MAX_POINTS = 400
 MAX_SAMPLE_STEPS = 16
