@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
 
     algo = "ppo" if kind == "rlhfkit_ppo" else "grpo"
     out = Path(args.out) / f"step_{kind}"
+    shutil.rmtree(out, ignore_errors=True)  # a run appends to an existing metrics.jsonl: start clean
     ppo = {**ALGO_DEFAULTS[algo], "steps": args.warmup + args.steps, "stop_at": 0.0, "eval_every": 0,
            "critic_warmup_steps": 0}
     if kind == "rlhfkit_grpo_trl_schedule":

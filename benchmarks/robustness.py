@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def run_cell(algo: str, reward: str, seed: int, paths: dict, args) -> dict:
     from rlhfkit.utils import read_jsonl
 
     out = Path(args.out) / f"robust_{algo}_{reward}_{seed}"
+    shutil.rmtree(out, ignore_errors=True)  # a run appends to an existing metrics.jsonl: start clean
     cfg = Config().replace(
         run={"out_dir": str(out), "seed": seed, "progress": False, "threads": 1, "checkpoint_every": 0,
              "tensorboard": False},

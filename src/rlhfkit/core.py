@@ -32,6 +32,8 @@ __all__ = [
     "last_token_index",
     "gae",
     "group_advantages",
+    "reinforce_advantages",
+    "scale_advantages",
     "rloo_advantages",
     "policy_loss",
     "value_loss",
@@ -277,43 +279,77 @@ def gae(
     return advantages, returns
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+def scale_advantages(centred: torch.Tensor, scores: torch.Tensor, group_size: int, scale: str | bool,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """Divide baseline-centred scores ``[B]`` by a standard deviation of the scores ``[B]``:
+
+    * ``"group"`` (or True): each group's own (unbiased) std -- GRPO's paper and reference code.
+      Small differences inside a group become full-size advantages, whatever the reward's units;
+    * ``"batch"``: the std of every score in the batch (TRL's ``scale_rewards="batch"``): the
+      advantages no longer carry the reward's units, and a group whose scores barely differ
+      keeps small advantages;
+    * ``"none"`` (or False): nothing -- advantages in the reward's units (Dr. GRPO).
+
+    ``eps`` keeps a group (or batch) of equal scores at 0 instead of 0/0.
+    """
+    scale = ("group" if scale else "none") if isinstance(scale, bool) else scale
+    if scale == "none":
+        return centred
+    if scale == "batch":
+        return centred / (scores.std() + eps)
+    if scale == "group":
+        std = scores.view(-1, group_size).std(-1, keepdim=True)  # [B/G, 1]
+        return (centred.view(-1, group_size) / (std + eps)).reshape(-1)
+    raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+
+
+def _check_groups(scores: torch.Tensor, group_size: int) -> None:
+    if group_size < 2 or scores.shape[0] % group_size:
+        raise ValueError(f"group_size must be >= 2 and divide the batch ({scores.shape[0]}), got {group_size}")
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = "group", eps: float = 1e-4) -> torch.Tensor:
     """GRPO's group-relative advantage of each completion (Shao et al. 2024).
 
     Rows ``[g*G, (g+1)*G)`` are the ``G`` completions of prompt ``g``:
-    ``A_i = (s_i - mean_group(s))`` and, with ``scale``, divided by ``std_group(s) + eps``
-    (unbiased std, as in the paper's reference code).
+    ``A_i = s_i - mean_group(s)``, divided by the std that ``scale`` names
+    (:func:`scale_advantages`; the paper's is the group's).
 
     Args:
         scores: ``[B]`` with ``B = n_prompts * G``, grouped contiguously.
     Returns:
         ``[B]`` advantages (0 for a group whose scores are all equal).
     """
-    if group_size < 2 or scores.shape[0] % group_size:
-        raise ValueError(f"group_size must be >= 2 and divide the batch ({scores.shape[0]}), got {group_size}")
+    _check_groups(scores, group_size)
     grouped = scores.view(-1, group_size)  # [B/G, G]
-    centred = grouped - grouped.mean(-1, keepdim=True)
-    if scale:
-        centred = centred / (grouped.std(-1, keepdim=True) + eps)
-    return centred.reshape(-1)  # [B]
+    centred = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1)  # [B]
+    return scale_advantages(centred, scores, group_size, scale, eps)
 
 
-def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+def rloo_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = "none", eps: float = 1e-4) -> torch.Tensor:
     """REINFORCE leave-one-out advantage (Kool et al. 2019; Ahmadian et al. 2024).
 
     ``A_i = s_i - mean_{j != i} s_j = G / (G - 1) * (s_i - mean_group(s))`` within each group
-    of ``G`` completions of one prompt.
+    of ``G`` completions of one prompt, then divided by the std that ``scale`` names
+    (:func:`scale_advantages`; the paper divides by nothing).
 
     Args:
         scores: ``[B]`` grouped contiguously in groups of ``G``.
     Returns:
         ``[B]`` advantages.
     """
-    if group_size < 2 or scores.shape[0] % group_size:
-        raise ValueError(f"group_size must be >= 2 and divide the batch ({scores.shape[0]}), got {group_size}")
+    _check_groups(scores, group_size)
     grouped = scores.view(-1, group_size)  # [B/G, G]
     baseline = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)  # mean of the others
-    return (grouped - baseline).reshape(-1)  # [B]
+    return scale_advantages((grouped - baseline).reshape(-1), scores, group_size, scale, eps)
+
+
+def reinforce_advantages(scores: torch.Tensor, scale: str | bool = "none", eps: float = 1e-4) -> torch.Tensor:
+    """REINFORCE with the batch-mean baseline: ``A_i = s_i - mean(s)``, then divided by the
+    batch's std with ``scale="batch"`` (there are no groups; :func:`scale_advantages`)."""
+    if scale in ("group", True):
+        raise ValueError("reinforce has no groups to scale by: scale must be 'batch' or 'none'")
+    return scale_advantages(scores - scores.mean(), scores, 1, scale, eps)
 
 
 # --------------------------------------------------------------------------- losses

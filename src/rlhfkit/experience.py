@@ -23,6 +23,7 @@ from .core import (
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
+    reinforce_advantages,
     rloo_advantages,
     shaped_rewards,
 )
@@ -120,13 +121,14 @@ class ActorCritic(torch.nn.Module):
 
 
 def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
-    """One advantage per completion for the critic-free estimators: ``[B] -> [B]``."""
+    """One advantage per completion for the critic-free estimators, scaled as ``ppo.scale_rewards``
+    says: ``[B] -> [B]``."""
     if pc.algo == "grpo":
         return group_advantages(score, pc.group_size, pc.scale_rewards)
     if pc.algo == "rloo":
-        return rloo_advantages(score, pc.group_size)
+        return rloo_advantages(score, pc.group_size, pc.scale_rewards)
     if pc.algo == "reinforce":
-        return score - score.mean()
+        return reinforce_advantages(score, pc.scale_rewards)
     raise ValueError(f"no sequence-level advantage for algo {pc.algo!r}")
 
 
