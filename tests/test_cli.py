@@ -114,7 +114,7 @@ def test_help_shows_the_commands_own_defaults_and_types(capsys):
     with pytest.raises(SystemExit):
         main(["grpo", "-h"])
     out = capsys.readouterr().out
-    assert "  ppo.kl_coef: float = 0.05\n      beta: weight of the KL penalty (which KL it pulls on: see kl_estimator).\n" in out
+    assert "  ppo.kl_coef: float = 0.3\n      beta: weight of the KL penalty (which KL it pulls on: see kl_estimator).\n" in out
     assert "  ppo.kl_estimator: 'k1' | 'k2' | 'k3' = 'k3'\n" in out  # grpo's ALGO_DEFAULTS, Literal choices
     assert "  run.out_dir: str = 'runs/grpo'\n" in out
     assert "  ppo.max_new_tokens: int | None = None\n" in out
@@ -143,7 +143,7 @@ def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsy
     (tmp_path / "my.yaml").write_text("ppo:\n  steps: 7\n  batch_size: 16\n")
     assert main(["grpo", "--print-config", "--config", "my.yaml", "run.task=cities", "ppo.steps=3"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
-    assert cfg["ppo"]["algo"] == "grpo" and cfg["ppo"]["kl_coef"] == 0.05  # the command's ALGO_DEFAULTS
+    assert cfg["ppo"]["algo"] == "grpo" and cfg["ppo"]["kl_coef"] == 0.3  # the command's ALGO_DEFAULTS
     assert cfg["ppo"]["lr"] == 1e-4 and cfg["model"]["n_layer"] == 3  # the cities task's CONFIG_DEFAULTS
     assert cfg["ppo"]["batch_size"] == 16 and cfg["ppo"]["steps"] == 3  # the file, then the override
     assert cfg["run"]["out_dir"] == "runs/grpo"

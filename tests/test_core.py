@@ -394,6 +394,39 @@ def test_rloo_advantages_hand_computed():
     close(rloo_advantages(torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0]), 3), [-3.0, -1.5, 4.5, -1.5, -1.5, 3.0])
 
 
+def test_batch_scaling_divides_by_the_batch_std_and_drops_the_reward_units():
+    from rlhfkit.core import group_advantages, reinforce_advantages, rloo_advantages, scale_advantages
+
+    scores = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0], dtype=torch.float64)
+    # mean 2, squared deviations 1, 0, 16, 4, 4, 1 -> unbiased variance 26/5, std sqrt(5.2)
+    std = math.sqrt(26 / 5)
+    close(group_advantages(scores, 3, "batch"), [(x - m) / (std + 1e-4) for x, m in
+                                                 zip(scores.tolist(), [3.0] * 3 + [1.0] * 3)], tol=1e-12)
+    close(rloo_advantages(scores, 3, "batch"), [a / (std + 1e-4) for a in (-3.0, -1.5, 4.5, -1.5, -1.5, 3.0)],
+          tol=1e-12)
+    close(reinforce_advantages(scores, "batch"), [(x - 2.0) / (std + 1e-4) for x in scores.tolist()], tol=1e-12)
+    # the same advantages for a reward in other units (x 1000 + 7), up to eps; "none" keeps the units
+    for fn in (lambda s, k: group_advantages(s, 3, k), lambda s, k: rloo_advantages(s, 3, k), reinforce_advantages):
+        close(fn(1000 * scores + 7, "batch"), fn(scores, "batch"), tol=1e-4)
+        close(fn(1000 * scores + 7, "none"), 1000 * fn(scores, "none"), tol=1e-9)
+    # "group" divides each group by its own std: RLOO's leave-one-out scaled like GRPO's
+    close(rloo_advantages(scores, 3, "group"), 1.5 * group_advantages(scores, 3, "group"), tol=1e-12)
+    with pytest.raises(ValueError, match="no groups"):
+        reinforce_advantages(scores, "group")
+    with pytest.raises(ValueError, match="'group', 'batch' or 'none'"):
+        scale_advantages(scores, scores, 3, "batchwise")
+
+
+def test_scale_rewards_reads_the_old_booleans_and_refuses_groups_for_reinforce():
+    from rlhfkit.config import ConfigError, PPOConfig, load_config
+
+    assert load_config(None, ["ppo.scale_rewards=false"]).ppo.scale_rewards == "none"
+    assert load_config(None, ["ppo.scale_rewards=true"]).ppo.scale_rewards == "group"
+    assert PPOConfig().scale_rewards == "batch"
+    with pytest.raises(ConfigError, match="reinforce: its baseline is the batch mean"):
+        PPOConfig(algo="reinforce", scale_rewards="group")
+
+
 def test_dpo_loss_hand_computed():
     from rlhfkit.core import dpo_loss
 

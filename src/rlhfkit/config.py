@@ -36,10 +36,11 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # per-sequence KL 17 and 25 nats); batch scaling at beta 0.05 still drifted (0.41-0.96). Final held-out exact below 0.95 after 150 steps, batch scaling: beta 0.2 in 3 of 24
     # runs, 0.3 in 1 of 12, 0.5 in 3 of 12; at beta 0.2, k1 in the reward and k2 in the loss in 4
     # of 12 each. The misses are late drifts of runs that had reached 0.97-1.00.
-    # Groups of 4 for GRPO (16 prompts per batch of 64): 90-100 steps to 0.99 against 150-190
-    # with groups of 8 on the verifier.
+    # Groups of 4 (16 prompts per batch of 64): GRPO on the verifier 90-100 steps to 0.99 against
+    # 150-190 with groups of 8; RLOO on the classifier 70-115 steps to 0.95 against 90-140, and a
+    # final exact of 0.977-0.996 against 0.955-0.990 (seeds 12-14).
     "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3, "group_size": 4},
-    "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3},
+    "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3, "group_size": 4},
     "reinforce": {"algo": "reinforce", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3},
 }
 # k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
@@ -244,6 +245,14 @@ class ChatConfig(Section):
 
 @dataclass(frozen=True)
 class PPOConfig(Section):
+    """The RL commands' settings. Where TRL, OpenRLHF or DeepSpeed-Chat choose differently, the
+    key says so (docs/ppo_walkthrough.md, section 10, has the table). Two choices have no key:
+    the score lands on the last response token, the EOS when one was emitted (TRL's PPOTrainer
+    and DeepSpeed-Chat put it one position past the EOS, OpenRLHF on it), and the policy loss
+    is a token mean over the minibatch, micro-batches weighted by their share of its tokens
+    (TRL's PPO, OpenRLHF and DeepSpeed-Chat: a token mean per micro-batch; TRL's GRPO:
+    loss_type 'dapo', a sum over the global batch's tokens, in newer releases)."""
+
     algo: Literal["ppo", "grpo", "rloo", "reinforce"] = "ppo"
     """Advantage estimator: 'ppo' (critic + GAE), 'grpo' (group-relative), 'rloo' (leave-one-out),
     'reinforce' (batch-mean baseline). Set by the command (rlhfkit ppo/grpo/rloo/reinforce)."""
@@ -257,7 +266,8 @@ class PPOConfig(Section):
     """grpo, rloo, reinforce: divide the baseline-centred scores by the std of the prompt's group
     ('group': GRPO's paper; true reads as this), of the whole batch's scores ('batch': TRL's
     option), or by nothing ('none': Dr. GRPO, RLOO's paper; false reads as this). See
-    rlhfkit.core.scale_advantages; reinforce has no groups."""
+    rlhfkit.core.scale_advantages; reinforce has no groups. TRL's GRPO divides by the group's
+    std by default, OpenRLHF's too; both add a small epsilon to an unbiased std, as here."""
     steps: int = 200
     """Rollout + update iterations (upper bound; see stop_at)."""
     batch_size: int = 64
@@ -296,7 +306,9 @@ class PPOConfig(Section):
     False, the policy is run again; ``policy/logprob_gap`` reports the largest difference either
     way (with reuse, on the first minibatch of the update, before any optimizer step)."""
     kl_coef: float = 0.2
-    """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator)."""
+    """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator). The grpo, rloo
+    and reinforce commands set 0.3 (config.ALGO_DEFAULTS). PPO's per-token KL weight is 0.05 in
+    TRL, 0.01 in OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator from the sampled token's log-probs, with log r = log ref - log pi:
     k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As values (objective/kl) k1 and k3 are
@@ -333,9 +345,14 @@ class PPOConfig(Section):
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     score_clip: float = 5.0
-    """Clip the reward score to +-score_clip before it is added."""
+    """Clip the reward score to +-score_clip before it is added -- and before any group or batch
+    statistic (GRPO's mean and std). TRL does not clip; OpenRLHF clips to +-10 (for GRPO after
+    its group normalisation); DeepSpeed-Chat to +-5."""
     whiten_advantages: bool = True
-    """Normalise advantages to mean 0 / std 1 over the rollout."""
+    """PPO: normalise the GAE advantages to mean 0 / std 1 over every response token of the
+    rollout, across processes, with the unbiased (n - 1) variance. TRL's PPOTrainer: unbiased,
+    over each process's batch; OpenRLHF: the population (n) variance; DeepSpeed-Chat: no
+    whitening. (grpo, rloo, reinforce: see scale_rewards.)"""
     max_grad_norm: float = 1.0
     """Gradient-norm clip, per model."""
     value_model: Literal["separate", "shared"] = "separate"
@@ -345,7 +362,10 @@ class PPOConfig(Section):
     reward functions alone, from the policy) or from the policy backbone ('policy'); value.name,
     when set, overrides both."""
     missing_eos_penalty: float = 0.0
-    """Subtracted from the score of responses that never emit EOS (0 = off)."""
+    """Subtracted from the score of responses that never emit EOS (0 = off; TRL's PPOTrainer
+    has the same option, off by default). On the doubling task's three rewards no default run
+    lost its EOS (benchmarks/robustness.py), so it stays off; the hacking watch flags a fall
+    of the EOS rate (guard_eos)."""
     normalize_reward: bool = False
     """Normalise scores with running mean/std before clipping."""
     critic_warmup_steps: int = 3
