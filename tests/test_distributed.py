@@ -15,6 +15,10 @@ and once with ``accelerate launch``. Each node runs in its own working directory
 relative ``run.out_dir``, as two machines without a shared file system would: node 1 (a local
 main process, not the global one) must leave no file there, and node 0's metrics and weights
 must match the 1-process run's.
+
+Where DeepSpeed is installed (it is not a dependency: elsewhere those tests skip), SFT under the
+ZeRO-2 and ZeRO-3 example configs and GRPO under ZeRO-2 run on two CPU processes (gloo) and must
+match the 1-process run as well.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ TOL = 1e-4
 RUNS = ("ppo", "ppo_warmup", "grpo", "grpo_file", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro",
         "rm_micro")
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
+# what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
+# ZeRO-3 rollouts (sharded weights) do not work, see README
+DEEPSPEED_RUNS = {"zero2": ("sft", "grpo_file"), "zero3": ("sft",)}
+EXAMPLES = Path(__file__).parents[1] / "examples" / "accelerate"
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -235,3 +243,31 @@ def test_two_nodes_match_one_process(runs, two_nodes, cmd):
     assert not bad, bad
     _assert_weights_match(one / cmd / "policy", out / cmd / "policy")
     assert read_jsonl(one / cmd / "samples.jsonl") == read_jsonl(out / cmd / "samples.jsonl")
+
+
+@pytest.fixture(scope="module", params=sorted(DEEPSPEED_RUNS))
+def deepspeed_run(request, runs):
+    """``(out dir, run names)`` of a 2-process launch with examples/accelerate/deepspeed_<stage>.yaml."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
+    root, names = runs[0].parent, DEEPSPEED_RUNS[request.param]
+    out = root / f"deepspeed-{request.param}"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(EXAMPLES / f"deepspeed_{request.param}.yaml"), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"),
+           *names]
+    proc = subprocess.run(cmd, env={**ENV, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, f"DeepSpeed {request.param} run failed:\n{proc.stdout[-6000:]}"
+    return out, names
+
+
+def test_deepspeed_matches_one_process(runs, deepspeed_run):
+    out, names = deepspeed_run
+    world = json.loads((out / "world.json").read_text())
+    assert world["num_processes"] == 2 and "DEEPSPEED" in world["distributed_type"], world
+    for cmd in names:
+        diffs = _metric_diffs(runs[0] / cmd, out / cmd)
+        print(f"\n{out.name} {cmd}: max |1 process - 2 processes| over {len(diffs)} metrics = {max(diffs.values()):.2e}")
+        bad = {k: v for k, v in diffs.items() if not v <= TOL}
+        assert not bad, (cmd, bad)
+        _assert_weights_match(runs[0] / cmd / "policy", out / cmd / "policy")
