@@ -7,6 +7,18 @@ logged losses, gradient norms and statistics and the saved weights must agree (1
 holds only if sharding reproduces the single-process batch, sampling does not depend on the
 split, batch-wide statistics are gathered, token-mean losses are reweighted and metrics are
 reduced; and only the main process may write files.
+
+PPO and GRPO (the prompt-file run) also run on two "nodes" of one process each, started as two
+separate launches on this machine (``--nnodes 2`` / ``--num_machines 2``, node rank 0 and 1,
+rendezvous on 127.0.0.1): once with plain ``torchrun`` (accelerate reads torchrun's environment)
+and once with ``accelerate launch``. Each node runs in its own working directory with the same
+relative ``run.out_dir``, as two machines without a shared file system would: node 1 (a local
+main process, not the global one) must leave no file there, and node 0's metrics and weights
+must match the 1-process run's.
+
+Where DeepSpeed is installed (it is not a dependency: elsewhere those tests skip), SFT under the
+ZeRO-2 and ZeRO-3 example configs and GRPO under ZeRO-2 run on two CPU processes (gloo) and must
+match the 1-process run as well.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +48,12 @@ DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
 RUNS = ("ppo", "ppo_warmup", "grpo", "grpo_file", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro",
         "rm_micro")
+NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
+# what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
+# ZeRO-3 rollouts (sharded weights) do not work, see README
+DEEPSPEED_RUNS = {"zero2": ("sft", "grpo_file"), "zero3": ("sft",)}
+EXAMPLES = Path(__file__).parents[1] / "examples" / "accelerate"
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _free_port() -> int:
@@ -65,7 +84,7 @@ def runs(tmp_path_factory):
         rows = [{"prompt": doubling.Prompt(n, doubling.SET_NAMES[n % 3]).text,
                  **doubling.columns(doubling.Prompt(n, doubling.SET_NAMES[n % 3]))} for n in numbers]
         (root / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = ENV
     args = [str(root / "policy"), str(root / "rm")]
     # --multi_gpu selects the torch.distributed launcher; on CPU the processes join with gloo
     # (accelerate 1.x sends a bare --cpu multi-process launch to mpirun instead)
@@ -84,6 +103,75 @@ def runs(tmp_path_factory):
     return root / "one", root / "two"
 
 
+def _launch_nodes(launcher: str, root: Path, port: int) -> list[list[str]]:
+    """The commands of node 0 and node 1 (one process each) of a 2-node launch that rendezvous
+    on 127.0.0.1:port, as they would be typed on two machines."""
+    if launcher == "torchrun":  # python -m torch.distributed.run is the torchrun script
+        node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--master_addr", "127.0.0.1", "--master_port", str(port), "--node_rank"]
+    else:  # --num_processes counts the processes of all machines
+        node = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+                "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--machine_rank"]
+    args = [str(DRIVER), "out", str(root / "policy"), str(root / "rm"), *NODE_RUNS]  # out: relative
+    return [[*node, str(rank), *args] for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module", params=["torchrun", "accelerate"])
+def two_nodes(request, runs):
+    """``(node 0's out dir, node 1's working directory)`` of a 2-node launch of NODE_RUNS; each
+    node runs in its own working directory with the relative out dir ``out``."""
+    root = runs[0].parent
+    cwds = [root / f"{request.param}-node{rank}" for rank in (0, 1)]
+    procs = []
+    for cmd, cwd in zip(_launch_nodes(request.param, root, _free_port()), cwds):
+        cwd.mkdir()
+        with open(root / f"{cwd.name}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 300
+    try:  # a node that fails leaves the other waiting in the rendezvous or a collective: stop it
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, \
+            f"{request.param} node {rank} failed ({p.returncode}):\n{(root / f'{cwds[rank].name}.log').read_text()[-6000:]}"
+    return cwds[0] / "out", cwds[1]
+
+
+def _metric_diffs(a_dir: Path, b_dir: Path) -> dict[str, float]:
+    """Largest |a - b| over the logged steps of every metric (wall-clock fields aside) of two
+    runs; both must have logged the same steps and the same metrics as None."""
+    a, b = read_jsonl(a_dir / "metrics.jsonl"), read_jsonl(b_dir / "metrics.jsonl")
+    assert len(a) == len(b) >= 1  # one row per logged step: written once, by the main process
+    diffs = {}
+    for ra, rb in zip(a, b):
+        for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step"):
+            va, vb = ra[k], rb[k]
+            assert (va is None) == (vb is None), k
+            if va is not None:
+                diffs[k] = max(diffs.get(k, 0.0), abs(va - vb))
+    return diffs
+
+
+def _assert_weights_match(a: Path, b: Path) -> None:
+    """The saved ``model.safetensors`` in directories ``a`` and ``b`` hold the same weights."""
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    diff = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
+    # Adam's first step moves every weight by about lr * g / |g|: float noise in a near-zero gradient
+    # can show up to ~lr in a few weights (1.7e-5 on one of 10^4 in the reward model), while a wrong
+    # batch would move most of them by O(lr). Hence a bound on the mean and a looser one on the max.
+    assert math.isfinite(diff.max().item()) and diff.mean().item() < 1e-7 and diff.max().item() < 1e-3, \
+        (diff.mean().item(), diff.max().item())
+
+
 def test_two_processes_really_ran(runs):
     one, two = runs
     assert json.loads((one / "world.json").read_text())["num_processes"] == 1
@@ -94,22 +182,15 @@ def test_two_processes_really_ran(runs):
 @pytest.mark.parametrize("cmd", RUNS)
 def test_first_step_matches_one_process(runs, cmd):
     one, two = runs
-    a, b = read_jsonl(one / cmd / "metrics.jsonl"), read_jsonl(two / cmd / "metrics.jsonl")
-    assert len(a) == len(b) >= 1  # one row per logged step: written once, by the main process
-    keys = [k for k in a[0] if not k.startswith(("time/", "throughput/")) and k != "step"]
+    diffs = _metric_diffs(one / cmd, two / cmd)
+    a = read_jsonl(one / cmd / "metrics.jsonl") + read_jsonl(two / cmd / "metrics.jsonl")
+    keys = list(diffs)
     assert any("loss" in k for k in keys) and any("grad_norm" in k for k in keys), keys
     if cmd == "ppo_warmup":
-        assert all(r["policy/grad_norm"] == 0.0 for r in a + b)  # warm-up: only the value head learned
+        assert all(r["policy/grad_norm"] == 0.0 for r in a)  # warm-up: only the value head learned
     if cmd == "grpo_file":  # both rewards, the held-out scores and the second pass are there
         assert {"reward/reward_model", "reward/format_reward", "eval/reward", "eval/accuracy"} <= set(a[-1])
-        assert [r["data/epoch"] for r in a] == [0, 1]
-    diffs = {}
-    for ra, rb in zip(a, b):
-        for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step"):
-            va, vb = ra[k], rb[k]
-            assert (va is None) == (vb is None), k
-            if va is not None:
-                diffs[k] = max(diffs.get(k, 0.0), abs(va - vb))
+        assert [r["data/epoch"] for r in a] == [0, 1, 0, 1]
     print(f"\n{cmd}: max |1 process - 2 processes| over {len(diffs)} metrics = {max(diffs.values()):.2e}; "
           + ", ".join(f"{k} {v:.1e}" for k, v in sorted(diffs.items()) if "loss" in k or "grad_norm" in k))
     bad = {k: v for k, v in diffs.items() if not v <= TOL}
@@ -121,32 +202,17 @@ def test_micro_batches_on_two_processes_match_whole_batches_on_one(runs, cmd):
     """Gradient accumulation under DDP (no gradient sync but on the last micro-batch) gives the
     update of the whole global batch in one process: the same metrics and weights."""
     one, two = runs
-    a, b = read_jsonl(one / cmd / "metrics.jsonl"), read_jsonl(two / f"{cmd}_micro" / "metrics.jsonl")
-    assert len(a) == len(b) >= 1
-    for ra, rb in zip(a, b):
-        for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step"):
-            assert (ra[k] is None) == (rb[k] is None), k
-            assert ra[k] is None or abs(ra[k] - rb[k]) <= TOL, (k, ra[k], rb[k])
+    bad = {k: v for k, v in _metric_diffs(one / cmd, two / f"{cmd}_micro").items() if not v <= TOL}
+    assert not bad, bad
     weights = "reward_model" if cmd == "rm" else "policy"
-    wa, wb = load_file(one / cmd / weights / "model.safetensors"), load_file(two / f"{cmd}_micro" / weights /
-                                                                            "model.safetensors")
-    diff = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
-    assert diff.mean().item() < 1e-7 and diff.max().item() < 1e-3, (diff.mean().item(), diff.max().item())
+    _assert_weights_match(one / cmd / weights, two / f"{cmd}_micro" / weights)
 
 
 @pytest.mark.parametrize("cmd,weights", [("ppo", "policy"), ("grpo", "policy"), ("grpo_file", "policy"), ("dpo", "policy"),
                                          ("sft", "policy"), ("rm", "reward_model")])
 def test_saved_weights_match_one_process(runs, cmd, weights):
     one, two = runs
-    wa = load_file(one / cmd / weights / "model.safetensors")
-    wb = load_file(two / cmd / weights / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    diff = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
-    # Adam's first step moves every weight by about lr * g / |g|: float noise in a near-zero gradient
-    # can show up to ~lr in a few weights (1.7e-5 on one of 10^4 in the reward model), while a wrong
-    # batch would move most of them by O(lr). Hence a bound on the mean and a looser one on the max.
-    assert math.isfinite(diff.max().item()) and diff.mean().item() < 1e-7 and diff.max().item() < 1e-3, \
-        (diff.mean().item(), diff.max().item())
+    _assert_weights_match(one / cmd / weights, two / cmd / weights)
 
 
 def test_only_the_main_process_writes_samples(runs):
@@ -155,3 +221,53 @@ def test_only_the_main_process_writes_samples(runs):
         sa = read_jsonl(one / cmd / "samples.jsonl")
         sb = read_jsonl(two / cmd / "samples.jsonl")
         assert sa == sb  # the first rows of the global batch, sampled identically, written once
+
+
+def test_two_nodes_ran_and_only_the_global_main_process_wrote(two_nodes):
+    out, node1 = two_nodes
+    world = json.loads((out / "world.json").read_text())
+    assert world["num_processes"] == 2 and "MULTI_CPU" in world["distributed_type"]
+    for cmd in NODE_RUNS:
+        assert (out / cmd / "metrics.jsonl").is_file() and (out / cmd / "samples.jsonl").is_file()
+    # node 1's process is its node's local main process but not the global one: it writes nothing
+    # (it may create the empty run directories)
+    assert [p for p in node1.rglob("*") if not p.is_dir()] == []
+
+
+@pytest.mark.parametrize("cmd", NODE_RUNS)
+def test_two_nodes_match_one_process(runs, two_nodes, cmd):
+    one, out = runs[0], two_nodes[0]
+    diffs = _metric_diffs(one / cmd, out / cmd)
+    print(f"\n{cmd}: max |1 process - 2 nodes| over {len(diffs)} metrics = {max(diffs.values()):.2e}")
+    bad = {k: v for k, v in diffs.items() if not v <= TOL}
+    assert not bad, bad
+    _assert_weights_match(one / cmd / "policy", out / cmd / "policy")
+    assert read_jsonl(one / cmd / "samples.jsonl") == read_jsonl(out / cmd / "samples.jsonl")
+
+
+@pytest.fixture(scope="module", params=sorted(DEEPSPEED_RUNS))
+def deepspeed_run(request, runs):
+    """``(out dir, run names)`` of a 2-process launch with examples/accelerate/deepspeed_<stage>.yaml."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
+    root, names = runs[0].parent, DEEPSPEED_RUNS[request.param]
+    out = root / f"deepspeed-{request.param}"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(EXAMPLES / f"deepspeed_{request.param}.yaml"), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"),
+           *names]
+    proc = subprocess.run(cmd, env={**ENV, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, f"DeepSpeed {request.param} run failed:\n{proc.stdout[-6000:]}"
+    return out, names
+
+
+def test_deepspeed_matches_one_process(runs, deepspeed_run):
+    out, names = deepspeed_run
+    world = json.loads((out / "world.json").read_text())
+    assert world["num_processes"] == 2 and "DEEPSPEED" in world["distributed_type"], world
+    for cmd in names:
+        diffs = _metric_diffs(runs[0] / cmd, out / cmd)
+        print(f"\n{out.name} {cmd}: max |1 process - 2 processes| over {len(diffs)} metrics = {max(diffs.values()):.2e}")
+        bad = {k: v for k, v in diffs.items() if not v <= TOL}
+        assert not bad, (cmd, bad)
+        _assert_weights_match(runs[0] / cmd / "policy", out / cmd / "policy")

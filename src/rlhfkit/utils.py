@@ -49,7 +49,20 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
 
     device = resolve_device(cfg.run.device)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
+    if device.type == "cpu" and _deepspeed_launch():
+        # accelerate turns DeepSpeed off for cpu=True (plain DDP would run instead), and with
+        # cpu=False and no GPU it picks no backend and counts one process; gloo, chosen here
+        # first, gives the processes' true count and ranks to both accelerate and DeepSpeed
+        from accelerate import PartialState
+
+        PartialState(cpu=False, backend="gloo")
+        return Accelerator(cpu=False, kwargs_handlers=[ddp])
     return Accelerator(cpu=device.type == "cpu", kwargs_handlers=[ddp])
+
+
+def _deepspeed_launch() -> bool:
+    """True in a process started by ``accelerate launch`` with a DeepSpeed config."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and "LOCAL_RANK" in os.environ
 
 
 def is_main_process() -> bool:

@@ -1,5 +1,6 @@
 """Runs one step of every trainer through the CLI; launched by tests/test_distributed.py with one
-process (plain python) and with two (``accelerate launch``). Usage: driver.py OUT POLICY RM."""
+process (plain python), with two (``accelerate launch``) and on two nodes of one process each
+(``torchrun --nnodes 2``). Usage: driver.py OUT POLICY RM [RUN ...]: the named runs only, else all."""
 
 from __future__ import annotations
 
@@ -31,7 +32,12 @@ runs = {  # run name: (command, overrides)
 # the same in micro-batches of 3 rows per process (gradient sync on the last one only)
 runs.update({f"{name}_micro": (cmd, [*args, f"{'reward' if cmd == 'rm' else cmd}.micro_batch_size=3"])
              for name, (cmd, args) in list(runs.items()) if name in ("ppo", "dpo", "sft", "rm")})
+only = sys.argv[4:]
+if unknown := set(only) - set(runs):
+    sys.exit(f"unknown runs {sorted(unknown)}; known: {list(runs)}")
 for name, (cmd, args) in runs.items():
+    if only and name not in only:
+        continue
     if main([cmd, *common, *args, f"run.out_dir={out / name}"]) != 0:
         sys.exit(f"rlhfkit {cmd} ({name}) failed")
 
