@@ -17,8 +17,10 @@ and logging fall outside, to TRL's favour), and runs the same greedy evaluation
 Configurations (each from a small sweep on seeds 10-12, never on the reported seeds 0-2; steps
 to 0.99 with the exact reward):
 
-    rlhfkit GRPO  ``rlhfkit grpo`` defaults: 16 prompts x 4 samples, 2 epochs x 2 minibatches
-                  of 32, Adam 3e-4, k3 KL 0.05 in the loss. (Groups of 8: 150-190 steps, of
+    rlhfkit GRPO  ``rlhfkit grpo`` defaults (config.ALGO_DEFAULTS): 16 prompts x 4 samples,
+                  2 epochs x 2 minibatches of 32, Adam 3e-4, k3 KL in the loss (beta 0.3 since
+                  commit f7bea22, chosen across three rewards by robustness.py; 0.05 before,
+                  with each group's std dividing the scores). (Groups of 8: 150-190 steps, of
                   4: 90-100; lr 5e-4 or 1e-3, KL 0 or 0.1, one epoch: all slower.)
     rlhfkit PPO   ``rlhfkit ppo`` defaults (64 prompts, 2 x 2 minibatches of 32, KL 0.2 in the
                   reward, GAE) with, for a reward *function*, a value head shared with the actor

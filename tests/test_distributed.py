@@ -248,7 +248,6 @@ def test_two_nodes_match_one_process(runs, two_nodes, cmd):
 @pytest.fixture(scope="module", params=sorted(DEEPSPEED_RUNS))
 def deepspeed_run(request, runs):
     """``(out dir, run names)`` of a 2-process launch with examples/accelerate/deepspeed_<stage>.yaml."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
     root, names = runs[0].parent, DEEPSPEED_RUNS[request.param]
     out = root / f"deepspeed-{request.param}"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -271,3 +270,20 @@ def test_deepspeed_matches_one_process(runs, deepspeed_run):
         bad = {k: v for k, v in diffs.items() if not v <= TOL}
         assert not bad, (cmd, bad)
         _assert_weights_match(runs[0] / cmd / "policy", out / cmd / "policy")
+
+
+@pytest.mark.parametrize("stage,cmd,reason", [("zero2", "ppo", "clips one gradient norm over the actor and the critic"),
+                                              ("zero3", "grpo", "ZeRO-3 holds partitioned")])
+def test_deepspeed_refuses_what_would_differ_from_one_process(runs, tmp_path, stage, cmd, reason):
+    """PPO (a critic clipped together with the actor) and RL under ZeRO-3 (generation on
+    partitioned weights) stop at once with the reason, instead of running a different update."""
+    root = runs[0].parent
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(EXAMPLES / f"deepspeed_{stage}.yaml"), "--num_processes", "2", "--main_process_port",
+              str(_free_port()), "-m", "rlhfkit", cmd, "run.device=cpu", "run.progress=false",
+              f"model.name={root / 'policy'}", f"reward.name={root / 'rm'}", "ppo.steps=1", "ppo.max_new_tokens=4",
+              f"run.out_dir={tmp_path / 'out'}"]
+    proc = subprocess.run(launch, env={**ENV, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode != 0 and reason in proc.stdout, proc.stdout[-3000:]
+    assert not (tmp_path / "out" / "policy").exists()

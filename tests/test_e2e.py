@@ -41,6 +41,22 @@ def test_ppo_teaches_the_prefix(demo_run):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algo", ["rloo", "reinforce"])
+def test_critic_free_defaults_learn_from_the_learned_reward_model(demo_run, tmp_path, algo):
+    """`rlhfkit rloo` / `rlhfkit reinforce` with their defaults on the demo's Bradley-Terry reward
+    model (a learned, gameable reward) reach 0.95 held-out exact without drifting away from the
+    reference: the defaults benchmarks/robustness.py chose across three rewards."""
+    out, summary = demo_run
+    assert main([algo, "run.progress=false", f"model.name={out / 'pretrain' / 'policy'}",
+                 f"reward.name={out / 'reward' / 'reward_model'}", "ppo.steps=200", "ppo.stop_at=0.95",
+                 "ppo.trajectories_every=0", f"run.out_dir={tmp_path}"]) == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[-1]["eval/exact_acc"] >= 0.95 > summary["base"]["exact_acc"], rows[-1]["eval/exact_acc"]
+    assert max(r["objective/kl"] for r in rows) < 10  # the hacking watch's threshold never reached
+    assert not any(r.get("guard/kl_high") or r.get("guard/eos_collapse") for r in rows)
+
+
+@pytest.mark.slow
 def test_run_directory_contents(demo_run):
     out, _ = demo_run
     for rel in ["config.yaml", "metrics.jsonl", "samples.jsonl", "trajectories.jsonl", "report.html", "tb",

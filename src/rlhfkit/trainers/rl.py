@@ -274,6 +274,20 @@ def open_outputs(run: Run, resumed: dict):
     return samples, trajectories
 
 
+def refuse_untested_engines(accelerator, pc) -> None:
+    """Stop, with the reason, where DeepSpeed would run RL differently from one process (measured
+    on two CPU processes against the 1-process run; README, DeepSpeed)."""
+    if accelerator is None or accelerator.distributed_type != "DEEPSPEED":
+        return
+    if accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise ValueError("RL under DeepSpeed ZeRO-3 is not supported: generation runs the policy's layers, whose "
+                         "weights ZeRO-3 holds partitioned; use ZeRO-2 or DDP (with LoRA for big models)")
+    if pc.algo == "ppo":
+        raise ValueError("ppo under DeepSpeed is not supported: its engine clips one gradient norm over the actor "
+                         "and the critic together, where rlhfkit clips each to ppo.max_grad_norm, so the update "
+                         "differs from the single-process one; use DDP, or grpo / rloo / reinforce (no critic)")
+
+
 def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
     """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the prompts of ``data.path``, or of
     the built-in task (``run.task``) when it is unset.
@@ -288,6 +302,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     repeats, pc = check_rl_config(cfg, policy_path), cfg.ppo
     # a critic warm-up's backward skips the actor: DDP must look for unused parameters
     run = Run(cfg, pc.algo, pc.steps, find_unused_parameters=pc.algo == "ppo" and pc.critic_warmup_steps > 0)
+    refuse_untested_engines(run.accelerator, pc)
     shard = run.shard
     shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
     local_pc = dataclasses.replace(pc, minibatch_size=shard.local_size(pc.minibatch_size, "ppo.minibatch_size"))
