@@ -23,6 +23,7 @@ import torch.nn.functional as F
 __all__ = [
     "logprobs_from_logits",
     "entropy_from_logits",
+    "chunked_token_logprobs",
     "masked_sum",
     "masked_mean",
     "masked_var",
@@ -93,6 +94,126 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # upcast, never downcast
     probs = F.softmax(logits, dim=-1)  # [B, R, V]
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [B, R]
+
+
+def _tempered_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     temperature: float) -> torch.Tensor:
+    """``[n, V]`` logits of one chunk as the LM head computes them (in its dtype), divided by the
+    temperature in that dtype too, then upcast: the numbers the full-logits path sees."""
+    logits = F.linear(hidden, weight, bias)  # [n, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """:func:`chunked_token_logprobs` with its own backward: only the inputs are saved, and each
+    chunk's logits are computed again in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy):
+        ctx.set_materialize_grads(False)  # an unused entropy output gets no gradient pass at all
+        dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        logp = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)  # [N]
+        ent = torch.empty_like(logp) if with_entropy else None  # [N]
+        for s in range(0, hidden.shape[0], chunk_rows):
+            z = _tempered_logits(hidden[s : s + chunk_rows], weight, bias, temperature)  # [n, V]
+            lse = torch.logsumexp(z, dim=-1)  # [n]
+            logp[s : s + chunk_rows] = z.gather(-1, targets[s : s + chunk_rows, None]).squeeze(-1) - lse
+            if with_entropy:
+                ent[s : s + chunk_rows] = lse - (F.softmax(z, dim=-1) * z).sum(-1)
+            del z
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return (logp, ent) if with_entropy else logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent=None):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(weight.dtype, torch.float32)  # weight grads summed over chunks in >= float32
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        for s in range(0, hidden.shape[0], ctx.chunk_rows):
+            h = hidden[s : s + ctx.chunk_rows]  # [n, H]
+            g = _logit_grad(_tempered_logits(h, weight, bias, ctx.temperature), targets[s : s + ctx.chunk_rows],
+                            None if grad_logp is None else grad_logp[s : s + ctx.chunk_rows],
+                            None if grad_ent is None else grad_ent[s : s + ctx.chunk_rows])  # [n, V]
+            if ctx.temperature != 1.0:
+                g = g.div_(ctx.temperature)  # d(z / T) / dz
+            g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
+            if need_h:
+                grad_h[s : s + ctx.chunk_rows] = g @ weight
+            if need_w:
+                grad_w += g.t() @ h
+            if need_b:
+                grad_b += g.sum(0)
+            del g
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _logit_grad(z: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor | None,
+                grad_ent: torch.Tensor | None) -> torch.Tensor:
+    """Gradient wrt the (tempered) logits ``z [n, V]`` (overwritten) of ``grad_logp . logp(targets)
+    + grad_ent . H``: ``d logp / dz = onehot - p`` and ``dH / dz = -p * (log p + H)``."""
+    logp = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # [n, V] log-softmax, in place
+    p = logp.exp()  # [n, V]
+    if grad_ent is not None:
+        ent = -(p * logp).sum(-1, keepdim=True)  # [n, 1]
+        g = logp.add_(ent).mul_(p).mul_(-grad_ent[:, None])  # -grad_ent * p * (log p + H)
+    else:
+        g = logp.zero_()
+    if grad_logp is not None:
+        g.addcmul_(p, grad_logp[:, None].to(g.dtype), value=-1.0)
+        g.scatter_add_(1, targets[:, None], grad_logp[:, None].to(g.dtype))
+    return g
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of ``targets`` (and the entropy) under a linear LM head, ``chunk_rows``
+    rows at a time, without ever holding the ``[N, V]`` logits.
+
+    ``z = (hidden @ weight.T + bias) / temperature``; ``logp[n] = z[n, targets[n]] -
+    logsumexp(z[n])`` and ``H[n] = logsumexp(z[n]) - sum_v softmax(z[n])_v z[n, v]``, the
+    numbers :func:`logprobs_from_logits` and :func:`entropy_from_logits` give for the full
+    logits (``lm_head(hidden) / temperature``). The forward keeps only its inputs; the backward
+    computes each chunk's logits again and adds the chunk's gradients wrt ``hidden``, ``weight``
+    and ``bias`` (``dlogp/dz = onehot - p``, ``dH/dz = -p (log p + H)``, both divided by the
+    temperature). Peak memory is a few ``[chunk_rows, V]`` float32 temporaries instead of
+    several ``[N, V]`` ones kept from the forward to the backward.
+
+    The logits are computed in the head's dtype and the softmax in at least float32, as in the
+    full path; gradients come back in the inputs' dtypes (the weight's summed over the chunks
+    in at least float32).
+
+    Args:
+        hidden: ``[N, H]`` last hidden states (rows of every response position, flattened).
+        weight: ``[V, H]`` LM head weight; bias: ``[V]`` or None.
+        targets: ``[N]`` token ids.
+        temperature: the sampling temperature the logits are divided by.
+        chunk_rows: rows of logits computed at once.
+        with_entropy: also return the entropies.
+    Returns:
+        ``(logprobs [N], entropy [N] or None)``, float32 (float64 for float64 inputs).
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    out = _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows),
+                                      bool(with_entropy))
+    return out if with_entropy else (out, None)
 
 
 # --------------------------------------------------------------------------- masked stats

@@ -36,7 +36,8 @@ from transformers import (
 )
 
 from . import lean
-from .core import position_ids_from_mask
+from .core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask
+from .distributed import is_sharded
 
 
 def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int = 64, n_positions: int = 32) -> GPT2Config:
@@ -568,6 +569,61 @@ def policy_forward(
     if value_head is not None:
         values = value_head(hidden.detach() if detach_value else hidden)  # [B, R]
     return logits, values
+
+
+UPDATE_LOGITS = 2**24  # logits per chunk of the update's log-prob / entropy pass: 64 MiB of float32
+
+
+def plain_lm_head(policy) -> nn.Linear | None:
+    """The policy's LM head when it is a plain ``nn.Linear`` whose weight (tied or not) can be
+    used directly: no adapter or other wrapper, no hooks on its call, no sharded weight; else None."""
+    head = unwrap(policy).get_output_embeddings()
+    if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks or is_sharded(head.weight):
+        return None
+    return head
+
+
+def token_logprobs(
+    policy: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    response_ids: torch.Tensor,
+    temperature: float = 1.0,
+    value_head: ValueHead | None = None,
+    detach_value: bool = False,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs of the response tokens under the (tempered) policy, their entropies and (with a
+    shared head) values, response-aligned: the numbers of :func:`policy_forward`'s logits divided
+    by ``temperature`` and read by :func:`~rlhfkit.core.logprobs_from_logits` /
+    :func:`~rlhfkit.core.entropy_from_logits`, with gradients.
+
+    When the ``[B, R, V]`` logits would exceed ``UPDATE_LOGITS`` elements and the LM head is a
+    plain linear layer (:func:`plain_lm_head`), they are never built:
+    :func:`~rlhfkit.core.chunked_token_logprobs` computes them ``UPDATE_LOGITS // V`` rows at a
+    time, in the forward and again in the backward, so the update's peak memory stops growing
+    with the vocabulary. Otherwise (a small vocabulary, an adapter on the head) the full logits
+    are computed as before.
+
+    Returns:
+        ``(logprobs [B, R], entropy [B, R] or None, values [B, R] or None)``; entropies only
+        with ``entropy=True``.
+    """
+    hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
+    values = None
+    if value_head is not None:
+        values = value_head(hidden.detach() if detach_value else hidden)  # [B, R]
+    head = plain_lm_head(policy)
+    rows = max(1, UPDATE_LOGITS // head.out_features) if head is not None else 0
+    if head is None or response_ids.numel() <= rows:
+        logits = unwrap(policy).get_output_embeddings()(hidden) / temperature  # [B, R, V]
+        return (logprobs_from_logits(logits, response_ids), entropy_from_logits(logits) if entropy else None,
+                values)
+    logp, ent = chunked_token_logprobs(hidden.flatten(0, 1), head.weight, head.bias, response_ids.flatten(),
+                                       temperature, rows, entropy)  # [B * R]
+    shape = response_ids.shape
+    return logp.view(shape), None if ent is None else ent.view(shape), values
 
 
 def masked_lm_loss(model, ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:

@@ -35,9 +35,7 @@ from ..checkpoint import fault_point
 from ..config import Config, PPOConfig
 from ..core import (
     adaptive_kl_coef,
-    entropy_from_logits,
     kl_estimate,
-    logprobs_from_logits,
     masked_mean,
     policy_loss,
     value_loss,
@@ -70,10 +68,13 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
     """``(loss, logprobs [b, R], stats)`` of minibatch rows ``mb``: the clipped value loss, and
     unless it is a critic warm-up the clipped policy loss, the entropy bonus and the KL term."""
     rmask = exp.response_mask[mb]
-    logits, values = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
-                              detach_value=not update_policy)
-    logprobs = logprobs_from_logits(logits, exp.response_ids[mb])  # [b, R]
-    loss, stats = torch.zeros((), device=logits.device), {}
+    with_entropy = update_policy and bool(pc.entropy_coef)
+    # log-probs (and entropies) of the chosen tokens straight from the forward: a big vocabulary's
+    # [b, R, V] logits are never held whole (models.token_logprobs)
+    logprobs, entropy, values = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
+                                         detach_value=not update_policy, response_ids=exp.response_ids[mb],
+                                         entropy=with_entropy)  # [b, R] each
+    loss, stats = torch.zeros((), device=logprobs.device), {}
     if values is not None:
         v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range)
         loss = pc.vf_coef * v_loss
@@ -81,8 +82,8 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
     stats.update(p_stats)
     if update_policy:
         loss = loss + p_loss
-        if pc.entropy_coef:
-            loss = loss - pc.entropy_coef * masked_mean(entropy_from_logits(logits), rmask)
+        if with_entropy:
+            loss = loss - pc.entropy_coef * masked_mean(entropy, rmask)
         if pc.kl_in_loss:
             kl_term = masked_mean(kl_estimate(logprobs, exp.ref_logprobs[mb], pc.kl_estimator), rmask)
             loss = loss + kl_coef * kl_term

@@ -1,0 +1,224 @@
+"""Log-probs and entropies of the chosen tokens computed chunk by chunk from the LM head
+(``core.chunked_token_logprobs``), as the update does for big vocabularies.
+
+* in float64 the values and the gradients wrt the hidden states, the head's weight and bias equal
+  those of ``logprobs_from_logits`` / ``entropy_from_logits`` on the full logits, for chunks of one
+  row, of an odd number of rows, of all rows and of more, with a temperature;
+* half-precision inputs give float32 log-probs and gradients in the inputs' dtypes;
+* a PPO update whose log-probs go through chunks of a few rows (``models.UPDATE_LOGITS`` made
+  small) gives the losses, statistics and gradients of the full-logits update, tied embeddings
+  included, and its first minibatch still has ratio 1;
+* a head with an adapter on it is not taken apart: the full logits are used.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rlhfkit.models as models
+from rlhfkit.config import Config
+from rlhfkit.core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits
+from rlhfkit.experience import ActorCritic, Experience, make_experience
+from rlhfkit.models import (
+    ValueHead,
+    add_lora,
+    build_tiny_policy,
+    build_tiny_scalar_model,
+    disable_dropout,
+    freeze,
+    load_policy,
+    plain_lm_head,
+    token_logprobs,
+)
+from rlhfkit.rewards import reward_model_scorer
+from rlhfkit.rollout import generate
+from rlhfkit.tasks import doubling
+from rlhfkit.trainers.rl import minibatch_loss, ppo_update
+
+TOK = doubling.make_tokenizer()
+N, H, V = 9, 6, 13
+
+
+def _inputs(bias: bool, dtype=torch.float64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=gen, dtype=dtype).requires_grad_()
+    weight = torch.randn(V, H, generator=gen, dtype=dtype).requires_grad_()
+    b = torch.randn(V, generator=gen, dtype=dtype).requires_grad_() if bias else None
+    targets = torch.randint(V, (N,), generator=gen)
+    return hidden, weight, b, targets
+
+
+def _full(hidden, weight, bias, targets, temperature):
+    logits = F.linear(hidden, weight, bias)[None] / temperature  # [1, N, V]
+    return logprobs_from_logits(logits, targets[None])[0], entropy_from_logits(logits)[0]
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 5, N, 50])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("terms", ["both", "logprobs", "entropy"])
+def test_chunks_equal_the_full_logits(chunk_rows, bias, terms):
+    hidden, weight, b, targets = _inputs(bias)
+    params = [p for p in (hidden, weight, b) if p is not None]
+    gen = torch.Generator().manual_seed(1)
+    a, c = torch.randn(N, generator=gen, dtype=torch.float64), torch.randn(N, generator=gen, dtype=torch.float64)
+    use_lp, use_ent = terms in ("both", "logprobs"), terms in ("both", "entropy")
+
+    def objective(lp, ent):  # a weighted sum of whichever outputs are in use
+        return (lp * a).sum() * use_lp + ((ent * c).sum() if use_ent else 0.0)
+
+    lp, ent = chunked_token_logprobs(hidden, weight, b, targets, 0.7, chunk_rows, with_entropy=use_ent)
+    assert lp.dtype == torch.float64 and (ent is None) != use_ent
+    full_lp, full_ent = _full(hidden, weight, b, targets, 0.7)
+    torch.testing.assert_close(lp, full_lp, atol=1e-12, rtol=1e-12)
+    if use_ent:
+        torch.testing.assert_close(ent, full_ent, atol=1e-12, rtol=1e-12)
+    grads = torch.autograd.grad(objective(lp, ent), params)
+    full_grads = torch.autograd.grad(objective(full_lp, full_ent), params)
+    for name, g, fg in zip(("hidden", "weight", "bias"), grads, full_grads):
+        torch.testing.assert_close(g, fg, atol=1e-12, rtol=1e-12, msg=name)
+
+
+def test_gradcheck_with_temperature():
+    hidden, weight, b, targets = _inputs(bias=True)
+    small = (hidden[:4].detach().requires_grad_(), weight, b)
+    assert torch.autograd.gradcheck(lambda h, w, bb: chunked_token_logprobs(h, w, bb, targets[:4], 1.3, 3, True), small)
+
+
+def test_frozen_head_gets_no_gradient():
+    """A LoRA policy's head is frozen: only the hidden states get a gradient, the same one."""
+    hidden, weight, _, targets = _inputs(bias=False)
+    weight = weight.detach()
+    lp, _ = chunked_token_logprobs(hidden, weight, None, targets, 1.0, 2)
+    (g,) = torch.autograd.grad(lp.sum(), hidden)
+    (fg,) = torch.autograd.grad(_full(hidden, weight, None, targets, 1.0)[0].sum(), hidden)
+    torch.testing.assert_close(g, fg, atol=1e-12, rtol=1e-12)
+
+
+def test_half_precision_computes_the_softmax_in_float32():
+    hidden, weight, b, targets = _inputs(bias=True, dtype=torch.bfloat16)
+    lp, ent = chunked_token_logprobs(hidden, weight, b, targets, 0.8, 4, with_entropy=True)
+    assert lp.dtype == ent.dtype == torch.float32
+    full_lp, full_ent = _full(hidden, weight, b, targets, 0.8)  # bf16 logits, float32 log-softmax
+    torch.testing.assert_close(lp, full_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, full_ent, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(lp.sum() + ent.sum(), (hidden, weight, b))
+    full_grads = torch.autograd.grad(full_lp.sum() + full_ent.sum(), (hidden, weight, b))
+    for g, fg, p in zip(grads, full_grads, (hidden, weight, b)):
+        assert g.dtype == p.dtype
+        torch.testing.assert_close(g.float(), fg.float(), atol=0.05, rtol=0.05)
+
+
+def test_bad_shapes_are_refused():
+    hidden, weight, b, targets = _inputs(bias=True)
+    with pytest.raises(ValueError, match="targets"):
+        chunked_token_logprobs(hidden, weight, b, targets[:-1])
+    with pytest.raises(ValueError, match="chunk_rows"):
+        chunked_token_logprobs(hidden, weight, b, targets, chunk_rows=0)
+
+
+# --------------------------------------------------------------------------- the update
+
+
+def _experience(ac: ActorCritic, P: int = 3, R: int = 5, B: int = 6) -> Experience:
+    """A hand-made batch: responses of different lengths, old log-probs near the policy's own
+    (ratios near 1, some clipped), random advantages, returns and values."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([1, 5, 2, 4, 3, 5])[:B]
+    rmask = (torch.arange(R)[None, :] < lengths[:, None]).long()  # [B, R]
+    prompt = torch.randint(4, len(TOK), (B, P), generator=gen)
+    response = torch.where(rmask.bool(), torch.randint(4, len(TOK), (B, R), generator=gen), TOK.pad_token_id)
+    ids, attn = torch.cat([prompt, response], 1), torch.cat([torch.ones(B, P, dtype=torch.long), rmask], 1)
+    with torch.no_grad():
+        logits, _ = ac(ids, attn, P, 0.7)
+        logprobs = logprobs_from_logits(logits, response)
+    noise = lambda scale: scale * torch.randn(B, R, generator=gen)  # noqa: E731
+    return Experience(input_ids=ids, attention_mask=attn, prompt_len=P, response_ids=response, response_mask=rmask,
+                      old_logprobs=logprobs + noise(0.3), ref_logprobs=logprobs + noise(0.2), old_values=noise(0.5),
+                      score=torch.zeros(B), rewards=torch.zeros(B, R), advantages=noise(1.0), returns=noise(1.0))
+
+
+def _actor_critic(path: str, value_model: str, tied: bool) -> ActorCritic:
+    policy = disable_dropout(load_policy(path)).train()
+    if tied:  # one Parameter for the input embedding and the head: both uses add to its gradient
+        policy.lm_head.weight = policy.transformer.wte.weight
+    if value_model == "shared":
+        head = ValueHead(policy.config.hidden_size)
+        torch.nn.init.normal_(head.summary.weight, std=0.5)
+        return ActorCritic(policy, value_head=head)
+    hidden = policy.config.hidden_size
+    critic = build_tiny_scalar_model(TOK, seed=7, n_layer=1, n_head=2, n_embd=hidden)
+    return ActorCritic(policy, critic=disable_dropout(critic).train())
+
+
+def _loss_and_grads(ac: ActorCritic, exp: Experience, pc, update_policy: bool = True):
+    ac.zero_grad(set_to_none=True)
+    mb = torch.arange(exp.input_ids.shape[0])
+    loss, logprobs, stats = minibatch_loss(ac, exp, mb, pc, kl_coef=0.1, update_policy=update_policy)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in ac.named_parameters() if p.grad is not None}
+    return loss.detach(), logprobs.detach(), stats, grads
+
+
+@pytest.mark.parametrize("update_policy", [True, False], ids=["update", "critic_warmup"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("value_model", ["separate", "shared"])
+def test_update_in_chunks_equals_full_logits(tiny_models, monkeypatch, value_model, tied, update_policy):
+    ac = _actor_critic(tiny_models.policy, value_model, tied)
+    exp = _experience(ac)
+    pc = dataclasses.replace(Config().ppo, temperature=0.7, entropy_coef=0.05, kl_in_loss=True, kl_estimator="k2")
+    full = _loss_and_grads(ac, exp, pc, update_policy)
+    monkeypatch.setattr(models, "UPDATE_LOGITS", 4 * ac.policy.get_output_embeddings().out_features)
+    calls, real = [], models.chunked_token_logprobs  # chunks of 4 of the 30 rows: the last one of 2
+    monkeypatch.setattr(models, "chunked_token_logprobs", lambda *a: calls.append(a[5]) or real(*a))
+    chunked = _loss_and_grads(ac, exp, pc, update_policy)
+    assert calls == [4], "the update did not take the chunked path"
+    for got, want in zip(chunked[:2], full[:2]):  # the loss, the log-probs
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert chunked[2].keys() == full[2].keys()
+    for k in full[2]:
+        torch.testing.assert_close(chunked[2][k], full[2][k], atol=1e-6, rtol=1e-6, msg=k)
+    assert chunked[3].keys() == full[3].keys() and len(full[3]) > 0
+    for name in full[3]:
+        torch.testing.assert_close(chunked[3][name], full[3][name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_first_minibatch_ratio_is_one_in_chunks(monkeypatch):
+    """The experience pass takes the full logits, the update the chunked path: the first
+    minibatch's ratio is still 1 (the two compute the same numbers)."""
+    arch = {"n_layer": 2, "n_head": 2, "n_embd": 32}
+    policy = disable_dropout(build_tiny_policy(TOK, seed=3, **arch)).train()
+    ref = freeze(build_tiny_policy(TOK, seed=3, **arch))
+    rm = freeze(build_tiny_scalar_model(TOK, seed=5, **arch))
+    ac = ActorCritic(policy, value_head=ValueHead(arch["n_embd"]))
+    pc = dataclasses.replace(Config().ppo, temperature=0.8, entropy_coef=0.01)
+    texts = [p.text for p in doubling.DoublingData(3).prompts(pc.batch_size)]
+    enc = TOK(texts, padding=True, return_tensors="pt")
+    roll = generate(policy, enc["input_ids"], enc["attention_mask"], 6, TOK.eos_token_id, TOK.pad_token_id,
+                    temperature=0.8, generator=torch.Generator().manual_seed(3))
+    exp, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    monkeypatch.setattr(models, "UPDATE_LOGITS", 3 * policy.get_output_embeddings().out_features)
+    opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-2},
+                             {"params": ac.critic_parameters(), "lr": 1e-2}])
+    first = ppo_update(ac, opt, exp, pc, pc.kl_coef)[0]
+    assert abs(first["policy/ratio_mean"].item() - 1.0) < 1e-6
+    assert first["policy/approx_kl"].item() < 1e-10 and first["policy/clipfrac"].item() == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D and Linear layers
+def test_a_head_with_an_adapter_keeps_the_full_logits(tiny_models, monkeypatch):
+    plain = load_policy(tiny_models.policy)
+    assert plain_lm_head(plain) is plain.lm_head
+    assert plain_lm_head(add_lora(copy.deepcopy(plain), 4, 8.0)) is not None  # all-linear leaves the head plain
+    adapted = add_lora(copy.deepcopy(plain), 4, 8.0, target_modules="c_attn, lm_head")
+    assert plain_lm_head(adapted) is None
+    ids = torch.randint(4, len(TOK), (2, 6))
+    monkeypatch.setattr(models, "UPDATE_LOGITS", 1)  # would chunk by the row if it could
+    lp, ent, _ = token_logprobs(adapted, ids, torch.ones_like(ids), 3, ids[:, 3:], 0.9, entropy=True)
+    logits, _ = models.policy_forward(adapted, ids, torch.ones_like(ids), 3)
+    torch.testing.assert_close(lp, logprobs_from_logits(logits / 0.9, ids[:, 3:]))
+    torch.testing.assert_close(ent, entropy_from_logits(logits / 0.9))
