@@ -47,7 +47,7 @@ tmux:
 # handed out in name order (--no-loadscope-reorder), not fewest-tests-last, which would start the
 # long e2e, DDP, resume and report files only at the end.
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: lint browser tmux
 	$(PYTEST)

@@ -3,7 +3,7 @@ would run it (``examples/own_data/run.sh`` is the same pipeline as shell command
 
     pretrain -> export-task (SFT, pairs, prompts, held-out files) -> a reward model from the
     pairs file -> PPO on the prompt file with that reward model -> GRPO on the prompt file with
-    the column-reading verifier -> DPO on the pairs file -> ``rlhfkit eval`` against the base.
+    the column-reading verifier -> DPO on the pairs file -> ``rlhfkit eval`` of DPO against the base.
 
 The accuracy reached must match the built-in route's (``rlhfkit demo run.task=cities``: PPO at
 least 0.95 held-out exact). A few minutes on one core: the file is kept whole on one pytest
@@ -61,14 +61,11 @@ def test_the_cities_file_route_reaches_the_built_in_accuracy(tmp_path):
                  "dpo.lr=3e-4", "dpo.steps=50", "dpo.eval_every=25", f"run.out_dir={tmp_path / 'dpo'}"]) == 0
     dpo_rows = [r for r in read_jsonl(tmp_path / "dpo" / "metrics.jsonl") if "eval/rewards/accuracies" in r]
     assert dpo_rows[-1]["eval/rewards/accuracies"] >= 0.8
-    # every tuned policy, and the base, on the held-out prompt file, scored by the verifier
-    accuracy = {}
-    for algo in ("ppo", "grpo", "dpo"):
-        assert main(["eval", str(tmp_path / algo), f"data.path={data / 'eval_prompts.jsonl'}", "ppo.max_new_tokens=32",
-                     VERIFIER, f"eval.baseline={base}", "run.progress=false",
-                     f"run.out_dir={tmp_path / ('eval_' + algo)}"]) == 0
-        res = json.loads((tmp_path / f"eval_{algo}" / "eval.json").read_text())
-        accuracy[algo], accuracy["base"] = res["eval/accuracy"], res["baseline"]["eval/accuracy"]
-        assert res["win_rate"] > 0.5, (algo, res["win_rate"])
-    assert accuracy["ppo"] >= 0.95 and accuracy["grpo"] >= GRPO_AT_20, accuracy  # greedy, as in training's eval
-    assert accuracy["dpo"] >= accuracy["base"] + 0.08, accuracy
+    # `rlhfkit eval` on the held-out prompt file: DPO's policy (it has no sampling-time evaluation)
+    # against the base, both scored by the verifier
+    assert main(["eval", str(tmp_path / "dpo"), f"data.path={data / 'eval_prompts.jsonl'}", "ppo.max_new_tokens=32",
+                 VERIFIER, f"eval.baseline={base}", "run.progress=false", f"run.out_dir={tmp_path / 'eval_dpo'}"]) == 0
+    res = json.loads((tmp_path / "eval_dpo" / "eval.json").read_text())
+    assert res["eval/accuracy"] >= res["baseline"]["eval/accuracy"] + 0.08 and res["win_rate"] > 0.5, res
+    # the base PPO and GRPO started from, on the same held-out prompts, is far below them
+    assert res["baseline"]["eval/accuracy"] + 0.2 <= min(ppo[-1]["eval/accuracy"], grpo[-1]["eval/accuracy"])

@@ -16,9 +16,9 @@ relative ``run.out_dir``, as two machines without a shared file system would: no
 main process, not the global one) must leave no file there, and node 0's metrics and weights
 must match the 1-process run's.
 
-Where DeepSpeed is installed (it is not a dependency: elsewhere those tests skip), SFT under the
-ZeRO-2 and ZeRO-3 example configs and GRPO under ZeRO-2 run on two CPU processes (gloo) and must
-match the 1-process run as well.
+DeepSpeed (the dev extra installs it; rlhfkit does not depend on it): SFT under the ZeRO-2 and
+ZeRO-3 example configs and GRPO under ZeRO-2 run on two CPU processes (gloo) and must match the
+1-process run as well; PPO under ZeRO-2 and RL under ZeRO-3 must be refused with the reason.
 """
 
 from __future__ import annotations
