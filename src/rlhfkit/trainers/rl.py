@@ -331,7 +331,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         fault_point("rollout", step)
         t1 = time.perf_counter()
         # step 2. experience: scores, reference log-probs, values -> advantages and returns
-        exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
+        with full_weights(train_ac):  # FSDP: the forwards below call the policy / critic, not train_ac
+            exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
         stats = shard.mean(stats, maxed=("policy/logprob_gap",))
         t2 = time.perf_counter()
         # step 3. update: ppo_epochs x minibatches (a critic warm-up trains the value loss alone)
