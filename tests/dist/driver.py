@@ -22,7 +22,6 @@ runs = {  # run name: (command, overrides)
     "rloo": ("rloo", [*rl, "ppo.group_size=4"]),
     "reinforce": ("reinforce", rl),
     "ppo_shared": ("ppo", [*rl, "ppo.value_model=shared"]),  # a value head on the policy's last hidden states
-    "grpo_lora": ("grpo", [*rl, "ppo.group_size=4", "model.lora_r=4", "ppo.lr=1e-3"]),
     # the user's prompt file (3 prompts: the second step starts a new pass), its columns read by the
     # verifier, weighted with the reward model; held-out prompts scored by both on every step
     "grpo_file": ("grpo", [*rl, "ppo.group_size=4", "ppo.steps=2", "ppo.eval_every=1", "ppo.stop_at=0",
