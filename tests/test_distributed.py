@@ -46,8 +46,12 @@ pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-RUNS = ("ppo", "ppo_warmup", "grpo", "grpo_file", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro",
-        "rm_micro")
+RUNS = ("ppo", "ppo_warmup", "ppo_shared", "grpo", "grpo_file", "rloo", "reinforce", "dpo", "sft", "rm", "ppo_micro",
+        "dpo_micro", "sft_micro", "rm_micro")
+# RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a separate critic, a shared value head
+# and the three critic-free estimators, matched to the 1-process run at FSDP_TOL
+FSDP_RUNS = ("ppo", "ppo_shared", "grpo", "rloo", "reinforce")
+FSDP_TOL = 1e-5
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
 # ZeRO-3 rollouts (sharded weights) do not work, see README
@@ -287,3 +291,51 @@ def test_deepspeed_refuses_what_would_differ_from_one_process(runs, tmp_path, st
                           stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode != 0 and reason in proc.stdout, proc.stdout[-3000:]
     assert not (tmp_path / "out" / "policy").exists()
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(runs):
+    """The out dir of a 2-process launch of FSDP_RUNS with examples/accelerate/fsdp.yaml on CPU (gloo)."""
+    root = runs[0].parent
+    out = root / "fsdp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / "fsdp.yaml"),
+           "--num_processes", "2", "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--main_process_port",
+           str(_free_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"), *FSDP_RUNS]
+    proc = subprocess.run(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, f"FSDP run failed:\n{proc.stdout[-6000:]}"
+    return out
+
+
+def _weight_diffs(a: Path, b: Path, skip: str | None = None) -> torch.Tensor:
+    """|a - b| over every saved weight of two ``model.safetensors`` directories (names containing
+    ``skip`` left out)."""
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa if skip is None or skip not in k])
+
+
+@pytest.mark.parametrize("cmd", FSDP_RUNS)
+def test_fsdp_matches_one_process(runs, fsdp_run, cmd):
+    """One RL step with the policy (and critic) sharded per layer over two processes: the
+    generation on gathered weights, the experience pass, the update and the clipped gradient
+    norms give the 1-process metrics and saved weights."""
+    world = json.loads((fsdp_run / "world.json").read_text())
+    assert world["num_processes"] == 2 and "FSDP" in world["distributed_type"], world
+    one, out = runs[0] / cmd, fsdp_run / cmd
+    diffs = _metric_diffs(one, out)
+    assert any("grad_norm" in k for k in diffs), diffs
+    print(f"\nfsdp {cmd}: max |1 process - 2 processes| over {len(diffs)} metrics = {max(diffs.values()):.2e}")
+    bad = {k: v for k, v in diffs.items() if not v <= FSDP_TOL}
+    assert not bad, bad
+    policy = _weight_diffs(one / "policy", out / "policy")
+    assert policy.max().item() < FSDP_TOL, policy.max().item()
+    assert read_jsonl(one / "samples.jsonl") == read_jsonl(out / "samples.jsonl")
+    if cmd == "ppo":
+        # the attention key biases' gradient is zero in exact arithmetic (a key bias adds the same
+        # amount to every score of a query): Adam turns its rounding noise into steps of ~value_lr,
+        # under DDP as well; every other weight of the critic must match
+        critic = _weight_diffs(one / "value_model", out / "value_model", skip="c_attn.bias")
+        assert critic.mean().item() < 1e-8 and critic.max().item() < 1e-4, (critic.mean().item(), critic.max().item())
+    if cmd == "ppo_shared":
+        a, b = load_file(one / "value_head.safetensors"), load_file(out / "value_head.safetensors")
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < FSDP_TOL

@@ -189,19 +189,50 @@ def full_state_dict(module) -> dict | None:
     return {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu() for k, v in sd.items()}
 
 
+def fsdp_modules(model) -> list:
+    """``model``'s FSDP2 modules, the root first (empty when nothing is sharded)."""
+    if model is None:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 @contextlib.contextmanager
-def full_weights(model):
-    """Under FSDP2, the model's root-level weights (embeddings, final norm, heads) gathered for
-    calls that bypass its own forward (generation with the unwrapped policy); a no-op for any
-    other model."""
-    if not hasattr(model, "unshard"):
+def full_weights(model, per_layer: bool = False):
+    """Under FSDP2, ``model``'s weights gathered for calls that bypass its root forward
+    (generation and the experience pass call the unwrapped policy, critic or reference); a
+    no-op for any other model.
+
+    FSDP first initialises its root (otherwise the first layer called directly would make
+    itself a root, and the next training forward fails with "FSDP state has already been
+    lazily initialized"). By default every sharded module is gathered once, here, and stays
+    gathered through the layers' own forwards until the block ends: one all-gather per module
+    per rollout, and the plain tensors let the lean forward run. ``per_layer``: only the root's
+    own weights (embeddings, final norm, heads) are gathered here and each layer gathers and
+    frees its weights around each of its forwards (FSDP's hooks): less memory, one all-gather
+    per layer per forward (per generated token)."""
+    mods = fsdp_modules(model)
+    if not mods:
         yield
         return
-    model.unshard()
+    mods[0]._get_fsdp_state()._lazy_init()  # no public call does it outside a root forward
+    groups = []
+    if not per_layer:
+        groups = [g for m in mods for g in m._get_fsdp_state()._fsdp_param_groups]
+    saved = [g.post_forward_mesh_info for g in groups]
+    for g in groups:  # keep the layers gathered after their forwards
+        g.post_forward_mesh_info = None
+    gathered = mods if not per_layer else mods[:1]
+    for m in gathered:
+        m.unshard()
     try:
         yield
     finally:
-        model.reshard()
+        for g, info in zip(groups, saved):
+            g.post_forward_mesh_info = info
+        for m in gathered:
+            m.reshard()
 
 
 def prepare(accelerator, *objects, micro_batch: int):

@@ -57,7 +57,32 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
 
         PartialState(cpu=False, backend="gloo")
         return Accelerator(cpu=False, kwargs_handlers=[ddp])
+    if device.type == "cpu" and _fsdp_launch():
+        return _cpu_fsdp_accelerator()
     return Accelerator(cpu=device.type == "cpu", kwargs_handlers=[ddp])
+
+
+def _cpu_fsdp_accelerator():
+    """An FSDP accelerator on CPU processes joined with gloo. accelerate enables FSDP only for a
+    GPU-like distributed type: with cpu=True it runs plain data parallelism (MULTI_CPU), with
+    cpu=False and no GPU it finds no distributed type at all. The process group is created
+    first (gloo), then the shared state is told it is multi-device, which accelerate turns into
+    FSDP with the launch's plugin (``fsdp_version``, layer class, ...); the device stays the CPU."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=False, backend="gloo")
+    if state.num_processes > 1 and state.distributed_type == DistributedType.NO:
+        state.distributed_type = DistributedType.MULTI_GPU  # FSDP below; device already set (CPU)
+    accelerator = Accelerator(cpu=False)
+    # a later Accelerator in this process (the next run) copies this state's type over its own
+    state.distributed_type = accelerator.distributed_type
+    return accelerator
+
+
+def _fsdp_launch() -> bool:
+    """True in a process started by ``accelerate launch`` with an FSDP config."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and "LOCAL_RANK" in os.environ
 
 
 def _deepspeed_launch() -> bool:

@@ -19,6 +19,9 @@ runs = {  # run name: (command, overrides)
     # a critic warm-up step on a shared value head: the actor gets no gradient (DDP's unused parameters)
     "ppo_warmup": ("ppo", [*rl, "ppo.critic_warmup_steps=1", "ppo.value_model=shared"]),
     "grpo": ("grpo", [*rl, "ppo.group_size=4"]),
+    "rloo": ("rloo", [*rl, "ppo.group_size=4"]),
+    "reinforce": ("reinforce", rl),
+    "ppo_shared": ("ppo", [*rl, "ppo.value_model=shared"]),  # a value head on the policy's last hidden states
     # the user's prompt file (3 prompts: the second step starts a new pass), its columns read by the
     # verifier, weighted with the reward model; held-out prompts scored by both on every step
     "grpo_file": ("grpo", [*rl, "ppo.group_size=4", "ppo.steps=2", "ppo.eval_every=1", "ppo.stop_at=0",

@@ -40,7 +40,7 @@ from ..core import (
     policy_loss,
     value_loss,
 )
-from ..distributed import full_weights, rollout_uniforms
+from ..distributed import full_state_dict, full_weights, rollout_uniforms
 from ..evaluate import evaluate_rewards, evaluate_sharded
 from ..experience import ActorCritic, Experience, RLState, make_experience
 from ..models import (
@@ -331,7 +331,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         fault_point("rollout", step)
         t1 = time.perf_counter()
         # step 2. experience: scores, reference log-probs, values -> advantages and returns
-        exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
+        with full_weights(train_ac):  # FSDP: the forwards below call the policy / critic, not train_ac
+            exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
         stats = shard.mean(stats, maxed=("policy/logprob_gap",))
         t2 = time.perf_counter()
         # step 3. update: ppo_epochs x minibatches (a critic warm-up trains the value loss alone)
@@ -386,8 +387,10 @@ def finish_rl(run: Run, ac: ActorCritic, tok, st: RLState) -> dict:
     policy_dir = run.save_model(ac.policy, tok, "policy", adapter="policy_adapter")  # LoRA: merged in policy/
     if ac.critic is not None:
         run.save_model(ac.critic, tok, "value_model")
-    elif ac.value_head is not None and run.is_main:
-        save_file(ac.value_head.state_dict(), str(run.out / "value_head.safetensors"))
+    elif ac.value_head is not None:
+        head = full_state_dict(ac.value_head)  # FSDP: gathered on every process (a collective)
+        if run.is_main:
+            save_file(head or ac.value_head.state_dict(), str(run.out / "value_head.safetensors"))
     if run.is_main:
         plot_ppo(history, run.out)
     run.shard.wait()
