@@ -276,16 +276,22 @@ def test_deepspeed_matches_one_process(runs, deepspeed_run):
         _assert_weights_match(runs[0] / cmd / "policy", out / cmd / "policy")
 
 
-@pytest.mark.parametrize("stage,cmd,reason", [("zero2", "ppo", "clips one gradient norm over the actor and the critic"),
-                                              ("zero3", "grpo", "ZeRO-3 holds partitioned")])
-def test_deepspeed_refuses_what_would_differ_from_one_process(runs, tmp_path, stage, cmd, reason):
-    """PPO (a critic clipped together with the actor) and RL under ZeRO-3 (generation on
-    partitioned weights) stop at once with the reason, instead of running a different update."""
+@pytest.mark.parametrize("config,cmd,extra,reason", [
+    ("deepspeed_zero2", "ppo", [], "clips one gradient norm over the actor and the critic"),
+    ("deepspeed_zero3", "grpo", [], "ZeRO-3 holds partitioned"),
+    ("fsdp", "grpo", ["model.lora_r=4"], "LoRA under FSDP is not supported"),
+])
+def test_engines_refuse_what_would_fail_or_differ_from_one_process(runs, tmp_path, config, cmd, extra, reason):
+    """PPO under DeepSpeed (a critic clipped together with the actor), RL under ZeRO-3 (generation
+    on partitioned weights) and LoRA under FSDP (an adapter that cannot be saved from sharded
+    weights) stop at once with the reason, instead of running a different update or failing
+    after the training."""
     root = runs[0].parent
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(EXAMPLES / f"deepspeed_{stage}.yaml"), "--num_processes", "2", "--main_process_port",
-              str(_free_port()), "-m", "rlhfkit", cmd, "run.device=cpu", "run.progress=false",
-              f"model.name={root / 'policy'}", f"reward.name={root / 'rm'}", "ppo.steps=1", "ppo.max_new_tokens=4",
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / f"{config}.yaml"),
+              "--num_processes", "2", "--main_process_port", str(_free_port()),
+              *(["--fsdp_transformer_layer_cls_to_wrap", "GPT2Block"] if config == "fsdp" else []),
+              "-m", "rlhfkit", cmd, "run.device=cpu", "run.progress=false", f"model.name={root / 'policy'}",
+              f"reward.name={root / 'rm'}", "ppo.steps=1", "ppo.max_new_tokens=4", *extra,
               f"run.out_dir={tmp_path / 'out'}"]
     proc = subprocess.run(launch, env={**ENV, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)

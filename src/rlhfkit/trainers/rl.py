@@ -275,10 +275,17 @@ def open_outputs(run: Run, resumed: dict):
     return samples, trajectories
 
 
-def refuse_untested_engines(accelerator, pc) -> None:
-    """Stop, with the reason, where DeepSpeed would run RL differently from one process (measured
-    on two CPU processes against the 1-process run; README, DeepSpeed)."""
-    if accelerator is None or accelerator.distributed_type != "DEEPSPEED":
+def refuse_untested_engines(accelerator, cfg: Config) -> None:
+    """Stop, with the reason and before any work, where FSDP or DeepSpeed would fail late or run
+    RL differently from one process (measured on two CPU processes against the 1-process run;
+    README, FSDP and DeepSpeed)."""
+    pc = cfg.ppo
+    if accelerator is None:
+        return
+    if accelerator.distributed_type == "FSDP" and (cfg.model.lora_r or cfg.value.lora):
+        raise ValueError("LoRA under FSDP is not supported for RL: the adapter cannot be saved from sharded "
+                         "weights; use DDP with LoRA (model.lora_r) or FSDP without it")
+    if accelerator.distributed_type != "DEEPSPEED":
         return
     if accelerator.state.deepspeed_plugin.zero_stage == 3:
         raise ValueError("RL under DeepSpeed ZeRO-3 is not supported: generation runs the policy's layers, whose "
@@ -303,7 +310,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     repeats, pc = check_rl_config(cfg, policy_path), cfg.ppo
     # a critic warm-up's backward skips the actor: DDP must look for unused parameters
     run = Run(cfg, pc.algo, pc.steps, find_unused_parameters=pc.algo == "ppo" and pc.critic_warmup_steps > 0)
-    refuse_untested_engines(run.accelerator, pc)
+    refuse_untested_engines(run.accelerator, cfg)
     shard = run.shard
     shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
     local_pc = dataclasses.replace(pc, minibatch_size=shard.local_size(pc.minibatch_size, "ppo.minibatch_size"))
