@@ -4,7 +4,9 @@ Each RL run here is the command a user types (``python -m rlhfkit ppo ...``) in 
 process, killed at several points: inside a step (after the rollout), in the middle of writing
 a checkpoint (files written, directory not yet renamed), and from outside at a random moment.
 After every kill ``--resume`` continues it. The metrics (all but wall-clock times), samples,
-trajectories and final weights must equal those of a run that was never interrupted.
+trajectories and final weights must equal those of a run that was never interrupted. A GRPO
+run sharded by FSDP over two processes, whose checkpoints every process writes its shards of,
+is killed while writing one and resumed the same way.
 """
 
 from __future__ import annotations

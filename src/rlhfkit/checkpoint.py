@@ -90,8 +90,8 @@ def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters an optimizer changes (``requires_grad``), by name, as contiguous CPU tensors."""
     state = {n: p for n, p in module.named_parameters() if p.requires_grad}
     if any(is_sharded(p) for p in state.values()):
-        raise NotImplementedError("checkpoints of FSDP-sharded weights are not supported: set run.checkpoint_every=0 "
-                                  "under FSDP, or train under DDP")
+        raise NotImplementedError("trainable_state reads whole weights; FSDP-sharded ones are written shard by "
+                                  "shard (save_shards)")
     return {n: p.detach().contiguous().cpu() for n, p in state.items()}
 
 
