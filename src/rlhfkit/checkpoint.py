@@ -35,6 +35,7 @@ write or of a step, at a known place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -168,8 +169,9 @@ def load_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict
         osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(model, next(iter(state["modules"].values())), options=options)
+    partial = dataclasses.replace(options, strict=False)  # those parameters without a state
     for k, o in optims.items():
-        set_optimizer_state_dict(model, o, state["optimizers"][k], options=options)
+        set_optimizer_state_dict(model, o, state["optimizers"][k], options=partial)
 
 
 def _fsync_dir(path: Path) -> None:
