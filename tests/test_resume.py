@@ -4,7 +4,9 @@ Each RL run here is the command a user types (``python -m rlhfkit ppo ...``) in 
 process, killed at several points: inside a step (after the rollout), in the middle of writing
 a checkpoint (files written, directory not yet renamed), and from outside at a random moment.
 After every kill ``--resume`` continues it. The metrics (all but wall-clock times), samples,
-trajectories and final weights must equal those of a run that was never interrupted.
+trajectories and final weights must equal those of a run that was never interrupted. A GRPO
+run sharded by FSDP over two processes, whose checkpoints every process writes its shards of,
+is killed while writing one and resumed the same way.
 """
 
 from __future__ import annotations
@@ -179,3 +181,47 @@ def test_supervised_loops_resume_exactly(command, tiny_models, tmp_path):
     wa = load_file(str(whole / saved / "model.safetensors"))
     wb = load_file(str(broken / saved / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+FSDP_STEPS = 4
+
+
+def _fsdp_args(models, out: Path) -> list[str]:
+    """A grpo run under examples/accelerate/fsdp.yaml on two CPU processes (gloo), the policy
+    sharded per GPT2Block, a checkpoint after every step."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = Path(__file__).parents[1] / "examples" / "accelerate" / "fsdp.yaml"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+              "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--main_process_port", str(port), "-m", "rlhfkit"]
+    args = _args("grpo", models, out)[3:]  # the command and overrides, without `python -m rlhfkit`
+    return [*launch, *args, "run.device=cpu", f"ppo.steps={FSDP_STEPS}", "run.checkpoint_every=1"]
+
+
+@pytest.mark.slow
+def test_a_killed_fsdp_run_resumes_from_its_shards_as_an_unbroken_one(tiny_models, tmp_path):
+    """Two FSDP processes, killed while writing the checkpoint after 3 steps (that of step 2
+    complete): the shards every process wrote come back, and the resumed run ends with the
+    metrics and final policy of an unbroken one, a plain directory transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert _run(_fsdp_args(tiny_models, whole)) == 0
+    assert _run(_fsdp_args(tiny_models, broken), fault="checkpoint_write@3") != 0
+    ckpt = latest_checkpoint(broken)
+    assert ckpt.name == "step-00000002" and list((broken / "checkpoints").glob(".tmp-step-00000003-*"))
+    assert {p.name for p in ckpt.glob("rng-*.pt")} == {"rng-0.pt", "rng-1.pt"} and (ckpt / "sharded").is_dir()
+    assert not list(ckpt.glob("*.safetensors"))  # nothing gathered on one process
+    assert _run([*_fsdp_args(tiny_models, broken), "--resume"]) == 0
+    assert not list((broken / "checkpoints").glob(".tmp-*"))
+
+    a, b = _rows(whole), _rows(broken)
+    assert [r["step"] for r in b] == list(range(FSDP_STEPS)) and a == b
+    assert (whole / "samples.jsonl").read_bytes() == (broken / "samples.jsonl").read_bytes()
+    wa, wb = load_file(str(whole / "policy" / "model.safetensors")), load_file(str(broken / "policy" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    loaded = AutoModelForCausalLM.from_pretrained(broken / "policy")
+    assert all(torch.equal(p, wb[n]) for n, p in loaded.named_parameters() if n in wb)

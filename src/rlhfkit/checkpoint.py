@@ -20,6 +20,14 @@ settings a run killed at any point and resumed logs the same metrics as one neve
 loop appends to (metrics, samples, trajectories) are cut back to where the checkpoint was taken,
 and TensorBoard events after it are purged.
 
+Under FSDP (trained modules holding sharded DTensors) nothing is gathered on one process: every
+process writes its shards of the trainable parameters and of the optimizer state with
+``torch.distributed.checkpoint`` into ``sharded/`` and its own RNG states into ``rng-<rank>.pt``
+(the main process adds ``trainer_state.pt`` with the schedulers, and ``meta.json``), all into
+the same temporary directory; after a barrier the main process renames it, and the others wait
+for the rename before going on. A resume loads the shards back the same way, on the same number
+of processes.
+
 ``RLHFKIT_FAULT=name@step`` makes :func:`fault_point` kill the process with SIGKILL when the
 loop passes that named point at that step: how the tests die in the middle of a checkpoint
 write or of a step, at a known place.
@@ -27,6 +35,7 @@ write or of a step, at a known place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -37,12 +46,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as tdist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .distributed import is_sharded
 
 CHECKPOINTS = "checkpoints"
+SHARDED = "sharded"
 _PREFIX = "step-"
 
 
@@ -80,8 +91,8 @@ def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters an optimizer changes (``requires_grad``), by name, as contiguous CPU tensors."""
     state = {n: p for n, p in module.named_parameters() if p.requires_grad}
     if any(is_sharded(p) for p in state.values()):
-        raise NotImplementedError("checkpoints of FSDP-sharded weights are not supported: set run.checkpoint_every=0 "
-                                  "under FSDP, or train under DDP")
+        raise NotImplementedError("trainable_state reads whole weights; FSDP-sharded ones are written shard by "
+                                  "shard (save_shards)")
     return {n: p.detach().contiguous().cpu() for n, p in state.items()}
 
 
@@ -96,6 +107,71 @@ def load_trainable_state(module: nn.Module, state: dict[str, torch.Tensor], wher
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t)
+
+
+def holds_shards(modules: dict[str, nn.Module]) -> bool:
+    """Do these modules train FSDP-sharded weights (DTensors)? Then every process writes its own
+    shards of the checkpoint, and every process must call :meth:`Checkpointer.save`."""
+    return any(is_sharded(p) for m in modules.values() for p in m.parameters() if p.requires_grad)
+
+
+def _rank() -> int:
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
+
+
+def _world() -> int:
+    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.barrier()
+
+
+def _sharded_states(modules: dict[str, nn.Module], optimizers: dict[str, Any]):
+    """``{"modules": ..., "optimizers": ...}`` of local shards (DTensors) by parameter name, as
+    ``torch.distributed.checkpoint`` writes and reads them, and the objects they belong to."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    if len(modules) != 1:
+        raise NotImplementedError(f"sharded checkpoints hold one trained module, not {sorted(modules)}")
+    (name, model), = modules.items()
+    optims = {k: getattr(o, "optimizer", o) for k, o in optimizers.items()}  # accelerate's wrapper: the torch one
+    options = StateDictOptions(ignore_frozen_params=True)
+    state = {"modules": {name: get_model_state_dict(model, options=options)},
+             "optimizers": {k: get_optimizer_state_dict(model, o, options=options) for k, o in optims.items()}}
+    return state, model, optims, options
+
+
+def save_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
+    """Every process writes its shards of the trainable weights and optimizer states (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_states(modules, optimizers)[0], checkpoint_id=directory)
+
+
+def load_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
+    """Read back what :func:`save_shards` wrote into the same modules and optimizers (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state, model, optims, options = _sharded_states(modules, optimizers)
+    # reading the state of a fresh optimizer creates it for every parameter; keep the parameters
+    # the checkpoint has a state for (one whose update was never taken has none, as in the saved run)
+    keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    for k, osd in state["optimizers"].items():
+        prefix = f"optimizers.{k}.state."
+        saved = {key[len(prefix):].rsplit(".", 1)[0] for key in keys if key.startswith(prefix)}
+        osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, next(iter(state["modules"].values())), options=options)
+    partial = dataclasses.replace(options, strict=False)  # those parameters without a state
+    for k, o in optims.items():
+        set_optimizer_state_dict(model, o, state["optimizers"][k], options=partial)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -156,35 +232,61 @@ class Checkpointer:
 
     def save(self, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
              state: dict[str, Any], schedulers: dict[str, Any] | None = None) -> Path | None:
-        if not self.enabled:
+        sharded = holds_shards(modules)
+        if not self.enabled and not sharded:
             return None
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"{_PREFIX}{steps_done:08d}"
-        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        for name, module in modules.items():
-            save_file(trainable_state(module), str(tmp / f"{name}.safetensors"))
+        # sharded: one directory that every process writes into, so a name they all know
+        tmp = self.root / f".tmp-{final.name}-{SHARDED if sharded else os.getpid()}"
+        if self.enabled:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        if sharded:
+            _barrier()  # the directory exists
+            save_shards(tmp / SHARDED, modules, optimizers)
+            rng = rng_state()
+            torch.save(rng, tmp / f"rng-{_rank()}.pt")  # each process's own RNGs
+            _barrier()  # every process's files are written
+        if self.enabled:
+            self._write(tmp, steps_done, modules, optimizers, state, schedulers, sharded)
+        if sharded:
+            _barrier()
+        fault_point("checkpoint_write", steps_done)  # files written, not yet renamed
+        if self.enabled:
+            if final.exists():  # a resumed run passing the same step again: replace it
+                old = self.root / f".old-{final.name}-{os.getpid()}"
+                final.rename(old)
+                shutil.rmtree(old)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        if sharded:
+            _barrier()  # no process goes on before the checkpoint is complete
+        return final if self.enabled else None
+
+    def _write(self, tmp: Path, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
+               state: dict[str, Any], schedulers: dict[str, Any] | None, sharded: bool) -> None:
+        """The main process's files (all but the shards and the other processes' RNGs), then every
+        file of the directory flushed to disk."""
+        if not sharded:
+            for name, module in modules.items():
+                save_file(trainable_state(module), str(tmp / f"{name}.safetensors"))
         rng = rng_state()
-        torch.save({"optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+        torch.save({"optimizers": {} if sharded else {k: o.state_dict() for k, o in optimizers.items()},
                     "schedulers": {k: s.state_dict() for k, s in (schedulers or {}).items()},
                     "rng": rng["tensors"]}, tmp / "trainer_state.pt")
         meta = {"step": steps_done, "rng": rng["plain"], "state": state, "modules": sorted(modules)}
+        if sharded:
+            meta["sharded"] = {"processes": _world()}
         (tmp / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        fault_point("checkpoint_write", steps_done)  # files written, not yet renamed
-        if final.exists():  # a resumed run passing the same step again: replace it
-            old = self.root / f".old-{final.name}-{os.getpid()}"
-            final.rename(old)
-            shutil.rmtree(old)
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
-        self._prune()
-        return final
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        for d in (tmp / SHARDED, tmp):
+            _fsync_dir(d)
 
     def _prune(self) -> None:
         done = sorted((s, p) for p in self.root.iterdir() if (s := _step_of(p)) is not None)
@@ -210,15 +312,30 @@ class Checkpointer:
         if sorted(modules) != meta["modules"]:
             raise ValueError(f"checkpoint {path} holds modules {meta['modules']}, this run trains {sorted(modules)}: "
                              "resume with the command and config the run was started with")
-        for name, module in modules.items():
-            load_trainable_state(module, load_file(str(path / f"{name}.safetensors")), str(path))
         trainer = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
-        for k, o in optimizers.items():
-            o.load_state_dict(trainer["optimizers"][k])
+        if "sharded" in meta:
+            self._load_shards(path, meta, modules, optimizers)
+        else:
+            for name, module in modules.items():
+                load_trainable_state(module, load_file(str(path / f"{name}.safetensors")), str(path))
+            for k, o in optimizers.items():
+                o.load_state_dict(trainer["optimizers"][k])
+            set_rng_state(meta["rng"], trainer["rng"])
         for k, s in (schedulers or {}).items():
             s.load_state_dict(trainer["schedulers"][k])
-        set_rng_state(meta["rng"], trainer["rng"])
         return {"step": meta["step"], "path": str(path), **meta["state"]}
+
+    @staticmethod
+    def _load_shards(path: Path, meta: dict[str, Any], modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
+        """Every process reads its shards and its own RNG states back (a collective)."""
+        saved, now = meta["sharded"]["processes"], _world()
+        if saved != now or not holds_shards(modules):
+            raise ValueError(f"checkpoint {path} holds the shards of {saved} FSDP processes, this run has {now} "
+                             f"{'FSDP ' if holds_shards(modules) else 'unsharded '}processes: resume with the launch "
+                             "the run was started with")
+        load_shards(path / SHARDED, modules, optimizers)
+        rng = torch.load(path / f"rng-{_rank()}.pt", map_location="cpu", weights_only=True)
+        set_rng_state(rng["plain"], rng["tensors"])
 
 
 def data_state(data) -> Any:
