@@ -49,6 +49,8 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
 
     device = resolve_device(cfg.run.device)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
+    if "LOCAL_RANK" in os.environ:
+        _destroy_process_group_at_exit()
     if device.type == "cpu" and _deepspeed_launch():
         # accelerate turns DeepSpeed off for cpu=True (plain DDP would run instead), and with
         # cpu=False and no GPU it picks no backend and counts one process; gloo, chosen here
@@ -60,6 +62,28 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
     if device.type == "cpu" and _fsdp_launch():
         return _cpu_fsdp_accelerator()
     return Accelerator(cpu=device.type == "cpu", kwargs_handlers=[ddp])
+
+
+_EXIT_HOOK: list = []
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Tear the process group down when a launched process ends (once per process; a process
+    may run several commands on one group). Left to the interpreter's shutdown, a gloo group's
+    threads were once destroyed while still joinable ("terminate called without an active
+    exception", exit code -6) after an FSDP run had finished and saved everything."""
+    if _EXIT_HOOK:
+        return
+    import atexit
+
+    def destroy() -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+    _EXIT_HOOK.append(destroy)
 
 
 def _cpu_fsdp_accelerator():
