@@ -2,6 +2,7 @@
 #   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
 #   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers)
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
+#   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
 #
 # PyTorch: the CPU build is installed by default. On a GPU machine install a CUDA build of
@@ -13,7 +14,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test test-fast lint bench clean browser tmux
+.PHONY: demo test test-fast test-long lint bench clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,12 +51,17 @@ PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: lint browser tmux
-	$(PYTEST)
+	$(PYTEST) -m "not long"
+
+# The DeepSpeed tests (deepspeed 0.19.8 from PyPI into .venv, the .[deepspeed] extra; a few minutes)
+test-long: lint
+	$(BIN)/pip install -q -e '.[deepspeed]'
+	$(PYTEST) -m long
 
 # A minute or two: the tests not marked slow (see markers in pyproject.toml), which leaves out the
 # end-to-end, learning, kill/resume, DDP and browser tests.
 test-fast: lint
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow and not long"
 
 # Benchmarks (each pins itself to one core). TRL is an optional benchmark dependency: the
 # .[bench] extra (trl 1.16, for GRPOTrainer); TRL's PPOTrainer only exists up to trl 1.12 and

@@ -16,9 +16,10 @@ relative ``run.out_dir``, as two machines without a shared file system would: no
 main process, not the global one) must leave no file there, and node 0's metrics and weights
 must match the 1-process run's.
 
-DeepSpeed (the dev extra installs it; rlhfkit does not depend on it): SFT under the ZeRO-2 and
-ZeRO-3 example configs and GRPO under ZeRO-2 run on two CPU processes (gloo) and must match the
-1-process run as well; PPO under ZeRO-2 and RL under ZeRO-3 must be refused with the reason.
+DeepSpeed (``make test-long``, which installs it; rlhfkit does not depend on it): SFT under the
+ZeRO-2 and ZeRO-3 example configs and GRPO under ZeRO-2 run on two CPU processes (gloo) and must
+match the 1-process run as well; PPO under ZeRO-2 and RL under ZeRO-3 must be refused with the
+reason.
 """
 
 from __future__ import annotations
@@ -264,6 +265,7 @@ def deepspeed_run(request, runs):
     return out, names
 
 
+@pytest.mark.long
 def test_deepspeed_matches_one_process(runs, deepspeed_run):
     out, names = deepspeed_run
     world = json.loads((out / "world.json").read_text())
@@ -277,8 +279,9 @@ def test_deepspeed_matches_one_process(runs, deepspeed_run):
 
 
 @pytest.mark.parametrize("config,cmd,extra,reason", [
-    ("deepspeed_zero2", "ppo", [], "clips one gradient norm over the actor and the critic"),
-    ("deepspeed_zero3", "grpo", [], "ZeRO-3 holds partitioned"),
+    pytest.param("deepspeed_zero2", "ppo", [], "clips one gradient norm over the actor and the critic",
+                 marks=pytest.mark.long),
+    pytest.param("deepspeed_zero3", "grpo", [], "ZeRO-3 holds partitioned", marks=pytest.mark.long),
     ("fsdp", "grpo", ["model.lora_r=4"], "LoRA under FSDP is not supported"),
 ])
 def test_engines_refuse_what_would_fail_or_differ_from_one_process(runs, tmp_path, config, cmd, extra, reason):
