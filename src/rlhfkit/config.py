@@ -28,7 +28,7 @@ import yaml
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "ppo": {"algo": "ppo"},
     # The critic-free commands share one recipe, chosen on the doubling task across three rewards
-    # (the exact verifier, a Bradley-Terry reward model, a label classifier; tuning seeds 10-13,
+    # (the exact verifier, a Bradley-Terry reward model, a label classifier; tuning seeds 10-14,
     # benchmarks/robustness.py; README, "Defaults that hold on rewards they were not tuned on"):
     # k3 as a loss term with beta 0.3, and scores divided by the batch's std (scale_rewards=batch,
     # the config's default). GRPO dividing by each group's std with beta 0.05 (the earlier
