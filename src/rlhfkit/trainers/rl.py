@@ -279,18 +279,14 @@ def refuse_untested_engines(accelerator, cfg: Config) -> None:
     """Stop, with the reason and before any work, where FSDP or DeepSpeed would fail late or run
     RL differently from one process (measured on two CPU processes against the 1-process run;
     README, FSDP and DeepSpeed)."""
-    pc = cfg.ppo
-    if accelerator is None:
-        return
-    if accelerator.distributed_type == "FSDP" and (cfg.model.lora_r or cfg.value.lora):
+    kind = getattr(accelerator, "distributed_type", None)
+    if kind == "FSDP" and (cfg.model.lora_r or cfg.value.lora):
         raise ValueError("LoRA under FSDP is not supported for RL: the adapter cannot be saved from sharded "
                          "weights; use DDP with LoRA (model.lora_r) or FSDP without it")
-    if accelerator.distributed_type != "DEEPSPEED":
-        return
-    if accelerator.state.deepspeed_plugin.zero_stage == 3:
+    if kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
         raise ValueError("RL under DeepSpeed ZeRO-3 is not supported: generation runs the policy's layers, whose "
                          "weights ZeRO-3 holds partitioned; use ZeRO-2 or DDP (with LoRA for big models)")
-    if pc.algo == "ppo":
+    if kind == "DEEPSPEED" and cfg.ppo.algo == "ppo":
         raise ValueError("ppo under DeepSpeed is not supported: its engine clips one gradient norm over the actor "
                          "and the critic together, where rlhfkit clips each to ppo.max_grad_norm, so the update "
                          "differs from the single-process one; use DDP, or grpo / rloo / reinforce (no critic)")
