@@ -33,9 +33,10 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # k3 as a loss term with beta 0.3, and scores divided by the batch's std (scale_rewards=batch,
     # the config's default). GRPO dividing by each group's std with beta 0.05 (the earlier
     # defaults) collapsed on both learned rewards (held-out exact 0.03 and 0.09 at step 100,
-    # per-sequence KL 17 and 25 nats); batch scaling at beta 0.05 still drifted (0.41-0.96). Final held-out exact below 0.95 after 150 steps, batch scaling: beta 0.2 in 3 of 24
-    # runs, 0.3 in 1 of 12, 0.5 in 3 of 12; at beta 0.2, k1 in the reward and k2 in the loss in 4
-    # of 12 each. The misses are late drifts of runs that had reached 0.97-1.00.
+    # per-sequence KL 17 and 25 nats); batch scaling at beta 0.05 still drifted (0.41-0.96).
+    # Final held-out exact below 0.95 after 150 steps, batch scaling: beta 0.2 in 3 of 24 runs,
+    # 0.3 in 1 of 12, 0.5 in 3 of 12; at beta 0.2, k1 in the reward and k2 in the loss in 4 of 12
+    # each. The misses are late drifts of runs that had reached 0.97-1.00.
     # Groups of 4 (16 prompts per batch of 64): GRPO on the verifier 90-100 steps to 0.99 against
     # 150-190 with groups of 8; RLOO on the classifier 70-115 steps to 0.95 against 90-140, and a
     # final exact of 0.977-0.996 against 0.955-0.990 (seeds 12-14).
