@@ -328,10 +328,10 @@ class Checkpointer:
     @staticmethod
     def _load_shards(path: Path, meta: dict[str, Any], modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
         """Every process reads its shards and its own RNG states back (a collective)."""
-        saved, now = meta["sharded"]["processes"], _world()
-        if saved != now or not holds_shards(modules):
+        saved, now, sharded = meta["sharded"]["processes"], _world(), holds_shards(modules)
+        if saved != now or not sharded:
             raise ValueError(f"checkpoint {path} holds the shards of {saved} FSDP processes, this run has {now} "
-                             f"{'FSDP ' if holds_shards(modules) else 'unsharded '}processes: resume with the launch "
+                             f"{'FSDP ' if sharded else 'unsharded '}processes: resume with the launch "
                              "the run was started with")
         load_shards(path / SHARDED, modules, optimizers)
         rng = torch.load(path / f"rng-{_rank()}.pt", map_location="cpu", weights_only=True)
