@@ -8,6 +8,8 @@
 * a PPO update whose log-probs go through chunks of a few rows (``models.UPDATE_LOGITS`` made
   small) gives the losses, statistics and gradients of the full-logits update, tied embeddings
   included, and its first minibatch still has ratio 1;
+* the experience pass's policy and reference forwards (a LoRA reference too) take the same
+  chunked path and give the full logits' numbers;
 * a head with an adapter on it is not taken apart: the full logits are used.
 """
 
@@ -207,6 +209,42 @@ def test_first_minibatch_ratio_is_one_in_chunks(monkeypatch):
     first = ppo_update(ac, opt, exp, pc, pc.kl_coef)[0]
     assert abs(first["policy/ratio_mean"].item() - 1.0) < 1e-6
     assert first["policy/approx_kl"].item() < 1e-10 and first["policy/clipfrac"].item() == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D and Linear layers
+@pytest.mark.parametrize("lora", [False, True], ids=["full_reference", "lora_reference"])
+def test_experience_in_chunks_equals_full_logits(monkeypatch, lora):
+    """The experience pass's policy and reference forwards (the LoRA reference: the base with the
+    adapter off) take the chunked path too, and give the full logits' numbers."""
+    from rlhfkit.experience import experience_forwards
+    from rlhfkit.models import AdapterDisabled
+
+    arch = {"n_layer": 2, "n_head": 2, "n_embd": 32}
+    policy = disable_dropout(build_tiny_policy(TOK, seed=3, **arch)).train()
+    if lora:
+        policy = add_lora(policy, 4, 8.0)
+        torch.nn.init.normal_(policy.base_model.model.transformer.h[0].attn.c_attn.lora_B["default"].weight)
+        ref = AdapterDisabled(policy)
+    else:
+        ref = freeze(build_tiny_policy(TOK, seed=4, **arch))
+    ac = ActorCritic(policy)
+    pc = dataclasses.replace(Config().ppo, temperature=0.8)
+    enc = TOK([p.text for p in doubling.DoublingData(3).prompts(6)], padding=True, return_tensors="pt")
+    roll = generate(policy, enc["input_ids"], enc["attention_mask"], 6, TOK.eos_token_id, TOK.pad_token_id,
+                    temperature=0.8, generator=torch.Generator().manual_seed(3))
+    full = experience_forwards(ac, ref, roll, pc, reuse=False)
+    monkeypatch.setattr(models, "UPDATE_LOGITS", 5 * policy.get_output_embeddings().out_features)
+    calls, real = [], models.chunked_token_logprobs
+    monkeypatch.setattr(models, "chunked_token_logprobs", lambda *a: calls.append(a[5]) or real(*a))
+    chunked = experience_forwards(ac, ref, roll, pc, reuse=False)
+    assert calls == [5, 5], "the policy and the reference forwards did not both take the chunked path"
+    for key in ("old_logprobs", "ref_logprobs", "entropy"):
+        torch.testing.assert_close(chunked[key], full[key], atol=1e-6, rtol=1e-6, msg=key)
+    with torch.no_grad():  # and both equal the log-softmax of the models' own logits
+        P = roll.prompt_ids.shape[1]
+        ref_logits, _ = models.policy_forward(ref, roll.input_ids, roll.attention_mask, P)
+        torch.testing.assert_close(full["ref_logprobs"], logprobs_from_logits(ref_logits / 0.8, roll.response_ids))
+    assert (full["old_logprobs"] - full["ref_logprobs"]).abs().max() > 1e-3  # the two models differ
 
 
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D and Linear layers

@@ -15,12 +15,10 @@ import torch
 
 from .config import PPOConfig
 from .core import (
-    entropy_from_logits,
     explained_variance,
     gae,
     group_advantages,
     kl_estimate,
-    logprobs_from_logits,
     masked_mean,
     masked_whiten,
     reinforce_advantages,
@@ -156,10 +154,12 @@ def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
 @torch.no_grad()
 def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool) -> dict[str, torch.Tensor]:
     """``old_logprobs``, ``ref_logprobs``, ``entropy`` ``[B, R]`` and ``old_values`` (``[B, R]`` or
-    None) of a rollout: the forwards run in row chunks whose logits stay within
-    ``EXPERIENCE_LOGITS`` elements ([B, R, V] logits of a 150k vocabulary would otherwise
-    dominate the peak memory). ``reuse``: old log-probs, entropies and shared-head values come
-    from the sampler (one policy forward less per step)."""
+    None) of a rollout. The forwards read the chosen tokens' log-probs through
+    :func:`~rlhfkit.models.token_logprobs`, which never holds a big vocabulary's ``[B, R, V]``
+    logits (it takes them ``UPDATE_LOGITS`` at a time, as the update does), and run in row
+    chunks of at most ``EXPERIENCE_LOGITS // (R * V)`` rows, which bounds the activations.
+    ``reuse``: old log-probs, entropies and shared-head values come from the sampler (one policy
+    forward less per step)."""
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
     B, R = roll.response_ids.shape
     vocab = unwrap(ac.policy).get_output_embeddings().out_features
@@ -174,14 +174,11 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
             elif ac.critic is not None:
                 values = ac.critic_values(ids[rows], mask[rows], P)
         else:
-            logits, values = ac(ids[rows], mask[rows], P, pc.temperature)
-            logprobs, entropy = logprobs_from_logits(logits, resp), entropy_from_logits(logits)
-            del logits
-        ref_logits, _ = policy_forward(ref, ids[rows], mask[rows], P)
+            logprobs, entropy, values = ac(ids[rows], mask[rows], P, pc.temperature, response_ids=resp, entropy=True)
+        ref_logprobs, _, _ = token_logprobs(ref, ids[rows], mask[rows], P, resp, pc.temperature)
         for name, part in (("old_logprobs", logprobs), ("old_values", values), ("entropy", entropy),
-                           ("ref_logprobs", logprobs_from_logits(ref_logits / pc.temperature, resp))):
+                           ("ref_logprobs", ref_logprobs)):
             parts[name].append(part)
-        del ref_logits
     return {k: torch.cat(v) if v[0] is not None else None for k, v in parts.items()}  # [B, R] each
 
 

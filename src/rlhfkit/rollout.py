@@ -16,6 +16,7 @@ forward pass.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -129,6 +130,12 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
 
 
+def _takes_logits_to_keep(model) -> bool:
+    """Whether the model's forward (under a peft wrapper: the base model's) has ``logits_to_keep``."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
 class _Forward:
     """The model's next-token logits one step at a time: the lean path (:mod:`rlhfkit.lean`,
     pre-allocated cache, functional forward) or the model's own forward with a DynamicCache."""
@@ -147,8 +154,10 @@ class _Forward:
             self.logits = head(self.hidden)  # [B, V]
         else:
             self.cache = DynamicCache()
+            # the prefill needs the last position's logits only: [B, P, V] of a big vocabulary is GiBs
+            keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
             out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                        use_cache=True)
+                        use_cache=True, **keep)
             self.cache, self.logits = out.past_key_values, out.logits[:, -1]
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
