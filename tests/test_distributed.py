@@ -47,11 +47,12 @@ pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-RUNS = ("ppo", "ppo_warmup", "ppo_shared", "grpo", "grpo_file", "rloo", "reinforce", "dpo", "sft", "rm", "ppo_micro",
-        "dpo_micro", "sft_micro", "rm_micro")
-# RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a separate critic, a shared value head
-# and the three critic-free estimators, matched to the 1-process run at FSDP_TOL
-FSDP_RUNS = ("ppo", "ppo_shared", "grpo", "rloo", "reinforce")
+RUNS = ("ppo", "ppo_warmup", "ppo_shared", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "rloo", "reinforce", "dpo",
+        "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro")
+# RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a separate critic, a shared value head,
+# the three critic-free estimators and LoRA (PPO with an adapter on the critic too, GRPO), matched to the
+# 1-process run at FSDP_TOL
+FSDP_RUNS = ("ppo", "ppo_shared", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora")
 FSDP_TOL = 1e-5
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
@@ -282,13 +283,11 @@ def test_deepspeed_matches_one_process(runs, deepspeed_run):
     pytest.param("deepspeed_zero2", "ppo", [], "clips one gradient norm over the actor and the critic",
                  marks=pytest.mark.long),
     pytest.param("deepspeed_zero3", "grpo", [], "ZeRO-3 holds partitioned", marks=pytest.mark.long),
-    ("fsdp", "grpo", ["model.lora_r=4"], "LoRA under FSDP is not supported"),
 ])
 def test_engines_refuse_what_would_fail_or_differ_from_one_process(runs, tmp_path, config, cmd, extra, reason):
-    """PPO under DeepSpeed (a critic clipped together with the actor), RL under ZeRO-3 (generation
-    on partitioned weights) and LoRA under FSDP (an adapter that cannot be saved from sharded
-    weights) stop at once with the reason, instead of running a different update or failing
-    after the training."""
+    """PPO under DeepSpeed (a critic clipped together with the actor) and RL under ZeRO-3
+    (generation on partitioned weights) stop at once with the reason, instead of running a
+    different update or failing after the training."""
     root = runs[0].parent
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / f"{config}.yaml"),
               "--num_processes", "2", "--main_process_port", str(_free_port()),
@@ -339,7 +338,13 @@ def test_fsdp_matches_one_process(runs, fsdp_run, cmd):
     policy = _weight_diffs(one / "policy", out / "policy")
     assert policy.max().item() < FSDP_TOL, policy.max().item()
     assert read_jsonl(one / "samples.jsonl") == read_jsonl(out / "samples.jsonl")
-    if cmd == "ppo":
+    if cmd.endswith("_lora"):  # the adapter, written from the gathered shards
+        a = load_file(one / "policy_adapter" / "adapter_model.safetensors")
+        b = load_file(out / "policy_adapter" / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < FSDP_TOL
+        assert max(a[k].abs().max().item() for k in a if "lora_B" in k) > 0  # the step moved the adapter
+    if cmd in ("ppo", "ppo_lora"):
         # the attention key biases' gradient is zero in exact arithmetic (a key bias adds the same
         # amount to every score of a query): Adam turns its rounding noise into steps of ~value_lr,
         # under DDP as well; every other weight of the critic must match

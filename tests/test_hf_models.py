@@ -265,6 +265,35 @@ def test_lora_merged_export_loads_in_plain_transformers_with_identical_logits(hu
     torch.testing.assert_close(got_adapter, got, atol=1e-5, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D layers
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])  # nn.Linear, and Conv1D (fan_in_fan_out)
+def test_lora_export_from_a_gathered_state_dict_equals_peft_merge(hub, tmp_path, arch):
+    """What FSDP's save does: the adapter and the merged weights written from a full state dict
+    (peft's key names) equal peft's own save and ``merge_and_unload``, and the model is left as it was."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    tok = load_tokenizer(hub[arch])
+    model = add_lora(load_policy(hub[arch]), r=4, alpha=8)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.5)
+    gathered = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_policy(copy.deepcopy(model), tok, tmp_path / "peft_merged", tmp_path / "peft_adapter")
+    save_policy(model, tok, tmp_path / "merged", tmp_path / "adapter", state_dict=gathered)
+    assert any("lora_A" in n for n, _ in model.named_parameters())  # not merged in place
+    for ours, theirs in (("merged", "peft_merged"), ("adapter", "peft_adapter")):
+        name = "model.safetensors" if ours == "merged" else "adapter_model.safetensors"
+        got, want = load_file(tmp_path / ours / name), load_file(tmp_path / theirs / name)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-6, msg=k)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+
+
 def test_lora_ppo_run_on_qwen3(hub, tmp_path):
     """LoRA on the policy and on a critic started from the reward model; a few PPO steps."""
     cfg = tiny_rl_config(tmp_path, model={"name": hub["qwen3"], "lora_r": 8, "lora_alpha": 16},

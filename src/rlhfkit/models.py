@@ -302,8 +302,9 @@ def is_lora(model: nn.Module) -> bool:
 class AdapterDisabled:
     """The reference of a LoRA policy: the very same modules with the adapter switched off.
 
-    Holds no weights of its own. ``policy_forward(ref, ...)`` and ``ref(input_ids=...)`` run
-    inside ``peft_model.disable_adapter()``, which is the frozen base model exactly.
+    Holds no weights of its own. ``policy_forward(ref, ...)``, ``token_logprobs(ref, ...)`` and
+    ``ref(input_ids=...)`` run inside ``peft_model.disable_adapter()``, which is the frozen base
+    model exactly.
     """
 
     def __init__(self, peft_model: nn.Module):
@@ -355,6 +356,32 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model.merge_and_unload() if is_lora(model) else model
 
 
+def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
+    """The plain model's weights from a LoRA model's full ``state_dict`` (peft's key names, e.g.
+    gathered from FSDP shards): every adapted layer's ``W + scaling * B @ A`` (transposed for
+    ``fan_in_fan_out`` layers such as GPT-2's Conv1D), as ``merge_and_unload`` computes it, under
+    the base model's key names. The module itself is not touched."""
+    from peft.tuners.lora import LoraLayer
+
+    sd, prefix = dict(state_dict), "base_model.model."
+    for name, mod in model.named_modules():
+        if not isinstance(mod, LoraLayer):
+            continue
+        weight = sd.pop(f"{name}.base_layer.weight")
+        merged = weight.float()
+        for adapter in mod.active_adapters:
+            a, b = sd.pop(f"{name}.lora_A.{adapter}.weight"), sd.pop(f"{name}.lora_B.{adapter}.weight")
+            delta = (b.float() @ a.float()) * mod.scaling[adapter]  # [out, in]
+            merged = merged + (delta.T if getattr(mod, "fan_in_fan_out", False) else delta)
+        sd[f"{name}.weight"] = merged.to(weight.dtype)
+        if f"{name}.base_layer.bias" in sd:
+            sd[f"{name}.bias"] = sd.pop(f"{name}.base_layer.bias")
+    left = [k for k in sd if "lora_" in k]
+    if left:  # DoRA magnitudes, adapted embeddings, inactive adapters ...: not a plain LoRA merge
+        raise NotImplementedError(f"cannot merge these adapter weights from a gathered state dict: {left[:3]}")
+    return {k.removeprefix(prefix): v for k, v in sd.items()}
+
+
 def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str | Path | None = None,
                 state_dict: dict | None = None) -> nn.Module:
     """Save a model as a plain Hugging Face checkpoint (safetensors + tokenizer).
@@ -362,16 +389,18 @@ def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str 
     A LoRA model is first saved as an adapter (to ``adapter_dir`` when given), then merged
     into its base weights (``merge_and_unload``, in place) so ``path`` loads with
     ``transformers`` alone. ``state_dict``: the weights to write instead of the module's own
-    (FSDP: gathered by :func:`rlhfkit.distributed.full_state_dict`). Returns the saved model.
+    (FSDP: gathered by :func:`rlhfkit.distributed.full_state_dict`); a LoRA model's are merged
+    from it (:func:`merged_lora_state_dict`), its sharded modules left as they are. Returns the
+    saved model.
     """
-    if state_dict is not None and is_lora(model):
-        raise NotImplementedError("saving a LoRA model from gathered (FSDP) weights is not supported: train "
-                                  "LoRA under DDP (examples/accelerate/ddp.yaml)")
     if is_lora(model) and adapter_dir is not None:
-        model.save_pretrained(adapter_dir)
+        model.save_pretrained(adapter_dir, **({} if state_dict is None else {"state_dict": state_dict}))
         if tokenizer is not None:
             tokenizer.save_pretrained(adapter_dir)
-    plain = merge_lora(model)
+    if state_dict is not None and is_lora(model):
+        plain, state_dict = model.get_base_model(), merged_lora_state_dict(model, state_dict)
+    else:
+        plain = merge_lora(model)
     plain.save_pretrained(path, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
@@ -610,6 +639,10 @@ def token_logprobs(
         ``(logprobs [B, R], entropy [B, R] or None, values [B, R] or None)``; entropies only
         with ``entropy=True``.
     """
+    if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off
+        with torch.no_grad(), policy.active() as base:
+            return token_logprobs(base, input_ids, attention_mask, prompt_len, response_ids, temperature,
+                                  entropy=entropy)
     hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
     values = None
     if value_head is not None:

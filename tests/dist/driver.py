@@ -22,6 +22,9 @@ runs = {  # run name: (command, overrides)
     "rloo": ("rloo", [*rl, "ppo.group_size=4"]),
     "reinforce": ("reinforce", rl),
     "ppo_shared": ("ppo", [*rl, "ppo.value_model=shared"]),  # a value head on the policy's last hidden states
+    # LoRA on the policy (the reference: the adapter switched off) and on the critic
+    "ppo_lora": ("ppo", [*rl, "model.lora_r=4", "model.lora_alpha=8", "value.lora=true"]),
+    "grpo_lora": ("grpo", [*rl, "ppo.group_size=4", "model.lora_r=4", "model.lora_alpha=8"]),
     # the user's prompt file (3 prompts: the second step starts a new pass), its columns read by the
     # verifier, weighted with the reward model; held-out prompts scored by both on every step
     "grpo_file": ("grpo", [*rl, "ppo.group_size=4", "ppo.steps=2", "ppo.eval_every=1", "ppo.stop_at=0",

@@ -276,13 +276,10 @@ def open_outputs(run: Run, resumed: dict):
 
 
 def refuse_untested_engines(accelerator, cfg: Config) -> None:
-    """Stop, with the reason and before any work, where FSDP or DeepSpeed would fail late or run
-    RL differently from one process (measured on two CPU processes against the 1-process run;
-    README, FSDP and DeepSpeed)."""
+    """Stop, with the reason and before any work, where DeepSpeed would fail late or run RL
+    differently from one process (measured on two CPU processes against the 1-process run;
+    README, FSDP and DeepSpeed). Every RL command runs under FSDP2, LoRA included."""
     kind = getattr(accelerator, "distributed_type", None)
-    if kind == "FSDP" and (cfg.model.lora_r or cfg.value.lora):
-        raise ValueError("LoRA under FSDP is not supported for RL: the adapter cannot be saved from sharded "
-                         "weights; use DDP with LoRA (model.lora_r) or FSDP without it")
     if kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
         raise ValueError("RL under DeepSpeed ZeRO-3 is not supported: generation runs the policy's layers, whose "
                          "weights ZeRO-3 holds partitioned; use ZeRO-2 or DDP (with LoRA for big models)")
