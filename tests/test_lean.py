@@ -98,6 +98,73 @@ def test_generation_with_static_cache_matches_the_models_own_forward(name):
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
+def lora(name: str, dropout: float = 0.0):
+    """The model with a LoRA adapter on every linear layer but the head, A and B random (a fresh
+    adapter's B = 0 would hide a missing branch)."""
+    from rlhfkit.models import add_lora
+
+    model = add_lora(MODELS[name](), r=4, alpha=8.0, dropout=dropout).to(DEV)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D layers
+@pytest.mark.parametrize("name", list(MODELS))
+def test_lora_hidden_states_grads_and_generations_match_peft(name):
+    """Plain LoRA takes the lean path: the adapted layers compute ``W + scaling * B @ A``, equal
+    to peft's ``base(x) + B(A(x)) * scaling``; the gradients reach A and B (the base weights stay
+    without any); inside ``disable_adapter()`` it is the base model; generations match the
+    model's own forward."""
+    model = lora(name)
+    assert lean.supported(model)
+    ids, mask = batch()
+    pos = position_ids_from_mask(mask)
+    valid = mask.bool()
+    body = model.get_base_model().base_model
+    ref = body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    ours = lean.hidden_states(model, ids, mask, pos)
+    torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    weight = torch.randn(ref.shape[-1]).to(DEV)
+    grads = []
+    for h in (ref, ours):
+        model.zero_grad()
+        (h[valid] @ weight).square().mean().backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[0]) and len(grads[0]) > 0
+    for n in grads[0]:  # float32 rounding of gradients up to ~100: relative to each tensor's scale
+        scale = grads[0][n].abs().max().item()
+        assert (grads[1][n] - grads[0][n]).abs().max().item() <= 5e-5 * scale, n
+    with torch.no_grad(), model.disable_adapter():  # the LoRA reference: the base model exactly
+        assert lean.supported(model)
+        base = body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        torch.testing.assert_close(lean.hidden_states(model, ids, mask, pos)[valid], base[valid], atol=1e-5, rtol=1e-5)
+    assert (base[valid] - ref[valid]).abs().max() > 1e-2  # the adapter matters
+    u = torch.rand((ids.shape[0], 8), generator=torch.Generator().manual_seed(7)).to(DEV)
+    a = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, uniforms=u)
+    b = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, uniforms=u, lean=False)
+    assert a.forward_logprobs and not b.forward_logprobs
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
+def test_lora_variants_the_lean_path_does_not_compute_fall_back():
+    model = lora("qwen2", dropout=0.1).train()
+    assert not lean.supported(model)  # the adapter's dropout is active
+    model.eval()
+    assert lean.supported(model)
+    from peft import LoraConfig, get_peft_model
+
+    dora = get_peft_model(MODELS["llama"](), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    assert not lean.supported(dora)
+    lora_embed = get_peft_model(MODELS["llama"](), LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    assert not lean.supported(lora_embed)  # an adapted embedding: the lean path reads the table itself
+
+
 def test_unsupported_models_fall_back():
     model = MODELS["gpt2"]()
     model.train()
@@ -107,7 +174,7 @@ def test_unsupported_models_fall_back():
     model.eval()
     assert lean.supported(model)
 
-    class Adapter(torch.nn.Linear):  # stands for a LoRA / quantised replacement of a projection
+    class Adapter(torch.nn.Linear):  # stands for a quantised or other replacement of a projection
         pass
 
     q = qwen2()

@@ -20,7 +20,7 @@ Differences from the reference implementations are rounding only: GPT-2's ``gelu
 computed as ``x * sigmoid(2z)`` (equal to ``x * (1 + tanh z) / 2``; on this CPU build tanh
 is 3.5x slower than sigmoid). Tests compare hidden states, gradients and generations with
 ``transformers`` to 1e-5. :func:`supported` says whether a model can take this path;
-callers fall back to the model's own forward otherwise (other architectures, adapters or
+callers fall back to the model's own forward otherwise (other architectures, adapters but plain LoRA,
 quantised layers, active dropout, gradient checkpointing, sliding windows ...).
 """
 from __future__ import annotations
@@ -39,8 +39,15 @@ from .distributed import is_sharded
 _LLAMA_LIKE = ("llama", "qwen2")
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The ``transformers`` model under a peft wrapper (its layers carry the adapters); any other model."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def _base(model: nn.Module) -> nn.Module:
     """The decoder stack (``GPT2Model`` / ``LlamaModel`` ...) of a model with or without a head."""
+    model = _unwrap(model)
     return getattr(model, "base_model", model)
 
 
@@ -58,19 +65,56 @@ def _dropout_active(model: nn.Module) -> bool:
     return any(m.p > 0 for m in found)  # p read now: disable_dropout() after the first call counts
 
 
+def _adapted(m: nn.Module) -> bool:
+    """A peft tuner layer (LoRA or another), wrapping the real layer as ``base_layer``."""
+    return hasattr(m, "base_layer")
+
+
 def _plain(*modules: nn.Module) -> bool:
-    """No parameter of ``modules`` (their own, not their children's) is sharded (FSDP2's DTensor)."""
-    return not any(is_sharded(p) for m in modules for p in m._parameters.values())
+    """No module is a peft tuner layer and no parameter of theirs (their own, not their
+    children's) is sharded (FSDP2's DTensor)."""
+    return not any(_adapted(m) or any(is_sharded(p) for p in m._parameters.values()) for m in modules)
+
+
+def _active_loras(m: nn.Module) -> list[str]:
+    """The adapters a peft LoRA layer applies now (none inside ``disable_adapter()``)."""
+    return [] if m.disable_adapters else [a for a in m.active_adapters if a in m.lora_A]
+
+
+def _plain_linear(m: nn.Module, kind: str) -> bool:
+    """A linear layer of class ``kind`` ('Conv1D', 'Linear') with plain parameters, or plain LoRA
+    on one (peft's ``lora.Linear``: not merged, no DoRA or other variant, no bias on B)."""
+    if _adapted(m):
+        if not hasattr(m, "lora_A") or m.merged or getattr(m, "lora_variant", None):
+            return False
+        return _plain_linear(m.base_layer, kind) and all(
+            _plain(m.lora_A[a], m.lora_B[a]) and m.lora_B[a].bias is None for a in _active_loras(m))
+    return type(m).__name__ == kind and _plain(m)
+
+
+def _weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, bias)`` of a linear layer as it computes now. For a LoRA layer the base weight
+    plus ``scaling * B @ A`` of each active adapter (transposed into Conv1D's ``[in, out]``
+    layout), built out of place: the same function as peft's ``base(x) + B(A(x)) * scaling``
+    up to rounding, and the update's gradient reaches A and B through it (the frozen base
+    weight gets none)."""
+    if not _adapted(m):
+        return m.weight, m.bias
+    base = m.base_layer
+    weight = base.weight
+    for a in _active_loras(m):
+        delta = (m.lora_B[a].weight @ m.lora_A[a].weight) * m.scaling[a]  # [out, in]
+        weight = weight + (delta.T if type(base).__name__ == "Conv1D" else delta)
+    return weight, base.bias
 
 
 def supported(model: nn.Module) -> bool:
     """True when :func:`hidden_states` / :func:`prefill` reproduce this model's forward: a GPT-2
-    or Llama/Qwen2 stack of plain layers (no adapters, quantised or otherwise replaced linear
-    layers, no sharded parameters), no active dropout, no gradient checkpointing, no sliding
-    window. Cheap enough to ask before every forward: the layers' types and parameters are
-    looked at directly, and the dropout modules are found once per model."""
-    if callable(getattr(model, "get_base_model", None)):  # a peft wrapper: LoRA layers in the stack
-        return False
+    or Llama/Qwen2 stack of plain layers or plain LoRA on its linear layers (peft; no other
+    adapters, quantised or otherwise replaced layers, no sharded parameters), no active
+    dropout, no gradient checkpointing, no sliding window. Cheap enough to ask before every
+    forward: the layers' types and parameters are looked at directly, and the dropout modules
+    are found once per model."""
     base = _base(model)
     cfg = getattr(base, "config", None)
     if cfg is None or _dropout_active(base) or (base.training and getattr(base, "gradient_checkpointing", False)):
@@ -85,14 +129,14 @@ def supported(model: nn.Module) -> bool:
             return False
         layers = [(b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj) for b in base.h]
         return _plain(base.wte, base.wpe, base.ln_f, *(b.ln_1 for b in base.h), *(b.ln_2 for b in base.h)) and all(
-            type(m).__name__ == "Conv1D" and _plain(m) for ms in layers for m in ms)
+            _plain_linear(m, "Conv1D") for ms in layers for m in ms)
     if kind in _LLAMA_LIKE:
         if (not hasattr(base, "rotary_emb") or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
                 or getattr(cfg, "pretraining_tp", 1) != 1 or not len(base.layers)):
             return False
         return _plain(base.embed_tokens, base.norm) and all(
             not hasattr(b.self_attn, "q_norm") and _plain(b.input_layernorm, b.post_attention_layernorm) and all(
-                type(m) is nn.Linear and _plain(m)
+                _plain_linear(m, "Linear")
                 for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
                           b.self_attn.o_proj, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj))
             for b in base.layers)
@@ -207,13 +251,13 @@ def _full_mask(attention_mask: torch.Tensor, dtype: torch.dtype | None = None) -
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One ``(weight, bias)`` computing several linear layers on the same input, outputs concatenated."""
-    weight = torch.cat([lin.weight for lin in linears])
-    if all(lin.bias is None for lin in linears):
+    pairs = [_weight(lin) for lin in linears]
+    weight = torch.cat([w for w, _ in pairs])
+    if all(b is None for _, b in pairs):
         return weight, None
-    return weight, torch.cat([lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
-                              for lin in linears])
+    return weight, torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in pairs])
 
 
 class _Arch:
@@ -229,9 +273,9 @@ class _Arch:
             self.n_heads = self.kv_heads = cfg.n_head
             self.head_dim = cfg.n_embd // cfg.n_head
             self.eps = cfg.layer_norm_epsilon
-            self.layers = [(b.ln_1.weight, b.ln_1.bias, b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight,
-                            b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias, b.mlp.c_fc.weight, b.mlp.c_fc.bias,
-                            b.mlp.c_proj.weight, b.mlp.c_proj.bias, _gpt2_act(b.mlp)) for b in base.h]
+            self.layers = [(b.ln_1.weight, b.ln_1.bias, *_weight(b.attn.c_attn), *_weight(b.attn.c_proj),
+                            b.ln_2.weight, b.ln_2.bias, *_weight(b.mlp.c_fc), *_weight(b.mlp.c_proj),
+                            _gpt2_act(b.mlp)) for b in base.h]
             self.wte, self.wpe = base.wte.weight, base.wpe.weight
             self.final = (base.ln_f.weight, base.ln_f.bias)
         else:
@@ -245,11 +289,10 @@ class _Arch:
                     proj = [_fuse([a.q_proj, a.k_proj, a.v_proj])]
                     mlp_in = [_fuse([m.gate_proj, m.up_proj])]
                 else:
-                    proj = [(lin.weight, lin.bias) for lin in (a.q_proj, a.k_proj, a.v_proj)]
-                    mlp_in = [(lin.weight, lin.bias) for lin in (m.gate_proj, m.up_proj)]
-                self.layers.append((_norm_params(b.input_layernorm), proj, (a.o_proj.weight, a.o_proj.bias),
-                                    _norm_params(b.post_attention_layernorm), mlp_in,
-                                    (m.down_proj.weight, m.down_proj.bias), m.act_fn))
+                    proj = [_weight(lin) for lin in (a.q_proj, a.k_proj, a.v_proj)]
+                    mlp_in = [_weight(lin) for lin in (m.gate_proj, m.up_proj)]
+                self.layers.append((_norm_params(b.input_layernorm), proj, _weight(a.o_proj),
+                                    _norm_params(b.post_attention_layernorm), mlp_in, _weight(m.down_proj), m.act_fn))
             self.wte = base.embed_tokens.weight
             self.final = _norm_params(base.norm)
         self.groups = self.n_heads // self.kv_heads
