@@ -4,6 +4,7 @@
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
+#   make bench-real  one RL step at real model sizes against TRL (~45 min)
 #
 # PyTorch: the CPU build is installed by default. On a GPU machine install a CUDA build of
 # torch into .venv first (see README), or pass TORCH="torch==2.13.0 <your index options>".
@@ -14,7 +15,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test test-fast test-long lint bench clean browser tmux
+.PHONY: demo test test-fast test-long lint bench bench-real clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -84,6 +85,12 @@ bench: $(BENCH_STAMP) $(TRL112)/.installed
 	$(BIN)/python benchmarks/ppo_step.py
 	$(BIN)/python benchmarks/time_to_accuracy.py
 	$(BIN)/python benchmarks/ppo_vs_tutorial.py
+
+# One GRPO / PPO step at GPT-2 small's and (4 layers of) Qwen2.5-0.5B's shape against TRL's
+# GRPOTrainer, two contenders at a time: about 45 minutes (README, "One RL step at real sizes")
+bench-real: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/real_step.py --size gpt2 --warmup 0 --cores 0 1
+	$(BIN)/python benchmarks/real_step.py --size qwen --layers 4 --warmup 0 --cores 0 1
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -10,6 +10,7 @@ import os
 import resource
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -141,6 +142,68 @@ def trl_grpo_config(output_dir: str, seed: int, max_steps: int, lr: float = TRL_
         seed=seed, logging_steps=10, log_level="error", report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0,
     )
+
+
+class PhaseClock:
+    """Marks inside a step: ``mark(name)`` closes the phase running since the previous mark and
+    records its seconds in ``rows`` and, on Linux, the phase's peak resident set (MiB) in
+    ``peaks``: the high-water mark is reset at every mark (``/proc/self/clear_refs``), so each
+    phase's peak is its own."""
+
+    def __init__(self):
+        self.rows: list[dict[str, float]] = []
+        self.peaks: list[dict[str, float]] = []
+        self.t = None
+        self.cur: dict[str, float] = {}
+        self.cur_peak: dict[str, float] = {}
+        self.rss_at_first_start: float | None = None
+
+    def start(self):
+        """Open a step (a no-op while one is open)."""
+        if self.t is not None:
+            return
+        if self.rss_at_first_start is None:
+            self.rss_at_first_start = proc_status_mib("VmRSS")
+        reset_peak_rss()
+        self.t, self.cur, self.cur_peak = time.perf_counter(), {}, {}
+
+    def mark(self, name: str):
+        now = time.perf_counter()
+        if self.t is not None and name not in self.cur:
+            self.cur[name] = now - self.t
+            self.cur_peak[name] = proc_status_mib("VmHWM")
+            reset_peak_rss()
+            self.t = now
+
+    def end(self, name: str):
+        self.mark(name)
+        self.rows.append(self.cur)
+        self.peaks.append(self.cur_peak)
+        self.t = None
+
+
+def proc_status_mib(field: str) -> float:
+    """A memory field of ``/proc/self/status`` (VmRSS: now; VmHWM: peak since the last reset), in MiB;
+    NaN off Linux."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's resident-set high-water mark (VmHWM, what ``ru_maxrss`` reads) to the
+    current resident set (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def peak_rss_mib() -> float:

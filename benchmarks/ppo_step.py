@@ -37,14 +37,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import DEFAULT_OUT, peak_rss_mib, pinned_cmd, prepare, quiet_hf, worker_setup  # noqa: E402
+from bench_common import DEFAULT_OUT, PhaseClock, peak_rss_mib, pinned_cmd, prepare, quiet_hf, worker_setup  # noqa: E402
 
 RESULT = "RESULT "
 ROWS = {
@@ -86,29 +85,6 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
 
 
 # --------------------------------------------------------------------------- TRL
-
-
-class PhaseClock:
-    """Marks inside a step: ``mark(name)`` closes the phase running since the previous mark."""
-
-    def __init__(self):
-        self.rows: list[dict[str, float]] = []
-        self.t = None
-        self.cur: dict[str, float] = {}
-
-    def start(self):
-        self.t, self.cur = time.perf_counter(), {}
-
-    def mark(self, name: str):
-        now = time.perf_counter()
-        if self.t is not None and name not in self.cur:
-            self.cur[name] = now - self.t
-            self.t = now
-
-    def end(self, name: str):
-        self.mark(name)
-        self.rows.append(self.cur)
-        self.t = None
 
 
 def run_trl_grpo(paths: dict, args) -> dict:

@@ -71,26 +71,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import pin_to_core, pinned_cmd, quiet_hf  # noqa: E402
+from bench_common import pin_to_core, pinned_cmd, proc_status_mib, quiet_hf, reset_peak_rss  # noqa: E402
 
 RESULT = "RESULT "
 VOCAB = 151936
-
-
-def rss_mib() -> float:
-    """Current resident set size (``/proc/self/statm``)."""
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def reset_peak_rss() -> bool:
-    """Reset the process's RSS high-water mark (what ``ru_maxrss`` reads) to the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def build(layers: int):
@@ -135,7 +119,7 @@ def worker(args) -> None:
     pc = dataclasses.replace(Config().ppo, entropy_coef=args.entropy_coef, kl_in_loss=False)
     rows = torch.arange(args.rows)
     gc.collect()
-    before = rss_mib()
+    before = proc_status_mib("VmRSS")
     reset = reset_peak_rss()
     t0 = time.perf_counter()
     loss, _, _ = minibatch_loss(ac, exp, rows, pc, kl_coef=0.0, update_policy=True)
