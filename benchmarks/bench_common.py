@@ -182,6 +182,39 @@ class PhaseClock:
         self.t = None
 
 
+def marked(fn, clock: PhaseClock, name: str, start: bool = False, end: bool = False):
+    """``fn`` that also marks ``clock``: opens a step before the call (``start``), closes phase
+    ``name`` after it (and the step, ``end``)."""
+
+    def wrapper(*a, **kw):
+        if start:
+            clock.start()
+        result = fn(*a, **kw)
+        (clock.end if end else clock.mark)(name)
+        return result
+
+    return wrapper
+
+
+def clock_grpo_trainer(trainer, clock: PhaseClock) -> None:
+    """Time TRL's GRPOTrainer from the outside: a step opens at the optimizer step's start (or at
+    generation), rollout ends with ``_generate``, experience with
+    ``_generate_and_score_completions`` (reference log-probs, rewards, advantages), update with
+    the optimizer step."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, s, control, **kw):
+            clock.start()
+
+        def on_step_end(self, a, s, control, **kw):
+            clock.end("update")
+
+    trainer._generate = marked(trainer._generate, clock, "rollout", start=True)
+    trainer._generate_and_score_completions = marked(trainer._generate_and_score_completions, clock, "experience")
+    trainer.add_callback(Clock())
+
+
 def proc_status_mib(field: str) -> float:
     """A memory field of ``/proc/self/status`` (VmRSS: now; VmHWM: peak since the last reset), in MiB;
     NaN off Linux."""

@@ -89,10 +89,10 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
 
 def run_trl_grpo(paths: dict, args) -> dict:
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOTrainer
 
-    from bench_common import exact_reward_with_ids, trl_grpo_config
+    from bench_common import clock_grpo_trainer, exact_reward_with_ids, trl_grpo_config
     from rlhfkit.models import load_policy
     from rlhfkit.tasks import doubling
 
@@ -103,29 +103,9 @@ def run_trl_grpo(paths: dict, args) -> dict:
     dataset = Dataset.from_dict({"prompt": [p.text for p in doubling.DoublingData(args.seed + 2).prompts(steps * 8)]})
     config = trl_grpo_config(str(Path(args.out) / "step_trl_grpo"), args.seed, steps)
     clock = PhaseClock()
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, a, s, control, **kw):
-            clock.start()
-
-        def on_step_end(self, a, s, control, **kw):
-            clock.end("update")
-
     trainer = GRPOTrainer(model=model, reward_funcs=exact_reward_with_ids(tok), args=config, train_dataset=dataset,
-                          processing_class=tok, callbacks=[Clock()])
-    generate, score = trainer._generate, trainer._generate_and_score_completions
-
-    def timed_generate(*a, **kw):
-        out = generate(*a, **kw)
-        clock.mark("rollout")
-        return out
-
-    def timed_score(*a, **kw):
-        out = score(*a, **kw)
-        clock.mark("experience")
-        return out
-
-    trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_score
+                          processing_class=tok)
+    clock_grpo_trainer(trainer, clock)
     trainer.train()
     return median_phases(clock.rows[args.warmup:])
 

@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import PhaseClock, pin_to_core, pinned_cmd, quiet_hf  # noqa: E402
+from bench_common import PhaseClock, clock_grpo_trainer, marked, pin_to_core, pinned_cmd, quiet_hf  # noqa: E402
 
 RESULT = "RESULT "
 DEFAULT_OUT = "runs/bench_real"
@@ -194,32 +194,16 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
         model=model, ppo=ppo, value={"lora": lora}, reward={"function": "real_step:letter_share"},
         data={"path": paths["prompts"], "max_prompt_length": PROMPT_TOKENS})
     clock = PhaseClock()
-    rollout, experience, update = rl.rollout, rl.make_experience, rl.ppo_update
-
-    def timed_rollout(*a, **kw):
-        clock.start()
-        result = rollout(*a, **kw)
-        clock.mark("rollout")
-        return result
-
-    def timed_experience(*a, **kw):
-        result = experience(*a, **kw)
-        clock.mark("experience")
-        return result
-
-    def timed_update(*a, **kw):
-        result = update(*a, **kw)
-        clock.end("update")
-        return result
-
-    rl.rollout, rl.make_experience, rl.ppo_update = timed_rollout, timed_experience, timed_update
+    rl.rollout = marked(rl.rollout, clock, "rollout", start=True)
+    rl.make_experience = marked(rl.make_experience, clock, "experience")
+    rl.ppo_update = marked(rl.ppo_update, clock, "update", end=True)
     rl.train_rl(cfg)
     return medians(clock, args.warmup)
 
 
 def run_trl(kind: str, paths: dict, args) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhfkit.utils import read_jsonl
@@ -243,31 +227,10 @@ def run_trl(kind: str, paths: dict, args) -> dict:
         peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
                                  target_modules="all-linear", task_type="CAUSAL_LM")
     clock = PhaseClock()
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, a, s, control, **kw):
-            clock.start()
-
-        def on_step_end(self, a, s, control, **kw):
-            clock.end("update")
-
     trainer = GRPOTrainer(model=model, reward_funcs=letter_share, args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
-                          peft_config=peft_config, callbacks=[Clock()])
-    generate, score = trainer._generate, trainer._generate_and_score_completions
-
-    def timed_generate(*a, **kw):
-        clock.start()
-        result = generate(*a, **kw)
-        clock.mark("rollout")
-        return result
-
-    def timed_score(*a, **kw):
-        result = score(*a, **kw)
-        clock.mark("experience")
-        return result
-
-    trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_score
+                          peft_config=peft_config)
+    clock_grpo_trainer(trainer, clock)
     trainer.train()
     return medians(clock, args.warmup)
 

@@ -61,6 +61,18 @@ def batch():
     return enc["input_ids"].to(DEV), enc["attention_mask"].to(DEV)
 
 
+def loss_grads(model, hiddens, valid) -> list[dict[str, torch.Tensor]]:
+    """For each of ``hiddens`` (two forwards of ``model``), the gradients of one random projection
+    of the valid positions' states, by parameter name."""
+    weight = torch.randn(hiddens[0].shape[-1]).to(DEV)
+    grads = []
+    for h in hiddens:
+        model.zero_grad()
+        (h[valid] @ weight).square().mean().backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return grads
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hidden_states_and_grads_match_transformers(name):
     model = MODELS[name]()
@@ -72,14 +84,9 @@ def test_hidden_states_and_grads_match_transformers(name):
     ours = lean.hidden_states(model, ids, mask, pos)
     torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
     # gradients of a loss on the valid positions reach the same parameters with the same values
-    weight = torch.randn(ref.shape[-1]).to(DEV)
-    grads = []
-    for h in (ref, ours):
-        model.zero_grad()
-        (h[valid] @ weight).square().mean().backward(retain_graph=True)
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-    assert len(grads[0]) == len(grads[1]) > 0
-    for a, b in zip(*grads):
+    grads = loss_grads(model, (ref, ours), valid)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for a, b in zip(grads[0].values(), grads[1].values()):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
@@ -128,12 +135,7 @@ def test_lora_hidden_states_grads_and_generations_match_peft(name):
     ref = body(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
     ours = lean.hidden_states(model, ids, mask, pos)
     torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
-    weight = torch.randn(ref.shape[-1]).to(DEV)
-    grads = []
-    for h in (ref, ours):
-        model.zero_grad()
-        (h[valid] @ weight).square().mean().backward(retain_graph=True)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    grads = loss_grads(model, (ref, ours), valid)
     assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[0]) and len(grads[0]) > 0
     for n in grads[0]:  # float32 rounding of gradients up to ~100: relative to each tensor's scale
         scale = grads[0][n].abs().max().item()
