@@ -311,6 +311,10 @@ def fsdp_run(runs):
            str(_free_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"), *FSDP_RUNS]
     proc = subprocess.run(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, f"FSDP run failed:\n{proc.stdout[-6000:]}"
+    # every run reads a reward model; all but the LoRA ones hold a reference copy: both are sharded too
+    sharded = [line for line in proc.stdout.splitlines() if "frozen model(s)" in line]
+    assert sharded == [f"FSDP: {2 - cmd.endswith('_lora')} frozen model(s) (reference, reward model) sharded too"
+                       for cmd in FSDP_RUNS], sharded
     return out
 
 

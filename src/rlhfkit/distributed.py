@@ -21,6 +21,7 @@ With one process every method is the identity, so the single-process code path i
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -191,15 +192,52 @@ def full_state_dict(module) -> dict | None:
 
 def fsdp_modules(model) -> list:
     """``model``'s FSDP2 modules, the root first (empty when nothing is sharded)."""
-    if model is None:
+    if not isinstance(model, torch.nn.Module):  # None, or a LoRA reference (sharded with its policy)
         return []
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def shard_frozen(accelerator, *models) -> list:
+    """Under FSDP, shard frozen models (the reference, reward models) as the trained ones are:
+    each decoder layer (the launch's ``fsdp_transformer_layer_cls_to_wrap``, else the model's
+    ``_no_split_modules``) and the root, so a process holds its shard instead of a whole copy.
+    :func:`full_weights` gathers them for the experience pass and the evaluation. Returns the
+    models it sharded (none without FSDP; a LoRA reference, the policy with its adapter off, is
+    no module of its own and is sharded with the policy)."""
+    if getattr(accelerator, "distributed_type", None) != "FSDP":
+        return []
+    from torch.distributed.fsdp import fully_shard
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None) or []
+    sharded = []
+    for model in models:
+        if not isinstance(model, torch.nn.Module) or fsdp_modules(model):
+            continue
+        layers = set(names) or set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            if type(module).__name__ in layers:
+                fully_shard(module)
+        fully_shard(model)
+        sharded.append(model)
+    if sharded and accelerator.is_main_process:
+        print(f"FSDP: {len(sharded)} frozen model(s) (reference, reward model) sharded too", file=sys.stderr)
+    return sharded
+
+
 @contextlib.contextmanager
-def full_weights(model, per_layer: bool = False):
+def full_weights(*models, per_layer: bool = False):
+    """:func:`_full_weights` of each of ``models`` (None and unsharded ones are no-ops)."""
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(_full_weights(model, per_layer))
+        yield
+
+
+@contextlib.contextmanager
+def _full_weights(model, per_layer: bool = False):
     """Under FSDP2, ``model``'s weights gathered for calls that bypass its root forward
     (generation and the experience pass call the unwrapped policy, critic or reference); a
     no-op for any other model.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +61,9 @@ class Reward:
     Calling it returns the total alone."""
 
     sources: list[tuple[str, float, Source]]
+    models: list = field(default_factory=list)
+    """The reward models the sources call (FSDP shards and gathers them; see
+    :func:`rlhfkit.distributed.shard_frozen`)."""
 
     def score(self, roll: Rollout, records: Sequence[PromptRecord] | None = None):
         parts = {name: fn(roll, records).float() for name, _, fn in self.sources}  # [B] each
@@ -105,7 +108,7 @@ def reward_model_scorer(reward_model, tokenizer=None, rm_tokenizer=None, name: s
             return sequence_scores(reward_model, roll.input_ids, roll.attention_mask)
         return sequence_scores(reward_model, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
 
-    return Reward([(name, 1.0, score)])
+    return Reward([(name, 1.0, score)], [reward_model])
 
 
 def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_tokenizer=None,
@@ -122,7 +125,7 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_
         labels = torch.tensor([label_fn(p) for p in prompts], device=logits.device)  # [B]
         return logits.gather(1, labels[:, None]).squeeze(1)  # [B]
 
-    return Reward([(name, 1.0, score)])
+    return Reward([(name, 1.0, score)], [classifier])
 
 
 def function_name(fn) -> str:
@@ -271,8 +274,10 @@ def build_reward(cfg: Config, tok, device) -> Reward:
     model first; empty: all 1). Each source is logged as ``reward/<name>``."""
     rc = cfg.reward
     sources: list[tuple[str, float, Source]] = []
+    models: list = []
     if rc.name:
-        sources += model_source(cfg, tok, device).sources
+        source = model_source(cfg, tok, device)
+        sources, models = source.sources, source.models
     for spec in split_specs(rc.function):
         sources += function_scorer(load_reward_function(spec), tok).sources
     weights = [float(w) for w in str(rc.weights).split(",") if w.strip()] if rc.weights else [1.0] * len(sources)
@@ -285,4 +290,4 @@ def build_reward(cfg: Config, tok, device) -> Reward:
     for (name, _, fn), w in zip(sources, weights):
         seen[name] = seen.get(name, 0) + 1
         named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", w, fn))
-    return Reward(named)
+    return Reward(named, models)

@@ -40,7 +40,7 @@ from ..core import (
     policy_loss,
     value_loss,
 )
-from ..distributed import full_state_dict, full_weights, rollout_uniforms
+from ..distributed import full_state_dict, full_weights, rollout_uniforms, shard_frozen
 from ..evaluate import evaluate_rewards, evaluate_sharded
 from ..experience import ActorCritic, Experience, RLState, make_experience
 from ..models import (
@@ -241,7 +241,7 @@ def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward:
     the rewards on the held-out prompt records (``eval/reward``, ``eval/reward/<source>``,
     ``eval/accuracy``); nothing when there are none."""
     cfg = run.cfg
-    with full_weights(train_ac):
+    with full_weights(train_ac, *reward.models):
         if data.task is not None:
             ev = evaluate_sharded(data.task, ac.policy, tok, run.device, run.shard, cfg.eval.batch_size,
                                   cfg.eval.max_new_tokens, cfg.ppo.stop)
@@ -313,6 +313,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     optimizer = make_optimizer(ac, pc)
     # DDP under accelerate launch (ac itself otherwise); generation and the experience pass use ac
     train_ac, optimizer = run.prepare(ac, optimizer, micro_batch=local_pc.minibatch_size)
+    shard_frozen(run.accelerator, ref, *scorer.models)  # FSDP: no whole copy of them per process
     engine = run.engine(train_ac)
     data = prompt_data(cfg, tok, get_task(cfg.run.task))
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
@@ -331,7 +332,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         fault_point("rollout", step)
         t1 = time.perf_counter()
         # step 2. experience: scores, reference log-probs, values -> advantages and returns
-        with full_weights(train_ac):  # FSDP: the forwards below call the policy / critic, not train_ac
+        with full_weights(train_ac, ref, *scorer.models):  # FSDP: the forwards below call the modules themselves
             exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
         stats = shard.mean(stats, maxed=("policy/logprob_gap",))
         t2 = time.perf_counter()
