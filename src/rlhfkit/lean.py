@@ -92,20 +92,27 @@ def _plain_linear(m: nn.Module, kind: str) -> bool:
     return type(m).__name__ == kind and _plain(m)
 
 
+def lora_delta(m: nn.Module, adapter: str, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``scaling * B @ A`` of one adapter of a peft LoRA layer, in its base weight's layout
+    (transposed for ``fan_in_fan_out`` layers such as GPT-2's Conv1D, ``[in, out]``); ``a``,
+    ``b``: those weights from elsewhere (a gathered state dict) instead of the layer's own."""
+    a = m.lora_A[adapter].weight if a is None else a
+    b = m.lora_B[adapter].weight if b is None else b
+    delta = (b @ a) * m.scaling[adapter]  # [out, in]
+    return delta.T if getattr(m, "fan_in_fan_out", False) else delta
+
+
 def _weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight, bias)`` of a linear layer as it computes now. For a LoRA layer the base weight
-    plus ``scaling * B @ A`` of each active adapter (transposed into Conv1D's ``[in, out]``
-    layout), built out of place: the same function as peft's ``base(x) + B(A(x)) * scaling``
+    plus :func:`lora_delta` of each active adapter, built out of place: the same function as peft's ``base(x) + B(A(x)) * scaling``
     up to rounding, and the update's gradient reaches A and B through it (the frozen base
     weight gets none)."""
     if not _adapted(m):
         return m.weight, m.bias
-    base = m.base_layer
-    weight = base.weight
-    for a in _active_loras(m):
-        delta = (m.lora_B[a].weight @ m.lora_A[a].weight) * m.scaling[a]  # [out, in]
-        weight = weight + (delta.T if type(base).__name__ == "Conv1D" else delta)
-    return weight, base.bias
+    weight = m.base_layer.weight
+    for adapter in _active_loras(m):
+        weight = weight + lora_delta(m, adapter)
+    return weight, m.base_layer.bias
 
 
 def supported(model: nn.Module) -> bool:

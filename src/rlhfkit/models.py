@@ -371,8 +371,7 @@ def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
         merged = weight.float()
         for adapter in mod.active_adapters:
             a, b = sd.pop(f"{name}.lora_A.{adapter}.weight"), sd.pop(f"{name}.lora_B.{adapter}.weight")
-            delta = (b.float() @ a.float()) * mod.scaling[adapter]  # [out, in]
-            merged = merged + (delta.T if getattr(mod, "fan_in_fan_out", False) else delta)
+            merged = merged + lean.lora_delta(mod, adapter, a.float(), b.float())
         sd[f"{name}.weight"] = merged.to(weight.dtype)
         if f"{name}.base_layer.bias" in sd:
             sd[f"{name}.bias"] = sd.pop(f"{name}.base_layer.bias")
