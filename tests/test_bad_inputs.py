@@ -645,7 +645,8 @@ def _(env):
     policy.save_pretrained(env.tmp / "no_eos")
     tok.save_pretrained(env.tmp / "no_eos")
     assert tiny_run(env, "ppo", f"model.name={env.tmp / 'no_eos'}", "reward.function=test_bad_inputs:constant_reward",
-                    "ppo.value_init=policy", "ppo.missing_eos_penalty=1.5", "ppo.steps=2") == 0
+                    "ppo.value_init=policy", "ppo.missing_eos_penalty=1.5", "ppo.normalize_reward=false",
+                    "ppo.steps=2") == 0
     rows = read_jsonl(env.tmp / "ppo" / "metrics.jsonl")
     assert all(r["response/eos_rate"] == 0.0 and r["response/length"] == 4.0 for r in rows)
     assert all(r["objective/score"] == 0.5 for r in rows)  # the raw score is logged as given

@@ -229,3 +229,16 @@ def test_experience_in_row_chunks_equals_the_whole_batch(value_model, monkeypatc
     assert chunked_stats.keys() == whole_stats.keys()
     for k in whole_stats:
         assert chunked_stats[k] == pytest.approx(whole_stats[k], abs=1e-6), k
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear"])
+def test_lr_schedule_sets_both_groups_from_the_step(schedule):
+    from rlhfkit.trainers.rl import set_lr
+
+    pc = dataclasses.replace(Config().ppo, steps=8, lr=4e-4, value_lr=2e-3, lr_schedule=schedule)
+    w, v = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([{"params": [w], "lr": 1.0}, {"params": [v], "lr": 1.0}])
+    for step, scale in [(0, 1.0), (2, 0.75), (6, 0.25), (7, 0.125)]:
+        scale = 1.0 if schedule == "constant" else scale  # linear: 1 - step / steps
+        assert set_lr(opt, pc, step) == pytest.approx(4e-4 * scale)
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([4e-4 * scale, 2e-3 * scale])

@@ -48,9 +48,9 @@ def _args(algo: str, models, out: Path) -> list[str]:
             f"ppo.steps={STEPS}", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
             "ppo.eval_every=4", "ppo.stop_at=0", "ppo.trajectories_every=3", "eval.batch_size=512",
             "eval.max_new_tokens=4", "run.checkpoint_every=2", "run.threads=1", "run.progress=false"]
-    if algo == "ppo":  # critic warm-up, adaptive KL and reward normalisation carry state across steps
+    if algo == "ppo":  # critic warm-up, adaptive KL, reward normalisation and the lr carry across steps
         args += [f"reward.name={models.reward}", "ppo.critic_warmup_steps=3", "ppo.adaptive_kl=true",
-                 "ppo.normalize_reward=true"]
+                 "ppo.normalize_reward=true", "ppo.lr_schedule=linear"]
     else:
         args += ["reward.function=rlhfkit.tasks.doubling:format_reward", "ppo.group_size=4"]
     return args

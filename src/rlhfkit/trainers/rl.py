@@ -222,6 +222,15 @@ def make_optimizer(ac: ActorCritic, pc: PPOConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, weight_decay=0.0, fused=True)  # one kernel per step, ~20% faster on CPU
 
 
+def set_lr(optimizer, pc: PPOConfig, step: int) -> float:
+    """Learning rates for ``step`` under ``ppo.lr_schedule`` (the groups of :func:`make_optimizer`);
+    returns the actor's."""
+    scale = 1.0 if pc.lr_schedule == "constant" else 1.0 - step / pc.steps
+    for group, lr in zip(optimizer.param_groups, (pc.lr, pc.value_lr)):
+        group["lr"] = lr * scale
+    return pc.lr * scale
+
+
 def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int, max_new_tokens: int):
     """Sample this process's rows of the step's batch."""
     cfg, pc = run.cfg, run.cfg.ppo
@@ -338,6 +347,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         t2 = time.perf_counter()
         # step 3. update: ppo_epochs x minibatches (a critic warm-up trains the value loss alone)
         warm = ac.has_critic and step < pc.critic_warmup_steps
+        stats["policy/lr"] = set_lr(optimizer, pc, step)
         stats.update(mean_stats(ppo_update(ac, optimizer, exp, local_pc, st.kl_coef, update_policy=not warm,
                                            engine=engine, logprob_gap="policy/logprob_gap" not in stats)))
         t3 = time.perf_counter()
