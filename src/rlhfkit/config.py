@@ -29,7 +29,8 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # PPO normalises scores with running statistics: its KL penalty sits in the reward beside the
     # score, so beta = 0.2 pulls as hard on a reward of any scale. With raw scores, 3 of 12 runs on
     # the label classifier (logits of a few units) ended below 0.95 held-out exact, on tuning seeds
-    # 33-44; normalised, 0 of 24 (seeds 33-56), and 0 of 24 on the Bradley-Terry reward model.
+    # 33-44; normalised, 0 of 24 (seeds 33-56), 0 of 24 on the Bradley-Terry reward model and 1 of
+    # 24 on the exact verifier (0 raw). README, "Defaults that hold on rewards they were not tuned on".
     "ppo": {"algo": "ppo", "normalize_reward": True},
     # The critic-free commands share one recipe, chosen on the doubling task across three rewards
     # (the exact verifier, a Bradley-Terry reward model, a label classifier; tuning seeds 10-14,
