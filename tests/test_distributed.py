@@ -1,12 +1,16 @@
 """Data parallelism through accelerate: two CPU processes (gloo) compute what one process computes.
 
-One step of PPO (also a critic warm-up step), GRPO, DPO, SFT and the reward model (PPO, DPO, SFT
-and the reward model also in micro-batches of 3 rows) runs once in a single process and once
-under ``accelerate launch`` with two processes, each taking half of every global batch. The
-logged losses, gradient norms and statistics and the saved weights must agree (1e-4), which
-holds only if sharding reproduces the single-process batch, sampling does not depend on the
-split, batch-wide statistics are gathered, token-mean losses are reweighted and metrics are
-reduced; and only the main process may write files.
+Each command runs with its own defaults for a few steps (PPO past its critic warm-up; GRPO, RLOO
+and REINFORCE two steps of batch 64 in minibatches of 32 over two epochs; DPO, SFT and the reward
+model two steps of their default batches), plus variants (a warm-up step on a shared value head,
+LoRA, a prompt file in minibatches of one group, micro-batches of 3 rows), once in a single
+process and once under ``accelerate launch`` with two processes, each taking half of every global
+batch. The logged losses, gradient norms and statistics and the saved weights must agree (1e-4),
+which holds only if sharding reproduces the single-process batch, sampling does not depend on the
+split, every minibatch holds the same rows of the global batch as in one process (whichever
+process holds them), batch-wide statistics are gathered, token-mean losses are reweighted, a
+critic warm-up leaves the actor's optimizer state alone and metrics are reduced; and only the main
+process may write files.
 
 PPO and GRPO (the prompt-file run) also run on two "nodes" of one process each, started as two
 separate launches on this machine (``--nnodes 2`` / ``--num_machines 2``, node rank 0 and 1,
@@ -52,7 +56,7 @@ RUNS = ("ppo", "ppo_warmup", "ppo_shared", "ppo_lora", "grpo", "grpo_lora", "grp
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a separate critic, a shared value head,
 # the three critic-free estimators and LoRA (PPO with an adapter on the critic too, GRPO), matched to the
 # 1-process run at FSDP_TOL
-FSDP_RUNS = ("ppo", "ppo_shared", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora")
+FSDP_RUNS = ("ppo", "ppo_shared", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file")
 FSDP_TOL = 1e-5
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
@@ -151,14 +155,20 @@ def two_nodes(request, runs):
     return cwds[0] / "out", cwds[1]
 
 
-def _metric_diffs(a_dir: Path, b_dir: Path) -> dict[str, float]:
-    """Largest |a - b| over the logged steps of every metric (wall-clock fields aside) of two
-    runs; both must have logged the same steps and the same metrics as None."""
+# The reward model's fresh head scores every pair near 0 in its first steps, so the share of pairs
+# ranked right flips on near-ties when micro-batches pad the pairs differently (scores equal to ~1e-7);
+# rm/delta and rm/loss, continuous, carry the comparison of micro-batched reward-model runs
+NEAR_TIES = ("rm/accuracy",)
+
+
+def _metric_diffs(a_dir: Path, b_dir: Path, skip: tuple[str, ...] = ()) -> dict[str, float]:
+    """Largest |a - b| over the logged steps of every metric (wall-clock fields and ``skip``
+    aside) of two runs; both must have logged the same steps and the same metrics as None."""
     a, b = read_jsonl(a_dir / "metrics.jsonl"), read_jsonl(b_dir / "metrics.jsonl")
     assert len(a) == len(b) >= 1  # one row per logged step: written once, by the main process
     diffs = {}
     for ra, rb in zip(a, b):
-        for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step"):
+        for k in (k for k in ra if not k.startswith(("time/", "throughput/")) and k != "step" and k not in skip):
             va, vb = ra[k], rb[k]
             assert (va is None) == (vb is None), k
             if va is not None:
@@ -188,7 +198,7 @@ def test_two_processes_really_ran(runs):
 @pytest.mark.parametrize("cmd", RUNS)
 def test_first_step_matches_one_process(runs, cmd):
     one, two = runs
-    diffs = _metric_diffs(one / cmd, two / cmd)
+    diffs = _metric_diffs(one / cmd, two / cmd, skip=NEAR_TIES if cmd == "rm_micro" else ())
     a = read_jsonl(one / cmd / "metrics.jsonl") + read_jsonl(two / cmd / "metrics.jsonl")
     keys = list(diffs)
     assert any("loss" in k for k in keys) and any("grad_norm" in k for k in keys), keys
@@ -208,7 +218,7 @@ def test_micro_batches_on_two_processes_match_whole_batches_on_one(runs, cmd):
     """Gradient accumulation under DDP (no gradient sync but on the last micro-batch) gives the
     update of the whole global batch in one process: the same metrics and weights."""
     one, two = runs
-    bad = {k: v for k, v in _metric_diffs(one / cmd, two / f"{cmd}_micro").items() if not v <= TOL}
+    bad = {k: v for k, v in _metric_diffs(one / cmd, two / f"{cmd}_micro", skip=NEAR_TIES).items() if not v <= TOL}
     assert not bad, bad
     weights = "reward_model" if cmd == "rm" else "policy"
     _assert_weights_match(one / cmd / weights, two / f"{cmd}_micro" / weights)
@@ -355,8 +365,10 @@ def test_fsdp_matches_one_process(runs, fsdp_run, cmd):
         # the attention key biases' gradient is zero in exact arithmetic (a key bias adds the same
         # amount to every score of a query): Adam turns its rounding noise into steps of ~value_lr,
         # under DDP as well; every other weight of the critic must match
+        # (ppo runs its defaults: 16 critic steps at value_lr 3e-3, so the rounding walk is longer than
+        # the policy's 4 steps at lr 3e-4; a wrong batch would move most weights by O(value_lr))
         critic = _weight_diffs(one / "value_model", out / "value_model", skip="c_attn.bias")
-        assert critic.mean().item() < 1e-8 and critic.max().item() < 1e-4, (critic.mean().item(), critic.max().item())
+        assert critic.mean().item() < 1e-7 and critic.max().item() < 1e-4, (critic.mean().item(), critic.max().item())
     if cmd == "ppo_shared":
         a, b = load_file(one / "value_head.safetensors"), load_file(out / "value_head.safetensors")
         assert max((a[k] - b[k]).abs().max().item() for k in a) < FSDP_TOL

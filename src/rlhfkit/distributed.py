@@ -72,6 +72,18 @@ class Shard:
         self.local_size(len(items), what, multiple)
         return items[self.rows(len(items))]
 
+    def local_rows(self, global_rows: torch.Tensor, local_size: int) -> torch.Tensor:
+        """The entries of ``global_rows`` (indices into a global batch sharded as :meth:`take`
+        does, ``local_size`` rows a process) that this process holds, as indices into its own
+        rows, in their order (the identity with one process)."""
+        start = self.rank * local_size
+        mine = (global_rows >= start) & (global_rows < start + local_size)
+        return global_rows[mine] - start
+
+    def rows_per_process(self, global_rows: torch.Tensor, local_size: int) -> list[int]:
+        """How many of ``global_rows`` each process holds, in rank order (no communication)."""
+        return torch.bincount(global_rows // local_size, minlength=self.world).tolist()
+
     # ------------------------------------------------------------------ collectives
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:

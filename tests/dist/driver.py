@@ -12,28 +12,36 @@ from rlhfkit.cli import main
 
 out, policy, rm = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 common = ["run.device=cpu", "run.threads=1", "run.progress=false", "run.seed=0", f"model.name={policy}"]
+# the RL commands run with their own defaults (batch 64 in minibatches of 32, two epochs, groups of 4
+# for grpo / rloo, 3 critic warm-up steps for ppo) for two steps -- ppo for four, the last one past
+# the warm-up: a minibatch holds rows of both processes' shards in proportions that vary
+defaults = ["ppo.steps=2", f"reward.name={rm}"]
+# smaller runs for the variants: one step, batch 8
 rl = ["ppo.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=2", "ppo.critic_warmup_steps=0",
       "ppo.max_new_tokens=6", f"reward.name={rm}"]
 runs = {  # run name: (command, overrides)
-    "ppo": ("ppo", rl),
+    "ppo": ("ppo", [*defaults, "ppo.steps=4"]),
     # a critic warm-up step on a shared value head: the actor gets no gradient (DDP's unused parameters)
     "ppo_warmup": ("ppo", [*rl, "ppo.critic_warmup_steps=1", "ppo.value_model=shared"]),
-    "grpo": ("grpo", [*rl, "ppo.group_size=4"]),
-    "rloo": ("rloo", [*rl, "ppo.group_size=4"]),
-    "reinforce": ("reinforce", rl),
+    "grpo": ("grpo", defaults),
+    "rloo": ("rloo", defaults),
+    "reinforce": ("reinforce", defaults),
     "ppo_shared": ("ppo", [*rl, "ppo.value_model=shared"]),  # a value head on the policy's last hidden states
     # LoRA on the policy (the reference: the adapter switched off) and on the critic
     "ppo_lora": ("ppo", [*rl, "model.lora_r=4", "model.lora_alpha=8", "value.lora=true"]),
     "grpo_lora": ("grpo", [*rl, "ppo.group_size=4", "model.lora_r=4", "model.lora_alpha=8"]),
     # the user's prompt file (3 prompts: the second step starts a new pass), its columns read by the
     # verifier, weighted with the reward model; held-out prompts scored by both on every step
-    "grpo_file": ("grpo", [*rl, "ppo.group_size=4", "ppo.steps=2", "ppo.eval_every=1", "ppo.stop_at=0",
+    # (minibatches of one group: each is held whole by one process, and the other runs a zero-weight pass)
+    "grpo_file": ("grpo", [*rl, "ppo.group_size=4", "ppo.minibatch_size=4", "ppo.steps=2", "ppo.eval_every=1",
+                           "ppo.stop_at=0",
                            f"data.path={Path(policy).parent / 'prompts.jsonl'}",
                            f"data.eval_path={Path(policy).parent / 'held.jsonl'}",
                            "reward.function=rlhfkit.tasks.doubling:format_reward", "reward.weights=1,2"]),
-    "dpo": ("dpo", ["dpo.steps=1", "dpo.batch_size=8", "dpo.num_pairs=64"]),
-    "sft": ("sft", ["sft.steps=1", "sft.batch_size=8"]),
-    "rm": ("rm", ["reward.steps=1", "reward.batch_size=8", "reward.eval_pairs=64"]),
+    # DPO, SFT and the reward model with their default batches, for two steps
+    "dpo": ("dpo", ["dpo.steps=2", "dpo.num_pairs=64"]),
+    "sft": ("sft", ["sft.steps=2"]),
+    "rm": ("rm", ["reward.steps=2", "reward.eval_pairs=64"]),
 }
 # the same in micro-batches of 3 rows per process (gradient sync on the last one only)
 runs.update({f"{name}_micro": (cmd, [*args, f"{'reward' if cmd == 'rm' else cmd}.micro_batch_size=3"])

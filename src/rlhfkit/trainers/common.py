@@ -70,7 +70,7 @@ class Engine:
         return clip_grad_norm(self.accelerator, parameters, max_norm)
 
     def accumulate(self, n_rows: int, micro_batch: int, step: Callable[[slice], tuple],
-                   maxed: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
+                   maxed: tuple[str, ...] = (), passes: int = 0) -> tuple[torch.Tensor, dict]:
         """Forward and backward passes over a minibatch of ``n_rows`` rows in micro-batches of
         ``micro_batch`` rows (0: all at once), their gradients summed in ``.grad``.
 
@@ -78,10 +78,13 @@ class Engine:
         ``(loss, stats)`` already weighted by its share of the minibatch (its rows for a mean over
         rows, its tokens for a mean over tokens), so the summed gradient, loss and stats are the
         whole minibatch's; stats in ``maxed`` are maxed instead. Under DDP the gradients are
-        synchronised on the last micro-batch only (``accelerator.no_sync``). Returns the summed
-        loss (detached) and stats."""
-        size = micro_batch or n_rows
+        synchronised on the last micro-batch only (``accelerator.no_sync``). ``passes``: at least
+        this many forward and backward passes, the extra ones given empty slices (``step`` runs
+        them at zero weight), so that every process makes the same collective calls when their
+        shares of a minibatch differ. Returns the summed loss (detached) and stats."""
+        size = micro_batch or max(n_rows, 1)
         chunks = [slice(i, min(n_rows, i + size)) for i in range(0, n_rows, size)]
+        chunks += [slice(n_rows, n_rows)] * (passes - len(chunks))
         acc = self.accelerator
         if len(chunks) > 1 and acc is not None and acc.distributed_type == "DEEPSPEED":
             raise ValueError("micro_batch_size > 0 is not supported under DeepSpeed, whose engine steps the optimizer "

@@ -96,16 +96,34 @@ def micro_batch_loss(model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl
     """:func:`minibatch_loss` of the micro-batch ``mb[rows]``, loss and stats scaled by its share of
     the minibatch's response tokens (every term is a token mean), the loss also by the process's
     token ``weight``; with ``gap`` the stats add ``policy/logprob_gap``, the largest
-    |log-prob - old log-prob| over its tokens."""
+    |log-prob - old log-prob| over its tokens.
+
+    An empty ``mb[rows]`` (this process holds fewer of the minibatch's rows than another one)
+    runs one of its rows with weight 0: every process then makes the same forward and backward
+    calls, whose collectives (DDP's gradient all-reduce, FSDP's all-gathers) must pair up, and
+    reports the same stats keys, at zero."""
     sub = mb[rows]
+    empty = len(sub) == 0
+    if empty:
+        sub = mb[:1] if len(mb) else torch.zeros(1, dtype=torch.long, device=mb.device)
     rmask = exp.response_mask[sub]
     loss, logprobs, stats = minibatch_loss(model, exp, sub, pc, kl_coef, update_policy)
-    share = rmask.sum() / exp.response_mask[mb].sum()  # 1 when the micro-batch is the minibatch
+    share = 0.0 if empty else rmask.sum() / exp.response_mask[mb].sum()  # 1 when the micro-batch is the minibatch
     stats = {k: v * share for k, v in stats.items()}
     if gap:
         stats["policy/logprob_gap"] = torch.where(rmask.bool(), (logprobs.detach() - exp.old_logprobs[sub]).abs(),
-                                                  0.0).max()
+                                                  0.0).max() * (not empty)
     return loss * share * weight, stats
+
+
+def minibatch_order(B: int, G: int, generator: torch.Generator | None) -> torch.Tensor:
+    """One epoch's shuffled order of the *global* batch's ``B`` rows, in blocks of ``G`` rows (a
+    prompt's rows stay together: its prompt is then computed once per minibatch,
+    models.response_hidden, and a GRPO group's zero-sum advantages stay in one gradient step).
+    Every process draws the same order (same seed, same draws), so a minibatch holds the same
+    rows whatever the number of processes; each process then takes the rows it holds."""
+    G = G if G > 1 and B % G == 0 else 1
+    return (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()  # [B]
 
 
 def ppo_update(
@@ -116,36 +134,48 @@ def ppo_update(
 
     ``update_policy=False`` is the critic warm-up: only the value loss is applied (and with a
     shared head it stops at the head). ``engine`` (:class:`~rlhfkit.trainers.common.Engine`)
-    runs the backward and the clipping and skips NaN/inf updates; data parallel, its model is
-    ``ac`` as prepared by accelerate (DDP), ``pc.minibatch_size`` the per-process share, and its
-    shard rescales the token-mean loss so the synchronised gradient, and the reduced stats, are
-    those of the global minibatch (the synchronised gradient norms make every process's guard
-    decide alike). ``logprob_gap``: the first minibatch's stats add ``policy/logprob_gap``, the
-    largest |log-prob - old log-prob| over its tokens before any update (the old ones came from
-    the sampler: :func:`rlhfkit.experience.reuse_rollout`). ``pc.micro_batch_size`` rows of a
-    minibatch at a time go through the forward and backward passes, their gradients accumulated
-    into the minibatch's (:meth:`~rlhfkit.trainers.common.Engine.accumulate`).
+    runs the backward and the clipping and skips NaN/inf updates. Data parallel, ``exp`` holds
+    this process's rows of the global batch, its model is ``ac`` as prepared by accelerate (DDP,
+    FSDP) and ``pc.minibatch_size`` the per-process share: the minibatches are drawn over the
+    global batch (:func:`minibatch_order`), each process computes the loss of the minibatch's
+    rows it holds, and its shard rescales the token-mean loss by its share of the minibatch's
+    tokens, so the synchronised gradient, and the reduced stats, are those of the global
+    minibatch, as one process computes it (the synchronised gradient norms make every process's
+    guard decide alike). ``logprob_gap``: the first minibatch's stats add ``policy/logprob_gap``,
+    the largest |log-prob - old log-prob| over its tokens before any update (the old ones came
+    from the sampler: :func:`rlhfkit.experience.reuse_rollout`). ``pc.micro_batch_size`` rows of
+    a minibatch at a time go through the forward and backward passes, their gradients
+    accumulated into the minibatch's (:meth:`~rlhfkit.trainers.common.Engine.accumulate`); every
+    process makes as many passes as the one holding the most rows of the minibatch.
     """
     engine = engine or Engine(guard=UpdateGuard(where=pc.algo))
     model = engine.model if engine.model is not None else ac
-    B = exp.input_ids.shape[0]
-    # rows of one prompt stay together in a minibatch (shuffled as blocks): its prompt is then
-    # computed once per minibatch (models.response_hidden), and a GRPO group's zero-sum
-    # advantages stay in one gradient step
+    shard = engine.shard
+    b = exp.input_ids.shape[0]  # this process's rows
+    B, M = b * shard.world, pc.minibatch_size * shard.world  # the global batch and minibatch
     G = pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
-    G = G if G > 1 and B % G == 0 else 1
+    micro = pc.micro_batch_size
     all_stats = []
     for _ in range(pc.ppo_epochs):
-        perm = (torch.randperm(B // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()
-        for mb in perm.to(exp.input_ids.device).split(pc.minibatch_size):
-            weight = engine.shard.token_weight(exp.response_mask[mb])  # 1 with one process
+        for rows in minibatch_order(B, G, generator).split(M):
+            mb = shard.local_rows(rows, b).to(exp.input_ids.device)
+            most = max(shard.rows_per_process(rows, b))
+            weight = shard.token_weight(exp.response_mask[mb])  # 1 with one process
             optimizer.zero_grad(set_to_none=True)
             # no optimizer step yet on the first minibatch: the gap is to the policy that sampled
             gap = logprob_gap and not all_stats
             step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, weight, gap)
-            loss, stats = engine.accumulate(len(mb), pc.micro_batch_size, step, maxed=("policy/logprob_gap",))
+            n_passes = -(-most // micro) if micro else 1
+            loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",), passes=n_passes)
             # every term is a token mean over the response mask but the gap
-            stats = engine.shard.mean(stats, weight, maxed=("policy/logprob_gap",))
+            stats = shard.mean(stats, weight, maxed=("policy/logprob_gap",))
+            if not update_policy:
+                # a critic warm-up: DDP (find_unused_parameters) hands the actor's unused weights zero
+                # gradients, where one process leaves them None; AdamW would count zero-gradient steps
+                # into their bias correction, and the first real update would be smaller than one
+                # process's
+                for p in ac.policy.parameters():
+                    p.grad = None
             stats["policy/grad_norm"] = engine.clip(ac.policy.parameters(), pc.max_grad_norm)
             if ac.has_critic:
                 stats["value/grad_norm"] = engine.clip(ac.critic_parameters(), pc.max_grad_norm)
