@@ -524,6 +524,11 @@ class EvalConfig(Section):
     """Held-out completions by greedy decoding (False: sampled at ppo.temperature, fixed seed)."""
     max_new_tokens: int | None = None
     """Longest answer decoded (None: the task's longest answer; with data.path, ppo.max_new_tokens)."""
+    accuracy_reward: str = ""
+    """Reward source(s) whose 0/1 scores define eval/accuracy, the share of completions they all score 1
+    (comma-separated, named as logged in reward/<name>); empty: the reward functions declared 0/1
+    with ``fn.binary = True``, as the built-in tasks' verifiers are. No declared source, no
+    eval/accuracy; a declared one that returns anything but 0 or 1 stops the run with its name."""
     baseline: str = ""
     """A model or run directory whose completions of the same prompts (data.path) are scored by the same
     rewards, for a win rate (empty: none)."""
