@@ -238,3 +238,14 @@ def test_eval_accuracy_reward_names_a_source_and_the_verifiers_are_declared():
     with pytest.raises(ValueError, match="names no reward source .nope.; the sources are: exact_reward, graded"):
         build_reward(cfg.replace(eval={"accuracy_reward": "nope"}), TOK, "cpu")
     assert doubling.exact_reward.binary and doubling.format_reward.binary and cities.exact_reward.binary
+
+
+def test_stopping_on_an_accuracy_no_reward_declares_is_refused(tiny_models, tiny_config, tmp_path):
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy},
+                      data={"path": doubling_file(tmp_path), "eval_path": doubling_file(tmp_path, 4, "held.jsonl")},
+                      reward={"function": "test_real_model_signals:graded"},
+                      ppo={"algo": "grpo", "stop_metric": "eval/accuracy", "stop_at": 0.9})
+    with pytest.raises(ValueError, match="no reward source is declared 0/1, so it is never logged"):
+        train_rl(cfg)
+    declared = cfg.replace(eval={"accuracy_reward": "graded"}, ppo={"steps": 1})
+    assert train_rl(declared)["reached"]["step"] == 1  # every completion scores 1: stops at the first evaluation

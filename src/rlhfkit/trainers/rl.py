@@ -330,6 +330,9 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     shard_frozen(run.accelerator, ref, *scorer.models)  # FSDP: no whole copy of them per process
     engine = run.engine(train_ac)
     data = prompt_data(cfg, tok, get_task(cfg.run.task))
+    if pc.stop_at and pc.stop_metric == "eval/accuracy" and data.task is None and not scorer.accuracy_sources():
+        raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
+                         "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
     st = RLState(pc)
     # run.resume: every weight, optimizer moment, RNG, the data position and the counters
