@@ -382,7 +382,8 @@ class PPOConfig(Section):
     filter_zero_std_groups: bool = False
     """grpo, rloo: leave the groups whose scores are all equal (logged: frac_reward_zero_std) out of
     the update -- DAPO's dynamic filtering, without its resampling. Their advantages are 0
-    already; what changes is the token mean: the policy loss, the KL term and the entropy bonus
+    already (with the KL in the reward, kl_in_loss=false, only the KL penalty's); what changes
+    is the token mean: the policy loss, the KL term and the entropy bonus
     average over the kept rows' tokens only, and each minibatch holds ppo.minibatch_size kept rows
     (fewer optimizer steps when many groups are left out, none when all are). One process only."""
     mask_truncated_completions: bool = False
