@@ -386,6 +386,26 @@ def test_group_advantages_match_a_per_group_loop():
         group_advantages(scores, 5)
 
 
+def test_zero_std_groups_hand_computed():
+    from rlhfkit.core import group_advantages, rloo_advantages, zero_std_groups
+
+    # groups of 3: [1, 1, 1] all equal; [0, 1, 0] spread 1; the same three float32 parts summed in two
+    # orders, (0.1 + 0.2) + 1/3 and (1/3 + 0.2) + 0.1, differ by one ulp (6e-8): equal up to rounding;
+    # [50, 50, 50.001] spread 1e-3 > 1e-6 * 50
+    f = [torch.tensor(v) for v in (0.1, 0.2, 1 / 3)]
+    one_way, other_way = (f[0] + f[1]) + f[2], (f[2] + f[1]) + f[0]
+    assert one_way != other_way
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, one_way, other_way, one_way, 50.0, 50.0, 50.001])
+    assert zero_std_groups(scores, 3).tolist() == [True, False, True, False]
+    # what "zero std" means for the estimators: those groups' mean-centred advantages vanish
+    for adv in (group_advantages(scores, 3, "none"), rloo_advantages(scores, 3)):
+        grouped = adv.view(-1, 3).abs().max(-1).values
+        assert (grouped[[0, 2]] < 1e-6).all() and (grouped[[1, 3]] > 1e-4).all()
+    assert zero_std_groups(torch.tensor([2.0, 2.0, 2.0, -2.0]), 2).tolist() == [True, False]
+    with pytest.raises(ValueError):
+        zero_std_groups(scores, 5)
+
+
 def test_rloo_advantages_hand_computed():
     from rlhfkit.core import rloo_advantages
 

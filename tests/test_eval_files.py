@@ -28,6 +28,9 @@ def finished_reward(prompts, completions, finished, **columns) -> list[float]:
     return [1.0 if f else 0.0 for f in finished]
 
 
+finished_reward.binary = True  # declared 0/1, like the task's exact_reward
+
+
 FUNCTIONS = {"exact_reward": doubling.exact_reward, "length_reward": length_reward,
              "finished_reward": finished_reward}
 
@@ -81,7 +84,7 @@ def test_one_scored_line_per_prompt(tiny_models, held, tmp_path, capsys):
     assert result["eval/reward"] == pytest.approx(sum(r["reward"] for r in rows) / N_PROMPTS)
     for name in FUNCTIONS:
         assert result[f"eval/reward/{name}"] == pytest.approx(sum(r["scores"][name] for r in rows) / N_PROMPTS)
-    # two 0/1 rewards (exact, finished): accuracy is the share that both score 1
+    # two declared 0/1 rewards (exact, finished): accuracy is the share that both score 1
     want = sum(r["scores"]["exact_reward"] == 1 and r["finished"] for r in rows) / N_PROMPTS
     assert result["eval/accuracy"] == pytest.approx(want)
     assert "数字" in (tmp_path / "ev" / "eval_samples.jsonl").read_text(encoding="utf-8")  # not \\u escapes

@@ -118,6 +118,9 @@ def ones_and_zeros(prompts, completions, completion_ids, **columns):
     return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
 
 
+ones_and_zeros.binary = True  # declared 0/1: it gives eval/accuracy
+
+
 def boom(prompts, completions, **columns):
     raise RuntimeError("my reward exploded")
 
@@ -215,7 +218,7 @@ def test_held_out_prompts_are_scored_by_the_rewards(tiny_models, tmp_path):
     assert ev["eval/reward"] == pytest.approx(sum(want) / 10 + 0.5 * 2.0)
     only_two = evaluate_rewards(policy, TOK_D, records, function_scorer(two_reward, TOK_D), torch.device("cpu"),
                                 max_new_tokens=6)
-    assert "eval/accuracy" not in only_two  # no 0/1 reward, no accuracy
+    assert "eval/accuracy" not in only_two  # no declared 0/1 reward, no accuracy
 
 
 def _cfg_data():

@@ -379,6 +379,19 @@ class PPOConfig(Section):
     has the same option, off by default). On the doubling task's three rewards no default run
     lost its EOS (benchmarks/robustness.py), so it stays off; the hacking watch flags a fall
     of the EOS rate (guard_eos)."""
+    filter_zero_std_groups: bool = False
+    """grpo, rloo: leave the groups whose scores are all equal (logged: frac_reward_zero_std) out of
+    the update -- DAPO's dynamic filtering, without its resampling. Their advantages are 0
+    already (with the KL in the reward, kl_in_loss=false, only the KL penalty's); what changes
+    is the token mean: the policy loss, the KL term and the entropy bonus
+    average over the kept rows' tokens only, and each minibatch holds ppo.minibatch_size kept rows
+    (fewer optimizer steps when many groups are left out, none when all are). One process only."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_new_tokens (no EOS or stop string; logged:
+    response/truncated_rate) out of the update -- policy, KL, entropy and value losses -- TRL's
+    option. As in TRL they keep their reward and still count in the baselines (group mean and std,
+    whitening, reward normalisation); the token means run over the other rows' tokens, as with
+    filter_zero_std_groups. One process only."""
     normalize_reward: bool = False
     """Normalise scores with running mean/std (over every step so far) before clipping; the ppo
     command sets it (config.ALGO_DEFAULTS), so the KL weight means the same on any reward's scale.
@@ -424,6 +437,9 @@ class PPOConfig(Section):
         if self.algo == "reinforce" and self.scale_rewards == "group":
             raise ConfigError("ppo.scale_rewards=group with reinforce: its baseline is the batch mean, there are no "
                               "groups; use ppo.scale_rewards=batch or none")
+        if self.filter_zero_std_groups and self.algo not in ("grpo", "rloo"):
+            raise ConfigError(f"ppo.filter_zero_std_groups needs grpo or rloo: under {self.algo} the baseline is not "
+                              "the group's mean, so a group of equal scores still has advantages")
         if any(not s for s in self.stop):
             raise ConfigError(f"ppo.stop must hold non-empty strings, got {list(self.stop)!r}")
         if self.kl_in_loss and self.kl_estimator == "k1":
@@ -524,6 +540,11 @@ class EvalConfig(Section):
     """Held-out completions by greedy decoding (False: sampled at ppo.temperature, fixed seed)."""
     max_new_tokens: int | None = None
     """Longest answer decoded (None: the task's longest answer; with data.path, ppo.max_new_tokens)."""
+    accuracy_reward: str = ""
+    """Reward source(s) whose 0/1 scores define eval/accuracy, the share of completions they all score 1
+    (comma-separated, named as logged in reward/<name>); empty: the reward functions declared 0/1
+    with ``fn.binary = True``, as the built-in tasks' verifiers are. No declared source, no
+    eval/accuracy; a declared one that returns anything but 0 or 1 stops the run with its name."""
     baseline: str = ""
     """A model or run directory whose completions of the same prompts (data.path) are scored by the same
     rewards, for a win rate (empty: none)."""

@@ -33,6 +33,7 @@ __all__ = [
     "last_token_index",
     "gae",
     "group_advantages",
+    "zero_std_groups",
     "reinforce_advantages",
     "scale_advantages",
     "rloo_advantages",
@@ -445,6 +446,20 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = 
     grouped = scores.view(-1, group_size)  # [B/G, G]
     centred = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1)  # [B]
     return scale_advantages(centred, scores, group_size, scale, eps)
+
+
+def zero_std_groups(scores: torch.Tensor, group_size: int, rtol: float = 1e-6) -> torch.Tensor:
+    """Which groups' scores are all equal (TRL's "zero std"): ``[B] -> [B/G]`` bool.
+
+    Rows ``[g*G, (g+1)*G)`` are group ``g``. It is zero-std when
+    ``max_g(s) - min_g(s) <= rtol * max(1, max_g |s|)``: equal up to float rounding, so a
+    weighted sum of equal parts counts as equal. Such a group's mean-centred advantages
+    (GRPO, RLOO) are all 0: it carries no policy-gradient signal.
+    """
+    _check_groups(scores, group_size)
+    grouped = scores.view(-1, group_size)  # [B/G, G]
+    spread = grouped.max(-1).values - grouped.min(-1).values  # [B/G]
+    return spread <= rtol * grouped.abs().max(-1).values.clamp(min=1.0)
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = "none", eps: float = 1e-4) -> torch.Tensor:

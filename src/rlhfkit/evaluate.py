@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -97,6 +97,7 @@ class ScoredCompletions:
     finished: list[bool]  # True where the response ended with EOS
     total: torch.Tensor  # [n] float64: the reward's weighted total
     scores: dict[str, torch.Tensor]  # each source's [n] float64 score, by name
+    accuracy: list[str] = field(default_factory=list)  # the declared 0/1 sources that define eval/accuracy
 
 
 @torch.no_grad()
@@ -127,28 +128,29 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
         for name in names:
             parts[name].append(scores[name].double().cpu())
     policy.train(was_training)
-    return ScoredCompletions(texts, finished, torch.cat(totals), {name: torch.cat(parts[name]) for name in names})
+    return ScoredCompletions(texts, finished, torch.cat(totals), {name: torch.cat(parts[name]) for name in names},
+                             reward.accuracy_sources())
 
 
 def reward_means(scored: ScoredCompletions, n: int, shard: Shard | None = None, device=None) -> dict[str, float]:
-    """``eval/reward`` (the total's mean), ``eval/reward/<source>`` and, when some source gives only
-    0 or 1, ``eval/accuracy`` (the share of completions that every such source scores 1), over ``n``
-    completions: ``scored`` holds this process's share of them (summed over ``shard``)."""
+    """``eval/reward`` (the total's mean), ``eval/reward/<source>`` and, when sources are declared
+    0/1 (``scored.accuracy``: ``eval.accuracy_reward`` or ``fn.binary = True``), ``eval/accuracy``
+    (the share of completions that every such source scores 1), over ``n`` completions:
+    ``scored`` holds this process's share of them (summed over ``shard``). Which sources are 0/1
+    is declared, never inferred from the scores: a 0/1/2 reward that gave only 1s on this batch
+    gives no accuracy."""
     shard = shard or Shard()
     names = list(scored.scores)
     by_source = torch.stack([scored.scores[name] for name in names]) if names else torch.zeros(0, len(scored.total))
-    # sums over every process: total, each source, and each source's count of scores other than 0/1
-    binary = (by_source == 0) | (by_source == 1)  # [S, n_local]
-    sums = torch.cat([scored.total.sum()[None], by_source.sum(1), (~binary).sum(1).double()])
+    correct = torch.zeros(1, dtype=torch.float64)
+    if scored.accuracy:  # [S_acc, n_local] -> completions every declared source scores 1
+        correct = (by_source[[names.index(a) for a in scored.accuracy]] == 1).all(0).double().sum()[None]
+    sums = torch.cat([scored.total.sum()[None], by_source.sum(1), correct])  # summed over every process
     sums = shard.sum(sums.to(device)).cpu() if shard.distributed else sums
-    S = len(names)
     out = {"eval/reward": float(sums[0] / n)}
     out.update({f"eval/reward/{name}": float(sums[1 + j] / n) for j, name in enumerate(names)})
-    is01 = sums[1 + S :] == 0  # [S]: sources that gave only 0 or 1, on every process
-    if bool(is01.any()):
-        correct = (by_source[is01] == 1).all(0).double().sum()[None]
-        correct = shard.sum(correct.to(device)).cpu() if shard.distributed else correct
-        out["eval/accuracy"] = float(correct / n)
+    if scored.accuracy:
+        out["eval/accuracy"] = float(sums[-1] / n)
     return out
 
 
@@ -158,8 +160,9 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
                      stop: Sequence[str] = ()) -> dict[str, float]:
     """Completions of held-out prompt records (:func:`complete_and_score`) scored by the training
     reward: ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>``
-    and, when some source gives only 0 or 1, ``eval/accuracy`` (the share of completions that
-    every such source scores 1). The records are split over processes; the means are global."""
+    and, when some source is declared 0/1 (:func:`reward_means`), ``eval/accuracy`` (the share of
+    completions that every such source scores 1). The records are split over processes; the means
+    are global."""
     shard = shard or Shard()
     n = len(records)
     lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world

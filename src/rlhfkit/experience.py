@@ -9,7 +9,7 @@ batch baseline without). Every ``[B, R]`` tensor is response-aligned (docs/desig
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -24,13 +24,14 @@ from .core import (
     reinforce_advantages,
     rloo_advantages,
     shaped_rewards,
+    zero_std_groups,
 )
 from .distributed import Shard
 from .models import ValueHead, policy_forward, token_logprobs, token_values, unwrap
 from .rewards import Scorer
 from .rollout import Rollout
 from .utils import to_float
-from .watch import HackingWatch
+from .watch import HackingWatch, SignalWatch
 
 
 @dataclass(kw_only=True)
@@ -52,6 +53,8 @@ class Experience:
         advantages:     ``[B, R]`` GAE advantages (whitened if configured).
         returns:        ``[B, R]`` GAE returns (value targets).
         raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
+        loss_rows:      ``[B]`` bool, the rows the update trains on (``ppo.filter_zero_std_groups``,
+                        ``ppo.mask_truncated_completions`` leave some out: :meth:`select`); None: all.
     """
 
     input_ids: torch.Tensor
@@ -67,6 +70,14 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor
     raw_advantages: torch.Tensor | None = None
+    loss_rows: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor) -> Experience:
+        """The experience of ``rows`` (``[B]`` bool, or indices) alone: every per-row tensor cut to
+        them. A row left out is out of every token mean of the update, its normaliser included."""
+        cut = {f.name: getattr(self, f.name)[rows] for f in fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **cut)
 
 
 class RunningMoments:
@@ -138,6 +149,34 @@ def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
     if pc.algo == "reinforce":
         return reinforce_advantages(score, pc.scale_rewards)
     raise ValueError(f"no sequence-level advantage for algo {pc.algo!r}")
+
+
+def completions_per_prompt(pc: PPOConfig) -> int:
+    """The size of a prompt's group of completions: ``group_size`` (grpo, rloo), else
+    ``samples_per_prompt`` (ppo, reinforce); 1 means no groups."""
+    return pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
+
+
+def zero_std_rows(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
+    """``[B]`` bool: rows whose group's scores are all equal (:func:`~rlhfkit.core.zero_std_groups`),
+    read as the advantages read them, clipped to ``ppo.score_clip``; None when groups are of 1.
+    Each process holds whole groups, so its rows' flags are the global batch's."""
+    G = completions_per_prompt(pc)
+    if G < 2:
+        return None
+    return zero_std_groups(score.clamp(-pc.score_clip, pc.score_clip), G).repeat_interleave(G)  # [B]
+
+
+def loss_rows(zero_std: torch.Tensor | None, finished: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
+    """``[B]`` bool, the rows the update trains on: all but those of zero-std groups
+    (``ppo.filter_zero_std_groups``) and those cut at ``max_new_tokens``
+    (``ppo.mask_truncated_completions``); None when neither option is on."""
+    keep = None
+    if pc.filter_zero_std_groups and zero_std is not None:
+        keep = ~zero_std
+    if pc.mask_truncated_completions:
+        keep = finished.bool() if keep is None else keep & finished.bool()
+    return keep
 
 
 EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chunk
@@ -212,6 +251,12 @@ def make_experience(
     ``shard`` (data parallel): whitening, baselines and reward normalisation see the rows of
     every process, so they equal the single-process values; the stats are this process's.
     ``records``: the prompt records of the rows, whose columns reach the reward functions.
+
+    Signal diagnostics among the stats: ``frac_reward_zero_std`` (the share of prompt groups
+    whose scores are all equal, :func:`zero_std_rows`; groups of ``ppo.group_size``, or of
+    ``ppo.samples_per_prompt`` for ppo / reinforce; not logged for groups of 1) and
+    ``response/truncated_rate`` (the share cut at ``max_new_tokens``, ``1 - response/eos_rate``).
+    ``Experience.loss_rows`` holds the rows the options leave in the update (:func:`loss_rows`).
     """
     shard = shard or Shard()
     rmask = roll.response_mask
@@ -233,6 +278,8 @@ def make_experience(
         advantages = torch.where(valid, seq_adv[:, None].expand_as(rewards), 0.0)  # [B, R]
         old_values = returns = torch.zeros_like(rewards)
     kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
+    zero_std = zero_std_rows(score, pc)  # [B] or None
+    keep = loss_rows(zero_std, roll.finished, pc)  # [B] or None
     stats = {
         "objective/score": raw_score.mean(),
         "objective/kl": kl_seq.mean(),
@@ -242,34 +289,43 @@ def make_experience(
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         "response/length": rmask.sum(-1).float().mean(),
         "response/eos_rate": roll.finished.float().mean(),
+        # cut at max_new_tokens: 1 - eos_rate, a row ends without EOS or a stop string only there
+        "response/truncated_rate": (~roll.finished).float().mean(),
         **{f"reward/{name}": s.mean() for name, s in parts.items()},
     }
+    if zero_std is not None:  # TRL's name; groups of 1 have no such share, and it is not logged
+        stats["frac_reward_zero_std"] = shard.apply_rows(lambda z: z.mean(), zero_std.float())  # global batch
+    if keep is not None:
+        stats["policy/trained_frac"] = keep.float().mean()
     if not reuse:  # generation-time vs training-forward log-probs: a silent off-policy mismatch shows here
         stats["policy/logprob_gap"] = torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max()
     exp = Experience(input_ids=roll.input_ids, attention_mask=roll.attention_mask, prompt_len=roll.prompt_ids.shape[1],
                      response_ids=roll.response_ids, response_mask=rmask, old_logprobs=old_logprobs,
                      ref_logprobs=ref_logprobs, old_values=old_values, score=score, rewards=rewards,
-                     advantages=advantages, returns=returns, raw_advantages=raw_advantages)
+                     advantages=advantages, returns=returns, raw_advantages=raw_advantages, loss_rows=keep)
     return exp, {k: to_float(v) for k, v in stats.items()}
 
 
 class RLState:
     """The loop's counters beyond the step: KL coefficient, training seconds, reward statistics,
-    the reward-hacking watch."""
+    the reward-hacking and signal watches."""
 
     def __init__(self, pc: PPOConfig):
         self.kl_coef, self.train_s = pc.kl_coef, 0.0
         self.reward_stats = RunningMoments() if pc.normalize_reward else None
         self.reached: dict | None = None
         self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, pc.stop_metric)
+        self.signals = SignalWatch("ppo.group_size" if pc.algo in ("grpo", "rloo") else "ppo.samples_per_prompt")
 
     def state_dict(self) -> dict:
         m = self.reward_stats
         return {"kl_coef": self.kl_coef, "train_s": self.train_s, "watch": self.watch.state_dict(),
-                "reward_stats": None if m is None else [m.count, m.mean, m.m2]}
+                "signals": self.signals.state_dict(), "reward_stats": None if m is None else [m.count, m.mean, m.m2]}
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_coef, self.train_s = state["kl_coef"], state["train_s"]
         self.watch.load_state_dict(state["watch"])
+        if "signals" in state:  # checkpoints written before the signal watch have none
+            self.signals.load_state_dict(state["signals"])
         if self.reward_stats is not None:
             self.reward_stats.count, self.reward_stats.mean, self.reward_stats.m2 = state["reward_stats"]

@@ -17,7 +17,11 @@ records it was sampled from) to a ``[B]`` score:
   ``ppo.stop`` stays in both, being tokens the policy sampled); ``finished``: True where the
   response ended with EOS or a stop string, False where ``max_new_tokens`` cut it; ``columns``: every
   other field of the prompt's record, one list entry per completion (repeated for the
-  samples of a group). It returns one finite number per completion.
+  samples of a group). It returns one finite number per completion. A function whose scores
+  are 0 or 1 (a verifier) says so with the attribute ``fn.binary = True``: the held-out
+  ``eval/accuracy`` comes from such declared sources (or from ``eval.accuracy_reward``), never
+  from the values one batch happened to take, and a declared source that returns anything
+  else stops the run with its name.
 
 A reward model whose tokenizer differs from the policy's reads the text re-tokenised in its own
 vocabulary (:func:`retokenize`, :func:`other_tokenizer`). :func:`build_reward` assembles the
@@ -64,11 +68,25 @@ class Reward:
     models: list = field(default_factory=list)
     """The reward models the sources call (FSDP shards and gathers them; see
     :func:`rlhfkit.distributed.shard_frozen`)."""
+    accuracy: tuple[str, ...] = ()
+    """The sources that define ``eval/accuracy`` (``eval.accuracy_reward``); empty: those declared
+    0/1 (:meth:`binary`)."""
 
     def score(self, roll: Rollout, records: Sequence[PromptRecord] | None = None):
         parts = {name: fn(roll, records).float() for name, _, fn in self.sources}  # [B] each
+        for name in self.declared_binary():
+            check_binary(name, parts[name], name in self.accuracy)
         total = sum(w * parts[name] for name, w, _ in self.sources)
         return total, parts
+
+    def declared_binary(self) -> list[str]:
+        """Sources whose scores must be 0 or 1: named by ``eval.accuracy_reward`` or marked
+        ``binary = True`` (a reward function's attribute, carried by its source)."""
+        return [name for name, _, fn in self.sources if name in self.accuracy or getattr(fn, "binary", False)]
+
+    def accuracy_sources(self) -> list[str]:
+        """The sources whose all scoring 1 makes a completion correct (``eval/accuracy``)."""
+        return list(self.accuracy) or [name for name, _, fn in self.sources if getattr(fn, "binary", False)]
 
     def __call__(self, roll: Rollout, records: Sequence[PromptRecord] | None = None) -> torch.Tensor:
         return self.score(roll, records)[0]
@@ -79,6 +97,16 @@ class Reward:
 
 
 Scorer = Reward  # the name the experience pass uses
+
+
+def check_binary(name: str, scores: torch.Tensor, by_config: bool = False) -> None:
+    """RewardError when a source declared 0/1 gave ``scores`` ``[B]`` other than 0 or 1."""
+    bad = (scores != 0) & (scores != 1)
+    if bool(bad.any()):
+        how = "named by eval.accuracy_reward" if by_config else "declared binary (binary = True)"
+        raise RewardError(f"reward source {name} is {how} but returned {scores[bad][0].item():g} for "
+                          f"{int(bad.sum())} of {scores.numel()} completions: return only 0 or 1, or drop the "
+                          "declaration (eval/accuracy then comes from the other declared sources, or is not logged)")
 
 
 def retokenize(roll: Rollout, tokenizer, rm_tokenizer, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +203,7 @@ def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None 
             raise RewardError(f"reward function {full} raised {type(e).__name__}: {e}") from e
         return _as_scores(values, n, full, kwargs["completions"]).to(roll.response_ids.device)
 
+    score.binary = bool(getattr(fn, "binary", False))  # a 0/1 declaration travels with the source
     return Reward([(short, 1.0, score)])
 
 
@@ -290,4 +319,9 @@ def build_reward(cfg: Config, tok, device) -> Reward:
     for (name, _, fn), w in zip(sources, weights):
         seen[name] = seen.get(name, 0) + 1
         named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", w, fn))
-    return Reward(named, models)
+    accuracy = tuple(a.strip() for a in str(cfg.eval.accuracy_reward).split(",") if a.strip())
+    unknown = [a for a in accuracy if a not in {n for n, _, _ in named}]
+    if unknown:
+        raise ValueError(f"eval.accuracy_reward={cfg.eval.accuracy_reward!r} names no reward source "
+                         f"({', '.join(unknown)}); the sources are: {', '.join(n for n, _, _ in named)}")
+    return Reward(named, models, accuracy)

@@ -15,6 +15,9 @@ steps on every curve.
 * ``guard/eval_drop``: the held-out metric (``ppo.stop_metric``) fell more than
   ``ppo.guard_eval_drop`` below its best while the training score (``objective/score``)
   is above its value at that best.
+
+:class:`SignalWatch` warns, once each, when most prompt groups carry no reward variance or most
+completions are cut at ``max_new_tokens``: not gaming, but a run with little to learn from.
 """
 
 from __future__ import annotations
@@ -78,3 +81,55 @@ class HackingWatch:
     def load_state_dict(self, state: dict) -> None:
         self.first_eos, self.best = state["first_eos"], state["best"]
         self.score_at_best, self.warned = state["score_at_best"], list(state["warned"])
+
+
+class SignalWatch:
+    """Warns once per run, each, when the batches carry little learning signal:
+
+    * most prompt groups have no reward variance (``frac_reward_zero_std``): every completion of
+      a prompt scored alike, so group-relative advantages are 0 and those prompts teach nothing
+      (a 0/1 reward the model never, or always, earns);
+    * most completions are cut at ``max_new_tokens`` (``response/truncated_rate``): their scores
+      judge unfinished answers.
+
+    The rule is the share over the last ``window`` steps (equal batches: the mean of the step
+    shares), above ``share``, so one unlucky batch does not warn and a run that starts without
+    signal warns at step ``window - 1``. The counters are part of a checkpoint.
+    """
+
+    KEYS = ("frac_reward_zero_std", "response/truncated_rate")
+
+    def __init__(self, group_key: str = "ppo.group_size", window: int = 5, share: float = 0.5):
+        self.group_key, self.window, self.share = group_key, window, share
+        self.recent: dict[str, list[float]] = {key: [] for key in self.KEYS}
+        self.warned: list[str] = []
+
+    def check(self, step: int, stats: dict[str, float], max_new_tokens: int | None = None) -> None:
+        for key in self.KEYS:
+            value = stats.get(key)
+            if value is None:
+                continue
+            recent = self.recent[key] = (self.recent[key] + [float(value)])[-self.window :]
+            mean = sum(recent) / len(recent)
+            if len(recent) == self.window and mean > self.share and key not in self.warned:
+                self.warned.append(key)
+                warnings.warn(self._message(key, step, mean, max_new_tokens), RuntimeWarning, stacklevel=2)
+
+    def _message(self, key: str, step: int, mean: float, max_new_tokens: int | None) -> str:
+        head = f"step {step}: over the last {self.window} steps "
+        if key == "frac_reward_zero_std":
+            return (head + f"{mean:.0%} of prompt groups scored all their completions alike (frac_reward_zero_std): "
+                    "they carry no learning signal. Give partial credit with a shaped reward (several weighted "
+                    f"reward.function entries, reward.weights), sample more completions per prompt ({self.group_key}), "
+                    "or start from an SFT warm-up (rlhfkit sft) that sometimes earns the reward")
+        limit = f"ppo.max_new_tokens={max_new_tokens}" if max_new_tokens else "ppo.max_new_tokens"
+        return (head + f"{mean:.0%} of completions were cut at {limit} without EOS (response/truncated_rate): "
+                "their rewards judge unfinished answers. Raise ppo.max_new_tokens, penalise them "
+                "(ppo.missing_eos_penalty) or leave them out of the loss (ppo.mask_truncated_completions=true)")
+
+    def state_dict(self) -> dict:
+        return {"recent": {k: list(v) for k, v in self.recent.items()}, "warned": list(self.warned)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent = {key: list(state["recent"].get(key, [])) for key in self.KEYS}
+        self.warned = list(state["warned"])

@@ -10,7 +10,8 @@ A task module provides:
   ``sft_examples(n)`` -> ``(prompt, completion)``; tuning prompts never come from the evaluation set;
 * ``eval_prompts()`` (fixed held-out set) and ``held_out_pairs(n, seed)`` (preference pairs on it);
 * ``verify(prompt, completion) -> {"format", "exact", "answer"}`` (booleans; ``exact`` is the
-  task's success) and ``exact_reward(prompts, completions)``, the verifier as a reward callable;
+  task's success) and ``exact_reward(prompts, completions)``, the verifier as a reward callable,
+  declared 0/1 (``exact_reward.binary = True``) so that it gives ``eval/accuracy``;
 * optionally ``LABELS`` and ``TaskData.labelled_texts(n)`` for a classifier reward model (the
   number-doubling tutorial task's reward).
 """

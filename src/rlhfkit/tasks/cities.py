@@ -261,3 +261,7 @@ def exact_reward(prompts: list[str], completions: list[str], city: list | None =
         text = c + EOS if finished is not None and finished[i] else c
         out.append(float(_verify(q.city if q else city[i], q.country if q else country[i], text)["exact"]))
     return out
+
+
+# verifiers score 0 or 1: declared, so eval/accuracy comes from them (rlhfkit.rewards)
+exact_reward.binary = True

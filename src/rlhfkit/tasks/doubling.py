@@ -232,3 +232,8 @@ def exact_reward(prompts: list[str], completions: list[str], number: list | None
     """Rule-based reward callable: 1 when the answer is exactly right in the requested set
     (columns and ``finished`` as in :func:`format_reward`)."""
     return _verified("exact", prompts, completions, number, charset, finished)
+
+
+# verifiers score 0 or 1: declared, so eval/accuracy comes from them (rlhfkit.rewards)
+format_reward.binary = True
+exact_reward.binary = True

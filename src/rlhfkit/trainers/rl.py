@@ -317,11 +317,16 @@ def open_outputs(run: Run, resumed: dict):
 def refuse_untested_engines(accelerator, cfg: Config) -> None:
     """Stop, with the reason and before any work, where DeepSpeed would fail late or run RL
     differently from one process (measured on two CPU processes against the 1-process run;
-    README, FSDP and DeepSpeed). Every RL command runs under FSDP2, LoRA included."""
+    README, FSDP and DeepSpeed), or where an option differs from it. Every RL command runs under
+    FSDP2, LoRA included."""
     kind = getattr(accelerator, "distributed_type", None)
     if kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
         raise ValueError("RL under DeepSpeed ZeRO-3 is not supported: generation runs the policy's layers, whose "
                          "weights ZeRO-3 holds partitioned; use ZeRO-2 or DDP (with LoRA for big models)")
+    left_out = [k for k in ("filter_zero_std_groups", "mask_truncated_completions") if getattr(cfg.ppo, k)]
+    if left_out and getattr(accelerator, "num_processes", 1) > 1:
+        raise ValueError(f"ppo.{left_out[0]} runs on one process only: the rows it leaves out of the update differ "
+                         "between processes, which would then take different numbers of optimizer steps")
     if kind == "DEEPSPEED" and cfg.ppo.algo == "ppo":
         raise ValueError("ppo under DeepSpeed is not supported: its engine clips one gradient norm over the actor "
                          "and the critic together, where rlhfkit clips each to ppo.max_grad_norm, so the update "
@@ -355,6 +360,9 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     shard_frozen(run.accelerator, ref, *scorer.models)  # FSDP: no whole copy of them per process
     engine = run.engine(train_ac)
     data = prompt_data(cfg, tok, get_task(cfg.run.task))
+    if pc.stop_at and pc.stop_metric == "eval/accuracy" and data.task is None and not scorer.accuracy_sources():
+        raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
+                         "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
     st = RLState(pc)
     # run.resume: every weight, optimizer moment, RNG, the data position and the counters
@@ -378,8 +386,11 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         # step 3. update: ppo_epochs x minibatches (a critic warm-up trains the value loss alone)
         warm = ac.has_critic and step < pc.critic_warmup_steps
         stats["policy/lr"] = set_lr(optimizer, pc, step)
-        stats.update(mean_stats(ppo_update(ac, optimizer, exp, local_pc, st.kl_coef, update_policy=not warm,
-                                           engine=engine, logprob_gap="policy/logprob_gap" not in stats)))
+        # rows left out (filter_zero_std_groups, mask_truncated_completions) leave every token mean
+        train_exp = exp if exp.loss_rows is None else exp.select(exp.loss_rows)
+        if len(train_exp.input_ids):  # none kept: no update this step
+            stats.update(mean_stats(ppo_update(ac, optimizer, train_exp, local_pc, st.kl_coef, update_policy=not warm,
+                                               engine=engine, logprob_gap="policy/logprob_gap" not in stats)))
         t3 = time.perf_counter()
         st.train_s += t3 - t0
         # step 4. log: timings, the adaptive KL coefficient, sample completions
@@ -394,6 +405,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
             if st.reached is None and pc.stop_at and stats.get(pc.stop_metric, -math.inf) >= pc.stop_at:
                 st.reached = {"step": step + 1, "train_s": st.train_s}
         stats.update(st.watch.check(step, stats))  # reward-hacking signs: guard/* flags, one warning each
+        st.signals.check(step, stats, max_new_tokens)  # most groups without reward variance, most cut: one warning each
         trajectories.maybe_write(step, last or st.reached is not None, exp, tok, pc, stats["objective/kl_coef"])
         run.log(step, stats, score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
                 **{pc.stop_metric.rsplit("/", 1)[-1]: f"{stats.get(pc.stop_metric, math.nan):.3f}"})
