@@ -102,7 +102,8 @@ def test_a_package_pip_cannot_install_is_one_clear_error(monkeypatch):
     with pytest.raises(fetch.FetchError) as e:
         fetch.ensure_installed(spec)
     msg = str(e.value)
-    assert "could not install --no-deps rlhfkit-test-absent==0.0.1" in msg and "offline?" in msg
+    assert msg.startswith("could not install rlhfkit-test-absent==0.0.1 with pip (") and "\n" not in msg
+    assert msg.endswith("offline? install it by hand (pip install --no-deps rlhfkit-test-absent==0.0.1) and retry")
     with pytest.raises(fetch.FetchError, match="is not installed: pip install --no-deps rlhfkit-test-absent==0.0.1"):
         fetch.ensure_installed(spec, install=False)
 
@@ -179,6 +180,17 @@ def test_lean_forward_and_decode_equal_transformers_on_smollm2(smol):
         theirs = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     # 9e-5 at commit 6fb784e (logits up to 40); transformers' eager and sdpa attention differ by 7e-5
     assert (ours - theirs).abs()[mask.bool()].max() < 5e-4
+    # and with a LoRA adapter (random B, so it changes the output), the path the RL commands train
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(smol.dir),
+                          LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)).eval()
+    assert lean.supported(lora)
+    with torch.no_grad():
+        ours_lora = lora.get_output_embeddings()(lean.hidden_states(lora, ids, mask, pos))
+        theirs_lora = lora(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert (theirs_lora - theirs).abs()[mask.bool()].max() > 1.0
+    assert (ours_lora - theirs_lora).abs()[mask.bool()].max() < 5e-4
     eos = eos_token_ids(model, tok)
     out = generate(model, ids, mask, 20, eos, tok.pad_token_id, greedy=True)
     hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
@@ -225,6 +237,7 @@ def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path):
     assert all(isinstance(p, list) and p[0]["role"] == "user" for p in call["prompts"])
     assert all(isinstance(c, list) and len(c) == 1 and c[0]["role"] == "assistant" for c in call["completions"])
     assert not any("<|" in c[0]["content"] for c in call["completions"])
+    assert len(call["finished"]) == 4
     # the merged policy equals base + saved adapter, and loads with transformers alone
     merged = AutoModelForCausalLM.from_pretrained(out / "policy").eval()
     assert "quantization_config" not in json.load(open(out / "policy" / "config.json"))

@@ -98,8 +98,8 @@ def _pip(*args: str) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         last = [line for line in (res.stderr or res.stdout).splitlines() if line.strip()]
-        raise FetchError(f"could not install {' '.join(args)} ({' '.join(cmd[:4])} failed: "
-                         f"{last[-1].strip() if last else 'no output'}); offline? install it by hand and retry")
+        raise FetchError(f"could not install {args[-1]} with pip ({last[-1].strip() if last else 'no output'}); "
+                         f"offline? install it by hand (pip install {' '.join(args)}) and retry")
 
 
 def ensure_installed(spec: Fetchable, install: bool = True) -> Path:
