@@ -241,6 +241,8 @@ def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path):
     # the merged policy equals base + saved adapter, and loads with transformers alone
     merged = AutoModelForCausalLM.from_pretrained(out / "policy").eval()
     assert "quantization_config" not in json.load(open(out / "policy" / "config.json"))
+    saved_eos = json.load(open(out / "policy" / "generation_config.json"))["eos_token_id"]
+    assert saved_eos == json.load(open(os.path.join(smol.dir, "generation_config.json")))["eos_token_id"]
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smol.dir), out / "policy_adapter").eval()
     ids = smol.tok.apply_chat_template([{"role": "user", "content": "What is the capital of Italy?"}],
                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
