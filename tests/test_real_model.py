@@ -180,17 +180,6 @@ def test_lean_forward_and_decode_equal_transformers_on_smollm2(smol):
         theirs = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     # 9e-5 at commit 6fb784e (logits up to 40); transformers' eager and sdpa attention differ by 7e-5
     assert (ours - theirs).abs()[mask.bool()].max() < 5e-4
-    # and with a LoRA adapter (random B, so it changes the output), the path the RL commands train
-    from peft import LoraConfig, get_peft_model
-
-    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(smol.dir),
-                          LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)).eval()
-    assert lean.supported(lora)
-    with torch.no_grad():
-        ours_lora = lora.get_output_embeddings()(lean.hidden_states(lora, ids, mask, pos))
-        theirs_lora = lora(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    assert (theirs_lora - theirs).abs()[mask.bool()].max() > 1.0
-    assert (ours_lora - theirs_lora).abs()[mask.bool()].max() < 5e-4
     eos = eos_token_ids(model, tok)
     out = generate(model, ids, mask, 20, eos, tok.pad_token_id, greedy=True)
     hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
@@ -201,6 +190,17 @@ def test_lean_forward_and_decode_equal_transformers_on_smollm2(smol):
         assert bool(out.finished[i]) == (n < 20 or int(hf[i, n - 1]) in eos)
     answer = tok.decode(out.response_ids[0, : int(out.response_mask[0].sum())])
     assert answer == "The capital of France is Paris.<|im_end|>"
+    # and with a LoRA adapter (random B, so it changes the output), the path the RL commands train
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                            init_lora_weights=False)).eval()  # model's layers wrapped in place
+    assert lean.supported(lora)
+    with torch.no_grad():
+        ours_lora = lora.get_output_embeddings()(lean.hidden_states(lora, ids, mask, pos))
+        theirs_lora = lora(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert (theirs_lora - theirs).abs()[mask.bool()].max() > 1.0
+    assert (ours_lora - theirs_lora).abs()[mask.bool()].max() < 5e-4
 
 
 SEEN: list[dict] = []
@@ -218,7 +218,7 @@ def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhfkit.chat import ChatSession, run_chat
+    from rlhfkit.chat import run_chat
     from rlhfkit.config import Config
     from rlhfkit.models import policy_dir
 
@@ -239,17 +239,20 @@ def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path):
     assert not any("<|" in c[0]["content"] for c in call["completions"])
     assert len(call["finished"]) == 4
     # the merged policy equals base + saved adapter, and loads with transformers alone
-    merged = AutoModelForCausalLM.from_pretrained(out / "policy").eval()
     assert "quantization_config" not in json.load(open(out / "policy" / "config.json"))
     saved_eos = json.load(open(out / "policy" / "generation_config.json"))["eos_token_id"]
     assert saved_eos == json.load(open(os.path.join(smol.dir, "generation_config.json")))["eos_token_id"]
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smol.dir), out / "policy_adapter").eval()
     ids = smol.tok.apply_chat_template([{"role": "user", "content": "What is the capital of Italy?"}],
                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    base = AutoModelForCausalLM.from_pretrained(smol.dir).eval()
     with torch.no_grad():
-        a, b = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
-        base = AutoModelForCausalLM.from_pretrained(smol.dir).eval()(input_ids=ids).logits
-    assert (a - b).abs().max() < 1e-3 and (a - base).abs().max() > 1e-3  # trained, and merged faithfully
+        base_logits = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, out / "policy_adapter").eval()  # base + adapter, in place
+        merged, with_adapter = AutoModelForCausalLM.from_pretrained(out / "policy").eval()(input_ids=ids).logits, \
+            adapted(input_ids=ids).logits
+    print(f"merged - adapter {(merged - with_adapter).abs().max():.2e}, merged - base {(merged - base_logits).abs().max():.2e}",
+          file=sys.stderr)
+    assert (merged - with_adapter).abs().max() < 1e-3 and (merged - base_logits).abs().max() > 1e-2
     # the saved tokenizer renders conversations exactly as the base's
     saved = AutoTokenizer.from_pretrained(out / "policy")
     convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -257,12 +260,12 @@ def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path):
     for gen_prompt in (True, False):
         assert saved.apply_chat_template(convo, tokenize=False, add_generation_prompt=gen_prompt) == \
             smol.tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=gen_prompt)
-    # rlhfkit chat on the run directory: greedy, stops at <|im_end|>, no special tokens shown
-    cfg = Config().replace(run={"device": "cpu"}, chat={"max_new_tokens": 12})
-    session = ChatSession(policy_dir(str(out)), cfg)
-    answer = session.reply("What is the capital of France? Answer in one word.")
-    assert answer.strip() and "<|" not in answer
-    lines = iter(["What is 2+2?", "/quit"])
-    written: list[str] = []
-    assert run_chat(policy_dir(str(out)), cfg, lambda prompt: next(lines), written.append) == 1
-    assert written[1].strip() and "<|" not in written[1]
+    # rlhfkit chat: on the base, greedy, the answer ends at <|im_end|> (shown without it); on the run
+    # directory (its merged policy), an answer without special tokens
+    cfg = Config().replace(run={"device": "cpu"}, chat={"max_new_tokens": 24})
+    for path, want in ((smol.dir, "The capital of France is Paris."), (policy_dir(str(out)), None)):
+        lines = iter(["What is the capital of France? Answer in one word.", "/quit"])
+        written: list[str] = []
+        assert run_chat(path, cfg, lambda prompt, lines=lines: next(lines), written.append) == 1
+        print(f"chat answer of {path}: {written[1]!r}", file=sys.stderr)
+        assert written[1] == want if want else (written[1].strip() and "<|" not in written[1])
