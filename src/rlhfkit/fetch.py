@@ -180,7 +180,11 @@ def fetch_model(name: str, out_dir: str | Path | None = None, install: bool = Tr
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    convert(gguf_path, tmp, spec)
+    try:
+        convert(gguf_path, tmp, spec)
+    except BaseException:  # no half-written directory left behind (Ctrl-C included)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     source = f"{spec.package}=={spec.version}:{spec.file}"
     (tmp / "README.md").write_text(
         f"# {name}\n\n{spec.about}.\n\n"
