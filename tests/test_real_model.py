@@ -214,7 +214,7 @@ def brevity(prompts, completions, completion_ids, finished, answer, **_):
 
 
 @pytest.mark.slow
-def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path):
+def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path, no_plots):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
