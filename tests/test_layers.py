@@ -25,7 +25,7 @@ LAYERS = [
     ("run scaffolding", {"trainers.common"}),
     ("trainers", {"trainers.pretrain", "trainers.sft", "trainers.reward", "trainers.dpo", "trainers.rl",
                   "tasks.gridworld"}),
-    ("front ends", {"demo", "chat", "report", "cli", "__main__"}),
+    ("front ends", {"demo", "chat", "report", "fetch", "cli", "__main__"}),
 ]
 NO_SIBLINGS = {"trainers"}
 LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}

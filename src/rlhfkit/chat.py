@@ -20,7 +20,7 @@ import torch
 from .config import Config
 from .data import describe_characters, unencodable_characters
 from .models import load_policy, load_tokenizer
-from .rollout import generate
+from .rollout import eos_token_ids, generate
 from .utils import resolve_device, seed_everything
 
 
@@ -82,7 +82,7 @@ class ChatSession:
         max_new = self.cc.max_new_tokens if not limit else max(1, min(self.cc.max_new_tokens, limit - len(ids)))
         prompt = torch.tensor([ids], device=self.device)  # [1, P]
         uniforms = None if self.cc.greedy else torch.rand((1, max_new), generator=self.gen).to(self.device)
-        out = generate(self.model, prompt, torch.ones_like(prompt), max_new, self.tok.eos_token_id,
+        out = generate(self.model, prompt, torch.ones_like(prompt), max_new, eos_token_ids(self.model, self.tok),
                        self.pad_id, temperature=self.cc.temperature, greedy=self.cc.greedy, uniforms=uniforms)
         n = int(out.response_mask.sum())
         answer = self.tok.decode(out.response_ids[0, :n].tolist(), skip_special_tokens=True)  # EOS dropped

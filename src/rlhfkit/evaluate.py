@@ -14,7 +14,7 @@ from .distributed import Shard
 from .models import load_policy, load_tokenizer, policy_dir, same_tokenizer
 from .prompts import file_records, prompt_tensors
 from .rewards import build_reward, completion_texts
-from .rollout import decode_responses, generate, tokenize_prompts
+from .rollout import decode_responses, eos_token_ids, generate, tokenize_prompts
 from .tasks import doubling, get_task
 from .utils import resolve_device, write_jsonl
 
@@ -36,7 +36,7 @@ def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int =
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         ids, mask = tokenize_prompts(tokenizer, [p.text for p in chunk], device)
-        out = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, greedy=True,
+        out = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id, greedy=True,
                        stop=stop, tokenizer=tokenizer)
         for p, c in zip(chunk, decode_responses(tokenizer, out.response_ids, out.response_mask)):
             v = task.verify(p, c)
@@ -118,7 +118,7 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
         ids, mask = prompt_tensors(tokenizer, chunk, device)
-        roll = generate(policy, ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
+        roll = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id,
                         temperature, greedy=greedy, generator=gen, top_k=top_k, top_p=top_p, stop=stop,
                         tokenizer=tokenizer)
         total, scores = reward.score(roll, chunk)

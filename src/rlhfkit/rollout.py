@@ -79,6 +79,21 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
     return tokenizer.batch_decode(rows, skip_special_tokens=False)
 
 
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a response: the model's ``generation_config.eos_token_id`` (an id or a
+    list: a chat model may end a turn with ``<|im_end|>`` and a text with ``<|endoftext|>``), then
+    the tokenizer's EOS if the list lacks it; in that order, without repeats."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    gen = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+    ids = [gen] if isinstance(gen, int) else list(gen or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    out = list(dict.fromkeys(int(i) for i in ids))
+    if not out:
+        raise ValueError("neither the model's generation_config nor the tokenizer names an EOS token")
+    return out
+
+
 def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     enc = tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
@@ -216,13 +231,17 @@ class _Draw:
     the truncated distribution but the log-prob and entropy kept are the full one's.
     """
 
-    def __init__(self, B: int, V: int, max_new_tokens: int, temperature: float, greedy: bool, eos_token_id: int,
-                 uniforms: torch.Tensor | None, device, top_k: int = 0, top_p: float = 1.0,
-                 stop: _StopStrings | None = None):
-        self.temperature, self.greedy, self.eos = temperature, greedy, eos_token_id
+    def __init__(self, B: int, V: int, max_new_tokens: int, temperature: float, greedy: bool,
+                 eos_token_id: int | Sequence[int], uniforms: torch.Tensor | None, device, top_k: int = 0,
+                 top_p: float = 1.0, stop: _StopStrings | None = None):
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.temperature, self.greedy = temperature, greedy
+        self.eos = torch.tensor(eos, dtype=torch.long, device=device)  # [E]: any of them ends a row
+        # the compiled sampler ends rows at the first EOS id; the others are checked after its call
+        self.more_eos = self.eos[1:] if len(eos) > 1 else None
         self.uniforms, self.top_k, self.top_p, self.stop = uniforms, top_k, top_p, stop
         self.truncate = not greedy and (top_k > 0 or top_p < 1.0)  # the compiled sampler draws from the full one
-        self.sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos_token_id)
+        self.sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos[0])
                         if not greedy and not self.truncate and device.type == "cpu" and kernels.sampler_usable(B, V)
                         else None)
         if self.sampler is not None:
@@ -238,9 +257,12 @@ class _Draw:
         if self.sampler is not None:
             done = self.sampler.step(t, logits, self.uniforms[:, t]) == 0  # every row has emitted EOS
             tok, alive = self.sampler.tokens[:, t], self.sampler.alive
+            if self.more_eos is not None and not done:
+                alive &= ~torch.isin(tok, self.more_eos)  # in place: the sampler's own flags
+                done = not bool(alive.any())
         else:
             tok = self._pick(t, logits)
-            self.alive = alive = self.alive & (tok != self.eos)
+            self.alive = alive = self.alive & ~torch.isin(tok, self.eos)
             done = (t + 1) % self.check_every == 0 and not bool(alive.any())
         if self.stop is not None and not done:  # decoding reads the tokens back anyway: check every step
             first = max(0, t + 1 - self.stop.window)
@@ -276,7 +298,7 @@ class _Draw:
             raw, alive = self.sampler.tokens[:, :steps], self.sampler.alive  # [B, R]
         else:
             raw, alive = torch.stack(self.tokens, 1), self.alive  # [B, R]
-        is_eos = (raw == self.eos).long()
+        is_eos = torch.isin(raw, self.eos).long()
         ended = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first EOS
         if self.stop is not None:
             stopped_at = self.stop.ended_at.to(raw.device)  # [B]
@@ -302,7 +324,7 @@ def generate(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     temperature: float = 1.0,
     greedy: bool = False,
@@ -320,6 +342,7 @@ def generate(
     Args:
         model: a causal LM returning ``.logits`` and accepting ``past_key_values``.
         prompt_ids, prompt_mask: ``[B, P]``, left-padded.
+        eos_token_id: the id, or a list of ids (:func:`eos_token_ids`), that end a response.
         temperature: logits are divided by it before sampling; the returned log-probs are
             those of the tempered distribution.
         greedy: argmax decoding (log-probs still reported under the tempered softmax; top-k and

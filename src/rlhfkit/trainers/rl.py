@@ -56,7 +56,7 @@ from ..models import (
 )
 from ..prompts import PromptData, prompt_data, prompt_tensors
 from ..rewards import Reward, build_reward, other_tokenizer
-from ..rollout import decode_responses, generate
+from ..rollout import decode_responses, eos_token_ids, generate
 from ..tasks import get_task
 from ..trajectories import TrajectoryWriter
 from ..utils import UpdateGuard, cut_file, file_size, mean_stats
@@ -269,7 +269,7 @@ def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int, max_ne
     u = rollout_uniforms(cfg.run.seed, step, pc.batch_size, max_new_tokens, run.shard.rows(pc.batch_size))
     # the unwrapped policy (FSDP: root weights gathered); eval keeps the KV cache under checkpointing
     with eval_mode(ac.policy), full_weights(train_ac):
-        return generate(ac.policy, ids, mask, max_new_tokens, tok.eos_token_id, tok.pad_token_id, pc.temperature,
+        return generate(ac.policy, ids, mask, max_new_tokens, eos_token_ids(ac.policy, tok), tok.pad_token_id, pc.temperature,
                         uniforms=u.to(run.device), value_head=ac.value_head if pc.reuse_rollout_logprobs else None,
                         top_k=pc.top_k, top_p=pc.top_p, stop=pc.stop, tokenizer=tok)
 
