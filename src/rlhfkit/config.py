@@ -108,6 +108,10 @@ class RunConfig(Section):
     resume: bool = False
     """Continue from the newest complete checkpoint in run.out_dir (``--resume`` on the command
     line); starts from step 0 when there is none. Use the same config as the interrupted run."""
+    overwrite: bool = False
+    """Replace an earlier run in run.out_dir: its files (config.yaml, metrics.jsonl, samples,
+    checkpoints/, tb/, saved models ...) are deleted before the new run writes; other files there
+    stay. Without it (or run.resume) a run.out_dir holding an earlier run is refused."""
 
 
 @dataclass(frozen=True)
