@@ -320,3 +320,32 @@ def test_a_reward_model_object_from_python(tiny_models, tiny_config, tmp_path, n
     a, b = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("path", "object"))
     assert [r["reward/reward_model"] for r in a] == [r["reward/reward_model"] for r in b]  # the same scores
     assert "name: <callable>" in (tmp_path / "object" / "config.yaml").read_text()
+
+
+REWARD_FILE = '''
+def correct(prompts, completions, answer, **columns):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+'''
+
+
+@pytest.mark.parametrize("how", ["path", "module_in_cwd"])
+def test_a_reward_function_from_a_file_or_the_current_directory(how, tmp_path, monkeypatch):
+    from rlhfkit.rewards import load_reward_function
+
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    name = f"myreward_{how}"  # a module name no other test imports
+    (tmp_path / f"{name}.py").write_text(REWARD_FILE)
+    if how == "path":
+        monkeypatch.chdir(tmp_path.parent)
+        spec = f"{tmp_path.name}/{name}.py:correct"  # relative to the current directory, as a user types it
+    else:
+        monkeypatch.chdir(tmp_path)
+        spec = f"{name}:correct"  # the README's reward.function=myreward:correct
+    fn = load_reward_function(spec)
+    assert fn(prompts=["a", "b"], completions=[" 4", "5"], answer=["4", "6"]) == [1.0, 0.0]
+    assert load_reward_function(spec) is fn  # imported once
+    with pytest.raises(ValueError, match="cannot be loaded: .*no_such"):
+        load_reward_function(spec.replace(":correct", ":no_such"))
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        load_reward_function("missing_dir/nothing.py:correct")

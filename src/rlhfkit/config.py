@@ -189,7 +189,8 @@ class RewardConfig(Section):
     """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index
     (empty: the task's ``label_of_prompt``)."""
     function: str | Callable[..., Any] | list[str | Callable[..., Any]] = ""
-    """Reward functions 'module:name', comma-separated for several, each called as
+    """Reward functions 'module:name' (a module installed, on PYTHONPATH or in the current directory) or
+    'path/to/file.py:name', comma-separated for several, each called as
     fn(prompts=, completions=, completion_ids=, finished=, **columns) -> list[float] (see
     rlhfkit.rewards); added to the reward model's score when reward.name is set too (e.g.
     rlhfkit.tasks.cities:exact_reward, which reads the 'country' column). From Python also the
