@@ -189,8 +189,8 @@ def _one_step(overrides: dict, value_model: str = "separate"):
 
 
 def test_missing_eos_penalty_lowers_only_unfinished_scores():
-    roll, plain, _, _ = _one_step({})
-    _, penalised, _, _ = _one_step({"missing_eos_penalty": 2.0})
+    roll, plain, _, _ = _one_step({"normalize_reward": False})  # the raw scores (ppo normalises by default)
+    _, penalised, _, _ = _one_step({"missing_eos_penalty": 2.0, "normalize_reward": False})
     assert (~roll.finished).any() and roll.finished.any()
     diff = plain.score - penalised.score  # same seeds -> same rollout
     torch.testing.assert_close(diff, 2.0 * (~roll.finished).float())

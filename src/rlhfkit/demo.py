@@ -13,8 +13,8 @@ Layout of ``run.out_dir`` (default ``runs/demo``)::
 
 Running the demo again replaces an earlier demo's directory (:func:`start_demo_dir`).
 Every algorithm starts from the same pretrained base; the RL ones share the reward model.
-The RL commands' algorithm defaults (``config.ALGO_DEFAULTS``, e.g. GRPO's k3 KL loss term)
-are applied on top of the ``ppo`` section for each of them.
+The ``ppo`` section is the PPO stage's; each other RL algorithm takes its own defaults for the
+keys that depend on it (``config.ALGO_DEFAULTS``, e.g. GRPO's k3 KL loss term) on top of it.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def run_demo(cfg: Config) -> dict:
         if algo == "dpo":
             res = train_dpo(stage, policy_path=pre["path"])
         else:
-            res = train_rl(stage.replace(ppo=ALGO_DEFAULTS[algo]), policy_path=pre["path"], reward_path=rm["path"])
+            # another algorithm brings its own defaults (config.ALGO_DEFAULTS) for the keys that depend on it
+            rl = stage if stage.ppo.algo == algo else stage.replace(ppo={"algo": algo})
+            res = train_rl(rl, policy_path=pre["path"], reward_path=rm["path"])
         print(f"[{3 + i}/{n_stages}] {algo}: {res['steps']} steps in {res['seconds']:.1f}s")
         results[algo] = res
         seconds[algo] = round(res["seconds"], 2)
