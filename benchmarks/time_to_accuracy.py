@@ -118,7 +118,7 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
     cfg = load_config(None, args.ppo_override if algo == "ppo" else args.grpo_override, base=cfg)
     res = train_rl(cfg, paths["base"])
     reached = res["reached"]
-    return {"steps": reached["step"] if reached else res["steps"],
+    return {"steps": reached["steps"] if reached else res["steps"],
             "train_s": reached["train_s"] if reached else res["seconds"],
             "reached": reached is not None, "final_exact": res["final"].get("eval/exact_acc")}
 

@@ -232,7 +232,8 @@ def test_evaluation_and_generic_early_stop_on_held_out_prompts(tiny_models, tiny
                            "eval_every": 2, "stop_metric": "eval/reward", "stop_at": 2.0})
     out = train_rl(cfg)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert out["reached"]["step"] == 2 and len(rows) == 2  # the first evaluation already meets it
+    # the first evaluation (after step 1, the second) already meets it: reached names that row's step
+    assert out["reached"]["step"] == rows[-1]["step"] == 1 and out["reached"]["steps"] == len(rows) == 2
     assert rows[1]["eval/reward"] == 2.0 and rows[1]["eval/reward/two_reward"] == 2.0
     assert "eval/reward" not in rows[0]
     assert [r["data/epoch"] for r in rows] == [0, 0]

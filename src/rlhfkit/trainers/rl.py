@@ -362,7 +362,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
             stats.update(evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens))
             if st.reached is None and pc.stop_at and stats.get(pc.stop_metric, -math.inf) >= pc.stop_at:
-                st.reached = {"step": step + 1, "train_s": st.train_s}
+                st.reached = {"step": step, "steps": step + 1, "train_s": st.train_s}
         stats.update(st.watch.check(step, stats))  # reward-hacking signs: guard/* flags, one warning each
         trajectories.maybe_write(step, last or st.reached is not None, exp, tok, pc, stats["objective/kl_coef"])
         run.log(step, stats, score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
