@@ -409,9 +409,13 @@ class PPOConfig(Section):
     """Greedy evaluation on the held-out set every N steps (0 = only at the end)."""
     stop_at: float = 0.99
     """Stop once the held-out metric ppo.stop_metric reaches this (0 = run all steps)."""
-    stop_metric: str = "eval/exact_acc"
-    """Logged metric that ends the run early at ppo.stop_at: 'eval/exact_acc' (a built-in task's
-    verifier), 'eval/accuracy' or 'eval/reward' (held-out prompts scored by the rewards)."""
+    stop_metric: str = ""
+    """Held-out metric that ends the run early at ppo.stop_at (and that keep_best and the
+    eval-drop watch follow): 'eval/exact_acc' (a built-in task's verifier), 'eval/accuracy' or
+    'eval/reward' (held-out prompts scored by the rewards), 'eval/reward/<source>'. Empty: the
+    first of eval/exact_acc, eval/accuracy, eval/reward that the run's evaluation logs. The
+    evaluation before step 0 (logged as baseline/eval/* in step 0's row) must produce it, else
+    the run stops there with the metrics it does log."""
     guard_kl: float = 10.0
     """Reward-hacking watch: flag (guard/kl_high, one warning) steps whose per-sequence KL to the
     reference exceeds this many nats (0 = off). See rlhfkit.watch."""

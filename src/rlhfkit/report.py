@@ -53,6 +53,7 @@ PANELS = [
     ("length", "response length (tokens)", ["response/length"]),
     ("eos_rate", "EOS rate", ["response/eos_rate"]),
     ("eval", "held-out evaluation (greedy)", ["eval/*"]),
+    ("baseline", "held-out evaluation before the first update", ["baseline/*"]),
     ("guard", "reward-hacking signs and skipped updates", ["guard/*"]),
     ("throughput", "throughput (tokens / s)", ["throughput/tokens_per_s"]),
     ("step_time", "seconds per step", ["time/rollout_s", "time/experience_s", "time/update_s"]),
