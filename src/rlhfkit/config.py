@@ -416,6 +416,12 @@ class PPOConfig(Section):
     first of eval/exact_acc, eval/accuracy, eval/reward that the run's evaluation logs. The
     evaluation before step 0 (logged as baseline/eval/* in step 0's row) must produce it, else
     the run stops there with the metrics it does log."""
+    keep_best: bool = False
+    """Save the policy (and critic) of the best evaluation on the stop metric instead of the last
+    step's (TRL: load_best_model_at_end): a CPU copy of the trainable weights (a LoRA adapter
+    only) is kept whenever an evaluation after a step beats every earlier one, and put back
+    before the final save; the summary's saved_step names the step. Over the evaluations since
+    the start or the last --resume. False: the last step's policy is saved."""
     guard_kl: float = 10.0
     """Reward-hacking watch: flag (guard/kl_high, one warning) steps whose per-sequence KL to the
     reference exceeds this many nats (0 = off). See rlhfkit.watch."""

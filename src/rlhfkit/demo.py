@@ -124,7 +124,8 @@ def run_demo(cfg: Config) -> dict:
         "task": cfg.run.task,
         "base": {m: evals["base"][m] for m in METRICS},
         "final": {m: evals[first][m] for m in METRICS},  # the first algorithm (PPO by default)
-        "algos": {a: {**{m: evals[a][m] for m in METRICS}, "steps": r["steps"], "reached_target": r["reached"]}
+        "algos": {a: {**{m: evals[a][m] for m in METRICS}, "steps": r["steps"], "reached_target": r["reached"],
+                      "saved_step": r.get("saved_step")}
                   for a, r in results.items()},
         "reward_model": {"accuracy": rm["accuracy"], "delta": rm["delta"]},
         "seconds": seconds,

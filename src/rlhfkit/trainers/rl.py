@@ -357,6 +357,10 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     resuming = cfg.run.resume and latest_checkpoint(run.out) is not None
     baseline = {} if resuming else evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens)
     st = RLState(pc, None if resuming else choose_stop_metric(pc, baseline))
+    if pc.keep_best and not st.stop_metric:
+        raise ValueError("ppo.keep_best=true keeps the best-evaluated policy, but this run has no held-out prompts "
+                         "to evaluate: set data.eval_path or data.eval_fraction")
+    best = BestWeights(ac) if pc.keep_best else None
     # run.resume: every weight, optimizer moment, RNG, the data position and the counters
     # come back from the newest checkpoint, so the steps after it repeat those of an unbroken run
     resumed = run.restore({"actor_critic": ac}, {"optimizer": optimizer}, data=data.train)
@@ -395,6 +399,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
             stats.update(evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens))
             shown = stats.get(st.stop_metric, shown)
+            if best is not None:
+                best.offer(step, stats.get(st.stop_metric))
             if st.reached is None and pc.stop_at and stats.get(st.stop_metric, -math.inf) >= pc.stop_at:
                 st.reached = {"step": step, "steps": step + 1, "train_s": st.train_s}
         stats.update(st.watch.check(step, stats))  # reward-hacking signs: guard/* flags, one warning each
@@ -411,7 +417,33 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                            trajectories_offset=trajectories.position())
     samples.close()
     trajectories.close()
-    return finish_rl(run, ac, tok, st)
+    saved_step = st.reached["step"] if st.reached else pc.steps - 1  # the last step run
+    if best is not None and best.step is not None and best.step != saved_step:
+        best.restore()  # the best evaluation's weights, not the last step's, are saved
+        saved_step = best.step
+    return {**finish_rl(run, ac, tok, st), "saved_step": saved_step}
+
+
+class BestWeights:
+    """``ppo.keep_best``: a CPU copy of the trainable weights (policy, critic; a LoRA adapter
+    only) of the best evaluation so far; higher is better."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.step, self.value, self.weights = module, None, -math.inf, {}
+
+    def offer(self, step: int, value: float | None) -> None:
+        """Keep the weights as they are after ``step`` when ``value`` beats every earlier one."""
+        if value is None or not value > self.value:
+            return
+        self.step, self.value = step, value
+        self.weights = {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters()
+                        if p.requires_grad}
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for n, p in self.module.named_parameters():
+            if n in self.weights:
+                p.copy_(self.weights[n].to(p.device))
 
 
 def step_timings(run: Run, exp: Experience, t0: float, t1: float, t2: float, t3: float, train_s: float) -> dict:
