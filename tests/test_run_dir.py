@@ -112,3 +112,21 @@ def test_the_demo_replaces_an_earlier_demo_but_not_another_run(tmp_path):
     assert (other / "metrics.jsonl").exists()
     start_demo_dir(Config().replace(run={"out_dir": str(other), "overwrite": True}))
     assert not (other / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_the_demo_runs_twice_into_the_same_directory(tmp_path, capsys):
+    """make demo twice: the second replaces the first (as make demo's users expect), whole."""
+    out = tmp_path / "demo"
+    argv = ["demo", f"run.out_dir={out}", "run.progress=false", "model.n_layer=1", "model.n_embd=16",
+            "model.n_head=2", "pretrain.steps=3", "pretrain.batch_size=8", "reward.steps=2", "reward.batch_size=8",
+            "reward.eval_pairs=16", "ppo.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=8",
+            "ppo.critic_warmup_steps=0", "eval.batch_size=512"]
+    assert main(argv) == 0
+    first = json.loads((out / "summary.json").read_text())
+    (out / "notes.txt").write_text("mine")
+    assert main([*argv, "pretrain.steps=4"]) == 0, capsys.readouterr().err[-2000:]
+    assert json.loads((out / "summary.json").read_text())["algos"]["ppo"]["steps"] == first["algos"]["ppo"]["steps"]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1  # the second run's one PPO step, not two
+    assert "steps: 4\n" in (out / "pretrain" / "config.yaml").read_text()  # the second run's stages
+    assert (out / "notes.txt").read_text() == "mine"
