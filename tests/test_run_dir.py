@@ -87,6 +87,19 @@ def test_bad_data_leaves_no_run_directory(tiny_models, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_run_that_stopped_before_its_first_step_is_replaced_without_asking(grpo_args, tmp_path, capsys):
+    """Fix the reward function and run the same command again: the failed run left only its
+    config and empty logs, nothing to lose."""
+    out = tmp_path / "run"
+    assert main([*grpo_args, "reward.function=test_run_dir:boom"]) == 2
+    assert "reward broke" in capsys.readouterr().err
+    assert (out / "config.yaml").exists() and (out / "metrics.jsonl").read_text() == ""
+    assert main(grpo_args) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "test_run_dir:boom" not in (out / "config.yaml").read_text()
+    assert len(list((out / "tb").iterdir())) == 1  # the failed run's TensorBoard file went with it
+
+
 def test_files_that_are_not_a_run_do_not_count(grpo_args, tmp_path):
     out = tmp_path / "run"
     out.mkdir()

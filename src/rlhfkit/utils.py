@@ -136,16 +136,30 @@ def earlier_run_files(out_dir: str | os.PathLike) -> list[Path]:
     return sorted({p for pattern in RUN_FILES for p in out.glob(pattern)})
 
 
+def produced_anything(out_dir: str | os.PathLike) -> bool:
+    """Did the run in ``out_dir`` log a step, write a checkpoint or save a model? One that stopped
+    before its first step (a reward function that raised) left only its config and empty logs."""
+    out = Path(out_dir)
+    if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0:
+        return True
+    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        return True
+    return any((out / name).exists() for name in ("policy", "policy_adapter", "value_model", "reward_model",
+                                                  "summary.json"))
+
+
 def check_out_dir(cfg: Config, resumable: bool = True) -> None:
     """ConfigError, before anything is written, when ``run.out_dir`` holds an earlier run and the
     config neither continues it (``run.resume``) nor replaces it (``run.overwrite``): a new run
     would overwrite its config and samples and append to its metrics. Other files there (a data
-    file, notes) do not count. ``resumable``: the command has ``--resume``."""
+    file, notes) do not count, nor does an earlier run that produced nothing (no step logged, no
+    checkpoint, no model: :func:`start_run_dir` replaces it). ``resumable``: the command has
+    ``--resume``."""
     r = cfg.run
     if r.resume and r.overwrite:
         raise ConfigError("run.resume and run.overwrite both set: continue the run in run.out_dir (--resume) or "
                           "replace it (run.overwrite=true), not both")
-    found = [] if r.resume or r.overwrite else earlier_run_files(r.out_dir)
+    found = [] if r.resume or r.overwrite or not produced_anything(r.out_dir) else earlier_run_files(r.out_dir)
     if found:
         names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:3]) + (" ..." if len(found) > 3 else "")
         how = "continue it with --resume, replace it with" if resumable else "replace it with"
@@ -184,12 +198,12 @@ def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
 
 
 def start_run_dir(cfg: Config) -> Path:
-    """Create ``run.out_dir`` (an earlier run's files deleted first under ``run.overwrite``) and
-    save the resolved config in it; the main process only."""
+    """Create ``run.out_dir`` (an earlier run's files deleted first under ``run.overwrite``, or
+    when it produced nothing) and save the resolved config in it; the main process only."""
     out = Path(cfg.run.out_dir)
     if is_main_process():
-        if cfg.run.overwrite:
-            clear_run_files(out)
+        if cfg.run.overwrite or not (cfg.run.resume or produced_anything(out)):
+            clear_run_files(out)  # (an earlier run that produced nothing: its empty logs and config)
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
     return out
