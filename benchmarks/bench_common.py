@@ -63,7 +63,8 @@ def prepare(out: Path | str = DEFAULT_OUT, seed: int = 0) -> dict[str, str]:
     out = Path(out)
     paths = {"base": out / "pretrain" / "policy", "rm": out / "reward" / "reward_model",
              "classifier": out / "reward_classifier" / "reward_model"}
-    cfg = Config().replace(run={"seed": seed, "progress": False})
+    # overwrite: a preparation killed before its model was saved is redone
+    cfg = Config().replace(run={"seed": seed, "progress": False, "overwrite": True})
     if not (paths["base"] / "config.json").exists():
         print("preparing the base model (cached for later runs) ...", flush=True)
         pretrain(cfg.replace(run={"out_dir": str(out / "pretrain")}))

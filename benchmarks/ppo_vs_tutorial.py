@@ -37,7 +37,8 @@ def run_rlhfkit(base: str, rm: str, out: Path, seed: int, target: float, max_ste
     from rlhfkit.config import Config
     from rlhfkit.trainers.rl import train_rl
 
-    cfg = Config().replace(run={"out_dir": str(out / "rlhfkit_ppo"), "seed": seed, "progress": False},
+    cfg = Config().replace(run={"out_dir": str(out / "rlhfkit_ppo"), "seed": seed, "progress": False,
+                                "overwrite": True},
                            ppo={"stop_at": target, "steps": max_steps})
     res = train_rl(cfg, base, rm)
     reached = res["reached"]

@@ -58,7 +58,7 @@ def rlhfkit(*args: str) -> list[str]:
 def prepare(out: Path, seed: int, threads: int) -> tuple[Path, Path]:
     """Pretrained base and reward model, built once and cached under ``out``."""
     base, rm = out / "pretrain" / "policy", out / "reward" / "reward_model"
-    common = [f"run.seed={seed}", f"run.threads={threads}", "run.progress=false"]
+    common = [f"run.seed={seed}", f"run.threads={threads}", "run.progress=false", "run.overwrite=true"]
     if not (base / "config.json").exists():
         print("preparing the base model (cached for later runs) ...", flush=True)
         subprocess.run(rlhfkit("pretrain", f"run.out_dir={out / 'pretrain'}", *common), check=True,
@@ -74,10 +74,8 @@ def soak(args) -> dict:
     out = Path(args.out)
     base, rm = prepare(out, args.seed, args.threads)
     run_dir = out / "ppo"
-    if run_dir.exists():  # metrics.jsonl is appended to: start clean so the step count is this run's
-        for f in run_dir.glob("*.jsonl"):
-            f.unlink()
-    cmd = rlhfkit("ppo", f"model.name={base}", f"reward.name={rm}", f"run.out_dir={run_dir}",
+    # run.overwrite: an earlier soak's run there is replaced, so the step count is this run's
+    cmd = rlhfkit("ppo", f"model.name={base}", f"reward.name={rm}", f"run.out_dir={run_dir}", "run.overwrite=true",
                   f"run.seed={args.seed}", f"run.threads={args.threads}", "run.progress=false",
                   "ppo.steps=100000000", "ppo.stop_at=0", f"ppo.eval_every={args.eval_every}")
     print("soak:", " ".join(cmd[2:]), flush=True)

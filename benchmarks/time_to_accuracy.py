@@ -106,7 +106,7 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
               else {"function": "rlhfkit.tasks.doubling:exact_reward"})
     cfg = Config().replace(
         run={"out_dir": str(Path(args.out) / f"tta_rlhfkit_{algo}_{args.seed}"), "seed": args.seed,
-             "progress": False, "threads": 1},
+             "progress": False, "threads": 1, "overwrite": True},
         ppo={**ALGO_DEFAULTS[algo], "stop_at": args.target, "steps": args.max_steps,
              "eval_every": args.eval_every},
         reward=reward,
@@ -118,7 +118,7 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
     cfg = load_config(None, args.ppo_override if algo == "ppo" else args.grpo_override, base=cfg)
     res = train_rl(cfg, paths["base"])
     reached = res["reached"]
-    return {"steps": reached["step"] if reached else res["steps"],
+    return {"steps": reached["steps"] if reached else res["steps"],
             "train_s": reached["train_s"] if reached else res["seconds"],
             "reached": reached is not None, "final_exact": res["final"].get("eval/exact_acc")}
 

@@ -571,6 +571,26 @@ def _(env):
               "no_such_module:score", "cannot be loaded")
 
 
+@case("run_dir_holding_an_earlier_run")
+def _(env):
+    out = env.tmp / "earlier"
+    out.mkdir()
+    files = {"config.yaml": "run: {}\n", "metrics.jsonl": '{"step": 0}\n', "samples.jsonl": '{"step": 0}\n'}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    cli_error(env, ["grpo", f"model.name={env.models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
+                    f"run.out_dir={out}"], "holds an earlier run", "--resume", "run.overwrite=true")
+    assert {p.name: p.read_text() for p in out.iterdir()} == files  # untouched
+
+
+@case("stop_metric_the_run_does_not_log")
+def _(env):
+    cli_error(env, ["grpo", f"model.name={env.models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
+                    "ppo.stop_metric=eval/acuracy", "eval.max_new_tokens=2"],
+              "ppo.stop_metric='eval/acuracy' is not logged", "eval/exact_acc")
+    assert not (env.tmp / "out").exists()
+
+
 @case("reward_function_not_callable")
 def _(env):
     cli_error(env, ["grpo", f"model.name={env.models.policy}", "reward.function=math:pi"], "math:pi",

@@ -6,8 +6,9 @@ import dataclasses
 import re
 
 import pytest
+import yaml
 
-from rlhfkit.config import Config, ConfigError, PPOConfig, from_dict, load_config, save_config
+from rlhfkit.config import Config, ConfigError, PPOConfig, dump_config, from_dict, load_config, save_config
 
 
 def raises(match: str):
@@ -228,3 +229,40 @@ def test_reward_callables_from_python_and_what_config_yaml_records(tmp_path):
     assert load_reward_function("test_config:my_reward") is my_reward
     with pytest.raises(ValueError, match="was given a Python callable with no importable name"):
         load_reward_function("<callable>")
+
+
+# what `rlhfkit ALGO` has always run with: group_size, kl_coef, kl_estimator, kl_in_loss, normalize_reward
+COMMAND_VALUES = {"ppo": (8, 0.2, "k1", False, True), "grpo": (4, 0.3, "k3", True, False),
+                  "rloo": (4, 0.3, "k3", True, False), "reinforce": (8, 0.3, "k3", True, False)}
+
+
+@pytest.mark.parametrize("algo", list(COMMAND_VALUES))
+def test_the_python_api_has_the_defaults_of_the_command_line(algo, capsys):
+    from rlhfkit.cli import main
+
+    assert main([algo, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["ppo"]
+    keys = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward")
+    assert tuple(printed[k] for k in keys) == COMMAND_VALUES[algo]  # the command's values did not move
+    # every way of asking for the algorithm from Python gives the whole section the command prints
+    assert Config(ppo=PPOConfig(algo=algo)).to_dict()["ppo"] == printed
+    assert Config().replace(ppo={"algo": algo}).to_dict()["ppo"] == printed
+    assert load_config(overrides=[f"ppo.algo={algo}"]).to_dict()["ppo"] == printed
+    other = "ppo" if algo != "ppo" else "grpo"  # and switching back and forth
+    assert Config().replace(ppo={"algo": other}).replace(ppo={"algo": algo}).to_dict()["ppo"] == printed
+
+
+def test_keys_the_user_sets_win_over_the_algorithm_defaults(tmp_path):
+    assert PPOConfig(algo="grpo", kl_coef=0.1).kl_coef == 0.1
+    cfg = Config().replace(ppo={"algo": "grpo", "group_size": 8, "kl_in_loss": False, "kl_estimator": "k1"})
+    assert (cfg.ppo.group_size, cfg.ppo.kl_coef, cfg.ppo.kl_in_loss, cfg.ppo.kl_estimator) == (8, 0.3, False, "k1")
+    assert Config().replace(ppo={"steps": 3}).replace(ppo={"algo": "rloo"}).ppo.steps == 3  # other keys stay
+    assert load_config(overrides=["ppo.kl_coef=0.05", "ppo.algo=grpo"]).ppo.kl_coef == 0.05  # in any order
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  algo: reinforce\n  normalize_reward: true\n")
+    cfg = load_config(path)
+    assert (cfg.ppo.normalize_reward, cfg.ppo.kl_coef, cfg.ppo.kl_estimator) == (True, 0.3, "k3")
+    # a saved config.yaml (every key written out) reads back as it was
+    saved = Config().replace(ppo={"algo": "grpo", "kl_coef": 0.7})
+    (tmp_path / "saved.yaml").write_text(dump_config(saved))
+    assert load_config(tmp_path / "saved.yaml") == saved

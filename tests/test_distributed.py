@@ -28,6 +28,7 @@ reason.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -62,6 +63,10 @@ NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds 
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
 # ZeRO-3 rollouts (sharded weights) do not work, see README
 DEEPSPEED_RUNS = {"zero2": ("sft", "grpo_file"), "zero3": ("sft",)}
+# the DeepSpeed tests (marked long) need the optional dependency; make test-long installs it
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed is not installed: `make test-long` installs it "
+                                            "(pip install -e '.[deepspeed]')")
 EXAMPLES = Path(__file__).parents[1] / "examples" / "accelerate"
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -277,6 +282,7 @@ def deepspeed_run(request, runs):
 
 
 @pytest.mark.long
+@needs_deepspeed
 def test_deepspeed_matches_one_process(runs, deepspeed_run):
     out, names = deepspeed_run
     world = json.loads((out / "world.json").read_text())
@@ -291,8 +297,8 @@ def test_deepspeed_matches_one_process(runs, deepspeed_run):
 
 @pytest.mark.parametrize("config,cmd,extra,reason", [
     pytest.param("deepspeed_zero2", "ppo", [], "clips one gradient norm over the actor and the critic",
-                 marks=pytest.mark.long),
-    pytest.param("deepspeed_zero3", "grpo", [], "ZeRO-3 holds partitioned", marks=pytest.mark.long),
+                 marks=[pytest.mark.long, needs_deepspeed]),
+    pytest.param("deepspeed_zero3", "grpo", [], "ZeRO-3 holds partitioned", marks=[pytest.mark.long, needs_deepspeed]),
 ])
 def test_engines_refuse_what_would_fail_or_differ_from_one_process(runs, tmp_path, config, cmd, extra, reason):
     """PPO under DeepSpeed (a critic clipped together with the actor) and RL under ZeRO-3

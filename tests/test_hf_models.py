@@ -301,7 +301,8 @@ def test_lora_ppo_run_on_qwen3(hub, tmp_path):
     train_rl(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(rows) == 3 and rows[0]["objective/kl"] == 0.0  # policy == adapter-off reference at the start
-    assert rows[-1]["objective/kl"] > 0.0  # the adapter moved the policy away from the base
+    # the adapter moved the policy away from the base (a k1 estimate over a batch may be of either sign)
+    assert rows[-1]["objective/kl"] != 0.0
     assert all(math.isfinite(r["value/loss"]) for r in rows)
     for rel in ("policy/model.safetensors", "policy_adapter/adapter_model.safetensors", "value_model/config.json"):
         assert (tmp_path / rel).exists(), rel

@@ -189,8 +189,8 @@ def _one_step(overrides: dict, value_model: str = "separate"):
 
 
 def test_missing_eos_penalty_lowers_only_unfinished_scores():
-    roll, plain, _, _ = _one_step({})
-    _, penalised, _, _ = _one_step({"missing_eos_penalty": 2.0})
+    roll, plain, _, _ = _one_step({"normalize_reward": False})  # the raw scores (ppo normalises by default)
+    _, penalised, _, _ = _one_step({"missing_eos_penalty": 2.0, "normalize_reward": False})
     assert (~roll.finished).any() and roll.finished.any()
     diff = plain.score - penalised.score  # same seeds -> same rollout
     torch.testing.assert_close(diff, 2.0 * (~roll.finished).float())
@@ -242,3 +242,49 @@ def test_lr_schedule_sets_both_groups_from_the_step(schedule):
         scale = 1.0 if schedule == "constant" else scale  # linear: 1 - step / steps
         assert set_lr(opt, pc, step) == pytest.approx(4e-4 * scale)
         assert [g["lr"] for g in opt.param_groups] == pytest.approx([4e-4 * scale, 2e-3 * scale])
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_keep_best_saves_the_best_evaluated_policy(keep_best, tiny_models, tiny_config, tmp_path, monkeypatch,
+                                                   no_plots):
+    """The held-out values are forced (the first call is the evaluation before step 0): the best
+    is after step 1, and that step's weights are the ones saved -- the last step's without keep_best."""
+    from safetensors.torch import load_file
+
+    import rlhfkit.trainers.rl as rl
+
+    values, seen = [0.95, 0.2, 0.9, 0.5, 0.1], []  # baseline, then after steps 0..3
+
+    def scripted(run, ac, *args):
+        seen.append({k: v.detach().clone() for k, v in ac.policy.state_dict().items()})
+        return {"eval/exact_acc": values[len(seen) - 1]}
+
+    monkeypatch.setattr(rl, "evaluate", scripted)
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                      ppo={"algo": "grpo", "steps": 4, "eval_every": 1, "keep_best": keep_best, "lr": 1e-2})
+    res = rl.train_rl(cfg)
+    want = 2 if keep_best else 4  # snapshot after step 1 (the baseline is not a candidate), or after step 3
+    assert res["saved_step"] == (1 if keep_best else 3)
+    saved = load_file(str(tmp_path / "run" / "policy" / "model.safetensors"))
+    assert any(not torch.equal(seen[2][k], seen[4][k]) for k in saved)  # the steps did move the weights
+    for k, v in saved.items():
+        torch.testing.assert_close(v, seen[want][k], rtol=0, atol=0)
+
+
+def test_keep_best_holds_only_the_lora_adapter_and_puts_it_back():
+    from rlhfkit.models import add_lora
+    from rlhfkit.trainers.rl import BestWeights
+
+    policy = add_lora(build_tiny_policy(TOK, 0, n_layer=1, n_head=2, n_embd=16), 4, 8.0)
+    trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+    best = BestWeights(policy)
+    best.offer(0, 0.5)
+    assert set(best.weights) == trained and all("lora_" in n for n in trained)  # the frozen base is not copied
+    kept = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    best.offer(1, 0.4)  # worse: nothing kept
+    best.restore()
+    assert best.step == 0 and all(torch.equal(p, kept[n]) for n, p in policy.named_parameters())

@@ -280,3 +280,27 @@ def test_trackers_only_when_asked(tmp_path, monkeypatch):
         MetricsLogger(tmp_path / "c" / "metrics.jsonl", cfg.replace(run={"trackers": "trackio"}))
     with pytest.raises(ValueError, match="unknown tracker 'mlflow'"):
         MetricsLogger(tmp_path / "d" / "metrics.jsonl", cfg.replace(run={"trackers": "mlflow"}))
+
+
+def _titles(run: Path) -> list[str]:
+    return re.findall(r"<figcaption>(.*?)</figcaption>", build_report(run))
+
+
+@pytest.mark.parametrize("row, config, score, held_out", [
+    ({"objective/score": 1.0, "reward/reward_model": 1.0, "eval/exact_acc": 0.5}, "", "reward-model score",
+     "held-out evaluation (greedy)"),
+    ({"objective/score": 1.0, "reward/exact_reward": 1.0, "eval/reward": 1.0, "eval/accuracy": 1.0},
+     "eval:\n  greedy: false\n", "score (exact_reward)", "held-out evaluation (sampled)"),
+    ({"objective/score": 1.0, "reward/reward_model": 0.5, "reward/correct": 1.0}, "", "score (weighted sum: "
+     "reward_model + correct)", None),
+    ({"dpo/loss": 0.6, "eval/rewards/chosen": 0.1, "eval/rewards/margins": 0.2, "eval/loss": 0.5}, "", None,
+     "held-out pairs (no sampling)"),
+    ({"sft/loss": 1.0, "eval/loss": 0.9}, "", None, "held-out loss"),
+])
+def test_panel_titles_say_what_the_run_measured(row, config, score, held_out, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, **row}) + "\n")
+    if config:
+        (tmp_path / "config.yaml").write_text(config)
+    titles = _titles(tmp_path)
+    assert (score in titles) if score else not any("score" in t for t in titles)
+    assert (held_out in titles) if held_out else not any("held-out" in t for t in titles)

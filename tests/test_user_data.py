@@ -235,7 +235,8 @@ def test_evaluation_and_generic_early_stop_on_held_out_prompts(tiny_models, tiny
                            "eval_every": 2, "stop_metric": "eval/reward", "stop_at": 2.0})
     out = train_rl(cfg)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert out["reached"]["step"] == 2 and len(rows) == 2  # the first evaluation already meets it
+    # the first evaluation (after step 1, the second) already meets it: reached names that row's step
+    assert out["reached"]["step"] == rows[-1]["step"] == 1 and out["reached"]["steps"] == len(rows) == 2
     assert rows[1]["eval/reward"] == 2.0 and rows[1]["eval/reward/two_reward"] == 2.0
     assert "eval/reward" not in rows[0]
     assert [r["data/epoch"] for r in rows] == [0, 0]
@@ -323,3 +324,80 @@ def test_a_reward_model_object_from_python(tiny_models, tiny_config, tmp_path, n
     a, b = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("path", "object"))
     assert [r["reward/reward_model"] for r in a] == [r["reward/reward_model"] for r in b]  # the same scores
     assert "name: <callable>" in (tmp_path / "object" / "config.yaml").read_text()
+
+
+REWARD_FILE = '''
+def correct(prompts, completions, answer, **columns):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+'''
+
+
+@pytest.mark.parametrize("how", ["path", "module_in_cwd"])
+def test_a_reward_function_from_a_file_or_the_current_directory(how, tmp_path, monkeypatch):
+    from rlhfkit.rewards import load_reward_function
+
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    name = f"myreward_{how}"  # a module name no other test imports
+    (tmp_path / f"{name}.py").write_text(REWARD_FILE)
+    if how == "path":
+        monkeypatch.chdir(tmp_path.parent)
+        spec = f"{tmp_path.name}/{name}.py:correct"  # relative to the current directory, as a user types it
+    else:
+        monkeypatch.chdir(tmp_path)
+        spec = f"{name}:correct"  # the README's reward.function=myreward:correct
+    fn = load_reward_function(spec)
+    assert fn(prompts=["a", "b"], completions=[" 4", "5"], answer=["4", "6"]) == [1.0, 0.0]
+    assert load_reward_function(spec) is fn  # imported once
+    with pytest.raises(ValueError, match="cannot be loaded: .*no_such"):
+        load_reward_function(spec.replace(":correct", ":no_such"))
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        load_reward_function("missing_dir/nothing.py:correct")
+
+
+def _file_run(tiny_models, tiny_config, tmp_path, reward="two_reward", **ppo):
+    return tiny_config(tmp_path / "run", model={"name": tiny_models.policy},
+                       data={"path": doubling_file(tmp_path), "eval_path": doubling_file(tmp_path, 5, "held.jsonl")},
+                       reward={"function": f"test_user_data:{reward}"},
+                       ppo={"algo": "grpo", "steps": 4, "batch_size": 8, "group_size": 4, "max_new_tokens": 6,
+                            "eval_every": 2, **ppo})
+
+
+@pytest.mark.parametrize("reward, metric", [("two_reward", "eval/reward"), ("ones_and_zeros", "eval/accuracy")])
+def test_the_stop_metric_defaults_to_one_the_run_logs(reward, metric, tiny_models, tiny_config, tmp_path, no_plots):
+    """A prompt file's run logs no eval/exact_acc (the built-in tasks' metric): early stopping on
+    it was silently off. The default is now what the evaluation logs, measured first before step 0."""
+    two = reward == "two_reward"
+    out = train_rl(_file_run(tiny_models, tiny_config, tmp_path, reward, stop_at=2.0 if two else 1e-9))
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert f"baseline/{metric}" in rows[0] and (rows[0][f"baseline/{metric}"] == 2.0 or not two)
+    assert metric not in rows[0] and metric in rows[1]  # eval_every=2: step 0's only evaluation is the one before it
+    if two:  # every completion scores 2: the first evaluation after training (step 1) meets it
+        assert out["reached"] == {"step": 1, "steps": 2, "train_s": out["reached"]["train_s"]}
+    else:  # stopped by eval/accuracy exactly when it is above 0 at step 1
+        assert (out["reached"] is not None) == (rows[1][metric] > 0)
+        assert len(rows) == (2 if out["reached"] else 4)
+
+
+def test_the_built_in_task_runs_stop_on_exact_acc_with_a_baseline(tiny_models, tiny_config, tmp_path, no_plots):
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                      ppo={"algo": "grpo", "steps": 1})
+    train_rl(cfg)
+    (row,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert {"baseline/eval/exact_acc", "baseline/eval/format_acc", "eval/exact_acc"} <= set(row)
+
+
+def test_a_stop_metric_the_run_does_not_log_stops_before_training(tiny_models, tmp_path, capsys):
+    from rlhfkit.cli import main
+
+    out = tmp_path / "run"
+    argv = ["grpo", f"model.name={tiny_models.policy}", f"data.path={doubling_file(tmp_path)}",
+            f"data.eval_path={doubling_file(tmp_path, 5, 'held.jsonl')}", "reward.function=test_user_data:two_reward",
+            "ppo.max_new_tokens=4", f"run.out_dir={out}", "run.progress=false"]
+    assert main([*argv, "ppo.stop_metric=eval/acuracy"]) == 2  # a typo
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rlhfkit grpo: error: ppo.stop_metric='eval/acuracy' is not logged by this run's evaluation, which "
+                   "logs eval/reward, eval/reward/two_reward: name one of those (or leave ppo.stop_metric empty)"]
+    assert not out.exists()  # nothing trained, nothing written
+    assert main([*argv[:3], *argv[4:], "ppo.stop_metric=eval/reward"]) == 2  # no held-out prompts at all
+    assert "has no held-out prompts to evaluate" in capsys.readouterr().err

@@ -8,30 +8,31 @@ set -euo pipefail
 OUT=${1:-runs/own_data}
 RLHFKIT=${RLHFKIT:-rlhfkit}
 TASK=(run.task=cities model.n_layer=3 model.n_embd=96)   # the base model's size (built from scratch)
+RERUN=run.overwrite=true   # running the script again replaces its earlier runs under OUT_DIR
 
 # 0. a base model that knows the facts but answers tersely, and the task's data as files
-$RLHFKIT pretrain "${TASK[@]}" pretrain.steps=600 run.out_dir="$OUT/base"
+$RLHFKIT pretrain $RERUN "${TASK[@]}" pretrain.steps=600 run.out_dir="$OUT/base"
 $RLHFKIT export-task cities "$OUT/data"
 
 # 1. a reward model from the preference file, held-out pairs from their own file
-$RLHFKIT rm model.name="$OUT/base/policy" data.path="$OUT/data/prefs.jsonl" \
+$RLHFKIT rm $RERUN model.name="$OUT/base/policy" data.path="$OUT/data/prefs.jsonl" \
     data.eval_path="$OUT/data/prefs_eval.jsonl" reward.steps=300 run.out_dir="$OUT/rm"
 
 # 2. PPO on the prompt file with the reward model; the verifier (which reads each record's
 #    'country' column) rides along with weight 0, so eval/accuracy reports held-out exactness.
 #    The learned reward is over-optimised after ~15-20 steps: stop at 0.95 held-out accuracy
-$RLHFKIT ppo model.name="$OUT/base/policy" data.path="$OUT/data/prompts.jsonl" \
+$RLHFKIT ppo $RERUN model.name="$OUT/base/policy" data.path="$OUT/data/prompts.jsonl" \
     data.eval_path="$OUT/data/eval_prompts.jsonl" reward.name="$OUT/rm/reward_model" \
     reward.function=rlhfkit.tasks.cities:exact_reward reward.weights=1,0 ppo.max_new_tokens=32 ppo.lr=1e-4 \
     ppo.steps=40 ppo.eval_every=5 ppo.stop_metric=eval/accuracy ppo.stop_at=0.95 run.out_dir="$OUT/ppo"
 
 # 3. GRPO on the same prompts with the verifier itself as the reward
-$RLHFKIT grpo model.name="$OUT/base/policy" data.path="$OUT/data/prompts.jsonl" \
+$RLHFKIT grpo $RERUN model.name="$OUT/base/policy" data.path="$OUT/data/prompts.jsonl" \
     data.eval_path="$OUT/data/eval_prompts.jsonl" reward.function=rlhfkit.tasks.cities:exact_reward \
     ppo.max_new_tokens=32 ppo.lr=1e-4 ppo.steps=20 ppo.eval_every=10 ppo.stop_at=0 run.out_dir="$OUT/grpo"
 
 # 4. DPO on the preference file, no reward model, no sampling
-$RLHFKIT dpo model.name="$OUT/base/policy" data.path="$OUT/data/prefs.jsonl" \
+$RLHFKIT dpo $RERUN model.name="$OUT/base/policy" data.path="$OUT/data/prefs.jsonl" \
     data.eval_path="$OUT/data/prefs_eval.jsonl" dpo.lr=3e-4 dpo.steps=50 dpo.eval_every=25 run.out_dir="$OUT/dpo"
 
 # 5. every policy on the held-out prompts, scored by the verifier, against the base

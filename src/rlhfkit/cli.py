@@ -60,10 +60,10 @@ DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLH
 
 
 def _defaults(command: str, task_defaults: dict | None = None) -> Config:
-    """The config a command starts from: the task's defaults, then its output directory and its
-    algorithm's defaults (ALGO_DEFAULTS)."""
-    return Config().replace(**(task_defaults or {})).replace(run={"out_dir": DEFAULT_OUT[command]},
-                                                             ppo=ALGO_DEFAULTS.get(command, {}))
+    """The config a command starts from: the task's defaults, then its output directory and, for
+    an RL command, its algorithm (ppo.algo, which brings that algorithm's ALGO_DEFAULTS)."""
+    algo = {"algo": command} if command in ALGO_DEFAULTS else {}
+    return Config().replace(**(task_defaults or {})).replace(run={"out_dir": DEFAULT_OUT[command]}, ppo=algo)
 
 
 def first_sentence(text: str) -> str:

@@ -23,15 +23,21 @@ from typing import Any, Literal
 
 import yaml
 
-# what each RL command (and the demo, per algorithm) changes in the shared `ppo` section before
-# the user's file and overrides
+# The settings of the `ppo` section that depend on the algorithm (ppo.algo): the one source of
+# these defaults for the command line (rlhfkit ppo/grpo/rloo/reinforce sets ppo.algo) and the
+# Python API alike. A key of ALGO_KEYS left unset (None) takes its algorithm's value when the
+# section is built (PPOConfig(algo="grpo") has GRPO's), and changing ppo.algo with
+# Config.replace, a config file or an override moves the ones not given with it to the new
+# algorithm's values.
+ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward")
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # PPO normalises scores with running statistics: its KL penalty sits in the reward beside the
     # score, so beta = 0.2 pulls as hard on a reward of any scale. With raw scores, 3 of 12 runs on
     # the label classifier (logits of a few units) ended below 0.95 held-out exact, on tuning seeds
     # 33-44; normalised, 0 of 24 (seeds 33-56), 0 of 24 on the Bradley-Terry reward model and 1 of
     # 24 on the exact verifier (0 raw). README, "Defaults that hold on rewards they were not tuned on".
-    "ppo": {"algo": "ppo", "normalize_reward": True},
+    "ppo": {"algo": "ppo", "normalize_reward": True, "kl_in_loss": False, "kl_estimator": "k1", "kl_coef": 0.2,
+            "group_size": 8},
     # The critic-free commands share one recipe, chosen on the doubling task across three rewards
     # (the exact verifier, a Bradley-Terry reward model, a label classifier; tuning seeds 10-14,
     # benchmarks/robustness.py; README, "Defaults that hold on rewards they were not tuned on"):
@@ -45,9 +51,13 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # Groups of 4 (16 prompts per batch of 64): GRPO on the verifier 90-100 steps to 0.99 against
     # 150-190 with groups of 8; RLOO on the classifier 70-115 steps to 0.95 against 90-140, and a
     # final exact of 0.977-0.996 against 0.955-0.990 (seeds 12-14).
-    "grpo": {"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3, "group_size": 4},
-    "rloo": {"algo": "rloo", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3, "group_size": 4},
-    "reinforce": {"algo": "reinforce", "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3},
+    "grpo": {"algo": "grpo", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
+             "group_size": 4},
+    "rloo": {"algo": "rloo", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
+             "group_size": 4},
+    # group_size is unused by reinforce (samples_per_prompt says how many per prompt)
+    "reinforce": {"algo": "reinforce", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3",
+                  "kl_coef": 0.3, "group_size": 8},
 }
 # k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
 # objective names (PPOConfig.kl_estimator); it is what TRL's GRPO does, and k2 (the reverse KL's
@@ -108,6 +118,10 @@ class RunConfig(Section):
     resume: bool = False
     """Continue from the newest complete checkpoint in run.out_dir (``--resume`` on the command
     line); starts from step 0 when there is none. Use the same config as the interrupted run."""
+    overwrite: bool = False
+    """Replace an earlier run in run.out_dir: its files (config.yaml, metrics.jsonl, samples,
+    checkpoints/, tb/, saved models ...) are deleted before the new run writes; other files there
+    stay. Without it (or run.resume) a run.out_dir holding an earlier run is refused."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +199,8 @@ class RewardConfig(Section):
     """For a classifier reward model: 'module:name' mapping a prompt text to the wanted label index
     (empty: the task's ``label_of_prompt``)."""
     function: str | Callable[..., Any] | list[str | Callable[..., Any]] = ""
-    """Reward functions 'module:name', comma-separated for several, each called as
+    """Reward functions 'module:name' (a module installed, on PYTHONPATH or in the current directory) or
+    'path/to/file.py:name', comma-separated for several, each called as
     fn(prompts=, completions=, completion_ids=, finished=, **columns) -> list[float] (see
     rlhfkit.rewards); added to the reward model's score when reward.name is set too (e.g.
     rlhfkit.tasks.cities:exact_reward, which reads the 'country' column). From Python also the
@@ -262,8 +277,9 @@ class PPOConfig(Section):
     algo: Literal["ppo", "grpo", "rloo", "reinforce"] = "ppo"
     """Advantage estimator: 'ppo' (critic + GAE), 'grpo' (group-relative), 'rloo' (leave-one-out),
     'reinforce' (batch-mean baseline). Set by the command (rlhfkit ppo/grpo/rloo/reinforce)."""
-    group_size: int = 8
-    """Completions per prompt for grpo/rloo (batch_size / group_size prompts per rollout)."""
+    group_size: int = None  # type: ignore[assignment]  # None: the algorithm's, see ALGO_DEFAULTS
+    """Completions per prompt for grpo/rloo (batch_size / group_size prompts per rollout); unset:
+    4 for grpo and rloo (config.ALGO_DEFAULTS)."""
     samples_per_prompt: int = 1
     """Completions per prompt for ppo/reinforce (grpo/rloo use group_size). More than one puts
     each prompt in consecutive rows, and rlhfkit computes a repeated prompt once in rollout,
@@ -318,11 +334,11 @@ class PPOConfig(Section):
     alike (rlhfkit's lean forward in float32: equal up to rounding, ~1e-6). Otherwise, and when
     False, the policy is run again; ``policy/logprob_gap`` reports the largest difference either
     way (with reuse, on the first minibatch of the update, before any optimizer step)."""
-    kl_coef: float = 0.2
-    """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator). The grpo, rloo
-    and reinforce commands set 0.3 (config.ALGO_DEFAULTS). PPO's per-token KL weight is 0.05 in
+    kl_coef: float = None  # type: ignore[assignment]
+    """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator). Unset: 0.2 for
+    ppo, 0.3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS). PPO's per-token KL weight is 0.05 in
     TRL, 0.01 in OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: Literal["k1", "k2", "k3"] = None  # type: ignore[assignment]
     """Per-token KL estimator from the sampled token's log-probs, with log r = log ref - log pi:
     k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As values (objective/kl) k1 and k3 are
     unbiased for KL(pi || ref), k2 is biased. What each pulls on depends on kl_in_loss (exact
@@ -334,10 +350,12 @@ class PPOConfig(Section):
     as a loss term (kl_in_loss=true) its gradient is
       k1: zero in expectation (E_pi[grad log pi] = 0), only noise: refused;
       k2: the reverse KL(pi || ref)'s gradient at each sampled token's state;
-      k3: the FORWARD KL(ref || pi)'s gradient at each sampled token's state (grpo/rloo/reinforce)."""
-    kl_in_loss: bool = False
+      k3: the FORWARD KL(ref || pi)'s gradient at each sampled token's state (grpo/rloo/reinforce).
+    Unset: k1 for ppo, k3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS)."""
+    kl_in_loss: bool = None  # type: ignore[assignment]
     """Put the KL penalty in the loss (beta * token-mean of kl_estimator, GRPO style) instead of
-    the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator."""
+    the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator. Unset:
+    false for ppo, true for grpo, rloo and reinforce."""
     adaptive_kl: bool = False
     """Adapt beta with the proportional controller towards kl_target."""
     kl_target: float = 0.5
@@ -392,9 +410,9 @@ class PPOConfig(Section):
     option. As in TRL they keep their reward and still count in the baselines (group mean and std,
     whitening, reward normalisation); the token means run over the other rows' tokens, as with
     filter_zero_std_groups. One process only."""
-    normalize_reward: bool = False
-    """Normalise scores with running mean/std (over every step so far) before clipping; the ppo
-    command sets it (config.ALGO_DEFAULTS), so the KL weight means the same on any reward's scale.
+    normalize_reward: bool = None  # type: ignore[assignment]
+    """Normalise scores with running mean/std (over every step so far) before clipping; unset:
+    true for ppo, false for the others (config.ALGO_DEFAULTS), so the KL weight means the same on any reward's scale.
     For grpo, rloo and reinforce with the KL as a loss term and scale_rewards=batch or group (their
     defaults) it changes the advantages only through score_clip. TRL's PPOTrainer does not
     normalise scores by default."""
@@ -404,9 +422,19 @@ class PPOConfig(Section):
     """Greedy evaluation on the held-out set every N steps (0 = only at the end)."""
     stop_at: float = 0.99
     """Stop once the held-out metric ppo.stop_metric reaches this (0 = run all steps)."""
-    stop_metric: str = "eval/exact_acc"
-    """Logged metric that ends the run early at ppo.stop_at: 'eval/exact_acc' (a built-in task's
-    verifier), 'eval/accuracy' or 'eval/reward' (held-out prompts scored by the rewards)."""
+    stop_metric: str = ""
+    """Held-out metric that ends the run early at ppo.stop_at (and that keep_best and the
+    eval-drop watch follow): 'eval/exact_acc' (a built-in task's verifier), 'eval/accuracy' or
+    'eval/reward' (held-out prompts scored by the rewards), 'eval/reward/<source>'. Empty: the
+    first of eval/exact_acc, eval/accuracy, eval/reward that the run's evaluation logs. The
+    evaluation before step 0 (logged as baseline/eval/* in step 0's row) must produce it, else
+    the run stops there with the metrics it does log."""
+    keep_best: bool = False
+    """Save the policy (and critic) of the best evaluation on the stop metric instead of the last
+    step's (TRL: load_best_model_at_end): a CPU copy of the trainable weights (a LoRA adapter
+    only) is kept whenever an evaluation after a step beats every earlier one, and put back
+    before the final save; the summary's saved_step names the step. Over the evaluations since
+    the start or the last --resume. False: the last step's policy is saved."""
     guard_kl: float = 10.0
     """Reward-hacking watch: flag (guard/kl_high, one warning) steps whose per-sequence KL to the
     reference exceeds this many nats (0 = off). See rlhfkit.watch."""
@@ -433,6 +461,9 @@ class PPOConfig(Section):
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # the key was a bool before it had three values
             object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+        for key, value in ALGO_DEFAULTS.get(self.algo, {}).items():  # an unknown algo: named by the check below
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)  # frozen: the algorithm's default for a key left unset
         super().__post_init__()
         if self.algo == "reinforce" and self.scale_rewards == "group":
             raise ConfigError("ppo.scale_rewards=group with reinforce: its baseline is the batch mean, there are no "
@@ -620,7 +651,19 @@ class Config:
         for sec, values in sections.items():
             for key, val in values.items():
                 _set(data, f"{sec}.{key}", val)
+        follow_algo(data, self.ppo.algo, {f"ppo.{k}" for k in sections.get("ppo", {})})
         return from_dict(data)
+
+
+def follow_algo(data: dict[str, Any], algo_before: str, given: set[str]) -> None:
+    """When ``data``'s ppo.algo differs from ``algo_before``, unset (None) the algorithm-dependent
+    keys (ALGO_KEYS) not among the dotted keys ``given`` with it, so that PPOConfig gives them
+    the new algorithm's values."""
+    ppo = data.get("ppo")
+    if isinstance(ppo, dict) and ppo.get("algo") != algo_before:
+        for key in ALGO_KEYS:
+            if f"ppo.{key}" not in given:
+                ppo[key] = None
 
 
 def _suggest(name: str, options, prefix: str = "") -> str:
@@ -796,6 +839,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Defaults (or ``base``) <- YAML file <- dotted overrides, validated. ``prefer``: the sections
     an unknown key's suggestions come from first (the command's own)."""
     data = (base or Config()).to_dict()
+    algo_before, given = data["ppo"]["algo"], set()
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -813,9 +857,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 raise ConfigError(f"unknown config section '{sec}' in {path}.{_suggest(sec, data)}")
             for key, val in (values or {}).items():
                 _set(data, f"{sec}.{key}", val, prefer)
+                given.add(f"{sec}.{key}")
     for item in overrides:
         key, value = parse_override(item)
         _set(data, key, value, prefer)
+        given.add(key)
+    follow_algo(data, algo_before, given)
     return from_dict(data)
 
 

@@ -11,9 +11,10 @@ Layout of ``run.out_dir`` (default ``runs/demo``)::
     summary.json                                                        (base vs tuned + timings)
     trajectories.jsonl  report.html  tb/                                (report, TensorBoard events)
 
+Running the demo again replaces an earlier demo's directory (:func:`start_demo_dir`).
 Every algorithm starts from the same pretrained base; the RL ones share the reward model.
-The RL commands' algorithm defaults (``config.ALGO_DEFAULTS``, e.g. GRPO's k3 KL loss term)
-are applied on top of the ``ppo`` section for each of them.
+The ``ppo`` section is the PPO stage's; each other RL algorithm takes its own defaults for the
+keys that depend on it (``config.ALGO_DEFAULTS``, e.g. GRPO's k3 KL loss term) on top of it.
 """
 
 from __future__ import annotations
@@ -33,13 +34,29 @@ from .trainers.dpo import train_dpo
 from .trainers.pretrain import pretrain
 from .trainers.reward import train_reward_model
 from .trainers.rl import train_rl
-from .utils import resolve_device
+from .utils import check_out_dir, clear_run_files, resolve_device
 
 METRICS = ("format_acc", "exact_acc", "answer_acc")
 
 
+STAGES = ("pretrain", "reward", "grpo", "rloo", "reinforce", "dpo")  # the stages' folders (PPO: the top)
+
+
 def _stage(cfg: Config, sub: str) -> Config:
     return cfg.replace(run={"out_dir": str(Path(cfg.run.out_dir) / sub)})
+
+
+def start_demo_dir(cfg: Config) -> None:
+    """Make ``run.out_dir`` ready for a fresh demo: an earlier demo there (its ``pretrain/``
+    stage) is replaced, so ``rlhfkit demo`` (``make demo``) runs again as it did the first time;
+    so is any earlier run under ``run.overwrite=true``. Another command's run is refused, as
+    every command refuses one (:func:`rlhfkit.utils.check_out_dir`); other files stay."""
+    out = Path(cfg.run.out_dir)
+    if cfg.run.overwrite or (out / "pretrain" / "config.yaml").exists():
+        clear_run_files(out, extra=STAGES)
+    else:
+        check_out_dir(cfg, resumable=False)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def parse_algos(spec: str) -> list[str]:
@@ -64,7 +81,8 @@ def run_demo(cfg: Config) -> dict:
     algos = parse_algos(cfg.demo.algos)
     task = get_task(cfg.run.task)
     out = Path(cfg.run.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    start_demo_dir(cfg)
+    cfg = cfg.replace(run={"overwrite": False})  # each stage starts in a clean folder
     device = resolve_device(cfg.run.device)
     n_stages = 2 + len(algos)
     print(f"[rlhfkit demo] task {cfg.run.task}: pretrain -> reward model -> {', '.join(algos)}; writing to {out}/ "
@@ -85,7 +103,9 @@ def run_demo(cfg: Config) -> dict:
         if algo == "dpo":
             res = train_dpo(stage, policy_path=pre["path"])
         else:
-            res = train_rl(stage.replace(ppo=ALGO_DEFAULTS[algo]), policy_path=pre["path"], reward_path=rm["path"])
+            # another algorithm brings its own defaults (config.ALGO_DEFAULTS) for the keys that depend on it
+            rl = stage if stage.ppo.algo == algo else stage.replace(ppo={"algo": algo})
+            res = train_rl(rl, policy_path=pre["path"], reward_path=rm["path"])
         print(f"[{3 + i}/{n_stages}] {algo}: {res['steps']} steps in {res['seconds']:.1f}s")
         results[algo] = res
         seconds[algo] = round(res["seconds"], 2)
@@ -104,7 +124,8 @@ def run_demo(cfg: Config) -> dict:
         "task": cfg.run.task,
         "base": {m: evals["base"][m] for m in METRICS},
         "final": {m: evals[first][m] for m in METRICS},  # the first algorithm (PPO by default)
-        "algos": {a: {**{m: evals[a][m] for m in METRICS}, "steps": r["steps"], "reached_target": r["reached"]}
+        "algos": {a: {**{m: evals[a][m] for m in METRICS}, "steps": r["steps"], "reached_target": r["reached"],
+                      "saved_step": r.get("saved_step")}
                   for a, r in results.items()},
         "reward_model": {"accuracy": rm["accuracy"], "delta": rm["delta"]},
         "seconds": seconds,

@@ -310,20 +310,24 @@ class RLState:
     """The loop's counters beyond the step: KL coefficient, training seconds, reward statistics,
     the reward-hacking and signal watches."""
 
-    def __init__(self, pc: PPOConfig):
+    def __init__(self, pc: PPOConfig, stop_metric: str | None = None):
         self.kl_coef, self.train_s = pc.kl_coef, 0.0
         self.reward_stats = RunningMoments() if pc.normalize_reward else None
         self.reached: dict | None = None
-        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, pc.stop_metric)
+        # the held-out metric the run stops on (ppo.stop_metric, or the one its evaluation logs)
+        self.stop_metric = stop_metric or pc.stop_metric
+        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, self.stop_metric)
         self.signals = SignalWatch("ppo.group_size" if pc.algo in ("grpo", "rloo") else "ppo.samples_per_prompt")
 
     def state_dict(self) -> dict:
         m = self.reward_stats
         return {"kl_coef": self.kl_coef, "train_s": self.train_s, "watch": self.watch.state_dict(),
-                "signals": self.signals.state_dict(), "reward_stats": None if m is None else [m.count, m.mean, m.m2]}
+                "signals": self.signals.state_dict(), "reward_stats": None if m is None else [m.count, m.mean, m.m2],
+                "stop_metric": self.stop_metric}
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_coef, self.train_s = state["kl_coef"], state["train_s"]
+        self.stop_metric = self.watch.metric = state.get("stop_metric", self.stop_metric)
         self.watch.load_state_dict(state["watch"])
         if "signals" in state:  # checkpoints written before the signal watch have none
             self.signals.load_state_dict(state["signals"])

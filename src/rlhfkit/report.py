@@ -31,6 +31,8 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
+import yaml
+
 from .trajectories import ROWS
 from .utils import read_jsonl
 from .watch import KEYS as HACKING_KEYS
@@ -51,6 +53,7 @@ PANELS = [
     ("length", "response length (tokens)", ["response/length"]),
     ("eos_rate", "EOS rate", ["response/eos_rate"]),
     ("eval", "held-out evaluation (greedy)", ["eval/*"]),
+    ("baseline", "held-out evaluation before the first update", ["baseline/*"]),
     ("guard", "reward-hacking signs and skipped updates", ["guard/*"]),
     ("throughput", "throughput (tokens / s)", ["throughput/tokens_per_s"]),
     ("step_time", "seconds per step", ["time/rollout_s", "time/experience_s", "time/update_s"]),
@@ -92,7 +95,7 @@ def _series(rows: list[dict], key: str) -> list[tuple[float, float]]:
     return pts
 
 
-def _panels(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
+def _panels(rows: list[dict], greedy: bool = True) -> list[tuple[str, str, list[str]]]:
     keys = []
     for r in rows:
         for k, v in r.items():
@@ -105,10 +108,31 @@ def _panels(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
         for w in wanted:
             found += [k for k in keys if (k.startswith(w[:-1]) if w.endswith("*") else k == w) and k not in found]
         if found:
+            title = score_title(keys) if pid == "score" else eval_title(found, greedy) if pid == "eval" else title
             out.append((pid, title, found))
             used.update(found)
     out += [(_slug(k), k, [k]) for k in keys if k not in used]
     return out
+
+
+def score_title(keys: list[str]) -> str:
+    """What ``objective/score`` is in this run: the sources logged as ``reward/<name>``."""
+    sources = [k.removeprefix("reward/") for k in keys if k.startswith("reward/")]
+    if sources == ["reward_model"]:
+        return "reward-model score"
+    if len(sources) == 1:
+        return f"score ({sources[0]})"
+    return f"score (weighted sum: {' + '.join(sources)})" if sources else "score"
+
+
+def eval_title(keys: list[str], greedy: bool = True) -> str:
+    """What the held-out ``eval/*`` metrics of this run measure: completions of held-out prompts
+    (decoded greedily or sampled), or, without decoding, held-out pairs (DPO, reward model) or
+    demonstrations (SFT)."""
+    if all(k == "eval/loss" or k.startswith(("eval/rewards/", "eval/rm/")) for k in keys):
+        pairs = any(k.startswith(("eval/rewards/", "eval/rm/")) for k in keys)
+        return "held-out pairs (no sampling)" if pairs else "held-out loss"
+    return f"held-out evaluation ({'greedy' if greedy else 'sampled'})"
 
 
 def svg_curve(series: dict[str, list[tuple[float, float]]], width: int = 360, height: int = 190,
@@ -170,10 +194,11 @@ def hacking_steps(rows: list[dict]) -> list[float]:
     return [r["step"] for r in rows if any(r.get(k) for k in HACKING_KEYS)]
 
 
-def curves_html(rows: list[dict], prefix: str = "curve") -> str:
+def curves_html(rows: list[dict], prefix: str = "curve", greedy: bool = True) -> str:
+    """The metric panels of a run's rows; ``greedy``: its held-out completions were decoded greedily."""
     marks = hacking_steps(rows)
     figs = []
-    for pid, title, keys in _panels(rows):
+    for pid, title, keys in _panels(rows, greedy):
         series = {k: s for k in keys if (s := _series(rows, k))}
         if not series:
             continue
@@ -402,6 +427,15 @@ def latest_run(rows: list[dict]) -> list[dict]:
     return rows[start:]
 
 
+def _greedy(run: Path) -> bool:
+    """``eval.greedy`` of the run's config.yaml (True, the default, when there is none)."""
+    try:
+        return bool(((yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}).get("eval") or {})
+                    .get("greedy", True))
+    except (OSError, yaml.YAMLError, AttributeError):  # no config, or not YAML: the default
+        return True
+
+
 def build_report(run_dir: str | os.PathLike) -> str:
     """The report page of ``run_dir`` as an HTML string."""
     run = Path(run_dir)
@@ -424,7 +458,7 @@ def build_report(run_dir: str | os.PathLike) -> str:
     if summary:
         add("summary", "summary", _summary_html(summary))
     if metrics:
-        add("curves", "curves", curves_html(metrics))
+        add("curves", "curves", curves_html(metrics, greedy=_greedy(run)))
     if trajectories:
         add("trajectories", "trajectory view", _trajectory_html(trajectories))
     if samples:
@@ -435,7 +469,8 @@ def build_report(run_dir: str | os.PathLike) -> str:
             rows = latest_run(_read(sub / "metrics.jsonl"))
             extra = (f' (full report: <code>rlhfkit report {_esc(sub)}</code>)'
                      if (sub / "trajectories.jsonl").exists() or (sub / "samples.jsonl").exists() else "")
-            body += f'<h3 id="stage-{_slug(sub.name)}">{_esc(sub.name)}/{extra}</h3>' + curves_html(rows, f"curve-{_slug(sub.name)}")
+            body += f'<h3 id="stage-{_slug(sub.name)}">{_esc(sub.name)}/{extra}</h3>' + curves_html(rows, f"curve-{_slug(sub.name)}",
+                                                                                             _greedy(sub))
         add("stages", "other stages", body)
     if config_text:
         add("config", "resolved config", f'<pre id="config-yaml">{_esc(config_text)}</pre>')

@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -156,8 +159,15 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_
     return Reward([(name, 1.0, score)], [classifier])
 
 
+USER_FILE_MODULE = "_rlhfkit_user_"  # prefix of the modules of reward files named by their path
+
+
 def function_name(fn) -> str:
-    return getattr(fn, "__module__", "?") + ":" + getattr(fn, "__qualname__", repr(fn))
+    """``module:qualname``, or ``path/to/file.py:qualname`` for a function of a file named by its path."""
+    module = getattr(fn, "__module__", None) or "?"
+    if module.startswith(USER_FILE_MODULE):
+        module = getattr(sys.modules.get(module), "__file__", module)
+    return module + ":" + getattr(fn, "__qualname__", repr(fn))
 
 
 def completion_texts(roll: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:
@@ -228,26 +238,70 @@ def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
 
 
 def load_reward_function(spec: str | Callable) -> Callable[..., list[float]]:
-    """``'package.module:name'`` -> the callable (a callable is returned as it is)."""
+    """``'package.module:name'`` or ``'path/to/file.py:name'`` -> the callable (a callable is
+    returned as it is). A module is looked for where Python looks, then in the current
+    directory (where a user's ``myreward.py`` sits; the ``rlhfkit`` command does not put the
+    current directory on ``sys.path``); ``name`` may be qualified (``'module:Class.method'``)."""
     if callable(spec):
         return spec
     if spec == CALLABLE_PLACEHOLDER:
         raise ValueError(f"reward.function={spec!r}: the run this config comes from was given a Python callable "
                          "with no importable name (a lambda, a function defined in __main__); pass the callable "
                          "again (RewardConfig(function=fn)) or name an importable one as 'package.module:function'")
-    if ":" not in spec:
-        raise ValueError(f"reward.function={spec!r} must look like 'package.module:function'")
-    module, name = spec.split(":", 1)
+    module, _, name = spec.rpartition(":")  # the last colon: a Windows path has one of its own
+    if not module or not name:
+        raise ValueError(f"reward.function={spec!r} must look like 'package.module:function' or "
+                         "'path/to/file.py:function'")
     try:
-        fn = importlib.import_module(module)
+        fn = _import_file(module) if module.endswith(".py") else _import_module(module)
         for part in name.split("."):  # a qualified name: 'module:Class.method'
             fn = getattr(fn, part)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}; the module must be importable "
-                         "(installed or on PYTHONPATH) and define that name") from None
+        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}; name a Python file "
+                         "('path/to/file.py:function') or a module that is installed, on PYTHONPATH or in the "
+                         "current directory, and that defines that name") from None
     if not callable(fn):
         raise ValueError(f"reward.function={spec!r} is not callable")
     return fn
+
+
+def _import_module(module: str):
+    """``importlib.import_module``, falling back on the current directory for a module found there."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        top = module.split(".")[0]
+        here = Path.cwd()
+        if e.name != top or not ((here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file()):
+            raise
+        if str(here) not in sys.path:
+            sys.path.append(str(here))  # appended: an installed module of the same name still wins
+        importlib.invalidate_caches()
+        return importlib.import_module(module)
+
+
+def _import_file(path: str):
+    """The module of a ``.py`` file, imported once per resolved path (its directory is put on
+    ``sys.path`` too, so it can import the modules beside it)."""
+    import importlib.util
+
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ImportError(f"no such file {path}")
+    name = f"{USER_FILE_MODULE}{file.stem}_{zlib.crc32(str(file).encode()):08x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: a dataclass or pickle in it looks itself up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def other_tokenizer(path: str, tok, trust_remote_code: bool = False):

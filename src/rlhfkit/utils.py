@@ -120,18 +120,91 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def setup_run(cfg: Config) -> Path:
-    """Seed, set threads, create the run directory and save the resolved config in it (the
-    main process only; every process of a distributed launch uses the same seed). Off a
-    terminal, or with ``run.progress=false``, the model loading bars are turned off too."""
+# What rlhfkit writes at the top of a run directory (every command's files). A directory holding
+# any of them holds an earlier run: a new run refuses it unless told to continue it (run.resume)
+# or to replace it (run.overwrite, which deletes these and nothing else).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "trajectories.jsonl", "tb", "checkpoints", "policy",
+             "policy_adapter", "value_model", "value_head.safetensors", "reward_model", "plots.png", "plot_*.png",
+             "summary.json", "report.html", "report.png", "policy.txt", "return_curve.png")
+
+
+def earlier_run_files(out_dir: str | os.PathLike) -> list[Path]:
+    """The files and folders of an earlier run in ``out_dir`` (:data:`RUN_FILES`), sorted."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    return sorted({p for pattern in RUN_FILES for p in out.glob(pattern)})
+
+
+def produced_anything(out_dir: str | os.PathLike) -> bool:
+    """Did the run in ``out_dir`` log a step, write a checkpoint or save a model? One that stopped
+    before its first step (a reward function that raised) left only its config and empty logs."""
+    out = Path(out_dir)
+    if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0:
+        return True
+    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        return True
+    return any((out / name).exists() for name in ("policy", "policy_adapter", "value_model", "reward_model",
+                                                  "summary.json"))
+
+
+def check_out_dir(cfg: Config, resumable: bool = True) -> None:
+    """ConfigError, before anything is written, when ``run.out_dir`` holds an earlier run and the
+    config neither continues it (``run.resume``) nor replaces it (``run.overwrite``): a new run
+    would overwrite its config and samples and append to its metrics. Other files there (a data
+    file, notes) do not count, nor does an earlier run that produced nothing (no step logged, no
+    checkpoint, no model: :func:`start_run_dir` replaces it). ``resumable``: the command has
+    ``--resume``."""
+    r = cfg.run
+    if r.resume and r.overwrite:
+        raise ConfigError("run.resume and run.overwrite both set: continue the run in run.out_dir (--resume) or "
+                          "replace it (run.overwrite=true), not both")
+    found = [] if r.resume or r.overwrite or not produced_anything(r.out_dir) else earlier_run_files(r.out_dir)
+    if found:
+        names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:3]) + (" ..." if len(found) > 3 else "")
+        how = "continue it with --resume, replace it with" if resumable else "replace it with"
+        raise ConfigError(f"run.out_dir {r.out_dir} holds an earlier run ({names}): {how} run.overwrite=true "
+                          "(deletes that run's files first), or choose another run.out_dir")
+
+
+def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> None:
+    """Delete an earlier run's files in ``out_dir`` (:data:`RUN_FILES`, and the names in ``extra``);
+    anything else there stays."""
+    import shutil
+
+    out = Path(out_dir)
+    for p in [*earlier_run_files(out), *(out / name for name in extra)]:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+
+def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
+    """Seed, set threads and check ``run.out_dir`` (:func:`check_out_dir`); with ``write``, also
+    start the run directory (:func:`start_run_dir`), else the caller does once its inputs are
+    loaded, so a bad data file or model leaves no directory behind. Every process of a
+    distributed launch uses the same seed. Off a terminal, or with ``run.progress=false``, the
+    model loading bars are turned off too."""
     seed_everything(cfg.run.seed)
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
     if not cfg.run.progress or not _is_tty(sys.stderr):
         quiet_hub_progress()
+    check_out_dir(cfg, resumable)
+    if write:
+        start_run_dir(cfg)
+    return Path(cfg.run.out_dir)
+
+
+def start_run_dir(cfg: Config) -> Path:
+    """Create ``run.out_dir`` (an earlier run's files deleted first under ``run.overwrite``, or
+    when it produced nothing) and save the resolved config in it; the main process only."""
     out = Path(cfg.run.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if is_main_process():
+        if cfg.run.overwrite or not (cfg.run.resume or produced_anything(out)):
+            clear_run_files(out)  # (an earlier run that produced nothing: its empty logs and config)
+        out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
     return out
 

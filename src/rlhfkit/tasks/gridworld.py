@@ -376,7 +376,7 @@ def train_gridworld(cfg: Config, layout: Sequence[str] = DEFAULT_LAYOUT) -> dict
     gc = cfg.gridworld
     if gc.algo not in ("reinforce", "ppo"):
         raise ValueError(f"gridworld.algo must be 'reinforce' or 'ppo', got {gc.algo!r}")
-    out = setup_run(cfg)
+    out = setup_run(cfg, resumable=False)
     env = GridWorld(layout, drunk=gc.drunk, max_steps=gc.max_steps)
     best = optimal_return(env)
     generator = torch.Generator().manual_seed(cfg.run.seed)

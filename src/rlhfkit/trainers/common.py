@@ -2,9 +2,9 @@
 
 A trainer's own code is its arithmetic; :class:`Run` holds the rest, the same in all of them::
 
-    run = Run(cfg, "dpo", steps=cfg.dpo.steps)       # seed, run dir + config.yaml, accelerator, guard
+    run = Run(cfg, "dpo", steps=cfg.dpo.steps)       # seed, run dir check, accelerator, guard
     model, opt = run.prepare(model, opt, micro_batch=...)
-    resumed = run.restore({"policy": model}, {"optimizer": opt}, generator=gen)
+    resumed = run.restore({"policy": model}, {"optimizer": opt}, generator=gen)  # + run dir, config.yaml
     for step in run.steps():                          # progress from the resumed step on
         ...                                           # the trainer's own step
         run.log(step, row, loss=f"{row['dpo/loss']:.3f}")
@@ -30,7 +30,7 @@ from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import Config
 from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
 from ..models import save_policy
-from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run, start_run_dir
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
@@ -109,16 +109,19 @@ class Run:
     """One training run's plumbing: run directory, accelerator and shard, update guard,
     checkpoints and exact resume, metrics log, progress, and the final save.
 
-    ``Run(cfg, name, steps)`` seeds every RNG, creates ``run.out_dir`` with the resolved
-    config, and builds the accelerator (one process, or DDP / FSDP under ``accelerate
-    launch``). :meth:`restore` must come after the models and optimizers exist: it loads the
-    newest checkpoint into them when ``run.resume`` is set and opens the metrics log.
+    ``Run(cfg, name, steps)`` seeds every RNG, refuses a ``run.out_dir`` holding an earlier run
+    (unless ``run.resume`` or ``run.overwrite``), and builds the accelerator (one process, or
+    DDP / FSDP under ``accelerate launch``). :meth:`restore` must come after the models,
+    optimizers and data exist: it creates ``run.out_dir`` with the resolved config (so a bad
+    input found before leaves nothing behind), loads the newest checkpoint into them when
+    ``run.resume`` is set and opens the metrics log.
     Only the main process writes files; every process runs the same calls.
     """
 
     def __init__(self, cfg: Config, name: str, steps: int, find_unused_parameters: bool = False):
         self.cfg, self.name, self.total = cfg, name, steps
-        self.out: Path = setup_run(cfg)
+        # nothing is written yet: restore() starts the directory once the models and data loaded
+        self.out: Path = setup_run(cfg, write=False)
         self.accelerator = make_accelerator(cfg, find_unused_parameters=find_unused_parameters)
         self.shard = Shard(self.accelerator)
         self.device = self.accelerator.device
@@ -147,6 +150,8 @@ class Run:
         """Load the newest checkpoint (``run.resume``) into these objects and the data position,
         then open the metrics log. Returns the checkpoint's loop state (``{}``: a fresh start).
         The same objects are written by :meth:`checkpoint`."""
+        self.shard.wait()  # every process has checked run.out_dir (Run()) before the main one writes
+        start_run_dir(self.cfg)
         self._saved = {"modules": modules, "optimizers": optimizers, "schedulers": schedulers, "data": data,
                        "generator": generator}
         resumed = self.ckpt.restore(modules, optimizers, schedulers, steps=self.total) or {}

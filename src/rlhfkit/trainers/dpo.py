@@ -144,7 +144,7 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
             with full_weights(train_policy):
                 row.update(evaluate(cfg, pairs, policy, tok, held_ref, shard, device))
             if dc.stop_at_format and row["eval/format_acc"] >= dc.stop_at_format:
-                reached = {"step": step + 1, "train_s": train_s}
+                reached = {"step": step, "steps": step + 1, "train_s": train_s}
         row["time/train_s"] = train_s
         last_row = run.log(step, row, loss=f"{row['dpo/loss']:.3f}", acc=f"{row['dpo/accuracy']:.2f}")
         if reached:

@@ -26,12 +26,13 @@ import json
 import math
 import os
 import time
+import warnings
 
 import torch
 from safetensors.torch import save_file
 
 from .. import kernels
-from ..checkpoint import fault_point
+from ..checkpoint import fault_point, latest_checkpoint
 from ..config import Config, PPOConfig
 from ..core import (
     adaptive_kl_coef,
@@ -292,6 +293,30 @@ def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward:
                                 cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop)
 
 
+# what an empty ppo.stop_metric means: the first of these that the run's evaluation logs
+DEFAULT_STOP_METRICS = ("eval/exact_acc", "eval/accuracy", "eval/reward")
+
+
+def choose_stop_metric(pc: PPOConfig, baseline: dict[str, float]) -> str:
+    """The held-out metric the run stops on (and keeps the best of), given the metrics of its
+    first evaluation (``baseline``; empty when it has no held-out prompts): ``ppo.stop_metric``,
+    which must be among them, or, when that is empty, the first of DEFAULT_STOP_METRICS logged
+    ("" when none is: a warning if ppo.stop_at asks to stop)."""
+    if pc.stop_metric:
+        if pc.stop_metric in baseline:
+            return pc.stop_metric
+        if not baseline:
+            raise ValueError(f"ppo.stop_metric={pc.stop_metric!r}: this run has no held-out prompts to evaluate; "
+                             "set data.eval_path or data.eval_fraction, or leave ppo.stop_metric empty")
+        raise ValueError(f"ppo.stop_metric={pc.stop_metric!r} is not logged by this run's evaluation, which logs "
+                         f"{', '.join(baseline)}: name one of those (or leave ppo.stop_metric empty)")
+    found = next((k for k in DEFAULT_STOP_METRICS if k in baseline), "")
+    if not found and pc.stop_at:
+        warnings.warn(f"no held-out prompts to evaluate, so ppo.stop_at={pc.stop_at} cannot stop the run: set "
+                      "data.eval_path or data.eval_fraction (or ppo.stop_at=0)", UserWarning, stacklevel=2)
+    return found
+
+
 def write_samples(fh, step: int, prompts, exp: Experience, tok, k: int) -> None:
     """The first ``k`` rows' prompts, completions and scores (decoded only for those rows)."""
     texts = decode_responses(tok, exp.response_ids[:k], exp.response_mask[:k])
@@ -338,7 +363,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     the built-in task (``run.task``) when it is unset.
 
     Writes metrics, samples, trajectories, plots and the trained models under ``run.out_dir``; stops
-    early once the held-out metric ``ppo.stop_metric`` reaches ``ppo.stop_at``. Under
+    early once the held-out metric ``ppo.stop_metric`` reaches ``ppo.stop_at`` (the starting
+    policy is evaluated first: ``baseline/eval/*`` in step 0's row). Under
     ``accelerate launch`` each process takes its shard of every batch (``ppo.batch_size`` and
     ``ppo.minibatch_size`` are global) and the main process writes the files.
     """
@@ -364,13 +390,22 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
                          "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
-    st = RLState(pc)
+    # step 0. baseline: the held-out evaluation of the starting policy, before anything is written;
+    # it names the metric the run stops on (a resumed run's checkpoint has it)
+    resuming = cfg.run.resume and latest_checkpoint(run.out) is not None
+    baseline = {} if resuming else evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens)
+    st = RLState(pc, None if resuming else choose_stop_metric(pc, baseline))
+    if pc.keep_best and not st.stop_metric:
+        raise ValueError("ppo.keep_best=true keeps the best-evaluated policy, but this run has no held-out prompts "
+                         "to evaluate: set data.eval_path or data.eval_fraction")
+    best = BestWeights(ac) if pc.keep_best else None
     # run.resume: every weight, optimizer moment, RNG, the data position and the counters
     # come back from the newest checkpoint, so the steps after it repeat those of an unbroken run
     resumed = run.restore({"actor_critic": ac}, {"optimizer": optimizer}, data=data.train)
     if resumed:
         st.load_state_dict(resumed)
     samples, trajectories = open_outputs(run, resumed)
+    shown = baseline.get(st.stop_metric, math.nan)  # the progress line's last evaluated value
     for step in run.steps():
         t0 = time.perf_counter()
         # step 1. rollout: grpo / rloo take each prompt G times in a row, the grouping the baselines expect
@@ -395,6 +430,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         st.train_s += t3 - t0
         # step 4. log: timings, the adaptive KL coefficient, sample completions
         stats.update(step_timings(run, exp, t0, t1, t2, t3, st.train_s), **{"data/epoch": data.train.epoch})
+        if step == 0:  # the evaluation before any update, beside step 0's own
+            stats.update({f"baseline/{k}": v for k, v in baseline.items()})
         if pc.adaptive_kl:
             st.kl_coef = adaptive_kl_coef(st.kl_coef, stats["objective/kl"], pc.kl_target, pc.kl_horizon, pc.batch_size)
         write_samples(samples, step, records, exp, tok, pc.samples_per_log)
@@ -402,13 +439,16 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         last = step == pc.steps - 1
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
             stats.update(evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens))
-            if st.reached is None and pc.stop_at and stats.get(pc.stop_metric, -math.inf) >= pc.stop_at:
-                st.reached = {"step": step + 1, "train_s": st.train_s}
+            shown = stats.get(st.stop_metric, shown)
+            if best is not None:
+                best.offer(step, stats.get(st.stop_metric))
+            if st.reached is None and pc.stop_at and stats.get(st.stop_metric, -math.inf) >= pc.stop_at:
+                st.reached = {"step": step, "steps": step + 1, "train_s": st.train_s}
         stats.update(st.watch.check(step, stats))  # reward-hacking signs: guard/* flags, one warning each
         st.signals.check(step, stats, max_new_tokens)  # most groups without reward variance, most cut: one warning each
         trajectories.maybe_write(step, last or st.reached is not None, exp, tok, pc, stats["objective/kl_coef"])
-        run.log(step, stats, score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}",
-                **{pc.stop_metric.rsplit("/", 1)[-1]: f"{stats.get(pc.stop_metric, math.nan):.3f}"})
+        metric = {st.stop_metric.rsplit("/", 1)[-1]: f"{shown:.3f}"} if st.stop_metric else {}
+        run.log(step, stats, score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}", **metric)
         if st.reached is not None:
             break
         # step 6. checkpoint
@@ -419,7 +459,33 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                            trajectories_offset=trajectories.position())
     samples.close()
     trajectories.close()
-    return finish_rl(run, ac, tok, st)
+    saved_step = st.reached["step"] if st.reached else pc.steps - 1  # the last step run
+    if best is not None and best.step is not None and best.step != saved_step:
+        best.restore()  # the best evaluation's weights, not the last step's, are saved
+        saved_step = best.step
+    return {**finish_rl(run, ac, tok, st), "saved_step": saved_step}
+
+
+class BestWeights:
+    """``ppo.keep_best``: a CPU copy of the trainable weights (policy, critic; a LoRA adapter
+    only) of the best evaluation so far; higher is better."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.step, self.value, self.weights = module, None, -math.inf, {}
+
+    def offer(self, step: int, value: float | None) -> None:
+        """Keep the weights as they are after ``step`` when ``value`` beats every earlier one."""
+        if value is None or not value > self.value:
+            return
+        self.step, self.value = step, value
+        self.weights = {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters()
+                        if p.requires_grad}
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for n, p in self.module.named_parameters():
+            if n in self.weights:
+                p.copy_(self.weights[n].to(p.device))
 
 
 def step_timings(run: Run, exp: Experience, t0: float, t1: float, t2: float, t3: float, train_s: float) -> dict:
