@@ -248,4 +248,4 @@ def test_stopping_on_an_accuracy_no_reward_declares_is_refused(tiny_models, tiny
     with pytest.raises(ValueError, match="no reward source is declared 0/1, so it is never logged"):
         train_rl(cfg)
     declared = cfg.replace(eval={"accuracy_reward": "graded"}, ppo={"steps": 1})
-    assert train_rl(declared)["reached"]["step"] == 1  # every completion scores 1: stops at the first evaluation
+    assert train_rl(declared)["reached"]["steps"] == 1  # every completion scores 1: stops at the first evaluation
