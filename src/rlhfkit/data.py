@@ -5,6 +5,11 @@ or a ``datasets.Dataset`` / ``IterableDataset`` (pick a split first). Errors loc
 as ``path:LINE`` (1-based, like a compiler), ``list[i]`` or ``dataset[i]`` (0-based, the
 index you would type to look at it).
 
+Types: JSON values keep their JSON types (``"12"`` a string, ``12`` an int); a CSV cell is
+always a string, whatever the column holds (CSV has no types, and guessing them from the
+content would make ``answer`` an int in one file and a string in the next); Parquet and
+``datasets`` columns keep their declared types.
+
 Formats, by loader (other fields are ignored; a field set to ``null`` counts as missing,
 because a ``datasets.Dataset`` fills absent columns with ``None``):
 
@@ -161,8 +166,46 @@ def _json_records(path: str) -> list[tuple[str, Any]]:
     return [(f"{path}[{i}]", rec) for i, rec in enumerate(data)]
 
 
+def _csv_records(path: str) -> list[tuple[str, Any]]:
+    """A ``.csv`` file with a header row: every cell is read as the string it is, never converted
+    by its content (``007`` stays ``"007"``; a column of digits is not turned into int), so a
+    reward function compares the same values whatever the other rows hold; an empty cell is a
+    missing value (``None``), as ``datasets`` reads it. Records are located as ``path:LINE``."""
+    import csv
+
+    try:
+        f = open(path, encoding="utf-8-sig", newline="")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read this CSV file ({e.strerror or e}); check the path (data.path)") from None
+    out: list[tuple[str, Any]] = []
+    with f:
+        reader = csv.reader(f)
+        try:
+            header, start = None, 1
+            for row in reader:
+                where, start = f"{path}:{start}", reader.line_num + 1  # a quoted cell may span lines
+                if not row:  # a blank line
+                    continue
+                if header is None:
+                    header = row
+                    dup = sorted({c for c in header if header.count(c) > 1})
+                    if dup:
+                        raise DataError(f"{where}: the header names column {dup[0]!r} twice; rename one")
+                    continue
+                if len(row) > len(header):
+                    raise DataError(f"{where}: {len(row)} cells but the header (line 1) names {len(header)} "
+                                    "columns; quote cells that contain commas")
+                out.append((where, {c: (v if v != "" else None) for c, v in zip(header, row + [""] * len(header))}))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{reader.line_num + 1}: not UTF-8 text (byte {e.start + 1}); re-encode the file "
+                            "as UTF-8") from None
+        except csv.Error as e:
+            raise DataError(f"{path}:{reader.line_num}: not valid CSV ({e})") from None
+    return out
+
+
 def _open_dataset(path: str, split: str | None):
-    """A Parquet or CSV file, a ``Dataset.save_to_disk`` directory, or a hub dataset id
+    """A Parquet file, a ``Dataset.save_to_disk`` directory, or a hub dataset id
     (``datasets.load_dataset``) as a ``datasets.Dataset``; ``split`` picks one of several."""
     import datasets
 
@@ -174,8 +217,7 @@ def _open_dataset(path: str, split: str | None):
                                 "directory")
             ds = datasets.load_from_disk(path)
         elif os.path.isfile(path):
-            kind = {".parquet": "parquet", ".csv": "csv"}[os.path.splitext(path)[1]]
-            ds = datasets.load_dataset(kind, data_files=path, split="train")
+            ds = datasets.load_dataset("parquet", data_files=path, split="train")
         elif os.path.sep in path and not path.count("/") == 1:
             raise DataError(f"{path}: no such file or directory; check the path (data.path)")
         else:  # a hub id such as 'trl-lib/tldr'
@@ -202,6 +244,8 @@ def _located_records(source, split: str | None = None) -> tuple[str, list[tuple[
             return path, _jsonl_records(path)
         if path.endswith(".json") and os.path.isfile(path):
             return path, _json_records(path)
+        if path.endswith(".csv") and os.path.isfile(path):
+            return path, _csv_records(path)
         return path, [(f"{path}[{i}]", rec) for i, rec in enumerate(_open_dataset(path, split))]
     ds = sys.modules.get("datasets")  # only a caller who imported datasets can hand us a Dataset
     if ds is not None and isinstance(source, ds.DatasetDict | ds.IterableDatasetDict):
