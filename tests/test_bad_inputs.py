@@ -110,6 +110,17 @@ def _(env):
     sft_cli(env, [SFT_OK, '{"prompt": "x", "completion": '], "bad.jsonl:2", "not valid JSON", "one JSON object")
 
 
+@case("json_array_invalid_names_the_line_and_column_python_finds")
+def _(env):
+    text = '[{"prompt": "数字:12x2=", "completion": "24"},\n {"prompt": "数字:1x2=", "completion": "2", "x": [1,]}]\n'
+    (env.tmp / "bad.json").write_text(text, encoding="utf-8")
+    with pytest.raises(json.JSONDecodeError) as py:  # the reference: Python's own parser
+        json.loads(text)
+    assert (py.value.lineno, py.value.colno) == (2, 51)
+    cli_error(env, ["sft", f"model.name={env.models.policy}", f"data.path={env.tmp / 'bad.json'}"],
+              "bad.json:2: not valid JSON (Expecting value, column 51)", "JSON array")
+
+
 @case("jsonl_line_not_an_object")
 def _(env):
     sft_cli(env, [SFT_OK, "[1, 2, 3]"], "bad.jsonl:2", "expected a JSON object")

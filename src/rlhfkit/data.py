@@ -158,8 +158,12 @@ def _json_records(path: str) -> list[tuple[str, Any]]:
         raise DataError(f"{path}: cannot read this JSON file ({e}); check the path and that it is UTF-8") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
-        return _jsonl_records(path)  # JSON lines under a .json name
+    except json.JSONDecodeError as e:
+        if not text.lstrip().startswith("["):
+            return _jsonl_records(path)  # JSON lines under a .json name
+        # an array: the error is where Python's parser found it in the document, not at line 1
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}); a .json file holds one "
+                        "JSON array of records (or one JSON object a line)") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON array of records (or one JSON object a line), got "
                         f"{type(data).__name__}")
