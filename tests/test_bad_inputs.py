@@ -13,6 +13,7 @@ policy does (truncate, pad with EOS, penalise and count missing EOS, ...). The c
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -395,6 +396,24 @@ def _(env):
 def _(env):
     cli_error(env, ["ppo", f"model.name={env.tmp / 'no' / 'policy'}", f"reward.name={env.models.reward}"],
               "no/policy", "does not exist", "model.name", "save_pretrained")
+
+
+@case("relative_model_path_missing_fails_at_once")
+def _(env):
+    # 'runs/nope' has a hub id's form, but runs/ is a local directory: a missing run, not a hub repository
+    import time
+
+    env.monkeypatch.chdir(env.tmp)
+    (env.tmp / "runs").mkdir()
+    t0 = time.perf_counter()
+    cli_error(env, ["grpo", "model.name=runs/nope", "reward.function=rlhfkit.tasks.doubling:exact_reward",
+                    "run.out_dir=out"], "'runs/nope' does not exist", f"runs{os.sep} is a local directory")
+    assert time.perf_counter() - t0 < 2.0  # the hub's retries took 51 s
+    cli_error(env, ["eval", "runs/nope"], "no model found at runs/nope")
+    from rlhfkit.models import local_path_reason
+
+    assert local_path_reason("org/name") is None and local_path_reason("gpt2") is None  # hub ids stay hub ids
+    assert all(local_path_reason(p) for p in ("./m", "../m", "~/m", "/abs/m", "a/b/c", "m/"))
 
 
 @case("reward_model_path_missing")

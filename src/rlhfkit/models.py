@@ -123,9 +123,21 @@ class ModelLoadError(ValueError):
     """A model or tokenizer cannot be loaded from a path; the message names the path and the fix."""
 
 
-def _looks_local(path: str) -> bool:
-    """True for what can only be a filesystem path, never a hub id ('name' or 'org/name')."""
-    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") >= 2 or (os.sep != "/" and os.sep in path)
+def local_path_reason(path: str) -> str | None:
+    """Why ``path`` is a filesystem path and not a hub id (``'name'`` or ``'org/name'``), or None
+    when it may be a hub id. A path: absolute, or starting with ``.`` or ``~``, or ending with a
+    separator, or with two separators or more, or (``org/name`` in form) whose first component
+    is an existing local directory -- ``runs/nope`` when ``./runs`` exists is a run directory
+    that is missing, not a hub repository, so it fails at once instead of after the hub's retries."""
+    norm = path.replace(os.sep, "/")
+    if os.path.isabs(path) or path.startswith((".", "~")):
+        return "an absolute or relative path"
+    if norm.endswith("/") or norm.count("/") >= 2:
+        return "a path (a hub id is 'name' or 'org/name')"
+    first, slash, _ = norm.partition("/")
+    if slash and os.path.isdir(first):
+        return f"a path, since {first}{os.sep} is a local directory"
+    return None
 
 
 def _from_pretrained(loader, path: str, what: str, **kwargs):
@@ -136,10 +148,11 @@ def _from_pretrained(loader, path: str, what: str, **kwargs):
     path = os.fspath(path)
     if not path:
         raise ModelLoadError(f"no {what} path given")
-    if not os.path.exists(path) and _looks_local(path):
-        raise ModelLoadError(f"{path!r} does not exist (looked for the {what} there): point model.name / "
-                             "reward.name at a directory written by save_pretrained (config.json, model.safetensors, "
-                             "tokenizer files) or at a hub id")
+    why = None if os.path.exists(path) else local_path_reason(path)
+    if why:
+        raise ModelLoadError(f"{path!r} does not exist (looked for the {what} there; read as {why}): point "
+                             "model.name / reward.name at a directory written by save_pretrained (config.json, "
+                             "model.safetensors, tokenizer files) or at a hub id")
     if os.path.isdir(path):  # a local directory: say which file is missing before HF guesses
         need = ("tokenizer_config.json", "tokenizer.json") if loader is AutoTokenizer else ("config.json",)
         if not any(os.path.isfile(os.path.join(path, f)) for f in need):
@@ -180,7 +193,7 @@ def policy_dir(path: str) -> str:
     for cand in (p, p / "policy", p / "ppo" / "policy"):
         if (cand / "config.json").exists() or (cand / "adapter_config.json").exists():
             return str(cand)
-    if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/")):
+    if not p.exists() and local_path_reason(path) is None:
         return path  # "org/name": a hub id, resolved by from_pretrained
     raise FileNotFoundError(f"no model found at {path}: expected a directory with config.json (or policy/config.json)")
 
