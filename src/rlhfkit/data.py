@@ -57,7 +57,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,6 +75,8 @@ __all__ = [
     "encode_sft",
     "encode_preferences",
     "encode_triples",
+    "Limit",
+    "context_limit",
     "hold_out",
     "stack_pairs",
     "pack_sft",
@@ -88,6 +90,42 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 class DataError(ValueError):
     """A malformed source or record; the message says where (``path:LINE``), which field,
     and what was expected."""
+
+
+class Limit(NamedTuple):
+    """A length limit and how an error names it: ``tokens``; ``name`` as in "exceeds NAME"; ``fix``,
+    what to change to allow more. An ``int`` limit is a config key's (:func:`_as_limit`)."""
+
+    tokens: int
+    name: str
+    fix: str
+
+
+def _as_limit(limit: int | Limit, key: str) -> Limit:
+    return limit if isinstance(limit, Limit) else Limit(limit, f"{key}={limit}", f"raise {key}")
+
+
+def context_limit(key: str, configured: int, context: int | None, reserve: int = 0,
+                  reserve_key: str = "") -> int | Limit:
+    """The limit that ``key`` (``configured`` tokens) has in effect with a model that reads
+    ``context`` tokens at most, ``reserve`` of them kept for ``reserve_key`` (the new tokens
+    of RL rollouts): ``configured`` when it fits (or ``context`` is None: no limit), else the
+    smaller :class:`Limit`, named for errors. Raises ValueError when the context cannot hold
+    ``reserve`` tokens and one more."""
+    if context is None:
+        return configured
+    room = context - reserve
+    if room < 1:
+        raise ValueError(f"{reserve_key}={reserve} leaves no room for a prompt in the model's context of {context} "
+                         f"tokens (its config's max_position_embeddings / n_positions): lower {reserve_key} below "
+                         f"{context}")
+    if room >= configured:
+        return configured
+    if reserve:
+        return Limit(room, f"the {room} tokens that the model's context of {context} leaves after "
+                           f"{reserve_key}={reserve} (below {key}={configured})", f"lower {reserve_key}")
+    return Limit(room, f"the model's context of {context} tokens (below {key}={configured})",
+                 "use a model with a longer context")
 
 
 @dataclass(frozen=True)
@@ -552,22 +590,25 @@ def load_prompts(source, tokenizer=None, split: str | None = None) -> list[Promp
     return out
 
 
-def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int,
+def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int | Limit,
                    truncation: str = "left") -> tuple[list[list[int]], int]:
     """Token ids of each prompt (BOS as the tokenizer adds it, or as the chat template wrote
     it) and how many were cut. A prompt longer than ``max_length`` tokens loses tokens from
     its start, BOS kept (``truncation='left'``), or raises ``DataError`` naming the record
-    (``'error'``)."""
+    (``'error'``). ``max_length``: ``data.max_prompt_length``, or a :class:`Limit` that names
+    another source (the model's context: :func:`context_limit`)."""
     if truncation not in ("left", "error"):
         raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+    limit = _as_limit(max_length, "data.max_prompt_length")
+    max_length = limit.tokens
     out, cut = [], 0
     pieces = _Codec(tokenizer).prompts([e.prompt for e in examples], _wheres(examples))
     for i, (ex, (head, body)) in enumerate(zip(examples, pieces)):
         if len(head) + len(body) > max_length:
             if truncation == "error" or len(head) >= max_length:
                 raise DataError(f"{_where(ex, i)}: field 'prompt': {len(head) + len(body)} tokens exceeds "
-                                f"data.max_prompt_length={max_length} with data.truncation={truncation!r}; "
-                                "raise the limit, shorten the prompt, or use data.truncation=left")
+                                f"{limit.name} with data.truncation={truncation!r}; {limit.fix}, shorten the prompt, "
+                                "or use data.truncation=left")
             body, cut = body[len(head) + len(body) - max_length :], cut + 1
         out.append(head + body)
     return out, cut
@@ -593,7 +634,7 @@ class _Codec:
         """Token ids of each text; a text the tokenizer cannot encode raises DataError naming its
         record (``wheres[i]``), the field ``key`` and the characters."""
         try:
-            encoded = self.tok(texts, add_special_tokens=False)["input_ids"]
+            encoded = self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]  # lengths: ours to check
         except Exception as e:  # e.g. a WordLevel vocabulary without [UNK]: find the record and the characters
             raise _encoding_error(self.tok, texts, wheres, key) or e from None
         return [list(x) for x in encoded]
@@ -659,10 +700,11 @@ def _fit(
     head: list[int],
     body: list[int],
     responses: dict[str, list[int]],
-    max_length: int,
+    limit: Limit,
     truncation: str,
 ) -> list[int]:
-    """The prompt body cut so ``head + body + response`` fits ``max_length``, or DataError."""
+    """The prompt body cut so ``head + body + response`` fits ``limit``, or DataError."""
+    max_length = limit.tokens
     key = max(responses, key=lambda k: len(responses[k]))
     longest = len(responses[key])
     need = len(head) + len(body) + longest
@@ -672,13 +714,12 @@ def _fit(
     if len(head) + longest >= max_length:
         raise DataError(
             f"{where}: field {key!r}: the response is {longest} tokens (EOS included){bos}, which leaves no room "
-            f"for the prompt in max_length={max_length}; responses are never truncated: raise max_length or "
-            "drop the record"
+            f"for the prompt in {limit.name}; responses are never truncated: {limit.fix} or drop the record"
         )
     if truncation == "error":
         raise DataError(
             f"{where}: field 'prompt': prompt ({len(body)} tokens) + {key} ({longest}){bos} = {need} tokens "
-            f"exceeds max_length={max_length} with truncation='error' ('left' would drop the first "
+            f"exceeds {limit.name} with truncation='error' ('left' would drop the first "
             f"{need - max_length} prompt tokens)"
         )
     return body[need - max_length :]
@@ -692,13 +733,16 @@ def _wheres(examples: Sequence) -> list[str]:
     return [_where(ex, i) for i, ex in enumerate(examples)]
 
 
-def _check_policy(examples, max_length: int, truncation: str) -> None:
+def _check_policy(examples, max_length: int | Limit, truncation: str) -> Limit:
+    """The limit, after checking the arguments."""
+    limit = _as_limit(max_length, "max_length")
     if truncation not in ("left", "error"):
         raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    if limit.tokens < 1:
+        raise ValueError(f"max_length must be >= 1, got {limit.tokens}")
     if not examples:
         raise ValueError("no examples to encode")
+    return limit
 
 
 def _pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
@@ -717,7 +761,7 @@ def _rows(
 
 
 def encode_sft(
-    examples: Iterable[SFTExample], tokenizer, max_length: int, truncation: str = "left"
+    examples: Iterable[SFTExample], tokenizer, max_length: int | Limit, truncation: str = "left"
 ) -> dict[str, torch.Tensor]:
     """Tokenize demonstrations into right-padded rows, ``[N, L]`` with L the longest row.
 
@@ -728,16 +772,17 @@ def encode_sft(
 
     ``truncation``: what to do when prompt + completion exceeds ``max_length``: ``'left'``
     drops prompt tokens from the start (keeping BOS), ``'error'`` raises ``DataError``. A
-    completion that leaves no room for a prompt token raises either way.
+    completion that leaves no room for a prompt token raises either way. ``max_length`` may be a
+    :class:`Limit` that names where it comes from (the model's context: :func:`context_limit`).
     """
     examples = list(examples)
-    _check_policy(examples, max_length, truncation)
+    limit = _check_policy(examples, max_length, truncation)
     codec = _Codec(tokenizer)
     wheres = _wheres(examples)
     heads = codec.prompts([ex.prompt for ex in examples], wheres)
     responses = codec.completions([ex.completion for ex in examples], wheres)
     prompts = [
-        head + _fit(_where(ex, i), head, body, {"completion": resp}, max_length, truncation)
+        head + _fit(_where(ex, i), head, body, {"completion": resp}, limit, truncation)
         for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))
     ]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
@@ -745,7 +790,7 @@ def encode_sft(
 
 
 def encode_preferences(
-    examples: Iterable[PreferenceExample], tokenizer, max_length: int, truncation: str = "left"
+    examples: Iterable[PreferenceExample], tokenizer, max_length: int | Limit, truncation: str = "left"
 ) -> dict[str, torch.Tensor]:
     """Tokenize pairs into right-padded ``[N, L]`` rows, chosen and rejected to one width L.
 
@@ -754,17 +799,17 @@ def encode_preferences(
     the examples carry margins. One width lets a trainer ``torch.cat`` both halves into a
     single ``[2N, L]`` forward. Both rows of a pair keep the same prompt tokens: under
     ``truncation='left'`` the cut is sized for the longer response, so DPO compares the two
-    responses in one context.
+    responses in one context. ``max_length``: as in :func:`encode_sft`.
     """
     examples = list(examples)
-    _check_policy(examples, max_length, truncation)
+    limit = _check_policy(examples, max_length, truncation)
     codec = _Codec(tokenizer)
     wheres = _wheres(examples)
     heads = codec.prompts([ex.prompt for ex in examples], wheres)
     chosen = codec.completions([ex.chosen for ex in examples], wheres, "chosen")
     rejected = codec.completions([ex.rejected for ex in examples], wheres, "rejected")
     prompts = [
-        head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, max_length, truncation)
+        head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, limit, truncation)
         for i, (ex, (head, body), c, r) in enumerate(zip(examples, heads, chosen, rejected))
     ]
     width = max(len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected))

@@ -119,6 +119,24 @@ def build_tiny(arch: str, tokenizer, seed: int = 0, scalar: bool = False, **size
     return auto.from_config(config)
 
 
+def context_window(*models) -> int | None:
+    """The longest sequence, in tokens, that every one of ``models`` reads: the smallest
+    ``max_position_embeddings`` of their configs (GPT-2's ``n_positions``; a multimodal
+    model's ``text_config``). Positions past it index outside GPT-2's position table (an
+    IndexError mid-run) and are untrained for rotary models. None when no model declares a
+    limit; ``None`` entries (no critic ...) and the LoRA reference are skipped."""
+    limits = []
+    for model in models:
+        if model is None or isinstance(model, AdapterDisabled):
+            continue
+        cfg = getattr(unwrap(model), "config", None)
+        cfg = getattr(cfg, "text_config", None) or cfg
+        n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if isinstance(n, int) and n > 0:
+            limits.append(n)
+    return min(limits) if limits else None
+
+
 class ModelLoadError(ValueError):
     """A model or tokenizer cannot be loaded from a path; the message names the path and the fix."""
 

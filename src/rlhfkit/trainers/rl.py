@@ -46,6 +46,7 @@ from ..experience import ActorCritic, Experience, RLState, make_experience
 from ..models import (
     ValueHead,
     add_lora,
+    context_window,
     disable_dropout,
     enable_gradient_checkpointing,
     eval_mode,
@@ -324,7 +325,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     train_ac, optimizer = run.prepare(ac, optimizer, micro_batch=local_pc.minibatch_size)
     shard_frozen(run.accelerator, ref, *scorer.models)  # FSDP: no whole copy of them per process
     engine = run.engine(train_ac)
-    data = prompt_data(cfg, tok, get_task(cfg.run.task))
+    # prompts + new tokens must fit the models' context: checked (or cut) here, before the first step
+    data = prompt_data(cfg, tok, get_task(cfg.run.task), context_window(ac.policy, ac.critic))
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
     st = RLState(pc)
     # run.resume: every weight, optimizer moment, RNG, the data position and the counters
