@@ -194,3 +194,26 @@ def test_context_window_is_the_smallest_declared_limit(tok):
     assert context_limit("data.max_length", 512, 40).tokens == 40
     with pytest.raises(ValueError, match="ppo.max_new_tokens=40 leaves no room"):
         context_limit("data.max_prompt_length", 512, 40, 40, "ppo.max_new_tokens")
+
+
+def test_lora_on_gpt2_conv1d_layers_warns_nothing_and_merges_exactly(tok):
+    import warnings
+
+    from rlhfkit.models import add_lora, merge_lora
+
+    base = build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16)
+    ids = torch.tensor([[tok.bos_token_id, 5, 6, 7]])
+    want = base(input_ids=ids).logits
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = add_lora(base, 2, 4.0)
+    assert not [str(w.message) for w in seen if "fan_in_fan_out" in str(w.message)]
+    adapted = [m for m in model.modules() if hasattr(m, "fan_in_fan_out")]
+    assert adapted and all(m.fan_in_fan_out for m in adapted)  # GPT-2's Conv1D: weight stored (in, out)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # a non-zero update, so a transposed merge would show
+        got = model(input_ids=ids).logits
+    assert not torch.allclose(got, want)
+    torch.testing.assert_close(merge_lora(model)(input_ids=ids).logits, got, rtol=1e-5, atol=1e-5)

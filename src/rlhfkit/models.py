@@ -34,6 +34,7 @@ from transformers import (
     GPT2LMHeadModel,
     PreTrainedModel,
 )
+from transformers.pytorch_utils import Conv1D
 
 from . import lean
 from .core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask
@@ -316,10 +317,15 @@ def add_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.0,
     heads = ["score", "classifier"]  # a scalar head is trained in full, never through an adapter
     if isinstance(targets, list) and set(heads) & set(targets):
         raise ValueError("model.lora_target_modules must not name the scalar head (score / classifier)")
+    # GPT-2's Conv1D layers store their weight transposed (fan_in x fan_out): peft must be told (the
+    # saved adapter_config.json then says so too), or it warns on every run and sets the flag itself,
+    # layer by layer -- as it still does, silenced below, for a Linear layer targeted beside them
+    conv1d = any(isinstance(m, Conv1D) for m in model.modules())
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
-                        exclude_modules=heads if trainable_head else None)
+                        exclude_modules=heads if trainable_head else None, fan_in_fan_out=conv1d)
     with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
         peft_model = get_peft_model(model, config)
     if trainable_head:
         scalar_head(peft_model).requires_grad_(True)
