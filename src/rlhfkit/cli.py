@@ -7,9 +7,11 @@ way (``rlhfkit.demo.run_demo(cfg)``, ``rlhfkit.trainers.rl.train_rl(cfg)`` ...).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from .config import ALGO_DEFAULTS, Config, ConfigError, dump_config, load_config
@@ -54,6 +56,7 @@ COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
     "chat": ("run", "model", "chat"),
     "gridworld": ("run", "gridworld"),
 }
+_PACKAGE_DIR = Path(__file__).resolve().parent
 DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLHFKIT_DEBUG=1)"
 
 
@@ -176,8 +179,31 @@ def _error(command: str, e: BaseException) -> None:
     print(f"rlhfkit {command}: error: {message}", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """Python warnings as one line each, ``rlhfkit CMD: warning: ...``, for the duration: without
+    the line of source code Python prints under them (a warning is advice to the user, not a
+    pointer into rlhfkit); another package's warning keeps its category and origin."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        if _PACKAGE_DIR not in Path(filename).resolve().parents:
+            text += f" ({category.__name__}, {Path(filename).name}:{lineno})"
+        print(f"rlhfkit {command}: warning: {text}", file=file or sys.stderr)
+
+    previous, warnings.showwarning = warnings.showwarning, show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with _one_line_warnings(args.command):
+        return _main(args)
+
+
+def _main(args) -> int:
     debug = debug_requested(args)
     if args.command == "report":
         return _report(args, debug)
