@@ -311,8 +311,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     policy_path = policy_path or cfg.model.name
     cfg = cfg.replace(reward={"name": reward_path}) if reward_path else cfg
     repeats, pc = check_rl_config(cfg, policy_path), cfg.ppo
-    # a critic warm-up's backward skips the actor: DDP must look for unused parameters
-    run = Run(cfg, pc.algo, pc.steps, find_unused_parameters=pc.algo == "ppo" and pc.critic_warmup_steps > 0)
+    run = Run(cfg, pc.algo, pc.steps)
     refuse_untested_engines(run.accelerator, cfg)
     shard = run.shard
     shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
@@ -325,6 +324,11 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     train_ac, optimizer = run.prepare(ac, optimizer, micro_batch=local_pc.minibatch_size)
     shard_frozen(run.accelerator, ref, *scorer.models)  # FSDP: no whole copy of them per process
     engine = run.engine(train_ac)
+    # a critic warm-up's backward leaves the actor out: under DDP it goes around the wrapper (whose
+    # reducer would otherwise need find_unused_parameters=True on every step) and the critic's
+    # gradients are averaged as DDP averages them
+    warm_engine = dataclasses.replace(engine, model=None, sync=tuple(ac.critic_parameters())) \
+        if isinstance(train_ac, torch.nn.parallel.DistributedDataParallel) else engine
     # prompts + new tokens must fit the models' context: checked (or cut) here, before the first step
     data = prompt_data(cfg, tok, get_task(cfg.run.task), context_window(ac.policy, ac.critic))
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
@@ -351,7 +355,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         warm = ac.has_critic and step < pc.critic_warmup_steps
         stats["policy/lr"] = set_lr(optimizer, pc, step)
         stats.update(mean_stats(ppo_update(ac, optimizer, exp, local_pc, st.kl_coef, update_policy=not warm,
-                                           engine=engine, logprob_gap="policy/logprob_gap" not in stats)))
+                                           engine=warm_engine if warm else engine,
+                                           logprob_gap="policy/logprob_gap" not in stats)))
         t3 = time.perf_counter()
         st.train_s += t3 - t0
         # step 4. log: timings, the adaptive KL coefficient, sample completions
