@@ -201,24 +201,18 @@ def test_json_for_people_keeps_non_ascii_text_readable(tiny_models, fast_rl, tmp
     assert '"reward/奖励": 1.0' in metrics
 
 
-def test_a_warning_is_one_line_without_a_line_of_source(monkeypatch, capsys):
-    import warnings
+def test_a_warning_is_one_line_without_a_line_of_source():
+    # warnings from rlhfkit's code (as the reward-hacking watch's, rl.py) and from another package
+    code = ("import warnings\nimport rlhfkit.cli\nfrom rlhfkit.trainers import common\n"
+            "def run(args, cfg):\n"
+            "    warnings.warn_explicit('step 2: the policy may be gaming\\nits reward', RuntimeWarning, "
+            "common.__file__, 1)\n"
+            "    warnings.warn_explicit(\"some library's advice\", UserWarning, '/elsewhere/lib.py', 7)\n"
+            "rlhfkit.cli._run = run\nassert rlhfkit.cli.main(['grpo']) == 0\n"
+            "print(len(warnings.formatwarning('x', UserWarning, common.__file__, 1).splitlines()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["rlhfkit grpo: warning: step 2: the policy may be gaming its reward",
+                                        "rlhfkit grpo: warning: some library's advice (UserWarning, lib.py:7)"]
+    assert done.stdout.split() == ["2"]  # after the command, Python's own format again: the warning and its source line
 
-    import rlhfkit.cli
-    from rlhfkit.trainers import rl
-
-    def run_that_warns(args, cfg):  # warns from rlhfkit's code, as the reward-hacking watch does
-        warnings.warn_explicit("step 2: the policy may be gaming\nits reward", RuntimeWarning, rl.__file__, 368)
-        warnings.warn_explicit("some library's advice", UserWarning, "/elsewhere/lib.py", 7)
-
-    monkeypatch.setattr(rlhfkit.cli, "_run", run_that_warns)
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        before = warnings.showwarning
-        assert main(["grpo"]) == 0
-        assert warnings.showwarning is before  # the command's format is its own, restored after it
-        # Python's own format: the warning, then the source line it points at
-        assert len(warnings.formatwarning("x", RuntimeWarning, rl.__file__, 368).strip().splitlines()) == 2
-    assert capsys.readouterr().err.splitlines() == [
-        "rlhfkit grpo: warning: step 2: the policy may be gaming its reward",
-        "rlhfkit grpo: warning: some library's advice (UserWarning, lib.py:7)"]

@@ -181,20 +181,21 @@ def _error(command: str, e: BaseException) -> None:
 
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
-    """Python warnings as one line each, ``rlhfkit CMD: warning: ...``, for the duration: without
-    the line of source code Python prints under them (a warning is advice to the user, not a
-    pointer into rlhfkit); another package's warning keeps its category and origin."""
-    def show(message, category, filename, lineno, file=None, line=None):
+    """Python warnings printed as one line each, ``rlhfkit CMD: warning: ...``, for the duration:
+    without the line of source code Python prints under them (a warning is advice to the user,
+    not a pointer into rlhfkit); another package's warning keeps its category and origin. Only the
+    format changes: a caller that records warnings (``catch_warnings(record=True)``) still gets them."""
+    def one_line(message, category, filename, lineno, line=None) -> str:
         text = " ".join(str(message).split())
         if _PACKAGE_DIR not in Path(filename).resolve().parents:
             text += f" ({category.__name__}, {Path(filename).name}:{lineno})"
-        print(f"rlhfkit {command}: warning: {text}", file=file or sys.stderr)
+        return f"rlhfkit {command}: warning: {text}\n"
 
-    previous, warnings.showwarning = warnings.showwarning, show
+    previous, warnings.formatwarning = warnings.formatwarning, one_line
     try:
         yield
     finally:
-        warnings.showwarning = previous
+        warnings.formatwarning = previous
 
 
 def main(argv: list[str] | None = None) -> int:
