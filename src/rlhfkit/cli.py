@@ -215,6 +215,7 @@ def _main(args) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
+        _check_data(args.command, cfg)
         _run(args, cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
         if debug:
@@ -229,6 +230,20 @@ def _main(args) -> int:
         _error(args.command, e)  # the inputs were fine but the run diverged
         return 1
     return 0
+
+
+def _check_data(command: str, cfg: Config) -> None:
+    """The records of data.path (and data.eval_path) read and checked before torch is imported
+    (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
+    kind = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts",
+            **dict.fromkeys(ALGO_DEFAULTS, "prompts")}.get(command)
+    if kind is None:
+        return
+    from .data import precheck
+
+    for path in (cfg.data.path, cfg.data.eval_path if command != "eval" else ""):
+        if path:
+            precheck(kind, path)
 
 
 def _run(args, cfg: Config) -> None:

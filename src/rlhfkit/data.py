@@ -57,9 +57,13 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are built, not here: the CLI reads and checks a data file before
+# it imports torch (seconds), so a bad record is answered at once
 
 __all__ = [
     "ROLES",
@@ -90,6 +94,10 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 class DataError(ValueError):
     """A malformed source or record; the message says where (``path:LINE``), which field,
     and what was expected."""
+
+
+class _NeedsTokenizer(DataError):
+    """A conversational record met without a tokenizer to render it."""
 
 
 class Limit(NamedTuple):
@@ -311,6 +319,24 @@ def _records(source, allow_empty: bool = False, split: str | None = None) -> lis
     return located
 
 
+PRECHECK_BYTES = 64 * 2**20  # larger files are read once, by the trainer
+
+
+def precheck(kind: str, source) -> None:
+    """Read and check a local data file's records as ``kind`` (``'prompts'``, ``'pairs'`` or
+    ``'sft'``) without a tokenizer, hence without torch: what only the chat template can check
+    (conversational records, from the first one on) and the token lengths are left to the full
+    load. Parquet, directories, hub ids and files over ``PRECHECK_BYTES`` are left to it too."""
+    if not isinstance(source, str) or not os.path.isfile(source) or source.endswith(".parquet") \
+            or os.path.getsize(source) > PRECHECK_BYTES:
+        return
+    loader = {"prompts": load_prompts, "pairs": load_preferences, "sft": load_sft}[kind]
+    try:
+        loader(source)
+    except _NeedsTokenizer:
+        pass
+
+
 def load_records(source) -> list[dict]:
     """The raw records of ``source`` (JSONL path, list of dicts, or ``datasets.Dataset``).
 
@@ -392,7 +418,7 @@ class _Renderer:
     def _apply(self, messages, generation: bool, where: str, key: str) -> str:
         tok = self.tokenizer
         if tok is None:
-            raise DataError(
+            raise _NeedsTokenizer(
                 f"{where}: field {key!r} is conversational (a list of messages) but no tokenizer was given; "
                 "pass tokenizer=... (one with a chat template) to render it"
             )
@@ -746,6 +772,8 @@ def _check_policy(examples, max_length: int | Limit, truncation: str) -> Limit:
 
 
 def _pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
+    import torch
+
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
@@ -822,6 +850,8 @@ def encode_preferences(
             raise DataError(
                 "margin is given on some examples but not others; give it on every one or on none"
             )
+        import torch
+
         out["margin"] = torch.tensor(margins, dtype=torch.float32)
     return out
 
@@ -839,6 +869,8 @@ def hold_out(items: list, fraction: float, seed: int, what: str = "examples") ->
     n = max(1, round(len(items) * fraction))
     if n >= len(items):
         raise DataError(f"data.eval_fraction={fraction} holds out all {len(items)} {what}; lower it")
+    import torch
+
     held = set(torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()[:n])
     return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
@@ -846,6 +878,8 @@ def hold_out(items: list, fraction: float, seed: int, what: str = "examples") ->
 def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
     """Rows ``idx`` of an ``encode_preferences`` result as one forward: for each field, the
     chosen rows then the rejected rows, ``[2B, T]``."""
+    import torch
+
     return tuple(torch.cat([enc[f"chosen_{f}"][idx], enc[f"rejected_{f}"][idx]]).to(device) for f in fields)
 
 
