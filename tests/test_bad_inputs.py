@@ -13,6 +13,7 @@ policy does (truncate, pad with EOS, penalise and count missing EOS, ...). The c
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -108,6 +109,17 @@ def tiny_run(env, command: str, *overrides: str) -> int:
 @case("jsonl_invalid_json")
 def _(env):
     sft_cli(env, [SFT_OK, '{"prompt": "x", "completion": '], "bad.jsonl:2", "not valid JSON", "one JSON object")
+
+
+@case("json_array_invalid_names_the_line_and_column_python_finds")
+def _(env):
+    text = '[{"prompt": "数字:12x2=", "completion": "24"},\n {"prompt": "数字:1x2=", "completion": "2", "x": [1,]}]\n'
+    (env.tmp / "bad.json").write_text(text, encoding="utf-8")
+    with pytest.raises(json.JSONDecodeError) as py:  # the reference: Python's own parser
+        json.loads(text)
+    assert (py.value.lineno, py.value.colno) == (2, 51)
+    cli_error(env, ["sft", f"model.name={env.models.policy}", f"data.path={env.tmp / 'bad.json'}"],
+              "bad.json:2: not valid JSON (Expecting value, column 51)", "JSON array")
 
 
 @case("jsonl_line_not_an_object")
@@ -240,6 +252,78 @@ def _(env):
     assert tok.decode(ids[-3:]) == "22" + tok.eos_token  # completion and EOS intact
     data = write(env.tmp / "long.jsonl", [{"prompt": long_prompt, "completion": "22"}, SFT_OK])
     assert tiny_run(env, "sft", f"model.name={env.models.policy}", f"data.path={data}", "data.max_length=16") == 0
+
+
+# a record longer than the model's context (the tiny models: n_positions=32), whatever data.max_*_length says;
+# it used to crash after training started (IndexError in the position embedding), even with truncation=error
+LONG_PROMPT = "数字:" + "1" * 40 + "x2="  # 46 tokens, 47 with BOS
+RL_ARGS = ["reward.function=rlhfkit.tasks.doubling:exact_reward", "ppo.max_new_tokens=8"]
+
+
+def assert_nothing_trained(env):
+    assert not list(env.tmp.glob("**/metrics.jsonl")), "the error came after training started"
+
+
+@case("rl_prompt_longer_than_the_model_context_with_truncation_error")
+def _(env):
+    data = write(env.tmp / "p.jsonl", [{"prompt": "数字:12x2="}, {"prompt": LONG_PROMPT}])
+    cli_error(env, ["grpo", f"model.name={env.models.policy}", f"data.path={data}", "data.truncation=error", *RL_ARGS],
+              "p.jsonl:2: field 'prompt': 47 tokens exceeds the 24 tokens that the model's context of 32 leaves "
+              "after ppo.max_new_tokens=8", "data.truncation=left")
+    assert_nothing_trained(env)
+
+
+@case("rl_prompt_longer_than_the_model_context_is_cut_from_the_left")  # policy: data.truncation=left (default)
+def _(env):
+    data = write(env.tmp / "p.jsonl", [{"prompt": "数字:12x2="}, {"prompt": LONG_PROMPT}])
+    for command in ("grpo", "ppo"):
+        assert tiny_run(env, command, f"model.name={env.models.policy}", f"data.path={data}", "ppo.value_init=policy",
+                        "ppo.steps=2", *RL_ARGS) == 0
+        assert len(read_jsonl(env.tmp / command / "metrics.jsonl")) == 2
+    assert "are longer than the 24 tokens that the model's context of 32 leaves" in env.capsys.readouterr().err
+
+
+@case("rl_max_new_tokens_beyond_the_model_context")
+def _(env):
+    data = write(env.tmp / "p.jsonl", [{"prompt": "数字:12x2="}])
+    cli_error(env, ["grpo", f"model.name={env.models.policy}", f"data.path={data}", RL_ARGS[0], "ppo.max_new_tokens=40"],
+              "ppo.max_new_tokens=40 leaves no room for a prompt", "context of 32 tokens", "below 32")
+    cli_error(env, ["grpo", f"model.name={env.models.policy}", RL_ARGS[0], "ppo.max_new_tokens=25"],  # the task's
+              "ppo.max_new_tokens=25 plus the task's longest prompt", "context of 32", "21 or less")
+    assert_nothing_trained(env)
+
+
+LONG_PAIR = {"prompt": LONG_PROMPT, "chosen": "2", "rejected": "3"}
+
+
+@case("pair_longer_than_the_model_context_with_truncation_error")
+def _(env):
+    for command in ("dpo", "rm"):
+        data = write(env.tmp / "pairs.jsonl", [PAIR_OK, LONG_PAIR, PAIR_OK])
+        cli_error(env, [command, f"model.name={env.models.policy}", f"data.path={data}", "data.truncation=error",
+                        "data.eval_path=" + write(env.tmp / "held.jsonl", [PAIR_OK])],
+                  "pairs.jsonl:2: field 'prompt'", "= 49 tokens exceeds the model's context of 32 tokens",
+                  "below data.max_length=512", "'left' would drop the first 17 prompt tokens")
+    assert_nothing_trained(env)
+
+
+@case("pair_longer_than_the_model_context_is_cut_from_the_left")  # policy: data.truncation=left (default)
+def _(env):
+    data = write(env.tmp / "pairs.jsonl", [PAIR_OK, LONG_PAIR, PAIR_OK, PAIR_OK])
+    assert tiny_run(env, "dpo", f"model.name={env.models.policy}", f"data.path={data}", "dpo.steps=2",
+                    "dpo.batch_size=2", "dpo.eval_every=0") == 0
+    assert tiny_run(env, "rm", f"model.name={env.models.policy}", f"data.path={data}", "reward.steps=2",
+                    "reward.batch_size=2") == 0
+    assert all(len(read_jsonl(env.tmp / c / "metrics.jsonl")) >= 1 for c in ("dpo", "rm"))
+
+
+@case("sft_example_longer_than_the_model_context")
+def _(env):
+    sft_cli(env, [SFT_OK, {"prompt": LONG_PROMPT, "completion": "2"}], "bad.jsonl:2", "exceeds the model's context "
+            "of 32 tokens (below data.max_length=512)", extra=["data.truncation=error"])
+    assert_nothing_trained(env)
+    data = write(env.tmp / "long.jsonl", [SFT_OK, {"prompt": LONG_PROMPT, "completion": "2"}])
+    assert tiny_run(env, "sft", f"model.name={env.models.policy}", f"data.path={data}", "data.packing=true") == 0
 
 
 @case("response_longer_than_limit")
@@ -384,6 +468,24 @@ def _(env):
 def _(env):
     cli_error(env, ["ppo", f"model.name={env.tmp / 'no' / 'policy'}", f"reward.name={env.models.reward}"],
               "no/policy", "does not exist", "model.name", "save_pretrained")
+
+
+@case("relative_model_path_missing_fails_at_once")
+def _(env):
+    # 'runs/nope' has a hub id's form, but runs/ is a local directory: a missing run, not a hub repository
+    import time
+
+    env.monkeypatch.chdir(env.tmp)
+    (env.tmp / "runs").mkdir()
+    t0 = time.perf_counter()
+    cli_error(env, ["grpo", "model.name=runs/nope", "reward.function=rlhfkit.tasks.doubling:exact_reward",
+                    "run.out_dir=out"], "'runs/nope' does not exist", f"runs{os.sep} is a local directory")
+    assert time.perf_counter() - t0 < 2.0  # the hub's retries took 51 s
+    cli_error(env, ["eval", "runs/nope"], "no model found at runs/nope")
+    from rlhfkit.models import local_path_reason
+
+    assert local_path_reason("org/name") is None and local_path_reason("gpt2") is None  # hub ids stay hub ids
+    assert all(local_path_reason(p) for p in ("./m", "../m", "~/m", "/abs/m", "a/b/c", "m/"))
 
 
 @case("reward_model_path_missing")

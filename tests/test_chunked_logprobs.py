@@ -211,7 +211,6 @@ def test_first_minibatch_ratio_is_one_in_chunks(monkeypatch):
     assert first["policy/approx_kl"].item() < 1e-10 and first["policy/clipfrac"].item() == 0.0
 
 
-@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D and Linear layers
 @pytest.mark.parametrize("lora", [False, True], ids=["full_reference", "lora_reference"])
 def test_experience_in_chunks_equals_full_logits(monkeypatch, lora):
     """The experience pass's policy and reference forwards (the LoRA reference: the base with the
@@ -247,7 +246,6 @@ def test_experience_in_chunks_equals_full_logits(monkeypatch, lora):
     assert (full["old_logprobs"] - full["ref_logprobs"]).abs().max() > 1e-3  # the two models differ
 
 
-@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D and Linear layers
 def test_a_head_with_an_adapter_keeps_the_full_logits(tiny_models, monkeypatch):
     plain = load_policy(tiny_models.policy)
     assert plain_lm_head(plain) is plain.lm_head

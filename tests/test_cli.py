@@ -199,3 +199,38 @@ def test_json_for_people_keeps_non_ascii_text_readable(tiny_models, fast_rl, tmp
     assert main([*fast_rl, "reward.function=test_cli:奖励"]) == 0
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text(encoding="utf-8")
     assert '"reward/奖励": 1.0' in metrics
+
+
+def test_a_warning_is_one_line_without_a_line_of_source():
+    # warnings from rlhfkit's code (as the reward-hacking watch's, rl.py) and from another package
+    code = ("import warnings\nimport rlhfkit.cli\nfrom rlhfkit.trainers import common\n"
+            "def run(args, cfg):\n"
+            "    warnings.warn_explicit('step 2: the policy may be gaming\\nits reward', RuntimeWarning, "
+            "common.__file__, 1)\n"
+            "    warnings.warn_explicit(\"some library's advice\", UserWarning, '/elsewhere/lib.py', 7)\n"
+            "rlhfkit.cli._run = run\nassert rlhfkit.cli.main(['grpo']) == 0\n"
+            "print(len(warnings.formatwarning('x', UserWarning, common.__file__, 1).splitlines()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["rlhfkit grpo: warning: step 2: the policy may be gaming its reward",
+                                        "rlhfkit grpo: warning: some library's advice (UserWarning, lib.py:7)"]
+    assert done.stdout.split() == ["2"]  # after the command, Python's own format again: the warning and its source line
+
+
+def test_a_bad_record_is_answered_before_torch_is_imported(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": 2}\n')
+    args = ["sft", f"model.name={tmp_path / 'model'}", f"data.path={data}"]
+    run_cli(*args)  # warm the file cache: the timing below is the command's own
+    t0 = time.perf_counter()
+    done = run_cli(*args)
+    seconds = time.perf_counter() - t0
+    assert done.returncode == 2 and f"{data}:2: field 'completion'" in done.stderr, done.stderr
+    assert seconds < 2.0, f"a data error took {seconds:.2f} s"  # ~5 s when torch came first
+    code = ("import sys\nfrom rlhfkit.cli import main\n"
+            f"assert main({args!r}) == 2\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate', 'datasets') if m in sys.modules)\n"
+            "print('heavy:', heavy)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "heavy: []" in done.stdout

@@ -115,7 +115,15 @@ def runs(tmp_path_factory):
     for n, proc in procs.items():
         log, _ = proc.communicate(timeout=480)
         assert proc.returncode == 0, f"{n}-process run failed:\n{log[-6000:]}"
+        (root / f"{n}-process.log").write_text(log)
     return root / "one", root / "two"
+
+
+def test_ddp_is_not_asked_to_search_for_unused_parameters(runs):
+    """A critic warm-up leaves the actor without gradients; its steps go around the DDP wrapper, so
+    DDP never needs find_unused_parameters=True, nor warns about its cost on every later step."""
+    log = (runs[1].parent / "2-process.log").read_text()
+    assert "ppo_warmup" in os.listdir(runs[1]) and "find_unused_parameters" not in log
 
 
 def _launch_nodes(launcher: str, root: Path, port: int) -> list[list[str]]:
@@ -207,8 +215,8 @@ def test_first_step_matches_one_process(runs, cmd):
     a = read_jsonl(one / cmd / "metrics.jsonl") + read_jsonl(two / cmd / "metrics.jsonl")
     keys = list(diffs)
     assert any("loss" in k for k in keys) and any("grad_norm" in k for k in keys), keys
-    if cmd == "ppo_warmup":
-        assert all(r["policy/grad_norm"] == 0.0 for r in a)  # warm-up: only the value head learned
+    if cmd == "ppo_warmup":  # warm-up: only the value head learned; then the actor too
+        assert [r["policy/grad_norm"] == 0.0 for r in a] == [True, False, True, False]
     if cmd == "grpo_file":  # both rewards, the held-out scores and the second pass are there
         assert {"reward/reward_model", "reward/format_reward", "eval/reward", "eval/accuracy"} <= set(a[-1])
         assert [r["data/epoch"] for r in a] == [0, 1, 0, 1]

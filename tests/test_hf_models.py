@@ -265,7 +265,6 @@ def test_lora_merged_export_loads_in_plain_transformers_with_identical_logits(hu
     torch.testing.assert_close(got_adapter, got, atol=1e-5, rtol=0)
 
 
-@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D layers
 @pytest.mark.parametrize("arch", ["qwen3", "gpt2"])  # nn.Linear, and Conv1D (fan_in_fan_out)
 def test_lora_export_from_a_gathered_state_dict_equals_peft_merge(hub, tmp_path, arch):
     """What FSDP's save does: the adapter and the merged weights written from a full state dict

@@ -119,7 +119,6 @@ def lora(name: str, dropout: float = 0.0):
     return model
 
 
-@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")  # peft on GPT-2's Conv1D layers
 @pytest.mark.parametrize("name", list(MODELS))
 def test_lora_hidden_states_grads_and_generations_match_peft(name):
     """Plain LoRA takes the lean path: the adapted layers compute ``W + scaling * B @ A``, equal
@@ -153,7 +152,6 @@ def test_lora_hidden_states_grads_and_generations_match_peft(name):
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.filterwarnings("ignore:fan_in_fan_out:UserWarning")
 def test_lora_variants_the_lean_path_does_not_compute_fall_back():
     model = lora("qwen2", dropout=0.1).train()
     assert not lean.supported(model)  # the adapter's dropout is active

@@ -176,3 +176,44 @@ def test_logprobs_invariant_to_left_padding(tok, policy):
     torch.testing.assert_close(lp0, lp3, atol=1e-5, rtol=0)
     # and the log-probs are not trivially uniform (log(1/42) = -3.74 everywhere)
     assert lp0.std() > 0.1
+
+
+def test_context_window_is_the_smallest_declared_limit(tok):
+    from rlhfkit.data import Limit, context_limit
+    from rlhfkit.models import add_lora, build_tiny, context_window
+
+    gpt2 = build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16, n_positions=24)  # GPT-2: n_positions
+    llama = build_tiny("llama", tok, max_positions=40)  # max_position_embeddings
+    assert (context_window(gpt2), context_window(llama), context_window(gpt2, None, llama)) == (24, 40, 24)
+    assert context_window(add_lora(llama, 2, 4.0)) == 40 and context_window(None) is None
+    # the configured limit when it fits, else the room the context leaves after the new tokens
+    assert context_limit("data.max_prompt_length", 16, 40, 8, "ppo.max_new_tokens") == 16
+    assert context_limit("data.max_prompt_length", 512, None, 8, "ppo.max_new_tokens") == 512
+    got = context_limit("data.max_prompt_length", 512, 40, 8, "ppo.max_new_tokens")
+    assert isinstance(got, Limit) and got.tokens == 32 and got.fix == "lower ppo.max_new_tokens"
+    assert context_limit("data.max_length", 512, 40).tokens == 40
+    with pytest.raises(ValueError, match="ppo.max_new_tokens=40 leaves no room"):
+        context_limit("data.max_prompt_length", 512, 40, 40, "ppo.max_new_tokens")
+
+
+def test_lora_on_gpt2_conv1d_layers_warns_nothing_and_merges_exactly(tok):
+    import warnings
+
+    from rlhfkit.models import add_lora, merge_lora
+
+    base = build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16)
+    ids = torch.tensor([[tok.bos_token_id, 5, 6, 7]])
+    want = base(input_ids=ids).logits
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = add_lora(base, 2, 4.0)
+    assert not [str(w.message) for w in seen if "fan_in_fan_out" in str(w.message)]
+    adapted = [m for m in model.modules() if hasattr(m, "fan_in_fan_out")]
+    assert adapted and all(m.fan_in_fan_out for m in adapted)  # GPT-2's Conv1D: weight stored (in, out)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # a non-zero update, so a transposed merge would show
+        got = model(input_ids=ids).logits
+    assert not torch.allclose(got, want)
+    torch.testing.assert_close(merge_lora(model)(input_ids=ids).logits, got, rtol=1e-5, atol=1e-5)

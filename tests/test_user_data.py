@@ -10,7 +10,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from rlhfkit.data import DataError, PromptExample, encode_prompts, load_prompts
+from rlhfkit.data import DataError, PromptExample, encode_prompts, load_prompts, load_records
 from rlhfkit.evaluate import evaluate_rewards
 from rlhfkit.models import load_policy
 from rlhfkit.prompts import FilePrompts, PromptRecord, file_records, split_eval
@@ -42,7 +42,24 @@ def test_every_prompt_file_format_gives_the_same_records(tmp_path):
     want = [(r["prompt"], {"answer": r["answer"], "level": r["level"]}) for r in RECORDS]
     for kind, path in paths.items():
         got = [(e.prompt, e.meta) for e in load_prompts(path, TOK)]
-        assert got == want, kind
+        # CSV has no types: its cells are strings (README, "Your own data")
+        assert got == ([(p, {"answer": m["answer"], "level": str(m["level"])}) for p, m in want] if kind == "csv"
+                       else want), kind
+
+
+def test_csv_cells_are_strings_whatever_the_column_holds(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text('prompt,answer\n"double 12, please",24\nq2,007\nq3,"two\nlines"\n\nq4,1e3\nq5,\n')
+    assert load_records(str(path)) == [{"prompt": "double 12, please", "answer": "24"},
+                                       {"prompt": "q2", "answer": "007"}, {"prompt": "q3", "answer": "two\nlines"},
+                                       {"prompt": "q4", "answer": "1e3"}, {"prompt": "q5", "answer": None}]
+    # records are located by the line they start on (a quoted cell spans two, a blank line is skipped);
+    # an empty cell is a missing value
+    with pytest.raises(DataError, match=rf"^{path}:8: field 'answer': missing here but present"):
+        load_prompts(str(path), TOK)
+    path.write_text("prompt,answer\nq1,1\nq2,2,3\n")
+    with pytest.raises(DataError, match=rf"^{path}:3: 3 cells but the header"):
+        load_prompts(str(path), TOK)
 
 
 def test_a_split_of_a_saved_dataset_dict(tmp_path):
@@ -127,6 +144,29 @@ def boom(prompts, completions, **columns):
 
 def returns_none(prompts, completions, **columns):
     return None
+
+
+ANSWERS: list = []
+
+
+def capture_answers(prompts, completions, answer, **columns):
+    ANSWERS.extend(answer)
+    return [float(c == a) for c, a in zip(completions, answer)]  # TRL-style: a str answer compared to a str
+
+
+def test_an_all_digit_csv_column_reaches_the_reward_as_str_like_jsonl(tiny_models, tiny_config, tmp_path, no_plots):
+    records = [{"prompt": f"{n}x2=", "answer": str(2 * n)} for n in (12, 34, 56, 78)]  # every answer all digits
+    paths = write_formats(tmp_path, records)
+    seen = {}
+    for kind in ("jsonl", "csv"):
+        ANSWERS.clear()
+        cfg = tiny_config(tmp_path / kind, model={"name": tiny_models.policy}, data={"path": paths[kind]},
+                          reward={"function": "test_user_data:capture_answers"},
+                          ppo={"algo": "grpo", "steps": 1, "batch_size": 8, "group_size": 4, "max_new_tokens": 3})
+        train_rl(cfg)
+        seen[kind] = list(ANSWERS)
+    assert len(seen["csv"]) == 8 and all(type(a) is str for a in seen["csv"])
+    assert seen["csv"] == seen["jsonl"]  # the same prompts in the same order, the same values
 
 
 def doubling_file(tmp_path, n: int = 12, name: str = "prompts.jsonl") -> str:

@@ -7,9 +7,11 @@ way (``rlhfkit.demo.run_demo(cfg)``, ``rlhfkit.trainers.rl.train_rl(cfg)`` ...).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from .config import ALGO_DEFAULTS, Config, ConfigError, dump_config, load_config
@@ -56,6 +58,7 @@ COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
     "chat": ("run", "model", "chat"),
     "gridworld": ("run", "gridworld"),
 }
+_PACKAGE_DIR = Path(__file__).resolve().parent
 DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLHFKIT_DEBUG=1)"
 
 
@@ -183,8 +186,32 @@ def _error(command: str, e: BaseException) -> None:
     print(f"rlhfkit {command}: error: {message}", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """Python warnings printed as one line each, ``rlhfkit CMD: warning: ...``, for the duration:
+    without the line of source code Python prints under them (a warning is advice to the user,
+    not a pointer into rlhfkit); another package's warning keeps its category and origin. Only the
+    format changes: a caller that records warnings (``catch_warnings(record=True)``) still gets them."""
+    def one_line(message, category, filename, lineno, line=None) -> str:
+        text = " ".join(str(message).split())
+        if _PACKAGE_DIR not in Path(filename).resolve().parents:
+            text += f" ({category.__name__}, {Path(filename).name}:{lineno})"
+        return f"rlhfkit {command}: warning: {text}\n"
+
+    previous, warnings.formatwarning = warnings.formatwarning, one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with _one_line_warnings(args.command):
+        return _main(args)
+
+
+def _main(args) -> int:
     debug = debug_requested(args)
     if args.command == "report":
         return _report(args, debug)
@@ -197,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
+        _check_data(args.command, cfg)
         _run(args, cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
         if debug:
@@ -211,6 +239,20 @@ def main(argv: list[str] | None = None) -> int:
         _error(args.command, e)  # the inputs were fine but the run diverged
         return 1
     return 0
+
+
+def _check_data(command: str, cfg: Config) -> None:
+    """The records of data.path (and data.eval_path) read and checked before torch is imported
+    (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
+    kind = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts",
+            **dict.fromkeys(ALGO_DEFAULTS, "prompts")}.get(command)
+    if kind is None:
+        return
+    from .data import precheck
+
+    for path in (cfg.data.path, cfg.data.eval_path if command != "eval" else ""):
+        if path:
+            precheck(kind, path)
 
 
 def _run(args, cfg: Config) -> None:

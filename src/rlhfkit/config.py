@@ -498,9 +498,10 @@ class DataConfig(Section):
     """Share of data.path held out for evaluation when data.eval_path is empty (0: none; the
     reward model then holds out 10% of a file's pairs)."""
     max_prompt_length: int = 512
-    """Longest RL prompt in tokens; longer ones follow data.truncation."""
+    """Longest RL prompt in tokens, lowered to the model's context less the new tokens; longer ones
+    follow data.truncation."""
     max_length: int = 512
-    """Longest tokenized example (prompt + completion + EOS)."""
+    """Longest tokenized example (prompt + completion + EOS), lowered to the model's context."""
     truncation: Literal["left", "error"] = "left"
     """Too long: 'left' drops prompt tokens from the start, 'error' stops with the record named."""
     completion_only: bool = True

@@ -5,6 +5,11 @@ or a ``datasets.Dataset`` / ``IterableDataset`` (pick a split first). Errors loc
 as ``path:LINE`` (1-based, like a compiler), ``list[i]`` or ``dataset[i]`` (0-based, the
 index you would type to look at it).
 
+Types: JSON values keep their JSON types (``"12"`` a string, ``12`` an int); a CSV cell is
+always a string, whatever the column holds (CSV has no types, and guessing them from the
+content would make ``answer`` an int in one file and a string in the next); Parquet and
+``datasets`` columns keep their declared types.
+
 Formats, by loader (other fields are ignored; a field set to ``null`` counts as missing,
 because a ``datasets.Dataset`` fills absent columns with ``None``):
 
@@ -52,9 +57,13 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are built, not here: the CLI reads and checks a data file before
+# it imports torch (seconds), so a bad record is answered at once
 
 __all__ = [
     "ROLES",
@@ -70,6 +79,8 @@ __all__ = [
     "encode_sft",
     "encode_preferences",
     "encode_triples",
+    "Limit",
+    "context_limit",
     "hold_out",
     "stack_pairs",
     "pack_sft",
@@ -83,6 +94,46 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 class DataError(ValueError):
     """A malformed source or record; the message says where (``path:LINE``), which field,
     and what was expected."""
+
+
+class _NeedsTokenizer(DataError):
+    """A conversational record met without a tokenizer to render it."""
+
+
+class Limit(NamedTuple):
+    """A length limit and how an error names it: ``tokens``; ``name`` as in "exceeds NAME"; ``fix``,
+    what to change to allow more. An ``int`` limit is a config key's (:func:`_as_limit`)."""
+
+    tokens: int
+    name: str
+    fix: str
+
+
+def _as_limit(limit: int | Limit, key: str) -> Limit:
+    return limit if isinstance(limit, Limit) else Limit(limit, f"{key}={limit}", f"raise {key}")
+
+
+def context_limit(key: str, configured: int, context: int | None, reserve: int = 0,
+                  reserve_key: str = "") -> int | Limit:
+    """The limit that ``key`` (``configured`` tokens) has in effect with a model that reads
+    ``context`` tokens at most, ``reserve`` of them kept for ``reserve_key`` (the new tokens
+    of RL rollouts): ``configured`` when it fits (or ``context`` is None: no limit), else the
+    smaller :class:`Limit`, named for errors. Raises ValueError when the context cannot hold
+    ``reserve`` tokens and one more."""
+    if context is None:
+        return configured
+    room = context - reserve
+    if room < 1:
+        raise ValueError(f"{reserve_key}={reserve} leaves no room for a prompt in the model's context of {context} "
+                         f"tokens (its config's max_position_embeddings / n_positions): lower {reserve_key} below "
+                         f"{context}")
+    if room >= configured:
+        return configured
+    if reserve:
+        return Limit(room, f"the {room} tokens that the model's context of {context} leaves after "
+                           f"{reserve_key}={reserve} (below {key}={configured})", f"lower {reserve_key}")
+    return Limit(room, f"the model's context of {context} tokens (below {key}={configured})",
+                 "use a model with a longer context")
 
 
 @dataclass(frozen=True)
@@ -153,16 +204,58 @@ def _json_records(path: str) -> list[tuple[str, Any]]:
         raise DataError(f"{path}: cannot read this JSON file ({e}); check the path and that it is UTF-8") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
-        return _jsonl_records(path)  # JSON lines under a .json name
+    except json.JSONDecodeError as e:
+        if not text.lstrip().startswith("["):
+            return _jsonl_records(path)  # JSON lines under a .json name
+        # an array: the error is where Python's parser found it in the document, not at line 1
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}); a .json file holds one "
+                        "JSON array of records (or one JSON object a line)") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON array of records (or one JSON object a line), got "
                         f"{type(data).__name__}")
     return [(f"{path}[{i}]", rec) for i, rec in enumerate(data)]
 
 
+def _csv_records(path: str) -> list[tuple[str, Any]]:
+    """A ``.csv`` file with a header row: every cell is read as the string it is, never converted
+    by its content (``007`` stays ``"007"``; a column of digits is not turned into int), so a
+    reward function compares the same values whatever the other rows hold; an empty cell is a
+    missing value (``None``), as ``datasets`` reads it. Records are located as ``path:LINE``."""
+    import csv
+
+    try:
+        f = open(path, encoding="utf-8-sig", newline="")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read this CSV file ({e.strerror or e}); check the path (data.path)") from None
+    out: list[tuple[str, Any]] = []
+    with f:
+        reader = csv.reader(f)
+        try:
+            header, start = None, 1
+            for row in reader:
+                where, start = f"{path}:{start}", reader.line_num + 1  # a quoted cell may span lines
+                if not row:  # a blank line
+                    continue
+                if header is None:
+                    header = row
+                    dup = sorted({c for c in header if header.count(c) > 1})
+                    if dup:
+                        raise DataError(f"{where}: the header names column {dup[0]!r} twice; rename one")
+                    continue
+                if len(row) > len(header):
+                    raise DataError(f"{where}: {len(row)} cells but the header (line 1) names {len(header)} "
+                                    "columns; quote cells that contain commas")
+                out.append((where, {c: (v if v != "" else None) for c, v in zip(header, row + [""] * len(header))}))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{reader.line_num + 1}: not UTF-8 text (byte {e.start + 1}); re-encode the file "
+                            "as UTF-8") from None
+        except csv.Error as e:
+            raise DataError(f"{path}:{reader.line_num}: not valid CSV ({e})") from None
+    return out
+
+
 def _open_dataset(path: str, split: str | None):
-    """A Parquet or CSV file, a ``Dataset.save_to_disk`` directory, or a hub dataset id
+    """A Parquet file, a ``Dataset.save_to_disk`` directory, or a hub dataset id
     (``datasets.load_dataset``) as a ``datasets.Dataset``; ``split`` picks one of several."""
     import datasets
 
@@ -174,8 +267,7 @@ def _open_dataset(path: str, split: str | None):
                                 "directory")
             ds = datasets.load_from_disk(path)
         elif os.path.isfile(path):
-            kind = {".parquet": "parquet", ".csv": "csv"}[os.path.splitext(path)[1]]
-            ds = datasets.load_dataset(kind, data_files=path, split="train")
+            ds = datasets.load_dataset("parquet", data_files=path, split="train")
         elif os.path.sep in path and not path.count("/") == 1:
             raise DataError(f"{path}: no such file or directory; check the path (data.path)")
         else:  # a hub id such as 'trl-lib/tldr'
@@ -202,6 +294,8 @@ def _located_records(source, split: str | None = None) -> tuple[str, list[tuple[
             return path, _jsonl_records(path)
         if path.endswith(".json") and os.path.isfile(path):
             return path, _json_records(path)
+        if path.endswith(".csv") and os.path.isfile(path):
+            return path, _csv_records(path)
         return path, [(f"{path}[{i}]", rec) for i, rec in enumerate(_open_dataset(path, split))]
     ds = sys.modules.get("datasets")  # only a caller who imported datasets can hand us a Dataset
     if ds is not None and isinstance(source, ds.DatasetDict | ds.IterableDatasetDict):
@@ -223,6 +317,24 @@ def _records(source, allow_empty: bool = False, split: str | None = None) -> lis
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object (a dict of fields), got {_kind(rec)}")
     return located
+
+
+PRECHECK_BYTES = 64 * 2**20  # larger files are read once, by the trainer
+
+
+def precheck(kind: str, source) -> None:
+    """Read and check a local data file's records as ``kind`` (``'prompts'``, ``'pairs'`` or
+    ``'sft'``) without a tokenizer, hence without torch: what only the chat template can check
+    (conversational records, from the first one on) and the token lengths are left to the full
+    load. Parquet, directories, hub ids and files over ``PRECHECK_BYTES`` are left to it too."""
+    if not isinstance(source, str) or not os.path.isfile(source) or source.endswith(".parquet") \
+            or os.path.getsize(source) > PRECHECK_BYTES:
+        return
+    loader = {"prompts": load_prompts, "pairs": load_preferences, "sft": load_sft}[kind]
+    try:
+        loader(source)
+    except _NeedsTokenizer:
+        pass
 
 
 def load_records(source) -> list[dict]:
@@ -306,7 +418,7 @@ class _Renderer:
     def _apply(self, messages, generation: bool, where: str, key: str) -> str:
         tok = self.tokenizer
         if tok is None:
-            raise DataError(
+            raise _NeedsTokenizer(
                 f"{where}: field {key!r} is conversational (a list of messages) but no tokenizer was given; "
                 "pass tokenizer=... (one with a chat template) to render it"
             )
@@ -504,22 +616,25 @@ def load_prompts(source, tokenizer=None, split: str | None = None) -> list[Promp
     return out
 
 
-def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int,
+def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int | Limit,
                    truncation: str = "left") -> tuple[list[list[int]], int]:
     """Token ids of each prompt (BOS as the tokenizer adds it, or as the chat template wrote
     it) and how many were cut. A prompt longer than ``max_length`` tokens loses tokens from
     its start, BOS kept (``truncation='left'``), or raises ``DataError`` naming the record
-    (``'error'``)."""
+    (``'error'``). ``max_length``: ``data.max_prompt_length``, or a :class:`Limit` that names
+    another source (the model's context: :func:`context_limit`)."""
     if truncation not in ("left", "error"):
         raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+    limit = _as_limit(max_length, "data.max_prompt_length")
+    max_length = limit.tokens
     out, cut = [], 0
     pieces = _Codec(tokenizer).prompts([e.prompt for e in examples], _wheres(examples))
     for i, (ex, (head, body)) in enumerate(zip(examples, pieces)):
         if len(head) + len(body) > max_length:
             if truncation == "error" or len(head) >= max_length:
                 raise DataError(f"{_where(ex, i)}: field 'prompt': {len(head) + len(body)} tokens exceeds "
-                                f"data.max_prompt_length={max_length} with data.truncation={truncation!r}; "
-                                "raise the limit, shorten the prompt, or use data.truncation=left")
+                                f"{limit.name} with data.truncation={truncation!r}; {limit.fix}, shorten the prompt, "
+                                "or use data.truncation=left")
             body, cut = body[len(head) + len(body) - max_length :], cut + 1
         out.append(head + body)
     return out, cut
@@ -545,7 +660,7 @@ class _Codec:
         """Token ids of each text; a text the tokenizer cannot encode raises DataError naming its
         record (``wheres[i]``), the field ``key`` and the characters."""
         try:
-            encoded = self.tok(texts, add_special_tokens=False)["input_ids"]
+            encoded = self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]  # lengths: ours to check
         except Exception as e:  # e.g. a WordLevel vocabulary without [UNK]: find the record and the characters
             raise _encoding_error(self.tok, texts, wheres, key) or e from None
         return [list(x) for x in encoded]
@@ -611,10 +726,11 @@ def _fit(
     head: list[int],
     body: list[int],
     responses: dict[str, list[int]],
-    max_length: int,
+    limit: Limit,
     truncation: str,
 ) -> list[int]:
-    """The prompt body cut so ``head + body + response`` fits ``max_length``, or DataError."""
+    """The prompt body cut so ``head + body + response`` fits ``limit``, or DataError."""
+    max_length = limit.tokens
     key = max(responses, key=lambda k: len(responses[k]))
     longest = len(responses[key])
     need = len(head) + len(body) + longest
@@ -624,13 +740,12 @@ def _fit(
     if len(head) + longest >= max_length:
         raise DataError(
             f"{where}: field {key!r}: the response is {longest} tokens (EOS included){bos}, which leaves no room "
-            f"for the prompt in max_length={max_length}; responses are never truncated: raise max_length or "
-            "drop the record"
+            f"for the prompt in {limit.name}; responses are never truncated: {limit.fix} or drop the record"
         )
     if truncation == "error":
         raise DataError(
             f"{where}: field 'prompt': prompt ({len(body)} tokens) + {key} ({longest}){bos} = {need} tokens "
-            f"exceeds max_length={max_length} with truncation='error' ('left' would drop the first "
+            f"exceeds {limit.name} with truncation='error' ('left' would drop the first "
             f"{need - max_length} prompt tokens)"
         )
     return body[need - max_length :]
@@ -644,16 +759,21 @@ def _wheres(examples: Sequence) -> list[str]:
     return [_where(ex, i) for i, ex in enumerate(examples)]
 
 
-def _check_policy(examples, max_length: int, truncation: str) -> None:
+def _check_policy(examples, max_length: int | Limit, truncation: str) -> Limit:
+    """The limit, after checking the arguments."""
+    limit = _as_limit(max_length, "max_length")
     if truncation not in ("left", "error"):
         raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    if limit.tokens < 1:
+        raise ValueError(f"max_length must be >= 1, got {limit.tokens}")
     if not examples:
         raise ValueError("no examples to encode")
+    return limit
 
 
 def _pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
+    import torch
+
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
@@ -669,7 +789,7 @@ def _rows(
 
 
 def encode_sft(
-    examples: Iterable[SFTExample], tokenizer, max_length: int, truncation: str = "left"
+    examples: Iterable[SFTExample], tokenizer, max_length: int | Limit, truncation: str = "left"
 ) -> dict[str, torch.Tensor]:
     """Tokenize demonstrations into right-padded rows, ``[N, L]`` with L the longest row.
 
@@ -680,16 +800,17 @@ def encode_sft(
 
     ``truncation``: what to do when prompt + completion exceeds ``max_length``: ``'left'``
     drops prompt tokens from the start (keeping BOS), ``'error'`` raises ``DataError``. A
-    completion that leaves no room for a prompt token raises either way.
+    completion that leaves no room for a prompt token raises either way. ``max_length`` may be a
+    :class:`Limit` that names where it comes from (the model's context: :func:`context_limit`).
     """
     examples = list(examples)
-    _check_policy(examples, max_length, truncation)
+    limit = _check_policy(examples, max_length, truncation)
     codec = _Codec(tokenizer)
     wheres = _wheres(examples)
     heads = codec.prompts([ex.prompt for ex in examples], wheres)
     responses = codec.completions([ex.completion for ex in examples], wheres)
     prompts = [
-        head + _fit(_where(ex, i), head, body, {"completion": resp}, max_length, truncation)
+        head + _fit(_where(ex, i), head, body, {"completion": resp}, limit, truncation)
         for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))
     ]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
@@ -697,7 +818,7 @@ def encode_sft(
 
 
 def encode_preferences(
-    examples: Iterable[PreferenceExample], tokenizer, max_length: int, truncation: str = "left"
+    examples: Iterable[PreferenceExample], tokenizer, max_length: int | Limit, truncation: str = "left"
 ) -> dict[str, torch.Tensor]:
     """Tokenize pairs into right-padded ``[N, L]`` rows, chosen and rejected to one width L.
 
@@ -706,17 +827,17 @@ def encode_preferences(
     the examples carry margins. One width lets a trainer ``torch.cat`` both halves into a
     single ``[2N, L]`` forward. Both rows of a pair keep the same prompt tokens: under
     ``truncation='left'`` the cut is sized for the longer response, so DPO compares the two
-    responses in one context.
+    responses in one context. ``max_length``: as in :func:`encode_sft`.
     """
     examples = list(examples)
-    _check_policy(examples, max_length, truncation)
+    limit = _check_policy(examples, max_length, truncation)
     codec = _Codec(tokenizer)
     wheres = _wheres(examples)
     heads = codec.prompts([ex.prompt for ex in examples], wheres)
     chosen = codec.completions([ex.chosen for ex in examples], wheres, "chosen")
     rejected = codec.completions([ex.rejected for ex in examples], wheres, "rejected")
     prompts = [
-        head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, max_length, truncation)
+        head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, limit, truncation)
         for i, (ex, (head, body), c, r) in enumerate(zip(examples, heads, chosen, rejected))
     ]
     width = max(len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected))
@@ -729,6 +850,8 @@ def encode_preferences(
             raise DataError(
                 "margin is given on some examples but not others; give it on every one or on none"
             )
+        import torch
+
         out["margin"] = torch.tensor(margins, dtype=torch.float32)
     return out
 
@@ -746,6 +869,8 @@ def hold_out(items: list, fraction: float, seed: int, what: str = "examples") ->
     n = max(1, round(len(items) * fraction))
     if n >= len(items):
         raise DataError(f"data.eval_fraction={fraction} holds out all {len(items)} {what}; lower it")
+    import torch
+
     held = set(torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()[:n])
     return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
@@ -753,6 +878,8 @@ def hold_out(items: list, fraction: float, seed: int, what: str = "examples") ->
 def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
     """Rows ``idx`` of an ``encode_preferences`` result as one forward: for each field, the
     chosen rows then the rejected rows, ``[2B, T]``."""
+    import torch
+
     return tuple(torch.cat([enc[f"chosen_{f}"][idx], enc[f"rejected_{f}"][idx]]).to(device) for f in fields)
 
 

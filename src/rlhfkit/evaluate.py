@@ -11,8 +11,8 @@ from types import ModuleType
 import torch
 
 from .distributed import Shard
-from .models import load_policy, load_tokenizer, policy_dir, same_tokenizer
-from .prompts import file_records, prompt_tensors
+from .models import context_window, load_policy, load_tokenizer, policy_dir, same_tokenizer
+from .prompts import file_records, prompt_limit, prompt_tensors
 from .rewards import build_reward, completion_texts
 from .rollout import decode_responses, eos_token_ids, generate, tokenize_prompts
 from .tasks import doubling, get_task
@@ -185,22 +185,26 @@ class _Completed:
     records: list
     reward: object
     scored: ScoredCompletions
+    limit: object = None  # the prompt limit the records were encoded to
 
 
 def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _Completed | None = None) -> _Completed:
     """The policy at ``path`` completes ``data.path``'s prompts, scored by the configured reward. The
-    prompts are read and the reward built once per tokenizer: ``like``'s are reused when it is the same."""
+    prompts (fit to the policy's context with ``max_new_tokens`` after them) are read and the reward
+    built once per tokenizer and limit: ``like``'s are reused when they are the same."""
     tok = load_tokenizer(path, cfg.model.trust_remote_code)
-    if like is not None and same_tokenizer(tok, like.tokenizer):
+    policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device)
+    key = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "ppo.max_new_tokens"
+    limit = prompt_limit(cfg, context_window(policy), max_new_tokens, key)
+    if like is not None and same_tokenizer(tok, like.tokenizer) and limit == like.limit:
         tok, records, reward = like.tokenizer, like.records, like.reward
     else:
-        records = file_records(cfg.data.path, tok, cfg)
+        records = file_records(cfg.data.path, tok, cfg, limit=limit)
         reward = build_reward(cfg, tok, device)
-    policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device)
     ec = cfg.eval
     scored = complete_and_score(policy, tok, records, reward, device, ec.batch_size, max_new_tokens, ec.greedy,
                                 cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop)
-    return _Completed(path, tok, records, reward, scored)
+    return _Completed(path, tok, records, reward, scored, limit)
 
 
 def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:

@@ -34,6 +34,7 @@ from transformers import (
     GPT2LMHeadModel,
     PreTrainedModel,
 )
+from transformers.pytorch_utils import Conv1D
 
 from . import lean
 from .core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask
@@ -119,13 +120,43 @@ def build_tiny(arch: str, tokenizer, seed: int = 0, scalar: bool = False, **size
     return auto.from_config(config)
 
 
+def context_window(*models) -> int | None:
+    """The longest sequence, in tokens, that every one of ``models`` reads: the smallest
+    ``max_position_embeddings`` of their configs (GPT-2's ``n_positions``; a multimodal
+    model's ``text_config``). Positions past it index outside GPT-2's position table (an
+    IndexError mid-run) and are untrained for rotary models. None when no model declares a
+    limit; ``None`` entries (no critic ...) and the LoRA reference are skipped."""
+    limits = []
+    for model in models:
+        if model is None or isinstance(model, AdapterDisabled):
+            continue
+        cfg = getattr(unwrap(model), "config", None)
+        cfg = getattr(cfg, "text_config", None) or cfg
+        n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if isinstance(n, int) and n > 0:
+            limits.append(n)
+    return min(limits) if limits else None
+
+
 class ModelLoadError(ValueError):
     """A model or tokenizer cannot be loaded from a path; the message names the path and the fix."""
 
 
-def _looks_local(path: str) -> bool:
-    """True for what can only be a filesystem path, never a hub id ('name' or 'org/name')."""
-    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") >= 2 or (os.sep != "/" and os.sep in path)
+def local_path_reason(path: str) -> str | None:
+    """Why ``path`` is a filesystem path and not a hub id (``'name'`` or ``'org/name'``), or None
+    when it may be a hub id. A path: absolute, or starting with ``.`` or ``~``, or ending with a
+    separator, or with two separators or more, or (``org/name`` in form) whose first component
+    is an existing local directory -- ``runs/nope`` when ``./runs`` exists is a run directory
+    that is missing, not a hub repository, so it fails at once instead of after the hub's retries."""
+    norm = path.replace(os.sep, "/")
+    if os.path.isabs(path) or path.startswith((".", "~")):
+        return "an absolute or relative path"
+    if norm.endswith("/") or norm.count("/") >= 2:
+        return "a path (a hub id is 'name' or 'org/name')"
+    first, slash, _ = norm.partition("/")
+    if slash and os.path.isdir(first):
+        return f"a path, since {first}{os.sep} is a local directory"
+    return None
 
 
 def _from_pretrained(loader, path: str, what: str, **kwargs):
@@ -136,10 +167,11 @@ def _from_pretrained(loader, path: str, what: str, **kwargs):
     path = os.fspath(path)
     if not path:
         raise ModelLoadError(f"no {what} path given")
-    if not os.path.exists(path) and _looks_local(path):
-        raise ModelLoadError(f"{path!r} does not exist (looked for the {what} there): point model.name / "
-                             "reward.name at a directory written by save_pretrained (config.json, model.safetensors, "
-                             "tokenizer files) or at a hub id")
+    why = None if os.path.exists(path) else local_path_reason(path)
+    if why:
+        raise ModelLoadError(f"{path!r} does not exist (looked for the {what} there; read as {why}): point "
+                             "model.name / reward.name at a directory written by save_pretrained (config.json, "
+                             "model.safetensors, tokenizer files) or at a hub id")
     if os.path.isdir(path):  # a local directory: say which file is missing before HF guesses
         need = ("tokenizer_config.json", "tokenizer.json") if loader is AutoTokenizer else ("config.json",)
         if not any(os.path.isfile(os.path.join(path, f)) for f in need):
@@ -180,7 +212,7 @@ def policy_dir(path: str) -> str:
     for cand in (p, p / "policy", p / "ppo" / "policy"):
         if (cand / "config.json").exists() or (cand / "adapter_config.json").exists():
             return str(cand)
-    if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/")):
+    if not p.exists() and local_path_reason(path) is None:
         return path  # "org/name": a hub id, resolved by from_pretrained
     raise FileNotFoundError(f"no model found at {path}: expected a directory with config.json (or policy/config.json)")
 
@@ -285,10 +317,15 @@ def add_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.0,
     heads = ["score", "classifier"]  # a scalar head is trained in full, never through an adapter
     if isinstance(targets, list) and set(heads) & set(targets):
         raise ValueError("model.lora_target_modules must not name the scalar head (score / classifier)")
+    # GPT-2's Conv1D layers store their weight transposed (fan_in x fan_out): peft must be told (the
+    # saved adapter_config.json then says so too), or it warns on every run and sets the flag itself,
+    # layer by layer -- as it still does, silenced below, for a Linear layer targeted beside them
+    conv1d = any(isinstance(m, Conv1D) for m in model.modules())
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
-                        exclude_modules=heads if trainable_head else None)
+                        exclude_modules=heads if trainable_head else None, fan_in_fan_out=conv1d)
     with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
         peft_model = get_peft_model(model, config)
     if trainable_head:
         scalar_head(peft_model).requires_grad_(True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .checkpoint import data_state, load_data_state
-from .data import DataError, PromptExample, encode_prompts, load_prompts
+from .data import DataError, Limit, PromptExample, context_limit, encode_prompts, load_prompts
 
 
 @dataclass(frozen=True)
@@ -92,17 +92,19 @@ def task_records(task, prompts) -> list[PromptRecord]:
     return [PromptRecord(p.text, task.columns(p)) for p in prompts]
 
 
-def file_records(source, tok, cfg, what: str = "data.path") -> list[PromptRecord]:
+def file_records(source, tok, cfg, what: str = "data.path", limit: int | Limit | None = None) -> list[PromptRecord]:
     """Prompt records from a file, directory or hub dataset (see :func:`rlhfkit.data.load_prompts`),
-    tokenised once: prompts over ``data.max_prompt_length`` tokens follow ``data.truncation``
-    (cut from the left with a warning, or an error naming the record)."""
+    tokenised once: prompts over ``limit`` tokens (default ``data.max_prompt_length``; see
+    :func:`prompt_limit` for the model's context) follow ``data.truncation`` (cut from the left
+    with a warning, or an error naming the record)."""
     dc = cfg.data
+    limit = dc.max_prompt_length if limit is None else limit
     examples: list[PromptExample] = load_prompts(source, tok, split=dc.split or None)
-    ids, cut = encode_prompts(examples, tok, dc.max_prompt_length, dc.truncation)
+    ids, cut = encode_prompts(examples, tok, limit, dc.truncation)
     if cut:
-        print(f"warning: {cut} of {len(examples)} prompts in {what}={source} are longer than "
-              f"data.max_prompt_length={dc.max_prompt_length} tokens; their first tokens were dropped "
-              "(data.truncation=left)", file=sys.stderr)
+        name = limit.name if isinstance(limit, Limit) else f"data.max_prompt_length={limit} tokens"
+        print(f"warning: {cut} of {len(examples)} prompts in {what}={source} are longer than {name}; their first "
+              "tokens were dropped (data.truncation=left)", file=sys.stderr)
     return [PromptRecord(ex.prompt, ex.meta, ex.raw, tuple(row)) for ex, row in zip(examples, ids)]
 
 
@@ -141,15 +143,49 @@ class PromptData:
     task: Any = None
 
 
-def prompt_data(cfg, tok, task) -> PromptData:
+def new_tokens(cfg, task=None) -> tuple[int, str]:
+    """The most tokens an RL run samples after a prompt, in training or held-out evaluation, and
+    the key that sets it: ``ppo.max_new_tokens`` or ``eval.max_new_tokens`` (``task``: the
+    built-in task's answer length where they are unset)."""
+    default = task.MAX_NEW_TOKENS if task is not None and not cfg.data.path else 0
+    train = cfg.ppo.max_new_tokens or default
+    held = cfg.eval.max_new_tokens or default or train  # held-out prompts of a file: as in training
+    return max((train, "ppo.max_new_tokens"), (held, "eval.max_new_tokens"))
+
+
+def prompt_limit(cfg, context: int | None, new: int, new_key: str) -> int | Limit:
+    """The longest prompt, in tokens: ``data.max_prompt_length``, or less when the model reads at
+    most ``context`` tokens and ``new`` of them are sampled after the prompt (a ValueError when
+    the context cannot hold them)."""
+    return context_limit("data.max_prompt_length", cfg.data.max_prompt_length, context, new, new_key)
+
+
+def check_task_fits(task, tok, context: int | None, new: int, new_key: str) -> None:
+    """Refuse, before training, a built-in task whose held-out prompts plus ``new`` sampled
+    tokens exceed the model's ``context``."""
+    if context is None:
+        return
+    longest = max(len(ids) for ids in tok([p.text for p in task.eval_prompts()], verbose=False)["input_ids"])
+    if longest + new > context:
+        raise ValueError(f"{new_key}={new} plus the task's longest prompt ({longest} tokens) is {longest + new} "
+                         f"tokens, more than the model's context of {context}: lower {new_key} to "
+                         f"{max(0, context - longest)} or less")
+
+
+def prompt_data(cfg, tok, task, context: int | None = None) -> PromptData:
     """``data.path`` (with ``data.eval_path`` or ``data.eval_fraction``) when set, else the task's
-    prompts (``run.task``) and its held-out set."""
+    prompts (``run.task``) and its held-out set. ``context``: the longest sequence the models
+    read (:func:`rlhfkit.models.context_window`); prompts plus the new tokens must fit it
+    (:func:`prompt_limit`)."""
     dc = cfg.data
+    new, new_key = new_tokens(cfg, task)
     if not dc.path:
+        check_task_fits(task, tok, context, new, new_key)
         return PromptData(TaskPrompts(task, cfg.run.seed + 2), task_records(task, task.eval_prompts()), task)
-    records = file_records(dc.path, tok, cfg)
+    limit = prompt_limit(cfg, context, new, new_key)
+    records = file_records(dc.path, tok, cfg, limit=limit)
     if dc.eval_path:
-        held = file_records(dc.eval_path, tok, cfg, "data.eval_path")
+        held = file_records(dc.eval_path, tok, cfg, "data.eval_path", limit)
     else:
         records, held = split_eval(records, dc.eval_fraction, cfg.run.seed)
     return PromptData(FilePrompts(records, cfg.run.seed + 2), held)

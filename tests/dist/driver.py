@@ -21,8 +21,9 @@ rl = ["ppo.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs
       "ppo.max_new_tokens=6", f"reward.name={rm}"]
 runs = {  # run name: (command, overrides)
     "ppo": ("ppo", [*defaults, "ppo.steps=4"]),
-    # a critic warm-up step on a shared value head: the actor gets no gradient (DDP's unused parameters)
-    "ppo_warmup": ("ppo", [*rl, "ppo.critic_warmup_steps=1", "ppo.value_model=shared"]),
+    # a critic warm-up step on a shared value head (the actor gets no gradient), then a full step: the
+    # actor's optimizer state must be as in one process (no zero gradients stepped during the warm-up)
+    "ppo_warmup": ("ppo", [*rl, "ppo.critic_warmup_steps=1", "ppo.value_model=shared", "ppo.steps=2"]),
     "grpo": ("grpo", defaults),
     "rloo": ("rloo", defaults),
     "reinforce": ("reinforce", defaults),

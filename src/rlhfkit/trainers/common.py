@@ -59,6 +59,11 @@ class Engine:
     accelerator: Any = None
     shard: Shard = field(default_factory=Shard)
     guard: UpdateGuard = field(default_factory=UpdateGuard)
+    sync: tuple = ()
+    """Parameters whose gradients :meth:`accumulate` averages over the processes itself, as DDP
+    would: for updates that go around the DDP wrapper (``model`` None), such as a critic warm-up,
+    whose backward leaves the actor out -- through DDP that needs ``find_unused_parameters=True``,
+    an extra graph traversal (and a warning) on every later backward."""
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.accelerator is not None:
@@ -102,7 +107,19 @@ class Engine:
                     out[key] = v
                 else:
                     out[key] = max(out[key], v) if key in maxed else out[key] + v
+        self._average_gradients()
         return total, out
+
+    def _average_gradients(self) -> None:
+        """DDP's average of the ``sync`` parameters' gradients: each divided by the number of
+        processes, then summed over them (one all-reduce of the flattened gradients)."""
+        grads = [p.grad for p in self.sync if p.grad is not None]
+        if not grads or not self.shard.distributed:
+            return
+        flat = torch.cat([g.flatten() for g in grads]) / self.shard.world
+        torch.distributed.all_reduce(flat)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 class Run:

@@ -47,6 +47,7 @@ from ..experience import ActorCritic, Experience, RLState, make_experience
 from ..models import (
     ValueHead,
     add_lora,
+    context_window,
     disable_dropout,
     enable_gradient_checkpointing,
     eval_mode,
@@ -170,13 +171,6 @@ def ppo_update(
             loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",), passes=n_passes)
             # every term is a token mean over the response mask but the gap
             stats = shard.mean(stats, weight, maxed=("policy/logprob_gap",))
-            if not update_policy:
-                # a critic warm-up: DDP (find_unused_parameters) hands the actor's unused weights zero
-                # gradients, where one process leaves them None; AdamW would count zero-gradient steps
-                # into their bias correction, and the first real update would be smaller than one
-                # process's
-                for p in ac.policy.parameters():
-                    p.grad = None
             stats["policy/grad_norm"] = engine.clip(ac.policy.parameters(), pc.max_grad_norm)
             if ac.has_critic:
                 stats["value/grad_norm"] = engine.clip(ac.critic_parameters(), pc.max_grad_norm)
@@ -371,8 +365,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     policy_path = policy_path or cfg.model.name
     cfg = cfg.replace(reward={"name": reward_path}) if reward_path else cfg
     repeats, pc = check_rl_config(cfg, policy_path), cfg.ppo
-    # a critic warm-up's backward skips the actor: DDP must look for unused parameters
-    run = Run(cfg, pc.algo, pc.steps, find_unused_parameters=pc.algo == "ppo" and pc.critic_warmup_steps > 0)
+    run = Run(cfg, pc.algo, pc.steps)
     refuse_untested_engines(run.accelerator, cfg)
     shard = run.shard
     shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
@@ -385,7 +378,13 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     train_ac, optimizer = run.prepare(ac, optimizer, micro_batch=local_pc.minibatch_size)
     shard_frozen(run.accelerator, ref, *scorer.models)  # FSDP: no whole copy of them per process
     engine = run.engine(train_ac)
-    data = prompt_data(cfg, tok, get_task(cfg.run.task))
+    # a critic warm-up's backward leaves the actor out: under DDP it goes around the wrapper (whose
+    # reducer would otherwise need find_unused_parameters=True on every step) and the critic's
+    # gradients are averaged as DDP averages them
+    warm_engine = dataclasses.replace(engine, model=None, sync=tuple(ac.critic_parameters())) \
+        if isinstance(train_ac, torch.nn.parallel.DistributedDataParallel) else engine
+    # prompts + new tokens must fit the models' context: checked (or cut) here, before the first step
+    data = prompt_data(cfg, tok, get_task(cfg.run.task), context_window(ac.policy, ac.critic))
     if pc.stop_at and pc.stop_metric == "eval/accuracy" and data.task is None and not scorer.accuracy_sources():
         raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
                          "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
@@ -425,7 +424,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         train_exp = exp if exp.loss_rows is None else exp.select(exp.loss_rows)
         if len(train_exp.input_ids):  # none kept: no update this step
             stats.update(mean_stats(ppo_update(ac, optimizer, train_exp, local_pc, st.kl_coef, update_policy=not warm,
-                                               engine=engine, logprob_gap="policy/logprob_gap" not in stats)))
+                                               engine=warm_engine if warm else engine,
+                                               logprob_gap="policy/logprob_gap" not in stats)))
         t3 = time.perf_counter()
         st.train_s += t3 - t0
         # step 4. log: timings, the adaptive KL coefficient, sample completions

@@ -14,9 +14,9 @@ import torch
 
 from ..config import Config
 from ..core import logprobs_from_logits, position_ids_from_mask
-from ..data import SFTExample, encode_sft, hold_out, load_sft, pack_sft
+from ..data import Limit, SFTExample, context_limit, encode_sft, hold_out, load_sft, pack_sft
 from ..distributed import Shard, full_weights
-from ..models import eval_mode, load_tokenizer, masked_lm_loss, policy_with_reference
+from ..models import context_window, eval_mode, load_tokenizer, masked_lm_loss, policy_with_reference
 from ..tasks import get_task
 from .common import Run, lr_lambda
 
@@ -36,8 +36,9 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     tok = load_tokenizer(policy_path, cfg.model.trust_remote_code, need_pad=False)  # rows pad with EOS if none
     model, _ = policy_with_reference(policy_path, cfg.model, device, reference=False)
     train, held = load_demonstrations(cfg, tok, data_path)
-    enc = encode_demonstrations(cfg, tok, train, cfg.data.packing)
-    eval_enc = encode_demonstrations(cfg, tok, held, packing=False) if held else None  # as the examples come
+    context = context_window(model)  # every row fits the model's context: checked (or cut) before the first step
+    enc = encode_demonstrations(cfg, tok, train, cfg.data.packing, context)
+    eval_enc = encode_demonstrations(cfg, tok, held, False, context) if held else None  # as the examples come
     n = enc["input_ids"].shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=sc.lr, weight_decay=0.0)
@@ -122,12 +123,15 @@ def load_demonstrations(cfg: Config, tok, data_path: str | None) -> tuple[list[S
     return examples, []
 
 
-def encode_demonstrations(cfg: Config, tok, examples: list[SFTExample], packing: bool) -> dict[str, torch.Tensor]:
-    """The demonstrations as ``encode_sft`` rows, packed with ``packing``."""
+def encode_demonstrations(cfg: Config, tok, examples: list[SFTExample], packing: bool,
+                          context: int | None = None) -> dict[str, torch.Tensor]:
+    """The demonstrations as ``encode_sft`` rows (``data.max_length`` tokens at most, fewer when the
+    model's ``context`` is shorter), packed with ``packing``."""
     dc = cfg.data
-    enc = encode_sft(examples, tok, dc.max_length, dc.truncation)
+    limit = context_limit("data.max_length", dc.max_length, context)
+    enc = encode_sft(examples, tok, limit, dc.truncation)
     if not dc.completion_only:  # every real token after the first is a target
         enc["loss_mask"] = enc["attention_mask"].clone()
     if packing:
-        enc = pack_sft(enc, dc.max_length, tok.pad_token_id or 0)
+        enc = pack_sft(enc, limit.tokens if isinstance(limit, Limit) else limit, tok.pad_token_id or 0)
     return enc
