@@ -397,7 +397,8 @@ class PPOConfig(Section):
     command sets it (config.ALGO_DEFAULTS), so the KL weight means the same on any reward's scale.
     For grpo, rloo and reinforce with the KL as a loss term and scale_rewards=batch or group (their
     defaults) it changes the advantages only through score_clip. TRL's PPOTrainer does not
-    normalise scores by default."""
+    normalise scores by default. Switched on at a resume from a checkpoint written with it off,
+    the statistics start fresh (one warning)."""
     critic_warmup_steps: int = 3
     """Initial steps that update only the critic."""
     eval_every: int = 5
