@@ -433,8 +433,33 @@ def test_batch_scaling_divides_by_the_batch_std_and_drops_the_reward_units():
     close(rloo_advantages(scores, 3, "group"), 1.5 * group_advantages(scores, 3, "group"), tol=1e-12)
     with pytest.raises(ValueError, match="no groups"):
         reinforce_advantages(scores, "group")
-    with pytest.raises(ValueError, match="'group', 'batch' or 'none'"):
+    with pytest.raises(ValueError, match="'group', 'batch', 'advantages' or 'none'"):
         scale_advantages(scores, scores, 3, "batchwise")
+
+
+def test_advantage_scaling_normalises_the_advantages_not_the_scores():
+    """scale_rewards=advantages (TRL's RLOO normalize_advantages): (A - mean A) / std A, against
+    'batch' which divides by the raw scores' std."""
+    from rlhfkit.config import load_config
+    from rlhfkit.core import group_advantages, reinforce_advantages, rloo_advantages
+
+    scores = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0], dtype=torch.float64)
+    # RLOO advantages -3, -1.5, 4.5, -1.5, -1.5, 3: mean 0, squares 9 + 2.25 + 20.25 + 2.25 + 2.25 + 9
+    # = 45, unbiased variance 45/5 = 9, std 3 -> -1, -0.5, 1.5, -0.5, -0.5, 1
+    close(rloo_advantages(scores, 3, "advantages"), [a / (1 + 1e-4 / 3) for a in (-1, -0.5, 1.5, -0.5, -0.5, 1)],
+          tol=1e-12)
+    # 'batch' divides by std(scores) = sqrt(26/5) = 2.280: -3 / 2.280 = -1.316, not -1
+    assert abs(rloo_advantages(scores, 3, "batch")[0].item() + 3 / math.sqrt(5.2)) < 1e-4
+    # GRPO: deviations from the group means -2, -1, 3, -1, -1, 2 (squares sum 20, std 2)
+    close(group_advantages(scores, 3, "advantages"), [d / (2 + 1e-4) for d in (-2, -1, 3, -1, -1, 2)], tol=1e-12)
+    # a batch mean that is not 0 is removed: advantages 1, 1, 4 (mean 2, std sqrt(3))
+    from rlhfkit.core import scale_advantages
+
+    close(scale_advantages(torch.tensor([1.0, 1.0, 4.0], dtype=torch.float64), torch.zeros(3), 3, "advantages"),
+          [x / (math.sqrt(3) + 1e-4) for x in (-1, -1, 2)], tol=1e-12)
+    # reinforce: the centred scores' std is the scores' std, so the two agree
+    close(reinforce_advantages(scores, "advantages"), reinforce_advantages(scores, "batch"), tol=1e-12)
+    assert load_config(None, ["ppo.algo=rloo", "ppo.scale_rewards=advantages"]).ppo.scale_rewards == "advantages"
 
 
 def test_scale_rewards_reads_the_old_booleans_and_refuses_groups_for_reinforce():

@@ -268,12 +268,15 @@ class PPOConfig(Section):
     """Completions per prompt for ppo/reinforce (grpo/rloo use group_size). More than one puts
     each prompt in consecutive rows, and rlhfkit computes a repeated prompt once in rollout,
     experience and update."""
-    scale_rewards: Literal["group", "batch", "none"] = "batch"
+    scale_rewards: Literal["group", "batch", "advantages", "none"] = "batch"
     """grpo, rloo, reinforce: divide the baseline-centred scores by the std of the prompt's group
-    ('group': GRPO's paper; true reads as this), of the whole batch's scores ('batch': TRL's
-    option), or by nothing ('none': Dr. GRPO, RLOO's paper; false reads as this). See
-    rlhfkit.core.scale_advantages; reinforce has no groups. TRL's GRPO divides by the group's
-    std by default, OpenRLHF's too; both add a small epsilon to an unbiased std, as here."""
+    ('group': GRPO's paper; true reads as this), by the std of the whole batch's raw scores
+    ('batch': TRL's GRPO scale_rewards='batch'), re-centre them on their batch mean and divide
+    by their own std ('advantages': TRL's RLOO normalize_advantages=True; with groups it is not
+    'batch', e.g. 1.0 against 1.32 on one example), or by nothing ('none': Dr. GRPO, RLOO's
+    paper, TRL's RLOO default; false reads as this). See rlhfkit.core.scale_advantages;
+    reinforce has no groups. TRL's GRPO divides by the group's std by default, OpenRLHF's too;
+    all add a small epsilon to an unbiased std, as here."""
     steps: int = 200
     """Rollout + update iterations (upper bound; see stop_at)."""
     batch_size: int = 64

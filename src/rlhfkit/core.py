@@ -403,13 +403,19 @@ def gae(
 
 def scale_advantages(centred: torch.Tensor, scores: torch.Tensor, group_size: int, scale: str | bool,
                      eps: float = 1e-4) -> torch.Tensor:
-    """Divide baseline-centred scores ``[B]`` by a standard deviation of the scores ``[B]``:
+    """Scale baseline-centred scores ``[B]`` by a standard deviation:
 
-    * ``"group"`` (or True): each group's own (unbiased) std -- GRPO's paper and reference code.
-      Small differences inside a group become full-size advantages, whatever the reward's units;
-    * ``"batch"``: the std of every score in the batch (TRL's ``scale_rewards="batch"``): the
-      advantages no longer carry the reward's units, and a group whose scores barely differ
-      keeps small advantages;
+    * ``"group"`` (or True): each group's own (unbiased) std of the scores -- GRPO's paper and
+      reference code. Small differences inside a group become full-size advantages, whatever
+      the reward's units;
+    * ``"batch"``: the std of every score in the batch, ``std(scores)`` (TRL's GRPO
+      ``scale_rewards="batch"``): the advantages no longer carry the reward's units, and a group
+      whose scores barely differ keeps small advantages;
+    * ``"advantages"``: the centred values themselves, re-centred on their batch mean and divided
+      by their own std, ``(c - mean(c)) / std(c)`` (TRL's RLOO ``normalize_advantages=True``).
+      It differs from ``"batch"`` by the ratio ``std(scores) / std(c)``: a group's centring removes
+      the spread between prompts (and RLOO's leave-one-out stretches each group by G / (G - 1)),
+      so the two can be far apart; for reinforce (one batch-mean baseline) they are equal;
     * ``"none"`` (or False): nothing -- advantages in the reward's units (Dr. GRPO).
 
     ``eps`` keeps a group (or batch) of equal scores at 0 instead of 0/0.
@@ -419,10 +425,12 @@ def scale_advantages(centred: torch.Tensor, scores: torch.Tensor, group_size: in
         return centred
     if scale == "batch":
         return centred / (scores.std() + eps)
+    if scale == "advantages":
+        return (centred - centred.mean()) / (centred.std() + eps)
     if scale == "group":
         std = scores.view(-1, group_size).std(-1, keepdim=True)  # [B/G, 1]
         return (centred.view(-1, group_size) / (std + eps)).reshape(-1)
-    raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    raise ValueError(f"scale must be 'group', 'batch', 'advantages' or 'none', got {scale!r}")
 
 
 def _check_groups(scores: torch.Tensor, group_size: int) -> None:
