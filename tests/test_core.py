@@ -506,3 +506,30 @@ def test_ipo_loss_hand_computed():
     # a gap beyond the target is pulled back (the sigmoid loss would keep pushing it out)
     far, _ = ipo_loss(torch.tensor([10.0]), torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([0.0]), beta=0.25)
     close(far, (10.0 - 2.0) ** 2)
+
+
+def test_ipo_over_per_token_means_as_trl():
+    """dpo.loss=ipo (TRL's loss_type='ipo'): each log-prob divided by its response's length before
+    the gap; the summed form (ipo_sum) of the same numbers gives another loss."""
+    from rlhfkit.core import ipo_loss
+
+    # pair: chosen 4 tokens, policy -6 / ref -8 -> means -1.5 / -2; rejected 2 tokens, policy -5 / ref -4
+    # -> means -2.5 / -2. h = (-1.5 + 2) - (-2.5 + 2) = 0.5 + 0.5 = 1; beta 0.5: target 1 -> loss 0
+    # second pair: chosen 2 tokens -2 / -2 (means -1 / -1), rejected 5 tokens -10 / -5 (-2 / -1):
+    # h = 0 - (-1) = 1 -> loss 0 too; summed instead: h = 0 - (-5) = 5 -> (5 - 1)^2 = 16
+    args = (torch.tensor([-6.0, -2.0]), torch.tensor([-5.0, -10.0]), torch.tensor([-8.0, -2.0]),
+            torch.tensor([-4.0, -5.0]))
+    lengths = (torch.tensor([4.0, 2.0]), torch.tensor([2.0, 5.0]))
+    loss, stats = ipo_loss(*args, 0.5, *lengths)
+    close(loss, 0.0)
+    # first pair: h_sum = 2 - (-1) = 3 -> (3 - 1)^2 = 4; second 16: mean 10
+    close(ipo_loss(*args, 0.5)[0], 10.0)
+    # implicit rewards over the means, as TRL: chosen 0.5 * 0.5 = 0.25 and 0; rejected 0.5 * -0.5, 0.5 * -1
+    close(stats["dpo/chosen"], 0.125)
+    close(stats["dpo/rejected"], (-0.25 - 0.5) / 2)
+    # one example: per-token h 0.4 vs 2.1 summed, beta 0.1 (target 5): (0.4-5)^2 = 21.16 vs (2.1-5)^2 = 8.41
+    one = (torch.tensor([-3.0]), torch.tensor([-6.0]), torch.tensor([-4.0]), torch.tensor([-4.9]))
+    close(ipo_loss(*one, 0.1, torch.tensor([5.0]), torch.tensor([5.0]))[0], (2.1 / 5 - 5) ** 2)
+    close(ipo_loss(*one, 0.1)[0], (2.1 - 5) ** 2)
+    with pytest.raises(ValueError, match="both"):
+        ipo_loss(*one, 0.1, torch.tensor([5.0]))

@@ -656,6 +656,8 @@ def ipo_loss(
     ref_chosen: torch.Tensor,
     ref_rejected: torch.Tensor,
     beta: float = 0.1,
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """IPO loss (Azar et al. 2023, eq. 17): a squared loss that pulls the log-ratio gap of every
     pair to ``1 / (2 beta)`` instead of pushing it to infinity as the sigmoid loss can.
@@ -663,17 +665,25 @@ def ipo_loss(
     ``h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r))``,
     ``loss = mean((h - 1 / (2 beta))^2)``.
 
-    The log-probs are *summed* over the response tokens, as in the paper and in
-    :func:`dpo_loss` (TRL averages them over the tokens for IPO, so its ``beta`` sets a
-    per-token target and is not interchangeable with this one).
+    With ``chosen_tokens`` / ``rejected_tokens`` (each response's token count) every log-prob is
+    first divided by its response's length -- a per-token mean, TRL's ``loss_type="ipo"``
+    (``dpo.loss=ipo``); without them the log-probs are the response sums, as in
+    :func:`dpo_loss` (``dpo.loss=ipo_sum``). The two ``beta`` are not interchangeable: with sums
+    the target ``1 / (2 beta)`` is a gap over whole responses, with means a gap per token.
 
     Args:
         policy_chosen, policy_rejected, ref_chosen, ref_rejected: ``[B]`` summed log-probs.
         beta: regularisation strength; the target gap is ``1 / (2 beta)``.
+        chosen_tokens, rejected_tokens: ``[B]`` response lengths, or None (sums).
     Returns:
         ``(loss, stats)`` with the keys of :func:`dpo_loss`; the implicit rewards are
-        ``beta * (log pi - log ref)`` as there.
+        ``beta * (log pi - log ref)`` of the log-probs the loss uses (means or sums), as in TRL.
     """
+    if (chosen_tokens is None) != (rejected_tokens is None):
+        raise ValueError("give both chosen_tokens and rejected_tokens, or neither")
+    if chosen_tokens is not None:  # per-token means
+        policy_chosen, ref_chosen = policy_chosen / chosen_tokens, ref_chosen / chosen_tokens  # [B]
+        policy_rejected, ref_rejected = policy_rejected / rejected_tokens, ref_rejected / rejected_tokens  # [B]
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)  # [B]
     loss = ((h - 1.0 / (2.0 * beta)) ** 2).mean()
     return loss, _preference_stats(loss, beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected))
