@@ -411,15 +411,23 @@ class PPOConfig(Section):
     stop_metric: str = "eval/exact_acc"
     """Logged metric that ends the run early at ppo.stop_at: 'eval/exact_acc' (a built-in task's
     verifier), 'eval/accuracy' or 'eval/reward' (held-out prompts scored by the rewards)."""
-    guard_kl: float = 10.0
-    """Reward-hacking watch: flag (guard/kl_high, one warning) steps whose per-sequence KL to the
-    reference exceeds this many nats (0 = off). See rlhfkit.watch."""
+    guard_kl: float = 1.5
+    """Reward-hacking watch: flag (guard/kl_high, one warning) steps where the KL to the reference,
+    per response token (objective/kl / response/length) and averaged over the last 5 steps,
+    exceeds this many nats (0 = off). Per token, so long answers do not raise it: a chat model's
+    healthy 0.03 nats/token is 15 nats over 512 tokens. On the doubling task healthy runs peak
+    near 0.8 (4.6 nats over ~6 tokens; picking the character set alone costs ~log 3 nats) and
+    the collapses the robustness matrix found reached 17-25 nats (~3-4 per token); lower it for
+    long answers. See rlhfkit.watch."""
     guard_eos: float = 0.5
-    """Flag (guard/eos_collapse) steps whose EOS rate falls below this share of the first step's
-    (0 = off)."""
-    guard_eval_drop: float = 0.2
-    """Flag (guard/eval_drop) evaluations where ppo.stop_metric is this far below its best while
-    the training score is above its value at that best (0 = off)."""
+    """Flag (guard/eos_collapse) steps where the EOS rate, averaged over the last 5 steps, falls
+    below this share of its mean over the first 10 steps, by more than 4.5 binomial standard
+    errors (0 = off)."""
+    guard_eval_drop: float = 0.15
+    """Flag (guard/eval_drop) evaluations where ppo.stop_metric, averaged over the last 3
+    evaluations, is more than this share below its best such average (0.15: 0.9 -> under 0.765)
+    and by more than 4.5 times the evaluations' own noise; from the 5th evaluation (0 = off).
+    Off, with one warning at the start, when the run does not log ppo.stop_metric."""
     samples_per_log: int = 4
     """Generations saved to samples.jsonl per step."""
     trajectories_every: int = 10
@@ -904,7 +912,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
     "ppo.missing_eos_penalty": (0, None), "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
     "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None), "ppo.micro_batch_size": (0, None), "ppo.guard_kl": (0, None),
-    "ppo.guard_eos": (0, 1), "ppo.guard_eval_drop": (0, None),
+    "ppo.guard_eos": (0, 1), "ppo.guard_eval_drop": (0, 1),
     "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),
     "sft.steps": (1, None), "sft.batch_size": (1, None), "sft.lr": (0, None), "sft.warmup_steps": (0, None),
     "sft.eval_every": (0, None), "sft.micro_batch_size": (0, None),

@@ -315,7 +315,7 @@ class RLState:
         self.kl_coef, self.train_s = pc.kl_coef, 0.0
         self.reward_stats = RunningMoments() if pc.normalize_reward else None
         self.reached: dict | None = None
-        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, pc.stop_metric)
+        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, pc.stop_metric, pc.batch_size)
         self.signals = SignalWatch("ppo.group_size" if pc.algo in ("grpo", "rloo") else "ppo.samples_per_prompt")
 
     def state_dict(self) -> dict:

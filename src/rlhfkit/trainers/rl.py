@@ -292,6 +292,16 @@ def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward:
                                 cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop)
 
 
+def eval_metrics(data: PromptData, reward: Reward) -> set[str]:
+    """The held-out metrics :func:`evaluate` logs for this run."""
+    if data.task is not None:
+        return {"eval/format_acc", "eval/exact_acc"}
+    if not data.eval_records:
+        return set()
+    return {"eval/reward", *(f"eval/reward/{name}" for name in reward.weights),
+            *(["eval/accuracy"] if reward.accuracy_sources() else [])}
+
+
 def write_samples(fh, step: int, prompts, exp: Experience, tok, k: int) -> None:
     """The first ``k`` rows' prompts, completions and scores (decoded only for those rows)."""
     texts = decode_responses(tok, exp.response_ids[:k], exp.response_mask[:k])
@@ -365,6 +375,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
                          "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
     st = RLState(pc)
+    evaluations = pc.steps // pc.eval_every + bool(pc.steps % pc.eval_every) if pc.eval_every else 1
+    st.watch.announce(eval_metrics(data, scorer), evaluations)  # one warning naming the guards that are off
     # run.resume: every weight, optimizer moment, RNG, the data position and the counters
     # come back from the newest checkpoint, so the steps after it repeat those of an unbroken run
     resumed = run.restore({"actor_critic": ac}, {"optimizer": optimizer}, data=data.train)
