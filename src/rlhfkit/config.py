@@ -415,10 +415,10 @@ class PPOConfig(Section):
     """Reward-hacking watch: flag (guard/kl_high, one warning) steps where the KL to the reference,
     per response token (objective/kl / response/length) and averaged over the last 5 steps,
     exceeds this many nats (0 = off). Per token, so long answers do not raise it: a chat model's
-    healthy 0.03 nats/token is 15 nats over 512 tokens. On the doubling task healthy runs peak
-    near 0.8 (4.6 nats over ~6 tokens; picking the character set alone costs ~log 3 nats) and
-    the collapses the robustness matrix found reached 17-25 nats (~3-4 per token); lower it for
-    long answers. See rlhfkit.watch."""
+    healthy 0.03 nats/token is 15 nats over 512 tokens. On the doubling task the defaults' runs
+    peaked at 0.36-0.69 nats/token (seed 0, the three rewards) and the GRPO collapses of the
+    robustness matrix at 3.1 and 4.3 (17 and 25 nats); lower it for long answers. See
+    rlhfkit.watch."""
     guard_eos: float = 0.5
     """Flag (guard/eos_collapse) steps where the EOS rate, averaged over the last 5 steps, falls
     below this share of its mean over the first 10 steps, by more than 4.5 binomial standard

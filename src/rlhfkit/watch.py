@@ -21,7 +21,8 @@ Each sign is a window of steps, never one batch, so a healthy run's noise does n
   ``eval_window`` evaluations, fell more than the share ``ppo.guard_eval_drop`` below the best
   such average, and by more than ``z`` times the evaluations' own noise (the mean step between
   consecutive evaluations, / 1.128, its value for independent normal draws: a learning curve's
-  own steps only raise it), from the ``min_evals``-th evaluation on. A relative drop means the
+  own steps only raise it, and a fall in one step is flagged at the next evaluation), from the
+  ``min_evals``-th evaluation on. A relative drop means the
   same on any metric's scale; with few held-out prompts a low accuracy is noisy, and the noise
   term keeps it quiet.
 
