@@ -5,8 +5,9 @@ classifier} x seeds runs the command with its defaults (``ALGO_DEFAULTS`` and th
 the same pretrained doubling base, for a fixed number of steps with no early stop, evaluating
 greedy exact accuracy on the 512 held-out prompts every ``--eval-every`` steps. It prints, per
 cell: steps and training seconds to the first evaluation at >= 0.95 exact, the final exact
-accuracy, the peak per-sequence KL to the reference (``objective/kl``), the final EOS rate,
-and whether the run collapsed (final exact below half its best -- a reward-hacked policy).
+accuracy, the peak per-sequence KL to the reference (``objective/kl``) and per token, the final
+EOS rate, whether the run collapsed (final exact below half its best -- a reward-hacked policy)
+and which reward-hacking guards (``guard/*``, rlhfkit.watch) flagged a step.
 
 The three rewards:
     exact       the task's verifier as a function: 1 for the right answer in the requested set
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import DEFAULT_OUT, pinned_cmd, prepare, quiet_hf, worker_setup  # noqa: E402
 
 ALGOS = ("ppo", "grpo", "rloo", "reinforce")
+GUARD_KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop")  # rlhfkit.watch.KEYS
 REWARDS = ("exact", "bt", "classifier")
 TARGET = 0.95
 RESULT = "RESULT "
@@ -71,7 +73,9 @@ def run_cell(algo: str, reward: str, seed: int, paths: dict, args) -> dict:
     final = evals[-1]["eval/exact_acc"]
     return {"steps": hit["step"] + 1 if hit else None, "train_s": hit["time/train_s"] if hit else None,
             "final_exact": final, "best_exact": best, "peak_kl": max(r["objective/kl"] for r in rows),
-            "final_eos": rows[-1]["response/eos_rate"], "collapsed": final < 0.5 * best}
+            "peak_kl_token": max(r["objective/kl"] / r["response/length"] for r in rows if r["response/length"]),
+            "final_eos": rows[-1]["response/eos_rate"], "collapsed": final < 0.5 * best,
+            "guards": sorted(k for k in GUARD_KEYS if any(r.get(k) for r in rows))}
 
 
 def worker(args) -> None:
@@ -119,7 +123,8 @@ def main() -> None:
                 results.append(res)
                 print(f"  {algo:<10} {reward:<11} seed {seed}: to {TARGET}: {res['steps']} steps "
                       f"{res['train_s'] and round(res['train_s'], 2)} s; final {res['final_exact']:.3f} "
-                      f"(best {res['best_exact']:.3f}), peak KL {res['peak_kl']:.2f}, EOS {res['final_eos']:.2f}"
+                      f"(best {res['best_exact']:.3f}), peak KL {res['peak_kl']:.2f} ({res['peak_kl_token']:.2f}/token), "
+                      f"EOS {res['final_eos']:.2f}, guards {', '.join(res['guards']) or 'none'}"
                       f"{'  COLLAPSED' if res['collapsed'] else ''}", flush=True)
     report(results, args)
     if args.json:
@@ -131,7 +136,7 @@ def report(results: list[dict], args) -> None:
           f"prompts every {args.eval_every} steps; seeds {' '.join(map(str, args.seeds))}; overrides: "
           f"{' '.join(args.override) or 'none'}")
     print(f"{'algo':<10}{'reward':<12}{'steps to ' + str(TARGET):>14}{'seconds':>10}{'final exact':>13}"
-          f"{'min final':>11}{'peak KL':>9}{'final EOS':>11}{'collapsed':>11}")
+          f"{'min final':>11}{'peak KL':>9}{'final EOS':>11}{'collapsed':>11}{'guarded':>9}")
     cells = {}
     for r in results:
         cells.setdefault((r["algo"], r["reward"]), []).append(r)
@@ -141,7 +146,8 @@ def report(results: list[dict], args) -> None:
         secs = f"{statistics.median(r['train_s'] for r in reached):.1f}" if reached else "-"
         print(f"{algo:<10}{reward:<12}{steps:>14}{secs:>10}{statistics.median(r['final_exact'] for r in rows):>13.3f}"
               f"{min(r['final_exact'] for r in rows):>11.3f}{max(r['peak_kl'] for r in rows):>9.2f}"
-              f"{min(r['final_eos'] for r in rows):>11.2f}{sum(r['collapsed'] for r in rows):>8}/{len(rows)}")
+              f"{min(r['final_eos'] for r in rows):>11.2f}{sum(r['collapsed'] for r in rows):>8}/{len(rows)}"
+              f"{sum(bool(r['guards']) for r in rows):>6}/{len(rows)}")
     bad = [r for r in results if r["final_exact"] < TARGET]
     print(f"\ncells below {TARGET} final exact: {len(bad)} of {len(results)} runs")
 

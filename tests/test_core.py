@@ -433,8 +433,33 @@ def test_batch_scaling_divides_by_the_batch_std_and_drops_the_reward_units():
     close(rloo_advantages(scores, 3, "group"), 1.5 * group_advantages(scores, 3, "group"), tol=1e-12)
     with pytest.raises(ValueError, match="no groups"):
         reinforce_advantages(scores, "group")
-    with pytest.raises(ValueError, match="'group', 'batch' or 'none'"):
+    with pytest.raises(ValueError, match="'group', 'batch', 'advantages' or 'none'"):
         scale_advantages(scores, scores, 3, "batchwise")
+
+
+def test_advantage_scaling_normalises_the_advantages_not_the_scores():
+    """scale_rewards=advantages (TRL's RLOO normalize_advantages): (A - mean A) / std A, against
+    'batch' which divides by the raw scores' std."""
+    from rlhfkit.config import load_config
+    from rlhfkit.core import group_advantages, reinforce_advantages, rloo_advantages
+
+    scores = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0], dtype=torch.float64)
+    # RLOO advantages -3, -1.5, 4.5, -1.5, -1.5, 3: mean 0, squares 9 + 2.25 + 20.25 + 2.25 + 2.25 + 9
+    # = 45, unbiased variance 45/5 = 9, std 3 -> -1, -0.5, 1.5, -0.5, -0.5, 1
+    close(rloo_advantages(scores, 3, "advantages"), [a / (1 + 1e-4 / 3) for a in (-1, -0.5, 1.5, -0.5, -0.5, 1)],
+          tol=1e-12)
+    # 'batch' divides by std(scores) = sqrt(26/5) = 2.280: -3 / 2.280 = -1.316, not -1
+    assert abs(rloo_advantages(scores, 3, "batch")[0].item() + 3 / math.sqrt(5.2)) < 1e-4
+    # GRPO: deviations from the group means -2, -1, 3, -1, -1, 2 (squares sum 20, std 2)
+    close(group_advantages(scores, 3, "advantages"), [d / (2 + 1e-4) for d in (-2, -1, 3, -1, -1, 2)], tol=1e-12)
+    # a batch mean that is not 0 is removed: advantages 1, 1, 4 (mean 2, std sqrt(3))
+    from rlhfkit.core import scale_advantages
+
+    close(scale_advantages(torch.tensor([1.0, 1.0, 4.0], dtype=torch.float64), torch.zeros(3), 3, "advantages"),
+          [x / (math.sqrt(3) + 1e-4) for x in (-1, -1, 2)], tol=1e-12)
+    # reinforce: the centred scores' std is the scores' std, so the two agree
+    close(reinforce_advantages(scores, "advantages"), reinforce_advantages(scores, "batch"), tol=1e-12)
+    assert load_config(None, ["ppo.algo=rloo", "ppo.scale_rewards=advantages"]).ppo.scale_rewards == "advantages"
 
 
 def test_scale_rewards_reads_the_old_booleans_and_refuses_groups_for_reinforce():
@@ -481,3 +506,30 @@ def test_ipo_loss_hand_computed():
     # a gap beyond the target is pulled back (the sigmoid loss would keep pushing it out)
     far, _ = ipo_loss(torch.tensor([10.0]), torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([0.0]), beta=0.25)
     close(far, (10.0 - 2.0) ** 2)
+
+
+def test_ipo_over_per_token_means_as_trl():
+    """dpo.loss=ipo (TRL's loss_type='ipo'): each log-prob divided by its response's length before
+    the gap; the summed form (ipo_sum) of the same numbers gives another loss."""
+    from rlhfkit.core import ipo_loss
+
+    # pair: chosen 4 tokens, policy -6 / ref -8 -> means -1.5 / -2; rejected 2 tokens, policy -5 / ref -4
+    # -> means -2.5 / -2. h = (-1.5 + 2) - (-2.5 + 2) = 0.5 + 0.5 = 1; beta 0.5: target 1 -> loss 0
+    # second pair: chosen 2 tokens -2 / -2 (means -1 / -1), rejected 5 tokens -10 / -5 (-2 / -1):
+    # h = 0 - (-1) = 1 -> loss 0 too; summed instead: h = 0 - (-5) = 5 -> (5 - 1)^2 = 16
+    args = (torch.tensor([-6.0, -2.0]), torch.tensor([-5.0, -10.0]), torch.tensor([-8.0, -2.0]),
+            torch.tensor([-4.0, -5.0]))
+    lengths = (torch.tensor([4.0, 2.0]), torch.tensor([2.0, 5.0]))
+    loss, stats = ipo_loss(*args, 0.5, *lengths)
+    close(loss, 0.0)
+    # first pair: h_sum = 2 - (-1) = 3 -> (3 - 1)^2 = 4; second 16: mean 10
+    close(ipo_loss(*args, 0.5)[0], 10.0)
+    # implicit rewards over the means, as TRL: chosen 0.5 * 0.5 = 0.25 and 0; rejected 0.5 * -0.5, 0.5 * -1
+    close(stats["dpo/chosen"], 0.125)
+    close(stats["dpo/rejected"], (-0.25 - 0.5) / 2)
+    # one example: per-token h 0.4 vs 2.1 summed, beta 0.1 (target 5): (0.4-5)^2 = 21.16 vs (2.1-5)^2 = 8.41
+    one = (torch.tensor([-3.0]), torch.tensor([-6.0]), torch.tensor([-4.0]), torch.tensor([-4.9]))
+    close(ipo_loss(*one, 0.1, torch.tensor([5.0]), torch.tensor([5.0]))[0], (2.1 / 5 - 5) ** 2)
+    close(ipo_loss(*one, 0.1)[0], (2.1 - 5) ** 2)
+    with pytest.raises(ValueError, match="both"):
+        ipo_loss(*one, 0.1, torch.tensor([5.0]))

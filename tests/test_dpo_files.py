@@ -56,15 +56,17 @@ def response_logprob(model, tok, prompt: str, response: str) -> tuple[float, int
 def hand_dpo_eval(policy, ref, tok, pairs: list[dict], beta: float, nll_coef: float, loss: str) -> dict:
     chosen, rejected, h, nll, n_tok = [], [], [], 0.0, 0
     for p in pairs:
-        (pc, nc), (pr, _) = (response_logprob(policy, tok, p["prompt"], p[k]) for k in ("chosen", "rejected"))
+        (pc, nc), (pr, nr) = (response_logprob(policy, tok, p["prompt"], p[k]) for k in ("chosen", "rejected"))
         rc, rr = response_logprob(ref, tok, p["prompt"], p["chosen"])[0], response_logprob(ref, tok, p["prompt"],
                                                                                              p["rejected"])[0]
+        nll, n_tok = nll - pc, n_tok + nc
+        if loss == "ipo":  # TRL's IPO: every log-prob a mean over its response's tokens
+            pc, rc, pr, rr = pc / nc, rc / nc, pr / nr, rr / nr
         chosen.append(beta * (pc - rc))
         rejected.append(beta * (pr - rr))
         h.append((pc - rc) - (pr - rr))
-        nll, n_tok = nll - pc, n_tok + nc
     n = len(pairs)
-    if loss == "ipo":
+    if loss in ("ipo", "ipo_sum"):
         pref = sum((x - 1 / (2 * beta)) ** 2 for x in h) / n
     else:
         pref = sum(-math.log(1 / (1 + math.exp(-beta * x))) for x in h) / n
@@ -77,7 +79,35 @@ def hand_dpo_eval(policy, ref, tok, pairs: list[dict], beta: float, nll_coef: fl
 # --------------------------------------------------------------------------- DPO
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+@torch.no_grad()
+def response_logits(model, tok, prompt: str, response: str) -> tuple[float, int]:
+    """Sum over the response positions of the logits' mean over the vocabulary, and their count."""
+    head, resp = token_ids(tok, prompt, response)
+    logits = model(torch.tensor([head + resp])).logits[0, :-1].double()  # [T-1, V]
+    return logits[len(head) - 1 :].mean(-1).sum().item(), len(resp)
+
+
+def test_dpo_logs_trl_logps_and_logits_of_the_whole_batch(tiny_models, tiny_config, tmp_path):
+    """logps/* (summed per response, averaged over pairs) and logits/* (averaged over every
+    response token and the vocabulary) as TRL logs them, by hand: the first step's batch is every
+    pair and the policy is still the starting model; micro-batches of 3 of the 8 pairs must not
+    change the token means."""
+    pairs = task_pairs(8, seed=3)
+    cfg = tiny_config(tmp_path / "out", model={"name": tiny_models.policy},
+                      data={"path": write_jsonl(tmp_path / "train.jsonl", pairs), "eval_fraction": 0.0},
+                      dpo={"steps": 1, "batch_size": 8, "micro_batch_size": 3})
+    train_dpo(cfg)
+    row = read_jsonl(tmp_path / "out" / "metrics.jsonl")[0]
+    start = AutoModelForCausalLM.from_pretrained(tiny_models.policy)
+    for kind in ("chosen", "rejected"):
+        logps = [response_logprob(start, TOK, p["prompt"], p[kind])[0] for p in pairs]
+        sums, counts = zip(*(response_logits(start, TOK, p["prompt"], p[kind]) for p in pairs))
+        assert row[f"logps/{kind}"] == pytest.approx(sum(logps) / len(pairs), rel=1e-5)
+        assert row[f"logits/{kind}"] == pytest.approx(sum(sums) / sum(counts), rel=1e-5, abs=1e-6)
+    assert len({len(token_ids(TOK, p["prompt"], p["chosen"])[1]) for p in pairs}) > 1  # the lengths differ
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "ipo_sum"])
 def test_dpo_from_a_pairs_file_logs_trl_metrics_and_held_out_pairs(loss, tiny_models, tiny_config, tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", task_pairs(24, seed=1))
     held = task_pairs(3, seed=2)
@@ -94,7 +124,7 @@ def test_dpo_from_a_pairs_file_logs_trl_metrics_and_held_out_pairs(loss, tiny_mo
         assert "eval/format_acc" not in row  # no greedy task evaluation for a file's pairs
     assert [r["step"] for r in rows if "eval/loss" in r] == [1, 3]  # every 2 steps, the last included
     beta = cfg.dpo.beta
-    if loss == "ipo":  # first step: policy == reference, so h = 0 and the loss is (1 / (2 beta))^2
+    if loss != "sigmoid":  # first step: policy == reference, so h = 0 and the loss is (1 / (2 beta))^2
         assert rows[0]["dpo/loss"] == pytest.approx(1 / (4 * beta**2), rel=1e-5)
     else:
         assert rows[0]["dpo/loss"] == pytest.approx(math.log(2), rel=1e-5)

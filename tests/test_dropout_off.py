@@ -8,7 +8,8 @@ Llama with ``attention_dropout=0.1``), through ``build_models`` and the loop's o
 the sampler's log-probs equal the training forward's, the first minibatch of every rollout
 has ratio 1 (also after optimizer steps, once the adapter is no longer zero), at lr = 0 the
 ratio stays 1 over every minibatch, and a value model gives the same values twice.
-SFT, DPO and reward-model training keep the adapter's dropout: one forward per loss term.
+SFT and reward-model training keep the adapter's dropout: one forward per loss term. DPO turns
+it off too by default (``dpo.disable_dropout``, TRL's ``disable_dropout=True``).
 """
 
 from __future__ import annotations
@@ -190,10 +191,35 @@ def test_lora_value_model_gives_the_same_values_twice(hub, tmp_path, monkeypatch
         assert_ratio_one(stats, mb)
 
 
-def test_sft_and_dpo_keep_the_adapter_dropout(hub):
+def test_sft_keeps_the_adapter_dropout(hub):
     """Outside RL the adapter's dropout is regularisation, as model.lora_dropout says; the
     model's own dropouts are off there too."""
     mc = dataclasses.replace(Config().model, lora_r=4, lora_dropout=0.3)
     policy, _ = policy_with_reference(hub["llama", False], mc, CPU, reference=False)
     found = active_dropouts(policy)
     assert found and all("lora_dropout" in name for name in found), found
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_dpo_turns_the_adapter_dropout_off_unless_asked(disable, tiny_models, tiny_config, tmp_path, monkeypatch):
+    """dpo.disable_dropout (default True, TRL's disable_dropout): the policy DPO trains has no
+    dropout left, the LoRA adapter's included; False keeps model.lora_dropout on the adapter."""
+    import rlhfkit.trainers.dpo as dpo
+
+    built = []
+
+    def spy(*args, **kwargs):
+        policy, ref = policy_with_reference(*args, **kwargs)
+        built.append(policy)
+        return policy, ref
+
+    monkeypatch.setattr(dpo, "policy_with_reference", spy)
+    cfg = tiny_config(tmp_path, model={"name": tiny_models.policy, "lora_r": 4, "lora_dropout": 0.3},
+                      dpo={"steps": 1, "disable_dropout": disable})
+    assert Config().dpo.disable_dropout
+    dpo.train_dpo(cfg)
+    found = active_dropouts(built[0])
+    if disable:
+        assert found == []
+    else:
+        assert found and all("lora_dropout" in name for name in found), found

@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfkit.checkpoint import Checkpointer, latest_checkpoint
+from rlhfkit.config import PPOConfig
+from rlhfkit.experience import RLState
 
 STEPS = 12
 
@@ -139,6 +141,25 @@ def test_checkpoints_are_pruned_and_a_mismatched_resume_is_refused(tmp_path):
     assert Checkpointer(tmp_path / "elsewhere", resume=True).restore({"m": fresh}, {}) is None  # nothing to resume
     with pytest.raises(ValueError, match="only 4 steps"):  # a budget that ends at or before the checkpoint
         Checkpointer(tmp_path, resume=True).restore({"m": fresh}, {"opt": fresh_opt}, steps=4)
+
+
+def test_switching_normalize_reward_on_at_resume_starts_the_statistics_fresh():
+    """A checkpoint written with ppo.normalize_reward off holds no reward statistics: resuming with
+    it on warns once and starts them at zero (it raised a TypeError on unpacking None)."""
+    old = RLState(PPOConfig())
+    old.kl_coef = 0.07
+    resumed = RLState(PPOConfig(normalize_reward=True))
+    with pytest.warns(RuntimeWarning, match="ppo.normalize_reward=false"):
+        resumed.load_state_dict(json.loads(json.dumps(old.state_dict())))
+    assert resumed.kl_coef == 0.07  # the rest of the state still comes back
+    m = resumed.reward_stats
+    assert (m.count, m.mean, m.m2) == (0, 0.0, 0.0)
+    m.update(torch.tensor([1.0, 3.0]))
+    assert (m.count, m.mean, m.std) == (2, 2.0, pytest.approx(2**0.5))
+    # the other way round the statistics are simply not used
+    back = RLState(PPOConfig())
+    back.load_state_dict(resumed.state_dict())
+    assert back.reward_stats is None
 
 
 def _kill_after_checkpoint(args: list[str], out: Path, steps_done: int) -> int:

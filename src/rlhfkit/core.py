@@ -403,13 +403,19 @@ def gae(
 
 def scale_advantages(centred: torch.Tensor, scores: torch.Tensor, group_size: int, scale: str | bool,
                      eps: float = 1e-4) -> torch.Tensor:
-    """Divide baseline-centred scores ``[B]`` by a standard deviation of the scores ``[B]``:
+    """Scale baseline-centred scores ``[B]`` by a standard deviation:
 
-    * ``"group"`` (or True): each group's own (unbiased) std -- GRPO's paper and reference code.
-      Small differences inside a group become full-size advantages, whatever the reward's units;
-    * ``"batch"``: the std of every score in the batch (TRL's ``scale_rewards="batch"``): the
-      advantages no longer carry the reward's units, and a group whose scores barely differ
-      keeps small advantages;
+    * ``"group"`` (or True): each group's own (unbiased) std of the scores -- GRPO's paper and
+      reference code. Small differences inside a group become full-size advantages, whatever
+      the reward's units;
+    * ``"batch"``: the std of every score in the batch, ``std(scores)`` (TRL's GRPO
+      ``scale_rewards="batch"``): the advantages no longer carry the reward's units, and a group
+      whose scores barely differ keeps small advantages;
+    * ``"advantages"``: the centred values themselves, re-centred on their batch mean and divided
+      by their own std, ``(c - mean(c)) / std(c)`` (TRL's RLOO ``normalize_advantages=True``).
+      It differs from ``"batch"`` by the ratio ``std(scores) / std(c)``: a group's centring removes
+      the spread between prompts (and RLOO's leave-one-out stretches each group by G / (G - 1)),
+      so the two can be far apart; for reinforce (one batch-mean baseline) they are equal;
     * ``"none"`` (or False): nothing -- advantages in the reward's units (Dr. GRPO).
 
     ``eps`` keeps a group (or batch) of equal scores at 0 instead of 0/0.
@@ -419,10 +425,12 @@ def scale_advantages(centred: torch.Tensor, scores: torch.Tensor, group_size: in
         return centred
     if scale == "batch":
         return centred / (scores.std() + eps)
+    if scale == "advantages":
+        return (centred - centred.mean()) / (centred.std() + eps)
     if scale == "group":
         std = scores.view(-1, group_size).std(-1, keepdim=True)  # [B/G, 1]
         return (centred.view(-1, group_size) / (std + eps)).reshape(-1)
-    raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    raise ValueError(f"scale must be 'group', 'batch', 'advantages' or 'none', got {scale!r}")
 
 
 def _check_groups(scores: torch.Tensor, group_size: int) -> None:
@@ -648,6 +656,8 @@ def ipo_loss(
     ref_chosen: torch.Tensor,
     ref_rejected: torch.Tensor,
     beta: float = 0.1,
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """IPO loss (Azar et al. 2023, eq. 17): a squared loss that pulls the log-ratio gap of every
     pair to ``1 / (2 beta)`` instead of pushing it to infinity as the sigmoid loss can.
@@ -655,17 +665,25 @@ def ipo_loss(
     ``h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r))``,
     ``loss = mean((h - 1 / (2 beta))^2)``.
 
-    The log-probs are *summed* over the response tokens, as in the paper and in
-    :func:`dpo_loss` (TRL averages them over the tokens for IPO, so its ``beta`` sets a
-    per-token target and is not interchangeable with this one).
+    With ``chosen_tokens`` / ``rejected_tokens`` (each response's token count) every log-prob is
+    first divided by its response's length -- a per-token mean, TRL's ``loss_type="ipo"``
+    (``dpo.loss=ipo``); without them the log-probs are the response sums, as in
+    :func:`dpo_loss` (``dpo.loss=ipo_sum``). The two ``beta`` are not interchangeable: with sums
+    the target ``1 / (2 beta)`` is a gap over whole responses, with means a gap per token.
 
     Args:
         policy_chosen, policy_rejected, ref_chosen, ref_rejected: ``[B]`` summed log-probs.
         beta: regularisation strength; the target gap is ``1 / (2 beta)``.
+        chosen_tokens, rejected_tokens: ``[B]`` response lengths, or None (sums).
     Returns:
         ``(loss, stats)`` with the keys of :func:`dpo_loss`; the implicit rewards are
-        ``beta * (log pi - log ref)`` as there.
+        ``beta * (log pi - log ref)`` of the log-probs the loss uses (means or sums), as in TRL.
     """
+    if (chosen_tokens is None) != (rejected_tokens is None):
+        raise ValueError("give both chosen_tokens and rejected_tokens, or neither")
+    if chosen_tokens is not None:  # per-token means
+        policy_chosen, ref_chosen = policy_chosen / chosen_tokens, ref_chosen / chosen_tokens  # [B]
+        policy_rejected, ref_rejected = policy_rejected / rejected_tokens, ref_rejected / rejected_tokens  # [B]
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)  # [B]
     loss = ((h - 1.0 / (2.0 * beta)) ** 2).mean()
     return loss, _preference_stats(loss, beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected))

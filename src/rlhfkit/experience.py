@@ -9,6 +9,7 @@ batch baseline without). Every ``[B, R]`` tensor is response-aligned (docs/desig
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -316,7 +317,8 @@ class RLState:
         self.reached: dict | None = None
         # the held-out metric the run stops on (ppo.stop_metric, or the one its evaluation logs)
         self.stop_metric = stop_metric or pc.stop_metric
-        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, self.stop_metric)
+        self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, self.stop_metric,
+                                  pc.batch_size)
         self.signals = SignalWatch("ppo.group_size" if pc.algo in ("grpo", "rloo") else "ppo.samples_per_prompt")
 
     def state_dict(self) -> dict:
@@ -331,5 +333,9 @@ class RLState:
         self.watch.load_state_dict(state["watch"])
         if "signals" in state:  # checkpoints written before the signal watch have none
             self.signals.load_state_dict(state["signals"])
-        if self.reward_stats is not None:
+        if self.reward_stats is not None and state.get("reward_stats") is None:
+            # written with ppo.normalize_reward=false: there are no statistics to carry over
+            warnings.warn("the checkpoint was written with ppo.normalize_reward=false: the reward statistics "
+                          "start fresh at this step", RuntimeWarning, stacklevel=2)
+        elif self.reward_stats is not None:
             self.reward_stats.count, self.reward_stats.mean, self.reward_stats.m2 = state["reward_stats"]

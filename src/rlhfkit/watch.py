@@ -8,79 +8,180 @@ metrics (1 on the steps where the sign shows, 0 otherwise); the first time each 
 warns once, naming the step and the setting that bounds it. ``rlhfkit report`` marks the
 steps on every curve.
 
-* ``guard/kl_high``: the per-sequence KL to the reference (``objective/kl``, nats) is above
-  ``ppo.guard_kl``;
-* ``guard/eos_collapse``: the share of responses that end with EOS fell below
-  ``ppo.guard_eos`` times its value at the first step;
-* ``guard/eval_drop``: the held-out metric (``ppo.stop_metric``) fell more than
-  ``ppo.guard_eval_drop`` below its best while the training score (``objective/score``)
-  is above its value at that best.
+Each sign is a window of steps, never one batch, so a healthy run's noise does not raise it
+(``tests/test_watch.py`` simulates 1000 healthy 100-step runs per setting: at most 1% flag):
+
+* ``guard/kl_high``: the per-token KL to the reference (``objective/kl`` over
+  ``response/length``, nats per token), averaged over the last ``window`` steps, is above
+  ``ppo.guard_kl``; a per-sequence bound would fire on long answers at a healthy per-token drift;
+* ``guard/eos_collapse``: the EOS rate (``response/eos_rate``) averaged over the last ``window``
+  steps fell below ``ppo.guard_eos`` times its mean over the first ``anchor`` steps, by more than
+  ``z`` standard errors of two binomial means (``batch_size`` completions a step) below that mean;
+* ``guard/eval_drop``: the held-out metric (``ppo.stop_metric``), averaged over the last
+  ``eval_window`` evaluations, fell more than the share ``ppo.guard_eval_drop`` below the best
+  such average, and by more than ``z`` times the evaluations' own noise (the mean step between
+  consecutive evaluations, / 1.128, its value for independent normal draws: a learning curve's
+  own steps only raise it, and a fall in one step is flagged at the next evaluation), from the
+  ``min_evals``-th evaluation on. A relative drop means the
+  same on any metric's scale; with few held-out prompts a low accuracy is noisy, and the noise
+  term keeps it quiet.
+
+A guard that cannot act says so once at the start (:meth:`HackingWatch.announce`): its key is 0,
+or the run does not log ``ppo.stop_metric``, or evaluates too rarely.
 
 :class:`SignalWatch` warns, once each, when most prompt groups carry no reward variance or most
 completions are cut at ``max_new_tokens``: not gaming, but a run with little to learn from.
+
+Both watches take scalars (one run) or, for simulations, arrays of runs stepping together.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
+import numpy as np
+
 KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop")
+NORMAL_MEAN_ABS_DIFF = 2 / math.sqrt(math.pi)  # E|X - Y| of two independent N(0, s^2) draws, in units of s
+
+
+def _mean(values: list) -> np.ndarray:
+    return np.mean(np.stack(values), axis=0)
 
 
 class HackingWatch:
     """Per-step reward-hacking checks; ``check(step, stats)`` returns the ``guard/*`` flags.
-    Its counters are part of a checkpoint (:meth:`state_dict`), so a resumed run flags and warns
-    exactly as an unbroken one."""
+    Its windows are part of a checkpoint (:meth:`state_dict`), so a resumed run flags and warns
+    exactly as an unbroken one.
+
+    ``kl_max`` (nats per token), ``eos_ratio`` and ``eval_drop`` (a share of the best) are
+    ``ppo.guard_*`` (0 = off); ``batch_size`` completions make one step's EOS rate."""
 
     def __init__(self, kl_max: float = 0.0, eos_ratio: float = 0.0, eval_drop: float = 0.0,
-                 metric: str = "eval/exact_acc"):
+                 metric: str = "eval/exact_acc", batch_size: int = 64, window: int = 5, anchor: int = 10,
+                 z: float = 4.5, eval_window: int = 3, min_evals: int = 5):
         self.kl_max, self.eos_ratio, self.eval_drop, self.metric = kl_max, eos_ratio, eval_drop, metric
-        self.first_eos: float | None = None
-        self.best: float | None = None
-        self.score_at_best = 0.0
+        self.batch_size, self.window, self.anchor, self.z = batch_size, window, anchor, z
+        self.eval_window, self.min_evals = eval_window, min_evals
+        self.eos_anchor: list = []  # the first `anchor` steps' EOS rates
+        self.eos_recent: list = []  # the last `window` steps'
+        self.kl_recent: list = []  # the last `window` steps' per-token KLs
+        self.score_recent: list = []  # the last `window` steps' training scores
+        self.evals: list = []  # every evaluation of `metric`
+        self.best = None  # the best mean of `eval_window` consecutive evaluations
+        self.score_at_best = None  # the training score's window mean then
         self.warned: list[str] = []
 
-    def check(self, step: int, stats: dict[str, float]) -> dict[str, float]:
-        kl, eos, score = stats.get("objective/kl", 0.0), stats.get("response/eos_rate"), stats.get("objective/score")
-        if self.first_eos is None and eos is not None:
-            self.first_eos = eos
-        flags = {
-            "guard/kl_high": bool(self.kl_max and kl > self.kl_max),
-            "guard/eos_collapse": bool(self.eos_ratio and eos is not None and self.first_eos
-                                       and eos < self.eos_ratio * self.first_eos),
-            "guard/eval_drop": False,
-        }
-        value = stats.get(self.metric)
-        if value is not None and score is not None:
-            if self.best is None or value > self.best:
-                self.best, self.score_at_best = value, score
-            flags["guard/eval_drop"] = bool(self.eval_drop and value < self.best - self.eval_drop
-                                            and score > self.score_at_best)
+    def announce(self, logged: set[str] | None = None, evaluations: int | None = None) -> list[str]:
+        """Warn once, at the start, which guards are off and why: a key at 0, ``metric`` not among
+        the ``logged`` eval metrics (None: unknown), fewer than ``min_evals`` ``evaluations``."""
+        off = []
+        if not self.kl_max:
+            off.append("guard/kl_high (ppo.guard_kl=0)")
+        if not self.eos_ratio:
+            off.append("guard/eos_collapse (ppo.guard_eos=0)")
+        if not self.eval_drop:
+            off.append("guard/eval_drop (ppo.guard_eval_drop=0)")
+        elif logged is not None and self.metric not in logged:
+            have = ", ".join(sorted(k for k in logged if k.count("/") == 1)) or "no held-out metric"
+            off.append(f"guard/eval_drop (this run does not log ppo.stop_metric={self.metric}; it logs {have}"
+                       + (": set ppo.stop_metric to one of them)" if logged else ": set data.eval_path)"))
+        elif evaluations is not None and evaluations < self.min_evals:
+            off.append(f"guard/eval_drop ({evaluations} evaluation(s) in the run, it needs {self.min_evals}: "
+                       "lower ppo.eval_every)")
+        if off:
+            warnings.warn("reward-hacking guards off: " + "; ".join(off), RuntimeWarning, stacklevel=2)
+        return off
+
+    def check(self, step: int, stats: dict) -> dict:
+        kl, length = stats.get("objective/kl"), stats.get("response/length")
+        eos, score, value = stats.get("response/eos_rate"), stats.get("objective/score"), stats.get(self.metric)
+        w = self.window
+        if kl is not None and length is not None:
+            length = np.asarray(length, dtype=float)
+            per_token = np.where(length > 0, np.asarray(kl, dtype=float) / np.maximum(length, 1e-12), 0.0)
+            self.kl_recent = (self.kl_recent + [per_token])[-w:]
+        if eos is not None:
+            eos = np.asarray(eos, dtype=float)
+            if len(self.eos_anchor) < self.anchor:
+                self.eos_anchor.append(eos)
+            self.eos_recent = (self.eos_recent + [eos])[-w:]
+        if score is not None:
+            self.score_recent = (self.score_recent + [np.asarray(score, dtype=float)])[-w:]
+        flags = {"guard/kl_high": self._kl_high(), "guard/eos_collapse": self._eos_collapse(),
+                 "guard/eval_drop": self._eval_drop(value) if value is not None else np.asarray(False)}
         for key, on in flags.items():
-            if on and key not in self.warned:
+            if on.ndim == 0 and on and key not in self.warned:  # messages for one run only
                 self.warned.append(key)
                 warnings.warn(self._message(key, step, stats), RuntimeWarning, stacklevel=2)
-        return {k: float(v) for k, v in flags.items()}
+        return {k: float(v) if v.ndim == 0 else v.astype(float) for k, v in flags.items()}
+
+    def _kl_high(self) -> np.ndarray:
+        if not self.kl_max or len(self.kl_recent) < self.window:
+            return np.asarray(False)
+        return _mean(self.kl_recent) > self.kl_max
+
+    def _eos_collapse(self) -> np.ndarray:
+        if not self.eos_ratio or len(self.eos_anchor) < self.anchor or len(self.eos_recent) < self.window:
+            return np.asarray(False)
+        a, recent = _mean(self.eos_anchor), _mean(self.eos_recent)
+        # the standard error of (anchor mean - recent mean) were the EOS probability a all along
+        se = np.sqrt(a * (1 - a) * (1 / (self.batch_size * self.window) + 1 / (self.batch_size * self.anchor)))
+        return (recent < self.eos_ratio * a) & (a - recent > self.z * se)
+
+    def _eval_drop(self, value) -> np.ndarray:
+        self.evals.append(np.asarray(value, dtype=float))
+        if len(self.evals) < self.eval_window:
+            return np.asarray(False)
+        smooth = _mean(self.evals[-self.eval_window :])
+        score = _mean(self.score_recent) if self.score_recent else np.zeros_like(smooth)
+        if self.best is None:
+            self.best, self.score_at_best = smooth, score
+        else:
+            better = smooth > self.best
+            self.best = np.where(better, smooth, self.best)
+            self.score_at_best = np.where(better, score, self.score_at_best)
+        if not self.eval_drop or len(self.evals) < self.min_evals:
+            return np.zeros_like(smooth, dtype=bool)
+        noise = np.abs(np.diff(np.stack(self.evals), axis=0)).mean(0) / NORMAL_MEAN_ABS_DIFF
+        return (smooth < (1 - self.eval_drop) * self.best) & (self.best - smooth > self.z * noise)
 
     def _message(self, key: str, step: int, stats: dict) -> str:
         head = f"step {step}: the policy may be gaming its reward: "
         if key == "guard/kl_high":
-            return (head + f"per-sequence KL to the reference is {stats['objective/kl']:.1f} nats (> ppo.guard_kl="
-                    f"{self.kl_max:g}); raise ppo.kl_coef or lower ppo.lr")
+            return (head + f"the KL to the reference averaged {float(_mean(self.kl_recent)):.2f} nats per token over "
+                    f"the last {self.window} steps (> ppo.guard_kl={self.kl_max:g}); raise ppo.kl_coef or lower ppo.lr")
         if key == "guard/eos_collapse":
-            return (head + f"only {stats['response/eos_rate']:.2f} of responses end with EOS (first step: "
-                    f"{self.first_eos:.2f}); set ppo.missing_eos_penalty or raise ppo.kl_coef")
-        return (head + f"{self.metric} fell to {stats[self.metric]:.3f} from its best {self.best:.3f} while the "
-                f"training score rose; the reward is being over-optimised: stop earlier (ppo.stop_at) or raise "
-                "ppo.kl_coef")
+            return (head + f"only {float(_mean(self.eos_recent)):.2f} of responses ended with EOS over the last "
+                    f"{self.window} steps (first {self.anchor} steps: {float(_mean(self.eos_anchor)):.2f}); set "
+                    "ppo.missing_eos_penalty or raise ppo.kl_coef")
+        smooth, best = float(_mean(self.evals[-self.eval_window :])), float(self.best)
+        score, then = (float(_mean(self.score_recent)) if self.score_recent else math.nan), float(self.score_at_best)
+        trend = (f"while the training score rose ({then:.3f} -> {score:.3f}): the reward is being over-optimised"
+                 if score > then else f"and the training score did not rise ({then:.3f} -> {score:.3f})")
+        return (head + f"{self.metric} fell to {smooth:.3f} (mean of the last {self.eval_window} evaluations) from its best "
+                f"{best:.3f}, more than ppo.guard_eval_drop={self.eval_drop:g} of it, {trend}; stop earlier "
+                "(ppo.stop_at) or raise ppo.kl_coef")
 
     def state_dict(self) -> dict:
-        return {"first_eos": self.first_eos, "best": self.best, "score_at_best": self.score_at_best,
+        as_list = lambda values: [np.asarray(v).tolist() for v in values]  # noqa: E731
+        return {"eos_anchor": as_list(self.eos_anchor), "eos_recent": as_list(self.eos_recent),
+                "kl_recent": as_list(self.kl_recent), "score_recent": as_list(self.score_recent),
+                "evals": as_list(self.evals), "best": None if self.best is None else np.asarray(self.best).tolist(),
+                "score_at_best": None if self.score_at_best is None else np.asarray(self.score_at_best).tolist(),
                 "warned": list(self.warned)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.first_eos, self.best = state["first_eos"], state["best"]
-        self.score_at_best, self.warned = state["score_at_best"], list(state["warned"])
+        self.warned = list(state["warned"])
+        if "eos_anchor" not in state:  # a checkpoint of the single-batch guards: their windows start fresh
+            return
+        arrays = lambda values: [np.asarray(v, dtype=float) for v in values]  # noqa: E731
+        self.eos_anchor, self.eos_recent = arrays(state["eos_anchor"]), arrays(state["eos_recent"])
+        self.kl_recent, self.score_recent = arrays(state["kl_recent"]), arrays(state["score_recent"])
+        self.evals = arrays(state["evals"])
+        self.best = None if state["best"] is None else np.asarray(state["best"], dtype=float)
+        self.score_at_best = None if state["score_at_best"] is None else np.asarray(state["score_at_best"], dtype=float)
 
 
 class SignalWatch:

@@ -311,6 +311,16 @@ def choose_stop_metric(pc: PPOConfig, baseline: dict[str, float]) -> str:
     return found
 
 
+def eval_metrics(data: PromptData, reward: Reward) -> set[str]:
+    """The held-out metrics :func:`evaluate` logs for this run."""
+    if data.task is not None:
+        return {"eval/format_acc", "eval/exact_acc"}
+    if not data.eval_records:
+        return set()
+    return {"eval/reward", *(f"eval/reward/{name}" for name in reward.weights),
+            *(["eval/accuracy"] if reward.accuracy_sources() else [])}
+
+
 def write_samples(fh, step: int, prompts, exp: Experience, tok, k: int) -> None:
     """The first ``k`` rows' prompts, completions and scores (decoded only for those rows)."""
     texts = decode_responses(tok, exp.response_ids[:k], exp.response_mask[:k])
@@ -398,11 +408,13 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         raise ValueError("ppo.keep_best=true keeps the best-evaluated policy, but this run has no held-out prompts "
                          "to evaluate: set data.eval_path or data.eval_fraction")
     best = BestWeights(ac) if pc.keep_best else None
+    evaluations = pc.steps // pc.eval_every + bool(pc.steps % pc.eval_every) if pc.eval_every else 1
     # run.resume: every weight, optimizer moment, RNG, the data position and the counters
     # come back from the newest checkpoint, so the steps after it repeat those of an unbroken run
     resumed = run.restore({"actor_critic": ac}, {"optimizer": optimizer}, data=data.train)
     if resumed:
         st.load_state_dict(resumed)
+    st.watch.announce(eval_metrics(data, scorer), evaluations)  # one warning naming the guards that are off
     samples, trajectories = open_outputs(run, resumed)
     shown = baseline.get(st.stop_metric, math.nan)  # the progress line's last evaluated value
     for step in run.steps():
