@@ -146,7 +146,7 @@ def test_checkpoints_are_pruned_and_a_mismatched_resume_is_refused(tmp_path):
 def test_switching_normalize_reward_on_at_resume_starts_the_statistics_fresh():
     """A checkpoint written with ppo.normalize_reward off holds no reward statistics: resuming with
     it on warns once and starts them at zero (it raised a TypeError on unpacking None)."""
-    old = RLState(PPOConfig())
+    old = RLState(PPOConfig(normalize_reward=False))
     old.kl_coef = 0.07
     resumed = RLState(PPOConfig(normalize_reward=True))
     with pytest.warns(RuntimeWarning, match="ppo.normalize_reward=false"):
@@ -157,7 +157,7 @@ def test_switching_normalize_reward_on_at_resume_starts_the_statistics_fresh():
     m.update(torch.tensor([1.0, 3.0]))
     assert (m.count, m.mean, m.std) == (2, 2.0, pytest.approx(2**0.5))
     # the other way round the statistics are simply not used
-    back = RLState(PPOConfig())
+    back = RLState(PPOConfig(normalize_reward=False))
     back.load_state_dict(resumed.state_dict())
     assert back.reward_stats is None
 
