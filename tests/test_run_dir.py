@@ -55,12 +55,17 @@ def test_overwrite_replaces_the_earlier_run_and_keeps_other_files(grpo_args, tmp
     out = tmp_path / "run"
     assert main(grpo_args) == 0
     (out / "notes.txt").write_text("mine")
-    old_tb = set((out / "tb").iterdir())
+    # the earlier run's TensorBoard file, marked (the new run's file may get the same name: the
+    # name holds the time in whole seconds)
+    (old_tb,) = (out / "tb").iterdir()
+    with open(old_tb, "ab") as f:
+        f.write(b"earlier run")
     assert main([*grpo_args, "ppo.steps=1", "run.checkpoint_every=0", "run.overwrite=true"]) == 0
     rows = (out / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1  # the new run's one step, not appended to the two earlier ones
     assert not (out / "checkpoints").exists()  # the earlier run's checkpoints went with it
-    assert not old_tb & set((out / "tb").iterdir())  # one TensorBoard file, the new run's
+    tb = list((out / "tb").iterdir())  # one TensorBoard file, the new run's
+    assert len(tb) == 1 and b"earlier run" not in tb[0].read_bytes()
     assert "steps: 1\n" in (out / "config.yaml").read_text()
     assert (out / "notes.txt").read_text() == "mine"
 
