@@ -2,6 +2,7 @@
 #   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
 #   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers)
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
+#   make test-real  learning on the real chat model of rlhfkit fetch-model (~8 min; CI runs it too)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
 #   make bench-real  one RL step at real model sizes against TRL (~45 min)
@@ -18,7 +19,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test test-fast test-long lint bench bench-real clean browser tmux
+.PHONY: demo test test-fast test-real test-long lint bench bench-real clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,7 +57,12 @@ PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: lint browser tmux
-	$(PYTEST) -m "not long"
+	$(PYTEST) -m "not long and not real"
+
+# Learning on the real chat model (tests/test_real_learning.py, marked real): GRPO with LoRA on
+# SmolLM2-135M-Instruct must teach it the city-country task's format; about 8 minutes on one core
+test-real: $(STAMP)
+	$(BIN)/pytest -m real --durations=5 -s
 
 # The DeepSpeed tests (deepspeed 0.19.8 from PyPI into .venv, the .[deepspeed] extra; a few minutes)
 test-long: lint

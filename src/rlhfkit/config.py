@@ -320,11 +320,28 @@ class PPOConfig(Section):
     top_k: int = 0
     """Sample each token from the top_k most likely ones only (0 = off). The log-probs PPO uses stay
     those of the full tempered distribution (the policy optimised, what the training forward
-    recomputes), so the first ratio is still 1 and the data slightly off-policy -- as in vLLM or
-    TRL when the loss uses the full logits. The held-out evaluation's greedy decoding ignores it."""
+    recomputes), so the first ratio is still 1, but the samples come from the truncated
+    distribution q = pi / Z (Z: the kept probability, logged as rollout/kept_mass) and are off-policy:
+    every estimate over them (the policy gradient, objective/kl) weighs the kept tokens by 1/Z and
+    never sees the others. ppo.sampling_correction reweighs the policy loss by pi/q; a warning
+    comes once when most of the probability is dropped. (TRL with vLLM records the sampler's own
+    log-probs and corrects by default; without a correction, as here by default, neither does.)
+    The held-out evaluation's greedy decoding ignores it."""
     top_p: float = 1.0
     """Nucleus sampling: draw from the smallest set of most likely tokens holding top_p of the
-    probability (after top_k), in (0, 1]; 1.0 = off. Log-probs as for top_k."""
+    probability (after top_k), in (0, 1]; 1.0 = off. Log-probs and correction as for top_k."""
+    sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
+                                 "sequence_mask"] = "none"
+    """With top_k / top_p: weigh each token's policy loss by the importance weight pi_old / q of
+    the distribution it was drawn from (TRL's vllm_importance_sampling_mode names): per token
+    ('token_*': w_t = Z_t, the kept mass, times exp(old log-prob - sampler's log-prob)) or per
+    sequence ('sequence_*': the product over its tokens), capped at sampling_correction_cap
+    ('*_truncate': min(w, cap)) or zeroed above it ('*_mask'). Over the kept tokens this makes the
+    policy gradient's expectation pi's; tokens outside the kept set still get none. Z <= 1, so
+    the cap acts only on a mismatch between the sampler's and the training forward's log-probs.
+    The KL term and the value loss are not reweighed (TRL: the same). 'none': no weight."""
+    sampling_correction_cap: float = 2.0
+    """The cap of ppo.sampling_correction's weights (TRL's vllm_importance_sampling_cap)."""
     stop: tuple[str, ...] = ()
     """Stop strings, a YAML list (one string is a list of one; quote what YAML would read otherwise:
     ppo.stop='["###", "User:"]'): a response also ends, like at EOS, once its decoded new text
@@ -954,6 +971,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.group_size": (2, None), "ppo.steps": (1, None), "ppo.batch_size": (1, None),
     "ppo.minibatch_size": (1, None), "ppo.ppo_epochs": (1, None), "ppo.lr": (0, None), "ppo.value_lr": (0, None),
     "ppo.max_new_tokens": (1, None), "ppo.temperature": (0, None), "ppo.top_k": (0, None), "ppo.top_p": (0, 1),
+    "ppo.sampling_correction_cap": (1, None),
     "ppo.kl_coef": (0, None),
     "ppo.kl_target": (0, None), "ppo.kl_horizon": (1, None), "ppo.gamma": (0, 1), "ppo.lam": (0, 1),
     "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),

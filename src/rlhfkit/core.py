@@ -499,6 +499,25 @@ def reinforce_advantages(scores: torch.Tensor, scale: str | bool = "none", eps: 
 # --------------------------------------------------------------------------- losses
 
 
+def sampling_correction_weights(log_w: torch.Tensor, response_mask: torch.Tensor, mode: str,
+                                cap: float) -> torch.Tensor:
+    """Importance weights ``[B, R]`` for tokens drawn from a sampler q other than the policy pi.
+
+    ``log_w [B, R]`` is log pi(a_t|s_t) - log q(a_t|s_t) per token (for top-k / top-p sampling,
+    log Z_t, the log of the kept mass, plus any gap between the training forward's and the
+    sampler's log-probs). ``mode`` (TRL's vllm_importance_sampling_mode names):
+    ``token_*`` weighs each token by w_t = exp(log_w_t); ``sequence_*`` weighs every token of a row
+    by the product over its tokens, exp(sum_t log_w_t); ``*_truncate`` caps a weight at ``cap``,
+    ``*_mask`` zeroes the weights above it. 0 where the mask is 0. E_q[w f(a)] = E_pi[f(a) 1(a kept)]:
+    over the tokens q can draw the weighted estimate is pi's.
+    """
+    if mode.startswith("sequence"):
+        log_w = masked_sum(log_w, response_mask, -1)[:, None].expand_as(log_w)  # [B, R]: the row's product
+    over = log_w > math.log(cap)
+    w = torch.where(over, cap if mode.endswith("truncate") else 0.0, log_w.clamp(max=math.log(cap)).exp())
+    return torch.where(response_mask.bool(), w, 0.0)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

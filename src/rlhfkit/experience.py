@@ -24,6 +24,7 @@ from .core import (
     masked_whiten,
     reinforce_advantages,
     rloo_advantages,
+    sampling_correction_weights,
     shaped_rewards,
     zero_std_groups,
 )
@@ -51,7 +52,8 @@ class Experience:
         old_values:     ``[B, R]`` V_old(s_t).
         score:          ``[B]`` reward-model score (after penalties/normalisation, before clip).
         rewards:        ``[B, R]`` shaped per-token rewards.
-        advantages:     ``[B, R]`` GAE advantages (whitened if configured).
+        advantages:     ``[B, R]`` GAE advantages (whitened if configured), or the group / batch
+                        baseline's, times ``ppo.sampling_correction``'s weights when it is set.
         returns:        ``[B, R]`` GAE returns (value targets).
         raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
         loss_rows:      ``[B]`` bool, the rows the update trains on (``ppo.filter_zero_std_groups``,
@@ -278,6 +280,14 @@ def make_experience(
         seq_adv = shard.apply_rows(lambda s: sequence_advantages(s, pc), rewards.sum(-1))  # [B]: score - beta*KL
         advantages = torch.where(valid, seq_adv[:, None].expand_as(rewards), 0.0)  # [B, R]
         old_values = returns = torch.zeros_like(rewards)
+    sampling = {}
+    if roll.kept_logmass is not None:  # top-k / top-p: the tokens came from q = pi / Z
+        sampling["rollout/kept_mass"] = shard.apply_rows(masked_mean, roll.kept_logmass.exp(), rmask)
+    if pc.sampling_correction != "none":  # the policy loss reweighed by pi_old / q (a positive factor)
+        log_w = old_logprobs - roll.logprobs + (0.0 if roll.kept_logmass is None else roll.kept_logmass)  # [B, R]
+        weights = sampling_correction_weights(log_w, rmask, pc.sampling_correction, pc.sampling_correction_cap)
+        advantages = advantages * weights  # [B, R]
+        sampling["policy/sampling_weight"] = shard.apply_rows(masked_mean, weights, rmask)
     kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
     zero_std = zero_std_rows(score, pc)  # [B] or None
     keep = loss_rows(zero_std, roll.finished, pc)  # [B] or None
@@ -293,6 +303,7 @@ def make_experience(
         # cut at max_new_tokens: 1 - eos_rate, a row ends without EOS or a stop string only there
         "response/truncated_rate": (~roll.finished).float().mean(),
         **{f"reward/{name}": s.mean() for name, s in parts.items()},
+        **sampling,
     }
     if zero_std is not None:  # TRL's name; groups of 1 have no such share, and it is not logged
         stats["frac_reward_zero_std"] = shard.apply_rows(lambda z: z.mean(), zero_std.float())  # global batch

@@ -51,6 +51,9 @@ class Rollout:
                          as the training forward -- :mod:`rlhfkit.lean` in float32 -- so they
                          equal a recomputation up to rounding (~1e-6) and PPO may use them as
                          the old log-probs instead of running the policy again.
+        kept_logmass:    ``[B, R]`` log Z, the log of the probability that top-k / top-p kept at
+                         each step (0 where masked); None without truncation. The token was drawn
+                         from q = pi / Z on the kept set, so log q = logprobs - kept_logmass.
     """
 
     prompt_ids: torch.Tensor
@@ -62,6 +65,7 @@ class Rollout:
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
     forward_logprobs: bool = False
+    kept_logmass: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -249,7 +253,7 @@ class _Draw:
         # checking "all rows finished" reads a flag back from the device; on GPUs do it every few steps
         self.check_every = 1 if device.type == "cpu" else 8
         self.keep = B * V * max_new_tokens <= 2**24
-        self.tokens, self.logps, self.entropies = [], [], []
+        self.tokens, self.logps, self.entropies, self.kept = [], [], [], []
         self.alive = torch.ones(B, dtype=torch.bool, device=device)
 
     def step(self, t: int, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -282,6 +286,8 @@ class _Draw:
         else:
             logp_draw = truncate_logprobs(logp_all, self.top_k, self.top_p) if self.truncate else logp_all
             tok = sample_tokens(logp_draw, u=self.uniforms[:, t])  # [B]
+            if self.truncate:
+                self.kept.append(torch.logsumexp(logp_draw, -1))  # [B] log of the kept mass
         self.tokens.append(tok)
         if self.keep:
             self.logps.append(logp_all)
@@ -289,6 +295,10 @@ class _Draw:
             self.logps.append(logp_all.gather(-1, tok[:, None]))
             self.entropies.append(_entropy(logp_all))
         return tok
+
+    def kept_logmass(self, R: int) -> torch.Tensor | None:
+        """``[B, R]`` log of the probability top-k / top-p kept at each step; None without them."""
+        return torch.stack(self.kept[:R], 1) if self.kept else None
 
     def result(self, steps: int) -> tuple[torch.Tensor, ...]:
         """``(raw tokens, ended, finished [B], logprobs, entropy)`` after ``steps`` steps, ``ended``
@@ -390,9 +400,10 @@ def generate(
             break
         logits = fwd.step(tok)  # rows that already ended are fed their own samples: masked out later
     raw, ended, finished, logprobs, entropy = draw.result(t + 1)  # [B, R] but finished [B]
+    kept = draw.kept_logmass(raw.shape[1])  # [B, R] or None
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(),
                    response_ids=raw.masked_fill(ended, pad_token_id), response_mask=(~ended).long(),
                    logprobs=logprobs.masked_fill(ended, 0.0), finished=finished,
                    entropy=entropy.masked_fill(ended, 0.0),
                    values=None if values is None else torch.stack(values[: raw.shape[1]], 1).float(),
-                   forward_logprobs=forward_logprobs)
+                   forward_logprobs=forward_logprobs, kept_logmass=None if kept is None else kept.masked_fill(ended, 0.0))

@@ -191,14 +191,18 @@ class SignalWatch:
       a prompt scored alike, so group-relative advantages are 0 and those prompts teach nothing
       (a 0/1 reward the model never, or always, earns);
     * most completions are cut at ``max_new_tokens`` (``response/truncated_rate``): their scores
-      judge unfinished answers.
+      judge unfinished answers;
+    * top-k / top-p keep less than half of the probability (``rollout/kept_mass``): the samples
+      are far off-policy (``ppo.sampling_correction`` reweighs them).
 
     The rule is the share over the last ``window`` steps (equal batches: the mean of the step
     shares), above ``share``, so one unlucky batch does not warn and a run that starts without
     signal warns at step ``window - 1``. The counters are part of a checkpoint.
     """
 
-    KEYS = ("frac_reward_zero_std", "response/truncated_rate")
+    KEYS = ("frac_reward_zero_std", "response/truncated_rate", "rollout/kept_mass")
+    # the share of the batch without the signal: of the kept mass its complement, the others as logged
+    WITHOUT = {"rollout/kept_mass": lambda v: 1.0 - v}
 
     def __init__(self, group_key: str = "ppo.group_size", window: int = 5, share: float = 0.5):
         self.group_key, self.window, self.share = group_key, window, share
@@ -210,7 +214,8 @@ class SignalWatch:
             value = stats.get(key)
             if value is None:
                 continue
-            recent = self.recent[key] = (self.recent[key] + [float(value)])[-self.window :]
+            value = self.WITHOUT.get(key, float)(float(value))
+            recent = self.recent[key] = (self.recent[key] + [value])[-self.window :]
             mean = sum(recent) / len(recent)
             if len(recent) == self.window and mean > self.share and key not in self.warned:
                 self.warned.append(key)
@@ -223,6 +228,11 @@ class SignalWatch:
                     "they carry no learning signal. Give partial credit with a shaped reward (several weighted "
                     f"reward.function entries, reward.weights), sample more completions per prompt ({self.group_key}), "
                     "or start from an SFT warm-up (rlhfkit sft) that sometimes earns the reward")
+        if key == "rollout/kept_mass":
+            return (head + f"top-k / top-p dropped {mean:.0%} of the probability (rollout/kept_mass {1 - mean:.2f}): "
+                    "the samples are far off-policy and every estimate over them (the policy gradient, "
+                    "objective/kl) is biased. Raise ppo.top_p / ppo.top_k, or reweigh the loss "
+                    "(ppo.sampling_correction=token_truncate)")
         limit = f"ppo.max_new_tokens={max_new_tokens}" if max_new_tokens else "ppo.max_new_tokens"
         return (head + f"{mean:.0%} of completions were cut at {limit} without EOS (response/truncated_rate): "
                 "their rewards judge unfinished answers. Raise ppo.max_new_tokens, penalise them "

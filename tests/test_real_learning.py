@@ -1,0 +1,63 @@
+"""A real pretrained chat model learns (``make test-real``; not part of ``make test``).
+
+GRPO with LoRA on SmolLM2-135M-Instruct (``rlhfkit fetch-model``) for the city-country task of
+``examples/real_model`` ("In which country is the city of Jaipur? Answer with the country's name
+only.", 98 training and 32 held-out cities). The base answers in whole sentences: held-out greedy
+exact 0.00, the right country somewhere in the answer 0.53. With the settings of the README's
+TRL-like row (beta 0, each group's own std, one epoch, LoRA alpha 32; 16 completions a step),
+at commit 017a30c it reached held-out exact 0.72 by step 19 and 0.84 by step 29, keeping the
+fact. Here: 24 steps must bring held-out exact from 0 to 0.5 or more while the share of answers
+naming the right country does not fall below the base's -- the format learned, the facts kept.
+About 8 minutes on one core (the first steps' sentences are slow, one-word answers fast).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhfkit import fetch
+from rlhfkit.cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.real]
+EXAMPLE = Path(__file__).parents[1] / "examples" / "real_model"
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    try:
+        return str(fetch.fetch_model("smollm2-135m-instruct")["dir"])
+    except fetch.FetchError as e:
+        msg = f"smollm2-135m-instruct cannot be fetched ({e}) -- the real-model learning test NOT run"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def test_grpo_with_lora_teaches_the_real_model_the_format_and_keeps_the_facts(model_dir, tmp_path, monkeypatch):
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import make_data
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    make_data.main(tmp_path / "data")
+    rewards = EXAMPLE / "rewards.py"
+    args = ["grpo", f"model.name={model_dir}", "model.lora_r=16", "model.lora_alpha=32",
+            f"data.path={tmp_path / 'data' / 'prompts.jsonl'}", f"data.eval_path={tmp_path / 'data' / 'held.jsonl'}",
+            f"reward.function={rewards}:exact,{rewards}:contains,{rewards}:brevity", "reward.weights=1,1,1",
+            "ppo.batch_size=16", "ppo.max_new_tokens=16", "ppo.steps=24", "ppo.eval_every=8", "ppo.stop_at=0",
+            "ppo.kl_coef=0", "ppo.scale_rewards=group", "ppo.ppo_epochs=1", "run.threads=1", "run.progress=false",
+            f"run.out_dir={tmp_path / 'run'}"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    base, last = rows[0], rows[-1]
+    exact = [round(r["eval/reward/exact"], 2) for r in rows if "eval/reward/exact" in r]
+    print(f"\nheld-out exact: base {base['baseline/eval/reward/exact']:.2f}, at evaluations {exact}; contains: base "
+          f"{base['baseline/eval/reward/contains']:.2f}, last {last['eval/reward/contains']:.2f}", file=sys.stderr)
+    assert base["baseline/eval/reward/exact"] == 0.0
+    assert last["eval/accuracy"] == last["eval/reward/exact"] >= 0.5  # exact is declared 0/1
+    assert last["eval/reward/contains"] >= base["baseline/eval/reward/contains"]
