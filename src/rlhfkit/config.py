@@ -270,9 +270,9 @@ class PPOConfig(Section):
     key says so (docs/ppo_walkthrough.md, section 10, has the table). Two choices have no key:
     the score lands on the last response token, the EOS when one was emitted (TRL's PPOTrainer
     and DeepSpeed-Chat put it one position past the EOS, OpenRLHF on it), and the policy loss
-    is a token mean over the minibatch, micro-batches weighted by their share of its tokens
-    (TRL's PPO, OpenRLHF and DeepSpeed-Chat: a token mean per micro-batch; TRL's GRPO:
-    loss_type 'dapo', a sum over the global batch's tokens, in newer releases)."""
+    is by default a token mean over the minibatch, micro-batches weighted by their share of its
+    tokens (loss_type; TRL's PPO, OpenRLHF and DeepSpeed-Chat: a token mean per micro-batch;
+    TRL's GRPO: loss_type 'dapo', a sum over the generation batch's tokens, in newer releases)."""
 
     algo: Literal["ppo", "grpo", "rloo", "reinforce"] = "ppo"
     """Advantage estimator: 'ppo' (critic + GAE), 'grpo' (group-relative), 'rloo' (leave-one-out),
@@ -371,6 +371,18 @@ class PPOConfig(Section):
     """GAE lambda."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon."""
+    loss_type: Literal["token_mean", "grpo", "bnpo", "dr_grpo", "dapo"] = "token_mean"
+    """How every per-token loss (policy, KL term, entropy bonus, value loss) is reduced, one
+    optimizer step's minibatch at a time (micro-batches and processes change nothing):
+    'token_mean': sum / the minibatch's response tokens; 'grpo': each sequence's token mean, then
+    the mean over sequences; 'dr_grpo': sum / (rows x max_new_tokens); 'bnpo', 'dapo': TRL's
+    names, here the token mean (TRL's bnpo is one per micro-batch and process, its dapo divides by
+    the generation batch's tokens: equal when one such batch is one optimizer step). See
+    docs/ppo_walkthrough.md, section 10."""
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
+    """The policy loss's ratio: 'token' (PPO); 'sequence' (GSPO, TRL's name): each row's
+    exp(mean log-ratio), clipped per sequence -- GSPO used clip ranges near 3e-4 to 4e-4, not
+    0.2; 'sequence_token' (GSPO-token): the same value, per-token gradients."""
     value_clip_range: float | None = None
     """Value clip around the rollout-time values; None disables it. The common 0.2 assumes
     returns of order 1: with scores of +-3 it lets the critic move 0.2 per step and stalls it."""
