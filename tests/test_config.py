@@ -282,3 +282,12 @@ def test_loss_type_and_importance_sampling_level():
         load_config(overrides=["ppo.loss_type=seq_mean"])
     with raises("config key 'ppo.importance_sampling_level' must be one of"):
         load_config(overrides=["ppo.importance_sampling_level=row"])
+
+
+def test_overlong_penalty_keys():
+    assert PPOConfig().overlong_buffer == 0  # off by default
+    with raises("config key 'ppo.overlong_buffer' must be >= 0"):
+        load_config(overrides=["ppo.overlong_buffer=-1"])
+    with raises("ppo.overlong_buffer=9 is longer than ppo.max_new_tokens=8"):
+        load_config(overrides=["ppo.max_new_tokens=8", "ppo.overlong_buffer=9"])
+    assert load_config(overrides=["ppo.max_new_tokens=8", "ppo.overlong_buffer=8"]).ppo.overlong_buffer == 8

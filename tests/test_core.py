@@ -703,3 +703,19 @@ def test_sequence_level_gradcheck():
     mask = ragged_mask(3, 4, gen)
     # GSPO's loss only: GSPO-token's gradient is by design not its value's (the stop-gradients)
     assert torch.autograd.gradcheck(lambda x: policy_loss(x, old, adv, mask, 0.2, "grpo", 4, "sequence")[0], (lp,))
+
+
+# --------------------------------------------------------------------------- DAPO's over-long penalty
+
+
+def test_overlong_penalty_hand_computed():
+    # max_len 10, buffer 4: the ramp starts after 6 tokens; DAPO eq. 13 ((10 - 4) - L) / 4, times 0.5
+    from rlhfkit.core import overlong_penalty
+
+    lengths = torch.tensor([3, 6, 7, 8, 10, 12])
+    expected = [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]  # 12 > max_len: the whole penalty
+    close(overlong_penalty(lengths, max_len=10, buffer=4, penalty=0.5), expected)
+    dapo = [0.0 if n <= 6 else ((10 - 4) - n) / 4 if n <= 10 else -1.0 for n in lengths.tolist()]  # the paper's cases
+    close(overlong_penalty(lengths, 10, 4), dapo)
+    with pytest.raises(ValueError, match="buffer >= 1"):
+        overlong_penalty(lengths, 10, 0)

@@ -312,3 +312,24 @@ def test_grpo_runs_with_dr_grpo_and_sequence_ratios_on_the_tasks_token_limit(tin
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["policy/loss"])) for r in rows)
     assert seen and set(seen) == {("dr_grpo", doubling.MAX_NEW_TOKENS)}  # the KL term's aggregation
+
+
+def test_overlong_penalty_lands_in_the_scores_after_the_missing_eos_penalty():
+    """ppo.overlong_buffer: DAPO's soft over-long penalty is added to each score (lengths 2, 4, 5
+    of at most 5, buffer 2: 0, -0.5 * 1.5, -1 * 1.5), after the missing-EOS penalty; off by default."""
+    from types import SimpleNamespace
+
+    from rlhfkit.distributed import Shard
+    from rlhfkit.experience import final_scores
+
+    raw = torch.tensor([1.0, 2.0, 3.0])
+    scorer = SimpleNamespace(score=lambda roll, records: (raw, {}))
+    lengths = torch.tensor([2, 4, 5])
+    roll = SimpleNamespace(response_mask=(torch.arange(5)[None, :] < lengths[:, None]).long(),
+                           finished=torch.tensor([True, True, False]))
+    pc = dataclasses.replace(Config().ppo, normalize_reward=False, max_new_tokens=5, missing_eos_penalty=0.25,
+                             overlong_buffer=2, overlong_penalty=1.5)
+    _, score, _ = final_scores(scorer, roll, pc, None, Shard())
+    torch.testing.assert_close(score, torch.tensor([1.0, 2.0 - 0.75, 3.0 - 0.25 - 1.5]))
+    _, plain, _ = final_scores(scorer, roll, dataclasses.replace(pc, overlong_buffer=0), None, Shard())
+    torch.testing.assert_close(plain, torch.tensor([1.0, 2.0, 2.75]))

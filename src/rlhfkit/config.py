@@ -412,6 +412,14 @@ class PPOConfig(Section):
     has the same option, off by default). On the doubling task's three rewards no default run
     lost its EOS (benchmarks/robustness.py), so it stays off; the hacking watch flags a fall
     of the EOS rate (guard_eos)."""
+    overlong_buffer: int = 0
+    """DAPO's soft over-long punishment (0 = off; DAPO: 4096 of 20480): a response longer than
+    max_new_tokens - overlong_buffer tokens (EOS included) loses overlong_penalty * (its length -
+    that) / overlong_buffer from its score, all of overlong_penalty at max_new_tokens; added
+    after missing_eos_penalty, before normalisation and clipping (TRL: the reward function
+    get_soft_overlong_punishment, weight 1)."""
+    overlong_penalty: float = 1.0
+    """The over-long penalty at max_new_tokens (DAPO: 1, in the reward's units)."""
     filter_zero_std_groups: bool = False
     """grpo, rloo: leave the groups whose scores are all equal (logged: frac_reward_zero_std) out of
     the update -- DAPO's dynamic filtering, without its resampling. Their advantages are 0
@@ -495,6 +503,10 @@ class PPOConfig(Section):
         if self.filter_zero_std_groups and self.algo not in ("grpo", "rloo"):
             raise ConfigError(f"ppo.filter_zero_std_groups needs grpo or rloo: under {self.algo} the baseline is not "
                               "the group's mean, so a group of equal scores still has advantages")
+        if self.overlong_buffer and self.max_new_tokens is not None and self.overlong_buffer > self.max_new_tokens:
+            raise ConfigError(f"ppo.overlong_buffer={self.overlong_buffer} is longer than ppo.max_new_tokens="
+                              f"{self.max_new_tokens}: the penalty ramps up over the last overlong_buffer tokens "
+                              "before max_new_tokens")
         if any(not s for s in self.stop):
             raise ConfigError(f"ppo.stop must hold non-empty strings, got {list(self.stop)!r}")
         if self.kl_in_loss and self.kl_estimator == "k1":
@@ -970,7 +982,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.kl_target": (0, None), "ppo.kl_horizon": (1, None), "ppo.gamma": (0, 1), "ppo.lam": (0, 1),
     "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
     "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
-    "ppo.missing_eos_penalty": (0, None), "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
+    "ppo.missing_eos_penalty": (0, None), "ppo.overlong_buffer": (0, None), "ppo.overlong_penalty": (0, None),
+    "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
     "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None), "ppo.micro_batch_size": (0, None), "ppo.guard_kl": (0, None),
     "ppo.guard_eos": (0, 1), "ppo.guard_eval_drop": (0, 1),
     "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),

@@ -39,6 +39,7 @@ __all__ = [
     "reinforce_advantages",
     "scale_advantages",
     "rloo_advantages",
+    "overlong_penalty",
     "AGGREGATIONS",
     "aggregate",
     "aggregation_count",
@@ -503,6 +504,25 @@ def reinforce_advantages(scores: torch.Tensor, scale: str | bool = "none", eps: 
 
 
 # --------------------------------------------------------------------------- losses
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft over-long punishment (Yu et al. 2025, eq. 13), scaled by ``penalty``: with
+    ``start = max_len - buffer``,
+
+    ``0`` for ``L <= start``; ``-penalty * (L - start) / buffer`` for ``start < L <= max_len``
+    (down to ``-penalty`` at ``max_len``); ``-penalty`` beyond.
+
+    Args:
+        lengths: ``[B]`` response lengths in tokens (EOS included).
+        max_len: the longest response allowed (``L_max``). buffer: ``L_cache`` >= 1.
+    Returns:
+        ``[B]`` penalties (<= 0), to add to the scores.
+    """
+    if buffer < 1:
+        raise ValueError(f"the over-long penalty needs buffer >= 1, got {buffer}")
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0) / buffer  # [B]
+    return -penalty * over.clamp(max=1.0)
 
 
 # --------------------------------------------------------------------------- loss aggregation

@@ -153,8 +153,8 @@ def ppo_update(
     FSDP) and ``pc.minibatch_size`` the per-process share: the minibatches are drawn over the
     global batch (:func:`minibatch_order`), each process computes the loss of the minibatch's
     rows it holds, and its shard rescales the loss by its share of the minibatch's tokens (or
-    rows, for a ``pc.loss_type`` that averages over rows), so the synchronised gradient, and the reduced stats, are those of the global
-    minibatch, as one process computes it (the synchronised gradient norms make every process's
+    rows, for a ``pc.loss_type`` that averages over rows), so the synchronised gradient, and the
+    reduced stats, are those of the global minibatch, as one process computes it (the synchronised gradient norms make every process's
     guard decide alike). ``logprob_gap``: the first minibatch's stats add ``policy/logprob_gap``,
     the largest |log-prob - old log-prob| over its tokens before any update (the old ones came
     from the sampler: :func:`rlhfkit.experience.reuse_rollout`). ``pc.micro_batch_size`` rows of
@@ -415,7 +415,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
                          "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
-    local_pc = dataclasses.replace(local_pc, max_new_tokens=max_new_tokens)  # loss_type=dr_grpo divides by it
+    # resolved: loss_type=dr_grpo divides by it, the over-long penalty ramps up to it
+    pc, local_pc = (dataclasses.replace(c, max_new_tokens=max_new_tokens) for c in (pc, local_pc))
     # step 0. baseline: the held-out evaluation of the starting policy, before anything is written;
     # it names the metric the run stops on (a resumed run's checkpoint has it)
     resuming = cfg.run.resume and latest_checkpoint(run.out) is not None
