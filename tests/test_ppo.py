@@ -293,7 +293,8 @@ def test_keep_best_holds_only_the_lora_adapter_and_puts_it_back():
 def test_grpo_runs_with_dr_grpo_and_sequence_ratios_on_the_tasks_token_limit(tiny_models, tiny_config, tmp_path,
                                                                               monkeypatch):
     """loss_type=dr_grpo divides by the longest completion allowed: with ppo.max_new_tokens unset
-    the run passes the task's limit down to the loss (else dr_grpo has no length to divide by)."""
+    the run passes the task's limit down to the loss (else dr_grpo has no length to divide by) and
+    to the over-long penalty."""
     import rlhfkit.trainers.rl as rl
     from rlhfkit.utils import read_jsonl
 
@@ -307,10 +308,12 @@ def test_grpo_runs_with_dr_grpo_and_sequence_ratios_on_the_tasks_token_limit(tin
     monkeypatch.setattr(rl, "aggregate", spy)
     cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
                       ppo={"algo": "grpo", "max_new_tokens": None, "loss_type": "dr_grpo",
-                           "importance_sampling_level": "sequence"})
+                           "importance_sampling_level": "sequence", "overlong_buffer": 2})
     rl.train_rl(cfg)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["policy/loss"])) for r in rows)
+    # the over-long penalty ramps up to the same limit: logged, in [-1, 0]
+    assert all(-1.0 <= r["objective/overlong_penalty"] <= 0.0 for r in rows)
     assert seen and set(seen) == {("dr_grpo", doubling.MAX_NEW_TOKENS)}  # the KL term's aggregation
 
 
