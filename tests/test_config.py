@@ -266,3 +266,28 @@ def test_keys_the_user_sets_win_over_the_algorithm_defaults(tmp_path):
     saved = Config().replace(ppo={"algo": "grpo", "kl_coef": 0.7})
     (tmp_path / "saved.yaml").write_text(dump_config(saved))
     assert load_config(tmp_path / "saved.yaml") == saved
+
+
+def test_loss_type_and_importance_sampling_level():
+    import typing
+
+    from rlhfkit.core import AGGREGATIONS
+
+    # every loss_type the config accepts is a registered aggregation, and the other way round
+    assert set(typing.get_args(typing.get_type_hints(PPOConfig)["loss_type"])) == set(AGGREGATIONS)
+    cfg = load_config(overrides=["ppo.loss_type=dr_grpo", "ppo.importance_sampling_level=sequence"])
+    assert (cfg.ppo.loss_type, cfg.ppo.importance_sampling_level) == ("dr_grpo", "sequence")
+    assert (PPOConfig().loss_type, PPOConfig().importance_sampling_level) == ("token_mean", "token")
+    with raises("config key 'ppo.loss_type' must be one of"):
+        load_config(overrides=["ppo.loss_type=seq_mean"])
+    with raises("config key 'ppo.importance_sampling_level' must be one of"):
+        load_config(overrides=["ppo.importance_sampling_level=row"])
+
+
+def test_overlong_penalty_keys():
+    assert PPOConfig().overlong_buffer == 0  # off by default
+    with raises("config key 'ppo.overlong_buffer' must be >= 0"):
+        load_config(overrides=["ppo.overlong_buffer=-1"])
+    with raises("ppo.overlong_buffer=9 is longer than ppo.max_new_tokens=8"):
+        load_config(overrides=["ppo.max_new_tokens=8", "ppo.overlong_buffer=9"])
+    assert load_config(overrides=["ppo.max_new_tokens=8", "ppo.overlong_buffer=8"]).ppo.overlong_buffer == 8

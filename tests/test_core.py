@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from rlhfkit.core import (
+    AGGREGATIONS,
     adaptive_kl_coef,
+    aggregate,
+    aggregation_count,
     bradley_terry_loss,
     entropy_from_logits,
     explained_variance,
@@ -533,3 +536,186 @@ def test_ipo_over_per_token_means_as_trl():
     close(ipo_loss(*one, 0.1)[0], (2.1 - 5) ** 2)
     with pytest.raises(ValueError, match="both"):
         ipo_loss(*one, 0.1, torch.tensor([5.0]))
+
+
+# --------------------------------------------------------------------------- loss aggregation (ppo.loss_type)
+
+NAN = float("nan")
+# three responses of 3, 1 and 2 tokens; the padded slots hold NaN, which must reach nothing
+AGG_X = [[1.0, 2.0, 3.0, NAN], [4.0, NAN, NAN, NAN], [5.0, 6.0, NAN, NAN]]
+AGG_MASK = [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("kind, value, grads", [
+    # token mean: (1+2+3+4+5+6) / 6 = 3.5; every token weighs 1/6
+    ("token_mean", 3.5, [1 / 6] * 3),
+    ("bnpo", 3.5, [1 / 6] * 3),
+    ("dapo", 3.5, [1 / 6] * 3),
+    # per-sequence means 2, 4, 5.5 -> mean 11.5/3; a token of row i weighs 1 / (3 * len_i)
+    ("grpo", 11.5 / 3, [1 / 9, 1 / 3, 1 / 6]),
+    # 21 / (3 rows * max_len 5) = 1.4; every token weighs 1/15
+    ("dr_grpo", 1.4, [1 / 15] * 3),
+])
+def test_aggregations_hand_computed(kind, value, grads):
+    x = torch.tensor(AGG_X, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor(AGG_MASK)
+    out = aggregate(x, mask, kind, max_len=5)
+    close(out, value)
+    out.backward()
+    expected = torch.tensor(grads, dtype=torch.float64)[:, None] * mask  # [3, 4]: 0 on padding, no NaN
+    close(x.grad, expected)
+
+
+def test_aggregation_errors():
+    x, mask = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="max_len"):
+        aggregate(x, mask, "dr_grpo", max_len=0)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate(x, mask, "seq_mean")
+    with pytest.raises(ValueError, match="empty mask"):  # a token mean of nothing stays an error
+        aggregate(x, torch.zeros(2, 3), "token_mean")
+
+
+def _naive_aggregate(x: list, mask: list, kind: str, max_len: int) -> float:
+    """Plain-Python loops: the reference the vectorised aggregations are checked against."""
+    rows = [[v for v, m in zip(r, mr) if m] for r, mr in zip(x, mask)]
+    if kind == "grpo":
+        return sum(sum(r) / max(1, len(r)) for r in rows) / len(rows)
+    total = sum(sum(r) for r in rows)
+    if kind == "dr_grpo":
+        return total / (len(rows) * max_len)
+    return total / sum(len(r) for r in rows)
+
+
+@pytest.mark.parametrize("kind", list(AGGREGATIONS))
+def test_aggregation_splits_into_weighted_parts(kind):
+    """Any split of the rows (micro-batches, processes), each part's aggregate weighted by its
+    share of aggregation_count, gives the whole; with DDP's average of W processes each weighted
+    by W * count_p / count (Shard.count_weight) too. Weighting grpo or dr_grpo by tokens would not."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 6, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(7, 6, gen)
+    whole = aggregate(x, mask, kind, max_len=6)
+    close(whole, _naive_aggregate(x.tolist(), mask.tolist(), kind, 6), tol=1e-12)
+    parts = [slice(0, 2), slice(2, 5), slice(5, 7)]
+    n = aggregation_count(mask, kind).double()
+    split = sum(aggregate(x[p], mask[p], kind, 6) * aggregation_count(mask[p], kind) / n for p in parts)
+    close(split, whole, tol=1e-12)
+    W = len(parts)  # as three processes: each loss times its count weight, then DDP's mean
+    ddp = sum(aggregate(x[p], mask[p], kind, 6) * (W * aggregation_count(mask[p], kind) / n) for p in parts) / W
+    close(ddp, whole, tol=1e-12)
+    by_tokens = sum(aggregate(x[p], mask[p], kind, 6) * mask[p].sum() / mask.sum() for p in parts)
+    assert (abs(float(by_tokens - whole)) > 1e-3) == (AGGREGATIONS[kind].unit == "rows")
+
+
+def _trl_loss(x: torch.Tensor, mask: torch.Tensor, loss_type: str, max_len: int, accum: int) -> torch.Tensor:
+    """TRL GRPOTrainer's aggregation (1.x, _compute_loss) of one optimizer step on one process,
+    written from its formulas: the batch comes in ``accum`` equal micro-batches (gradient
+    accumulation), each micro-batch's loss divided by ``accum`` except dapo's, which divides the
+    token sum by num_items_in_batch (the generation batch's tokens; here one generation batch is
+    one optimizer step, TRL's default steps_per_generation = gradient_accumulation_steps)."""
+    total = x.new_zeros(())
+    for xm, mm in zip(x.chunk(accum), mask.chunk(accum)):
+        xm = torch.where(mm.bool(), xm, 0.0)
+        if loss_type == "grpo":
+            total = total + (xm.sum(-1) / mm.sum(-1).clamp(min=1)).mean() / accum
+        elif loss_type == "bnpo":
+            total = total + xm.sum() / mm.sum().clamp(min=1) / accum
+        elif loss_type == "dr_grpo":
+            total = total + xm.sum() / (xm.shape[0] * max_len) / accum
+        elif loss_type == "dapo":
+            total = total + xm.sum() / mask.sum()
+    return total
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_aggregations_against_trl_formulas(loss_type):
+    """rlhfkit's loss_type over a minibatch equals TRL's over one optimizer step of the same rows
+    whatever TRL's gradient accumulation -- except bnpo, a token mean per micro-batch in TRL,
+    equal only without accumulation (one micro-batch per optimizer step and process)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(8, 5, gen)
+    ours = aggregate(x, mask, loss_type, max_len=7)
+    close(_trl_loss(x, mask, loss_type, 7, accum=1), ours, tol=1e-12)
+    accumulated = _trl_loss(x, mask, loss_type, 7, accum=4)
+    if loss_type == "bnpo":
+        assert abs(float(accumulated - ours)) > 1e-3  # TRL's mean of micro-batch means
+    else:
+        close(accumulated, ours, tol=1e-12)
+    close(aggregate(x, mask, "token_mean"), _trl_loss(x, mask, "dapo", 7, accum=4), tol=1e-12)
+
+
+# --------------------------------------------------------------------------- sequence-level ratios (GSPO)
+
+
+def test_sequence_level_policy_loss_hand_computed():
+    # row 0: log-ratios 0.1, 0.2, 0.3 -> s0 = exp(0.2) = 1.2214, A = +1: max(-1.2214, -1.2) = -1.2 (clipped)
+    # row 1: log-ratios -0.3, -0.1 -> s1 = exp(-0.2) = 0.8187, A = -1: max(0.8187, 0.8187) unclipped
+    # token_mean: (3 * -1.2 + 2 * s1) / 5; grpo: (-1.2 + s1) / 2; the padded slot (ratio 50) counts nowhere
+    s1 = math.exp(-0.2)
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    new = torch.tensor([[0.1, 0.2, 0.3, math.log(50)], [-0.3, -0.1, 9.0, 9.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0] * 4, [-1.0] * 4], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    new.requires_grad_(True)
+    loss, stats = policy_loss(new, old, adv, mask, 0.2, level="sequence")
+    close(loss, (3 * -1.2 + 2 * s1) / 5)
+    close(stats["policy/clipfrac"], 3 / 5)  # row 0's three tokens
+    close(stats["policy/ratio_mean"], (3 * math.exp(0.2) + 2 * s1) / 5)
+    loss.backward()
+    # row 0 clipped: no gradient; row 1: d/dlp_t (2/5 * s1) = 2/5 * s1 * 1/2 for each of its tokens
+    close(new.grad, torch.tensor([[0.0] * 4, [s1 / 5, s1 / 5, 0.0, 0.0]], dtype=torch.float64))
+    grpo, _ = policy_loss(new, old, adv, mask, 0.2, aggregation="grpo", level="sequence")
+    close(grpo, (-1.2 + s1) / 2)
+    # the token level differs: each token is clipped alone (e^0.1 is inside [0.8, 1.2], e^-0.3 = 0.74 is not)
+    token, _ = policy_loss(new, old, adv, mask, 0.2)
+    close(token, (-math.exp(0.1) - 1.2 - 1.2 + 0.8 + math.exp(-0.1)) / 5)
+
+
+@pytest.mark.parametrize("kind", list(AGGREGATIONS))
+def test_sequence_level_gradient_at_ratio_one(kind):
+    """At ratio 1 with one advantage per row (GRPO), GSPO's gradient is the token-level one under
+    every aggregation (each row's tokens share one weight); GSPO-token's also with per-token
+    advantages, where GSPO's own is the row's mean gradient instead."""
+    gen = torch.Generator().manual_seed(6)
+    lp = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(5, 6, gen)
+    row_adv = torch.randn(5, 1, generator=gen, dtype=torch.float64).expand(5, 6)
+    token_adv = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+
+    def grad(adv, level):
+        x = lp.clone().requires_grad_(True)
+        policy_loss(x, lp, adv, mask, 0.2, kind, 6, level)[0].backward()
+        return x.grad
+
+    close(grad(row_adv, "sequence"), grad(row_adv, "token"), tol=1e-12)
+    close(grad(row_adv, "sequence_token"), grad(row_adv, "token"), tol=1e-12)
+    close(grad(token_adv, "sequence_token"), grad(token_adv, "token"), tol=1e-12)
+    assert (grad(token_adv, "sequence") - grad(token_adv, "token")).abs().max() > 1e-3
+
+
+def test_sequence_level_gradcheck():
+    gen = torch.Generator().manual_seed(7)
+    lp = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    old = lp.detach() + 0.05 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    adv = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(3, 4, gen)
+    # GSPO's loss only: GSPO-token's gradient is by design not its value's (the stop-gradients)
+    assert torch.autograd.gradcheck(lambda x: policy_loss(x, old, adv, mask, 0.2, "grpo", 4, "sequence")[0], (lp,))
+
+
+# --------------------------------------------------------------------------- DAPO's over-long penalty
+
+
+def test_overlong_penalty_hand_computed():
+    # max_len 10, buffer 4: the ramp starts after 6 tokens; DAPO eq. 13 ((10 - 4) - L) / 4, times 0.5
+    from rlhfkit.core import overlong_penalty
+
+    lengths = torch.tensor([3, 6, 7, 8, 10, 12])
+    expected = [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]  # 12 > max_len: the whole penalty
+    close(overlong_penalty(lengths, max_len=10, buffer=4, penalty=0.5), expected)
+    dapo = [0.0 if n <= 6 else ((10 - 4) - n) / 4 if n <= 10 else -1.0 for n in lengths.tolist()]  # the paper's cases
+    close(overlong_penalty(lengths, 10, 4), dapo)
+    with pytest.raises(ValueError, match="buffer >= 1"):
+        overlong_penalty(lengths, 10, 0)

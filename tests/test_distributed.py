@@ -3,7 +3,8 @@
 Each command runs with its own defaults for a few steps (PPO past its critic warm-up; GRPO, RLOO
 and REINFORCE two steps of batch 64 in minibatches of 32 over two epochs; DPO, SFT and the reward
 model two steps of their default batches), plus variants (a warm-up step on a shared value head,
-LoRA, a prompt file in minibatches of one group, micro-batches of 3 rows), once in a single
+LoRA, a prompt file in minibatches of one group, micro-batches of 3 rows, GRPO's per-sequence
+mean loss with GSPO's sequence ratios, whose processes are weighted by rows), once in a single
 process and once under ``accelerate launch`` with two processes, each taking half of every global
 batch. The logged losses, gradient norms and statistics and the saved weights must agree (1e-4),
 which holds only if sharding reproduces the single-process batch, sampling does not depend on the
@@ -52,8 +53,8 @@ pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-RUNS = ("ppo", "ppo_warmup", "ppo_shared", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "rloo", "reinforce", "dpo",
-        "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro")
+RUNS = ("ppo", "ppo_warmup", "ppo_shared", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "rloo",
+        "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro")
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a separate critic, a shared value head,
 # the three critic-free estimators and LoRA (PPO with an adapter on the critic too, GRPO), matched to the
 # 1-process run at FSDP_TOL

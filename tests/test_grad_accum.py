@@ -20,10 +20,11 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfkit.config import Config
-from rlhfkit.core import logprobs_from_logits
+from rlhfkit.core import AGGREGATIONS, logprobs_from_logits
 from rlhfkit.experience import ActorCritic, Experience
 from rlhfkit.models import ValueHead, build_tiny_policy, build_tiny_scalar_model, disable_dropout
 from rlhfkit.tasks import doubling
+from rlhfkit.trainers import rl
 from rlhfkit.trainers.rl import minibatch_loss, ppo_update
 from rlhfkit.utils import read_jsonl
 
@@ -91,9 +92,9 @@ def _actor_critic(value_model: str) -> ActorCritic:
     return ActorCritic(policy, critic=disable_dropout(build_tiny_scalar_model(TOK, seed=7, **ARCH)).train())
 
 
-def _ppo_update(ac: ActorCritic, exp: Experience, micro: int):
+def _ppo_update(ac: ActorCritic, exp: Experience, micro: int, **ppo):
     pc = dataclasses.replace(Config().ppo, minibatch_size=len(LENGTHS), ppo_epochs=1, micro_batch_size=micro,
-                             kl_in_loss=True, kl_estimator="k2", entropy_coef=0.05, value_clip_range=0.2)
+                             kl_in_loss=True, kl_estimator="k2", entropy_coef=0.05, value_clip_range=0.2, **ppo)
     opt = RecordingSGD([{"params": ac.policy.parameters()}, {"params": ac.critic_parameters()}], lr=1.0)
     stats = ppo_update(ac, opt, exp, pc, kl_coef=0.1, generator=torch.Generator().manual_seed(1))
     assert len(stats) == 1  # one minibatch: one optimizer step
@@ -126,6 +127,44 @@ def test_ppo_micro_batches_give_the_minibatch_update(value_model):
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in naive.policy.parameters()]))
     naive_grads = [p.grad * min(1.0, 1.0 / (norm.item() + 1e-6)) for p in params[: len(list(naive.policy.parameters()))]]
     assert max_diff(grads[: len(naive_grads)], naive_grads) > 100 * TOL
+
+
+# token_mean is test_ppo_micro_batches_give_the_minibatch_update's; bnpo and dapo are its function
+# under TRL's names (test_loss_types_change_the_update)
+@pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("dr_grpo", "token"), ("grpo", "sequence"),
+                                              ("token_mean", "sequence_token")])
+def test_every_loss_type_micro_batches_give_the_minibatch_update(loss_type, level, monkeypatch):
+    """ppo.loss_type / importance_sampling_level: micro-batches of 3 rows (3, 3, 3, 1 of rows of
+    different lengths) give the whole minibatch's gradients and stats; each aggregation weighs a
+    micro-batch by its own unit, and for the per-row ones (grpo, dr_grpo) weighing by tokens, the
+    token mean's unit, is caught."""
+    ac = _actor_critic("shared")
+    exp = _experience(ac)
+    ppo = {"loss_type": loss_type, "importance_sampling_level": level, "max_new_tokens": 8}
+    whole, split = copy.deepcopy(ac), copy.deepcopy(ac)
+    grads, stats = _ppo_update(whole, exp, micro=0, **ppo)
+    micro_grads, micro_stats = _ppo_update(split, exp, micro=3, **ppo)
+    assert_same_grads(grads, micro_grads)
+    for k in stats:
+        torch.testing.assert_close(torch.as_tensor(stats[k]).double(), torch.as_tensor(micro_stats[k]).double(),
+                                   atol=TOL, rtol=TOL, msg=k)
+    if AGGREGATIONS[loss_type].unit == "rows":
+        monkeypatch.setattr(rl, "aggregation_count", lambda mask, kind: mask.sum())
+        token_grads, _ = _ppo_update(copy.deepcopy(ac), exp, micro=3, **ppo)
+        assert max_diff(grads, token_grads) > 100 * TOL
+
+
+def test_loss_types_change_the_update():
+    """The loss types are not one loss under five names where they should differ: grpo and dr_grpo
+    give other gradients than the token mean on rows of different lengths; bnpo and dapo the same."""
+    ac = _actor_critic("shared")
+    exp = _experience(ac)
+    grads = {k: _ppo_update(copy.deepcopy(ac), exp, micro=0, loss_type=k, max_new_tokens=8)[0] for k in AGGREGATIONS}
+    for k in ("bnpo", "dapo"):
+        assert AGGREGATIONS[k] == AGGREGATIONS["token_mean"]
+        assert max_diff(grads[k], grads["token_mean"]) == 0.0
+    for k in ("grpo", "dr_grpo"):
+        assert max_diff(grads[k], grads["token_mean"]) > 100 * TOL
 
 
 # --------------------------------------------------------------------------- SFT, DPO, reward model: the trainers

@@ -288,3 +288,51 @@ def test_keep_best_holds_only_the_lora_adapter_and_puts_it_back():
     best.offer(1, 0.4)  # worse: nothing kept
     best.restore()
     assert best.step == 0 and all(torch.equal(p, kept[n]) for n, p in policy.named_parameters())
+
+
+def test_grpo_runs_with_dr_grpo_and_sequence_ratios_on_the_tasks_token_limit(tiny_models, tiny_config, tmp_path,
+                                                                              monkeypatch):
+    """loss_type=dr_grpo divides by the longest completion allowed: with ppo.max_new_tokens unset
+    the run passes the task's limit down to the loss (else dr_grpo has no length to divide by) and
+    to the over-long penalty."""
+    import rlhfkit.trainers.rl as rl
+    from rlhfkit.utils import read_jsonl
+
+    seen = []
+    original = rl.aggregate
+
+    def spy(per_token, mask, kind="token_mean", max_len=0):
+        seen.append((kind, max_len))
+        return original(per_token, mask, kind, max_len)
+
+    monkeypatch.setattr(rl, "aggregate", spy)
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                      ppo={"algo": "grpo", "max_new_tokens": None, "loss_type": "dr_grpo",
+                           "importance_sampling_level": "sequence", "overlong_buffer": 2})
+    rl.train_rl(cfg)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["policy/loss"])) for r in rows)
+    # the over-long penalty ramps up to the same limit: logged, in [-1, 0]
+    assert all(-1.0 <= r["objective/overlong_penalty"] <= 0.0 for r in rows)
+    assert seen and set(seen) == {("dr_grpo", doubling.MAX_NEW_TOKENS)}  # the KL term's aggregation
+
+
+def test_overlong_penalty_lands_in_the_scores_after_the_missing_eos_penalty():
+    """ppo.overlong_buffer: DAPO's soft over-long penalty is added to each score (lengths 2, 4, 5
+    of at most 5, buffer 2: 0, -0.5 * 1.5, -1 * 1.5), after the missing-EOS penalty; off by default."""
+    from types import SimpleNamespace
+
+    from rlhfkit.distributed import Shard
+    from rlhfkit.experience import final_scores
+
+    raw = torch.tensor([1.0, 2.0, 3.0])
+    scorer = SimpleNamespace(score=lambda roll, records: (raw, {}))
+    lengths = torch.tensor([2, 4, 5])
+    roll = SimpleNamespace(response_mask=(torch.arange(5)[None, :] < lengths[:, None]).long(),
+                           finished=torch.tensor([True, True, False]))
+    pc = dataclasses.replace(Config().ppo, normalize_reward=False, max_new_tokens=5, missing_eos_penalty=0.25,
+                             overlong_buffer=2, overlong_penalty=1.5)
+    _, score, _ = final_scores(scorer, roll, pc, None, Shard())
+    torch.testing.assert_close(score, torch.tensor([1.0, 2.0 - 0.75, 3.0 - 0.25 - 1.5]))
+    _, plain, _ = final_scores(scorer, roll, dataclasses.replace(pc, overlong_buffer=0), None, Shard())
+    torch.testing.assert_close(plain, torch.tensor([1.0, 2.0, 2.75]))

@@ -270,9 +270,9 @@ class PPOConfig(Section):
     key says so (docs/ppo_walkthrough.md, section 10, has the table). Two choices have no key:
     the score lands on the last response token, the EOS when one was emitted (TRL's PPOTrainer
     and DeepSpeed-Chat put it one position past the EOS, OpenRLHF on it), and the policy loss
-    is a token mean over the minibatch, micro-batches weighted by their share of its tokens
-    (TRL's PPO, OpenRLHF and DeepSpeed-Chat: a token mean per micro-batch; TRL's GRPO:
-    loss_type 'dapo', a sum over the global batch's tokens, in newer releases)."""
+    is by default a token mean over the minibatch, micro-batches weighted by their share of its
+    tokens (loss_type; TRL's PPO, OpenRLHF and DeepSpeed-Chat: a token mean per micro-batch;
+    TRL's GRPO: loss_type 'dapo', a sum over the generation batch's tokens, in newer releases)."""
 
     algo: Literal["ppo", "grpo", "rloo", "reinforce"] = "ppo"
     """Advantage estimator: 'ppo' (critic + GAE), 'grpo' (group-relative), 'rloo' (leave-one-out),
@@ -388,6 +388,18 @@ class PPOConfig(Section):
     """GAE lambda."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon."""
+    loss_type: Literal["token_mean", "grpo", "bnpo", "dr_grpo", "dapo"] = "token_mean"
+    """How every per-token loss (policy, KL term, entropy bonus, value loss) is reduced, one
+    optimizer step's minibatch at a time (micro-batches and processes change nothing):
+    'token_mean': sum / the minibatch's response tokens; 'grpo': each sequence's token mean, then
+    the mean over sequences; 'dr_grpo': sum / (rows x max_new_tokens); 'bnpo', 'dapo': TRL's
+    names, here the token mean (TRL's bnpo is one per micro-batch and process, its dapo divides by
+    the generation batch's tokens: equal when one such batch is one optimizer step). See
+    docs/ppo_walkthrough.md, section 10."""
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
+    """The policy loss's ratio: 'token' (PPO); 'sequence' (GSPO, TRL's name): each row's
+    exp(mean log-ratio), clipped per sequence -- GSPO used clip ranges near 3e-4 to 4e-4, not
+    0.2; 'sequence_token' (GSPO-token): the same value, per-token gradients."""
     value_clip_range: float | None = None
     """Value clip around the rollout-time values; None disables it. The common 0.2 assumes
     returns of order 1: with scores of +-3 it lets the critic move 0.2 per step and stalls it."""
@@ -417,6 +429,14 @@ class PPOConfig(Section):
     has the same option, off by default). On the doubling task's three rewards no default run
     lost its EOS (benchmarks/robustness.py), so it stays off; the hacking watch flags a fall
     of the EOS rate (guard_eos)."""
+    overlong_buffer: int = 0
+    """DAPO's soft over-long punishment (0 = off; DAPO: 4096 of 20480): a response longer than
+    max_new_tokens - overlong_buffer tokens (EOS included) loses overlong_penalty * (its length -
+    that) / overlong_buffer from its score, all of overlong_penalty at max_new_tokens; added
+    after missing_eos_penalty, before normalisation and clipping (TRL: the reward function
+    get_soft_overlong_punishment, weight 1)."""
+    overlong_penalty: float = 1.0
+    """The over-long penalty at max_new_tokens (DAPO: 1, in the reward's units)."""
     filter_zero_std_groups: bool = False
     """grpo, rloo: leave the groups whose scores are all equal (logged: frac_reward_zero_std) out of
     the update -- DAPO's dynamic filtering, without its resampling. Their advantages are 0
@@ -500,6 +520,10 @@ class PPOConfig(Section):
         if self.filter_zero_std_groups and self.algo not in ("grpo", "rloo"):
             raise ConfigError(f"ppo.filter_zero_std_groups needs grpo or rloo: under {self.algo} the baseline is not "
                               "the group's mean, so a group of equal scores still has advantages")
+        if self.overlong_buffer and self.max_new_tokens is not None and self.overlong_buffer > self.max_new_tokens:
+            raise ConfigError(f"ppo.overlong_buffer={self.overlong_buffer} is longer than ppo.max_new_tokens="
+                              f"{self.max_new_tokens}: the penalty ramps up over the last overlong_buffer tokens "
+                              "before max_new_tokens")
         if any(not s for s in self.stop):
             raise ConfigError(f"ppo.stop must hold non-empty strings, got {list(self.stop)!r}")
         if self.kl_in_loss and self.kl_estimator == "k1":
@@ -976,7 +1000,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.kl_target": (0, None), "ppo.kl_horizon": (1, None), "ppo.gamma": (0, 1), "ppo.lam": (0, 1),
     "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
     "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
-    "ppo.missing_eos_penalty": (0, None), "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
+    "ppo.missing_eos_penalty": (0, None), "ppo.overlong_buffer": (0, None), "ppo.overlong_penalty": (0, None),
+    "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
     "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None), "ppo.micro_batch_size": (0, None), "ppo.guard_kl": (0, None),
     "ppo.guard_eos": (0, 1), "ppo.guard_eval_drop": (0, 1),
     "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),

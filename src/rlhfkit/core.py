@@ -16,6 +16,8 @@ metrics the trainers log (``policy/clipfrac`` ...), so trainers can log them as 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,11 @@ __all__ = [
     "reinforce_advantages",
     "scale_advantages",
     "rloo_advantages",
+    "overlong_penalty",
+    "AGGREGATIONS",
+    "aggregate",
+    "aggregation_count",
+    "sequence_log_ratio",
     "policy_loss",
     "value_loss",
     "explained_variance",
@@ -518,17 +525,119 @@ def sampling_correction_weights(log_w: torch.Tensor, response_mask: torch.Tensor
     return torch.where(response_mask.bool(), w, 0.0)
 
 
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft over-long punishment (Yu et al. 2025, eq. 13), scaled by ``penalty``: with
+    ``start = max_len - buffer``,
+
+    ``0`` for ``L <= start``; ``-penalty * (L - start) / buffer`` for ``start < L <= max_len``
+    (down to ``-penalty`` at ``max_len``); ``-penalty`` beyond.
+
+    Args:
+        lengths: ``[B]`` response lengths in tokens (EOS included).
+        max_len: the longest response allowed (``L_max``). buffer: ``L_cache`` >= 1.
+    Returns:
+        ``[B]`` penalties (<= 0), to add to the scores.
+    """
+    if buffer < 1:
+        raise ValueError(f"the over-long penalty needs buffer >= 1, got {buffer}")
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0) / buffer  # [B]
+    return -penalty * over.clamp(max=1.0)
+
+
+# --------------------------------------------------------------------------- loss aggregation
+#
+# Every loss part (policy, value, KL, entropy) is a per-token tensor [B, R] reduced to a scalar by
+# one named aggregation. Each aggregation is linear in the per-token values, and a minibatch's
+# aggregate is the sum of its micro-batches' aggregates, each weighted by its share of the
+# minibatch's ``unit`` (tokens or rows): that share is what gradient accumulation and data
+# parallelism weigh a micro-batch or a process by, so any split gives the whole minibatch's loss.
+
+
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``sum(x * mask) / sum(mask)``: one mean over every token of the minibatch."""
+    return masked_mean(per_token, mask)
+
+
+def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``mean_i( sum_t(x * mask)_i / max(1, sum_t(mask)_i) )``: each row's token mean, then the
+    mean over rows (a row without tokens counts as 0, as in TRL)."""
+    per_row = masked_sum(per_token, mask, -1) / _check_mask(per_token, mask).sum(-1).clamp(min=1)  # [B]
+    return per_row.mean()
+
+
+def _fixed_length(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``sum(x * mask) / (B * max_len)``: Dr. GRPO's constant normaliser, no length bias."""
+    if max_len < 1:
+        raise ValueError(f"the dr_grpo aggregation needs max_len >= 1 (the longest completion allowed), got {max_len}")
+    return masked_sum(per_token, mask) / (per_token.shape[0] * max_len)
+
+
+class Aggregation(NamedTuple):
+    fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    unit: str  # "tokens" or "rows": what a micro-batch's share of the minibatch counts
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "token_mean": Aggregation(_token_mean, "tokens"),
+    # TRL's names for the same minibatch-wide token mean (docs/ppo_walkthrough.md, section 10)
+    "bnpo": Aggregation(_token_mean, "tokens"),
+    "dapo": Aggregation(_token_mean, "tokens"),
+    "grpo": Aggregation(_sequence_mean, "rows"),
+    "dr_grpo": Aggregation(_fixed_length, "rows"),
+}
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, kind: str = "token_mean", max_len: int = 0) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, R]`` over ``mask`` ``[B, R]`` to a scalar, by ``kind``:
+
+    - ``token_mean`` (also ``bnpo``, ``dapo``): ``sum(x * m) / sum(m)``
+    - ``grpo``: ``mean_i( sum_t(x * m)_i / sum_t(m)_i )`` -- each sequence's mean, then over sequences
+    - ``dr_grpo``: ``sum(x * m) / (B * max_len)``
+
+    Padded slots (mask 0) reach neither the value nor the gradient, NaN included."""
+    if kind not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {kind!r}; expected one of {', '.join(AGGREGATIONS)}")
+    return AGGREGATIONS[kind].fn(per_token, mask, max_len)
+
+
+def aggregation_count(mask: torch.Tensor, kind: str = "token_mean") -> torch.Tensor:
+    """What :func:`aggregate` ``kind`` weighs a part of a batch by: its tokens (``mask.sum()``) or
+    its rows (``B``). A micro-batch's aggregate times ``count(micro) / count(minibatch)``, summed
+    over the micro-batches, is the minibatch's aggregate."""
+    if AGGREGATIONS[kind].unit == "tokens":
+        return mask.sum()
+    return torch.tensor(mask.shape[0], device=mask.device)
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's (Zheng et al. 2025, eq. 7) length-normalised sequence log-ratio ``[B, 1]``:
+    ``log s_i = sum_t(log_ratio * m)_i / max(1, sum_t(m)_i)``, i.e. ``s_i`` is the geometric mean
+    of the row's token ratios."""
+    mask = _check_mask(log_ratio, response_mask)
+    return (masked_sum(log_ratio, mask, -1) / mask.sum(-1).clamp(min=1))[:, None]  # [B, 1]
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     clip_range: float = 0.2,
+    aggregation: str = "token_mean",
+    max_len: int = 0,
+    level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
     ``ratio = exp(logprobs - old_logprobs)``
-    ``loss = mean_mask( max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) )``
+    ``loss = aggregate( max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) )``
+
+    ``level`` picks the importance ratio: ``token`` (above); ``sequence`` (GSPO): every token of
+    row ``i`` takes ``s_i = exp(mean_t log_ratio)`` (:func:`sequence_log_ratio`), clipped per
+    sequence, its gradient ``s_i * mean_t grad log pi``; ``sequence_token`` (GSPO-token): the
+    value ``s_i`` but per-token gradients, ``sg[s_i] * pi_t / sg[pi_t]``, so that token-level
+    advantages weigh their own tokens (with one advantage per row its gradient equals
+    ``sequence``'s under every aggregation).
 
     Args:
         logprobs: ``[B, R]`` log pi_theta(a_t|s_t), with grad.
@@ -536,23 +645,39 @@ def policy_loss(
         advantages: ``[B, R]`` (usually whitened).
         response_mask: ``[B, R]``.
         clip_range: eps.
+        aggregation, max_len: how the per-token loss is reduced (:func:`aggregate`).
+        level: ``token``, ``sequence`` or ``sequence_token``.
     Returns:
-        ``(loss, stats)``; stats: ``policy/loss``, ``policy/clipfrac`` (share of tokens whose
-        clipped term was the active one), ``policy/approx_kl`` (k3 estimate of
-        KL(old || new), exactly 0 when ratio == 1), ``policy/ratio_mean``.
+        ``(loss, stats)``; stats (token means over the mask whatever the aggregation, so runs
+        compare): ``policy/loss`` (the per-token loss's mean), ``policy/clipfrac`` (share of
+        tokens whose clipped term was the active one), ``policy/approx_kl`` (k3 estimate of
+        KL(old || new) from the token ratios, exactly 0 when ratio == 1), ``policy/ratio_mean``
+        (of the ratio used).
     """
     # where(), not a product: a NaN/inf in a padded slot must reach neither the loss nor, through
     # exp's backward (0 * inf), the gradient of the valid tokens
-    log_ratio = torch.where(response_mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio)  # [B, R]
+    valid = response_mask.bool()
+    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))  # [B, R]
+    if level == "token":
+        log_weight = log_ratio
+    elif level == "sequence":
+        log_weight = sequence_log_ratio(log_ratio, response_mask).expand_as(log_ratio)  # [B, R]
+    elif level == "sequence_token":
+        own = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+        log_weight = own - own.detach() + sequence_log_ratio(log_ratio, response_mask).detach()  # [B, R]
+    else:
+        raise ValueError(f"unknown importance sampling level {level!r}; expected token, sequence or sequence_token")
+    ratio = torch.exp(log_weight)  # [B, R]
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    per_token = torch.maximum(unclipped, clipped)  # [B, R]
+    loss = aggregate(per_token, response_mask, aggregation, max_len)
     with torch.no_grad():
+        token_ratio = torch.exp(log_ratio)
         stats = {
-            "policy/loss": loss.detach(),
+            "policy/loss": masked_mean(per_token, response_mask),
             "policy/clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
-            "policy/approx_kl": masked_mean((ratio - 1) - log_ratio, response_mask),
+            "policy/approx_kl": masked_mean((token_ratio - 1) - log_ratio, response_mask),
             "policy/ratio_mean": masked_mean(ratio, response_mask),
         }
     return loss, stats
@@ -564,12 +689,15 @@ def value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     clip_range: float | None = 0.2,
+    aggregation: str = "token_mean",
+    max_len: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss.
 
     ``v_clip = old_values + clip(values - old_values, -eps, eps)``
     ``loss = 0.5 * mean_mask( max((values - returns)^2, (v_clip - returns)^2) )``
-    With ``clip_range=None`` it is the plain ``0.5 * mean_mask((values - returns)^2)``.
+    With ``clip_range=None`` it is the plain ``0.5 * mean_mask((values - returns)^2)``. Another
+    ``aggregation`` (:func:`aggregate`) replaces the token mean.
 
     Args:
         values: ``[B, R]`` current predictions, with grad.
@@ -588,9 +716,10 @@ def value_loss(
         v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
         err_clip = (v_clip - returns) ** 2
         per_token, clip_active = torch.maximum(err, err_clip), (err_clip > err).float()
-    loss = 0.5 * masked_mean(per_token, response_mask)
+    loss = 0.5 * aggregate(per_token, response_mask, aggregation, max_len)
     with torch.no_grad():
-        stats = {"value/loss": loss.detach(), "value/clipfrac": masked_mean(clip_active, response_mask)}
+        stats = {"value/loss": 0.5 * masked_mean(per_token, response_mask),  # a token mean, whatever the aggregation
+                 "value/clipfrac": masked_mean(clip_active, response_mask)}
     return loss, stats
 
 

@@ -127,9 +127,15 @@ class Shard:
     def token_weight(self, mask: torch.Tensor) -> float:
         """``world * n_local / n_global`` for a token-mean loss over ``mask``: after DDP's average
         the gradient is that of the mean over every process's tokens (1 with one process)."""
+        return self.count_weight(mask.sum())
+
+    def count_weight(self, n_local: torch.Tensor) -> float:
+        """``world * n_local / n_global`` for a loss that is a mean over ``n_local`` units (tokens,
+        rows: core.aggregation_count) of this process: after DDP's average the gradient is that of
+        the mean over every process's units (1 with one process)."""
         if not self.distributed:
             return 1.0
-        n_local = mask.sum().float()
+        n_local = torch.as_tensor(n_local).float()
         n_global = self.sum(n_local)
         return float(self.world * n_local / n_global.clamp(min=1))
 

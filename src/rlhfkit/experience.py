@@ -22,6 +22,7 @@ from .core import (
     kl_estimate,
     masked_mean,
     masked_whiten,
+    overlong_penalty,
     reinforce_advantages,
     rloo_advantages,
     sampling_correction_weights,
@@ -227,13 +228,17 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
 def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: RunningMoments | None,
                  shard: Shard, records=None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(raw_score [B], score [B], {source: [B]})``: the reward's weighted total, then the
-    missing-EOS penalty and the running normalisation (``ppo.normalize_reward``, over every
-    process's rows); and each source's own scores."""
+    missing-EOS penalty, the over-long penalty (``ppo.overlong_buffer``) and the running
+    normalisation (``ppo.normalize_reward``, over every process's rows); and each source's own
+    scores."""
     raw_score, parts = scorer.score(roll, records)  # [B]
     if not bool(torch.isfinite(raw_score).all()):  # a NaN here would reach every advantage of the batch
         raise ValueError(f"the reward gave non-finite scores to {int((~torch.isfinite(raw_score)).sum())} of "
                          f"{raw_score.numel()} responses: check the reward model's weights (reward.name) or function")
     score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
+    if pc.overlong_buffer:
+        score = score + overlong_penalty(roll.response_mask.sum(-1), pc.max_new_tokens, pc.overlong_buffer,
+                                         pc.overlong_penalty)  # [B]
     if reward_stats is not None:
         reward_stats.update(shard.gather_rows(score))
         score = (score - reward_stats.mean) / (reward_stats.std + 1e-8)
@@ -305,6 +310,9 @@ def make_experience(
         **{f"reward/{name}": s.mean() for name, s in parts.items()},
         **sampling,
     }
+    if pc.overlong_buffer:  # the mean over-long penalty added to the scores
+        stats["objective/overlong_penalty"] = overlong_penalty(rmask.sum(-1), pc.max_new_tokens, pc.overlong_buffer,
+                                                               pc.overlong_penalty).mean()
     if zero_std is not None:  # TRL's name; groups of 1 have no such share, and it is not logged
         stats["frac_reward_zero_std"] = shard.apply_rows(lambda z: z.mean(), zero_std.float())  # global batch
     if keep is not None:

@@ -39,6 +39,10 @@ runs = {  # run name: (command, overrides)
                            f"data.path={Path(policy).parent / 'prompts.jsonl'}",
                            f"data.eval_path={Path(policy).parent / 'held.jsonl'}",
                            "reward.function=rlhfkit.tasks.doubling:format_reward", "reward.weights=1,2"]),
+    # GRPO's per-sequence mean (ppo.loss_type=grpo, weighted by rows, not tokens) with GSPO's sequence
+    # ratios, in micro-batches: minibatches of 3 groups of 2 hold 4 rows of one process and 2 of the other
+    "grpo_seqmean": ("grpo", [*rl, "ppo.batch_size=12", "ppo.minibatch_size=6", "ppo.group_size=2",
+                              "ppo.loss_type=grpo", "ppo.importance_sampling_level=sequence", "ppo.micro_batch_size=2"]),
     # DPO, SFT and the reward model with their default batches, for two steps
     "dpo": ("dpo", ["dpo.steps=2", "dpo.num_pairs=64"]),
     "sft": ("sft", ["sft.steps=2"]),

@@ -35,7 +35,10 @@ from .. import kernels
 from ..checkpoint import fault_point, latest_checkpoint
 from ..config import Config, PPOConfig
 from ..core import (
+    AGGREGATIONS,
     adaptive_kl_coef,
+    aggregate,
+    aggregation_count,
     kl_estimate,
     masked_mean,
     policy_loss,
@@ -68,8 +71,11 @@ from .common import Engine, Run
 def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float,
                    update_policy: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(loss, logprobs [b, R], stats)`` of minibatch rows ``mb``: the clipped value loss, and
-    unless it is a critic warm-up the clipped policy loss, the entropy bonus and the KL term."""
+    unless it is a critic warm-up the clipped policy loss, the entropy bonus and the KL term.
+    Every part is a per-token loss reduced by the one aggregation ``pc.loss_type``
+    (:func:`rlhfkit.core.aggregate`; TRL aggregates its policy + KL per-token loss alike)."""
     rmask = exp.response_mask[mb]
+    agg = functools.partial(aggregate, mask=rmask, kind=pc.loss_type, max_len=pc.max_new_tokens or 0)
     with_entropy = update_policy and bool(pc.entropy_coef)
     # log-probs (and entropies) of the chosen tokens straight from the forward: a big vocabulary's
     # [b, R, V] logits are never held whole (models.token_logprobs)
@@ -78,27 +84,30 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
                                          entropy=with_entropy)  # [b, R] each
     loss, stats = torch.zeros((), device=logprobs.device), {}
     if values is not None:
-        v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range)
+        v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range,
+                                   pc.loss_type, pc.max_new_tokens or 0)
         loss = pc.vf_coef * v_loss
-    p_loss, p_stats = policy_loss(logprobs, exp.old_logprobs[mb], exp.advantages[mb], rmask, pc.clip_range)
+    p_loss, p_stats = policy_loss(logprobs, exp.old_logprobs[mb], exp.advantages[mb], rmask, pc.clip_range,
+                                  pc.loss_type, pc.max_new_tokens or 0, pc.importance_sampling_level)
     stats.update(p_stats)
     if update_policy:
         loss = loss + p_loss
         if with_entropy:
-            loss = loss - pc.entropy_coef * masked_mean(entropy, rmask)
+            loss = loss - pc.entropy_coef * agg(entropy)
         if pc.kl_in_loss:
-            kl_term = masked_mean(kl_estimate(logprobs, exp.ref_logprobs[mb], pc.kl_estimator), rmask)
-            loss = loss + kl_coef * kl_term
-            stats["policy/kl_loss"] = kl_term.detach()
+            kl = kl_estimate(logprobs, exp.ref_logprobs[mb], pc.kl_estimator)  # [b, R]
+            loss = loss + kl_coef * agg(kl)
+            stats["policy/kl_loss"] = masked_mean(kl.detach(), rmask)  # stats are token means, as policy_loss's
     return loss, logprobs, stats
 
 
 def micro_batch_loss(model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float, update_policy: bool,
                      weight: float, gap: bool, rows: slice) -> tuple[torch.Tensor, dict]:
-    """:func:`minibatch_loss` of the micro-batch ``mb[rows]``, loss and stats scaled by its share of
-    the minibatch's response tokens (every term is a token mean), the loss also by the process's
-    token ``weight``; with ``gap`` the stats add ``policy/logprob_gap``, the largest
-    |log-prob - old log-prob| over its tokens.
+    """:func:`minibatch_loss` of the micro-batch ``mb[rows]``: the loss scaled by its share of the
+    minibatch's tokens or rows, whichever ``pc.loss_type`` averages over
+    (:func:`rlhfkit.core.aggregation_count`), and by the process's ``weight`` in that unit; the
+    stats (token means) by its share of the minibatch's response tokens; with ``gap`` the stats
+    add ``policy/logprob_gap``, the largest |log-prob - old log-prob| over its tokens.
 
     An empty ``mb[rows]`` (this process holds fewer of the minibatch's rows than another one)
     runs one of its rows with weight 0: every process then makes the same forward and backward
@@ -110,12 +119,15 @@ def micro_batch_loss(model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl
         sub = mb[:1] if len(mb) else torch.zeros(1, dtype=torch.long, device=mb.device)
     rmask = exp.response_mask[sub]
     loss, logprobs, stats = minibatch_loss(model, exp, sub, pc, kl_coef, update_policy)
-    share = 0.0 if empty else rmask.sum() / exp.response_mask[mb].sum()  # 1 when the micro-batch is the minibatch
+    # each share is 1 when the micro-batch is the minibatch
+    share = 0.0 if empty else rmask.sum() / exp.response_mask[mb].sum()
+    loss_share = 0.0 if empty else (aggregation_count(rmask, pc.loss_type)
+                                    / aggregation_count(exp.response_mask[mb], pc.loss_type))
     stats = {k: v * share for k, v in stats.items()}
     if gap:
         stats["policy/logprob_gap"] = torch.where(rmask.bool(), (logprobs.detach() - exp.old_logprobs[sub]).abs(),
                                                   0.0).max() * (not empty)
-    return loss * share * weight, stats
+    return loss * loss_share * weight, stats
 
 
 def minibatch_order(B: int, G: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -140,9 +152,9 @@ def ppo_update(
     this process's rows of the global batch, its model is ``ac`` as prepared by accelerate (DDP,
     FSDP) and ``pc.minibatch_size`` the per-process share: the minibatches are drawn over the
     global batch (:func:`minibatch_order`), each process computes the loss of the minibatch's
-    rows it holds, and its shard rescales the token-mean loss by its share of the minibatch's
-    tokens, so the synchronised gradient, and the reduced stats, are those of the global
-    minibatch, as one process computes it (the synchronised gradient norms make every process's
+    rows it holds, and its shard rescales the loss by its share of the minibatch's tokens (or
+    rows, for a ``pc.loss_type`` that averages over rows), so the synchronised gradient, and the
+    reduced stats, are those of the global minibatch, as one process computes it (the synchronised gradient norms make every process's
     guard decide alike). ``logprob_gap``: the first minibatch's stats add ``policy/logprob_gap``,
     the largest |log-prob - old log-prob| over its tokens before any update (the old ones came
     from the sampler: :func:`rlhfkit.experience.reuse_rollout`). ``pc.micro_batch_size`` rows of
@@ -163,10 +175,14 @@ def ppo_update(
             mb = shard.local_rows(rows, b).to(exp.input_ids.device)
             most = max(shard.rows_per_process(rows, b))
             weight = shard.token_weight(exp.response_mask[mb])  # 1 with one process
+            # the loss's own unit (tokens or rows: core.aggregation_count); the token weight's for a token mean
+            loss_weight = shard.count_weight(aggregation_count(exp.response_mask[mb], pc.loss_type)) \
+                if AGGREGATIONS[pc.loss_type].unit != "tokens" else weight
             optimizer.zero_grad(set_to_none=True)
             # no optimizer step yet on the first minibatch: the gap is to the policy that sampled
             gap = logprob_gap and not all_stats
-            step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, weight, gap)
+            step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, loss_weight,
+                                     gap)
             n_passes = -(-most // micro) if micro else 1
             loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",), passes=n_passes)
             # every term is a token mean over the response mask but the gap
@@ -399,6 +415,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
                          "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
+    # resolved: loss_type=dr_grpo divides by it, the over-long penalty ramps up to it
+    pc, local_pc = (dataclasses.replace(c, max_new_tokens=max_new_tokens) for c in (pc, local_pc))
     # step 0. baseline: the held-out evaluation of the starting policy, before anything is written;
     # it names the metric the run stops on (a resumed run's checkpoint has it)
     resuming = cfg.run.resume and latest_checkpoint(run.out) is not None
