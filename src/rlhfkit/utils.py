@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 import warnings
@@ -170,8 +171,6 @@ def check_out_dir(cfg: Config, resumable: bool = True) -> None:
 def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> None:
     """Delete an earlier run's files in ``out_dir`` (:data:`RUN_FILES`, and the names in ``extra``);
     anything else there stays."""
-    import shutil
-
     out = Path(out_dir)
     for p in [*earlier_run_files(out), *(out / name for name in extra)]:
         if p.is_dir() and not p.is_symlink():

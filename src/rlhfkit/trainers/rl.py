@@ -318,6 +318,9 @@ def choose_stop_metric(pc: PPOConfig, baseline: dict[str, float]) -> str:
         if not baseline:
             raise ValueError(f"ppo.stop_metric={pc.stop_metric!r}: this run has no held-out prompts to evaluate; "
                              "set data.eval_path or data.eval_fraction, or leave ppo.stop_metric empty")
+        if pc.stop_metric == "eval/accuracy":  # logged only from rewards declared 0/1
+            raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
+                             "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
         raise ValueError(f"ppo.stop_metric={pc.stop_metric!r} is not logged by this run's evaluation, which logs "
                          f"{', '.join(baseline)}: name one of those (or leave ppo.stop_metric empty)")
     found = next((k for k in DEFAULT_STOP_METRICS if k in baseline), "")
@@ -411,9 +414,6 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         if isinstance(train_ac, torch.nn.parallel.DistributedDataParallel) else engine
     # prompts + new tokens must fit the models' context: checked (or cut) here, before the first step
     data = prompt_data(cfg, tok, get_task(cfg.run.task), context_window(ac.policy, ac.critic))
-    if pc.stop_at and pc.stop_metric == "eval/accuracy" and data.task is None and not scorer.accuracy_sources():
-        raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
-                         "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
     # resolved: loss_type=dr_grpo divides by it, the over-long penalty ramps up to it
     pc, local_pc = (dataclasses.replace(c, max_new_tokens=max_new_tokens) for c in (pc, local_pc))
