@@ -46,7 +46,7 @@ from ..core import (
 )
 from ..distributed import full_state_dict, full_weights, rollout_uniforms, shard_frozen
 from ..evaluate import evaluate_rewards, evaluate_sharded
-from ..experience import ActorCritic, Experience, RLState, make_experience
+from ..experience import ActorCritic, Experience, RLState, completions_per_prompt, make_experience
 from ..models import (
     ValueHead,
     add_lora,
@@ -167,7 +167,7 @@ def ppo_update(
     shard = engine.shard
     b = exp.input_ids.shape[0]  # this process's rows
     B, M = b * shard.world, pc.minibatch_size * shard.world  # the global batch and minibatch
-    G = pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
+    G = completions_per_prompt(pc)
     micro = pc.micro_batch_size
     all_stats = []
     for _ in range(pc.ppo_epochs):
@@ -252,7 +252,7 @@ def check_rl_config(cfg: Config, policy_path: str | None) -> int:
     if pc.samples_per_prompt < 1 or pc.batch_size % pc.samples_per_prompt:
         raise ValueError(f"ppo.samples_per_prompt ({pc.samples_per_prompt}) must be >= 1 and divide ppo.batch_size "
                          f"({pc.batch_size})")
-    return pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
+    return completions_per_prompt(pc)
 
 
 def make_optimizer(ac: ActorCritic, pc: PPOConfig) -> torch.optim.Optimizer:
