@@ -130,8 +130,78 @@ def test_the_first_step_alone_no_longer_raises_the_eos_guard():
     """The single-batch rule: a first batch at 0.45 and a second at 0.2 flagged at once."""
     w = HackingWatch(10, 0.5, 0.2)
     assert w.check(0, {"response/eos_rate": 0.45}) == {"guard/kl_high": 0.0, "guard/eos_collapse": 0.0,
-                                                       "guard/eval_drop": 0.0}
+                                                       "guard/eval_drop": 0.0, "guard/reward_tradeoff": 0.0}
     assert w.check(1, {"response/eos_rate": 0.2})["guard/eos_collapse"] == 0.0
+
+
+def _sources(p_fact: np.ndarray, p_short: np.ndarray, prompts: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Held-out evaluations of two 0/1-like reward sources, ``fact`` and ``short`` (each
+    ``[STEPS, RUNS]``, binomial over ``prompts`` greedy answers), and their total (weights 1, 1);
+    the baseline is one more such draw at the starting probabilities."""
+    rng = np.random.default_rng(seed)
+    draw = lambda p: rng.binomial(prompts, np.broadcast_to(p, (STEPS, RUNS))) / prompts  # noqa: E731
+    fact, short = draw(p_fact), draw(p_short)
+    b_fact, b_short = (rng.binomial(prompts, np.broadcast_to(p[0], (RUNS,))) / prompts for p in (p_fact, p_short))
+    return {"eval/reward/fact": fact, "eval/reward/short": short, "eval/reward": fact + short,
+            "baseline/eval/reward/fact": b_fact, "baseline/eval/reward/short": b_short,
+            "baseline/eval/reward": b_fact + b_short}
+
+
+def _tradeoff_flagged(series: dict[str, np.ndarray], prompts: int) -> tuple[np.ndarray, np.ndarray]:
+    watch = HackingWatch(tradeoff=DEFAULTS.guard_tradeoff, eval_prompts=prompts)
+    fired, first = np.zeros(RUNS, bool), np.full(RUNS, -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(STEPS):
+            stats = {k: v for k, v in series.items() if k.startswith("baseline/")} if step == 0 else {}
+            if (step + 1) % EVAL_EVERY == 0:
+                stats.update({k: v[step] for k, v in series.items() if not k.startswith("baseline/")})
+            on = np.asarray(watch.check(step, stats)["guard/reward_tradeoff"], bool)
+            first = np.where(on & ~fired, step, first)
+            fired |= on
+    return fired, first
+
+
+@pytest.mark.parametrize("prompts", [32, 128])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.56, 0.9])
+def test_steady_reward_sources_rarely_raise_the_tradeoff_guard(prompts, p):
+    # a healthy run: the fact source holds at p, the other one rises (the total rises with it).
+    # Each evaluation an independent binomial draw, the baseline one too: harsher than greedy
+    # answers of a slowly moving policy. With 16 held-out prompts, p = 0.56: 1.7% of runs
+    fired, _ = _tradeoff_flagged(_sources(np.full((STEPS, 1), p), _ramp(0.1, 0.9, 0, 50), prompts), prompts)
+    assert fired.mean() <= 0.01
+
+
+@pytest.mark.parametrize("prompts", [32, 128])
+def test_a_source_bought_with_another_raises_the_tradeoff_guard(prompts):
+    # the capital-city task's gaming: answers turn short (0.15 -> 0.95) and drop the fact (0.56 -> 0.1)
+    series = _sources(_ramp(0.56, 0.1, 5, 10), _ramp(0.15, 0.95, 5, 10), prompts)
+    fired, first = _tradeoff_flagged(series, prompts)
+    # by the second evaluation after the fall (steps 14, 19); 32 prompts: 93% of runs, 128: all
+    assert fired.mean() >= (0.9 if prompts == 32 else 0.99) and np.median(first[fired]) <= 19
+    # the same fall with the total falling too is a collapse, not a trade (the other guards' case)
+    fired, _ = _tradeoff_flagged(_sources(_ramp(0.56, 0.1, 5, 10), np.full((STEPS, 1), 0.15), prompts), prompts)
+    assert not fired.any()
+
+
+def test_the_tradeoff_message_names_the_fallen_source_and_resumes():
+    rows = [{"baseline/eval/reward": 0.72, "baseline/eval/reward/contains": 0.56, "baseline/eval/reward/brevity": 0.16}]
+    rows += [{} for _ in range(9)] + [{"eval/reward": 1.0, "eval/reward/contains": 0.12, "eval/reward/brevity": 0.88}]
+    rows += [{} for _ in range(9)] + [{"eval/reward": 1.1, "eval/reward/contains": 0.09, "eval/reward/brevity": 0.95}]
+    w = HackingWatch(tradeoff=0.3, eval_prompts=32)
+    with pytest.warns(RuntimeWarning) as caught:
+        flags = [w.check(t, r)["guard/reward_tradeoff"] for t, r in enumerate(rows)]
+    assert [t for t, f in enumerate(flags) if f] == [20]  # two evaluations: 0.105 < 0.7 * 0.56, 0.455 > 3.5 se
+    (msg,) = (str(c.message) for c in caught)
+    assert msg.startswith("step 20:") and "contains 0.56 -> 0.10" in msg and "reward.weights" in msg
+    cut = HackingWatch(tradeoff=0.3, eval_prompts=32)
+    for t, r in enumerate(rows[:12]):
+        cut.check(t, r)
+    again = HackingWatch(tradeoff=0.3, eval_prompts=32)
+    again.load_state_dict(json.loads(json.dumps(cut.state_dict())))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert [again.check(12 + t, r)["guard/reward_tradeoff"] for t, r in enumerate(rows[12:])] == flags[12:]
 
 
 # --------------------------------------------------------------------------- one run

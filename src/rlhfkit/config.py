@@ -59,6 +59,9 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "reinforce": {"algo": "reinforce", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3",
                   "kl_coef": 0.3, "group_size": 8},
 }
+# A LoRA policy (model.lora_r > 0) takes these instead, for the keys of ALGO_KEYS left unset:
+# filled in below with the measurement that chose them.
+LORA_DEFAULTS: dict[str, dict[str, Any]] = {}
 # k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
 # objective names (PPOConfig.kl_estimator); it is what TRL's GRPO does, and k2 (the reverse KL's
 # gradient) at the same beta held no better on the three rewards
@@ -493,6 +496,11 @@ class PPOConfig(Section):
     evaluations, is more than this share below its best such average (0.15: 0.9 -> under 0.765)
     and by more than 4.5 times the evaluations' own noise; from the 5th evaluation (0 = off).
     Off, with one warning at the start, when the run does not log ppo.stop_metric."""
+    guard_tradeoff: float = 0.3
+    """With several reward sources (reward.function=a,b,...), flag (guard/reward_tradeoff) an
+    evaluation where one source's held-out mean fell more than this share below its value before
+    training while the weighted total rose: the policy trades one term for another, e.g. a brevity
+    term bought by dropping the fact another source checks (0 = off). See rlhfkit.watch."""
     samples_per_log: int = 4
     """Generations saved to samples.jsonl per step."""
     trajectories_every: int = 10
@@ -510,6 +518,8 @@ class PPOConfig(Section):
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # the key was a bool before it had three values
             object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+        # the keys left unset, which a LoRA policy may resolve otherwise (Config, LORA_DEFAULTS)
+        object.__setattr__(self, "_defaulted", frozenset(k for k in ALGO_KEYS if getattr(self, k) is None))
         for key, value in ALGO_DEFAULTS.get(self.algo, {}).items():  # an unknown algo: named by the check below
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)  # frozen: the algorithm's default for a key left unset
@@ -698,6 +708,15 @@ class Config:
     gridworld: GridworldConfig = field(default_factory=GridworldConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
 
+    def __post_init__(self):
+        # a LoRA policy's defaults (LORA_DEFAULTS) for the algorithm keys the ppo section left unset
+        lora = LORA_DEFAULTS.get(self.ppo.algo, {}) if self.model.lora_r else {}
+        values = {k: v for k, v in lora.items() if k in getattr(self.ppo, "_defaulted", ())}
+        if values:
+            ppo = dataclasses.replace(self.ppo, **values)
+            object.__setattr__(ppo, "_defaulted", self.ppo._defaulted)
+            object.__setattr__(self, "ppo", ppo)
+
     def to_dict(self) -> dict[str, Any]:
         """``{section: {key: value}}``, a tuple as a list (what YAML, JSON and trackers take); a reward
         callable stays a callable (:func:`dump_config` gives the YAML text)."""
@@ -711,16 +730,18 @@ class Config:
         for sec, values in sections.items():
             for key, val in values.items():
                 _set(data, f"{sec}.{key}", val)
-        follow_algo(data, self.ppo.algo, {f"ppo.{k}" for k in sections.get("ppo", {})})
+        follow_algo(data, self.ppo.algo, {f"ppo.{k}" for k in sections.get("ppo", {})}, bool(self.model.lora_r))
         return from_dict(data)
 
 
-def follow_algo(data: dict[str, Any], algo_before: str, given: set[str]) -> None:
-    """When ``data``'s ppo.algo differs from ``algo_before``, unset (None) the algorithm-dependent
-    keys (ALGO_KEYS) not among the dotted keys ``given`` with it, so that PPOConfig gives them
-    the new algorithm's values."""
-    ppo = data.get("ppo")
-    if isinstance(ppo, dict) and ppo.get("algo") != algo_before:
+def follow_algo(data: dict[str, Any], algo_before: str, given: set[str], lora_before: bool = False) -> None:
+    """When ``data``'s ppo.algo differs from ``algo_before``, or LoRA was switched on or off
+    (model.lora_r from or to 0; ``lora_before``: it was on), unset (None) the algorithm-dependent
+    keys (ALGO_KEYS) not among the dotted keys ``given`` with it, so that PPOConfig and Config give
+    them the new algorithm's values (LORA_DEFAULTS' for a LoRA policy)."""
+    ppo, model = data.get("ppo"), data.get("model")
+    lora_now = bool(model.get("lora_r")) if isinstance(model, dict) else lora_before
+    if isinstance(ppo, dict) and (ppo.get("algo") != algo_before or lora_now != lora_before):
         for key in ALGO_KEYS:
             if f"ppo.{key}" not in given:
                 ppo[key] = None
@@ -899,7 +920,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Defaults (or ``base``) <- YAML file <- dotted overrides, validated. ``prefer``: the sections
     an unknown key's suggestions come from first (the command's own)."""
     data = (base or Config()).to_dict()
-    algo_before, given = data["ppo"]["algo"], set()
+    algo_before, lora_before, given = data["ppo"]["algo"], bool(data["model"]["lora_r"]), set()
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -922,7 +943,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(item)
         _set(data, key, value, prefer)
         given.add(key)
-    follow_algo(data, algo_before, given)
+    follow_algo(data, algo_before, given, lora_before)
     return from_dict(data)
 
 
@@ -1003,7 +1024,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.missing_eos_penalty": (0, None), "ppo.overlong_buffer": (0, None), "ppo.overlong_penalty": (0, None),
     "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
     "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None), "ppo.micro_batch_size": (0, None), "ppo.guard_kl": (0, None),
-    "ppo.guard_eos": (0, 1), "ppo.guard_eval_drop": (0, 1),
+    "ppo.guard_eos": (0, 1), "ppo.guard_eval_drop": (0, 1), "ppo.guard_tradeoff": (0, 1),
     "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),
     "sft.steps": (1, None), "sft.batch_size": (1, None), "sft.lr": (0, None), "sft.warmup_steps": (0, None),
     "sft.eval_every": (0, None), "sft.micro_batch_size": (0, None),

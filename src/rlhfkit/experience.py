@@ -330,14 +330,15 @@ class RLState:
     """The loop's counters beyond the step: KL coefficient, training seconds, reward statistics,
     the reward-hacking and signal watches."""
 
-    def __init__(self, pc: PPOConfig, stop_metric: str | None = None):
+    def __init__(self, pc: PPOConfig, stop_metric: str | None = None, eval_prompts: int = 0):
         self.kl_coef, self.train_s = pc.kl_coef, 0.0
         self.reward_stats = RunningMoments() if pc.normalize_reward else None
         self.reached: dict | None = None
         # the held-out metric the run stops on (ppo.stop_metric, or the one its evaluation logs)
         self.stop_metric = stop_metric or pc.stop_metric
         self.watch = HackingWatch(pc.guard_kl, pc.guard_eos, pc.guard_eval_drop, self.stop_metric,
-                                  pc.batch_size)
+                                  pc.batch_size, tradeoff=pc.guard_tradeoff,
+                                  eval_prompts=eval_prompts)
         self.signals = SignalWatch("ppo.group_size" if pc.algo in ("grpo", "rloo") else "ppo.samples_per_prompt")
 
     def state_dict(self) -> dict:

@@ -24,7 +24,16 @@ Each sign is a window of steps, never one batch, so a healthy run's noise does n
   own steps only raise it, and a fall in one step is flagged at the next evaluation), from the
   ``min_evals``-th evaluation on. A relative drop means the
   same on any metric's scale; with few held-out prompts a low accuracy is noisy, and the noise
-  term keeps it quiet.
+  term keeps it quiet;
+* ``guard/reward_tradeoff``: with several reward sources, one source's held-out mean
+  (``eval/reward/<source>``), averaged over the last ``tradeoff_window`` evaluations, fell more
+  than the share ``ppo.guard_tradeoff`` below its value before training
+  (``baseline/eval/reward/<source>``, or the first evaluation) while the weighted total
+  (``eval/reward``) rose: the policy buys one term with another, as a brevity term bought by
+  dropping the fact that a second term checks. For a source in [0, 1] the fall must also exceed
+  ``z_tradeoff`` standard errors of a share over the held-out prompts, so a 0/1 source on few
+  prompts does not cry wolf; a source whose value before training is not positive is not
+  watched (a share of it means nothing).
 
 A guard that cannot act says so once at the start (:meth:`HackingWatch.announce`): its key is 0,
 or the run does not log ``ppo.stop_metric``, or evaluates too rarely.
@@ -42,7 +51,7 @@ import warnings
 
 import numpy as np
 
-KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop")
+KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop", "guard/reward_tradeoff")
 NORMAL_MEAN_ABS_DIFF = 2 / math.sqrt(math.pi)  # E|X - Y| of two independent N(0, s^2) draws, in units of s
 
 
@@ -56,14 +65,20 @@ class HackingWatch:
     exactly as an unbroken one.
 
     ``kl_max`` (nats per token), ``eos_ratio`` and ``eval_drop`` (a share of the best) are
-    ``ppo.guard_*`` (0 = off); ``batch_size`` completions make one step's EOS rate."""
+    ``ppo.guard_*`` (0 = off); ``batch_size`` completions make one step's EOS rate; ``tradeoff``
+    (a share, ``ppo.guard_tradeoff``) bounds the fall of one reward source's held-out mean."""
 
     def __init__(self, kl_max: float = 0.0, eos_ratio: float = 0.0, eval_drop: float = 0.0,
                  metric: str = "eval/exact_acc", batch_size: int = 64, window: int = 5, anchor: int = 10,
-                 z: float = 4.5, eval_window: int = 3, min_evals: int = 5):
+                 z: float = 4.5, eval_window: int = 3, min_evals: int = 5, tradeoff: float = 0.0,
+                 eval_prompts: int = 0, tradeoff_window: int = 2, z_tradeoff: float = 3.5):
         self.kl_max, self.eos_ratio, self.eval_drop, self.metric = kl_max, eos_ratio, eval_drop, metric
         self.batch_size, self.window, self.anchor, self.z = batch_size, window, anchor, z
-        self.eval_window, self.min_evals = eval_window, min_evals
+        self.eval_window, self.min_evals, self.tradeoff = eval_window, min_evals, tradeoff
+        self.sources_before: dict | None = None  # {"eval/reward" and each eval/reward/<source>: value before training}
+        self.fallen: list[str] = []  # the sources of the last trade-off flag, for its message
+        self.source_evals: list[dict] = []  # the last `tradeoff_window` evaluations' eval/reward*
+        self.eval_prompts, self.tradeoff_window, self.z_tradeoff = eval_prompts, tradeoff_window, z_tradeoff
         self.eos_anchor: list = []  # the first `anchor` steps' EOS rates
         self.eos_recent: list = []  # the last `window` steps'
         self.kl_recent: list = []  # the last `window` steps' per-token KLs
@@ -110,7 +125,8 @@ class HackingWatch:
         if score is not None:
             self.score_recent = (self.score_recent + [np.asarray(score, dtype=float)])[-w:]
         flags = {"guard/kl_high": self._kl_high(), "guard/eos_collapse": self._eos_collapse(),
-                 "guard/eval_drop": self._eval_drop(value) if value is not None else np.asarray(False)}
+                 "guard/eval_drop": self._eval_drop(value) if value is not None else np.asarray(False),
+                 "guard/reward_tradeoff": self._tradeoff(stats)}
         for key, on in flags.items():
             if on.ndim == 0 and on and key not in self.warned:  # messages for one run only
                 self.warned.append(key)
@@ -147,8 +163,48 @@ class HackingWatch:
         noise = np.abs(np.diff(np.stack(self.evals), axis=0)).mean(0) / NORMAL_MEAN_ABS_DIFF
         return (smooth < (1 - self.eval_drop) * self.best) & (self.best - smooth > self.z * noise)
 
+    def _tradeoff(self, stats: dict) -> np.ndarray:
+        """A source whose mean over the last ``tradeoff_window`` evaluations is more than
+        ``tradeoff`` of its value before training b below it, and, for a source in [0, 1], by
+        more than ``z_tradeoff`` standard errors of such a mean over ``eval_prompts`` prompts
+        (at most sqrt(b (1 - b) / n) each), while the weighted total's mean rose."""
+        now = {k: np.asarray(v, dtype=float) for k, v in stats.items()
+               if k == "eval/reward" or k.startswith("eval/reward/")}
+        before = {k[len("baseline/"):]: np.asarray(v, dtype=float) for k, v in stats.items()
+                  if k == "baseline/eval/reward" or k.startswith("baseline/eval/reward/")}
+        if self.sources_before is None and (before or now):
+            self.sources_before = before or now  # the first evaluation stands in for a missing baseline
+            if not before:
+                return np.asarray(False)
+        if not now:
+            return np.asarray(False)
+        self.source_evals = (self.source_evals + [now])[-self.tradeoff_window :]
+        b = self.sources_before or {}
+        sources = [k for k in now if k != "eval/reward" and k in b]
+        if (not self.tradeoff or len(sources) < 2 or "eval/reward" not in b
+                or len(self.source_evals) < self.tradeoff_window):
+            return np.asarray(False)
+        mean = {k: _mean([e[k] for e in self.source_evals]) for k in [*sources, "eval/reward"]}
+        falls = {}
+        for k in sources:
+            fall = (b[k] > 0) & (mean[k] < (1 - self.tradeoff) * b[k])
+            if self.eval_prompts and np.all((b[k] >= 0) & (b[k] <= 1)):  # a share: its sampling noise is bounded
+                se = np.sqrt(b[k] * (1 - b[k]) / self.eval_prompts * (1 + 1 / self.tradeoff_window))
+                fall = fall & (b[k] - mean[k] > self.z_tradeoff * se)
+            falls[k] = fall
+        self.fallen = [k for k, f in falls.items() if np.ndim(f) == 0 and f]
+        return np.logical_or.reduce(list(falls.values())) & (mean["eval/reward"] > b["eval/reward"])
+
     def _message(self, key: str, step: int, stats: dict) -> str:
         head = f"step {step}: the policy may be gaming its reward: "
+        if key == "guard/reward_tradeoff":
+            b = self.sources_before or {}
+            now = {k: float(_mean([e[k] for e in self.source_evals])) for k in [*self.fallen, "eval/reward"]}
+            fell = ", ".join(f"{k.removeprefix('eval/reward/')} {float(b[k]):.2f} -> {now[k]:.2f}" for k in self.fallen)
+            return (head + f"held-out reward source(s) fell by more than ppo.guard_tradeoff={self.tradeoff:g} of their "
+                    f"value before training ({fell}, means of the last {self.tradeoff_window} evaluations) while the "
+                    f"weighted total rose ({float(b['eval/reward']):.2f} -> {now['eval/reward']:.2f}): one term is bought with another. Raise the fallen "
+                    "source's weight (reward.weights), make the rising one ask for it too, or raise ppo.kl_coef")
         if key == "guard/kl_high":
             return (head + f"the KL to the reference averaged {float(_mean(self.kl_recent)):.2f} nats per token over "
                     f"the last {self.window} steps (> ppo.guard_kl={self.kl_max:g}); raise ppo.kl_coef or lower ppo.lr")
@@ -170,10 +226,16 @@ class HackingWatch:
                 "kl_recent": as_list(self.kl_recent), "score_recent": as_list(self.score_recent),
                 "evals": as_list(self.evals), "best": None if self.best is None else np.asarray(self.best).tolist(),
                 "score_at_best": None if self.score_at_best is None else np.asarray(self.score_at_best).tolist(),
+                "source_evals": [{k: np.asarray(v).tolist() for k, v in e.items()} for e in self.source_evals],
+                "sources_before": None if self.sources_before is None else
+                {k: np.asarray(v).tolist() for k, v in self.sources_before.items()},
                 "warned": list(self.warned)}
 
     def load_state_dict(self, state: dict) -> None:
         self.warned = list(state["warned"])
+        before = state.get("sources_before")
+        self.sources_before = None if before is None else {k: np.asarray(v, dtype=float) for k, v in before.items()}
+        self.source_evals = [{k: np.asarray(v, dtype=float) for k, v in e.items()} for e in state.get("source_evals", [])]
         if "eos_anchor" not in state:  # a checkpoint of the single-batch guards: their windows start fresh
             return
         arrays = lambda values: [np.asarray(v, dtype=float) for v in values]  # noqa: E731

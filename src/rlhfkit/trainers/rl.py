@@ -421,7 +421,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     # it names the metric the run stops on (a resumed run's checkpoint has it)
     resuming = cfg.run.resume and latest_checkpoint(run.out) is not None
     baseline = {} if resuming else evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens)
-    st = RLState(pc, None if resuming else choose_stop_metric(pc, baseline))
+    st = RLState(pc, None if resuming else choose_stop_metric(pc, baseline), len(data.eval_records or ()))
     if pc.keep_best and not st.stop_metric:
         raise ValueError("ppo.keep_best=true keeps the best-evaluated policy, but this run has no held-out prompts "
                          "to evaluate: set data.eval_path or data.eval_fraction")

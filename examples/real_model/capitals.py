@@ -1,0 +1,35 @@
+"""Countries and their capitals for the capital-city task of examples/real_model: a short answer
+can drop the fact ("Algeria." to "What is the capital of Algeria?"), which makes it the task on
+which a reward that asks for brevity can be gamed."""
+
+CAPITAL_OF = {
+    "Afghanistan": "Kabul", "Albania": "Tirana", "Algeria": "Algiers", "Angola": "Luanda",
+    "Argentina": "Buenos Aires", "Armenia": "Yerevan", "Australia": "Canberra", "Austria": "Vienna",
+    "Azerbaijan": "Baku", "Bangladesh": "Dhaka", "Belarus": "Minsk", "Belgium": "Brussels",
+    "Bolivia": "Sucre", "Botswana": "Gaborone", "Brazil": "Brasilia", "Bulgaria": "Sofia",
+    "Cambodia": "Phnom Penh", "Cameroon": "Yaounde", "Canada": "Ottawa", "Chile": "Santiago",
+    "China": "Beijing", "Colombia": "Bogota", "Croatia": "Zagreb", "Cuba": "Havana",
+    "Cyprus": "Nicosia", "Denmark": "Copenhagen", "Ecuador": "Quito", "Egypt": "Cairo",
+    "Estonia": "Tallinn", "Ethiopia": "Addis Ababa", "Finland": "Helsinki", "France": "Paris",
+    "Georgia": "Tbilisi", "Germany": "Berlin", "Ghana": "Accra", "Greece": "Athens",
+    "Guatemala": "Guatemala City", "Hungary": "Budapest", "Iceland": "Reykjavik", "India": "New Delhi",
+    "Indonesia": "Jakarta", "Iran": "Tehran", "Iraq": "Baghdad", "Ireland": "Dublin",
+    "Israel": "Jerusalem", "Italy": "Rome", "Jamaica": "Kingston", "Japan": "Tokyo",
+    "Jordan": "Amman", "Kazakhstan": "Astana", "Kenya": "Nairobi", "Kuwait": "Kuwait City",
+    "Laos": "Vientiane", "Latvia": "Riga", "Lebanon": "Beirut", "Libya": "Tripoli",
+    "Lithuania": "Vilnius", "Madagascar": "Antananarivo", "Malaysia": "Kuala Lumpur", "Mali": "Bamako",
+    "Mexico": "Mexico City", "Mongolia": "Ulaanbaatar", "Morocco": "Rabat", "Mozambique": "Maputo",
+    "Nepal": "Kathmandu", "Netherlands": "Amsterdam", "New Zealand": "Wellington", "Nicaragua": "Managua",
+    "Niger": "Niamey", "Nigeria": "Abuja", "Norway": "Oslo", "Oman": "Muscat",
+    "Pakistan": "Islamabad", "Panama": "Panama City", "Paraguay": "Asuncion", "Peru": "Lima",
+    "Philippines": "Manila", "Poland": "Warsaw", "Portugal": "Lisbon", "Qatar": "Doha",
+    "Romania": "Bucharest", "Russia": "Moscow", "Rwanda": "Kigali", "Saudi Arabia": "Riyadh",
+    "Senegal": "Dakar", "Serbia": "Belgrade", "Singapore": "Singapore", "Slovakia": "Bratislava",
+    "Slovenia": "Ljubljana", "Somalia": "Mogadishu", "South Africa": "Pretoria", "South Korea": "Seoul",
+    "Spain": "Madrid", "Sri Lanka": "Colombo", "Sudan": "Khartoum", "Sweden": "Stockholm",
+    "Switzerland": "Bern", "Syria": "Damascus", "Taiwan": "Taipei", "Tanzania": "Dodoma",
+    "Thailand": "Bangkok", "Tunisia": "Tunis", "Turkey": "Ankara", "Uganda": "Kampala",
+    "Ukraine": "Kyiv", "United Kingdom": "London", "United States": "Washington", "Uruguay": "Montevideo",
+    "Uzbekistan": "Tashkent", "Venezuela": "Caracas", "Vietnam": "Hanoi", "Yemen": "Sanaa",
+    "Zambia": "Lusaka", "Zimbabwe": "Harare",
+}
