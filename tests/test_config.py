@@ -291,3 +291,29 @@ def test_overlong_penalty_keys():
     with raises("ppo.overlong_buffer=9 is longer than ppo.max_new_tokens=8"):
         load_config(overrides=["ppo.max_new_tokens=8", "ppo.overlong_buffer=9"])
     assert load_config(overrides=["ppo.max_new_tokens=8", "ppo.overlong_buffer=8"]).ppo.overlong_buffer == 8
+
+
+def test_a_lora_policy_takes_the_lora_defaults_for_the_keys_left_unset(tmp_path):
+    from rlhfkit.config import ALGO_DEFAULTS, LORA_DEFAULTS, ModelConfig
+
+    assert LORA_DEFAULTS["grpo"] == {"kl_coef": 0.0} and "ppo" not in LORA_DEFAULTS
+    for algo in ALGO_DEFAULTS:
+        want = {**ALGO_DEFAULTS[algo], **LORA_DEFAULTS.get(algo, {})}
+        ways = [load_config(overrides=[f"ppo.algo={algo}", "model.lora_r=16"]),
+                load_config(overrides=["model.lora_r=16", f"ppo.algo={algo}"]),
+                Config(model=ModelConfig(lora_r=16), ppo=PPOConfig(algo=algo)),
+                Config().replace(ppo={"algo": algo}).replace(model={"lora_r": 16}),
+                Config().replace(model={"lora_r": 16}).replace(ppo={"algo": algo})]
+        for cfg in ways:
+            assert {k: getattr(cfg.ppo, k) for k in want} == want, algo
+        # LoRA off again: the algorithm's own defaults come back
+        assert ways[0].replace(model={"lora_r": 0}).ppo.kl_coef == ALGO_DEFAULTS[algo]["kl_coef"]
+    # a key the user sets wins, from the command line, a file or Python
+    assert load_config(overrides=["ppo.algo=grpo", "model.lora_r=16", "ppo.kl_coef=0.3"]).ppo.kl_coef == 0.3
+    assert Config(model=ModelConfig(lora_r=16), ppo=PPOConfig(algo="grpo", kl_coef=0.1)).ppo.kl_coef == 0.1
+    (tmp_path / "c.yaml").write_text("model:\n  lora_r: 8\nppo:\n  algo: rloo\n  kl_coef: 0.05\n")
+    assert load_config(tmp_path / "c.yaml").ppo.kl_coef == 0.05
+    # a saved LoRA run's config.yaml reads back as it was (its resume)
+    saved = load_config(overrides=["ppo.algo=grpo", "model.lora_r=16"])
+    (tmp_path / "saved.yaml").write_text(dump_config(saved))
+    assert load_config(tmp_path / "saved.yaml") == saved and saved.ppo.kl_coef == 0.0

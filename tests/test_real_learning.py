@@ -3,12 +3,12 @@
 GRPO with LoRA on SmolLM2-135M-Instruct (``rlhfkit fetch-model``) for the city-country task of
 ``examples/real_model`` ("In which country is the city of Jaipur? Answer with the country's name
 only.", 98 training and 32 held-out cities). The base answers in whole sentences: held-out greedy
-exact 0.00, the right country somewhere in the answer 0.53. With the settings of the README's
-TRL-like row (beta 0, each group's own std, one epoch, LoRA alpha 32; 16 completions a step),
-at commit 017a30c it reached held-out exact 0.72 by step 19 and 0.84 by step 29, keeping the
-fact. Here: 24 steps must bring held-out exact from 0 to 0.5 or more while the share of answers
-naming the right country does not fall below the base's -- the format learned, the facts kept.
-About 8 minutes on one core (the first steps' sentences are slow, one-word answers fast).
+exact 0.00, the right country somewhere in the answer 0.53. With the command's defaults for a
+LoRA policy (config.LORA_DEFAULTS: no KL term; 16 completions a step, the three weighted rewards
+of the example), within 40 steps held-out exact must go from 0 to 0.5 or more (the run stops
+there: ppo.stop_at, evaluated every 5 steps) while the share of answers naming the right country
+does not fall below the base's -- the format learned, the facts kept. A few minutes on one core
+(the first steps' sentences are slow, one-word answers fast).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ def test_grpo_with_lora_teaches_the_real_model_the_format_and_keeps_the_facts(mo
         sys.path.remove(str(EXAMPLE))
     make_data.main(tmp_path / "data")
     rewards = EXAMPLE / "rewards.py"
-    args = ["grpo", f"model.name={model_dir}", "model.lora_r=16", "model.lora_alpha=32",
+    args = ["grpo", f"model.name={model_dir}", "model.lora_r=16",
             f"data.path={tmp_path / 'data' / 'prompts.jsonl'}", f"data.eval_path={tmp_path / 'data' / 'held.jsonl'}",
             f"reward.function={rewards}:exact,{rewards}:contains,{rewards}:brevity", "reward.weights=1,1,1",
-            "ppo.batch_size=16", "ppo.max_new_tokens=16", "ppo.steps=24", "ppo.eval_every=8", "ppo.stop_at=0",
-            "ppo.kl_coef=0", "ppo.scale_rewards=group", "ppo.ppo_epochs=1", "run.threads=1", "run.progress=false",
+            "ppo.batch_size=16", "ppo.max_new_tokens=16", "ppo.steps=40", "ppo.eval_every=5", "ppo.stop_at=0.5",
+            "run.threads=1", "run.progress=false",
             f"run.out_dir={tmp_path / 'run'}"]
     assert main(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -58,6 +58,6 @@ def test_grpo_with_lora_teaches_the_real_model_the_format_and_keeps_the_facts(mo
     exact = [round(r["eval/reward/exact"], 2) for r in rows if "eval/reward/exact" in r]
     print(f"\nheld-out exact: base {base['baseline/eval/reward/exact']:.2f}, at evaluations {exact}; contains: base "
           f"{base['baseline/eval/reward/contains']:.2f}, last {last['eval/reward/contains']:.2f}", file=sys.stderr)
-    assert base["baseline/eval/reward/exact"] == 0.0
+    assert base["baseline/eval/reward/exact"] == 0.0 and base["objective/kl_coef"] == 0.0  # the LoRA default
     assert last["eval/accuracy"] == last["eval/reward/exact"] >= 0.5  # exact is declared 0/1
     assert last["eval/reward/contains"] >= base["baseline/eval/reward/contains"]
