@@ -648,17 +648,18 @@ def _clipped_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: 
 
 def _cispo_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
                      opts: SurrogateOptions) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4 without a lower bound, as TRL):
+    """CISPO (MiniMax-M1, arXiv 2506.13585; without its lower bound, as in TRL):
     ``-sg[min(w, cap)] * A * log pi``. The weight is capped and detached, never the token's
     gradient dropped: every token keeps ``-min(w, cap) * A * grad log pi`` (at ``w = 1`` the clipped
-    surrogate's gradient). Active: the cap bit (any advantage's sign)."""
+    surrogate's gradient). Active: the weight was capped, whatever the advantage's sign (TRL's
+    cispo_clip_ratio counts the positive advantages only)."""
     capped = ratio.clamp(max=opts.cap).detach()
     return -capped * advantages * logprobs, ratio.detach() > opts.cap, {}
 
 
 def _sapo_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
                     opts: SurrogateOptions) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """SAPO (Gao et al. 2025): a soft gate in place of the clip,
+    """SAPO (soft adaptive policy optimization, arXiv 2511.20347): a soft gate in place of the clip,
     ``-A * f(w)``, ``f(w) = sigmoid(tau * (w - 1)) * 4 / tau``, with ``tau`` the positive or the
     negative temperature by the sign of ``A``. ``f'(w) = 4 s (1 - s)`` (``s`` the sigmoid) is 1 at
     ``w = 1`` and decays smoothly as the ratio moves away, faster for a larger ``tau``; nothing
