@@ -296,7 +296,7 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
     return res
 
 
-def settings_table(args) -> None:
+def settings_table(args, contenders) -> None:
     """What each contender computes, side by side: the arithmetic that differs."""
     from rlhfkit.config import ALGO_DEFAULTS, PPOConfig
 
@@ -316,8 +316,9 @@ def settings_table(args) -> None:
         return [str(s["num_generations"]), f"{s['num_iterations']} x {s['steps_per_generation']}",
                 f"{s['learning_rate']:g} {s['lr_scheduler_type']}", kl, s["scale_rewards"], s["loss_type"]]
 
-    rows = {"rlhfkit_grpo": ours("grpo"), "rlhfkit_ppo": ours("ppo"), "trl_defaults": trl("trl_defaults"),
-            "trl_schedule": trl("trl_schedule")}
+    make = {"rlhfkit_grpo": lambda: ours("grpo"), "rlhfkit_ppo": lambda: ours("ppo"),
+            "trl_defaults": lambda: trl("trl_defaults"), "trl_schedule": lambda: trl("trl_schedule")}
+    rows = {kind: make[kind]() for kind in contenders}
     head = ["completions/prompt", "epochs x opt. steps", "lr", "KL", "score scaling", "loss reduction"]
     width = [20, 21, 32, 22, 23, 15]
     print("\nSettings (16 completions per step for all; LoRA r 16 alpha 16; float32):")
@@ -354,7 +355,7 @@ def report(results: dict[str, list[dict]], args) -> None:
               f"{'' if len(bases) == 1 else ' (runs disagree: the evaluations are not the same)'}")
     print(f"* not at the target after {args.steps} steps; s/step: the mean over every step run, evaluation "
           "excluded; s to target: the median training seconds, when every seed got there")
-    settings_table(args)
+    settings_table(args, list(results))
 
 
 def main() -> None:
