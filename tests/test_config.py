@@ -284,6 +284,25 @@ def test_loss_type_and_importance_sampling_level():
         load_config(overrides=["ppo.importance_sampling_level=row"])
 
 
+def test_cispo_and_sapo_keys():
+    from rlhfkit.core import SurrogateOptions
+    from rlhfkit.trainers.rl import surrogate_options
+
+    cfg = load_config(overrides=["ppo.loss_type=sapo", "ppo.sapo_temperature_neg=2"])
+    assert surrogate_options(cfg.ppo)[3:] == (1.0, 2.0)  # TRL's positive default, the negative one set
+    # cispo's cap: ScaleRL's 5 when unset (TRL's fallback would be its epsilon, 0.2), else epsilon_high
+    assert surrogate_options(load_config(overrides=["ppo.loss_type=cispo"]).ppo).cap == 5.0
+    assert surrogate_options(load_config(overrides=["ppo.loss_type=cispo", "ppo.epsilon_high=3"]).ppo).cap == 3.0
+    # the clipped losses read epsilon_high as the upper clip
+    assert surrogate_options(load_config(overrides=["ppo.epsilon_high=0.28"]).ppo).clip_high == 0.28
+    assert surrogate_options(PPOConfig()) == SurrogateOptions()
+    with raises("ppo.epsilon_high=0.2 with ppo.loss_type=cispo caps every importance weight below 1"):
+        load_config(overrides=["ppo.loss_type=cispo", "ppo.epsilon_high=0.2"])
+    for key in ("epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg"):
+        with raises(f"config key 'ppo.{key}' must be > 0, got 0"):
+            load_config(overrides=[f"ppo.{key}=0"])
+
+
 def test_overlong_penalty_keys():
     assert PPOConfig().overlong_buffer == 0  # off by default
     with raises("config key 'ppo.overlong_buffer' must be >= 0"):

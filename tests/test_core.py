@@ -11,6 +11,7 @@ import torch
 
 from rlhfkit.core import (
     AGGREGATIONS,
+    SurrogateOptions,
     adaptive_kl_coef,
     aggregate,
     aggregation_count,
@@ -579,7 +580,7 @@ def test_aggregation_errors():
 def _naive_aggregate(x: list, mask: list, kind: str, max_len: int) -> float:
     """Plain-Python loops: the reference the vectorised aggregations are checked against."""
     rows = [[v for v, m in zip(r, mr) if m] for r, mr in zip(x, mask)]
-    if kind == "grpo":
+    if kind in ("grpo", "sapo"):  # sapo reduces as TRL's grpo
         return sum(sum(r) / max(1, len(r)) for r in rows) / len(rows)
     total = sum(sum(r) for r in rows)
     if kind == "dr_grpo":
@@ -703,6 +704,203 @@ def test_sequence_level_gradcheck():
     mask = ragged_mask(3, 4, gen)
     # GSPO's loss only: GSPO-token's gradient is by design not its value's (the stop-gradients)
     assert torch.autograd.gradcheck(lambda x: policy_loss(x, old, adv, mask, 0.2, "grpo", 4, "sequence")[0], (lp,))
+
+
+# --------------------------------------------------------------------------- CISPO, SAPO, clip-higher (ppo.loss_type)
+
+LN2, LN6 = math.log(2), math.log(6)
+
+
+def _cispo_reference(lp: list, old: list, adv: list, mask: list, cap: float) -> tuple[float, list]:
+    """MiniMax-M1's CISPO written out token by token (TRL 1.16's formula: the capped weight held
+    constant, the token sum divided by the token count): (loss, d loss / d lp)."""
+    n = sum(map(sum, mask))
+    loss, grad = 0.0, [[0.0] * len(r) for r in lp]
+    for i, row in enumerate(lp):
+        for t, x in enumerate(row):
+            if mask[i][t]:
+                w = min(math.exp(x - old[i][t]), cap)
+                loss += -w * adv[i][t] * x / n
+                grad[i][t] = -w * adv[i][t] / n
+    return loss, grad
+
+
+def _sapo_reference(lp: list, old: list, adv: list, mask: list, tau_pos: float, tau_neg: float) -> tuple[float, list]:
+    """SAPO token by token (the paper's eq. with TRL 1.16's gate 4/tau * sigmoid(tau (r - 1)), its
+    grpo reduction: each row's token mean, then the mean over rows): (loss, d loss / d lp), the
+    gradient by hand: d/dx f(e^(x - old)) = 4 s (1 - s) e^(x - old)."""
+    loss, grad = 0.0, [[0.0] * len(r) for r in lp]
+    for i, row in enumerate(lp):
+        n_i = sum(mask[i])
+        for t, x in enumerate(row):
+            if mask[i][t]:
+                r = math.exp(x - old[i][t])
+                tau = tau_pos if adv[i][t] > 0 else tau_neg
+                s = 1 / (1 + math.exp(-tau * (r - 1)))
+                loss += -adv[i][t] * s * 4 / tau / n_i / len(lp)
+                grad[i][t] = -adv[i][t] * 4 * s * (1 - s) * r / n_i / len(lp)
+    return loss, grad
+
+
+def test_cispo_hand_computed():
+    # old log-probs 0: weights 2, 0.5, 8 -> 5 (the cap) on row 0 (A = +1); 6 -> 5, 1 on row 1 (A = -2)
+    # per token -w * A * lp: -2 ln2, -0.5 * -ln2, -5 * 3 ln2 | -5 * -2 * ln6, 0 -> token mean over 5
+    lp = torch.tensor([[LN2, -LN2, 3 * LN2, NAN], [LN6, 0.0, NAN, NAN]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    adv = torch.tensor([[1.0] * 4, [-2.0] * 4], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    loss, stats = policy_loss(lp, old, adv, mask, 0.2, "cispo", objective="cispo", options=SurrogateOptions(cap=5.0))
+    close(loss, (-2 * LN2 + 0.5 * LN2 - 15 * LN2 + 10 * LN6) / 5)
+    close(stats["policy/clipfrac"], 2 / 5)  # the 8 and the 6 were capped
+    loss.backward()
+    # d/dlp = -w * A / 5, the weight a constant: every token keeps a gradient, the capped ones too
+    close(lp.grad, [[-2 / 5, -0.1, -1.0, 0.0], [2.0, 0.4, 0.0, 0.0]])
+    ref_loss, ref_grad = _cispo_reference([[LN2, -LN2, 3 * LN2], [LN6, 0.0]], [[0.0] * 3, [0.0] * 2],
+                                          [[1.0] * 3, [-2.0] * 2], [[1] * 3, [1] * 2], 5.0)
+    close(loss, ref_loss)
+    close(lp.grad[0, :3], ref_grad[0])
+    # the clipped surrogate drops the gradient of row 0's first and last tokens (ratio 2, 8 > 1.2, A > 0)
+    clip_lp = lp.detach().clone().requires_grad_(True)
+    policy_loss(clip_lp, old, adv, mask, 0.2)[0].backward()
+    assert clip_lp.grad[0, 0] == 0.0 and clip_lp.grad[0, 2] == 0.0 and lp.grad[0, 2] != 0.0
+
+
+def test_sapo_hand_computed():
+    # row 0 (A = +1, tau_pos 1): ratios e^0.5, 1; row 1 (A = -1, tau_neg 2): ratio e^-0.5
+    # f(r) = 4/tau * sigmoid(tau (r - 1)); loss = mean over rows of each row's token mean of -A f(r)
+    sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    r0, r1 = math.exp(0.5), math.exp(-0.5)
+    f = lambda r, tau: 4 / tau * sig(tau * (r - 1))  # noqa: E731
+    lp = torch.tensor([[0.5, 0.0, NAN], [-0.5, NAN, NAN]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    opts = SurrogateOptions(temperature_pos=1.0, temperature_neg=2.0)
+    loss, stats = policy_loss(lp, old, adv, mask, 0.2, "sapo", objective="sapo", options=opts)
+    close(loss, ((-f(r0, 1) - f(1.0, 1)) / 2 + f(r1, 2)) / 2)
+    close(f(1.0, 1), 2.0)  # sigmoid(0) * 4
+    close(stats["policy/clipfrac"], 0.0)  # nothing is clipped
+    gate = lambda r, tau: 4 * sig(tau * (r - 1)) * (1 - sig(tau * (r - 1)))  # noqa: E731
+    close(stats["policy/sapo_gate"], (gate(r0, 1) + gate(1.0, 1) + gate(r1, 2)) / 3)
+    loss.backward()
+    # d/dx -A f(e^x) = -A * 4 s (1 - s) * e^x; the on-policy token's is -A / (its row's 2 tokens * 2 rows)
+    close(lp.grad, [[-gate(r0, 1) * r0 / 4, -0.25, 0.0], [gate(r1, 2) * r1 / 2, 0.0, 0.0]])
+    ref_loss, ref_grad = _sapo_reference([[0.5, 0.0], [-0.5]], [[0.0, 0.0], [0.0]], [[1.0, 1.0], [-1.0]],
+                                         [[1, 1], [1]], 1.0, 2.0)
+    close(loss, ref_loss)
+    close(lp.grad[0, :2], ref_grad[0])
+    close(lp.grad[1, :1], ref_grad[1])
+
+
+@pytest.mark.parametrize("objective", ["cispo", "sapo"])
+def test_cispo_sapo_against_token_loop_references(objective):
+    """Random ragged batches, off-policy ratios (some above the cap), both advantage signs: loss
+    and gradient equal the token-by-token references above; padded NaNs reach neither."""
+    gen = torch.Generator().manual_seed(11)
+    old = torch.randn(6, 5, generator=gen, dtype=torch.float64) - 2.0
+    lp = old + 0.8 * torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    adv = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(6, 5, gen)
+    x = torch.where(mask.bool(), lp, NAN).requires_grad_(True)
+    opts = SurrogateOptions(cap=1.5, temperature_pos=0.7, temperature_neg=1.3)
+    loss, _ = policy_loss(x, old, adv, mask, 0.2, objective, objective=objective, options=opts)
+    loss.backward()
+    rows = [[lp[i, t].item() for t in range(5) if mask[i, t]] for i in range(6)]
+    olds = [[old[i, t].item() for t in range(5) if mask[i, t]] for i in range(6)]
+    advs = [[adv[i, t].item() for t in range(5) if mask[i, t]] for i in range(6)]
+    ones = [[1] * len(r) for r in rows]
+    if objective == "cispo":
+        assert (lp - old)[mask.bool()].exp().max() > 1.5  # the cap is met
+        ref_loss, ref_grad = _cispo_reference(rows, olds, advs, ones, 1.5)
+    else:
+        ref_loss, ref_grad = _sapo_reference(rows, olds, advs, ones, 0.7, 1.3)
+    close(loss, ref_loss, tol=1e-12)
+    for i in range(6):
+        n = len(rows[i])
+        close(x.grad[i, :n], ref_grad[i], tol=1e-12)
+        assert (x.grad[i, n:] == 0).all()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+@pytest.mark.parametrize("kind", ["grpo", "token_mean"])
+def test_every_objective_has_ppos_gradient_on_policy(level, kind):
+    """At ratio 1 (the first minibatch of a step) clip, cispo and sapo give one gradient, -A grad
+    log pi reduced alike: they differ only off-policy (the cap, the gate, the clip)."""
+    gen = torch.Generator().manual_seed(12)
+    lp = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 5)
+    mask = ragged_mask(4, 5, gen)
+
+    def grad(objective):
+        x = lp.clone().requires_grad_(True)
+        policy_loss(x, lp, adv, mask, 0.2, kind, 5, level, objective)[0].backward()
+        return x.grad
+
+    close(grad("cispo"), grad("clip"), tol=1e-12)
+    close(grad("sapo"), grad("clip"), tol=1e-12)
+
+
+def test_sapo_gradcheck_and_the_gate_closing():
+    gen = torch.Generator().manual_seed(13)
+    lp = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    old = lp.detach() + 0.3 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    adv = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(3, 4, gen)
+    for level in ("token", "sequence"):
+        assert torch.autograd.gradcheck(
+            lambda x: policy_loss(x, old, adv, mask, 0.2, "sapo", 4, level, "sapo")[0], (lp,))  # noqa: B023
+    # far off-policy the gate shuts smoothly: at a ratio of e^3, A = +1, it lets through less than 1%
+    # of the on-policy gradient, and a larger temperature shuts it sooner
+    one = torch.ones(1, 1, dtype=torch.float64)
+
+    def g(log_ratio, tau):
+        x = torch.full((1, 1), float(log_ratio), dtype=torch.float64, requires_grad=True)
+        opts = SurrogateOptions(temperature_pos=tau)
+        policy_loss(x, torch.zeros(1, 1, dtype=torch.float64), one, one, 0.2, objective="sapo", options=opts)[0].backward()
+        return -x.grad.item() / math.exp(log_ratio)  # the gate f'(r): d/dlp = f'(r) * r
+
+    assert g(0.0, 1.0) == pytest.approx(1.0)
+    assert 0 < g(3.0, 1.0) < 0.01
+    assert g(0.3, 2.0) < g(0.3, 1.0) < g(0.0, 1.0)
+
+
+def test_cispo_gradient_is_the_capped_weight_times_the_score():
+    """CISPO's stop-gradient: its gradient is not its value's (gradcheck would fail by design);
+    it is the finite difference of the same loss with the capped weight frozen."""
+    gen = torch.Generator().manual_seed(14)
+    old = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    lp = (old + 0.7 * torch.randn(3, 4, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    mask = ragged_mask(3, 4, gen)
+    opts = SurrogateOptions(cap=1.3)
+    policy_loss(lp, old, adv, mask, 0.2, "cispo", objective="cispo", options=opts)[0].backward()
+    w = (lp.detach() - old).exp().clamp(max=1.3)
+
+    def frozen(x):  # the weight held at its value at lp
+        return -(torch.where(mask.bool(), w * adv * x, 0.0)).sum() / mask.sum()
+
+    assert torch.autograd.gradcheck(frozen, (lp.detach().clone().requires_grad_(True),))
+    x = lp.detach().clone().requires_grad_(True)
+    frozen(x).backward()
+    close(lp.grad, x.grad, tol=1e-12)
+
+
+def test_epsilon_high_clips_the_ratio_higher():
+    # ratio 1.25, A = +1: inside [0.8, 1.28] (epsilon_high 0.28): -1.25, gradient -1.25 / 2 tokens;
+    # with the symmetric 0.2 it is clipped to -1.2, no gradient. ratio 0.7, A = -1: the lower clip
+    # 0.8 holds either way (max(0.7, 0.8) = 0.8, no gradient)
+    lp = torch.tensor([[math.log(1.25), math.log(0.7)]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2)
+    for high, value, g0 in ((0.28, (-1.25 + 0.8) / 2, -1.25 / 2), (None, (-1.2 + 0.8) / 2, 0.0)):
+        x = lp.clone().requires_grad_(True)
+        loss, stats = policy_loss(x, torch.zeros(1, 2, dtype=torch.float64), adv, mask, 0.2,
+                                  options=SurrogateOptions(clip_high=high))
+        close(loss, value)
+        loss.backward()
+        close(x.grad, [[g0, 0.0]])
+    with pytest.raises(ValueError, match="unknown policy objective"):
+        policy_loss(lp, lp, adv, mask, objective="cipso")
 
 
 # --------------------------------------------------------------------------- DAPO's over-long penalty

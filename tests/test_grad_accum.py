@@ -132,7 +132,8 @@ def test_ppo_micro_batches_give_the_minibatch_update(value_model):
 # token_mean is test_ppo_micro_batches_give_the_minibatch_update's; bnpo and dapo are its function
 # under TRL's names (test_loss_types_change_the_update)
 @pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("dr_grpo", "token"), ("grpo", "sequence"),
-                                              ("token_mean", "sequence_token")])
+                                              ("token_mean", "sequence_token"), ("cispo", "token"),
+                                              ("sapo", "token")])
 def test_every_loss_type_micro_batches_give_the_minibatch_update(loss_type, level, monkeypatch):
     """ppo.loss_type / importance_sampling_level: micro-batches of 3 rows (3, 3, 3, 1 of rows of
     different lengths) give the whole minibatch's gradients and stats; each aggregation weighs a
@@ -155,8 +156,10 @@ def test_every_loss_type_micro_batches_give_the_minibatch_update(loss_type, leve
 
 
 def test_loss_types_change_the_update():
-    """The loss types are not one loss under five names where they should differ: grpo and dr_grpo
-    give other gradients than the token mean on rows of different lengths; bnpo and dapo the same."""
+    """The loss types are not one loss under seven names where they should differ: grpo and dr_grpo
+    give other gradients than the token mean on rows of different lengths; bnpo and dapo the same;
+    off-policy (old log-probs 0.3 away) cispo's capped weight and sapo's gate give other gradients
+    than the clipped loss under their own aggregations (token mean, per-sequence mean)."""
     ac = _actor_critic("shared")
     exp = _experience(ac)
     grads = {k: _ppo_update(copy.deepcopy(ac), exp, micro=0, loss_type=k, max_new_tokens=8)[0] for k in AGGREGATIONS}
@@ -165,6 +168,8 @@ def test_loss_types_change_the_update():
         assert max_diff(grads[k], grads["token_mean"]) == 0.0
     for k in ("grpo", "dr_grpo"):
         assert max_diff(grads[k], grads["token_mean"]) > 100 * TOL
+    assert max_diff(grads["cispo"], grads["token_mean"]) > 100 * TOL
+    assert max_diff(grads["sapo"], grads["grpo"]) > 100 * TOL
 
 
 # --------------------------------------------------------------------------- SFT, DPO, reward model: the trainers

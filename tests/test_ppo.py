@@ -317,6 +317,21 @@ def test_grpo_runs_with_dr_grpo_and_sequence_ratios_on_the_tasks_token_limit(tin
     assert seen and set(seen) == {("dr_grpo", doubling.MAX_NEW_TOKENS)}  # the KL term's aggregation
 
 
+def test_grpo_runs_with_sapo_and_logs_its_gate(tiny_models, tiny_config, tmp_path):
+    """loss_type=sapo end to end: the temperatures reach the loss, and the gate's mean (1 on-policy,
+    below it once the ratio moves) is logged with the token means of the other policy stats."""
+    import rlhfkit.trainers.rl as rl
+    from rlhfkit.utils import read_jsonl
+
+    cfg = tiny_config(tmp_path / "run", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                      ppo={"algo": "grpo", "loss_type": "sapo", "sapo_temperature_pos": 2.0, "ppo_epochs": 2})
+    rl.train_rl(cfg)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 2
+    assert all(0.0 < r["policy/sapo_gate"] <= 1.0 for r in rows) and all(r["policy/clipfrac"] == 0.0 for r in rows)
+    assert any(r["policy/sapo_gate"] < 1.0 for r in rows)  # the second epoch runs off-policy
+
+
 def test_overlong_penalty_lands_in_the_scores_after_the_missing_eos_penalty():
     """ppo.overlong_buffer: DAPO's soft over-long penalty is added to each score (lengths 2, 4, 5
     of at most 5, buffer 2: 0, -0.5 * 1.5, -1 * 1.5), after the missing-EOS penalty; off by default."""

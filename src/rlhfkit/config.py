@@ -403,14 +403,29 @@ class PPOConfig(Section):
     """GAE lambda."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon."""
-    loss_type: Literal["token_mean", "grpo", "bnpo", "dr_grpo", "dapo"] = "token_mean"
+    loss_type: Literal["token_mean", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "token_mean"
     """How every per-token loss (policy, KL term, entropy bonus, value loss) is reduced, one
     optimizer step's minibatch at a time (micro-batches and processes change nothing):
     'token_mean': sum / the minibatch's response tokens; 'grpo': each sequence's token mean, then
     the mean over sequences; 'dr_grpo': sum / (rows x max_new_tokens); 'bnpo', 'dapo': TRL's
     names, here the token mean (TRL's bnpo is one per micro-batch and process, its dapo divides by
-    the generation batch's tokens: equal when one such batch is one optimizer step). See
-    docs/ppo_walkthrough.md, section 10."""
+    the generation batch's tokens: equal when one such batch is one optimizer step). Two also
+    change the policy loss, as in TRL: 'cispo' (MiniMax-M1): -sg[min(ratio, epsilon_high)] * A *
+    log pi, every token keeps a gradient, reduced by the token mean; 'sapo' (soft adaptive policy
+    optimization): -A * sigmoid(tau * (ratio - 1)) * 4 / tau, a soft gate in place of the clip
+    (tau: sapo_temperature_pos / _neg by the advantage's sign), reduced per sequence as 'grpo'.
+    See docs/ppo_walkthrough.md, section 10."""
+    epsilon_high: float | None = None
+    """TRL's name. The clipped losses: the ratio's upper clip 1 + epsilon_high (unset: clip_range;
+    DAPO's clip-higher: 0.28). loss_type=cispo: the largest importance weight itself, an absolute
+    value >= 1 (unset: 5.0, ScaleRL's; TRL falls back to its epsilon, 0.2, which caps every weight
+    at 0.2 and so scales an on-policy step's gradient by 0.2)."""
+    sapo_temperature_pos: float = 1.0
+    """loss_type=sapo: the gate's temperature on tokens with a positive advantage (TRL's name and
+    default; a larger one shuts the gradient off sooner as the ratio leaves 1)."""
+    sapo_temperature_neg: float = 1.05
+    """loss_type=sapo: the gate's temperature on tokens with a zero or negative advantage (TRL's
+    name and default; the paper keeps it above the positive one, for stability)."""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
     """The policy loss's ratio: 'token' (PPO); 'sequence' (GSPO, TRL's name): each row's
     exp(mean log-ratio), clipped per sequence -- GSPO used clip ranges near 3e-4 to 4e-4, not
@@ -548,6 +563,10 @@ class PPOConfig(Section):
                               "before max_new_tokens")
         if any(not s for s in self.stop):
             raise ConfigError(f"ppo.stop must hold non-empty strings, got {list(self.stop)!r}")
+        if self.loss_type == "cispo" and self.epsilon_high is not None and self.epsilon_high < 1:
+            raise ConfigError(f"ppo.epsilon_high={self.epsilon_high} with ppo.loss_type=cispo caps every importance "
+                              "weight below 1 (an on-policy step's gradient scaled by it); the cap is an absolute "
+                              "weight: use >= 1 (ScaleRL: 5.0), or leave it unset")
         if self.kl_in_loss and self.kl_estimator == "k1":
             raise ConfigError("ppo.kl_in_loss=true with ppo.kl_estimator=k1: k1 = log pi - log ref has a zero expected "
                               "gradient (E_pi[grad log pi] = 0), so as a loss term it is only noise; use "
@@ -1032,6 +1051,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.kl_coef": (0, None),
     "ppo.kl_target": (0, None), "ppo.kl_horizon": (1, None), "ppo.gamma": (0, 1), "ppo.lam": (0, 1),
     "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
+    "ppo.epsilon_high": (0, None), "ppo.sapo_temperature_pos": (0, None), "ppo.sapo_temperature_neg": (0, None),
     "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
     "ppo.missing_eos_penalty": (0, None), "ppo.overlong_buffer": (0, None), "ppo.overlong_penalty": (0, None),
     "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
@@ -1052,7 +1072,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
 }
 # rates, scales and coefficients that must be strictly positive (0 would train nothing or divide by 0)
 POSITIVE = {"pretrain.lr", "reward.lr", "ppo.lr", "ppo.value_lr", "ppo.temperature", "ppo.top_p", "ppo.kl_target",
-            "ppo.clip_range", "ppo.value_clip_range", "ppo.score_clip", "ppo.max_grad_norm", "sft.lr", "dpo.beta",
+            "ppo.clip_range", "ppo.epsilon_high", "ppo.sapo_temperature_pos", "ppo.sapo_temperature_neg", "ppo.value_clip_range", "ppo.score_clip", "ppo.max_grad_norm", "sft.lr", "dpo.beta",
             "dpo.lr", "gridworld.lr", "gridworld.clip_range", "gridworld.reward_scale"}
 
 

@@ -584,14 +584,19 @@ AGGREGATIONS: dict[str, Aggregation] = {
     "dapo": Aggregation(_token_mean, "tokens"),
     "grpo": Aggregation(_sequence_mean, "rows"),
     "dr_grpo": Aggregation(_fixed_length, "rows"),
+    # the two loss types that also change the policy objective (POLICY_OBJECTIVES) reduce as TRL's
+    # do: cispo by the token count (TRL's dapo normaliser), sapo per sequence (TRL's grpo's)
+    "cispo": Aggregation(_token_mean, "tokens"),
+    "sapo": Aggregation(_sequence_mean, "rows"),
 }
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, kind: str = "token_mean", max_len: int = 0) -> torch.Tensor:
     """Reduce a per-token loss ``[B, R]`` over ``mask`` ``[B, R]`` to a scalar, by ``kind``:
 
-    - ``token_mean`` (also ``bnpo``, ``dapo``): ``sum(x * m) / sum(m)``
-    - ``grpo``: ``mean_i( sum_t(x * m)_i / sum_t(m)_i )`` -- each sequence's mean, then over sequences
+    - ``token_mean`` (also ``bnpo``, ``dapo``, ``cispo``): ``sum(x * m) / sum(m)``
+    - ``grpo`` (also ``sapo``): ``mean_i( sum_t(x * m)_i / sum_t(m)_i )`` -- each sequence's mean,
+      then over sequences
     - ``dr_grpo``: ``sum(x * m) / (B * max_len)``
 
     Padded slots (mask 0) reach neither the value nor the gradient, NaN included."""
@@ -617,6 +622,68 @@ def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> 
     return (masked_sum(log_ratio, mask, -1) / mask.sum(-1).clamp(min=1))[:, None]  # [B, 1]
 
 
+class SurrogateOptions(NamedTuple):
+    """The knobs of the policy objectives (:data:`POLICY_OBJECTIVES`); each reads its own."""
+
+    clip_low: float = 0.2
+    """clip: the ratio's lower clip ``1 - clip_low``."""
+    clip_high: float | None = None
+    """clip: the ratio's upper clip ``1 + clip_high`` (None: ``clip_low``; DAPO's clip-higher)."""
+    cap: float = 5.0
+    """cispo: the largest importance weight (an absolute value, not ``1 + eps``)."""
+    temperature_pos: float = 1.0
+    """sapo: the gate's temperature on tokens with a positive advantage."""
+    temperature_neg: float = 1.05
+    """sapo: the gate's temperature on the others."""
+
+
+def _clipped_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
+                       opts: SurrogateOptions) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """PPO's ``max(-A * w, -A * clip(w, 1 - lo, 1 + hi))`` per token; active: the clipped term won."""
+    high = opts.clip_low if opts.clip_high is None else opts.clip_high
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - opts.clip_low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped, {}
+
+
+def _cispo_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
+                     opts: SurrogateOptions) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585; without its lower bound, as in TRL):
+    ``-sg[min(w, cap)] * A * log pi``. The weight is capped and detached, never the token's
+    gradient dropped: every token keeps ``-min(w, cap) * A * grad log pi`` (at ``w = 1`` the clipped
+    surrogate's gradient). Active: the weight was capped, whatever the advantage's sign (TRL's
+    cispo_clip_ratio counts the positive advantages only)."""
+    capped = ratio.clamp(max=opts.cap).detach()
+    return -capped * advantages * logprobs, ratio.detach() > opts.cap, {}
+
+
+def _sapo_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
+                    opts: SurrogateOptions) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """SAPO (soft adaptive policy optimization, arXiv 2511.20347): a soft gate in place of the clip,
+    ``-A * f(w)``, ``f(w) = sigmoid(tau * (w - 1)) * 4 / tau``, with ``tau`` the positive or the
+    negative temperature by the sign of ``A``. ``f'(w) = 4 s (1 - s)`` (``s`` the sigmoid) is 1 at
+    ``w = 1`` and decays smoothly as the ratio moves away, faster for a larger ``tau``; nothing
+    is clipped (active: none). Extra stat ``policy/sapo_gate``: the mean ``f'(w)``."""
+    tau = torch.where(advantages > 0, ratio.new_tensor(opts.temperature_pos), ratio.new_tensor(opts.temperature_neg))  # [B, R]
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    return -advantages * gate * 4.0 / tau, torch.zeros_like(ratio, dtype=torch.bool), \
+        {"policy/sapo_gate": (4.0 * gate * (1.0 - gate)).detach()}
+
+
+# loss_type -> the per-token policy objective; every other loss_type is PPO's clipped one
+POLICY_OBJECTIVES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]] = {
+    "clip": _clipped_surrogate,
+    "cispo": _cispo_surrogate,
+    "sapo": _sapo_surrogate,
+}
+
+
+def policy_objective(loss_type: str) -> str:
+    """The policy objective a ``ppo.loss_type`` uses: ``cispo`` and ``sapo`` their own, the
+    aggregations (token_mean, grpo, bnpo, dr_grpo, dapo) PPO's clipped surrogate."""
+    return loss_type if loss_type in POLICY_OBJECTIVES else "clip"
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -626,60 +693,72 @@ def policy_loss(
     aggregation: str = "token_mean",
     max_len: int = 0,
     level: str = "token",
+    objective: str = "clip",
+    options: SurrogateOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise.
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise, or another
+    per-token policy objective (``objective``, :data:`POLICY_OBJECTIVES`).
 
     ``ratio = exp(logprobs - old_logprobs)``
-    ``loss = aggregate( max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) )``
+    ``loss = aggregate( max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)) )``
+    ``objective="cispo"``: ``aggregate( -sg[min(ratio, cap)] * A * logprobs )`` (MiniMax-M1);
+    ``objective="sapo"``: ``aggregate( -A * sigmoid(tau * (ratio - 1)) * 4 / tau )`` (SAPO),
+    ``tau`` by the sign of ``A``.
 
     ``level`` picks the importance ratio: ``token`` (above); ``sequence`` (GSPO): every token of
     row ``i`` takes ``s_i = exp(mean_t log_ratio)`` (:func:`sequence_log_ratio`), clipped per
     sequence, its gradient ``s_i * mean_t grad log pi``; ``sequence_token`` (GSPO-token): the
     value ``s_i`` but per-token gradients, ``sg[s_i] * pi_t / sg[pi_t]``, so that token-level
     advantages weigh their own tokens (with one advantage per row its gradient equals
-    ``sequence``'s under every aggregation).
+    ``sequence``'s under every aggregation). CISPO detaches its weight, so there ``sequence``
+    and ``sequence_token`` are one.
 
     Args:
         logprobs: ``[B, R]`` log pi_theta(a_t|s_t), with grad.
         old_logprobs: ``[B, R]`` log-probs at rollout time (no grad).
         advantages: ``[B, R]`` (usually whitened).
         response_mask: ``[B, R]``.
-        clip_range: eps.
+        clip_range: eps (the lower clip; also the upper one unless ``options.clip_high``).
         aggregation, max_len: how the per-token loss is reduced (:func:`aggregate`).
         level: ``token``, ``sequence`` or ``sequence_token``.
+        objective: ``clip``, ``cispo`` or ``sapo``.
+        options: the objectives' other knobs (:class:`SurrogateOptions`; its ``clip_low`` is
+            ``clip_range``).
     Returns:
         ``(loss, stats)``; stats (token means over the mask whatever the aggregation, so runs
         compare): ``policy/loss`` (the per-token loss's mean), ``policy/clipfrac`` (share of
-        tokens whose clipped term was the active one), ``policy/approx_kl`` (k3 estimate of
-        KL(old || new) from the token ratios, exactly 0 when ratio == 1), ``policy/ratio_mean``
-        (of the ratio used).
+        tokens whose clip or cap was the active one; 0 for sapo), ``policy/approx_kl`` (k3
+        estimate of KL(old || new) from the token ratios, exactly 0 when ratio == 1),
+        ``policy/ratio_mean`` (of the ratio used); sapo adds ``policy/sapo_gate``.
     """
+    if objective not in POLICY_OBJECTIVES:
+        raise ValueError(f"unknown policy objective {objective!r}; expected one of {', '.join(POLICY_OBJECTIVES)}")
+    options = (options or SurrogateOptions())._replace(clip_low=clip_range)
     # where(), not a product: a NaN/inf in a padded slot must reach neither the loss nor, through
     # exp's backward (0 * inf), the gradient of the valid tokens
     valid = response_mask.bool()
     log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))  # [B, R]
+    own = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # [B, R]
     if level == "token":
         log_weight = log_ratio
     elif level == "sequence":
         log_weight = sequence_log_ratio(log_ratio, response_mask).expand_as(log_ratio)  # [B, R]
     elif level == "sequence_token":
-        own = torch.where(valid, logprobs, torch.zeros_like(logprobs))
         log_weight = own - own.detach() + sequence_log_ratio(log_ratio, response_mask).detach()  # [B, R]
     else:
         raise ValueError(f"unknown importance sampling level {level!r}; expected token, sequence or sequence_token")
     ratio = torch.exp(log_weight)  # [B, R]
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    per_token = torch.maximum(unclipped, clipped)  # [B, R]
+    per_token, active, extra = POLICY_OBJECTIVES[objective](own, ratio, advantages, options)  # [B, R] each
     loss = aggregate(per_token, response_mask, aggregation, max_len)
     with torch.no_grad():
         token_ratio = torch.exp(log_ratio)
         stats = {
             "policy/loss": masked_mean(per_token, response_mask),
-            "policy/clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+            "policy/clipfrac": masked_mean(active.float(), response_mask),
             "policy/approx_kl": masked_mean((token_ratio - 1) - log_ratio, response_mask),
             "policy/ratio_mean": masked_mean(ratio, response_mask),
         }
+        stats.update({k: masked_mean(v, response_mask) for k, v in extra.items()})
     return loss, stats
 
 

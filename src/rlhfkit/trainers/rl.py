@@ -36,12 +36,14 @@ from ..checkpoint import fault_point, latest_checkpoint
 from ..config import Config, PPOConfig
 from ..core import (
     AGGREGATIONS,
+    SurrogateOptions,
     adaptive_kl_coef,
     aggregate,
     aggregation_count,
     kl_estimate,
     masked_mean,
     policy_loss,
+    policy_objective,
     value_loss,
 )
 from ..distributed import full_state_dict, full_weights, rollout_uniforms, shard_frozen
@@ -68,6 +70,15 @@ from ..utils import UpdateGuard, cut_file, file_size, mean_stats
 from .common import Engine, Run
 
 
+def surrogate_options(pc: PPOConfig) -> SurrogateOptions:
+    """The policy objective's knobs from the config: ``ppo.epsilon_high`` is the clipped losses'
+    upper clip and cispo's cap (unset there: 5.0), as in TRL."""
+    if pc.loss_type == "cispo":
+        return SurrogateOptions(cap=5.0 if pc.epsilon_high is None else pc.epsilon_high)
+    return SurrogateOptions(clip_low=pc.clip_range, clip_high=pc.epsilon_high, temperature_pos=pc.sapo_temperature_pos,
+                            temperature_neg=pc.sapo_temperature_neg)
+
+
 def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float,
                    update_policy: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(loss, logprobs [b, R], stats)`` of minibatch rows ``mb``: the clipped value loss, and
@@ -88,7 +99,8 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
                                    pc.loss_type, pc.max_new_tokens or 0)
         loss = pc.vf_coef * v_loss
     p_loss, p_stats = policy_loss(logprobs, exp.old_logprobs[mb], exp.advantages[mb], rmask, pc.clip_range,
-                                  pc.loss_type, pc.max_new_tokens or 0, pc.importance_sampling_level)
+                                  pc.loss_type, pc.max_new_tokens or 0, pc.importance_sampling_level,
+                                  policy_objective(pc.loss_type), surrogate_options(pc))
     stats.update(p_stats)
     if update_policy:
         loss = loss + p_loss
