@@ -26,7 +26,8 @@ Contenders (one step = one rollout of 16 completions for all of them):
                    checkpointing), the learning rate is rlhfkit's 3e-4 (--trl-lr; TRL's 1e-6
                    is meant for full fine-tuning of billion-parameter models)
     trl_schedule   TRL GRPOTrainer on rlhfkit_grpo's schedule: num_generations 4,
-                   scale_rewards 'batch', beta 0.3 (k3 in the loss, TRL's only estimator),
+                   scale_rewards 'batch', beta 0 (rlhfkit's default for a LoRA policy; k3 in
+                   the loss, TRL's only estimator, when set),
                    num_iterations 2, one optimizer step per minibatch of 16 (per-device batch =
                    minibatch, steps_per_generation = batch / minibatch), loss 'bnpo' (a token
                    mean over the optimizer step's rows without gradient accumulation: rlhfkit's
@@ -98,8 +99,9 @@ CONTENDERS = {
 
 def rlhfkit_config(algo: str, paths: dict, out: Path, seed: int, args):
     """``rlhfkit <algo>``'s defaults on the task: only the task's sizes, the files, LoRA r 16 and
-    the benchmark's bookkeeping (evaluation, stopping, one thread, no samples) are set."""
-    from rlhfkit.config import ALGO_DEFAULTS, Config
+    the benchmark's bookkeeping (evaluation, stopping, one thread, no samples) are set; the
+    algorithm's keys come from its defaults for a LoRA policy (config.LORA_DEFAULTS)."""
+    from rlhfkit.config import Config
 
     spec = ",".join(f"{EXAMPLE / 'rewards.py'}:{name}" for name in REWARDS)
     return Config().replace(
@@ -108,7 +110,7 @@ def rlhfkit_config(algo: str, paths: dict, out: Path, seed: int, args):
         model={"name": paths["model"], "lora_r": LORA_R},
         data={"path": paths["train"], "eval_path": paths["held"]},
         reward={"function": spec, "weights": "1,1,1"},
-        ppo={**ALGO_DEFAULTS[algo], "batch_size": BATCH, "max_new_tokens": NEW_TOKENS, "steps": args.steps,
+        ppo={"algo": algo, "batch_size": BATCH, "max_new_tokens": NEW_TOKENS, "steps": args.steps,
              "eval_every": args.eval_every, "stop_at": args.target, "stop_metric": "eval/accuracy",
              "samples_per_log": 0, "trajectories_every": 0},
     )
