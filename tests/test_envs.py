@@ -80,6 +80,11 @@ def test_a_multi_turn_run_trains_on_its_turns(tiny_models, tiny_config, tmp_path
     assert row["env/turns"] == 3 and row["env/obs_tokens"] == 4  # two observations of 2 tokens each
     assert row["policy/logprob_gap"] <= 1e-5  # the training forward over the turns and observations
     assert abs(row["objective/score"] - row["env/return"]) < 1e-6  # no reward function: the return
+    # the trajectory view marks the observations, out of the loss mask
+    traj = json.loads((tmp_path / "trajectories.jsonl").read_text().splitlines()[0])
+    obs = [i for i, seg in enumerate(traj["segment"]) if seg == "observation"]
+    assert len(obs) == 4 and all(traj["rows"]["mask"][i] == 0 for i in obs)
+    assert "x2" in traj["response"]
 
 
 @pytest.fixture(scope="module")
