@@ -245,3 +245,19 @@ def test_env_config_names_the_class_by_file_and_refuses_a_non_environment(tmp_pa
         environment_factory(f"{f}:not_an_env")
     with pytest.raises(ValueError, match="env.class='nowhere:Game' cannot be loaded"):
         environment_factory("nowhere:Game")
+
+
+def test_the_grid_cat_plays_the_course_notes_world_in_text():
+    from rlhfkit.tasks.gridcat import GridCat, make_tokenizer
+
+    env = GridCat()
+    assert env.reset(None) == [{"role": "user", "content": "e"}]  # C: row 1, column 0
+    assert env.step("→E")[1:] == (0.0, False)  # into the wall: the cat stays, no reward
+    assert env.step("x")[:2] == ({"role": "user", "content": "e"}, -1.0)  # not a move: a broom's cost
+    # the short way: down, down, right, right over the broom (-1), right onto the meat (+100, the end)
+    steps = [env.step(move) for move in "↓↓→→→"]
+    assert [r for _, r, _ in steps] == [0.0, 0.0, 0.0, -1.0, 100.0]
+    assert [d for _, _, d in steps] == [False] * 4 + [True]
+    assert [o["content"] for o, _, _ in steps[:4]] == list("imno")
+    tok = make_tokenizer()
+    assert tok.decode(tok("e↓", add_special_tokens=False)["input_ids"]) == "e↓" and len(tok) == 23
