@@ -261,3 +261,29 @@ def test_the_grid_cat_plays_the_course_notes_world_in_text():
     assert [o["content"] for o, _, _ in steps[:4]] == list("imno")
     tok = make_tokenizer()
     assert tok.decode(tok("e↓", add_special_tokens=False)["input_ids"]) == "e↓" and len(tok) == 23
+
+
+def test_a_killed_multi_turn_run_resumes_as_an_unbroken_one(tiny_models, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def run(out, *extra, fault=None):
+        args = [sys.executable, "-m", "rlhfkit", "grpo", f"model.name={tiny_models.policy}", f"run.out_dir={out}",
+                "ppo.steps=4", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
+                "ppo.eval_every=0", "ppo.stop_at=0", "run.checkpoint_every=2", "run.threads=1",
+                "run.progress=false", f"env.class={Path(__file__).resolve()}:Echo", *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **({"RLHFKIT_FAULT": fault} if fault else {})}
+        return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300).returncode
+
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert run(whole) == 0
+    assert run(broken, fault="rollout@3") == -signal.SIGKILL  # inside step 3: the step-2 checkpoint is the newest
+    assert run(broken, "--resume") == 0
+    skip = ("time/", "throughput/")
+    a, b = ([{k: v for k, v in r.items() if not k.startswith(skip)} for r in run_metrics(d)] for d in (whole, broken))
+    assert [r["step"] for r in b] == [0, 1, 2, 3] and a == b and a[-1]["env/turns"] > 1
+    wa, wb = (load_file(d / "policy" / "model.safetensors") for d in (whole, broken))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -21,7 +21,7 @@ LAYERS = [
                         "tasks.cities", "tasks.export"}),
     ("models", {"lean", "models"}),
     ("generation and scoring", {"rollout", "evaluate", "rewards", "experience", "trajectories", "plots",
-                                "watch", "envs"}),
+                                "watch", "envs", "tools"}),
     ("run scaffolding", {"trainers.common"}),
     ("trainers", {"trainers.pretrain", "trainers.sft", "trainers.reward", "trainers.dpo", "trainers.rl",
                   "tasks.gridworld"}),

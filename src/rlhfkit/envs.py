@@ -44,14 +44,16 @@ ends the episode before it. ``finished`` says whether the last turn ended with E
 from __future__ import annotations
 
 import copy
+import json
 import math
 import numbers
 import warnings
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers.utils import get_json_schema
 
-from .rewards import load_reward_function
+from .rewards import function_name, load_reward_function
 from .rollout import Rollout
 
 
@@ -83,8 +85,8 @@ class Environment:
 
 
 def env_name(env) -> str:
-    cls = env if isinstance(env, type) else type(env)
-    return f"{cls.__module__}:{cls.__qualname__}"
+    """``module:Name``, or ``path/to/file.py:Name`` for a class of a file named by its path."""
+    return function_name(env if isinstance(env, type) else type(env))
 
 
 def environment_factory(spec) -> Callable[[], Environment]:
@@ -150,11 +152,12 @@ def _message(value, where: str) -> dict:
                    "with string 'role' and 'content' (or a string, a user message)")
 
 
-def render_prompt(tok, messages: list[dict]) -> list[int]:
-    """The first prompt's token ids: the chat template with the generation prompt, or (no
-    template) the contents joined as plain text, special tokens added as for any prompt."""
+def render_prompt(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The first prompt's token ids: the chat template with the generation prompt (and the
+    tools' JSON schemas), or (no template) the contents joined as plain text, special tokens
+    added as for any prompt."""
     if _templated(tok):
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok("".join(m["content"] for m in messages))["input_ids"]
 
@@ -173,7 +176,8 @@ APPEND_ONLY_WARNING = ("the chat template is not append-only for the model's tur
                        "delta after its own rendering, and the sampled tokens are kept as they are")
 
 
-def observation_tokens(tok, conversation: list[dict], message: dict, ids: Sequence[int]) -> list[int]:
+def observation_tokens(tok, conversation: list[dict], message: dict, ids: Sequence[int],
+                       tools: list[dict] | None = None) -> list[int]:
     """The tokens of ``message`` as they follow ``ids`` (the episode so far, whose messages are
     ``conversation``): the template's rendering of the conversation with the message and the
     generation prompt, less its longest common prefix with ``ids`` (so a separator the template
@@ -181,14 +185,33 @@ def observation_tokens(tok, conversation: list[dict], message: dict, ids: Sequen
     content's tokens."""
     if not _templated(tok):
         return tok(message["content"], add_special_tokens=False)["input_ids"]
-    text = tok.apply_chat_template(conversation + [message], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(conversation + [message], tools=tools, tokenize=False, add_generation_prompt=True)
     full = tok(text, add_special_tokens=False)["input_ids"]
     k = _common_prefix(full, ids)
     if k < len(ids):
         warnings.warn(APPEND_ONLY_WARNING, RuntimeWarning, stacklevel=2)
-        before = tok(tok.apply_chat_template(conversation, tokenize=False), add_special_tokens=False)["input_ids"]
+        before = tok(tok.apply_chat_template(conversation, tools=tools, tokenize=False),
+                     add_special_tokens=False)["input_ids"]
         k = _common_prefix(full, before)
     return full[k:]
+
+
+def tool_schemas(tools: Sequence[Callable]) -> list[dict] | None:
+    """The JSON schemas of Python functions, read from their type hints and docstrings (Google
+    style ``Args:``), as chat templates take them (``apply_chat_template(tools=...)``); None
+    without tools."""
+    return [get_json_schema(fn) for fn in tools] or None
+
+
+TOOL_CALL_FORMAT = '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>'
+
+
+def tools_message(schemas: list[dict]) -> dict:
+    """A system message offering the tools, for a template that does not render ``tools``."""
+    listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+    return {"role": "system", "content": f"You may call these tools:\n{listed}\nTo call one, answer with "
+                                         f"{TOOL_CALL_FORMAT} and nothing else; its result comes back as a "
+                                         "message."}
 
 
 # --------------------------------------------------------------------------- episodes
@@ -237,7 +260,12 @@ class Episode:
     def __init__(self, env: Environment, record, tok, max_turns: int, max_tokens: int):
         self.env, self.max_turns, self.max_tokens = env, max_turns, max_tokens
         self.messages = checked_reset(env, record)
-        self.ids = render_prompt(tok, self.messages)
+        self.tools = tool_schemas(getattr(env, "tools", ()))
+        if self.tools and "tools" not in (getattr(tok, "chat_template", None) or ""):
+            # a template that ignores `tools` (or none): the schemas go in a system message of their own
+            self.messages = [tools_message(self.tools)] + self.messages
+            self.tools = None
+        self.ids = render_prompt(tok, self.messages, self.tools)
         self.prompt_len = len(self.ids)
         if self.prompt_len >= max_tokens:
             raise EnvError(f"environment {env_name(env)}.reset: the first prompt is {self.prompt_len} tokens, "
@@ -267,7 +295,7 @@ class Episode:
         if done or self.turns >= self.max_turns or self.room <= 0:
             self.done = True
             return
-        delta = observation_tokens(tok, self.messages, obs, self.ids)
+        delta = observation_tokens(tok, self.messages, obs, self.ids, self.tools)
         if len(delta) >= self.room:  # no room for the observation and a turn after it
             self.done = True
             return
