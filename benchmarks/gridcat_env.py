@@ -91,7 +91,7 @@ def language_model(seed: int, steps: int, eval_every: int, out: Path, pretrain_s
     prompts = out / "prompts.jsonl"  # the environment ignores the prompt: one start cell
     prompts.write_text(json.dumps({"prompt": "a"}) + "\n")
     cfg = Config().replace(
-        run={"out_dir": str(out / "grpo"), "seed": seed, "progress": False, "threads": 1, "checkpoint_every": 0,
+        run={"out_dir": str(out / "rl"), "seed": seed, "progress": False, "threads": 1, "checkpoint_every": 0,
              "tensorboard": False},
         model={"name": str(base)},
         data={"path": str(prompts), "eval_path": str(prompts)},
@@ -109,8 +109,9 @@ def language_model(seed: int, steps: int, eval_every: int, out: Path, pretrain_s
     res = train_rl(cfg)
     seconds = time.perf_counter() - t0
     reached = res["reached"]
+    first = json.loads((out / "rl" / "metrics.jsonl").read_text().splitlines()[0])
     return {"episodes": reached["steps"] * 32 if reached else None, "seconds": seconds, "pretrain_s": pretrain_s,
-            "final": res["final"].get("eval/reward")}
+            "base": first["baseline/eval/reward"], "final": res["final"].get("eval/reward")}
 
 
 def tabular(seed: int, out: Path) -> dict:
@@ -132,14 +133,14 @@ def main() -> None:
     ap.add_argument("--pretrain-steps", type=int, default=60)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print("| seed | LM (ppo): episodes to the optimum | LM seconds: format pretraining + RL | tabular REINFORCE: "
-          "episodes | tabular seconds |")
-    print("|---|---|---|---|---|")
+    print("| seed | LM: greedy return after format pretraining | LM (ppo): episodes to the optimum | LM seconds: "
+          "format pretraining + RL | tabular REINFORCE: episodes | tabular seconds |")
+    print("|---|---|---|---|---|---|")
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
             lm = language_model(seed, args.steps, args.eval_every, Path(tmp), args.pretrain_steps)
             tab = tabular(seed, Path(tmp))
-        print(f"| {seed} | {lm['episodes'] or 'not in ' + str(args.steps * 32)} | "
+        print(f"| {seed} | {lm['base']:g} | {lm['episodes'] or 'not in ' + str(args.steps * 32)} | "
               f"{lm['pretrain_s']:.0f} + {lm['seconds']:.0f} | "
               f"{tab['episodes'] or 'not in 6400'} | {tab['seconds']:.1f} |", flush=True)
 

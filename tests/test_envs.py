@@ -263,27 +263,39 @@ def test_the_grid_cat_plays_the_course_notes_world_in_text():
     assert tok.decode(tok("e↓", add_special_tokens=False)["input_ids"]) == "e↓" and len(tok) == 23
 
 
-def test_a_killed_multi_turn_run_resumes_as_an_unbroken_one(tiny_models, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
+class Killed(Exception):
+    pass
 
-    def run(out, *extra, fault=None):
-        args = [sys.executable, "-m", "rlhfkit", "grpo", f"model.name={tiny_models.policy}", f"run.out_dir={out}",
-                "ppo.steps=4", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
-                "ppo.eval_every=0", "ppo.stop_at=0", "run.checkpoint_every=2", "run.threads=1",
-                "run.progress=false", f"env.class={Path(__file__).resolve()}:Echo", *extra]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **({"RLHFKIT_FAULT": fault} if fault else {})}
-        return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300).returncode
+
+def test_a_multi_turn_run_stopped_mid_step_resumes_as_an_unbroken_one(tiny_models, tiny_config, tmp_path, no_plots,
+                                                                      monkeypatch):
+    # in-process (the subprocess route of tests/test_resume.py costs seconds of imports per run):
+    # the run dies inside step 3, after its rollout; the checkpoint after step 2 is the newest
+    import rlhfkit.trainers.rl as rl
+
+    prompts = tmp_path / "prompts.jsonl"  # a few prompts: a short held-out evaluation
+    prompts.write_text("".join(json.dumps({"prompt": doubling.prompt_text(n, None)}) + "\n" for n in (3, 41, 7)))
+
+    def cfg(out, **run):
+        return tiny_config(out, model={"name": tiny_models.policy}, env={"cls": Echo},
+                           data={"path": str(prompts), "eval_path": str(prompts)},
+                           run={"checkpoint_every": 2, "tensorboard": False, **run},
+                           ppo={"algo": "grpo", "steps": 4, "eval_every": 2})
 
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    assert run(whole) == 0
-    assert run(broken, fault="rollout@3") == -signal.SIGKILL  # inside step 3: the step-2 checkpoint is the newest
-    assert run(broken, "--resume") == 0
+    train_rl(cfg(whole))
+
+    def fault(name, step):
+        if (name, step) == ("rollout", 3):
+            raise Killed
+
+    monkeypatch.setattr(rl, "fault_point", fault)
+    with pytest.raises(Killed):
+        train_rl(cfg(broken))
+    monkeypatch.undo()
+    train_rl(cfg(broken, resume=True))
     skip = ("time/", "throughput/")
     a, b = ([{k: v for k, v in r.items() if not k.startswith(skip)} for r in run_metrics(d)] for d in (whole, broken))
-    assert [r["step"] for r in b] == [0, 1, 2, 3] and a == b and a[-1]["env/turns"] > 1
+    assert [r["step"] for r in b] == [0, 1, 2, 3] and a == b and a[-1]["env/turns"] > 1 and "eval/reward" in a[-1]
     wa, wb = (load_file(d / "policy" / "model.safetensors") for d in (whole, broken))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
