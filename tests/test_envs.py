@@ -208,12 +208,18 @@ class TooLong(Environment):
     max_tokens = 100_000
 
 
+class NoInit(Environment):
+    def __init__(self):
+        raise RuntimeError("no board")
+
+
 @pytest.mark.parametrize("env, message", [
     (Raises, "environment test_envs:Raises.step raised KeyError: 'no such door'"),
     (WrongType, "environment test_envs:WrongType.step returned tuple \"('no', 1.0)\": return a tuple "
                 "(observation, reward, done)"),
     (BadReward, "environment test_envs:BadReward.step returned reward='lots': give a finite number or None"),
     (TooLong, "environment test_envs:TooLong: max_tokens=100000 overflows the model's context of"),
+    (NoInit, "environment test_envs:NoInit could not be made: RuntimeError: no board"),
 ])
 def test_a_broken_environment_stops_the_run_with_one_line(tiny_models, tmp_path, capsys, monkeypatch, no_plots,
                                                           env, message):

@@ -94,7 +94,7 @@ def environment_factory(spec) -> Callable[[], Environment]:
     (``'module:Name'``, ``'path/to/file.py:Name'`` or the class) is called with no arguments,
     an instance is deep-copied."""
     if isinstance(spec, str):
-        spec = load_reward_function(spec, key="env.class")  # loaded as reward functions are
+        spec = load_reward_function(spec, key="env.class", noun="Name")  # loaded as reward functions are
     if isinstance(spec, type):
         if not (callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None))):
             raise EnvError(f"env.class={env_name(spec)} has no reset and step methods: subclass "
@@ -128,10 +128,17 @@ class EpisodeMaker:
 
     def __init__(self, ec, context: int | None):
         self.factory, self.ec, self.context = environment_factory(ec.cls), ec, context
-        limits(self.factory(), ec.max_turns, ec.max_tokens, context)
+        self.name = env_name(self.factory if isinstance(self.factory, type) else ec.cls)  # ec.cls: an instance
+        limits(self.new(), ec.max_turns, ec.max_tokens, context)
+
+    def new(self) -> Environment:
+        try:
+            return self.factory()
+        except Exception as e:  # the user's constructor: one line that names it
+            raise EnvError(f"environment {self.name} could not be made: {type(e).__name__}: {e}") from e
 
     def __call__(self, record, tok) -> Episode:
-        env = self.factory()
+        env = self.new()
         return Episode(env, record, tok, *limits(env, self.ec.max_turns, self.ec.max_tokens, self.context))
 
 

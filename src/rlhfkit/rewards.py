@@ -237,28 +237,30 @@ def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
     return out
 
 
-def load_reward_function(spec: str | Callable, key: str = "reward.function") -> Callable[..., list[float]]:
+def load_reward_function(spec: str | Callable, key: str = "reward.function",
+                         noun: str = "function") -> Callable[..., list[float]]:
     """``'package.module:name'`` or ``'path/to/file.py:name'`` -> the callable (a callable is
     returned as it is). A module is looked for where Python looks, then in the current
     directory (where a user's ``myreward.py`` sits; the ``rlhfkit`` command does not put the
     current directory on ``sys.path``); ``name`` may be qualified (``'module:Class.method'``).
-    ``key``: the config key the errors name (environments load their class the same way)."""
+    ``key``, ``noun``: the config key and the kind of object the errors name (environments load
+    their class the same way)."""
     if callable(spec):
         return spec
     if spec == CALLABLE_PLACEHOLDER:
         raise ValueError(f"{key}={spec!r}: the run this config comes from was given a Python callable with no "
                          "importable name (a lambda, something defined in __main__); pass it again from Python "
-                         "or name an importable one as 'package.module:name'")
+                         f"or name an importable one as 'package.module:{noun}'")
     module, _, name = spec.rpartition(":")  # the last colon: a Windows path has one of its own
     if not module or not name:
-        raise ValueError(f"{key}={spec!r} must look like 'package.module:name' or 'path/to/file.py:name'")
+        raise ValueError(f"{key}={spec!r} must look like 'package.module:{noun}' or 'path/to/file.py:{noun}'")
     try:
         fn = _import_file(module) if module.endswith(".py") else _import_module(module)
         for part in name.split("."):  # a qualified name: 'module:Class.method'
             fn = getattr(fn, part)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{key}={spec!r} cannot be loaded: {e}; name a Python file "
-                         "('path/to/file.py:name') or a module that is installed, on PYTHONPATH or in the "
+                         f"('path/to/file.py:{noun}') or a module that is installed, on PYTHONPATH or in the "
                          "current directory, and that defines that name") from None
     if not callable(fn):
         raise ValueError(f"{key}={spec!r} is not callable")
