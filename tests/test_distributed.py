@@ -54,7 +54,7 @@ pytestmark = pytest.mark.slow
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
 RUNS = ("ppo", "ppo_warmup", "ppo_shared", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "rloo",
-        "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro")
+        "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env")
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a separate critic, a shared value head,
 # the three critic-free estimators and LoRA (PPO with an adapter on the critic too, GRPO), matched to the
 # 1-process run at FSDP_TOL

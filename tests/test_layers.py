@@ -21,11 +21,12 @@ LAYERS = [
                         "tasks.cities", "tasks.export"}),
     ("models", {"lean", "models"}),
     ("generation and scoring", {"rollout", "evaluate", "rewards", "experience", "trajectories", "plots",
-                                "watch"}),
+                                "watch", "envs", "tools"}),
     ("run scaffolding", {"trainers.common"}),
     ("trainers", {"trainers.pretrain", "trainers.sft", "trainers.reward", "trainers.dpo", "trainers.rl",
                   "tasks.gridworld"}),
-    ("front ends", {"demo", "chat", "report", "fetch", "cli", "__main__"}),
+    # tasks.gridcat: the grid world (a trainers-layer module) as an environment
+    ("front ends", {"demo", "chat", "report", "fetch", "cli", "__main__", "tasks.gridcat"}),
 ]
 NO_SIBLINGS = {"trainers"}
 LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}

@@ -45,7 +45,7 @@ DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm"
                "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat",
                "export-task": "runs/export"}
 # the config sections (or single keys) each command reads, listed by `rlhfkit CMD --help`
-RL_SECTIONS = ("run", "model", "reward", "ppo", "value", "data", "eval")
+RL_SECTIONS = ("run", "model", "reward", "ppo", "value", "data", "eval", "env")
 COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
     "demo": ("run", "model", "pretrain", "reward", "ppo", "value", "dpo", "data", "eval", "demo"),
     "pretrain": ("run", "model", "pretrain", "eval"),

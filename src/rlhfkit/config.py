@@ -724,6 +724,21 @@ class GridworldConfig(Section):
 
 
 @dataclass(frozen=True)
+class EnvConfig(Section):
+    cls: Any = ""
+    """Multi-turn environment for the RL commands (written ``env.class``; see rlhfkit.envs): a
+    subclass of rlhfkit.envs.Environment named 'module:Name' or 'path/to/file.py:Name', from
+    Python also the class itself or an instance (copied for every episode). Each prompt record
+    starts an episode; the model's turns and the environment's observations alternate until it
+    says done or a limit is reached. Empty: one completion per prompt."""
+    max_turns: int = 0
+    """Most model turns per episode (0: the environment's own ``max_turns``)."""
+    max_tokens: int = 0
+    """Most tokens per episode, prompt and observations included (0: the environment's own
+    ``max_tokens``); at most the model's context."""
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -738,6 +753,7 @@ class Config:
     demo: DemoConfig = field(default_factory=DemoConfig)
     gridworld: GridworldConfig = field(default_factory=GridworldConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self):
         # a LoRA policy's defaults (LORA_DEFAULTS) for the algorithm keys the ppo section left unset
@@ -804,9 +820,14 @@ def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence
     return f" Sections: {', '.join(order)}."
 
 
+# keys whose natural name is a Python keyword: the name users write -> the field
+KEY_ALIASES = {"env.class": "env.cls"}
+
+
 def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> None:
     """``data[section][key] = value`` for ``'section.key'``; ConfigError with the full dotted key
     to use when there is no such key."""
+    dotted = KEY_ALIASES.get(dotted, dotted)
     keys = dotted.split(".")
     if len(keys) == 1:
         if keys[0] not in data:  # a key without its section
@@ -1018,6 +1039,8 @@ def _plain(value: Any) -> Any:
         return callable_name(value)
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if not isinstance(value, (str, int, float, bool, type(None), dict)):  # an object (an environment)
+        return CALLABLE_PLACEHOLDER
     return value
 
 
@@ -1068,7 +1091,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "gridworld.gamma": (0, 1), "gridworld.lam": (0, 1), "gridworld.drunk": (0, 1), "gridworld.max_steps": (1, None),
     "gridworld.hidden": (1, None), "gridworld.ppo_epochs": (1, None), "gridworld.minibatches": (1, None),
     "gridworld.clip_range": (0, None), "gridworld.vf_coef": (0, None), "gridworld.entropy_coef": (0, None),
-    "gridworld.reward_scale": (0, None),
+    "gridworld.reward_scale": (0, None), "env.max_turns": (0, None), "env.max_tokens": (0, None),
 }
 # rates, scales and coefficients that must be strictly positive (0 would train nothing or divide by 0)
 POSITIVE = {"pretrain.lr", "reward.lr", "ppo.lr", "ppo.value_lr", "ppo.temperature", "ppo.top_p", "ppo.kl_target",

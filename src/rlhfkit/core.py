@@ -383,7 +383,9 @@ def gae(
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t``,  ``A_t = delta_t + gamma * lam * A_{t+1}``,
     ``returns_t = A_t + V_t``; ``V`` and ``A`` are taken as 0 past the last valid token,
-    so an episode ends at its EOS.
+    so an episode ends at its EOS. ``t + 1`` is the next *valid* column: masked columns
+    between valid ones (a multi-turn episode's observations, rlhfkit.envs) are skipped, as if
+    the model's turns were contiguous.
 
     Args:
         rewards, values, response_mask: ``[B, R]``.
@@ -401,9 +403,11 @@ def gae(
     next_value = torch.zeros_like(values[:, 0])  # [B]
     for t in reversed(range(R)):  # R is a response length: tens of tokens, a cheap loop
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]
-        advantages[:, t] = next_adv
-        next_value = values[:, t]
+        adv = (delta + gamma * lam * next_adv) * mask[:, t]
+        advantages[:, t] = adv
+        # a masked column passes the next valid one's value and advantage on (0 after the end)
+        next_adv = torch.where(valid[:, t], adv, next_adv)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
     returns = (advantages + values) * mask
     return advantages, returns
 

@@ -27,13 +27,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int, rows: slice) -> torch.Tensor:
+def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int, rows: slice,
+                     turn: int = 0) -> torch.Tensor:
     """This process's rows of the step's ``[global_rows, max_new_tokens]`` U(0, 1) draws.
 
-    The draws depend on ``(seed, step)`` only, so sampling with them
+    The draws depend on ``(seed, step)`` only (and ``turn``, a multi-turn episode's model turn:
+    turn 0's are the single-turn draws), so sampling with them
     (``rollout.generate(uniforms=...)``) gives every row the same response however many
     processes share the batch."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+    key = seed * 1_000_003 + step
+    if turn:
+        key = key * 1_000_033 + turn
+    gen = torch.Generator().manual_seed(key % (2**63 - 1))
     return torch.rand((global_rows, max_new_tokens), generator=gen)[rows]  # [b, max_new_tokens]
 
 

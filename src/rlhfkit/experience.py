@@ -20,6 +20,7 @@ from .core import (
     gae,
     group_advantages,
     kl_estimate,
+    last_token_index,
     masked_mean,
     masked_whiten,
     overlong_penalty,
@@ -227,11 +228,13 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
 
 def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: RunningMoments | None,
                  shard: Shard, records=None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(raw_score [B], score [B], {source: [B]})``: the reward's weighted total, then the
-    missing-EOS penalty, the over-long penalty (``ppo.overlong_buffer``) and the running
-    normalisation (``ppo.normalize_reward``, over every process's rows); and each source's own
-    scores."""
+    """``(raw_score [B], score [B], {source: [B]})``: the reward's weighted total plus an
+    environment's per-turn rewards (the episode return), then the missing-EOS penalty, the
+    over-long penalty (``ppo.overlong_buffer``) and the running normalisation
+    (``ppo.normalize_reward``, over every process's rows); and each source's own scores."""
     raw_score, parts = scorer.score(roll, records)  # [B]
+    if roll.turn_rewards is not None:
+        raw_score = raw_score + roll.turn_rewards.sum(-1)  # [B]
     if not bool(torch.isfinite(raw_score).all()):  # a NaN here would reach every advantage of the batch
         raise ValueError(f"the reward gave non-finite scores to {int((~torch.isfinite(raw_score)).sum())} of "
                          f"{raw_score.numel()} responses: check the reward model's weights (reward.name) or function")
@@ -274,8 +277,17 @@ def make_experience(
     old_logprobs, ref_logprobs, old_values = f["old_logprobs"], f["ref_logprobs"], f["old_values"]
     raw_score, score, parts = final_scores(scorer, roll, pc, reward_stats, shard, records)
     kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
-    rewards = shaped_rewards(score, kl, rmask, 0.0 if pc.kl_in_loss else kl_coef, pc.score_clip)  # [B, R]
+    beta = 0.0 if pc.kl_in_loss else kl_coef
     raw_advantages = None
+    if pc.algo == "ppo" and roll.turn_rewards is not None:
+        # an environment's per-turn rewards on each turn's last token; the rest of the (normalised)
+        # episode return -- the last turn's reward, the reward functions' score, the penalties -- on
+        # the last model token, as a one-turn episode's whole score (bit for bit the single-turn rewards)
+        scale = 1.0 if reward_stats is None else 1.0 / (reward_stats.std + 1e-8)  # the normalisation's
+        earlier = (roll.turn_rewards * scale).scatter(1, last_token_index(rmask)[:, None], 0.0)  # [B, R]
+        rewards = shaped_rewards(score - earlier.sum(-1), kl, rmask, beta, pc.score_clip) + earlier  # [B, R]
+    else:  # the episode return (score) on the last model token
+        rewards = shaped_rewards(score, kl, rmask, beta, pc.score_clip)  # [B, R]
     if pc.algo == "ppo":
         advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
         raw_advantages = advantages

@@ -272,7 +272,7 @@ def _trajectory_html(records: list[dict]) -> str:
     return (
         '<div class="controls"><label>step <select id="traj-step"></select></label> '
         '<span class="seglegend"><span class="seg-prompt">prompt</span><span class="seg-response">response</span>'
-        '<span class="seg-padding">padding</span></span> '
+        '<span class="seg-observation">observation</span><span class="seg-padding">padding</span></span> '
         '<span class="hint">cells: blue &gt; 0, red &lt; 0, darker = larger |value| within the row; '
         '&middot; = not defined for this token</span></div>'
         '<div id="traj-tables"></div>'
@@ -308,7 +308,7 @@ table.trajectory thead th{min-width:38px;font-size:13px;white-space:pre}
 table.trajectory td{text-align:right;min-width:38px;white-space:nowrap}
 table.trajectory td.na{color:#bbb;text-align:center}
 .seg-prompt,th.seg-prompt{background:#fff4cc}.seg-response,th.seg-response{background:#d9f2d9}
-.seg-padding,th.seg-padding{background:#e6e6e6;color:#777}
+.seg-padding,th.seg-padding{background:#e6e6e6;color:#777}.seg-observation,th.seg-observation{background:#dde6f7}
 .seglegend span{padding:1px 6px;margin-left:4px;border:1px solid #ccc}
 .controls{margin:6px 0}.hint{color:#666;font-size:12px;margin-left:10px}
 pre{background:#fff;border:1px solid #dde;padding:8px;overflow-x:auto;font-size:12px}

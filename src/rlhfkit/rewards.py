@@ -51,7 +51,7 @@ from .models import (
     sequence_scores,
 )
 from .prompts import PromptRecord
-from .rollout import Rollout
+from .rollout import Rollout, response_rows
 from .tasks import get_task
 
 
@@ -76,6 +76,8 @@ class Reward:
     0/1 (:meth:`binary`)."""
 
     def score(self, roll: Rollout, records: Sequence[PromptRecord] | None = None):
+        if not self.sources:  # an environment's rewards alone
+            return torch.zeros(roll.response_ids.shape[0], device=roll.response_ids.device), {}
         parts = {name: fn(roll, records).float() for name, _, fn in self.sources}  # [B] each
         for name in self.declared_binary():
             check_binary(name, parts[name], name in self.accuracy)
@@ -119,8 +121,7 @@ def retokenize(roll: Rollout, tokenizer, rm_tokenizer, device) -> tuple[torch.Te
     response ended (the policy's EOS or a stop string), closed with the reward model's own EOS; the text
     is then tokenised by ``rm_tokenizer`` (its BOS / template post-processing included)."""
     prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
-    lengths = roll.response_mask.sum(-1).tolist()
-    responses = tokenizer.batch_decode([r[:n] for r, n in zip(roll.response_ids.tolist(), lengths)],
+    responses = tokenizer.batch_decode(response_rows(roll.response_ids, roll.response_attention),
                                        skip_special_tokens=True)
     eos = rm_tokenizer.eos_token or ""
     texts = [p + r + (eos if done else "") for p, r, done in zip(prompts, responses, roll.finished.tolist())]
@@ -173,8 +174,7 @@ def function_name(fn) -> str:
 def completion_texts(roll: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:
     """Each row's response token ids (the EOS included when emitted) and its text with the
     special tokens removed: what a reward function receives as ``completion_ids`` and ``completions``."""
-    lengths = roll.response_mask.sum(-1).tolist()
-    ids = [r[:n] for r, n in zip(roll.response_ids.tolist(), lengths)]
+    ids = response_rows(roll.response_ids, roll.response_attention)
     return ids, tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
@@ -237,31 +237,33 @@ def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
     return out
 
 
-def load_reward_function(spec: str | Callable) -> Callable[..., list[float]]:
+def load_reward_function(spec: str | Callable, key: str = "reward.function",
+                         noun: str = "function") -> Callable[..., list[float]]:
     """``'package.module:name'`` or ``'path/to/file.py:name'`` -> the callable (a callable is
     returned as it is). A module is looked for where Python looks, then in the current
     directory (where a user's ``myreward.py`` sits; the ``rlhfkit`` command does not put the
-    current directory on ``sys.path``); ``name`` may be qualified (``'module:Class.method'``)."""
+    current directory on ``sys.path``); ``name`` may be qualified (``'module:Class.method'``).
+    ``key``, ``noun``: the config key and the kind of object the errors name (environments load
+    their class the same way)."""
     if callable(spec):
         return spec
     if spec == CALLABLE_PLACEHOLDER:
-        raise ValueError(f"reward.function={spec!r}: the run this config comes from was given a Python callable "
-                         "with no importable name (a lambda, a function defined in __main__); pass the callable "
-                         "again (RewardConfig(function=fn)) or name an importable one as 'package.module:function'")
+        raise ValueError(f"{key}={spec!r}: the run this config comes from was given a Python callable with no "
+                         "importable name (a lambda, something defined in __main__); pass it again from Python "
+                         f"or name an importable one as 'package.module:{noun}'")
     module, _, name = spec.rpartition(":")  # the last colon: a Windows path has one of its own
     if not module or not name:
-        raise ValueError(f"reward.function={spec!r} must look like 'package.module:function' or "
-                         "'path/to/file.py:function'")
+        raise ValueError(f"{key}={spec!r} must look like 'package.module:{noun}' or 'path/to/file.py:{noun}'")
     try:
         fn = _import_file(module) if module.endswith(".py") else _import_module(module)
         for part in name.split("."):  # a qualified name: 'module:Class.method'
             fn = getattr(fn, part)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}; name a Python file "
-                         "('path/to/file.py:function') or a module that is installed, on PYTHONPATH or in the "
+        raise ValueError(f"{key}={spec!r} cannot be loaded: {e}; name a Python file "
+                         f"('path/to/file.py:{noun}') or a module that is installed, on PYTHONPATH or in the "
                          "current directory, and that defines that name") from None
     if not callable(fn):
-        raise ValueError(f"reward.function={spec!r} is not callable")
+        raise ValueError(f"{key}={spec!r} is not callable")
     return fn
 
 

@@ -54,6 +54,12 @@ class Rollout:
         kept_logmass:    ``[B, R]`` log Z, the log of the probability that top-k / top-p kept at
                          each step (0 where masked); None without truncation. The token was drawn
                          from q = pi / Z on the kept set, so log q = logprobs - kept_logmass.
+        attend:          ``[B, R]`` 1 on every token of the row's response region that the model
+                         reads -- its own and, in a multi-turn episode (:mod:`rlhfkit.envs`), the
+                         observations between its turns, which ``response_mask`` leaves out; None:
+                         equal to ``response_mask`` (one turn).
+        turn_rewards:    ``[B, R]`` an environment's per-turn rewards, each on the last token of the
+                         model's turn it rewards (0 elsewhere); None without an environment.
     """
 
     prompt_ids: torch.Tensor
@@ -66,21 +72,33 @@ class Rollout:
     values: torch.Tensor | None = None
     forward_logprobs: bool = False
     kept_logmass: torch.Tensor | None = None
+    attend: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
         return torch.cat([self.prompt_ids, self.response_ids], 1)  # [B, T]
 
     @property
+    def response_attention(self) -> torch.Tensor:
+        """``[B, R]`` the response tokens the model reads (observations included)."""
+        return self.response_mask if self.attend is None else self.attend
+
+    @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask], 1)  # [B, T]
+        return torch.cat([self.prompt_mask, self.response_attention], 1)  # [B, T]
+
+
+def response_rows(response_ids: torch.Tensor, attend: torch.Tensor) -> list[list[int]]:
+    """Each row's response tokens where ``attend [B, R]`` is 1 (a multi-turn episode's
+    observations included), padding dropped."""
+    return [[t for t, a in zip(ids, m) if a] for ids, m in zip(response_ids.tolist(), attend.tolist())]
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Decoded response text per row, special tokens kept (EOS matters), padding dropped."""
-    lengths = response_mask.sum(-1).tolist()
-    rows = [ids[:n] for ids, n in zip(response_ids.tolist(), lengths)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=False)
+    """Decoded response text per row, special tokens kept (EOS matters), padding dropped;
+    ``response_mask`` may be a rollout's ``response_attention`` (observations kept)."""
+    return tokenizer.batch_decode(response_rows(response_ids, response_mask), skip_special_tokens=False)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

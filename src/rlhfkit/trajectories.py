@@ -15,8 +15,10 @@ the batch at chosen steps, so ``rlhfkit report`` can draw it for a real run.
      "rows": {"mask": [0, 0, 0, ..., 1, 1, 0], "logprob": [null, ..., -0.12, ...], ...}}
 
 Columns follow the model's input: left padding, prompt, response, then the padding after
-the EOS. Rows (``ROWS``) are ``null`` where a quantity is undefined (prompt and padding
-columns of the response-aligned tensors); ``mask``, ``score`` and ``reward`` are 0 there.
+the EOS; in a multi-turn episode (rlhfkit.envs) the response holds the model's turns and, marked
+``observation``, the environment's messages between them. Rows (``ROWS``) are ``null`` where a
+quantity is undefined (prompt and padding columns of the response-aligned tensors); ``mask``,
+``score`` and ``reward`` are 0 there.
 Critic-free algorithms (GRPO, RLOO, REINFORCE) have no value, raw advantage or return rows.
 """
 
@@ -87,7 +89,8 @@ def trajectory_records(exp, tokenizer, pc, kl_coef: float, step: int, n: int) ->
             if t < P:
                 segment.append("prompt" if attn[b, t] else "padding")
             else:
-                segment.append("response" if rmask[b, t - P] else "padding")
+                # a multi-turn episode's observations: read by the model, out of the losses
+                segment.append("response" if rmask[b, t - P] else "observation" if attn[b, t] else "padding")
         rows: dict[str, list] = {"mask": [1 if s == "response" else 0 for s in segment]}
         for name in ROWS:
             if name == "mask":
@@ -105,7 +108,7 @@ def trajectory_records(exp, tokenizer, pc, kl_coef: float, step: int, n: int) ->
                 _round(vals[t - P]) if segment[t] == "response" else (0.0 if zero_outside else None)
                 for t in range(T)
             ]
-        resp_ids = [int(i) for i, m in zip(ids[b, P:].tolist(), rmask[b].tolist()) if m]
+        resp_ids = [int(i) for i, m in zip(ids[b, P:].tolist(), attn[b, P:].tolist()) if m]  # observations kept
         prompt_ids = [int(i) for i, m in zip(ids[b, :P].tolist(), attn[b, :P].tolist()) if m]
         records.append({
             "step": step,

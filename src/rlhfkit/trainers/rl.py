@@ -47,6 +47,7 @@ from ..core import (
     value_loss,
 )
 from ..distributed import full_state_dict, full_weights, rollout_uniforms, shard_frozen
+from ..envs import EpisodeMaker, episode_stats, play
 from ..evaluate import evaluate_rewards, evaluate_sharded
 from ..experience import ActorCritic, Experience, RLState, completions_per_prompt, make_experience
 from ..models import (
@@ -63,7 +64,7 @@ from ..models import (
 )
 from ..prompts import PromptData, prompt_data, prompt_tensors
 from ..rewards import Reward, build_reward, other_tokenizer
-from ..rollout import decode_responses, eos_token_ids, generate
+from ..rollout import Rollout, decode_responses, eos_token_ids, generate
 from ..tasks import get_task
 from ..trajectories import TrajectoryWriter
 from ..utils import UpdateGuard, cut_file, file_size, mean_stats
@@ -253,9 +254,10 @@ def build_models(cfg: Config, policy_path: str, device):
 def check_rl_config(cfg: Config, policy_path: str | None) -> int:
     """Refuse settings the loop cannot run; returns the rows per prompt in a batch."""
     pc = cfg.ppo
-    if not policy_path or not (cfg.reward.name or cfg.reward.function):
+    if not policy_path or not (cfg.reward.name or cfg.reward.function or cfg.env.cls):
         raise ValueError(f"{pc.algo} needs a pretrained policy and a reward: set model.name=PATH and "
-                         "reward.name=PATH (a reward model) or reward.function=module:callable")
+                         "reward.name=PATH (a reward model), reward.function=module:callable or env.class=module:Name "
+                         "(an environment's rewards)")
     if cfg.data.path and not pc.max_new_tokens:
         raise ValueError("ppo.max_new_tokens must be set with data.path: the longest response to sample "
                          "for your prompts (e.g. ppo.max_new_tokens=256)")
@@ -284,25 +286,58 @@ def set_lr(optimizer, pc: PPOConfig, step: int) -> float:
     return pc.lr * scale
 
 
-def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int, max_new_tokens: int):
-    """Sample this process's rows of the step's batch."""
+def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_tokens: int):
+    """``sample(turn, ids, mask, rows, n)``: ``n`` tokens (at most ``max_new_tokens``) after the
+    left-padded contexts of this process's batch rows ``rows`` (None: all), drawn with the
+    uniforms of ``(seed, step, turn)`` (:func:`~rlhfkit.distributed.rollout_uniforms`); greedy
+    when ``step`` is None (held-out evaluation)."""
     cfg, pc = run.cfg, run.cfg.ppo
-    ids, mask = prompt_tensors(tok, records, run.device)
-    # draws keyed to (seed, step, global row): the same samples with any number of processes
-    u = rollout_uniforms(cfg.run.seed, step, pc.batch_size, max_new_tokens, run.shard.rows(pc.batch_size))
-    # the unwrapped policy (FSDP: root weights gathered); eval keeps the KV cache under checkpointing
-    with eval_mode(ac.policy), full_weights(train_ac):
-        return generate(ac.policy, ids, mask, max_new_tokens, eos_token_ids(ac.policy, tok), tok.pad_token_id, pc.temperature,
-                        uniforms=u.to(run.device), value_head=ac.value_head if pc.reuse_rollout_logprobs else None,
-                        top_k=pc.top_k, top_p=pc.top_p, stop=pc.stop, tokenizer=tok)
+
+    def sample(turn: int, ids, mask, rows=None, n: int = max_new_tokens):
+        u = None
+        if step is not None:
+            # draws keyed to (seed, step, turn, global row): the same samples with any number of processes
+            u = rollout_uniforms(cfg.run.seed, step, pc.batch_size, max_new_tokens, run.shard.rows(pc.batch_size), turn)
+            u = (u if rows is None else u[rows])[:, :n].to(run.device)
+        # the unwrapped policy (FSDP: root weights gathered); eval keeps the KV cache under checkpointing
+        with eval_mode(ac.policy), full_weights(train_ac):
+            return generate(ac.policy, ids, mask, n, eos_token_ids(ac.policy, tok), tok.pad_token_id,
+                            pc.temperature, greedy=step is None, uniforms=u,
+                            value_head=ac.value_head if pc.reuse_rollout_logprobs and step is not None else None,
+                            top_k=pc.top_k, top_p=pc.top_p, stop=pc.stop, tokenizer=tok)
+
+    return sample
+
+
+def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int | None, max_new_tokens: int,
+            env: EpisodeMaker | None = None) -> tuple[Rollout, dict]:
+    """Sample this process's rows of the step's batch: one completion per record, or with an
+    environment one episode per record (:func:`rlhfkit.envs.play`); and the episodes' stats."""
+    sample = sampler(run, ac, train_ac, tok, step, max_new_tokens)
+    if env is None:
+        return sample(0, *prompt_tensors(tok, records, run.device)), {}
+    episodes = [env(record, tok) for record in records]
+    roll = play(episodes, sample, tok, max_new_tokens, run.device)
+    return roll, episode_stats(episodes, roll)
 
 
 def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward: Reward,
-             max_new_tokens: int) -> dict[str, float]:
+             max_new_tokens: int, env: EpisodeMaker | None = None) -> dict[str, float]:
     """Held-out metrics: a built-in task's verifier (``eval/format_acc``, ``eval/exact_acc``), or
     the rewards on the held-out prompt records (``eval/reward``, ``eval/reward/<source>``,
-    ``eval/accuracy``); nothing when there are none."""
+    ``eval/accuracy``); with an environment, the mean return of greedy episodes of the
+    held-out records (``eval/reward``); nothing when there are none."""
     cfg = run.cfg
+    if env is not None:
+        if not data.eval_records:
+            return {}
+        returns = []
+        with full_weights(*reward.models):
+            for i in range(0, len(data.eval_records), cfg.eval.batch_size):
+                chunk = data.eval_records[i : i + cfg.eval.batch_size]
+                roll, _ = rollout(run, ac, train_ac, tok, chunk, None, cfg.eval.max_new_tokens or max_new_tokens, env)
+                returns += reward.score(roll, chunk)[0].add(roll.turn_rewards.sum(-1)).tolist()
+        return {"eval/reward": sum(returns) / len(returns)}
     with full_weights(train_ac, *reward.models):
         if data.task is not None:
             ev = evaluate_sharded(data.task, ac.policy, tok, run.device, run.shard, cfg.eval.batch_size,
@@ -342,8 +377,10 @@ def choose_stop_metric(pc: PPOConfig, baseline: dict[str, float]) -> str:
     return found
 
 
-def eval_metrics(data: PromptData, reward: Reward) -> set[str]:
+def eval_metrics(data: PromptData, reward: Reward, env: EpisodeMaker | None = None) -> set[str]:
     """The held-out metrics :func:`evaluate` logs for this run."""
+    if env is not None:
+        return {"eval/reward"} if data.eval_records else set()
     if data.task is not None:
         return {"eval/format_acc", "eval/exact_acc"}
     if not data.eval_records:
@@ -354,7 +391,7 @@ def eval_metrics(data: PromptData, reward: Reward) -> set[str]:
 
 def write_samples(fh, step: int, prompts, exp: Experience, tok, k: int) -> None:
     """The first ``k`` rows' prompts, completions and scores (decoded only for those rows)."""
-    texts = decode_responses(tok, exp.response_ids[:k], exp.response_mask[:k])
+    texts = decode_responses(tok, exp.response_ids[:k], exp.attention_mask[:k, exp.prompt_len :])  # observations kept
     for p, c, s in zip(prompts[:k], texts, exp.score[:k].tolist()):
         fh.write(json.dumps({"step": step, "prompt": p.text, "response": c, "score": round(s, 4)},
                             ensure_ascii=False) + "\n")
@@ -425,14 +462,16 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     warm_engine = dataclasses.replace(engine, model=None, sync=tuple(ac.critic_parameters())) \
         if isinstance(train_ac, torch.nn.parallel.DistributedDataParallel) else engine
     # prompts + new tokens must fit the models' context: checked (or cut) here, before the first step
-    data = prompt_data(cfg, tok, get_task(cfg.run.task), context_window(ac.policy, ac.critic))
+    context = context_window(ac.policy, ac.critic)
+    data = prompt_data(cfg, tok, get_task(cfg.run.task), context)
+    env = EpisodeMaker(cfg.env, context) if cfg.env.cls else None
     max_new_tokens = pc.max_new_tokens or data.task.MAX_NEW_TOKENS  # check_rl_config: set with data.path
     # resolved: loss_type=dr_grpo divides by it, the over-long penalty ramps up to it
     pc, local_pc = (dataclasses.replace(c, max_new_tokens=max_new_tokens) for c in (pc, local_pc))
     # step 0. baseline: the held-out evaluation of the starting policy, before anything is written;
     # it names the metric the run stops on (a resumed run's checkpoint has it)
     resuming = cfg.run.resume and latest_checkpoint(run.out) is not None
-    baseline = {} if resuming else evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens)
+    baseline = {} if resuming else evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens, env)
     st = RLState(pc, None if resuming else choose_stop_metric(pc, baseline), len(data.eval_records or ()))
     if pc.keep_best and not st.stop_metric:
         raise ValueError("ppo.keep_best=true keeps the best-evaluated policy, but this run has no held-out prompts "
@@ -444,20 +483,20 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     resumed = run.restore({"actor_critic": ac}, {"optimizer": optimizer}, data=data.train)
     if resumed:
         st.load_state_dict(resumed)
-    st.watch.announce(eval_metrics(data, scorer), evaluations)  # one warning naming the guards that are off
+    st.watch.announce(eval_metrics(data, scorer, env), evaluations)  # one warning naming the guards that are off
     samples, trajectories = open_outputs(run, resumed)
     shown = baseline.get(st.stop_metric, math.nan)  # the progress line's last evaluated value
     for step in run.steps():
         t0 = time.perf_counter()
         # step 1. rollout: grpo / rloo take each prompt G times in a row, the grouping the baselines expect
         records = shard.take([r for r in data.train.batch(pc.batch_size // repeats) for _ in range(repeats)])
-        roll = rollout(run, ac, train_ac, tok, records, step, max_new_tokens)
+        roll, episode = rollout(run, ac, train_ac, tok, records, step, max_new_tokens, env)
         fault_point("rollout", step)
         t1 = time.perf_counter()
         # step 2. experience: scores, reference log-probs, values -> advantages and returns
         with full_weights(train_ac, ref, *scorer.models):  # FSDP: the forwards below call the modules themselves
             exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
-        stats = shard.mean(stats, maxed=("policy/logprob_gap",))
+        stats = shard.mean({**stats, **episode}, maxed=("policy/logprob_gap",))
         t2 = time.perf_counter()
         # step 3. update: ppo_epochs x minibatches (a critic warm-up trains the value loss alone)
         warm = ac.has_critic and step < pc.critic_warmup_steps
@@ -480,7 +519,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         # step 5. evaluate: greedy completions of the held-out prompts
         last = step == pc.steps - 1
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
-            stats.update(evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens))
+            stats.update(evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens, env))
             shown = stats.get(st.stop_metric, shown)
             if best is not None:
                 best.offer(step, stats.get(st.stop_metric))

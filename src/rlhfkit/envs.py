@@ -1,0 +1,391 @@
+"""Multi-turn environments: the model acts, the environment answers, RL learns from the episode.
+
+An environment is a small Python class (:class:`Environment`)::
+
+    class Guess(Environment):
+        max_turns, max_tokens = 4, 128
+
+        def reset(self, record):           # a prompt record -> the first messages
+            self.secret = record.columns["secret"]
+            return [{"role": "user", "content": "Guess my number (1-9)."}]
+
+        def step(self, text):              # the model's turn -> (observation, reward, done)
+            if text.strip() == str(self.secret):
+                return None, 1.0, True
+            return {"role": "user", "content": "No."}, -0.1, False
+
+named in the config as ``env.class=module:Guess`` or ``env.class=path/to/file.py:Guess``, or
+given from Python (the class, or an instance that is copied for every episode). A fresh
+instance plays each episode; ``reset`` may read the record's columns (``record.columns``).
+
+Token in, token out (:func:`play`): the episode is one token sequence. The model's tokens are
+kept exactly as sampled (up to and including the EOS that ended its turn); an observation is
+rendered by the tokenizer's chat template as the tokens that follow the ones already there --
+the conversation rendered with the new message (and the generation prompt), less its longest
+common prefix with the tokens so far -- and appended. The conversation is never re-tokenised
+into the sequence, so the trainer scores exactly the tokens the sampler produced. When
+re-rendering does not reproduce the tokens already there (a template that rewrites the model's
+turns, or a sampled tokenization the tokenizer would not produce), one warning says so and the
+observation is the template's delta after its own rendering of the conversation.
+
+A tokenizer without a chat template (the tiny from-scratch models) reads plain text: the first
+prompt is the messages' contents joined, each observation its content's tokens, appended
+after the model's turn (its EOS included).
+
+The rollout is response-aligned as a single turn's (:class:`~rlhfkit.rollout.Rollout`): the
+response region holds the model's turns and the observations between them; ``response_mask``
+is 1 on the model's tokens only (gradient, KL, values, entropy), ``attend`` on every token,
+``turn_rewards`` holds each turn's reward on that turn's last token. An episode ends when the
+environment says done, after ``max_turns`` model turns, or when ``max_tokens`` (prompt,
+turns and observations) are reached: a turn is cut there, an observation that would not fit
+ends the episode before it. ``finished`` says whether the last turn ended with EOS.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers.utils import get_json_schema
+
+from .rewards import function_name, load_reward_function
+from .rollout import Rollout
+
+
+class EnvError(ValueError):
+    """An environment failed or returned something unusable; the message names it."""
+
+
+class Environment:
+    """Base class of multi-turn environments; subclass it and override :meth:`reset` and
+    :meth:`step`. ``max_turns``: most model turns per episode; ``max_tokens``: most tokens
+    per episode, prompt and observations included (None: the model's context; config
+    ``env.max_turns`` / ``env.max_tokens`` override them)."""
+
+    max_turns: int = 4
+    max_tokens: int | None = None  # None: the model's context
+
+    def reset(self, record) -> list[dict]:
+        """The first messages of the episode of ``record`` (a
+        :class:`~rlhfkit.prompts.PromptRecord`). By default its prompt as given: its messages,
+        or its text as one user message."""
+        prompt = record.original
+        return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+    def step(self, text: str) -> tuple[dict | str | None, float | None, bool]:
+        """The model's turn (its text, special tokens removed) -> ``(observation, reward, done)``:
+        the next message (a dict with ``role`` and ``content``, or a string: a user message;
+        None only when done), the turn's reward (None: 0) and whether the episode is over."""
+        raise NotImplementedError
+
+
+def env_name(env) -> str:
+    """``module:Name``, or ``path/to/file.py:Name`` for a class of a file named by its path."""
+    return function_name(env if isinstance(env, type) else type(env))
+
+
+def environment_factory(spec) -> Callable[[], Environment]:
+    """What ``env.class`` names -> a function making a fresh environment per episode: a class
+    (``'module:Name'``, ``'path/to/file.py:Name'`` or the class) is called with no arguments,
+    an instance is deep-copied."""
+    if isinstance(spec, str):
+        spec = load_reward_function(spec, key="env.class", noun="Name")  # loaded as reward functions are
+    if isinstance(spec, type):
+        if not (callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None))):
+            raise EnvError(f"env.class={env_name(spec)} has no reset and step methods: subclass "
+                           "rlhfkit.envs.Environment")
+        return spec
+    if callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None)):
+        return lambda: copy.deepcopy(spec)
+    raise EnvError(f"env.class={spec!r} is neither an environment class nor an instance: subclass "
+                   "rlhfkit.envs.Environment")
+
+
+def limits(env: Environment, max_turns: int, max_tokens: int, context: int | None) -> tuple[int, int]:
+    """``(max_turns, max_tokens)`` of an episode: the config's when set (non-zero), else the
+    environment's (no ``max_tokens``: the model's ``context``); EnvError when they are not
+    positive or the tokens exceed the context."""
+    turns = max_turns or getattr(env, "max_turns", 0)
+    tokens = max_tokens or getattr(env, "max_tokens", None) or context
+    for name, v in (("max_turns", turns), ("max_tokens", tokens)):
+        if not isinstance(v, int) or v < 1:
+            raise EnvError(f"environment {env_name(env)}: {name}={v!r} must be an int >= 1")
+    if context is not None and tokens > context:
+        raise EnvError(f"environment {env_name(env)}: max_tokens={tokens} overflows the model's context of {context} "
+                       f"tokens: set env.max_tokens={context} or less")
+    return turns, tokens
+
+
+class EpisodeMaker:
+    """``maker(record, tok) -> Episode``: a fresh environment per episode, with the limits of
+    the ``env`` config section (:class:`~rlhfkit.config.EnvConfig`) checked against the model's
+    ``context`` once, on a first instance, before any work."""
+
+    def __init__(self, ec, context: int | None):
+        self.factory, self.ec, self.context = environment_factory(ec.cls), ec, context
+        self.name = env_name(self.factory if isinstance(self.factory, type) else ec.cls)  # ec.cls: an instance
+        limits(self.new(), ec.max_turns, ec.max_tokens, context)
+
+    def new(self) -> Environment:
+        try:
+            return self.factory()
+        except Exception as e:  # the user's constructor: one line that names it
+            raise EnvError(f"environment {self.name} could not be made: {type(e).__name__}: {e}") from e
+
+    def __call__(self, record, tok) -> Episode:
+        env = self.new()
+        return Episode(env, record, tok, *limits(env, self.ec.max_turns, self.ec.max_tokens, self.context))
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _templated(tok) -> bool:
+    return bool(getattr(tok, "chat_template", None))
+
+
+def _message(value, where: str) -> dict:
+    """A message dict from what an environment returned (a string is a user message)."""
+    if isinstance(value, str):
+        return {"role": "user", "content": value}
+    if isinstance(value, dict) and isinstance(value.get("role"), str) and isinstance(value.get("content"), str):
+        return value
+    raise EnvError(f"{where} returned {type(value).__name__} {str(value)[:60]!r} as a message: give a dict "
+                   "with string 'role' and 'content' (or a string, a user message)")
+
+
+def render_prompt(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The first prompt's token ids: the chat template with the generation prompt (and the
+    tools' JSON schemas), or (no template) the contents joined as plain text, special tokens
+    added as for any prompt."""
+    if _templated(tok):
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return tok("".join(m["content"] for m in messages))["input_ids"]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+APPEND_ONLY_WARNING = ("the chat template is not append-only for the model's turns: re-rendering the conversation "
+                       "does not reproduce the tokens sampled so far; observations are appended as the template's "
+                       "delta after its own rendering, and the sampled tokens are kept as they are")
+
+
+def observation_tokens(tok, conversation: list[dict], message: dict, ids: Sequence[int],
+                       tools: list[dict] | None = None) -> list[int]:
+    """The tokens of ``message`` as they follow ``ids`` (the episode so far, whose messages are
+    ``conversation``): the template's rendering of the conversation with the message and the
+    generation prompt, less its longest common prefix with ``ids`` (so a separator the template
+    puts after the model's EOS, e.g. a newline, comes with the observation). No template: the
+    content's tokens."""
+    if not _templated(tok):
+        return tok(message["content"], add_special_tokens=False)["input_ids"]
+    text = tok.apply_chat_template(conversation + [message], tools=tools, tokenize=False, add_generation_prompt=True)
+    full = tok(text, add_special_tokens=False)["input_ids"]
+    k = _common_prefix(full, ids)
+    if k < len(ids):
+        warnings.warn(APPEND_ONLY_WARNING, RuntimeWarning, stacklevel=2)
+        before = tok(tok.apply_chat_template(conversation, tools=tools, tokenize=False),
+                     add_special_tokens=False)["input_ids"]
+        k = _common_prefix(full, before)
+    return full[k:]
+
+
+def tool_schemas(tools: Sequence[Callable]) -> list[dict] | None:
+    """The JSON schemas of Python functions, read from their type hints and docstrings (Google
+    style ``Args:``), as chat templates take them (``apply_chat_template(tools=...)``); None
+    without tools."""
+    return [get_json_schema(fn) for fn in tools] or None
+
+
+TOOL_CALL_FORMAT = '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>'
+
+
+def tools_message(schemas: list[dict]) -> dict:
+    """A system message offering the tools, for a template that does not render ``tools``."""
+    listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+    return {"role": "system", "content": f"You may call these tools:\n{listed}\nTo call one, answer with "
+                                         f"{TOOL_CALL_FORMAT} and nothing else; its result comes back as a "
+                                         "message."}
+
+
+# --------------------------------------------------------------------------- episodes
+
+
+def checked_step(env: Environment, text: str) -> tuple[dict | None, float, bool]:
+    """``env.step(text)`` with its result checked: EnvError naming the environment when it
+    raises or returns anything but ``(message or None, finite number or None, bool)``."""
+    where = f"environment {env_name(env)}.step"
+    try:
+        out = env.step(text)
+    except Exception as e:  # the user's code: one line that names it
+        raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise EnvError(f"{where} returned {type(out).__name__} {str(out)[:60]!r}: return a tuple "
+                       "(observation, reward, done)")
+    obs, reward, done = out
+    if not isinstance(done, bool):
+        raise EnvError(f"{where} returned done={done!r} ({type(done).__name__}): give True or False")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
+                               or not math.isfinite(reward)):
+        raise EnvError(f"{where} returned reward={reward!r}: give a finite number or None")
+    if obs is None and not done:
+        raise EnvError(f"{where} returned no observation with done=False: give the next message, or done=True")
+    return (None if obs is None else _message(obs, where)), float(reward or 0.0), done
+
+
+def checked_reset(env: Environment, record) -> list[dict]:
+    where = f"environment {env_name(env)}.reset"
+    try:
+        messages = env.reset(record)
+    except Exception as e:
+        raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
+    if isinstance(messages, (str, dict)):
+        messages = [messages]
+    if not isinstance(messages, list) or not messages:
+        raise EnvError(f"{where} returned {type(messages).__name__} {str(messages)[:60]!r}: return a non-empty "
+                       "list of messages")
+    return [_message(m, where) for m in messages]
+
+
+class Episode:
+    """One episode's token sequence as it grows: ``ids`` (prompt first), and per response token
+    whether the model sampled it, its log-prob, entropy, value and kept mass."""
+
+    def __init__(self, env: Environment, record, tok, max_turns: int, max_tokens: int):
+        self.env, self.max_turns, self.max_tokens = env, max_turns, max_tokens
+        self.messages = checked_reset(env, record)
+        self.tools = tool_schemas(getattr(env, "tools", ()))
+        if self.tools and "tools" not in (getattr(tok, "chat_template", None) or ""):
+            # a template that ignores `tools` (or none): the schemas go in a system message of their own
+            self.messages = [tools_message(self.tools)] + self.messages
+            self.tools = None
+        self.ids = render_prompt(tok, self.messages, self.tools)
+        self.prompt_len = len(self.ids)
+        if self.prompt_len >= max_tokens:
+            raise EnvError(f"environment {env_name(env)}.reset: the first prompt is {self.prompt_len} tokens, "
+                           f"max_tokens={max_tokens} leaves no room for a turn: shorten it or raise max_tokens")
+        self.model, self.logprobs, self.entropy, self.values, self.kept = [], [], [], [], []
+        self.rewards: dict[int, float] = {}  # response column -> reward of the turn ending there
+        self.turns, self.done, self.finished = 0, False, False
+        self.env_done = False  # the environment ended the episode (not a limit)
+
+    @property
+    def room(self) -> int:
+        return self.max_tokens - len(self.ids)
+
+    def add_turn(self, tokens: list[int], sampled: dict[str, list], finished: bool, tok) -> None:
+        """Append the model's turn, step the environment on its text, append the observation."""
+        self.ids += tokens
+        self.model += [1] * len(tokens)
+        for name, values in sampled.items():
+            getattr(self, name).extend(values)
+        self.turns += 1
+        self.finished = finished
+        text = tok.decode(tokens, skip_special_tokens=True)
+        obs, reward, done = checked_step(self.env, text)
+        self.rewards[len(self.model) - 1] = reward
+        self.messages.append({"role": "assistant", "content": text})
+        self.env_done = done
+        if done or self.turns >= self.max_turns or self.room <= 0:
+            self.done = True
+            return
+        delta = observation_tokens(tok, self.messages, obs, self.ids, self.tools)
+        if len(delta) >= self.room:  # no room for the observation and a turn after it
+            self.done = True
+            return
+        self.messages.append(obs)
+        self.ids += delta
+        self.model += [0] * len(delta)
+        for name in ("logprobs", "entropy", "values", "kept"):
+            getattr(self, name).extend([0.0] * len(delta))
+
+
+def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask  # [n, width] each
+
+
+def _right_pad(rows: list[list], fill, dtype, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=device)
+
+
+Sample = Callable[[int, torch.Tensor, torch.Tensor, list[int], int], Rollout]
+
+
+def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, device) -> Rollout:
+    """Play ``episodes`` to their end, in lockstep turns, and return them as one rollout.
+
+    ``sample(turn, ids [n, P], mask [n, P], rows, n_tokens)`` samples one turn for the
+    episodes ``rows`` still going (left-padded contexts: everything so far) -- the trainer's
+    :func:`~rlhfkit.rollout.generate` with the turn's uniforms. Each turn samples at most
+    ``max_new_tokens`` tokens, and no more than an episode's room: a turn longer than that is
+    cut to it (its first tokens' log-probs do not depend on the later ones).
+    """
+    pad = tok.pad_token_id
+    any_values = any_kept = False
+    forward_logprobs = True
+    for turn in range(max(e.max_turns for e in episodes)):
+        rows = [i for i, e in enumerate(episodes) if not e.done]
+        if not rows:
+            break
+        ids, mask = _left_pad([episodes[i].ids for i in rows], pad, device)
+        n = min(max_new_tokens, max(episodes[i].room for i in rows))
+        roll = sample(turn, ids, mask, rows, n)
+        forward_logprobs &= roll.forward_logprobs
+        any_values |= roll.values is not None
+        any_kept |= roll.kept_logmass is not None
+        lengths = roll.response_mask.sum(-1).tolist()
+        for j, i in enumerate(rows):
+            ep = episodes[i]
+            L = min(lengths[j], ep.room)
+            sampled = {"logprobs": roll.logprobs[j, :L].tolist(), "entropy": roll.entropy[j, :L].tolist()}
+            if roll.values is not None:
+                sampled["values"] = roll.values[j, :L].tolist()
+            if roll.kept_logmass is not None:
+                sampled["kept"] = roll.kept_logmass[j, :L].tolist()
+            ep.add_turn(roll.response_ids[j, :L].tolist(), sampled, bool(roll.finished[j]) and L == lengths[j], tok)
+    prompt_ids, prompt_mask = _left_pad([e.ids[: e.prompt_len] for e in episodes], pad, device)
+    response = [e.ids[e.prompt_len :] for e in episodes]
+    attend = _right_pad([[1] * len(r) for r in response], 0, torch.long, device)  # [B, R]
+    response_mask = _right_pad([e.model for e in episodes], 0, torch.long, device)  # [B, R]
+    rewards = [[0.0] * len(r) for r in response]
+    for row, e in zip(rewards, episodes):
+        for col, r in e.rewards.items():
+            row[col] = r
+
+    def floats(name):
+        return _right_pad([getattr(e, name) for e in episodes], 0.0, torch.float32, device)  # [B, R]
+
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=_right_pad(response, pad, torch.long, device),
+                   response_mask=response_mask, logprobs=floats("logprobs"),
+                   finished=torch.tensor([e.finished for e in episodes], device=device), entropy=floats("entropy"),
+                   values=floats("values") if any_values else None, forward_logprobs=forward_logprobs,
+                   kept_logmass=floats("kept") if any_kept else None,
+                   attend=None if torch.equal(attend, response_mask) else attend,
+                   turn_rewards=_right_pad(rewards, 0.0, torch.float32, device))
+
+
+def episode_stats(episodes: list[Episode], roll: Rollout) -> dict[str, float]:
+    """``env/turns`` (mean model turns per episode), ``env/return`` (mean sum of the environment's
+    rewards), ``env/obs_tokens`` (mean observation tokens per episode) and ``env/limit_rate``
+    (the share of episodes that a limit ended, not the environment)."""
+    obs = (roll.response_attention - roll.response_mask).sum(-1).float()  # [B]
+    n = len(episodes)
+    return {"env/turns": sum(e.turns for e in episodes) / n, "env/return": float(roll.turn_rewards.sum(-1).mean()),
+            "env/obs_tokens": float(obs.mean()), "env/limit_rate": sum(not e.env_done for e in episodes) / n}
