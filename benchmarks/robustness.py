@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import DEFAULT_OUT, pinned_cmd, prepare, quiet_hf, worker_setup  # noqa: E402
 
 ALGOS = ("ppo", "grpo", "rloo", "reinforce")
-GUARD_KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop")  # rlhfkit.watch.KEYS
+GUARD_KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop", "guard/reward_tradeoff")  # rlhfkit.watch.KEYS
 REWARDS = ("exact", "bt", "classifier")
 TARGET = 0.95
 RESULT = "RESULT "
