@@ -11,7 +11,9 @@
 # contains 0.53); the answer is checked exactly, so tuning cannot fake it, and a one-word answer
 # keeps every stage short. Files: examples/real_model/make_pipeline_data.py.
 #
-# Usage: examples/real_model/pipeline.sh [OUT_DIR]   (CORE=1 picks the CPU core; runs/real_pipeline)
+# Usage: examples/real_model/pipeline.sh [OUT_DIR]   (runs/real_pipeline by default)
+#   CORE=1 picks the CPU core; SFT_STEPS=8 RM_STEPS=10 PPO_STEPS=6 GRPO_STEPS=8 DPO_STEPS=10 the
+#   stages' lengths (SFT_STEPS=3 leaves the later stages more to do: README, "The whole pipeline")
 # Writes OUT_DIR/{data,sft,rm,ppo,grpo,dpo,eval_*,times}/ and prints the table of
 # examples/real_model/pipeline_table.py (held-out numbers, CPU and wall seconds per stage).
 set -euo pipefail
@@ -38,7 +40,7 @@ D=$OUT/data
 
 # 1. SFT with LoRA on 32 one-word demonstrations (8 steps of 8)
 stage sft $RLHFKIT sft "${COMMON[@]}" model.name="$BASE" data.path="$D/sft.jsonl" \
-    sft.steps=8 sft.batch_size=8 sft.lr=1e-3 sft.warmup_steps=1 run.out_dir="$OUT/sft"
+    sft.steps=${SFT_STEPS:-8} sft.batch_size=8 sft.lr=1e-3 sft.warmup_steps=1 run.out_dir="$OUT/sft"
 
 # 2. a reward model from the SFT policy (its backbone with LoRA, a new scalar head) on the pairs
 stage rm $RLHFKIT rm "${COMMON[@]}" model.name="$OUT/sft/policy" data.path="$D/prefs.jsonl" \
