@@ -4,14 +4,17 @@ line per prompt, and the win rate against a baseline policy."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from conftest import TINY_ARCH
 from rlhfkit.cli import main
-from rlhfkit.evaluate import win_rate
+from rlhfkit.core import kl_from_logits
+from rlhfkit.evaluate import completion_kl, win_rate
 from rlhfkit.models import build_tiny_policy
+from rlhfkit.rollout import Rollout
 from rlhfkit.tasks import doubling
 from rlhfkit.utils import read_jsonl
 
@@ -97,6 +100,8 @@ def test_a_model_against_itself_wins_half(tiny_models, held, tmp_path):
                                   f"eval.baseline={tiny_models.policy}")
     assert code == 0
     assert result["win_rate"] == 0.5
+    assert result["win_rates"] == {"reward_model": 0.5, "length_reward": 0.5}
+    assert result["kl_to_baseline"] == pytest.approx(0.0, abs=1e-6)  # the same weights
     assert result["baseline"]["eval/reward"] == result["eval/reward"]
     assert result["baseline"]["path"] == tiny_models.policy
     for r in rows:
@@ -113,8 +118,46 @@ def test_win_rate_against_another_model_is_the_hand_count(tiny_models, held, oth
     wins = sum(1.0 if r["reward"] > r["baseline_reward"] else 0.5 if r["reward"] == r["baseline_reward"] else 0.0
                for r in rows)
     assert result["win_rate"] == pytest.approx(wins / N_PROMPTS)
+    assert result["win_rates"] == {"length_reward": pytest.approx(wins / N_PROMPTS)}  # the only source
+    assert result["kl_to_baseline"] > 0.01  # two random policies
+    assert result["kl_to_baseline"] == pytest.approx(sum(r["kl_to_baseline"] for r in rows) / N_PROMPTS)
     assert [r["baseline_scores"]["length_reward"] for r in rows] == [float(len(r["baseline_completion"])) for r in rows]
     assert result["baseline"]["eval/reward"] == pytest.approx(sum(r["baseline_reward"] for r in rows) / N_PROMPTS)
+
+
+def test_kl_from_logits_is_the_hand_computed_kl():
+    # p = (1/4, 3/4), q = (1/2, 1/2): KL = 1/4 ln(1/2) + 3/4 ln(3/2) = 0.130812...
+    p, q = torch.log(torch.tensor([1.0, 3.0])), torch.zeros(2)
+    assert float(kl_from_logits(p, q)) == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5), rel=1e-6)
+    assert float(kl_from_logits(p + 7.0, q - 2.0)) == pytest.approx(0.1308121, rel=1e-5)  # logits' shifts cancel
+    a, b = torch.randn(3, 4, 11, generator=torch.Generator().manual_seed(0)).unbind(0)[:2]
+    want = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=a),
+                                             torch.distributions.Categorical(logits=b))
+    assert torch.allclose(kl_from_logits(a, b), want, atol=1e-6)
+    assert torch.allclose(kl_from_logits(a, a), torch.zeros(4), atol=1e-6)
+
+
+def test_completion_kl_is_the_sum_over_each_unpadded_completion(tiny_models, other_run):
+    """Left-padded prompts and right-padded completions give, row by row, the per-token KLs of a plain
+    forward over that row alone, summed over its completion's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    pol = AutoModelForCausalLM.from_pretrained(tiny_models.policy).eval()
+    ref = AutoModelForCausalLM.from_pretrained(other_run + "/policy").eval()
+    g = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(3, 20, (3, 5), generator=g)
+    prompt_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    response_ids = torch.randint(3, 20, (3, 4), generator=g)
+    response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    roll = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(3, 4), torch.ones(3, dtype=torch.bool))
+    got = completion_kl(pol, ref, roll)
+    for i in range(3):
+        ids = torch.cat([prompt_ids[i][prompt_mask[i].bool()], response_ids[i][response_mask[i].bool()]])[None]
+        n, P = int(response_mask[i].sum()), int(prompt_mask[i].sum())
+        with torch.no_grad():
+            lp, lq = (m(ids).logits[0, P - 1 : P - 1 + n].log_softmax(-1) for m in (pol, ref))  # [n, V]
+        assert float(got[i]) == pytest.approx(float((lp.exp() * (lp - lq)).sum()), rel=1e-4, abs=1e-6)
+    assert torch.allclose(completion_kl(pol, pol, roll), torch.zeros(3), atol=1e-6)
 
 
 def test_win_rate_counts_ties_half():

@@ -326,6 +326,10 @@ def _eval(path: str, cfg: Config) -> None:
     if "baseline" in res:
         print(f"baseline {res['baseline']['path']}: {scores(res['baseline'])}")
         print(f"win rate of the model over the baseline: {res['win_rate']:.4f} (total reward; ties count half)")
+        if len(res["win_rates"]) > 1:
+            print("win rate under each reward alone: " + ", ".join(f"{k} {v:.4f}" for k, v in res["win_rates"].items()))
+        if "kl_to_baseline" in res:
+            print(f"KL(model || baseline) along the model's completions: {res['kl_to_baseline']:.4f} nats per completion")
     out = Path(cfg.run.out_dir)
     print(f"wrote {out / 'eval_samples.jsonl'} and {out / 'eval.json'}")
 

@@ -31,6 +31,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "kl_estimate",
+    "kl_from_logits",
     "shaped_rewards",
     "last_token_index",
     "gae",
@@ -322,6 +323,22 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     if kind == "k3":
         return torch.expm1(log_r) - log_r
     raise ValueError(f"unknown KL estimator {kind!r}: choose 'k1', 'k2' or 'k3'")
+
+
+def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """Exact KL(p || q) of each next-token distribution, over the whole vocabulary (no sampling):
+    ``sum_v p_v (log p_v - log q_v)`` with ``p = softmax(logits)``, ``q = softmax(ref_logits)``,
+    in float32 at least.
+
+    Args:
+        logits, ref_logits: ``[..., V]`` (e.g. ``[B, R, V]``).
+    Returns:
+        ``[...]`` per-position KL, >= 0 (not masked: mask when reducing).
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logp = logits.to(dtype).log_softmax(-1)  # [..., V]
+    logq = ref_logits.to(dtype).log_softmax(-1)  # [..., V]
+    return (logp.exp() * (logp - logq)).sum(-1)  # [...]
 
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,12 @@ from types import ModuleType
 
 import torch
 
+from .core import kl_from_logits, masked_sum
 from .distributed import Shard
-from .models import context_window, load_policy, load_tokenizer, policy_dir, same_tokenizer
+from .models import context_window, load_policy, load_tokenizer, policy_dir, policy_forward, same_tokenizer
 from .prompts import file_records, prompt_limit, prompt_tensors
 from .rewards import build_reward, completion_texts
-from .rollout import decode_responses, eos_token_ids, generate, tokenize_prompts
+from .rollout import Rollout, decode_responses, eos_token_ids, generate, tokenize_prompts
 from .tasks import doubling, get_task
 from .utils import resolve_device, write_jsonl
 
@@ -98,19 +99,35 @@ class ScoredCompletions:
     total: torch.Tensor  # [n] float64: the reward's weighted total
     scores: dict[str, torch.Tensor]  # each source's [n] float64 score, by name
     accuracy: list[str] = field(default_factory=list)  # the declared 0/1 sources that define eval/accuracy
+    kl: torch.Tensor | None = None  # [n] float64: completion_kl to the reference, when one was given
+
+
+@torch.no_grad()
+def completion_kl(policy, reference, roll: Rollout) -> torch.Tensor:
+    """``[B]``: the exact KL(pi(.|x, y_<t) || pi_ref(.|x, y_<t)) of each next-token distribution,
+    summed over the tokens of each completion ``y`` of ``roll`` (its EOS included). For completions
+    sampled from ``policy`` its mean estimates the sequence-level KL(pi || pi_ref); for greedy ones
+    it is the divergence along the path the policy takes. 0 when both are the same model.
+    ``policy`` and ``reference`` share the tokenizer that produced ``roll``."""
+    ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]  # [B, T]
+    logits, _ = policy_forward(policy, ids, mask, P)  # [B, R, V]
+    ref_logits, _ = policy_forward(reference, ids, mask, P)  # [B, R, V]
+    return masked_sum(kl_from_logits(logits, ref_logits), roll.response_mask, dim=1)  # [B]
 
 
 @torch.no_grad()
 def complete_and_score(policy, tokenizer, records: list, reward, device, batch_size: int = 512,
                        max_new_tokens: int = 64, greedy: bool = True, temperature: float = 1.0,
                        seed: int = 0, top_k: int = 0, top_p: float = 1.0,
-                       stop: Sequence[str] = ()) -> ScoredCompletions:
+                       stop: Sequence[str] = (), reference=None) -> ScoredCompletions:
     """Complete every record's prompt (greedy, or sampled with a generator seeded by ``seed``,
     ``top_k`` and ``top_p``; ``stop`` strings end a completion either way) and score the
-    completions by ``reward`` (a :class:`rlhfkit.rewards.Reward`), batch by batch."""
+    completions by ``reward`` (a :class:`rlhfkit.rewards.Reward`), batch by batch; with a
+    ``reference`` policy (same tokenizer), each completion's :func:`completion_kl` to it too."""
     names = list(reward.weights)
     texts: list[str] = []
     finished: list[bool] = []
+    kls = [torch.zeros(0, dtype=torch.float64)]
     totals, parts = [torch.zeros(0, dtype=torch.float64)], {name: [torch.zeros(0, dtype=torch.float64)] for name in names}
     was_training = policy.training
     policy.eval()
@@ -122,6 +139,8 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
                         temperature, greedy=greedy, generator=gen, top_k=top_k, top_p=top_p, stop=stop,
                         tokenizer=tokenizer)
         total, scores = reward.score(roll, chunk)
+        if reference is not None:
+            kls.append(completion_kl(policy, reference, roll).double().cpu())
         texts += completion_texts(roll, tokenizer)[1]
         finished += roll.finished.tolist()
         totals.append(total.double().cpu())
@@ -129,7 +148,7 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
             parts[name].append(scores[name].double().cpu())
     policy.train(was_training)
     return ScoredCompletions(texts, finished, torch.cat(totals), {name: torch.cat(parts[name]) for name in names},
-                             reward.accuracy_sources())
+                             reward.accuracy_sources(), torch.cat(kls) if reference is not None else None)
 
 
 def reward_means(scored: ScoredCompletions, n: int, shard: Shard | None = None, device=None) -> dict[str, float]:
@@ -188,12 +207,26 @@ class _Completed:
     limit: object = None  # the prompt limit the records were encoded to
 
 
-def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _Completed | None = None) -> _Completed:
-    """The policy at ``path`` completes ``data.path``'s prompts, scored by the configured reward. The
-    prompts (fit to the policy's context with ``max_new_tokens`` after them) are read and the reward
-    built once per tokenizer and limit: ``like``'s are reused when they are the same."""
-    tok = load_tokenizer(path, cfg.model.trust_remote_code)
-    policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device)
+@dataclass
+class _Loaded:
+    policy: object
+    tokenizer: object
+
+
+def _load(path: str, cfg, device) -> _Loaded:
+    return _Loaded(load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device),
+                   load_tokenizer(path, cfg.model.trust_remote_code))
+
+
+def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _Completed | None = None,
+                           loaded: _Loaded | None = None, reference: _Loaded | None = None) -> _Completed:
+    """The policy at ``path`` (``loaded``: already in memory) completes ``data.path``'s prompts,
+    scored by the configured reward, and, with a ``reference`` of the same tokenizer, each
+    completion's KL to it. The prompts (fit to the policy's context with ``max_new_tokens`` after
+    them) are read and the reward built once per tokenizer and limit: ``like``'s are reused when
+    they are the same."""
+    loaded = loaded or _load(path, cfg, device)
+    tok, policy = loaded.tokenizer, loaded.policy
     key = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "ppo.max_new_tokens"
     limit = prompt_limit(cfg, context_window(policy), max_new_tokens, key)
     if like is not None and same_tokenizer(tok, like.tokenizer) and limit == like.limit:
@@ -202,8 +235,9 @@ def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _C
         records = file_records(cfg.data.path, tok, cfg, limit=limit)
         reward = build_reward(cfg, tok, device)
     ec = cfg.eval
+    ref = reference.policy if reference is not None and same_tokenizer(tok, reference.tokenizer) else None
     scored = complete_and_score(policy, tok, records, reward, device, ec.batch_size, max_new_tokens, ec.greedy,
-                                cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop)
+                                cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop, ref)
     return _Completed(path, tok, records, reward, scored, limit)
 
 
@@ -220,6 +254,8 @@ def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
             row.update({f"{prefix}completion": sc.completions[i], f"{prefix}finished": sc.finished[i],
                         f"{prefix}scores": {k: float(v[i]) for k, v in sc.scores.items()},
                         f"{prefix}reward": float(sc.total[i])})
+            if sc.kl is not None:
+                row[f"{prefix}kl_to_baseline"] = float(sc.kl[i])
         rows.append(row)
     return rows
 
@@ -232,8 +268,12 @@ def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
     ``ppo.max_new_tokens``) tokens at most. With a baseline (``baseline`` or ``eval.baseline``: a
     model or run directory) the same prompts are completed by it and scored by the same rewards;
     ``win_rate`` is the share of prompts where the model's total reward beats the baseline's, a tie
-    counting half (a model against itself: 0.5). Writes ``run.out_dir/eval_samples.jsonl`` (one row
-    per prompt) and ``run.out_dir/eval.json`` (the returned summary)."""
+    counting half (a model against itself: 0.5); ``win_rates`` the same under each reward source
+    alone (a reward model's win rate, whatever the weights). When both share a tokenizer,
+    ``kl_to_baseline`` is the mean over prompts of :func:`completion_kl` (nats per completion) on
+    the model's completions: how far the tuning moved the policy from the baseline where it
+    answers. Writes ``run.out_dir/eval_samples.jsonl`` (one row per prompt) and
+    ``run.out_dir/eval.json`` (the returned summary)."""
     if not cfg.data.path:
         raise ValueError("data.path is empty: give the prompts to evaluate on (a JSONL of {\"prompt\": ...})")
     if not cfg.reward.name and not cfg.reward.function:
@@ -246,14 +286,20 @@ def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
     baseline = baseline if baseline is not None else cfg.eval.baseline
     path, baseline = policy_dir(path), policy_dir(baseline) if baseline else None
     device = resolve_device(cfg.run.device)
-    model = _complete_file_prompts(path, cfg, device, max_new_tokens)
-    base = _complete_file_prompts(baseline, cfg, device, max_new_tokens, like=model) if baseline else None
+    base_model = _load(baseline, cfg, device) if baseline else None
+    model = _complete_file_prompts(path, cfg, device, max_new_tokens, reference=base_model)
+    base = _complete_file_prompts(baseline, cfg, device, max_new_tokens, like=model, loaded=base_model) \
+        if baseline else None
     n = len(model.records)
     result = {"path": path, "data": str(cfg.data.path), "prompts": n, "max_new_tokens": max_new_tokens,
               "greedy": cfg.eval.greedy, **reward_means(model.scored, n)}
     if base is not None:
         result["baseline"] = {"path": baseline, **reward_means(base.scored, n)}
         result["win_rate"] = win_rate(model.scored.total, base.scored.total)
+        result["win_rates"] = {name: win_rate(model.scored.scores[name], base.scored.scores[name])
+                               for name in model.scored.scores}
+        if model.scored.kl is not None:
+            result["kl_to_baseline"] = float(model.scored.kl.mean())
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "eval_samples.jsonl", _sample_rows(model, base))
