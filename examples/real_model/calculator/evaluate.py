@@ -4,7 +4,8 @@ alone. Usage: python evaluate.py MODEL_DIR HELD.jsonl [--no-tool] [--show N] [--
 With the tool, the episode is played as ``rlhfkit grpo env.class=...`` plays it (the tool schemas
 in a system message, SmolLM2's template ignoring ``tools``; at most ``max_turns`` turns);
 ``--no-tool`` offers no tool: one turn, scored the same way. Prints accuracy, the share of
-episodes with a call that ran, and the first N episodes."""
+episodes with a call that ran, the share whose last turn holds the product anywhere
+(format aside), and the first N episodes."""
 
 from __future__ import annotations
 
@@ -73,8 +74,10 @@ def main() -> None:
         print(json.dumps(messages[1 if not args.no_tool else 0:], ensure_ascii=False))
     acc = sum(r for r, _, _ in results) / len(rows)
     calls = sum(c for _, c, _ in results) / len(rows)
+    # the product anywhere in the last turn, format aside: whether the number itself was right
+    contains = sum(r["answer"] in m[-1]["content"].replace(",", "") for r, (_, _, m) in zip(rows, results)) / len(rows)
     print(json.dumps({"model": args.model, "tool": not args.no_tool, "n": len(rows), "accuracy": acc,
-                      "call_rate": calls, "cpu_s": round(time.process_time() - t0, 1)}))
+                      "contains": contains, "call_rate": calls, "cpu_s": round(time.process_time() - t0, 1)}))
 
 
 if __name__ == "__main__":
