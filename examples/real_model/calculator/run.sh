@@ -2,7 +2,8 @@
 # The calculator task on a real chat model (SmolLM2-135M-Instruct), offline, on one CPU core:
 # products of a 3-digit and a 2-digit number, which the model cannot compute alone, with a
 # calculator tool (calculator.py) offered through a ToolEnvironment.
-#   1. SFT warm-up with LoRA on tool-use demonstrations (the base never writes a tool call)
+#   1. SFT warm-up with LoRA on tool-use demonstrations (the base never writes a tool call):
+#      8 questions, 4 steps of 8 -- 2 steps leave no greedy call, 8 solve the held-out set alone
 #   2. GRPO with LoRA, the episodes played by env.class=calculator.py:CalculatorEnv
 #   3. held-out accuracy of greedy episodes: the base without the tool, the base with the tool
 #      offered, the warm-up, the GRPO policy (evaluate.py)
