@@ -56,9 +56,10 @@ TOL = 1e-4
 RUNS = ("ppo", "ppo_warmup", "ppo_shared", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "rloo",
         "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env")
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a separate critic, a shared value head,
-# the three critic-free estimators and LoRA (PPO with an adapter on the critic too, GRPO), matched to the
+# the three critic-free estimators, LoRA (PPO with an adapter on the critic too, GRPO) and multi-turn
+# environments (GRPO, PPO), matched to the
 # 1-process run at FSDP_TOL
-FSDP_RUNS = ("ppo", "ppo_shared", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file")
+FSDP_RUNS = ("ppo", "ppo_shared", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file", "grpo_env", "ppo_env")
 FSDP_TOL = 1e-5
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
@@ -336,10 +337,11 @@ def fsdp_run(runs):
            str(_free_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"), *FSDP_RUNS]
     proc = subprocess.run(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, f"FSDP run failed:\n{proc.stdout[-6000:]}"
-    # every run reads a reward model; all but the LoRA ones hold a reference copy: both are sharded too
+    # every run but grpo_env (its environment alone scores) reads a reward model; all but the LoRA
+    # ones hold a reference copy: both are sharded too
     sharded = [line for line in proc.stdout.splitlines() if "frozen model(s)" in line]
-    assert sharded == [f"FSDP: {2 - cmd.endswith('_lora')} frozen model(s) (reference, reward model) sharded too"
-                       for cmd in FSDP_RUNS], sharded
+    assert sharded == [f"FSDP: {2 - cmd.endswith('_lora') - (cmd == 'grpo_env')} frozen model(s) (reference, reward "
+                       "model) sharded too" for cmd in FSDP_RUNS], sharded
     return out
 
 
