@@ -66,3 +66,21 @@ def save_tiny(path: Path, arch: str, tokenizer, seed: int = 0, scalar: bool = Fa
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def import_example(directory: Path, name: str):
+    """The module ``directory/name.py`` of an example, loaded from its file under a name of its
+    own: two examples' ``make_data.py`` would otherwise share one ``sys.modules`` entry, and a test
+    file would get the other's when both run on one pytest worker. The directory is importable
+    while it loads (an example's own sibling imports)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"example_{directory.name}_{name}", directory / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(directory))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(directory))
+    return module

@@ -5,22 +5,18 @@ rewards a call that ran, and the data hold out questions the training and demons
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from hf_helpers import import_example
 from rlhfkit.prompts import PromptRecord
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "real_model" / "calculator"
 
 
 def _example(name: str):
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(EXAMPLE))
+    return import_example(EXAMPLE, name)
 
 
 calc = _example("calculator")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+from hf_helpers import import_example
 from rlhfkit import fetch
 from rlhfkit.data import load_preferences, load_prompts, load_sft
 from rlhfkit.models import load_tokenizer
@@ -20,11 +20,7 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "real_model"
 
 
 def _example(name: str):
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(EXAMPLE))
+    return import_example(EXAMPLE, name)
 
 
 @pytest.fixture(scope="module")
