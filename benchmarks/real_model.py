@@ -11,9 +11,10 @@ appears; ``brevity``, 1 / words), 16 completions of at most 16 tokens per step, 
 
 Contenders (one step = one rollout of 16 completions for all of them):
 
-    rlhfkit_grpo   ``rlhfkit grpo`` defaults: groups of 4, scores divided by the batch's std,
-                   k3 KL in the loss with beta 0.3, 2 epochs of one minibatch of 16 (the
-                   default minibatch of 32 holds the whole batch), Adam 3e-4 constant, token mean
+    rlhfkit_grpo   ``rlhfkit grpo`` defaults for a LoRA policy: groups of 4, scores divided by
+                   the batch's std, no KL term (beta 0: config.LORA_DEFAULTS), 2 epochs of one
+                   minibatch of 16 (the default minibatch of 32 holds the whole batch), Adam
+                   3e-4 constant, token mean
     rlhfkit_ppo    ``rlhfkit ppo`` defaults: 16 prompts, one sample each, a separate critic
                    started from the policy (no reward model) and fully trained at 3e-3, 3
                    critic warm-up steps, running score normalisation, k1 KL 0.2 in the reward,
@@ -288,7 +289,10 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
     if proc.returncode or not lines:
         print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n")
         raise SystemExit(f"{contender} seed {seed} failed (exit {proc.returncode})")
-    res = json.loads(lines[-1][len(RESULT):])
+    res = {**json.loads(lines[-1][len(RESULT):]), "seed": seed, "core": args.core}
+    with open(Path(args.out) / "results.jsonl", "a") as f:  # every run kept: --report merges runs made apart
+        f.write(json.dumps({"contender": contender, "seed": seed, "steps_max": args.steps, "target": args.target,
+                            "eval_every": args.eval_every, "commit": commit(), **res}) + "\n")
     ph = res["phase_s"]
     held = "/".join(f"{res['last'][k]:.2f}" for k in REWARDS) if res["last"] else "-"
     print(f"  {CONTENDERS[contender]:<24} seed {seed}: {res['steps']:>3} steps{'' if res['reached'] else '*'} "
@@ -298,14 +302,31 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
     return res
 
 
+def commit() -> str:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def stored_results(args, contenders) -> dict[str, list[dict]]:
+    """The runs in --out's results.jsonl made with this --steps/--target/--eval-every (the last one of
+    each contender and seed), for contenders and seeds run apart, e.g. one seed per core."""
+    found: dict[tuple[str, int], dict] = {}
+    for row in map(json.loads, (Path(args.out) / "results.jsonl").read_text().splitlines()):
+        if (row["steps_max"], row["target"], row["eval_every"]) == (args.steps, args.target, args.eval_every):
+            found[row["contender"], row["seed"]] = row
+    results = {c: [found[c, s] for s in args.seeds if (c, s) in found] for c in contenders}
+    missing = [f"{c} seed {s}" for c in contenders for s in args.seeds if (c, s) not in found]
+    if missing:
+        print(f"not in {args.out}/results.jsonl: {', '.join(missing)}")
+    return {c: rows for c, rows in results.items() if rows}
+
+
 def settings_table(args, contenders) -> None:
     """What each contender computes, side by side: the arithmetic that differs."""
-    from rlhfkit.config import ALGO_DEFAULTS, PPOConfig
-
     def ours(algo):
-        pc = PPOConfig(**{**ALGO_DEFAULTS[algo], "batch_size": BATCH})
+        pc = rlhfkit_config(algo, {"model": "", "train": "", "held": ""}, Path("."), 0, args).ppo  # LoRA defaults
         mb = min(pc.minibatch_size, pc.batch_size)
-        kl = f"{pc.kl_estimator} {pc.kl_coef:g} in the {'loss' if pc.kl_in_loss else 'reward'}"
+        kl = f"{pc.kl_estimator} {pc.kl_coef:g} in the {'loss' if pc.kl_in_loss else 'reward'}" if pc.kl_coef else "none (beta 0)"
         group = f"{pc.group_size}" if algo == "grpo" else "1 (critic, GAE)"
         scale = pc.scale_rewards if algo == "grpo" else "running normalisation"
         lr = f"{pc.lr:g} {pc.lr_schedule}" + (f" (critic {pc.value_lr:g})" if algo == "ppo" else "")
@@ -334,15 +355,18 @@ def settings_table(args, contenders) -> None:
 
 
 def report(results: dict[str, list[dict]], args) -> None:
+    cores = ",".join(sorted({str(r.get("core", args.core)) for rows in results.values() for r in rows}))
     print(f"\nSmolLM2-135M-Instruct + LoRA r 16, city-country task, {BATCH} completions of <= {NEW_TOKENS} tokens "
           f"per step; steps to held-out greedy exact >= {args.target} (32 cities, evaluated every {args.eval_every} "
-          f"steps, at most {args.steps}); one core (taskset -c {args.core}), 1 torch thread; torch "
+          f"steps, at most {args.steps}); one core each (taskset -c {cores}), 1 torch thread; torch "
           f"{torch.__version__}")
     seeds = "".join(f"{'seed ' + str(s):>9}" for s in args.seeds)
     print(f"{'contender':<26}{seeds}{'median':>8}{'rollout':>9}{'exper.':>8}{'update':>8}{'s/step':>8}"
           f"{'s to target':>13}{'peak MiB':>10}   held-out exact/contains/brevity (last eval, mean)")
     for c, rows in results.items():
-        cells = "".join(f"{str(r['steps']) + ('' if r['reached'] else '*'):>9}" for r in rows)
+        by_seed = {r["seed"]: r for r in rows}
+        cells = "".join(f"{str(by_seed[s]['steps']) + ('' if by_seed[s]['reached'] else '*') if s in by_seed else '-':>9}"
+                        for s in args.seeds)
         ph = {k: statistics.mean(r["phase_s"][k] for r in rows) for k in PHASES}
         to_target = [r["train_s"] for r in rows if r["reached"]]
         t = f"{statistics.median(to_target):.0f}" if len(to_target) == len(rows) else "-"
@@ -370,6 +394,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--target", type=float, default=0.5, help="held-out greedy exact that ends a run")
     ap.add_argument("--trl-lr", type=float, default=3e-4, help="learning rate of the trl_defaults contender")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: print the table from the runs stored in --out/results.jsonl")
     ap.add_argument("--worker", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--paths", help=argparse.SUPPRESS)
@@ -377,6 +403,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
     contenders = list(args.contenders)
+    if args.report:
+        return report(stored_results(args, contenders), args)
     if any(c.startswith("trl") for c in contenders):
         try:
             import trl
