@@ -2,7 +2,7 @@
 #   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
 #   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers)
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
-#   make test-real  learning on the real chat model of rlhfkit fetch-model (~8 min; CI runs it too)
+#   make test-real  the slow tier: learning on the real chat model, the cities file route (~13 min; CI runs it too)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
 #   make bench-real  one RL step at real model sizes against TRL (~45 min)
@@ -61,12 +61,14 @@ PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: lint browser tmux
-	$(PYTEST) -m "not long and not real"
+	$(PYTEST) -m "not long and not real and not heavy"
 
-# Learning on the real chat model (tests/test_real_learning.py, marked real): GRPO with LoRA on
-# SmolLM2-135M-Instruct must teach it the city-country task's format; about 8 minutes on one core
+# The slow tier, which CI runs after make test: learning on the real chat model
+# (tests/test_real_learning.py, marked real: GRPO with LoRA must teach SmolLM2-135M-Instruct the
+# city-country task's format) and the cities file route (marked heavy: pretraining a base, then
+# RM, PPO, GRPO, DPO and eval on files), one file per worker side by side: about 13 minutes
 test-real: $(STAMP)
-	$(BIN)/pytest -m real --durations=5 -s
+	$(PYTEST) -m "real or heavy"
 
 # The DeepSpeed tests (deepspeed 0.19.8 from PyPI into .venv, the .[deepspeed] extra; a few minutes)
 test-long: lint

@@ -6,8 +6,8 @@ would run it (``examples/own_data/run.sh`` is the same pipeline as shell command
     DPO on the pairs file -> ``rlhfkit eval`` of DPO against the base.
 
 The accuracy reached must match the built-in route's (``rlhfkit demo run.task=cities``: PPO at
-least 0.95 held-out exact). A few minutes on one core: the file is kept whole on one pytest
-worker (``--dist loadfile``) and starts early (name order), beside the rest of the suite.
+least 0.95 held-out exact). Marked ``heavy``: 6-10 minutes on one core, most of it pretraining the
+base, so ``make test-real`` runs it (beside the real-model learning test), not ``make test``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def evals(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_cities_file_route_reaches_the_built_in_accuracy(tmp_path):
     base, data = tmp_path / "base" / "policy", tmp_path / "data"
     # the task's own defaults (CONFIG_DEFAULTS: 3 layers, 96 wide, 600 steps) make the base
