@@ -224,6 +224,18 @@ def test_repeated_prompts_share_one_prefill():
     torch.testing.assert_close(hidden[:3], alone.expand(3, -1), atol=1e-5, rtol=0)
 
 
+def test_repeated_rows_finds_runs_of_one_prompt():
+    """Runs of equal consecutive rows, a differing mask breaking a run; None without a repeat."""
+    ids = torch.tensor([[5, 6], [5, 6], [5, 6], [7, 8], [5, 6], [5, 6]])
+    mask = torch.ones_like(ids)
+    mask[5, 0] = 0  # same tokens, another mask: another prompt
+    first, rows = lean.repeated_rows(ids, mask)
+    assert first.tolist() == [0, 3, 4, 5]
+    assert rows.tolist() == [0, 0, 0, 1, 2, 3]
+    assert lean.repeated_rows(ids[2:4], mask[2:4]) is None
+    assert lean.repeated_rows(ids[:1], mask[:1]) is None
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_shared_prompt_forward_matches_the_full_forward(name):
     """Rows that repeat a prompt (shuffled, as in a GRPO minibatch) run it once: same logits

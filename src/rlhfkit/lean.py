@@ -457,6 +457,20 @@ class KVCache:
         return [t[:, 1] for t in self.kv]
 
 
+def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Runs of identical consecutive ``[B, P]`` prompt rows (how GRPO lays out a group):
+    ``(first [U], rows [B])``, the first row of each run and the run of each row; None when no
+    row repeats the one before it."""
+    if input_ids.shape[0] < 2:
+        return None
+    same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(1)  # [B-1]
+    if not bool(same.any()):
+        return None
+    rows = torch.cat([same.new_zeros(1), ~same]).long().cumsum(0)  # [B]: run of each row
+    first = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(1)  # [U] first row of each run
+    return first, rows
+
+
 @torch.no_grad()
 def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
             max_new_tokens: int) -> tuple[torch.Tensor, KVCache]:
@@ -469,12 +483,9 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     # (fresh memory, page faults) costs more than the matmuls it merges
     arch = _Arch(model, fuse=input_ids.device.type == "cuda")
     rows = None
-    if input_ids.shape[0] > 1:  # runs of identical rows (how GRPO lays out a group): keep the first of each
-        same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(1)  # [B-1]
-        if bool(same.any()):
-            rows = torch.cat([same.new_zeros(1), ~same]).long().cumsum(0)  # [B]: run of each row
-            first = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(1)  # first row of each run
-            input_ids, attention_mask, position_ids = input_ids[first], attention_mask[first], position_ids[first]
+    if (runs := repeated_rows(input_ids, attention_mask)) is not None:  # keep the first row of each run
+        first, rows = runs
+        input_ids, attention_mask, position_ids = input_ids[first], attention_mask[first], position_ids[first]
     B, P = input_ids.shape
     x = arch.embed(input_ids, position_ids)
     rope = arch.rope(x, position_ids)
