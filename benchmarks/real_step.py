@@ -1,53 +1,102 @@
-"""One RL step at real model sizes: rlhfkit's GRPO and PPO against TRL's GRPOTrainer, phase by
-phase, with the peak resident memory of each phase.
+"""One RL step at real model sizes: rlhfkit's GRPO (and PPO) against TRL's GRPOTrainer, phase by
+phase, with the peak resident memory of each phase and the tokens each contender pushes through
+the model, so a time ratio can be split into less arithmetic and a faster implementation.
 
-Models (random init, float32, nothing downloaded), each with a byte-level BPE tokenizer of
-the model's full vocabulary trained here with ``tokenizers`` on the Python standard library's
-sources (cached under ``--out``):
+Models (float32), ``--size``:
 
-    gpt2   GPT-2 small's config: 12 layers, width 768, 12 heads, vocabulary 50257 (124M)
-    qwen   Qwen2.5-0.5B's config: 24 layers, width 896, 14 heads / 2 KV heads, MLP 4864,
-           vocabulary 151936, tied embeddings (494M); ``--layers`` keeps fewer of the layers
+    gpt2     GPT-2 small's config, random init: 12 layers, width 768, 12 heads, vocabulary 50257 (124M)
+    qwen     Qwen2.5-0.5B's config, random init: 24 layers, width 896, 14 heads / 2 KV heads, MLP
+             4864, vocabulary 151936, tied embeddings (494M)
+    smollm2  the real chat model SmolLM2-135M-Instruct (``rlhfkit fetch-model
+             smollm2-135m-instruct``, cached; loaded as is): 30 layers, width 576, 9 heads / 3 KV
+             heads, vocabulary 49152, tied embeddings (135M)
 
-Step: 16 prompts of 128 tokens (windows of the same sources, from a JSONL file) x 4 samples x
-64 new tokens (the random-init models do not stop early), temperature 1, no top-k / top-p;
-reward: a cheap function of the text (share of letters), the same callable for both
-libraries. Both take one optimizer step of the 64 completions, in micro-batches of 16, with
-a k3 KL term of weight 0.3 in the loss against the reference (the base model; with LoRA the
-base with the adapter disabled), scores divided by the batch's std, dropout off and no
-gradient checkpointing (``--checkpointing`` turns it on for every contender):
+The random-init models get a byte-level BPE tokenizer of the model's full vocabulary, trained
+here with ``tokenizers`` on the Python standard library's sources; ``--layers`` keeps fewer of
+their layers (cached under ``--out``). Prompts are windows of those sources, each exactly the
+workload's prompt length in the model's tokenizer (plain text, no chat template), in a JSONL file.
 
-    rlhfkit GRPO       ``rlhfkit grpo``'s defaults but one epoch of one minibatch of 64
-                       (``ppo.ppo_epochs=1 ppo.minibatch_size=64 ppo.micro_batch_size=16``)
-    rlhfkit PPO        ``rlhfkit ppo`` with a separate critic started from the policy, the
-                       same schedule, no critic warm-up (KL 0.2 in the reward, its default)
-    TRL GRPOTrainer    trl 1.16: ``per_device_train_batch_size=16``,
-                       ``gradient_accumulation_steps=4`` (one generation of 64 per optimizer
-                       step), ``num_generations=4``, ``beta=0.3``, ``scale_rewards='batch'``,
-                       ``disable_dropout=True``, loss 'dapo' (its default)
+Workloads, ``--workload`` (``--prompt-tokens``, ``--new-tokens``, ``--groups``, ``--group-size``
+and ``--micro`` override one knob):
 
-each full fine-tuning and LoRA (r 16, alpha 32, every linear layer but the head; PPO's critic
-through its own adapter, ``value.lora``). TRL has no PPO trainer in 1.16, so the PPO rows have
-no TRL counterpart; they show what the critic costs.
+    short      16 prompts of 128 tokens x 4 samples x 64 new tokens, micro-batches of 16
+    reasoning  8 prompts of 64 tokens x 8 samples x 512 new tokens, micro-batches of 8 (one
+               group; 8 x 576 positions, 1.5x a short micro-batch's 16 x 192)
 
-Every contender runs in its own process pinned to one core (``taskset``) with one torch
-thread, ``--warmup`` steps then ``--steps`` measured ones (medians). ``--cores 0 1`` runs two
-contenders at a time, one per core, an rlhfkit one beside a TRL one where the list allows
-(the two share the memory bus; ``--cores 0`` runs them one after another). Per phase: seconds
-and the phase's peak resident set (``VmHWM`` after resetting it through
-``/proc/self/clear_refs`` at each phase boundary); ``loaded`` is the resident set when the
-first step starts (libraries, the models, no optimizer state yet). TRL's phases are timed from
-the outside: rollout to the end of its ``_generate``, experience to the end of
-``_generate_and_score_completions`` (reference log-probs, rewards, advantages), update to the
-end of the optimizer step.
+Both keep 64 completions per step. Every completion runs to the new-token limit (rlhfkit is
+given no EOS id, TRL ``min_new_tokens``), so a real model that would stop early does the same
+work in both libraries. Temperature 1, no top-k / top-p; reward: a cheap function of the text
+(share of letters), the same callable for both. One optimizer step of the 64 completions, a
+k3 KL term of weight 0.3 in the loss against the reference (the base model; with LoRA the base
+with the adapter disabled), scores divided by the batch's std, dropout off.
 
-    python benchmarks/real_step.py --size gpt2                     # all rows, GPT-2 small
-    python benchmarks/real_step.py --size qwen --layers 6 --rows rlhfkit_grpo trl_grpo
+Rows (``--rows``; default: the seven GRPO rows without LoRA):
+
+    rlhfkit_grpo           ``rlhfkit grpo``'s defaults but one epoch of one minibatch of 64
+                           (``ppo.ppo_epochs=1 ppo.minibatch_size=64 ppo.micro_batch_size=MICRO``);
+                           each group's prompt runs once in the rollout's prefill, the reference
+                           forward and the update (``rlhfkit.lean.repeated_rows`` /
+                           ``shared_prompts``), no gradient checkpointing
+    rlhfkit_grpo_unshared  the same with every row's prompt run in full: a benchmark-only switch
+                           in the worker makes ``rlhfkit.lean.repeated_rows`` and
+                           ``rlhfkit.lean.shared_prompts`` return None (what they do when sharing
+                           does not pay); the arithmetic of TRL's rows, body and head
+    rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update
+                           takes transformers' forward over whole rows (no shared prompt there)
+                           and runs it twice; rollout and reference as in the first row
+    trl_grpo               trl 1.16 GRPOTrainer: ``per_device_train_batch_size=MICRO``,
+                           ``gradient_accumulation_steps=64/MICRO`` (one generation of 64 per
+                           optimizer step), ``num_generations=G``, ``beta=0.3``,
+                           ``scale_rewards='batch'``, ``disable_dropout=True``, loss 'dapo' (its
+                           default), ``gradient_checkpointing=False``. On a CPU (no Triton) its
+                           fused log-prob head projects every prompt and completion position onto
+                           the vocabulary and keeps the completion ones
+    trl_grpo_compact       the same, its head scoring the completion positions only, as it does on
+                           CUDA: the worker replaces the name ``_use_triton`` in
+                           ``trl.trainer.utils`` (where the head picks its path) by a function
+                           returning True; the tile kernels keep their own, so the tiles still run
+                           in torch. ``tests/test_trl_completion_scoring.py`` checks that the
+                           per-token log-probs and gradients match the stock path
+    trl_grpo_ckpt          ``trl_grpo`` at TRL's own default, ``gradient_checkpointing=True``
+    trl_grpo_compact_ckpt  both: TRL's defaults as they run on a GPU
+
+and ``rlhfkit_grpo_lora``, ``trl_grpo_lora``, ``trl_grpo_compact_lora`` (LoRA r 16, alpha 32,
+every linear layer but the head), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
+started from the policy, through its own adapter with LoRA, KL 0.2 in the reward, its default;
+64 distinct prompts a step; TRL 1.16 has no PPO trainer, so these rows show what the critic costs).
+
+Per step each row also gets the positions it runs through the model's body (all layers; forward
+positions: the backward follows the update's forward, and checkpointing adds a second forward
+of the update) and through the LM head (log-probs of the reference and update forwards, plus
+one row per sampled token), counted from the workload: with P prompt tokens, R new tokens, U
+groups of G and B = U G rows, the rollout runs P prompt positions per distinct prompt and R - 1
+decode positions per row; a scoring forward runs U P + B R positions when prompts are shared
+and B (P + R) otherwise. That is the "less arithmetic" part of a ratio; what is left between
+``rlhfkit_grpo_unshared`` and ``trl_grpo_compact`` (the same positions through body and head)
+is implementation.
+
+Protocol: each (row, run) is its own process pinned to ``--core`` (``taskset``) with one torch
+thread, ``--warmup`` steps (default 1) then ``--steps`` measured ones (default 3); the rows run
+one after another, never two at a time, in the listed order on even runs and reversed on odd
+ones, ``--runs`` times (default 3). Per phase: seconds and the phase's peak resident set
+(``VmHWM`` after resetting it through ``/proc/self/clear_refs`` at each phase boundary);
+``loaded`` is the resident set when the first step starts. A run's figure is the median of its
+measured steps (peaks: their maximum); the table gives the median over runs and the min-max
+over runs. Every run is appended to ``--out/results.jsonl`` with its commit, and ``--report``
+prints the table from there. TRL's phases are timed from the outside: rollout to the end of its
+``_generate``, experience to the end of ``_generate_and_score_completions`` (reference
+log-probs, rewards, advantages), update to the end of the optimizer step.
+
+    python benchmarks/real_step.py --size gpt2 --workload short          # seven rows x 3 runs
+    python benchmarks/real_step.py --size smollm2 --workload reasoning --rows rlhfkit_grpo trl_grpo_compact
+    python benchmarks/real_step.py --size gpt2 --layers 1 --prompt-tokens 8 --new-tokens 4 --groups 2 \\
+        --group-size 2 --micro 2 --steps 1 --warmup 0 --runs 1 --core 1    # seconds: does every row run?
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -64,26 +113,120 @@ import torch  # noqa: E402
 
 from bench_common import PhaseClock, clock_grpo_trainer, marked, pin_to_core, pinned_cmd, quiet_hf  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
 DEFAULT_OUT = "runs/bench_real"
-PROMPT_TOKENS, GROUPS, GROUP_SIZE, NEW_TOKENS, MICRO = 128, 16, 4, 64, 16
 LR, KL = 1e-5, 0.3
 LORA = {"r": 16, "alpha": 32.0}
 SIZES = {
     "gpt2": {"vocab": 50257, "layers": 12},
     "qwen": {"vocab": 151936, "layers": 24},
+    "smollm2": {"vocab": 49152, "layers": 30, "fetch": "smollm2-135m-instruct"},
 }
-ROWS = ["rlhfkit_grpo", "trl_grpo", "rlhfkit_grpo_lora", "trl_grpo_lora", "rlhfkit_ppo", "rlhfkit_ppo_lora"]
-NAMES = {"rlhfkit_grpo": "rlhfkit GRPO", "trl_grpo": "TRL GRPOTrainer", "rlhfkit_grpo_lora": "rlhfkit GRPO, LoRA",
-         "trl_grpo_lora": "TRL GRPOTrainer, LoRA", "rlhfkit_ppo": "rlhfkit PPO", "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA"}
-PAIRS = [("rlhfkit_grpo", "trl_grpo"), ("rlhfkit_grpo_lora", "trl_grpo_lora")]
+WORKLOADS = {
+    "short": {"prompt_tokens": 128, "new_tokens": 64, "groups": 16, "group_size": 4, "micro": 16},
+    "reasoning": {"prompt_tokens": 64, "new_tokens": 512, "groups": 8, "group_size": 8, "micro": 8},
+}
+NAMES = {
+    "rlhfkit_grpo": "rlhfkit GRPO",
+    "rlhfkit_grpo_unshared": "rlhfkit GRPO, prompts unshared",
+    "rlhfkit_grpo_ckpt": "rlhfkit GRPO, checkpointing",
+    "trl_grpo": "TRL, CPU head (all positions)",
+    "trl_grpo_compact": "TRL, completion positions",
+    "trl_grpo_ckpt": "TRL, CPU head, checkpointing",
+    "trl_grpo_compact_ckpt": "TRL, compl. pos., checkpointing",
+    "rlhfkit_grpo_lora": "rlhfkit GRPO, LoRA",
+    "trl_grpo_lora": "TRL, CPU head, LoRA",
+    "trl_grpo_compact_lora": "TRL, compl. pos., LoRA",
+    "rlhfkit_ppo": "rlhfkit PPO",
+    "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA",
+}
+ROWS = list(NAMES)
+DEFAULT_ROWS = ROWS[:7]
+# (numerator, denominator, what the ratio shows)
+RATIOS = [
+    ("rlhfkit_grpo", "trl_grpo", "both as shipped, on a CPU"),
+    ("rlhfkit_grpo", "trl_grpo_compact", "TRL scoring completion positions, as on a GPU"),
+    ("rlhfkit_grpo_unshared", "trl_grpo_compact", "same positions through body and head: implementation"),
+    ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "shared prompts, within rlhfkit"),
+    ("trl_grpo_compact", "trl_grpo", "TRL's CPU head scoring every position, within TRL"),
+    ("rlhfkit_grpo", "trl_grpo_ckpt", "TRL at its default checkpointing, CPU head"),
+    ("rlhfkit_grpo", "trl_grpo_compact_ckpt", "TRL at its defaults as on a GPU"),
+    ("rlhfkit_grpo_ckpt", "trl_grpo_compact_ckpt", "both checkpointing, TRL scoring completion positions"),
+    ("rlhfkit_grpo_lora", "trl_grpo_lora", "LoRA, both as shipped"),
+    ("rlhfkit_grpo_lora", "trl_grpo_compact_lora", "LoRA, TRL scoring completion positions"),
+]
 PHASES = ("rollout", "experience", "update")
+
+
+def row_spec(row: str) -> dict:
+    """What a row name turns on: library, algorithm and the switches after them."""
+    lib, algo, *flags = row.split("_")
+    return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
+            "unshared": "unshared" in flags, "compact": "compact" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
     """The benchmark's reward: the share of letters in each completion's text (cheap, and it
     varies between samples, so advantages are not all zero)."""
     return [sum(ch.isalpha() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def positions(row: str, wl: dict) -> dict:
+    """Positions through the model's body per phase and through the LM head per step, counted
+    from the workload (module docstring)."""
+    s = row_spec(row)
+    P, R, U, G = wl["prompt_tokens"], wl["new_tokens"], wl["groups"], wl["group_size"]
+    B = U * G
+    if s["algo"] == "ppo":  # 64 distinct prompts; the critic runs beside the reference and the policy
+        whole = B * (P + R)
+        return {"rollout": B * P + B * (R - 1), "experience": 2 * whole, "update": 2 * whole * (2 if s["ckpt"] else 1),
+                "head": B * R * 3}
+    shared = s["lib"] == "rlhfkit" and not s["unshared"]
+    scoring = U * P + B * R if shared else B * (P + R)
+    update = B * (P + R) if s["lib"] == "rlhfkit" and s["ckpt"] else scoring  # transformers' forward under checkpointing
+    head_rows = B * (P + R - 1) if s["lib"] == "trl" and not s["compact"] else B * R
+    return {"rollout": (U if shared else B) * P + B * (R - 1), "experience": scoring,
+            "update": update * (2 if s["ckpt"] else 1), "head": B * R + 2 * head_rows}
+
+
+# --------------------------------------------------------------------------- switches
+
+
+@contextlib.contextmanager
+def unshared_prompts():
+    """rlhfkit runs every row's prompt in full: its two detectors of repeated prompts
+    (the rollout's prefill, the reference and update forwards) answer None, as they do when
+    sharing does not pay. Benchmark-only."""
+    from rlhfkit import lean
+
+    saved = lean.repeated_rows, lean.shared_prompts
+    lean.repeated_rows = lambda *a, **kw: None
+    lean.shared_prompts = lambda *a, **kw: None
+    try:
+        yield
+    finally:
+        lean.repeated_rows, lean.shared_prompts = saved
+
+
+@contextlib.contextmanager
+def completion_only_scoring():
+    """TRL 1.16's fused log-prob head scores only the positions that have a label (the
+    completion tokens), as it does where Triton runs; on a CPU it projects every position.
+    The head asks ``trl.trainer.utils._use_triton(device)`` when it runs; that name is replaced
+    there only, so the tile kernels (``trl.kernels.chunked_logprob``) keep their own and run in
+    torch. Benchmark-only."""
+    import trl.trainer.utils as trl_utils
+
+    if not callable(getattr(trl_utils, "_use_triton", None)):
+        raise SystemExit("this TRL has no trl.trainer.utils._use_triton: the completion-position rows need "
+                         "TRL 1.16's fused log-prob head (pip install -e .[bench])")
+    saved = trl_utils._use_triton
+    trl_utils._use_triton = lambda device: True
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = saved
 
 
 # --------------------------------------------------------------------------- assets
@@ -132,96 +275,125 @@ def build_model(size: str, layers: int, tok):
                                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, **ids))
 
 
-def prepare(out: Path, size: str, layers: int, prompts: int) -> dict[str, str]:
+def write_prompts(path: Path, tok, length: int, count: int) -> None:
+    """``count`` windows of the standard library's sources that the tokenizer reads back as
+    exactly ``length`` tokens (a window whose decoded text re-tokenizes otherwise is skipped)."""
+    ids = tok("".join(corpus(4)), add_special_tokens=False)["input_ids"]
+    kept = []
+    for start in range(0, len(ids) - length, length):
+        text = tok.decode(ids[start:start + length])
+        if len(tok(text)["input_ids"]) == length:
+            kept.append(text)
+            if len(kept) == count:
+                break
+    if len(kept) < count:
+        sys.exit(f"only {len(kept)} prompts of {length} tokens in the corpus, {count} needed: raise write_prompts()'s corpus")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in kept))
+    tmp.replace(path)
+
+
+def prepare(out: Path, size: str, layers: int, prompt_tokens: int, prompts: int) -> dict[str, str]:
     """The model directory (weights + tokenizer) and the prompt file, built once under ``out``."""
-    model_dir = out / f"{size}_{layers}l"
-    prompt_file = out / f"prompts_{size}.jsonl"
-    if (model_dir / "config.json").exists() and prompt_file.exists():
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    prompt_file = out / f"prompts_{size}_{prompt_tokens}.jsonl"
+    if "fetch" in SIZES[size]:
+        from rlhfkit.fetch import fetch_model
+
+        model_dir = Path(fetch_model(SIZES[size]["fetch"])["dir"])
+    else:
+        model_dir = out / f"{size}_{layers}l"
+    enough = prompt_file.exists() and len(prompt_file.read_text().splitlines()) >= prompts
+    if (model_dir / "config.json").exists() and enough:
         return {"model": str(model_dir), "prompts": str(prompt_file)}
     quiet_hf()
-    tok_dir = out / f"tokenizer_{size}"
-    if (tok_dir / "tokenizer.json").exists():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tok_dir)
+    if (model_dir / "config.json").exists():
+        tok = AutoTokenizer.from_pretrained(model_dir)
     else:
-        print(f"training a {SIZES[size]['vocab']}-token BPE tokenizer (cached) ...", flush=True)
-        tok = build_tokenizer(SIZES[size]["vocab"], corpus(30 if SIZES[size]["vocab"] <= 60000 else 120))
-        tok.save_pretrained(tok_dir)
-    print(f"building the {size} model, {layers} layers (cached) ...", flush=True)
-    model = build_model(size, layers, tok)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    ids = tok("".join(corpus(1)))["input_ids"]
-    with open(prompt_file, "w") as fh:
-        for i in range(prompts):
-            window = ids[i * PROMPT_TOKENS:(i + 1) * PROMPT_TOKENS]
-            fh.write(json.dumps({"prompt": tok.decode(window)}) + "\n")
+        tok_dir = out / f"tokenizer_{size}"
+        if (tok_dir / "tokenizer.json").exists():
+            tok = AutoTokenizer.from_pretrained(tok_dir)
+        else:
+            print(f"training a {SIZES[size]['vocab']}-token BPE tokenizer (cached) ...", flush=True)
+            tok = build_tokenizer(SIZES[size]["vocab"], corpus(30 if SIZES[size]["vocab"] <= 60000 else 120))
+            tok.save_pretrained(tok_dir)
+        print(f"building the {size} model, {layers} layers (cached) ...", flush=True)
+        model = build_model(size, layers, tok)
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+    write_prompts(prompt_file, tok, prompt_tokens, prompts)
     return {"model": str(model_dir), "prompts": str(prompt_file)}
 
 
 # --------------------------------------------------------------------------- contenders
 
 
-def medians(clock: PhaseClock, warmup: int) -> dict:
-    rows, peaks = clock.rows[warmup:], clock.peaks[warmup:]
-    return {"seconds": {k: statistics.median(r[k] for r in rows) for k in PHASES},
-            "peak_mib": {k: max(p[k] for p in peaks) for k in PHASES}, "loaded_mib": clock.rss_at_first_start}
+def measured(clock: PhaseClock, warmup: int) -> dict:
+    """The measured steps' seconds and peaks per phase, and the resident set at the first step."""
+    return {"steps": [{"seconds": r, "peak_mib": p} for r, p in zip(clock.rows[warmup:], clock.peaks[warmup:])],
+            "loaded_mib": clock.rss_at_first_start}
 
 
-def run_rlhfkit(kind: str, paths: dict, args) -> dict:
+def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     import rlhfkit.trainers.rl as rl
     from rlhfkit.config import ALGO_DEFAULTS, Config
 
-    algo = "ppo" if kind.startswith("rlhfkit_ppo") else "grpo"
-    lora = kind.endswith("_lora")
-    out = Path(args.out) / f"step_{args.size}_{args.layers}l_{kind}"
+    s = row_spec(row)
+    B = wl["groups"] * wl["group_size"]
+    out = Path(args.out) / f"step_{args.size}_{args.layers}l_{row}"
     shutil.rmtree(out, ignore_errors=True)
-    ppo = {**ALGO_DEFAULTS[algo], "steps": args.warmup + args.steps, "batch_size": GROUPS * GROUP_SIZE,
-           "ppo_epochs": 1, "minibatch_size": GROUPS * GROUP_SIZE, "micro_batch_size": MICRO,
-           "max_new_tokens": NEW_TOKENS, "lr": LR, "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0,
-           "samples_per_log": 0, "trajectories_every": 0}
-    if algo == "grpo":
-        ppo.update(group_size=GROUP_SIZE, kl_coef=KL)
-    model = {"name": paths["model"], "gradient_checkpointing": args.checkpointing}
-    if lora:
+    ppo = {**ALGO_DEFAULTS[s["algo"]], "steps": args.warmup + args.steps, "batch_size": B, "ppo_epochs": 1,
+           "minibatch_size": B, "micro_batch_size": wl["micro"], "max_new_tokens": wl["new_tokens"], "lr": LR,
+           "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0, "samples_per_log": 0, "trajectories_every": 0}
+    if s["algo"] == "grpo":
+        ppo.update(group_size=wl["group_size"], kl_coef=KL)
+    model = {"name": paths["model"], "gradient_checkpointing": s["ckpt"]}
+    if s["lora"]:
         model.update(lora_r=LORA["r"], lora_alpha=LORA["alpha"])
     cfg = Config().replace(
         run={"out_dir": str(out), "seed": args.seed, "progress": False, "threads": 1, "checkpoint_every": 0,
              "tensorboard": False},
-        model=model, ppo=ppo, value={"lora": lora}, reward={"function": "real_step:letter_share"},
-        data={"path": paths["prompts"], "max_prompt_length": PROMPT_TOKENS})
+        model=model, ppo=ppo, value={"lora": s["lora"]}, reward={"function": "real_step:letter_share"},
+        data={"path": paths["prompts"], "max_prompt_length": wl["prompt_tokens"]})
     clock = PhaseClock()
     rl.rollout = marked(rl.rollout, clock, "rollout", start=True)
     rl.make_experience = marked(rl.make_experience, clock, "experience")
     rl.ppo_update = marked(rl.ppo_update, clock, "update", end=True)
-    rl.train_rl(cfg)
-    return medians(clock, args.warmup)
+    rl.eos_token_ids = lambda model, tok: [-1]  # no token ends a completion: each runs to max_new_tokens
+    with unshared_prompts() if s["unshared"] else contextlib.nullcontext():
+        rl.train_rl(cfg)
+    lengths = [json.loads(line).get("response/length") for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {**measured(clock, args.warmup), "completion_tokens": [x for x in lengths if x is not None]}
 
 
-def run_trl(kind: str, paths: dict, args) -> dict:
+def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhfkit.utils import read_jsonl
 
+    s = row_spec(row)
+    B = wl["groups"] * wl["group_size"]
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(paths["model"])
     model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
     steps = args.warmup + args.steps
-    prompts = [r["prompt"] for r in read_jsonl(paths["prompts"])][:steps * GROUPS]
+    prompts = [r["prompt"] for r in read_jsonl(paths["prompts"])][:steps * wl["groups"]]
     config = GRPOConfig(
-        output_dir=str(Path(args.out) / f"step_{args.size}_{args.layers}l_{kind}"), learning_rate=LR, lr_scheduler_type="constant",
-        beta=KL, num_generations=GROUP_SIZE, per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=GROUPS * GROUP_SIZE // MICRO, max_completion_length=NEW_TOKENS,
+        output_dir=str(Path(args.out) / f"step_{args.size}_{args.layers}l_{row}"), learning_rate=LR,
+        lr_scheduler_type="constant", beta=KL, num_generations=wl["group_size"],
+        per_device_train_batch_size=wl["micro"], gradient_accumulation_steps=B // wl["micro"],
+        max_completion_length=wl["new_tokens"], generation_kwargs={"min_new_tokens": wl["new_tokens"]},
         scale_rewards="batch", disable_dropout=True, temperature=1.0, max_steps=steps, bf16=False,
-        gradient_checkpointing=args.checkpointing, use_cpu=True, seed=args.seed, logging_steps=1000,
-        log_level="error", report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        gradient_checkpointing=s["ckpt"], use_cpu=True, seed=args.seed, logging_steps=1000, log_level="error",
+        report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     peft_config = None
-    if kind.endswith("_lora"):
+    if s["lora"]:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
@@ -231,8 +403,17 @@ def run_trl(kind: str, paths: dict, args) -> dict:
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
                           peft_config=peft_config)
     clock_grpo_trainer(trainer, clock)
-    trainer.train()
-    return medians(clock, args.warmup)
+    lengths, score = [], trainer._generate_and_score_completions
+
+    def scored(*a, **kw):  # the generation's mean completion length, a check that none stopped early
+        batch = score(*a, **kw)
+        lengths.append(batch["completion_mask"].sum(1).float().mean().item())
+        return batch
+
+    trainer._generate_and_score_completions = scored
+    with completion_only_scoring() if s["compact"] else contextlib.nullcontext():
+        trainer.train()
+    return {**measured(clock, args.warmup), "completion_tokens": lengths}
 
 
 # --------------------------------------------------------------------------- driver
@@ -241,90 +422,147 @@ def run_trl(kind: str, paths: dict, args) -> dict:
 def worker(args) -> None:
     pin_to_core(args.core)
     quiet_hf()
-    paths = {"model": str(Path(args.out) / f"{args.size}_{args.layers}l"),
-             "prompts": str(Path(args.out) / f"prompts_{args.size}.jsonl")}
-    result = (run_trl if args.worker.startswith("trl") else run_rlhfkit)(args.worker, paths, args)
-    result["seconds"]["total"] = sum(result["seconds"][k] for k in PHASES)
-    result["peak_rss_mib"] = max(result["loaded_mib"], *result["peak_mib"].values())
+    wl, paths = json.loads(args.wl), json.loads(args.paths)
+    result = (run_trl if args.worker.startswith("trl") else run_rlhfkit)(args.worker, paths, wl, args)
     print(RESULT + json.dumps(result), flush=True)
 
 
-def launch(kind: str, core: int, args) -> subprocess.Popen:
-    cmd = pinned_cmd(core, __file__, "--worker", kind, "--size", args.size, "--layers", str(args.layers),
+def commit() -> str:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def summarise(result: dict) -> dict:
+    """One run: the median of its measured steps per phase (and of their totals), each phase's
+    largest peak, and the peak over the run."""
+    steps = result["steps"]
+    sec = {k: statistics.median(s["seconds"][k] for s in steps) for k in PHASES}
+    sec["total"] = statistics.median(sum(s["seconds"][k] for k in PHASES) for s in steps)
+    peak = {k: max(s["peak_mib"][k] for s in steps) for k in PHASES}
+    return {"seconds": sec, "peak_mib": peak, "loaded_mib": result["loaded_mib"],
+            "peak_rss_mib": max(result["loaded_mib"], *peak.values()), "completion_tokens": result["completion_tokens"]}
+
+
+def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None:
+    cmd = pinned_cmd(args.core, __file__, "--worker", row, "--size", args.size, "--layers", str(args.layers),
                      "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-                     "--core", str(core), "--out", args.out, *(["--checkpointing"] if args.checkpointing else []))
+                     "--core", str(args.core), "--out", args.out, "--wl", json.dumps(setting["workload"]),
+                     "--paths", json.dumps(paths))
     env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def collect(kind: str, proc: subprocess.Popen, t0: float) -> dict | None:
-    stdout, stderr = proc.communicate()
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if proc.returncode or not lines:
-        print(f"{NAMES[kind]} failed (exit {proc.returncode}); skipped:\n{stderr[-3000:]}", flush=True)
+        print(f"  {NAMES[row]}, run {run}: failed (exit {proc.returncode}); skipped:\n{proc.stderr[-3000:]}", flush=True)
         return None
-    result = json.loads(lines[-1][len(RESULT):])
-    print(f"  {NAMES[kind]}: {result['seconds']['total']:.1f} s/step, peak {result['peak_rss_mib']:.0f} MiB "
-          f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
-    return result
+    res = summarise(json.loads(lines[-1][len(RESULT):]))
+    with open(Path(args.out) / "results.jsonl", "a") as f:  # every run kept: --report reads them back
+        f.write(json.dumps({"row": row, "run": run, **setting, "commit": commit(), **res}) + "\n")
+    lengths = res["completion_tokens"]
+    short = "" if lengths and min(lengths) == setting["workload"]["new_tokens"] else f" (completion tokens {lengths}!)"
+    print(f"  {NAMES[row]}, run {run}: {res['seconds']['total']:.1f} s/step, peak {res['peak_rss_mib']:.0f} MiB "
+          f"({time.perf_counter() - t0:.0f} s wall){short}", flush=True)
+    return res
 
 
-def print_table(results: dict, args) -> None:
-    print(f"\nOne RL step, {args.size} shape with {args.layers} layers ({SIZES[args.size]['vocab']}-token vocabulary), "
-          f"float32, {GROUPS} prompts x {GROUP_SIZE} samples x {NEW_TOKENS} new tokens, prompts of {PROMPT_TOKENS} "
-          f"tokens, one optimizer step in micro-batches of {MICRO}; one core per contender, 1 torch thread; median "
-          f"of {args.steps} step(s) after {args.warmup} warm-up; seconds, and each phase's peak resident set in MiB")
-    print(f"{'contender':<24}{'rollout':>9}{'experience':>12}{'update':>9}{'total':>9}   {'loaded':>7}"
-          f"{'rollout':>9}{'experience':>12}{'update':>9}{'peak':>8}")
-    for kind, r in results.items():
-        s, m = r["seconds"], r["peak_mib"]
-        print(f"{NAMES[kind]:<24}{s['rollout']:>9.1f}{s['experience']:>12.1f}{s['update']:>9.1f}{s['total']:>9.1f}   "
-              f"{r['loaded_mib']:>7.0f}{m['rollout']:>9.0f}{m['experience']:>12.0f}{m['update']:>9.0f}"
-              f"{r['peak_rss_mib']:>8.0f}")
-    for ours, theirs in PAIRS:
+def stored(args, setting: dict) -> dict[str, list[dict]]:
+    """The runs in --out/results.jsonl made with this setting, by row."""
+    found: dict[str, list[dict]] = {}
+    path = Path(args.out) / "results.jsonl"
+    for rec in map(json.loads, path.read_text().splitlines() if path.exists() else []):
+        if all(rec.get(k) == v for k, v in setting.items()):
+            found.setdefault(rec["row"], []).append(rec)
+    return found
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """``median (min-max)``, or the one value."""
+    med = format(statistics.median(values), fmt)
+    return med if len(values) == 1 else f"{med} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
+    wl = setting["workload"]
+    runs = sorted({len(v) for v in results.values()})
+    commits = sorted({r["commit"] for v in results.values() for r in v})
+    print(f"\nOne RL step, {args.size} with {args.layers} layers ({SIZES[args.size]['vocab']}-token vocabulary), float32; "
+          f"{wl['groups']} prompts of {wl['prompt_tokens']} tokens x {wl['group_size']} samples x {wl['new_tokens']} new "
+          f"tokens, one optimizer step in micro-batches of {wl['micro']}; each row alone on one core, 1 torch thread; "
+          f"{setting['warmup']} warm-up + {setting['steps']} measured step(s) a run, {'/'.join(map(str, runs))} run(s), "
+          f"commit {', '.join(commits)}. Seconds: median over runs of each run's median step (min-max over runs); "
+          f"peak resident set in MiB; positions through the model's body and through the LM head per step")
+    print(f"{'row':<34}{'rollout':>20}{'experience':>20}{'update':>22}{'step':>22}{'peak MiB':>20}"
+          f"{'body':>10}{'head':>10}")
+    for row, recs in results.items():
+        sec = [spread([r["seconds"][k] for r in recs], ".1f") for k in (*PHASES, "total")]
+        pos = positions(row, wl)
+        body = sum(pos[k] for k in PHASES)
+        print(f"{NAMES[row]:<34}{sec[0]:>20}{sec[1]:>20}{sec[2]:>22}{sec[3]:>22}"
+              f"{spread([r['peak_rss_mib'] for r in recs], '.0f'):>20}{body:>10,}{pos['head']:>10,}")
+    print(f"\n{'row':<34}{'loaded':>10}{'rollout':>10}{'experience':>12}{'update':>10}   peak MiB per phase (median over runs)"
+          f"   body positions per phase")
+    for row, recs in results.items():
+        m = {k: statistics.median(r["peak_mib"][k] for r in recs) for k in PHASES}
+        pos = positions(row, wl)
+        print(f"{NAMES[row]:<34}{statistics.median(r['loaded_mib'] for r in recs):>10.0f}{m['rollout']:>10.0f}"
+              f"{m['experience']:>12.0f}{m['update']:>10.0f}   "
+              f"{pos['rollout']:,} / {pos['experience']:,} / {pos['update']:,}")
+    print()
+    for ours, theirs, what in RATIOS:
         if ours in results and theirs in results:
-            t = results[ours]["seconds"]["total"] / results[theirs]["seconds"]["total"]
-            m = results[ours]["peak_rss_mib"] / results[theirs]["peak_rss_mib"]
-            print(f"{NAMES[ours]} / {NAMES[theirs]}: step time {t:.2f}x, peak memory {m:.2f}x")
+            t = [statistics.median(r["seconds"]["total"] for r in results[x]) for x in (ours, theirs)]
+            m = [statistics.median(r["peak_rss_mib"] for r in results[x]) for x in (ours, theirs)]
+            b = [sum(positions(x, wl)[k] for k in PHASES) for x in (ours, theirs)]
+            print(f"{NAMES[ours]} / {NAMES[theirs]}: step time {t[0] / t[1]:.2f}x, peak memory {m[0] / m[1]:.2f}x, "
+                  f"body positions {b[0] / b[1]:.2f}x ({what})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=list(SIZES), default="gpt2")
-    ap.add_argument("--layers", type=int, help="decoder layers (default: the real model's)")
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=ROWS)
-    ap.add_argument("--steps", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--layers", type=int, help="decoder layers of a random-init model (default: the real model's)")
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="short")
+    for knob in WORKLOADS["short"]:
+        ap.add_argument("--" + knob.replace("_", "-"), type=int, help=f"override the workload's {knob}")
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=DEFAULT_ROWS)
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per run")
+    ap.add_argument("--warmup", type=int, default=1, help="steps before the measured ones, per run")
+    ap.add_argument("--runs", type=int, default=3, help="runs of every row, in alternating order")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cores", type=int, nargs="+", default=[0], help="cores to run contenders on, one each at a time")
-    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing for every contender")
+    ap.add_argument("--core", type=int, default=0, help="the core every row runs on, one row at a time")
     ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--report", action="store_true", help="run nothing: print the table from --out/results.jsonl")
     ap.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
-    ap.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--wl", help=argparse.SUPPRESS)
+    ap.add_argument("--paths", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.layers = args.layers or SIZES[args.size]["layers"]
     if args.worker:
         return worker(args)
-    if any(r.startswith("trl") for r in args.rows):
-        try:
-            import trl  # noqa: F401
-        except ImportError:
-            sys.exit("TRL is not installed: pip install -e .[bench] (or leave the trl_* rows out with --rows)")
-    prepare(Path(args.out), args.size, args.layers, max(256, (args.warmup + args.steps) * GROUPS))
-    results, queue, t0 = {}, list(args.rows), time.perf_counter()
-    while queue:
-        batch = []
-        for core in args.cores:  # an rlhfkit row beside a TRL row where the queue allows
-            if not queue:
-                break
-            want = "trl" if batch and not batch[-1][0].startswith("trl") else "rlhfkit"
-            kind = next((k for k in queue if k.startswith(want)), queue[0])
-            queue.remove(kind)
-            batch.append((kind, launch(kind, core, args)))
-        for kind, proc in batch:
-            if (r := collect(kind, proc, t0)) is not None:
-                results[kind] = r
-    print_table({k: results[k] for k in args.rows if k in results}, args)
+    if "fetch" in SIZES[args.size] and args.layers not in (None, SIZES[args.size]["layers"]):
+        sys.exit(f"--layers applies to the random-init sizes; {args.size} is loaded as is")
+    args.layers = args.layers or SIZES[args.size]["layers"]
+    wl = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in WORKLOADS[args.workload].items()}
+    B = wl["groups"] * wl["group_size"]
+    if B % wl["micro"] or wl["micro"] % wl["group_size"]:
+        sys.exit(f"--micro ({wl['micro']}) must divide the {B} completions and hold whole groups of {wl['group_size']}")
+    setting = {"size": args.size, "layers": args.layers, "workload": wl, "steps": args.steps, "warmup": args.warmup,
+               "seed": args.seed}
+    if not args.report:
+        if any(r.startswith("trl") for r in args.rows):
+            try:
+                import trl  # noqa: F401
+            except ImportError:
+                sys.exit("TRL is not installed: pip install -e .[bench] (or leave the trl_* rows out with --rows)")
+        ppo = any(row_spec(r)["algo"] == "ppo" for r in args.rows)
+        paths = prepare(Path(args.out), args.size, args.layers, wl["prompt_tokens"],
+                        max(256, (args.warmup + args.steps) * (B if ppo else wl["groups"])))
+        t0 = time.perf_counter()
+        for run in range(args.runs):
+            for row in args.rows if run % 2 == 0 else args.rows[::-1]:
+                run_one(row, run, setting, paths, args)
+        print(f"{time.perf_counter() - t0:.0f} s in all", flush=True)
+    found = stored(args, setting)
+    print_table({r: found[r] for r in args.rows if r in found}, setting, args)
 
 
 if __name__ == "__main__":
