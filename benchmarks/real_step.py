@@ -82,8 +82,10 @@ ones, ``--runs`` times (default 3). Per phase: seconds and the phase's peak resi
 (``VmHWM`` after resetting it through ``/proc/self/clear_refs`` at each phase boundary);
 ``loaded`` is the resident set when the first step starts. A run's figure is the median of its
 measured steps (peaks: their maximum); the table gives the median over runs and the min-max
-over runs. Every run is appended to ``--out/results.jsonl`` with its commit, and ``--report``
-prints the table from there. TRL's phases are timed from the outside: rollout to the end of its
+over runs. Every run is appended to ``--out/results.jsonl`` with its commit; the table reads
+every stored run of the same setting (size, layers, workload, steps, warm-up, seed), run numbers
+go on from the stored ones (so the order keeps alternating across calls: three calls with
+``--runs 1`` make one ``--runs 3``), and ``--report`` prints the table without running anything. TRL's phases are timed from the outside: rollout to the end of its
 ``_generate``, experience to the end of ``_generate_and_score_completions`` (reference
 log-probs, rewards, advantages), update to the end of the optimizer step.
 
@@ -173,21 +175,26 @@ def letter_share(prompts, completions, **kw) -> list[float]:
 
 
 def positions(row: str, wl: dict) -> dict:
-    """Positions through the model's body per phase and through the LM head per step, counted
-    from the workload (module docstring)."""
+    """Positions through the model's body per phase (forward; ``backward``: those the update
+    backpropagates) and through the LM head per step, counted from the workload (module docstring)."""
     s = row_spec(row)
     P, R, U, G = wl["prompt_tokens"], wl["new_tokens"], wl["groups"], wl["group_size"]
     B = U * G
     if s["algo"] == "ppo":  # 64 distinct prompts; the critic runs beside the reference and the policy
         whole = B * (P + R)
         return {"rollout": B * P + B * (R - 1), "experience": 2 * whole, "update": 2 * whole * (2 if s["ckpt"] else 1),
-                "head": B * R * 3}
+                "backward": 2 * whole, "head": B * R * 3}
     shared = s["lib"] == "rlhfkit" and not s["unshared"]
     scoring = U * P + B * R if shared else B * (P + R)
     update = B * (P + R) if s["lib"] == "rlhfkit" and s["ckpt"] else scoring  # transformers' forward under checkpointing
     head_rows = B * (P + R - 1) if s["lib"] == "trl" and not s["compact"] else B * R
     return {"rollout": (U if shared else B) * P + B * (R - 1), "experience": scoring,
-            "update": update * (2 if s["ckpt"] else 1), "head": B * R + 2 * head_rows}
+            "update": update * (2 if s["ckpt"] else 1), "backward": update, "head": B * R + 2 * head_rows}
+
+
+def body_work(pos: dict) -> int:
+    """Forward-position equivalents through the body: a backward position costs about two forward ones."""
+    return sum(pos[k] for k in PHASES) + 2 * pos["backward"]
 
 
 # --------------------------------------------------------------------------- switches
@@ -490,15 +497,15 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
           f"tokens, one optimizer step in micro-batches of {wl['micro']}; each row alone on one core, 1 torch thread; "
           f"{setting['warmup']} warm-up + {setting['steps']} measured step(s) a run, {'/'.join(map(str, runs))} run(s), "
           f"commit {', '.join(commits)}. Seconds: median over runs of each run's median step (min-max over runs); "
-          f"peak resident set in MiB; positions through the model's body and through the LM head per step")
+          f"peak resident set in MiB; positions per step through the model's body (forward, backward) and its LM head")
     print(f"{'row':<34}{'rollout':>20}{'experience':>20}{'update':>22}{'step':>22}{'peak MiB':>20}"
-          f"{'body':>10}{'head':>10}")
+          f"{'body fwd':>10}{'body bwd':>10}{'head':>10}")
     for row, recs in results.items():
         sec = [spread([r["seconds"][k] for r in recs], ".1f") for k in (*PHASES, "total")]
         pos = positions(row, wl)
         body = sum(pos[k] for k in PHASES)
         print(f"{NAMES[row]:<34}{sec[0]:>20}{sec[1]:>20}{sec[2]:>22}{sec[3]:>22}"
-              f"{spread([r['peak_rss_mib'] for r in recs], '.0f'):>20}{body:>10,}{pos['head']:>10,}")
+              f"{spread([r['peak_rss_mib'] for r in recs], '.0f'):>20}{body:>10,}{pos['backward']:>10,}{pos['head']:>10,}")
     print(f"\n{'row':<34}{'loaded':>10}{'rollout':>10}{'experience':>12}{'update':>10}   peak MiB per phase (median over runs)"
           f"   body positions per phase")
     for row, recs in results.items():
@@ -512,9 +519,9 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
         if ours in results and theirs in results:
             t = [statistics.median(r["seconds"]["total"] for r in results[x]) for x in (ours, theirs)]
             m = [statistics.median(r["peak_rss_mib"] for r in results[x]) for x in (ours, theirs)]
-            b = [sum(positions(x, wl)[k] for k in PHASES) for x in (ours, theirs)]
+            b = [body_work(positions(x, wl)) for x in (ours, theirs)]
             print(f"{NAMES[ours]} / {NAMES[theirs]}: step time {t[0] / t[1]:.2f}x, peak memory {m[0] / m[1]:.2f}x, "
-                  f"body positions {b[0] / b[1]:.2f}x ({what})")
+                  f"body arithmetic {b[0] / b[1]:.2f}x ({what})")
 
 
 def main() -> None:
@@ -556,8 +563,10 @@ def main() -> None:
         ppo = any(row_spec(r)["algo"] == "ppo" for r in args.rows)
         paths = prepare(Path(args.out), args.size, args.layers, wl["prompt_tokens"],
                         max(256, (args.warmup + args.steps) * (B if ppo else wl["groups"])))
+        # runs go on from those stored for this setting: three calls with --runs 1 alternate like one with --runs 3
+        first = 1 + max((r["run"] for recs in stored(args, setting).values() for r in recs), default=-1)
         t0 = time.perf_counter()
-        for run in range(args.runs):
+        for run in range(first, first + args.runs):
             for row in args.rows if run % 2 == 0 else args.rows[::-1]:
                 run_one(row, run, setting, paths, args)
         print(f"{time.perf_counter() - t0:.0f} s in all", flush=True)
