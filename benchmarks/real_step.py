@@ -23,12 +23,15 @@ and ``--micro`` override one knob):
     reasoning  8 prompts of 64 tokens x 8 samples x 512 new tokens, micro-batches of 8 (one
                group; 8 x 576 positions, 1.5x a short micro-batch's 16 x 192)
 
-Both keep 64 completions per step. Every completion runs to the new-token limit (rlhfkit is
-given no EOS id, TRL ``min_new_tokens``), so a real model that would stop early does the same
-work in both libraries. Temperature 1, no top-k / top-p; reward: a cheap function of the text
-(share of letters), the same callable for both. One optimizer step of the 64 completions, a
-k3 KL term of weight 0.3 in the loss against the reference (the base model; with LoRA the base
-with the adapter disabled), scores divided by the batch's std, dropout off.
+Both keep 64 completions per step. Every completion runs to the new-token limit, so a real
+model that would stop early does the same work in both libraries: the worker gives rlhfkit's
+rollout an EOS id no token has (``rl.eos_token_ids``), TRL ``generation_kwargs={"min_new_tokens":
+R}`` (its EOS logits masked until then); each run checks the completions' mean length. Everything
+runs on a CPU (TRL ``use_cpu=True``), so the ratios are CPU ratios. Temperature 1, no top-k /
+top-p; reward: a cheap function of the text (share of letters), the same callable for both. One
+optimizer step of the 64 completions, a k3 KL term of weight 0.3 in the loss against the
+reference (the base model; with LoRA the base with the adapter disabled), scores divided by
+the batch's std, dropout off.
 
 Rows (``--rows``; default: the seven GRPO rows without LoRA):
 
@@ -40,7 +43,8 @@ Rows (``--rows``; default: the seven GRPO rows without LoRA):
     rlhfkit_grpo_unshared  the same with every row's prompt run in full: a benchmark-only switch
                            in the worker makes ``rlhfkit.lean.repeated_rows`` and
                            ``rlhfkit.lean.shared_prompts`` return None (what they do when sharing
-                           does not pay); the arithmetic of TRL's rows, body and head
+                           does not pay); the positions of TRL's completion-position rows, body
+                           and head
     rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update
                            takes transformers' forward over whole rows (no shared prompt there)
                            and runs it twice; rollout and reference as in the first row
@@ -65,15 +69,25 @@ every linear layer but the head), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a se
 started from the policy, through its own adapter with LoRA, KL 0.2 in the reward, its default;
 64 distinct prompts a step; TRL 1.16 has no PPO trainer, so these rows show what the critic costs).
 
-Per step each row also gets the positions it runs through the model's body (all layers; forward
-positions: the backward follows the update's forward, and checkpointing adds a second forward
-of the update) and through the LM head (log-probs of the reference and update forwards, plus
-one row per sampled token), counted from the workload: with P prompt tokens, R new tokens, U
-groups of G and B = U G rows, the rollout runs P prompt positions per distinct prompt and R - 1
-decode positions per row; a scoring forward runs U P + B R positions when prompts are shared
-and B (P + R) otherwise. That is the "less arithmetic" part of a ratio; what is left between
-``rlhfkit_grpo_unshared`` and ``trl_grpo_compact`` (the same positions through body and head)
-is implementation.
+Per step each row also gets the positions it runs through the model's body (all layers) and
+through the LM head, counted from the workload: with P prompt tokens, R new tokens, U groups of
+G and B = U G rows, the rollout runs P prompt positions per distinct prompt and R - 1 decode
+positions per row; a scoring forward (reference, update) runs U P + B R positions when prompts
+are shared and B (P + R) otherwise; checkpointing runs the update's forward twice; the update
+backpropagates through its positions once. "Body arithmetic" counts a backward position as two
+forward ones (with LoRA the frozen weights get no gradient, so there a backward costs less; the
+count is the same for both libraries). The head scores one row per sampled token in the rollout,
+then B R rows per scoring forward for rlhfkit and TRL's completion-position rows, B (P + R - 1)
+for TRL's stock rows on a CPU.
+
+What a ratio is made of: rlhfkit_grpo / trl_grpo is the product of three measured ratios,
+printed under the table when the four rows ran:
+
+    rlhfkit_grpo / rlhfkit_grpo_unshared    shared prompts: less arithmetic (any device)
+    rlhfkit_grpo_unshared / trl_grpo_compact  the same positions through body and head: implementation
+    trl_grpo_compact / trl_grpo             TRL's head scoring every position: less arithmetic, CPU only
+
+The body-arithmetic ratio printed beside each time ratio is what counting alone predicts.
 
 Protocol: each (row, run) is its own process pinned to ``--core`` (``taskset``) with one torch
 thread, ``--warmup`` steps (default 1) then ``--steps`` measured ones (default 3); the rows run
@@ -85,9 +99,10 @@ measured steps (peaks: their maximum); the table gives the median over runs and 
 over runs. Every run is appended to ``--out/results.jsonl`` with its commit; the table reads
 every stored run of the same setting (size, layers, workload, steps, warm-up, seed), run numbers
 go on from the stored ones (so the order keeps alternating across calls: three calls with
-``--runs 1`` make one ``--runs 3``), and ``--report`` prints the table without running anything. TRL's phases are timed from the outside: rollout to the end of its
-``_generate``, experience to the end of ``_generate_and_score_completions`` (reference
-log-probs, rewards, advantages), update to the end of the optimizer step.
+``--runs 1`` make one ``--runs 3``), and ``--report`` prints the table without running
+anything. TRL's phases are timed from the outside: rollout to the end of its ``_generate``,
+experience to the end of ``_generate_and_score_completions`` (reference log-probs, rewards,
+advantages), update to the end of the optimizer step.
 
     python benchmarks/real_step.py --size gpt2 --workload short          # seven rows x 3 runs
     python benchmarks/real_step.py --size smollm2 --workload reasoning --rows rlhfkit_grpo trl_grpo_compact
@@ -515,6 +530,12 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
               f"{m['experience']:>12.0f}{m['update']:>10.0f}   "
               f"{pos['rollout']:,} / {pos['experience']:,} / {pos['update']:,}")
     print()
+    if all(r in results for r in ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "trl_grpo_compact", "trl_grpo")):
+        t = {r: statistics.median(x["seconds"]["total"] for x in results[r]) for r in results}
+        print(f"{NAMES['rlhfkit_grpo']} / {NAMES['trl_grpo']}: {t['rlhfkit_grpo'] / t['trl_grpo']:.2f}x = "
+              f"{t['rlhfkit_grpo'] / t['rlhfkit_grpo_unshared']:.2f}x (shared prompts) x "
+              f"{t['rlhfkit_grpo_unshared'] / t['trl_grpo_compact']:.2f}x (implementation) x "
+              f"{t['trl_grpo_compact'] / t['trl_grpo']:.2f}x (TRL's CPU head scoring every position)")
     for ours, theirs, what in RATIOS:
         if ours in results and theirs in results:
             t = [statistics.median(r["seconds"]["total"] for r in results[x]) for x in (ours, theirs)]
