@@ -5,7 +5,7 @@
 #   make test-real  the slow tier: learning on the real chat model, the cities file route (~13 min; CI runs it too)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
-#   make bench-real  one RL step at real model sizes against TRL (~45 min)
+#   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (~30 h, one core)
 #   make bench-real-model  learning on SmolLM2-135M-Instruct with LoRA: rlhfkit grpo and ppo (defaults)
 #               against TRL's GRPOTrainer on its defaults and on rlhfkit's schedule, 3 seeds, one
 #               core: hours (benchmarks/README.md; tiny check: python benchmarks/real_model.py
@@ -102,11 +102,15 @@ bench: $(BENCH_STAMP) $(TRL112)/.installed
 	$(BIN)/python benchmarks/time_to_accuracy.py
 	$(BIN)/python benchmarks/ppo_vs_tutorial.py
 
-# One GRPO / PPO step at GPT-2 small's and (4 layers of) Qwen2.5-0.5B's shape against TRL's
-# GRPOTrainer, two contenders at a time: about 45 minutes (README, "One RL step at real sizes")
+# One GRPO step against TRL's GRPOTrainer, seven rows that split the ratio into shared prompts,
+# TRL's CPU head and implementation, 3 runs x (1 warm-up + 3 steps), one row at a time on core 0:
+# GPT-2 small's shape and the real chat model on the short workload, the real chat model on the
+# reasoning-shaped one; about 30 hours, an estimate (benchmarks/README.md, real_step.py)
 bench-real: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/real_step.py --size gpt2 --warmup 0 --cores 0 1
-	$(BIN)/python benchmarks/real_step.py --size qwen --layers 4 --warmup 0 --cores 0 1
+	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
+	$(BIN)/python benchmarks/real_step.py --size gpt2 --workload short --core 0
+	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload short --core 0
+	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload reasoning --core 0
 
 # Steps to a held-out target and seconds per phase on the real chat model (rlhfkit fetch-model's),
 # four contenders x seeds 0 1 2 one after another on core 0 (benchmarks/README.md): several hours
