@@ -61,7 +61,7 @@ PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: lint browser tmux
-	$(PYTEST) -m "not long and not real and not heavy"
+	$(PYTEST) -m "not long and not real and not heavy and not bench"
 
 # The slow tier, which CI runs after make test: learning on the real chat model
 # (tests/test_real_learning.py, marked real: GRPO with LoRA must teach SmolLM2-135M-Instruct the
@@ -78,7 +78,7 @@ test-long: lint
 # A minute or two: the tests not marked slow (see markers in pyproject.toml), which leaves out the
 # end-to-end, learning, kill/resume, DDP and browser tests.
 test-fast: lint
-	$(PYTEST) -m "not slow and not long"
+	$(PYTEST) -m "not slow and not long and not bench"
 
 # Benchmarks (each pins itself to one core). TRL is an optional benchmark dependency: the
 # .[bench] extra (trl 1.16, for GRPOTrainer); TRL's PPOTrainer only exists up to trl 1.12 and
@@ -107,6 +107,7 @@ bench: $(BENCH_STAMP) $(TRL112)/.installed
 # GPT-2 small's shape and the real chat model on the short workload, the real chat model on the
 # reasoning-shaped one; about 30 hours, an estimate (benchmarks/README.md, real_step.py)
 bench-real: $(BENCH_STAMP)
+	$(BIN)/pytest -m bench -q  # the forced completion-position scoring equals TRL's stock head
 	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
 	$(BIN)/python benchmarks/real_step.py --size gpt2 --workload short --core 0
 	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload short --core 0

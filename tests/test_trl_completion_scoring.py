@@ -4,8 +4,9 @@ label, as it does where Triton runs, instead of every position as on a CPU. Forc
 the per-token log-probs, entropies and gradients must be the same, and both must equal the
 log-softmax of the model's own logits; the forced path must project fewer rows.
 
-TRL is an optional benchmark dependency: without it the test is skipped. It is imported in the
-test (about 9 s on a busy core), not when the file is collected.
+TRL is an optional benchmark dependency, so the test is marked ``bench``: ``make test`` leaves it
+out and ``make bench-real``, which installs TRL, runs it before the benchmark. TRL is imported in
+the test (about 9 s on a busy core), not when the file is collected.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def scored(trl_utils, model, ids, mask, labels, weights):
     return out.log_probs.detach(), out.entropy.detach(), sum(rows), grads
 
 
+@pytest.mark.bench
 def test_completion_only_scoring_matches_the_stock_cpu_head():
+    import trl.trainer.utils as trl_utils
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    trl_utils = pytest.importorskip("trl.trainer.utils")
     real_step = import_example(BENCHMARKS, "real_step")
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
