@@ -12,30 +12,58 @@ periodic evaluation is excluded for all of them. rlhfkit measures the three phas
 HF Trainer (generation, scoring, loss, backward and optimizer step; the dataloader fetch
 and logging fall outside, to TRL's favour), and runs the same greedy evaluation
 (``rlhfkit.evaluate.evaluate_doubling``) outside the timed span. A step is one rollout of
-64 completions for everyone (TRL: one optimizer step per generation batch of 64).
+64 completions for everyone; TRL takes ``steps_per_generation x num_iterations`` optimizer
+steps per rollout, and is evaluated once all of them have run. The table gives rollouts to
+the target and seconds per rollout apart, median and min-max over the seeds: the first is
+what the configuration buys, the second what the implementation costs.
 
-Configurations (each from a small sweep on seeds 10-12, never on the reported seeds 0-2; steps
-to 0.99 with the exact reward):
+Contenders (rlhfkit's from a small sweep on seeds 10-12, never on the reported seeds 0-2;
+steps to 0.99 with the exact reward):
 
-    rlhfkit GRPO  ``rlhfkit grpo`` defaults (config.ALGO_DEFAULTS): 16 prompts x 4 samples,
+    rlhfkit_grpo  ``rlhfkit grpo`` defaults (config.ALGO_DEFAULTS): 16 prompts x 4 samples,
                   2 epochs x 2 minibatches of 32, Adam 3e-4, k3 KL in the loss (beta 0.3 since
                   commit f7bea22, chosen across three rewards by robustness.py; 0.05 before,
-                  with each group's std dividing the scores). (Groups of 8: 150-190 steps, of
-                  4: 90-100; lr 5e-4 or 1e-3, KL 0 or 0.1, one epoch: all slower.)
-    rlhfkit PPO   ``rlhfkit ppo`` defaults (64 prompts, 2 x 2 minibatches of 32, KL 0.2 in the
-                  reward, GAE) with, for a reward *function*, a value head shared with the actor
-                  (there is no reward model to start a critic from) and Adam at 6e-4: 75-95
-                  steps and 35% less time per step than a separate critic started from the
-                  policy (65-110 steps at 3e-4).
-    TRL GRPO      GRPOConfig defaults adapted to the task: 8 prompts x 8 samples
-                  (``num_generations=8``), one optimizer step per rollout of 64
-                  (``per_device_train_batch_size=64``, ``num_iterations=1``), loss 'dapo',
-                  ``max_completion_length=8``, float32, no gradient checkpointing, constant
-                  learning rate 5e-4 (the default 1e-6 is for billion-parameter models) and KL
-                  weight ``beta=0.1``, both from a sweep (``bench_common.trl_grpo_config``).
-                  Earlier points, all with beta 0: lr 2e-4 (not at 0.99 after 400 steps), 3e-4
-                  (295-365 steps), 5e-4 (250 steps on one seed, not reached in 400 on the
-                  other), 7e-4 and 1e-3 (not reached); ``num_generations=4``: no better (245-380).
+                  with each group's std dividing the scores), scores divided by the batch's
+                  std, token-mean loss. (Groups of 8: 150-190 steps, of 4: 90-100; lr 5e-4 or
+                  1e-3, KL 0 or 0.1, one epoch: all slower.)
+    rlhfkit_ppo   ``rlhfkit ppo`` defaults (64 prompts, 2 x 2 minibatches of 32, KL 0.2 in the
+                  reward, GAE, running score normalisation) with, for a reward *function*, a
+                  value head shared with the actor (there is no reward model to start a critic
+                  from) and Adam at 6e-4: 75-95 steps and 35% less time per step than a
+                  separate critic started from the policy (65-110 steps at 3e-4).
+    trl_grpo      TRL 1.16's GRPOTrainer on GRPOConfig's defaults adapted to the task: 8 prompts
+                  x 8 samples (``num_generations=8``), one optimizer step per rollout of 64
+                  (``per_device_train_batch_size=64``, ``num_iterations=1``), loss 'dapo', each
+                  group's std dividing the scores, ``max_completion_length=8``, float32, no
+                  gradient checkpointing, constant learning rate 5e-4 (the default 1e-6 is for
+                  billion-parameter models) and KL weight ``beta=0.1`` (k3 in the loss times
+                  the importance ratio, ``use_bias_correction_kl``'s default), both from a
+                  sweep (``bench_common.trl_grpo_config``). Earlier points, all with beta 0: lr
+                  2e-4 (not at 0.99 after 400 steps), 3e-4 (295-365 steps), 5e-4 (250 steps on
+                  one seed, not reached in 400 on the other), 7e-4 and 1e-3 (not reached);
+                  ``num_generations=4``: no better (245-380).
+    trl_schedule  GRPOTrainer on rlhfkit GRPO's schedule, read from ``rlhfkit grpo``'s resolved
+                  config (:func:`trl_on_rlhfkit_schedule`): groups of 4, 2 optimizer steps of 32
+                  rows per rollout (``steps_per_generation=2``), 2 passes (``num_iterations=2``),
+                  lr 3e-4 constant, ``beta=0.3`` with k3 in the loss as rlhfkit computes it
+                  (``use_bias_correction_kl=False``), ``scale_rewards='batch'``, loss 'bnpo'
+                  (the token mean of one optimizer step's rows: rlhfkit's token_mean), epsilon
+                  0.2, gradient clip 1, temperature 1. Left different: TRL shuffles the rollout's
+                  rows once and keeps the two minibatches for both passes, rlhfkit draws new
+                  minibatches of whole groups each epoch; rlhfkit clips scores to +-5 (no
+                  effect on the 0/1 verifier); the sampling's random numbers.
+    grpo_trl_schedule
+                  rlhfkit GRPO on trl_grpo's configuration, read from ``trl_grpo_config``
+                  (:func:`grpo_on_trl_schedule`; ``--trl-lr``, ``--trl-beta`` and
+                  ``--trl-num-generations`` move both): 8 x 8, one minibatch of 64 and one epoch,
+                  lr 5e-4, beta 0.1, each group's std, token mean. TRL's ratio-weighted k3 has, at
+                  ratio 1 (one optimizer step per rollout), the reverse KL's gradient
+                  ``beta * (log pi - log ref)`` per token: rlhfkit's k2 loss term, which this
+                  contender uses.
+
+``--trl-override KEY=VALUE ...`` sets further GRPOConfig keys of both TRL contenders (a sweep:
+``num_generations=8``, ``num_iterations=1``, ``beta=0``, ``use_bias_correction_kl=true``, ...);
+``--grpo-override`` / ``--ppo-override`` take rlhfkit's dotted keys (``ppo.kl_estimator=k2``).
 
 Reward (``--reward``):
     exact       (default) the task's exact-match verifier, a Python callable: 1 if the answer is
@@ -53,10 +81,14 @@ Reward (``--reward``):
 ``--clock cpu`` replaces wall seconds by each process's CPU seconds (for all contenders alike),
 which other jobs on a shared machine disturb much less.
 
-Needs TRL (``pip install -e .[bench]``); without it the TRL contender is skipped with a note.
+Needs TRL (``pip install -e .[bench]``); without it the TRL contenders are skipped with a note.
 
-    python benchmarks/time_to_accuracy.py                      # 3 seeds, all contenders
+    python benchmarks/time_to_accuracy.py --clock cpu          # 3 seeds, all contenders
+    python benchmarks/time_to_accuracy.py --seeds 0 --max-steps 5 --eval-every 5   # does each run?
     python benchmarks/time_to_accuracy.py --seeds 0 --contenders trl_grpo --trl-lr 1e-3
+    python benchmarks/time_to_accuracy.py --seeds 10 11 --contenders trl_schedule --trl-override beta=0
+
+The last results, with commit, machine and spread, are in benchmarks/README.md.
 """
 
 from __future__ import annotations
