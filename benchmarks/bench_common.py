@@ -128,21 +128,23 @@ TRL_GRPO_BETA = 0.1
 
 
 def trl_grpo_config(output_dir: str, seed: int, max_steps: int, lr: float = TRL_GRPO_LR, beta: float = TRL_GRPO_BETA,
-                    num_generations: int = 8, batch_size: int = 64):
+                    num_generations: int = 8, batch_size: int = 64, overrides: dict | None = None):
     """TRL's GRPOConfig: its documented defaults (loss 'dapo', group-scaled rewards, epsilon 0.2,
     one iteration per generation, temperature 1, no top-k / top-p) adapted to the doubling task:
     64 completions per step in one optimizer step, 8-token completions, float32 and no
     gradient checkpointing on a CPU, a constant learning rate and KL weight chosen by a sweep
-    (time_to_accuracy.py's docstring). The default lr 1e-6 is for billion-parameter models."""
+    (time_to_accuracy.py's docstring). The default lr 1e-6 is for billion-parameter models.
+    ``overrides``: further GRPOConfig keywords, which win over all of the above."""
     from trl import GRPOConfig
 
-    return GRPOConfig(
+    kw = dict(
         output_dir=output_dir, learning_rate=lr, lr_scheduler_type="constant", beta=beta,
         num_generations=num_generations, per_device_train_batch_size=batch_size, gradient_accumulation_steps=1,
         max_completion_length=8, max_steps=max_steps, bf16=False, gradient_checkpointing=False, use_cpu=True,
         seed=seed, logging_steps=10, log_level="error", report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    return GRPOConfig(**{**kw, **(overrides or {})})
 
 
 class PhaseClock:
