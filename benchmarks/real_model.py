@@ -27,8 +27,8 @@ Contenders (one step = one rollout of 16 completions for all of them):
                    checkpointing), the learning rate is rlhfkit's 3e-4 (--trl-lr; TRL's 1e-6
                    is meant for full fine-tuning of billion-parameter models)
     trl_schedule   TRL GRPOTrainer on rlhfkit_grpo's schedule: num_generations 4,
-                   scale_rewards 'batch', beta 0 (rlhfkit's default for a LoRA policy; k3 in
-                   the loss, TRL's only estimator, when set),
+                   scale_rewards 'batch', beta 0 (rlhfkit's default for a LoRA policy; when
+                   set, k3 in the loss as rlhfkit computes it: use_bias_correction_kl off),
                    num_iterations 2, one optimizer step per minibatch of 16 (per-device batch =
                    minibatch, steps_per_generation = batch / minibatch), loss 'bnpo' (a token
                    mean over the optimizer step's rows without gradient accumulation: rlhfkit's
@@ -133,6 +133,7 @@ def trl_settings(kind: str, args) -> dict:
             "steps_per_generation": pc.batch_size // minibatch, "num_iterations": pc.ppo_epochs,
             "learning_rate": pc.lr, "lr_scheduler_type": pc.lr_schedule, "beta": pc.kl_coef,
             "scale_rewards": pc.scale_rewards, "loss_type": "bnpo", "epsilon": pc.clip_range,
+            "use_bias_correction_kl": False,  # TRL's default weights k3 by the ratio (rlhfkit's k2 gradient)
             "temperature": pc.temperature, "max_grad_norm": pc.max_grad_norm}
 
 
