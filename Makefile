@@ -2,7 +2,7 @@
 #   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
 #   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers)
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
-#   make test-real  the slow tier: learning on the real chat model, the cities file route (~13 min; CI runs it too)
+#   make test-real  the slow tier: learning on the real chat model, the cities file route (~10 min; CI runs it too)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
 #   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (~30 h, one core)
