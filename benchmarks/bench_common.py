@@ -6,9 +6,11 @@ runs torch with one intra-op thread, so contenders see the same hardware.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +18,28 @@ from pathlib import Path
 import torch
 
 DEFAULT_OUT = "runs/bench_tutorial"
+RESULTS = "results.jsonl"  # under a script's --out: every run it made, read back by its --report
+
+
+def commit() -> str:
+    """The checked-out commit (short), to date a stored result."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def store_result(out: Path | str, record: dict) -> None:
+    """Append one run, with the commit, to ``out/results.jsonl``: runs made apart (another core,
+    another day) are merged by the script's ``--report``."""
+    with open(Path(out) / RESULTS, "a") as f:
+        f.write(json.dumps({**record, "commit": commit()}) + "\n")
+
+
+def stored_results(out: Path | str, match: dict) -> list[dict]:
+    """The runs in ``out/results.jsonl`` whose keys hold the values in ``match``, oldest first."""
+    path = Path(out) / RESULTS
+    rows = map(json.loads, path.read_text().splitlines() if path.exists() else [])
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
 
 
 def pin_to_core(core: int = 0) -> None:

@@ -77,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import pin_to_core, pinned_cmd, quiet_hf  # noqa: E402
+from bench_common import pin_to_core, pinned_cmd, quiet_hf, store_result, stored_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "real_model"
@@ -291,9 +291,8 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
         print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n")
         raise SystemExit(f"{contender} seed {seed} failed (exit {proc.returncode})")
     res = {**json.loads(lines[-1][len(RESULT):]), "seed": seed, "core": args.core}
-    with open(Path(args.out) / "results.jsonl", "a") as f:  # every run kept: --report merges runs made apart
-        f.write(json.dumps({"contender": contender, "seed": seed, "steps_max": args.steps, "target": args.target,
-                            "eval_every": args.eval_every, "commit": commit(), **res}) + "\n")
+    store_result(args.out, {"contender": contender, "steps_max": args.steps, "target": args.target,
+                            "eval_every": args.eval_every, **res})  # every run kept: --report merges runs made apart
     ph = res["phase_s"]
     held = "/".join(f"{res['last'][k]:.2f}" for k in REWARDS) if res["last"] else "-"
     print(f"  {CONTENDERS[contender]:<24} seed {seed}: {res['steps']:>3} steps{'' if res['reached'] else '*'} "
@@ -303,18 +302,12 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
     return res
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
-def stored_results(args, contenders) -> dict[str, list[dict]]:
+def stored_runs(args, contenders) -> dict[str, list[dict]]:
     """The runs in --out's results.jsonl made with this --steps/--target/--eval-every (the last one of
     each contender and seed), for contenders and seeds run apart, e.g. one seed per core."""
     found: dict[tuple[str, int], dict] = {}
-    for row in map(json.loads, (Path(args.out) / "results.jsonl").read_text().splitlines()):
-        if (row["steps_max"], row["target"], row["eval_every"]) == (args.steps, args.target, args.eval_every):
-            found[row["contender"], row["seed"]] = row
+    for row in stored_results(args.out, {"steps_max": args.steps, "target": args.target, "eval_every": args.eval_every}):
+        found[row["contender"], row["seed"]] = row
     results = {c: [found[c, s] for s in args.seeds if (c, s) in found] for c in contenders}
     missing = [f"{c} seed {s}" for c in contenders for s in args.seeds if (c, s) not in found]
     if missing:
@@ -405,7 +398,7 @@ def main() -> None:
         return worker(args)
     contenders = list(args.contenders)
     if args.report:
-        return report(stored_results(args, contenders), args)
+        return report(stored_runs(args, contenders), args)
     if any(c.startswith("trl") for c in contenders):
         try:
             import trl

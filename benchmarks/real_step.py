@@ -128,9 +128,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import PhaseClock, clock_grpo_trainer, marked, pin_to_core, pinned_cmd, quiet_hf  # noqa: E402
+from bench_common import (  # noqa: E402
+    PhaseClock,
+    clock_grpo_trainer,
+    marked,
+    pin_to_core,
+    pinned_cmd,
+    quiet_hf,
+    store_result,
+    stored_results,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
 DEFAULT_OUT = "runs/bench_real"
 LR, KL = 1e-5, 0.3
@@ -449,11 +457,6 @@ def worker(args) -> None:
     print(RESULT + json.dumps(result), flush=True)
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
 def summarise(result: dict) -> dict:
     """One run: the median of its measured steps per phase (and of their totals), each phase's
     largest peak, and the peak over the run."""
@@ -478,8 +481,7 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
         print(f"  {NAMES[row]}, run {run}: failed (exit {proc.returncode}); skipped:\n{proc.stderr[-3000:]}", flush=True)
         return None
     res = summarise(json.loads(lines[-1][len(RESULT):]))
-    with open(Path(args.out) / "results.jsonl", "a") as f:  # every run kept: --report reads them back
-        f.write(json.dumps({"row": row, "run": run, **setting, "commit": commit(), **res}) + "\n")
+    store_result(args.out, {"row": row, "run": run, **setting, **res})  # every run kept: --report reads them back
     lengths = res["completion_tokens"]
     short = "" if lengths and min(lengths) == setting["workload"]["new_tokens"] else f" (completion tokens {lengths}!)"
     print(f"  {NAMES[row]}, run {run}: {res['seconds']['total']:.1f} s/step, peak {res['peak_rss_mib']:.0f} MiB "
@@ -490,10 +492,8 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
 def stored(args, setting: dict) -> dict[str, list[dict]]:
     """The runs in --out/results.jsonl made with this setting, by row."""
     found: dict[str, list[dict]] = {}
-    path = Path(args.out) / "results.jsonl"
-    for rec in map(json.loads, path.read_text().splitlines() if path.exists() else []):
-        if all(rec.get(k) == v for k, v in setting.items()):
-            found.setdefault(rec["row"], []).append(rec)
+    for rec in stored_results(args.out, setting):
+        found.setdefault(rec["row"], []).append(rec)
     return found
 
 
