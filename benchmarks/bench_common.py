@@ -22,10 +22,15 @@ RESULTS = "results.jsonl"  # under a script's --out: every run it made, read bac
 
 
 def commit() -> str:
-    """The checked-out commit (short), to date a stored result."""
+    """The checked-out commit (short), to date a stored result; ``$RLHFKIT_BENCH_COMMIT`` where
+    the tree runs without its git history (a copy sent to another machine)."""
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        found = out.stdout.strip()
+    except OSError:
+        found = ""
+    return found or os.environ.get("RLHFKIT_BENCH_COMMIT", "unknown")
 
 
 def store_result(out: Path | str, record: dict) -> None:
@@ -175,9 +180,11 @@ class PhaseClock:
     """Marks inside a step: ``mark(name)`` closes the phase running since the previous mark and
     records its seconds in ``rows`` and, on Linux, the phase's peak resident set (MiB) in
     ``peaks``: the high-water mark is reset at every mark (``/proc/self/clear_refs``), so each
-    phase's peak is its own."""
+    phase's peak is its own. With ``cuda``, every mark waits for the GPU's queued work first and
+    the peak is the CUDA allocator's (``torch.cuda.max_memory_allocated``, reset at each mark)."""
 
-    def __init__(self):
+    def __init__(self, cuda: bool = False):
+        self.cuda = cuda  # time after the GPU's queued work and read the allocator's peak instead of VmHWM
         self.rows: list[dict[str, float]] = []
         self.peaks: list[dict[str, float]] = []
         self.t = None
@@ -189,17 +196,27 @@ class PhaseClock:
         """Open a step (a no-op while one is open)."""
         if self.t is not None:
             return
+        if self.cuda:
+            torch.cuda.synchronize()
         if self.rss_at_first_start is None:
-            self.rss_at_first_start = proc_status_mib("VmRSS")
-        reset_peak_rss()
+            self.rss_at_first_start = torch.cuda.memory_allocated() / 2**20 if self.cuda else proc_status_mib("VmRSS")
+        self._reset_peak()
         self.t, self.cur, self.cur_peak = time.perf_counter(), {}, {}
 
+    def _reset_peak(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak_rss()
+
     def mark(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
         now = time.perf_counter()
         if self.t is not None and name not in self.cur:
             self.cur[name] = now - self.t
-            self.cur_peak[name] = proc_status_mib("VmHWM")
-            reset_peak_rss()
+            self.cur_peak[name] = torch.cuda.max_memory_allocated() / 2**20 if self.cuda else proc_status_mib("VmHWM")
+            self._reset_peak()
             self.t = now
 
     def end(self, name: str):

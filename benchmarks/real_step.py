@@ -10,6 +10,9 @@ Models (float32), ``--size``:
     smollm2  the real chat model SmolLM2-135M-Instruct (``rlhfkit fetch-model
              smollm2-135m-instruct``, cached; loaded as is): 30 layers, width 576, 9 heads / 3 KV
              heads, vocabulary 49152, tied embeddings (135M)
+    smollm2-init  the same model's config, tokenizer and generation config with random weights:
+             the same arithmetic where the converted weights cannot travel (``--shape-from DIR``:
+             a directory holding them, by default the fetched model's)
 
 The random-init models get a byte-level BPE tokenizer of the model's full vocabulary, trained
 here with ``tokenizers`` on the Python standard library's sources; ``--layers`` keeps fewer of
@@ -27,7 +30,11 @@ Both keep 64 completions per step. Every completion runs to the new-token limit,
 model that would stop early does the same work in both libraries: the worker gives rlhfkit's
 rollout an EOS id no token has (``rl.eos_token_ids``), TRL ``generation_kwargs={"min_new_tokens":
 R}`` (its EOS logits masked until then); each run checks the completions' mean length. Everything
-runs on a CPU (TRL ``use_cpu=True``), so the ratios are CPU ratios. Temperature 1, no top-k /
+runs on a CPU (TRL ``use_cpu=True``), so the ratios are CPU ratios, unless ``--device cuda``:
+then every row runs on the GPU (float32 weights, TF32 matrix products for both libraries), the
+phases are timed after the GPU's queued work, and the peaks are the CUDA allocator's
+(``torch.cuda.max_memory_allocated``, reset at each phase); TRL's head then scores completion
+positions only as shipped (its Triton path), so the ``_compact`` rows are not run there. Temperature 1, no top-k /
 top-p; reward: a cheap function of the text (share of letters), the same callable for both. One
 optimizer step of the 64 completions, a k3 KL term of weight 0.3 in the loss against the
 reference (the base model; with LoRA the base with the adapter disabled), scores divided by
@@ -147,6 +154,7 @@ SIZES = {
     "gpt2": {"vocab": 50257, "layers": 12},
     "qwen": {"vocab": 151936, "layers": 24},
     "smollm2": {"vocab": 49152, "layers": 30, "fetch": "smollm2-135m-instruct"},
+    "smollm2-init": {"vocab": 49152, "layers": 30, "shape_of": "smollm2-135m-instruct"},
 }
 WORKLOADS = {
     "short": {"prompt_tokens": 128, "new_tokens": 64, "groups": 16, "group_size": 4, "micro": 16},
@@ -182,6 +190,20 @@ RATIOS = [
     ("rlhfkit_grpo_lora", "trl_grpo_compact_lora", "LoRA, TRL scoring completion positions"),
 ]
 PHASES = ("rollout", "experience", "update")
+GPU_NAMES = {"trl_grpo": "TRL (head: completion positions)", "trl_grpo_ckpt": "TRL, checkpointing",
+             "trl_grpo_lora": "TRL, LoRA"}
+GPU_RATIOS = [
+    ("rlhfkit_grpo", "trl_grpo", "both as shipped on a GPU: TRL scores completion positions only"),
+    ("rlhfkit_grpo_unshared", "trl_grpo", "same positions through body and head: implementation"),
+    ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "shared prompts, within rlhfkit"),
+    ("rlhfkit_grpo", "trl_grpo_ckpt", "TRL at its default checkpointing"),
+    ("rlhfkit_grpo_ckpt", "trl_grpo_ckpt", "both checkpointing"),
+    ("rlhfkit_grpo_lora", "trl_grpo_lora", "LoRA, both as shipped"),
+]
+
+
+def row_name(row: str, device: str = "cpu") -> str:
+    return GPU_NAMES.get(row, NAMES[row]) if device == "cuda" else NAMES[row]
 
 
 def row_spec(row: str) -> dict:
@@ -323,7 +345,26 @@ def write_prompts(path: Path, tok, length: int, count: int) -> None:
     tmp.replace(path)
 
 
-def prepare(out: Path, size: str, layers: int, prompt_tokens: int, prompts: int) -> dict[str, str]:
+def shaped_like(src: Path, model_dir: Path):
+    """A model with ``src``'s config, tokenizer and generation config and random weights, saved
+    to ``model_dir``; returns the tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    if not (src / "config.json").exists():
+        sys.exit(f"{src} holds no config.json: pass --shape-from a directory with the model's config and tokenizer")
+    print(f"building a random-init model shaped like {src} (cached) ...", flush=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.float32)
+    with contextlib.suppress(OSError):
+        model.generation_config = GenerationConfig.from_pretrained(src)
+    tok = AutoTokenizer.from_pretrained(src)
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    return tok
+
+
+def prepare(out: Path, size: str, layers: int, prompt_tokens: int, prompts: int,
+            shape_from: str | None = None) -> dict[str, str]:
     """The model directory (weights + tokenizer) and the prompt file, built once under ``out``."""
     from transformers import AutoTokenizer
 
@@ -341,6 +382,12 @@ def prepare(out: Path, size: str, layers: int, prompt_tokens: int, prompts: int)
     quiet_hf()
     if (model_dir / "config.json").exists():
         tok = AutoTokenizer.from_pretrained(model_dir)
+    elif "shape_of" in SIZES[size]:
+        if shape_from is None:
+            from rlhfkit.fetch import fetch_model
+
+            shape_from = fetch_model(SIZES[size]["shape_of"])["dir"]
+        tok = shaped_like(Path(shape_from), model_dir)
     else:
         tok_dir = out / f"tokenizer_{size}"
         if (tok_dir / "tokenizer.json").exists():
@@ -386,10 +433,10 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
         model.update(lora_r=LORA["r"], lora_alpha=LORA["alpha"])
     cfg = Config().replace(
         run={"out_dir": str(out), "seed": args.seed, "progress": False, "threads": 1, "checkpoint_every": 0,
-             "tensorboard": False},
+             "tensorboard": False, "device": args.device},
         model=model, ppo=ppo, value={"lora": s["lora"]}, reward={"function": "real_step:letter_share"},
         data={"path": paths["prompts"], "max_prompt_length": wl["prompt_tokens"]})
-    clock = PhaseClock()
+    clock = PhaseClock(cuda=args.device == "cuda")
     rl.rollout = marked(rl.rollout, clock, "rollout", start=True)
     rl.make_experience = marked(rl.make_experience, clock, "experience")
     rl.ppo_update = marked(rl.ppo_update, clock, "update", end=True)
@@ -420,7 +467,7 @@ def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
         per_device_train_batch_size=wl["micro"], gradient_accumulation_steps=B // wl["micro"],
         max_completion_length=wl["new_tokens"], generation_kwargs={"min_new_tokens": wl["new_tokens"]},
         scale_rewards="batch", disable_dropout=True, temperature=1.0, max_steps=steps, bf16=False,
-        gradient_checkpointing=s["ckpt"], use_cpu=True, seed=args.seed, logging_steps=1000, log_level="error",
+        gradient_checkpointing=s["ckpt"], use_cpu=args.device == "cpu", seed=args.seed, logging_steps=1000, log_level="error",
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     peft_config = None
     if s["lora"]:
@@ -428,7 +475,7 @@ def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
 
         peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
                                  target_modules="all-linear", task_type="CAUSAL_LM")
-    clock = PhaseClock()
+    clock = PhaseClock(cuda=args.device == "cuda")
     trainer = GRPOTrainer(model=model, reward_funcs=letter_share, args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
                           peft_config=peft_config)
@@ -452,8 +499,12 @@ def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
 def worker(args) -> None:
     pin_to_core(args.core)
     quiet_hf()
+    if args.device == "cuda":  # the same matrix-product precision for both libraries: TF32
+        torch.set_float32_matmul_precision("high")
     wl, paths = json.loads(args.wl), json.loads(args.paths)
     result = (run_trl if args.worker.startswith("trl") else run_rlhfkit)(args.worker, paths, wl, args)
+    if args.device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
     print(RESULT + json.dumps(result), flush=True)
 
 
@@ -465,11 +516,13 @@ def summarise(result: dict) -> dict:
     sec["total"] = statistics.median(sum(s["seconds"][k] for k in PHASES) for s in steps)
     peak = {k: max(s["peak_mib"][k] for s in steps) for k in PHASES}
     return {"seconds": sec, "peak_mib": peak, "loaded_mib": result["loaded_mib"],
-            "peak_rss_mib": max(result["loaded_mib"], *peak.values()), "completion_tokens": result["completion_tokens"]}
+            "peak_rss_mib": max(result["loaded_mib"], *peak.values()), "completion_tokens": result["completion_tokens"],
+            **({"gpu": result["gpu"]} if "gpu" in result else {})}
 
 
 def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None:
     cmd = pinned_cmd(args.core, __file__, "--worker", row, "--size", args.size, "--layers", str(args.layers),
+                     "--device", args.device,
                      "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
                      "--core", str(args.core), "--out", args.out, "--wl", json.dumps(setting["workload"]),
                      "--paths", json.dumps(paths))
@@ -478,13 +531,14 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if proc.returncode or not lines:
-        print(f"  {NAMES[row]}, run {run}: failed (exit {proc.returncode}); skipped:\n{proc.stderr[-3000:]}", flush=True)
+        print(f"  {row_name(row, args.device)}, run {run}: failed (exit {proc.returncode}); skipped:\n{proc.stderr[-3000:]}", flush=True)
         return None
     res = summarise(json.loads(lines[-1][len(RESULT):]))
     store_result(args.out, {"row": row, "run": run, **setting, **res})  # every run kept: --report reads them back
     lengths = res["completion_tokens"]
     short = "" if lengths and min(lengths) == setting["workload"]["new_tokens"] else f" (completion tokens {lengths}!)"
-    print(f"  {NAMES[row]}, run {run}: {res['seconds']['total']:.1f} s/step, peak {res['peak_rss_mib']:.0f} MiB "
+    print(f"  {row_name(row, args.device)}, run {run}: {res['seconds']['total']:.1f} s/step, "
+          f"peak {res['peak_rss_mib']:.0f} MiB "
           f"({time.perf_counter() - t0:.0f} s wall){short}", flush=True)
     return res
 
@@ -507,41 +561,51 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
     wl = setting["workload"]
     runs = sorted({len(v) for v in results.values()})
     commits = sorted({r["commit"] for v in results.values() for r in v})
-    print(f"\nOne RL step, {args.size} with {args.layers} layers ({SIZES[args.size]['vocab']}-token vocabulary), float32; "
+    gpu = setting.get("device") == "cuda"
+    name = lambda row: row_name(row, "cuda" if gpu else "cpu")  # noqa: E731
+    where = (f"each row alone on the GPU ({', '.join(sorted({r.get('gpu', '?') for v in results.values() for r in v}))}),"
+             f" float32 weights, TF32 matrix products" if gpu else "float32; each row alone on one core, 1 torch thread")
+    memory = "peak allocated GPU memory" if gpu else "peak resident set"
+    print(f"\nOne RL step, {args.size} with {args.layers} layers ({SIZES[args.size]['vocab']}-token vocabulary); "
           f"{wl['groups']} prompts of {wl['prompt_tokens']} tokens x {wl['group_size']} samples x {wl['new_tokens']} new "
-          f"tokens, one optimizer step in micro-batches of {wl['micro']}; each row alone on one core, 1 torch thread; "
+          f"tokens, one optimizer step in micro-batches of {wl['micro']}; {where}; "
           f"{setting['warmup']} warm-up + {setting['steps']} measured step(s) a run, {'/'.join(map(str, runs))} run(s), "
           f"commit {', '.join(commits)}. Seconds: median over runs of each run's median step (min-max over runs); "
-          f"peak resident set in MiB; positions per step through the model's body (forward, backward) and its LM head")
+          f"{memory} in MiB; positions per step through the model's body (forward, backward) and its LM head")
     print(f"{'row':<34}{'rollout':>20}{'experience':>20}{'update':>22}{'step':>22}{'peak MiB':>20}"
           f"{'body fwd':>10}{'body bwd':>10}{'head':>10}")
     for row, recs in results.items():
         sec = [spread([r["seconds"][k] for r in recs], ".1f") for k in (*PHASES, "total")]
         pos = positions(row, wl)
         body = sum(pos[k] for k in PHASES)
-        print(f"{NAMES[row]:<34}{sec[0]:>20}{sec[1]:>20}{sec[2]:>22}{sec[3]:>22}"
+        print(f"{name(row):<34}{sec[0]:>20}{sec[1]:>20}{sec[2]:>22}{sec[3]:>22}"
               f"{spread([r['peak_rss_mib'] for r in recs], '.0f'):>20}{body:>10,}{pos['backward']:>10,}{pos['head']:>10,}")
     print(f"\n{'row':<34}{'loaded':>10}{'rollout':>10}{'experience':>12}{'update':>10}   peak MiB per phase (median over runs)"
           f"   body positions per phase")
     for row, recs in results.items():
         m = {k: statistics.median(r["peak_mib"][k] for r in recs) for k in PHASES}
         pos = positions(row, wl)
-        print(f"{NAMES[row]:<34}{statistics.median(r['loaded_mib'] for r in recs):>10.0f}{m['rollout']:>10.0f}"
+        print(f"{name(row):<34}{statistics.median(r['loaded_mib'] for r in recs):>10.0f}{m['rollout']:>10.0f}"
               f"{m['experience']:>12.0f}{m['update']:>10.0f}   "
               f"{pos['rollout']:,} / {pos['experience']:,} / {pos['update']:,}")
     print()
-    if all(r in results for r in ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "trl_grpo_compact", "trl_grpo")):
+    if gpu and all(r in results for r in ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "trl_grpo")):
+        t = {r: statistics.median(x["seconds"]["total"] for x in results[r]) for r in results}
+        print(f"{name('rlhfkit_grpo')} / {name('trl_grpo')}: {t['rlhfkit_grpo'] / t['trl_grpo']:.2f}x = "
+              f"{t['rlhfkit_grpo'] / t['rlhfkit_grpo_unshared']:.2f}x (shared prompts) x "
+              f"{t['rlhfkit_grpo_unshared'] / t['trl_grpo']:.2f}x (implementation)")
+    if not gpu and all(r in results for r in ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "trl_grpo_compact", "trl_grpo")):
         t = {r: statistics.median(x["seconds"]["total"] for x in results[r]) for r in results}
         print(f"{NAMES['rlhfkit_grpo']} / {NAMES['trl_grpo']}: {t['rlhfkit_grpo'] / t['trl_grpo']:.2f}x = "
               f"{t['rlhfkit_grpo'] / t['rlhfkit_grpo_unshared']:.2f}x (shared prompts) x "
               f"{t['rlhfkit_grpo_unshared'] / t['trl_grpo_compact']:.2f}x (implementation) x "
               f"{t['trl_grpo_compact'] / t['trl_grpo']:.2f}x (TRL's CPU head scoring every position)")
-    for ours, theirs, what in RATIOS:
+    for ours, theirs, what in GPU_RATIOS if gpu else RATIOS:
         if ours in results and theirs in results:
             t = [statistics.median(r["seconds"]["total"] for r in results[x]) for x in (ours, theirs)]
             m = [statistics.median(r["peak_rss_mib"] for r in results[x]) for x in (ours, theirs)]
             b = [body_work(positions(x, wl)) for x in (ours, theirs)]
-            print(f"{NAMES[ours]} / {NAMES[theirs]}: step time {t[0] / t[1]:.2f}x, peak memory {m[0] / m[1]:.2f}x, "
+            print(f"{name(ours)} / {name(theirs)}: step time {t[0] / t[1]:.2f}x, peak memory {m[0] / m[1]:.2f}x, "
                   f"body arithmetic {b[0] / b[1]:.2f}x ({what})")
 
 
@@ -558,6 +622,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs of every row, in alternating order")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--core", type=int, default=0, help="the core every row runs on, one row at a time")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where every row runs (cuda: one GPU; the _compact rows are CPU-only)")
+    ap.add_argument("--shape-from", help="smollm2-init: the directory whose config and tokenizer the model takes")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--report", action="store_true", help="run nothing: print the table from --out/results.jsonl")
     ap.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
@@ -566,8 +633,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    if "fetch" in SIZES[args.size] and args.layers not in (None, SIZES[args.size]["layers"]):
-        sys.exit(f"--layers applies to the random-init sizes; {args.size} is loaded as is")
+    if ("fetch" in SIZES[args.size] or "shape_of" in SIZES[args.size]) and args.layers not in (None, SIZES[args.size]["layers"]):
+        sys.exit(f"--layers applies to gpt2 and qwen; {args.size} keeps its model's layers")
+    if args.device == "cuda" and any(row_spec(r)["compact"] for r in args.rows):
+        sys.exit("on CUDA TRL's head scores completion positions only as shipped: leave the _compact rows out")
     args.layers = args.layers or SIZES[args.size]["layers"]
     wl = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in WORKLOADS[args.workload].items()}
     B = wl["groups"] * wl["group_size"]
@@ -575,6 +644,8 @@ def main() -> None:
         sys.exit(f"--micro ({wl['micro']}) must divide the {B} completions of a step")
     setting = {"size": args.size, "layers": args.layers, "workload": wl, "steps": args.steps, "warmup": args.warmup,
                "seed": args.seed}
+    if args.device == "cuda":  # CPU runs were stored without the key: only GPU runs carry it
+        setting["device"] = "cuda"
     if not args.report:
         if any(r.startswith("trl") for r in args.rows):
             try:
@@ -583,7 +654,7 @@ def main() -> None:
                 sys.exit("TRL is not installed: pip install -e .[bench] (or leave the trl_* rows out with --rows)")
         ppo = any(row_spec(r)["algo"] == "ppo" for r in args.rows)
         paths = prepare(Path(args.out), args.size, args.layers, wl["prompt_tokens"],
-                        max(256, (args.warmup + args.steps) * (B if ppo else wl["groups"])))
+                        max(256, (args.warmup + args.steps) * (B if ppo else wl["groups"])), args.shape_from)
         # runs go on from those stored for this setting: three calls with --runs 1 alternate like one with --runs 3
         first = 1 + max((r["run"] for recs in stored(args, setting).values() for r in recs), default=-1)
         t0 = time.perf_counter()
