@@ -258,3 +258,30 @@ def test_reward_model_micro_batches_give_the_batch_update(kind, tiny_models, tin
 
     _, rows = _compare_runs(monkeypatch, train_reward_model, cfg)
     assert "rm/accuracy" in rows[0]
+
+
+@pytest.mark.parametrize("draw", ["epoch", "rollout"])
+def test_minibatch_draw_per_epoch_or_per_rollout(draw, monkeypatch):
+    """``ppo.minibatch_draw``: every epoch deals each row to exactly one minibatch; 'epoch' deals
+    anew each epoch, 'rollout' keeps the first epoch's minibatches, in order (TRL's
+    num_iterations)."""
+    ac = _actor_critic("shared")
+    exp = _experience(ac)
+    seen, original = [], rl.micro_batch_loss
+
+    def recording(model, exp, mb, *a, **kw):
+        seen.append(mb.tolist())
+        return original(model, exp, mb, *a, **kw)
+
+    monkeypatch.setattr(rl, "micro_batch_loss", recording)
+    pc = dataclasses.replace(Config().ppo, minibatch_size=5, ppo_epochs=3, micro_batch_size=0, minibatch_draw=draw)
+    opt = RecordingSGD([{"params": ac.policy.parameters()}, {"params": ac.critic_parameters()}], lr=1e-3)
+    ppo_update(ac, opt, exp, pc, kl_coef=0.1, generator=torch.Generator().manual_seed(1))
+    epochs = [seen[i:i + 2] for i in range(0, 6, 2)]  # 10 rows: two minibatches of 5 per epoch
+    assert len(seen) == 6
+    for mbs in epochs:
+        assert sorted(r for mb in mbs for r in mb) == list(range(len(LENGTHS)))
+    if draw == "rollout":
+        assert epochs[0] == epochs[1] == epochs[2]
+    else:
+        assert epochs[0] != epochs[1] or epochs[1] != epochs[2]

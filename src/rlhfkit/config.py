@@ -315,6 +315,11 @@ class PPOConfig(Section):
     to 0.99 instead of 55-75, and half the optimizer steps per rollout."""
     ppo_epochs: int = 2
     """Passes over each rollout."""
+    minibatch_draw: Literal["epoch", "rollout"] = "epoch"
+    """How a rollout's rows are dealt into minibatches (whole groups or prompts, either way):
+    'epoch' draws a new partition for every epoch; 'rollout' draws one per rollout and keeps it
+    (and its order) for every epoch, as TRL's GRPOTrainer does with num_iterations > 1 (TRL
+    shuffles rows, not groups)."""
     lr: float = 3e-4
     """Actor learning rate (AdamW)."""
     value_lr: float = 3e-3

@@ -183,8 +183,11 @@ def ppo_update(
     G = completions_per_prompt(pc)
     micro = pc.micro_batch_size
     all_stats = []
+    order = None
     for _ in range(pc.ppo_epochs):
-        for rows in minibatch_order(B, G, generator).split(M):
+        if order is None or pc.minibatch_draw == "epoch":  # 'rollout': one partition, kept for every epoch
+            order = minibatch_order(B, G, generator)
+        for rows in order.split(M):
             mb = shard.local_rows(rows, b).to(exp.input_ids.device)
             most = max(shard.rows_per_process(rows, b))
             weight = shard.token_weight(exp.response_mask[mb])  # 1 with one process
