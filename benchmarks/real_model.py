@@ -58,6 +58,7 @@ core; ``--steps 2 --seeds 0 --eval-every 1`` checks that every contender runs.
 
     python benchmarks/real_model.py                                  # 3 seeds, all contenders
     python benchmarks/real_model.py --contenders rlhfkit_grpo trl_schedule --seeds 0 1 2 3
+    python benchmarks/real_model.py --contenders rlhfkit_ppo --override ppo.kl_coef=0   # a variant, kept apart
 """
 
 from __future__ import annotations
@@ -140,12 +141,21 @@ def trl_settings(kind: str, args) -> dict:
 # --------------------------------------------------------------------------- rlhfkit
 
 
+def variant_suffix(args) -> str:
+    """A run directory's suffix for --override runs (none for the defaults)."""
+    return "_" + "_".join(o.replace(".", "-").replace("=", "-") for o in args.override) if args.override else ""
+
+
 def run_rlhfkit(algo: str, paths: dict, args) -> dict:
+    from rlhfkit.config import load_config
     from rlhfkit.trainers.rl import train_rl
     from rlhfkit.utils import read_jsonl
 
-    out = Path(args.out) / f"rlhfkit_{algo}_{args.seed}"
-    res = train_rl(rlhfkit_config(algo, paths, out, args.seed, args))
+    out = Path(args.out) / (f"rlhfkit_{algo}_{args.seed}" + variant_suffix(args))
+    cfg = rlhfkit_config(algo, paths, out, args.seed, args)
+    if args.override:  # a variant of the defaults, stored and reported apart from them
+        cfg = load_config(None, args.override, base=cfg)
+    res = train_rl(cfg)
     rows = read_jsonl(out / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
     reached = res["reached"]
@@ -282,7 +292,8 @@ def worker(args) -> None:
 def run_one(contender: str, seed: int, paths: dict, args) -> dict:
     cmd = pinned_cmd(args.core, __file__, "--worker", contender, "--seed", str(seed), "--core", str(args.core),
                      "--out", args.out, "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-                     "--target", str(args.target), "--trl-lr", str(args.trl_lr), "--paths", json.dumps(paths))
+                     "--target", str(args.target), "--trl-lr", str(args.trl_lr), "--paths", json.dumps(paths),
+                     "--override", *args.override)
     env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -292,7 +303,8 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
         raise SystemExit(f"{contender} seed {seed} failed (exit {proc.returncode})")
     res = {**json.loads(lines[-1][len(RESULT):]), "seed": seed, "core": args.core}
     store_result(args.out, {"contender": contender, "steps_max": args.steps, "target": args.target,
-                            "eval_every": args.eval_every, **res})  # every run kept: --report merges runs made apart
+                            "eval_every": args.eval_every, **({"overrides": args.override} if args.override else {}),
+                            **res})  # every run kept: --report merges runs made apart
     ph = res["phase_s"]
     held = "/".join(f"{res['last'][k]:.2f}" for k in REWARDS) if res["last"] else "-"
     print(f"  {CONTENDERS[contender]:<24} seed {seed}: {res['steps']:>3} steps{'' if res['reached'] else '*'} "
@@ -307,7 +319,8 @@ def stored_runs(args, contenders) -> dict[str, list[dict]]:
     each contender and seed), for contenders and seeds run apart, e.g. one seed per core."""
     found: dict[tuple[str, int], dict] = {}
     for row in stored_results(args.out, {"steps_max": args.steps, "target": args.target, "eval_every": args.eval_every}):
-        found[row["contender"], row["seed"]] = row
+        if row.get("overrides", []) == args.override:  # the defaults and each variant apart
+            found[row["contender"], row["seed"]] = row
     results = {c: [found[c, s] for s in args.seeds if (c, s) in found] for c in contenders}
     missing = [f"{c} seed {s}" for c in contenders for s in args.seeds if (c, s) not in found]
     if missing:
@@ -376,6 +389,8 @@ def report(results: dict[str, list[dict]], args) -> None:
     print(f"* not at the target after {args.steps} steps; s/step: the mean over every step run, evaluation "
           "excluded; s to target: the median training seconds, when every seed got there")
     settings_table(args, list(results))
+    if args.override:
+        print(f"rlhfkit runs with: {' '.join(args.override)}")
 
 
 def main() -> None:
@@ -388,6 +403,9 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--target", type=float, default=0.5, help="held-out greedy exact that ends a run")
     ap.add_argument("--trl-lr", type=float, default=3e-4, help="learning rate of the trl_defaults contender")
+    ap.add_argument("--override", nargs="*", default=[],
+                    help="dotted rlhfkit keys (ppo.kl_coef=0) for the rlhfkit contenders: a variant, stored and "
+                         "reported apart from the defaults")
     ap.add_argument("--report", action="store_true",
                     help="run nothing: print the table from the runs stored in --out/results.jsonl")
     ap.add_argument("--worker", choices=list(CONTENDERS), help=argparse.SUPPRESS)
@@ -397,6 +415,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
     contenders = list(args.contenders)
+    if args.override and any(c.startswith("trl") for c in contenders):
+        sys.exit("--override applies to the rlhfkit contenders only: leave the trl_* contenders out")
     if args.report:
         return report(stored_runs(args, contenders), args)
     if any(c.startswith("trl") for c in contenders):
