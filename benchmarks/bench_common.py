@@ -22,15 +22,17 @@ RESULTS = "results.jsonl"  # under a script's --out: every run it made, read bac
 
 
 def commit() -> str:
-    """The checked-out commit (short), to date a stored result; ``$RLHFKIT_BENCH_COMMIT`` where
-    the tree runs without its git history (a copy sent to another machine)."""
+    """The checked-out commit (short), to date a stored result; ``$RLHFKIT_BENCH_COMMIT`` when set
+    (a copy of the tree sent to another machine, whose git history may be missing or stale)."""
+    if os.environ.get("RLHFKIT_BENCH_COMMIT"):
+        return os.environ["RLHFKIT_BENCH_COMMIT"]
     root = Path(__file__).resolve().parents[1]
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         found = out.stdout.strip()
     except OSError:
         found = ""
-    return found or os.environ.get("RLHFKIT_BENCH_COMMIT", "unknown")
+    return found or "unknown"
 
 
 def store_result(out: Path | str, record: dict) -> None:
