@@ -616,7 +616,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=list(WORKLOADS), default="short")
     for knob in WORKLOADS["short"]:
         ap.add_argument("--" + knob.replace("_", "-"), type=int, help=f"override the workload's {knob}")
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=DEFAULT_ROWS)
+    ap.add_argument("--rows", nargs="+", choices=ROWS,
+                    help="default: the seven GRPO rows without LoRA (on CUDA, those but the _compact ones)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps before the measured ones, per run")
     ap.add_argument("--runs", type=int, default=3, help="runs of every row, in alternating order")
@@ -635,6 +636,8 @@ def main() -> None:
         return worker(args)
     if ("fetch" in SIZES[args.size] or "shape_of" in SIZES[args.size]) and args.layers not in (None, SIZES[args.size]["layers"]):
         sys.exit(f"--layers applies to gpt2 and qwen; {args.size} keeps its model's layers")
+    if args.rows is None:
+        args.rows = [r for r in DEFAULT_ROWS if args.device == "cpu" or not row_spec(r)["compact"]]
     if args.device == "cuda" and any(row_spec(r)["compact"] for r in args.rows):
         sys.exit("on CUDA TRL's head scores completion positions only as shipped: leave the _compact rows out")
     args.layers = args.layers or SIZES[args.size]["layers"]
