@@ -589,17 +589,14 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
               f"{m['experience']:>12.0f}{m['update']:>10.0f}   "
               f"{pos['rollout']:,} / {pos['experience']:,} / {pos['update']:,}")
     print()
-    if gpu and all(r in results for r in ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "trl_grpo")):
-        t = {r: statistics.median(x["seconds"]["total"] for x in results[r]) for r in results}
-        print(f"{name('rlhfkit_grpo')} / {name('trl_grpo')}: {t['rlhfkit_grpo'] / t['trl_grpo']:.2f}x = "
-              f"{t['rlhfkit_grpo'] / t['rlhfkit_grpo_unshared']:.2f}x (shared prompts) x "
-              f"{t['rlhfkit_grpo_unshared'] / t['trl_grpo']:.2f}x (implementation)")
-    if not gpu and all(r in results for r in ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "trl_grpo_compact", "trl_grpo")):
-        t = {r: statistics.median(x["seconds"]["total"] for x in results[r]) for r in results}
-        print(f"{NAMES['rlhfkit_grpo']} / {NAMES['trl_grpo']}: {t['rlhfkit_grpo'] / t['trl_grpo']:.2f}x = "
-              f"{t['rlhfkit_grpo'] / t['rlhfkit_grpo_unshared']:.2f}x (shared prompts) x "
-              f"{t['rlhfkit_grpo_unshared'] / t['trl_grpo_compact']:.2f}x (implementation) x "
-              f"{t['trl_grpo_compact'] / t['trl_grpo']:.2f}x (TRL's CPU head scoring every position)")
+    # rlhfkit / TRL as the product of the ratios of neighbouring rows in the chain, each labelled
+    chain = ["rlhfkit_grpo", "rlhfkit_grpo_unshared", "trl_grpo"] if gpu else \
+        ["rlhfkit_grpo", "rlhfkit_grpo_unshared", "trl_grpo_compact", "trl_grpo"]
+    parts = ["shared prompts", "implementation", "TRL's CPU head scoring every position"]
+    if all(r in results for r in chain):
+        t = {r: statistics.median(x["seconds"]["total"] for x in results[r]) for r in chain}
+        factors = " x ".join(f"{t[a] / t[b]:.2f}x ({what})" for a, b, what in zip(chain, chain[1:], parts))
+        print(f"{name(chain[0])} / {name(chain[-1])}: {t[chain[0]] / t[chain[-1]]:.2f}x = {factors}")
     for ours, theirs, what in GPU_RATIOS if gpu else RATIOS:
         if ours in results and theirs in results:
             t = [statistics.median(r["seconds"]["total"] for r in results[x]) for x in (ours, theirs)]
