@@ -1,4 +1,4 @@
-"""rlhfkit PPO vs the seed tutorial's PPO design, side by side, on one CPU core.
+"""rlhfkit PPO vs the number-doubling tutorial's PPO design, side by side, on one CPU core.
 
 Both start from the same pretrained doubling base and the same reward model and stop when
 greedy exact accuracy on the 512 held-out prefixed prompts reaches the target (0.99). Time
