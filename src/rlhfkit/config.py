@@ -456,9 +456,9 @@ class PPOConfig(Section):
     value_model: Literal["separate", "shared"] = "separate"
     """'separate': a value model (backbone + scalar head); 'shared': a value head on the actor,
     whose values come from the policy's own forward: on the doubling tutorial's classifier reward
-    0.65x the seconds per rollout, about the same rollouts to 0.99, peaks of KL up to 4.9 nats
-    against the separate critic's 2.9 (benchmarks/README.md). The robustness matrix was measured
-    with 'separate'."""
+    0.65x the seconds per rollout and about the same rollouts to 0.99; it held on the robustness
+    matrix's 27 runs (seeds 0-2 and 33-38, three rewards; benchmarks/README.md), not yet run on
+    a real chat model."""
     value_init: Literal["reward", "policy"] = "reward"
     """Start a separate value model from the reward model ('reward': when reward.name is set; with
     reward functions alone, from the policy) or from the policy backbone ('policy'); value.name,
