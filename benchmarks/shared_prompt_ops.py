@@ -4,8 +4,10 @@ On a GPU at a small model's size a step is bound by kernel launches, not arithme
 count of compute operations per forward + backward is what decides whether sharing each
 group's prompt (``rlhfkit.lean.response_hidden_states``) pays there. This script counts them
 on any device with ``torch.profiler``: top-level ``aten`` operations that are not views or
-allocations (each launches at least one kernel on a GPU), for the shared path and for the
-unshared forward over every row (``rlhfkit.lean.hidden_states``), and times both.
+allocations (each launches at least one kernel on a GPU), and times them, for three paths:
+``shared`` (prompts and responses as two streams per layer, the CPU's default), ``flat`` (one
+flat sequence through the token-wise operations, the GPU's default) and ``unshared`` (every
+row in full, ``rlhfkit.lean.hidden_states``).
 
     python benchmarks/shared_prompt_ops.py                      # small sizes, both shapes
     python benchmarks/shared_prompt_ops.py --prompts 16 --group 4 --prompt-len 128 --new 64
@@ -75,16 +77,17 @@ def compare(shape: str, args) -> None:
     assert shared is not None and lean.supported(m)
 
     def forward(path: str) -> torch.Tensor:
-        if path == "shared":
-            return lean.response_hidden_states(m, ids, mask, pos, P, *shared)
-        return lean.hidden_states(m, ids, mask, pos)[:, P - 1 : -1]
+        if path == "unshared":
+            return lean.hidden_states(m, ids, mask, pos)[:, P - 1 : -1]
+        return lean.response_hidden_states(m, ids, mask, pos, P, *shared, flat=path == "flat")
 
-    for path in ("shared", "unshared"):
+    for path in ("shared", "flat", "unshared"):
         ops, seconds = count_and_time(lambda: forward(path).square().mean().backward(),  # noqa: B023
                                       args.repeats, args.device == "cuda")
         print(f"{shape:6} {path:9} {ops:11d} {1e3 * seconds:12.1f}")
-    gap = (forward("shared") - forward("unshared")).abs().max().item()
-    print(f"{shape:6} largest difference of the hidden states: {gap:.2e}")
+    full = forward("unshared")
+    gaps = [(forward(path) - full).abs().max().item() for path in ("shared", "flat")]
+    print(f"{shape:6} largest difference from unshared: shared {gaps[0]:.2e}, flat {gaps[1]:.2e}")
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ them on a GPU (the lean path takes GPU-only branches there: fused q/k/v and gate
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -236,11 +237,17 @@ def test_repeated_rows_finds_runs_of_one_prompt():
     assert lean.repeated_rows(ids[:1], mask[:1]) is None
 
 
+@pytest.mark.parametrize("flat", [None, True], ids=["device_default", "flat"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_shared_prompt_forward_matches_the_full_forward(name):
+def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch):
     """Rows that repeat a prompt (shuffled, as in a GRPO minibatch) run it once: same logits
-    and the same gradients as running every row in full."""
+    and the same gradients as running every row in full -- with the device's choice of two
+    streams or one flat sequence (two on a CPU), and with the flat one forced."""
     from rlhfkit.models import policy_forward
+
+    if flat is not None:
+        monkeypatch.setattr(lean, "response_hidden_states",
+                            functools.partial(lean.response_hidden_states, flat=flat))
 
     model = MODELS[name]().train()
     ids, mask = batch()

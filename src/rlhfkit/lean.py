@@ -400,7 +400,7 @@ def shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
 
 def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            position_ids: torch.Tensor, prompt_len: int, first: torch.Tensor,
-                           rows: torch.Tensor) -> torch.Tensor:
+                           rows: torch.Tensor, flat: bool | None = None) -> torch.Tensor:
     """Hidden states at columns ``P-1 .. T-2`` (those that predict the response tokens),
     ``[B, R, H]``, with each distinct prompt run once (``first`` / ``rows`` from
     :func:`shared_prompts`).
@@ -411,20 +411,45 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
     ``hidden_states(...)[:, P-1:-1]`` up to rounding; on a group of 4 with 11-token prompts and
     6-token responses it runs ~45% fewer tokens.
 
-    The distinct prompts' ``U x P`` tokens and the responses' ``B x R`` go through every
-    token-wise operation (norms, projections, MLP) as one flat sequence; only attention sees
-    them apart. Two sequences of kernels per layer, one for the prompts and one for the
-    responses, cost a GPU twice the launches for the same arithmetic (on an H100 at a
-    135M-parameter model's size, the update took twice as long that way as with the prompts
-    unshared).
+    ``flat`` (default: on a GPU) runs the distinct prompts' ``U x P`` tokens and the responses'
+    ``B x R`` through every token-wise operation (norms, projections, MLP) as one sequence, and
+    only attention sees them apart. Two sequences of kernels per layer cost a GPU twice the
+    launches for the same arithmetic (on an H100 at a 135M-parameter model's size the update
+    took twice as long with them as with the prompts unshared). On a CPU neither is
+    consistently faster (2 layers, 16 prompts x 4 samples x 128 + 64 tokens, GPT-2 and Llama
+    shapes: within 10% either way from run to run, ``benchmarks/shared_prompt_ops.py``), so the
+    CPU keeps the two sequences its measured tables used.
     """
     arch = _Arch(model)
     P = prompt_len
-    U, (B, T) = first.shape[0], input_ids.shape
-    R, n_p = T - P, first.shape[0] * P  # response columns; prompt tokens in the flat sequence
     full_mask = _full_mask(attention_mask)  # [B, 1, T, T]
     mask_p = full_mask[first, :, :P, :P]  # [U, 1, P, P]
     mask_r = full_mask[:, :, P:, :]  # [B, 1, R, T]: response queries see the whole prompt row
+    if input_ids.device.type == "cuda" if flat is None else flat:
+        return _shared_flat(arch, input_ids, position_ids, P, first, rows, mask_p, mask_r)
+    pos_p, pos_r = position_ids[first, :P], position_ids[:, P:]
+    xp = arch.embed(input_ids[first, :P], pos_p)  # [U, P, H]
+    xr = arch.embed(input_ids[:, P:], pos_r)  # [B, R, H]
+    rope_p, rope_r = arch.rope(xp, pos_p), arch.rope(xr, pos_r)
+    last = len(arch.layers) - 1
+    for i, layer in enumerate(arch.layers):
+        qp, kp, vp = arch.qkv(layer, xp, rope_p)
+        qr, kr, vr = arch.qkv(layer, xr, rope_r)
+        keys = torch.cat([kp.index_select(0, rows), kr], 2)  # [B, Hkv, T, D]
+        values = torch.cat([vp.index_select(0, rows), vr], 2)
+        if i == last:  # the prompt's last column is all that is still needed from it
+            qp, xp, mask_p = qp[:, :, -1:], xp[:, -1:], mask_p[:, :, -1:]
+        xp = arch.finish_layer(layer, xp, _attend(qp, kp, vp, mask_p, arch.scale, arch.groups))
+        xr = arch.finish_layer(layer, xr, _attend(qr, keys, values, mask_r, arch.scale, arch.groups))
+    hp = arch.final_norm(xp[:, -1]).index_select(0, rows)  # [B, H]: the state at column P-1
+    return torch.cat([hp[:, None], arch.final_norm(xr[:, :-1])], 1)  # [B, R, H]
+
+
+def _shared_flat(arch: _Arch, input_ids: torch.Tensor, position_ids: torch.Tensor, P: int, first: torch.Tensor,
+                 rows: torch.Tensor, mask_p: torch.Tensor, mask_r: torch.Tensor) -> torch.Tensor:
+    """:func:`response_hidden_states` with the prompts and responses as one flat sequence."""
+    U, (B, T) = first.shape[0], input_ids.shape
+    R, n_p = T - P, U * P  # response columns; prompt tokens in the flat sequence
     flat = [torch.cat([t[first, :P].reshape(1, n_p), t[:, P:].reshape(1, B * R)], 1)
             for t in (input_ids, position_ids)]  # [1, N]: the distinct prompts, then the responses
     x = arch.embed(*flat)  # [1, N, H]
