@@ -425,7 +425,9 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
     full_mask = _full_mask(attention_mask)  # [B, 1, T, T]
     mask_p = full_mask[first, :, :P, :P]  # [U, 1, P, P]
     mask_r = full_mask[:, :, P:, :]  # [B, 1, R, T]: response queries see the whole prompt row
-    if input_ids.device.type == "cuda" if flat is None else flat:
+    if flat is None:
+        flat = input_ids.device.type == "cuda"
+    if flat:
         return _shared_flat(arch, input_ids, position_ids, P, first, rows, mask_p, mask_r)
     pos_p, pos_r = position_ids[first, :P], position_ids[:, P:]
     xp = arch.embed(input_ids[first, :P], pos_p)  # [U, P, H]
