@@ -75,6 +75,8 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a run appends to an existing metrics.jsonl: start clean
     ppo = {**ALGO_DEFAULTS[algo], "steps": args.warmup + args.steps, "stop_at": 0.0, "eval_every": 0,
            "critic_warmup_steps": 0}
+    if algo == "ppo":  # TRL's PPOTrainer trains a value model of its own: the same arithmetic
+        ppo["value_model"] = "separate"
     if kind == "rlhfkit_grpo_trl_schedule":
         ppo.update(group_size=8, ppo_epochs=1, minibatch_size=64, kl_coef=0.1)
     reward = {"name": paths["rm"]} if algo == "ppo" else {"function": "rlhfkit.tasks.doubling:exact_reward"}

@@ -15,10 +15,11 @@ Contenders (one step = one rollout of 16 completions for all of them):
                    the batch's std, no KL term (beta 0: config.LORA_DEFAULTS), 2 epochs of one
                    minibatch of 16 (the default minibatch of 32 holds the whole batch), Adam
                    3e-4 constant, token mean
-    rlhfkit_ppo    ``rlhfkit ppo`` defaults: 16 prompts, one sample each, a separate critic
-                   started from the policy (no reward model) and fully trained at 3e-3, 3
-                   critic warm-up steps, running score normalisation, k1 KL 0.2 in the reward,
-                   GAE, 2 epochs of one minibatch of 16
+    rlhfkit_ppo    ``rlhfkit ppo`` defaults: 16 prompts, one sample each, a value head on the
+                   policy (trained at 3e-3; ``--override ppo.value_model=separate``: a critic
+                   model of its own, started from the policy and fully trained), 3 critic
+                   warm-up steps, running score normalisation, k1 KL 0.2 in the reward, GAE,
+                   2 epochs of one minibatch of 16
     trl_defaults   TRL 1.16 GRPOTrainer, GRPOConfig defaults: groups of 8 (2 prompts a step),
                    each group's std, beta 0 (no reference model), loss 'dapo', one iteration
                    per generation, linear learning-rate decay to 0 over --steps; besides the

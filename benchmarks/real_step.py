@@ -73,7 +73,7 @@ Rows (``--rows``; default: the seven GRPO rows without LoRA):
 
 and ``rlhfkit_grpo_lora``, ``trl_grpo_lora``, ``trl_grpo_compact_lora`` (LoRA r 16, alpha 32,
 every linear layer but the head), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
-started from the policy, through its own adapter with LoRA, KL 0.2 in the reward, its default;
+started from the policy, through its own adapter with LoRA, ``ppo.value_model=separate``; KL 0.2 in the reward;
 64 distinct prompts a step; TRL 1.16 has no PPO trainer, so these rows show what the critic costs).
 
 Per step each row also gets the positions it runs through the model's body (all layers) and
@@ -428,6 +428,8 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
            "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0, "samples_per_log": 0, "trajectories_every": 0}
     if s["algo"] == "grpo":
         ppo.update(group_size=wl["group_size"], kl_coef=KL)
+    else:  # the rows measure what a critic model of its own costs (positions() counts its forwards)
+        ppo.update(value_model="separate")
     model = {"name": paths["model"], "gradient_checkpointing": s["ckpt"]}
     if s["lora"]:
         model.update(lora_r=LORA["r"], lora_alpha=LORA["alpha"])

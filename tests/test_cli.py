@@ -169,15 +169,19 @@ def test_ppo_with_a_reward_function_alone_starts_the_critic_from_the_policy(tiny
 
     from rlhfkit.trainers.rl import build_models
 
+    common = [f"model.name={tiny_models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
+              "run.progress=false", "ppo.steps=2", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
+              "ppo.eval_every=0", "ppo.stop_at=0"]
+    # the defaults: a value head on the policy, saved beside it
+    assert main(["ppo", *common, f"run.out_dir={tmp_path / 'head'}"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "head" / "value_head.safetensors").exists() and not (tmp_path / "head" / "value_model").exists()
+    # a separate critic, with no reward model to start from: the policy's backbone
     out = tmp_path / "run"
-    assert main(["ppo", f"model.name={tiny_models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
-                 f"run.out_dir={out}", "run.progress=false", "ppo.steps=2", "ppo.batch_size=8",
-                 "ppo.minibatch_size=4", "ppo.max_new_tokens=4", "ppo.eval_every=0", "ppo.stop_at=0"]) == 0, \
-        capsys.readouterr().err
+    assert main(["ppo", *common, f"run.out_dir={out}", "ppo.value_model=separate"]) == 0, capsys.readouterr().err
     assert (out / "value_model" / "config.json").exists()
     cfg = tiny_config(tmp_path / "api", model={"name": tiny_models.policy},
-                      reward={"function": "rlhfkit.tasks.doubling:exact_reward"})
-    assert cfg.ppo.value_init == "reward" and not cfg.reward.name
+                      reward={"function": "rlhfkit.tasks.doubling:exact_reward"}, ppo={"value_model": "separate"})
+    assert cfg.ppo.value_init is None and not cfg.reward.name
     ac = build_models(cfg, tiny_models.policy, torch.device("cpu"))[0]
     critic, policy = ac.critic.state_dict(), ac.policy.state_dict()
     shared = [k for k in critic if k.startswith("transformer.")]

@@ -336,3 +336,28 @@ def test_a_lora_policy_takes_the_lora_defaults_for_the_keys_left_unset(tmp_path)
     saved = load_config(overrides=["ppo.algo=grpo", "model.lora_r=16"])
     (tmp_path / "saved.yaml").write_text(dump_config(saved))
     assert load_config(tmp_path / "saved.yaml") == saved and saved.ppo.kl_coef == 0.0
+
+
+def test_the_critic_is_a_value_head_on_the_policy_unless_a_separate_one_is_configured(tmp_path):
+    from rlhfkit.config import ValueConfig
+
+    assert Config().ppo.value_model == "shared" and load_config().ppo.value_model == "shared"
+    # each key that configures a separate value model asks for one, from every way in
+    for key, value in (("value.name", "runs/critic"), ("value.lora", True), ("ppo.value_init", "policy")):
+        sec, name = key.split(".")
+        ways = [load_config(overrides=[f"{key}={value}"]), Config().replace(**{sec: {name: value}}),
+                load_config(overrides=["ppo.value_model=shared"]).replace(**{sec: {name: value}})]
+        for cfg in ways:
+            assert cfg.ppo.value_model == "separate", key
+        # set back, the default comes back; set beside an explicit shared head, a clear error
+        assert ways[0].replace(**{sec: {name: ValueConfig().name if name == "name" else None if sec == "ppo" else False}}
+                               ).ppo.value_model == "shared"
+        with raises(f"ppo.value_model=shared puts the value head on the policy, but {key}"):
+            load_config(overrides=["ppo.value_model=shared", f"{key}={value}"])
+    assert Config(value=ValueConfig(name="runs/critic")).ppo.value_model == "separate"
+    assert Config(ppo=PPOConfig(value_init="reward")).ppo.value_model == "separate"
+    assert load_config(overrides=["ppo.value_model=separate"]).ppo.value_model == "separate"  # explicit, nothing else
+    # a saved run's config.yaml reads back as it was (its resume), either way
+    for cfg in (Config(), load_config(overrides=["value.name=runs/critic"])):
+        (tmp_path / "saved.yaml").write_text(dump_config(cfg))
+        assert load_config(tmp_path / "saved.yaml") == cfg

@@ -53,13 +53,13 @@ pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-RUNS = ("ppo", "ppo_warmup", "ppo_shared", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "rloo",
+RUNS = ("ppo", "ppo_warmup", "ppo_separate", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "rloo",
         "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env")
-# RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a separate critic, a shared value head,
+# RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a shared value head (ppo's default), a separate critic,
 # the three critic-free estimators, LoRA (PPO with an adapter on the critic too, GRPO) and multi-turn
 # environments (GRPO, PPO), matched to the
 # 1-process run at FSDP_TOL
-FSDP_RUNS = ("ppo", "ppo_shared", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file", "grpo_env", "ppo_env")
+FSDP_RUNS = ("ppo", "ppo_separate", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file", "grpo_env", "ppo_env")
 FSDP_TOL = 1e-5
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
@@ -367,7 +367,7 @@ def test_fsdp_matches_one_process(runs, fsdp_run, cmd):
     bad = {k: v for k, v in diffs.items() if not v <= FSDP_TOL}
     assert not bad, bad
     # two Adam steps (ppo_epochs=2): where a weight's two gradients nearly cancel, m / sqrt(v) turns
-    # rounding-level gradient differences into a few percent of a step of lr (ppo_shared, with the
+    # rounding-level gradient differences into a few percent of a step of lr (ppo's shared head, with the
     # scores normalised: one weight of 29k off by 1.1e-5); the mean stays at rounding
     policy = _weight_diffs(one / "policy", out / "policy")
     assert policy.mean().item() < 1e-8 and policy.max().item() < 1e-4, (policy.mean().item(), policy.max().item())
@@ -378,14 +378,14 @@ def test_fsdp_matches_one_process(runs, fsdp_run, cmd):
         assert a.keys() == b.keys() and any("lora_B" in k for k in a)
         assert max((a[k] - b[k]).abs().max().item() for k in a) < FSDP_TOL
         assert max(a[k].abs().max().item() for k in a if "lora_B" in k) > 0  # the step moved the adapter
-    if cmd in ("ppo", "ppo_lora"):
+    if cmd in ("ppo_separate", "ppo_lora"):
         # the attention key biases' gradient is zero in exact arithmetic (a key bias adds the same
         # amount to every score of a query): Adam turns its rounding noise into steps of ~value_lr,
         # under DDP as well; every other weight of the critic must match
-        # (ppo runs its defaults: 16 critic steps at value_lr 3e-3, so the rounding walk is longer than
-        # the policy's 4 steps at lr 3e-4; a wrong batch would move most weights by O(value_lr))
+        # (critic steps at value_lr 3e-3, ten times the policy's lr, so its rounding walk is longer; a
+        # wrong batch would move most weights by O(value_lr))
         critic = _weight_diffs(one / "value_model", out / "value_model", skip="c_attn.bias")
         assert critic.mean().item() < 1e-7 and critic.max().item() < 1e-4, (critic.mean().item(), critic.max().item())
-    if cmd == "ppo_shared":
+    if cmd == "ppo":
         a, b = load_file(one / "value_head.safetensors"), load_file(out / "value_head.safetensors")
         assert max((a[k] - b[k]).abs().max().item() for k in a) < FSDP_TOL

@@ -61,7 +61,7 @@ def test_run_directory_contents(demo_run):
     out, _ = demo_run
     for rel in ["config.yaml", "metrics.jsonl", "samples.jsonl", "trajectories.jsonl", "report.html", "tb",
                 "plots.png", "plot_score.png",
-                "policy/model.safetensors", "value_model/model.safetensors",
+                "policy/model.safetensors", "value_head.safetensors",
                 "pretrain/policy/model.safetensors", "reward/reward_model/model.safetensors"]:
         assert (out / rel).exists(), rel
     rows = read_jsonl(out / "metrics.jsonl")
@@ -133,7 +133,7 @@ def test_grpo_with_the_task_verifier_as_reward_learns(demo_run, tmp_path):
     )
     res = train_rl(cfg)
     assert res["reached"] is not None and res["final"]["eval/exact_acc"] >= 0.95 > summary["base"]["exact_acc"]
-    assert not (tmp_path / "value_model").exists()  # no critic in GRPO
+    assert not (tmp_path / "value_model").exists() and not (tmp_path / "value_head.safetensors").exists()  # no critic
 
 
 @pytest.mark.slow

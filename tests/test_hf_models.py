@@ -131,8 +131,9 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_rollouts(hub):
 @pytest.mark.parametrize("arch,algo", [("gpt2", "ppo"), ("llama", "grpo"), ("qwen2", "ppo"), ("qwen3", "grpo")])
 def test_rl_steps_on_real_architectures(hub, tmp_path, arch, algo):
     # the Qwen2 policy's tokenizer differs from the reward model's: it is scored on re-tokenised text
-    # and its critic starts from the policy (a critic reads the policy's tokens)
-    ppo = {"algo": algo, "value_init": "policy" if arch == "qwen2" else "reward"}
+    # and its separate critic starts from the policy (a critic reads the policy's tokens); GPT-2's
+    # PPO runs the defaults, a value head on the policy
+    ppo = {"algo": algo, **({"value_init": "policy"} if arch == "qwen2" else {})}
     cfg = tiny_rl_config(tmp_path, model={"name": hub[arch]}, reward={"name": hub["rm"]}, ppo=ppo)
     result = train_rl(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")

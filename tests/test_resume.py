@@ -139,6 +139,12 @@ def test_checkpoints_are_pruned_and_a_mismatched_resume_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds modules"):
         Checkpointer(tmp_path, resume=True).restore({"other": fresh}, {})
     assert Checkpointer(tmp_path / "elsewhere", resume=True).restore({"m": fresh}, {}) is None  # nothing to resume
+    # a PPO run resumed with the other kind of critic: the message names the key that chooses it
+    ppo = {kind: torch.nn.ModuleDict({"policy": torch.nn.Linear(3, 2), kind: torch.nn.Linear(3, 1)})
+           for kind in ("critic", "value_head")}
+    Checkpointer(tmp_path / "ppo", every=1).save(1, {"actor_critic": ppo["critic"]}, {}, {})
+    with pytest.raises(ValueError, match=r"unexpected \['critic.bias'.*set ppo.value_model as the run had it"):
+        Checkpointer(tmp_path / "ppo", resume=True).restore({"actor_critic": ppo["value_head"]}, {})
     with pytest.raises(ValueError, match="only 4 steps"):  # a budget that ends at or before the checkpoint
         Checkpointer(tmp_path, resume=True).restore({"m": fresh}, {"opt": fresh_opt}, steps=4)
 

@@ -128,9 +128,10 @@ def test_every_trainer_saves_safetensors_only(tiny_models, tiny_config, tmp_path
                         encoding="utf-8")
     pretrain(tiny_config(tmp_path / "pretrain"))
     train_reward_model(tiny_config(tmp_path / "rm", model={"name": tiny_models.policy}))
-    train_rl(tiny_config(tmp_path / "ppo", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward}))
+    train_rl(tiny_config(tmp_path / "ppo", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                         ppo={"value_model": "separate"}))
     train_rl(tiny_config(tmp_path / "ppo_shared", model={"name": tiny_models.policy},
-                         reward={"name": tiny_models.reward}, ppo={"value_model": "shared"}))
+                         reward={"name": tiny_models.reward}))  # the default critic: a value head on the policy
     train_sft(tiny_config(tmp_path / "sft", model={"name": tiny_models.policy}, data={"path": str(sft_data)}))
     train_dpo(tiny_config(tmp_path / "dpo", model={"name": tiny_models.policy}))
     safe, unsafe = _weights(tmp_path)

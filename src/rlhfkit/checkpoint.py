@@ -102,8 +102,12 @@ def load_trainable_state(module: nn.Module, state: dict[str, torch.Tensor], wher
     wrong = sorted(n for n in want & set(state) if state[n].shape != params[n].shape)[:3]
     if set(state) != want or wrong:
         missing, extra = sorted(want - set(state))[:3], sorted(set(state) - want)[:3]
+        critic = {n.split(".")[0] for n in [*missing, *extra]} & {"critic", "value_head"}
+        hint = (" (PPO's critic: set ppo.value_model as the run had it, 'separate' for a critic model of its own "
+                "or 'shared' for a value head on the policy)") if critic else ""
         raise ValueError(f"checkpoint {where} does not fit the model built from this config (missing {missing}, "
-                         f"unexpected {extra}, other shapes {wrong}): resume with the config the run was started with")
+                         f"unexpected {extra}, other shapes {wrong}): resume with the config the run was started "
+                         f"with{hint}")
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t)

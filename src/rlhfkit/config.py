@@ -453,16 +453,22 @@ class PPOConfig(Section):
     whitening. (grpo, rloo, reinforce: see scale_rewards.)"""
     max_grad_norm: float = 1.0
     """Gradient-norm clip, per model."""
-    value_model: Literal["separate", "shared"] = "separate"
-    """'separate': a value model (backbone + scalar head); 'shared': a value head on the actor,
-    whose values come from the policy's own forward: on the doubling tutorial's classifier reward
-    0.65x the seconds per rollout and about the same rollouts to 0.99; it held on the robustness
-    matrix's 27 runs (seeds 0-2 and 33-38, three rewards; benchmarks/README.md); on the real chat
-    model with LoRA, 0.58x the seconds a step and half the memory (README, "Learning on it")."""
-    value_init: Literal["reward", "policy"] = "reward"
-    """Start a separate value model from the reward model ('reward': when reward.name is set; with
-    reward functions alone, from the policy) or from the policy backbone ('policy'); value.name,
-    when set, overrides both."""
+    value_model: Literal["separate", "shared"] | None = None
+    """'shared': a value head on the actor, whose values come from the policy's own forward;
+    'separate': a value model of its own (backbone + scalar head). Unset: 'separate' when
+    value.name, value.lora or ppo.value_init is set (they configure that model), else 'shared'.
+    The shared head against a separate critic started from the reward model: on the doubling
+    tutorial's classifier reward 0.65x the seconds per rollout and 0.77x the seconds to 0.99
+    held-out exact (tuning seeds 21-32); it held on the robustness matrix's 27 runs (seeds 0-2
+    and 33-38, three rewards; benchmarks/README.md); on the real chat model with LoRA, 0.58x the
+    seconds a step, half the memory, and held-out exact 0.5 sooner on 2 of 3 seeds (README,
+    "Learning on it"). A separate critic is what TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat
+    use."""
+    value_init: Literal["reward", "policy"] | None = None
+    """A separate value model's start: the reward model ('reward', the meaning of unset: when
+    reward.name is set; with reward functions alone, the policy) or the policy backbone
+    ('policy'); value.name, when set, overrides both. Setting it asks for a separate value model
+    (ppo.value_model unset: 'separate')."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that never emit EOS (0 = off; TRL's PPOTrainer
     has the same option, off by default). On the doubling task's three rewards no default run
@@ -768,6 +774,14 @@ class Config:
         # a LoRA policy's defaults (LORA_DEFAULTS) for the algorithm keys the ppo section left unset
         lora = LORA_DEFAULTS.get(self.ppo.algo, {}) if self.model.lora_r else {}
         values = {k: v for k, v in lora.items() if k in getattr(self.ppo, "_defaulted", ())}
+        separate = bool(self.value.name or self.value.lora or self.ppo.value_init is not None)
+        if self.ppo.value_model is None:  # the critic: a model of its own only when one is configured
+            values["value_model"] = "separate" if separate else "shared"
+        elif self.ppo.value_model == "shared" and separate:
+            given = [k for k, on in (("value.name", self.value.name), ("value.lora", self.value.lora),
+                                     ("ppo.value_init", self.ppo.value_init is not None)) if on]
+            raise ConfigError(f"ppo.value_model=shared puts the value head on the policy, but {', '.join(given)} "
+                              "configure a separate value model: drop them, or set ppo.value_model=separate")
         if values:
             ppo = dataclasses.replace(self.ppo, **values)
             object.__setattr__(ppo, "_defaulted", self.ppo._defaulted)
@@ -786,7 +800,7 @@ class Config:
         for sec, values in sections.items():
             for key, val in values.items():
                 _set(data, f"{sec}.{key}", val)
-        follow_algo(data, self.ppo.algo, {f"ppo.{k}" for k in sections.get("ppo", {})}, bool(self.model.lora_r))
+        follow_algo(data, self.ppo.algo, {f"{s}.{k}" for s, v in sections.items() for k in v}, bool(self.model.lora_r))
         return from_dict(data)
 
 
@@ -794,13 +808,16 @@ def follow_algo(data: dict[str, Any], algo_before: str, given: set[str], lora_be
     """When ``data``'s ppo.algo differs from ``algo_before``, or LoRA was switched on or off
     (model.lora_r from or to 0; ``lora_before``: it was on), unset (None) the algorithm-dependent
     keys (ALGO_KEYS) not among the dotted keys ``given`` with it, so that PPOConfig and Config give
-    them the new algorithm's values (LORA_DEFAULTS' for a LoRA policy)."""
+    them the new algorithm's values (LORA_DEFAULTS' for a LoRA policy). Likewise ppo.value_model,
+    when value.name, value.lora or ppo.value_init is given without it: Config resolves it again."""
     ppo, model = data.get("ppo"), data.get("model")
     lora_now = bool(model.get("lora_r")) if isinstance(model, dict) else lora_before
     if isinstance(ppo, dict) and (ppo.get("algo") != algo_before or lora_now != lora_before):
         for key in ALGO_KEYS:
             if f"ppo.{key}" not in given:
                 ppo[key] = None
+    if isinstance(ppo, dict) and "ppo.value_model" not in given and given & {"value.name", "value.lora", "ppo.value_init"}:
+        ppo["value_model"] = None
 
 
 def _suggest(name: str, options, prefix: str = "") -> str:

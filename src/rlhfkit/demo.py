@@ -5,7 +5,7 @@
 Layout of ``run.out_dir`` (default ``runs/demo``)::
 
     config.yaml  metrics.jsonl  samples.jsonl  plots.png  plot_*.png   (PPO stage)
-    policy/  value_model/ (or value_head.safetensors)                  (PPO models, HF format)
+    policy/  value_head.safetensors (or value_model/)                  (PPO models, HF format)
     pretrain/policy/   reward/reward_model/                             (earlier stages)
     grpo/ rloo/ reinforce/ dpo/                                         (other algorithms, if asked)
     summary.json                                                        (base vs tuned + timings)

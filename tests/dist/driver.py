@@ -27,7 +27,7 @@ runs = {  # run name: (command, overrides)
     "grpo": ("grpo", defaults),
     "rloo": ("rloo", defaults),
     "reinforce": ("reinforce", defaults),
-    "ppo_shared": ("ppo", [*rl, "ppo.value_model=shared"]),  # a value head on the policy's last hidden states
+    "ppo_separate": ("ppo", [*rl, "ppo.value_model=separate"]),  # a critic model of its own (ppo: a value head on the policy)
     # LoRA on the policy (the reference: the adapter switched off) and on the critic
     "ppo_lora": ("ppo", [*rl, "model.lora_r=4", "model.lora_alpha=8", "value.lora=true"]),
     "grpo_lora": ("grpo", [*rl, "ppo.group_size=4", "model.lora_r=4", "model.lora_alpha=8"]),

@@ -233,8 +233,8 @@ def build_models(cfg: Config, policy_path: str, device):
         hidden = policy.config.hidden_size
         ac = ActorCritic(policy, value_head=ValueHead(hidden).to(device))
     else:
-        # value_init=reward: from the reward model when there is one; with reward functions alone, the policy
-        from_rm = pc.value_init == "reward" and isinstance(rc.name, str) and rc.name  # not a model object
+        # value_init reward (or unset): from the reward model when there is one; with reward functions alone, the policy
+        from_rm = pc.value_init != "policy" and isinstance(rc.name, str) and rc.name  # not a model object
         critic_src = cfg.value.name or (rc.name if from_rm else policy_path)
         if other_tokenizer(critic_src, tok, trc) is not None:
             raise ValueError(f"the value model {critic_src} has a different tokenizer from the policy's; the critic "
