@@ -27,10 +27,9 @@ steps to 0.99 with the exact reward):
                   std, token-mean loss. (Groups of 8: 150-190 steps, of 4: 90-100; lr 5e-4 or
                   1e-3, KL 0 or 0.1, one epoch: all slower.)
     rlhfkit_ppo   ``rlhfkit ppo`` defaults (64 prompts, 2 x 2 minibatches of 32, KL 0.2 in the
-                  reward, GAE, running score normalisation) with, for a reward *function*, a
-                  value head shared with the actor (there is no reward model to start a critic
-                  from) and Adam at 6e-4: 75-95 steps and 35% less time per step than a
-                  separate critic started from the policy (65-110 steps at 3e-4).
+                  reward, GAE, running score normalisation, a value head on the actor) with,
+                  for the reward *function*, Adam at 6e-4: 75-95 steps and 35% less time per
+                  step than a separate critic started from the policy (65-110 steps at 3e-4).
     trl_grpo      TRL 1.16's GRPOTrainer on GRPOConfig's defaults adapted to the task: 8 prompts
                   x 8 samples (``num_generations=8``), one optimizer step per rollout of 64
                   (``per_device_train_batch_size=64``, ``num_iterations=1``), loss 'dapo', each
@@ -74,9 +73,9 @@ Reward (``--reward``):
                 set the prompt asks for, at the last token of prompt + completion. rlhfkit uses
                 its built-in classifier scorer, TRL the callable ``bench_common.ClassifierReward``;
                 the script checks that both give the same numbers before it starts. It checks
-                the character set, not the digits: both GRPO implementations learn to game it
-                (mixed-set answers it still scores high) and never reach 0.99 exact; PPO, with
-                its KL penalty in the reward, does.
+                the character set, not the digits: only the KL term keeps the doubling right,
+                and a weak one lets the policy game it (TRL GRPO at beta 0.1 stayed below 0.5
+                exact for 300 rollouts; benchmarks/README.md).
 
 ``--clock cpu`` replaces wall seconds by each process's CPU seconds (for all contenders alike),
 which other jobs on a shared machine disturb much less.
@@ -182,9 +181,8 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
     if on_trl:
         cfg = cfg.replace(ppo=grpo_on_trl_schedule(args))
     if algo == "ppo" and args.reward == "exact":
-        # no reward model to start a critic from: a value head on the actor (one forward gives
-        # log-probs and values), Adam at 6e-4 (see the module docstring)
-        cfg = cfg.replace(ppo={"value_model": "shared", "lr": 6e-4})
+        # the value head on the actor (the default) learns faster here at Adam 6e-4 (module docstring)
+        cfg = cfg.replace(ppo={"lr": 6e-4})
     cfg = load_config(None, args.ppo_override if algo == "ppo" else args.grpo_override, base=cfg)
     res = train_rl(cfg, paths["base"])
     reached = res["reached"]

@@ -454,10 +454,9 @@ class PPOConfig(Section):
     max_grad_norm: float = 1.0
     """Gradient-norm clip, per model."""
     value_model: Literal["separate", "shared"] | None = None
-    """'shared': a value head on the actor, whose values come from the policy's own forward;
-    'separate': a value model of its own (backbone + scalar head). Unset: 'separate' when
-    value.name, value.lora or ppo.value_init is set (they configure that model), else 'shared'.
-    The shared head against a separate critic started from the reward model: on the doubling
+    """'shared' (unset: the default): a value head on the actor, whose values come from the
+    policy's own forward; 'separate' (unset: when value.name, value.lora or ppo.value_init,
+    which configure it, is set): a value model of its own (backbone + scalar head). The shared head against a separate critic started from the reward model: on the doubling
     tutorial's classifier reward 0.65x the seconds per rollout and 0.77x the seconds to 0.99
     held-out exact (tuning seeds 21-32); it held on the robustness matrix's 27 runs (seeds 0-2
     and 33-38, three rewards; benchmarks/README.md); on the real chat model with LoRA, 0.58x the
