@@ -342,16 +342,16 @@ def test_the_critic_is_a_value_head_on_the_policy_unless_a_separate_one_is_confi
     from rlhfkit.config import ValueConfig
 
     assert Config().ppo.value_model == "shared" and load_config().ppo.value_model == "shared"
-    # each key that configures a separate value model asks for one, from every way in
-    for key, value in (("value.name", "runs/critic"), ("value.lora", True), ("ppo.value_init", "policy")):
+    # each key that configures a separate value model asks for one, from every way in: (its value, unset)
+    for key, (value, unset) in {"value.name": ("runs/critic", ""), "value.lora": (True, False),
+                                "ppo.value_init": ("policy", None)}.items():
         sec, name = key.split(".")
         ways = [load_config(overrides=[f"{key}={value}"]), Config().replace(**{sec: {name: value}}),
                 load_config(overrides=["ppo.value_model=shared"]).replace(**{sec: {name: value}})]
         for cfg in ways:
             assert cfg.ppo.value_model == "separate", key
-        # set back, the default comes back; set beside an explicit shared head, a clear error
-        assert ways[0].replace(**{sec: {name: ValueConfig().name if name == "name" else None if sec == "ppo" else False}}
-                               ).ppo.value_model == "shared"
+        # unset again, the default comes back; set beside an explicit shared head, a clear error
+        assert ways[0].replace(**{sec: {name: unset}}).ppo.value_model == "shared", key
         with raises(f"ppo.value_model=shared puts the value head on the policy, but {key}"):
             load_config(overrides=["ppo.value_model=shared", f"{key}={value}"])
     assert Config(value=ValueConfig(name="runs/critic")).ppo.value_model == "separate"

@@ -456,13 +456,13 @@ class PPOConfig(Section):
     value_model: Literal["separate", "shared"] | None = None
     """'shared' (unset: the default): a value head on the actor, whose values come from the
     policy's own forward; 'separate' (unset: when value.name, value.lora or ppo.value_init,
-    which configure it, is set): a value model of its own (backbone + scalar head). The shared head against a separate critic started from the reward model: on the doubling
-    tutorial's classifier reward 0.65x the seconds per rollout and 0.77x the seconds to 0.99
-    held-out exact (tuning seeds 21-32); it held on the robustness matrix's 27 runs (seeds 0-2
-    and 33-38, three rewards; benchmarks/README.md); on the real chat model with LoRA, 0.58x the
-    seconds a step, half the memory, and held-out exact 0.5 sooner on 2 of 3 seeds (README,
-    "Learning on it"). A separate critic is what TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat
-    use."""
+    which configure it, is set): a value model of its own (backbone + scalar head). The shared
+    head against a separate critic started from the reward model: on the doubling tutorial's
+    classifier reward 0.65x the seconds per rollout and 0.77x the seconds to 0.99 held-out exact
+    (tuning seeds 21-32); it held on the robustness matrix's 27 runs (seeds 0-2 and 33-38, three
+    rewards; benchmarks/README.md); on the real chat model with LoRA, 0.58x the seconds a step,
+    half the memory, and held-out exact 0.5 sooner on 2 of 3 seeds (README, "Learning on it").
+    A separate critic is what TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat use."""
     value_init: Literal["reward", "policy"] | None = None
     """A separate value model's start: the reward model ('reward', the meaning of unset: when
     reward.name is set; with reward functions alone, the policy) or the policy backbone

@@ -73,8 +73,8 @@ CONFIG_DEFAULTS = {
     "model": {"n_layer": 3, "n_embd": 96},
     "pretrain": {"steps": 600},
     "reward": {"steps": 300},
-    # RL over-optimises the imperfect reward model after ~20 steps: held-out exact PPO (a separate critic) 0.97, 0.95,
-    # 0.96, 0.92 and GRPO 0.85, 0.96, 0.93, 0.88 at steps 10, 20, 30, 40
+    # RL over-optimises the imperfect reward model after ~20 steps: held-out exact PPO (with a
+    # separate critic) 0.97, 0.95, 0.96, 0.92 and GRPO 0.85, 0.96, 0.93, 0.88 at steps 10, 20, 30, 40
     "ppo": {"lr": 1e-4, "steps": 20, "stop_at": 0.0, "eval_every": 10},
     "dpo": {"lr": 3e-4, "steps": 50, "eval_every": 25},  # held-out exact 0.80 at 25, 0.82 at 50, 0.52 at 75
     "demo": {"algos": "ppo,grpo,dpo"},
