@@ -350,10 +350,15 @@ def test_the_critic_is_a_value_head_on_the_policy_unless_a_separate_one_is_confi
                 load_config(overrides=["ppo.value_model=shared"]).replace(**{sec: {name: value}})]
         for cfg in ways:
             assert cfg.ppo.value_model == "separate", key
-        # unset again, the default comes back; set beside an explicit shared head, a clear error
+        # unset again, the default comes back
         assert ways[0].replace(**{sec: {name: unset}}).ppo.value_model == "shared", key
-        with raises(f"ppo.value_model=shared puts the value head on the policy, but {key}"):
-            load_config(overrides=["ppo.value_model=shared", f"{key}={value}"])
+        if sec == "value":  # beside an explicit shared head: a clear error (they name a model to build)
+            with raises(f"ppo.value_model=shared puts the value head on the policy, but {key}"):
+                load_config(overrides=["ppo.value_model=shared", f"{key}={value}"])
+    # ppo.value_init beside a shared head names nothing to load: a config.yaml saved before the head
+    # was the default records value_init: reward for a shared run too, and still reads back
+    (tmp_path / "old.yaml").write_text("ppo:\n  value_model: shared\n  value_init: reward\n")
+    assert load_config(tmp_path / "old.yaml").ppo.value_model == "shared"
     assert Config(value=ValueConfig(name="runs/critic")).ppo.value_model == "separate"
     assert Config(ppo=PPOConfig(value_init="reward")).ppo.value_model == "separate"
     assert load_config(overrides=["ppo.value_model=separate"]).ppo.value_model == "separate"  # explicit, nothing else

@@ -467,7 +467,7 @@ class PPOConfig(Section):
     """A separate value model's start: the reward model ('reward', the meaning of unset: when
     reward.name is set; with reward functions alone, the policy) or the policy backbone
     ('policy'); value.name, when set, overrides both. Setting it asks for a separate value model
-    (ppo.value_model unset: 'separate')."""
+    when ppo.value_model is unset; beside ppo.value_model=shared it does nothing."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that never emit EOS (0 = off; TRL's PPOTrainer
     has the same option, off by default). On the doubling task's three rewards no default run
@@ -776,10 +776,11 @@ class Config:
         separate = bool(self.value.name or self.value.lora or self.ppo.value_init is not None)
         if self.ppo.value_model is None:  # the critic: a model of its own only when one is configured
             values["value_model"] = "separate" if separate else "shared"
-        elif self.ppo.value_model == "shared" and separate:
-            given = [k for k, on in (("value.name", self.value.name), ("value.lora", self.value.lora),
-                                     ("ppo.value_init", self.ppo.value_init is not None)) if on]
-            raise ConfigError(f"ppo.value_model=shared puts the value head on the policy, but {', '.join(given)} "
+        elif self.ppo.value_model == "shared" and (self.value.name or self.value.lora):
+            # (ppo.value_init beside a shared head is left alone: configs saved before the head was the
+            # default record value_init: reward for every run, and it names nothing to load)
+            given = [k for k, on in (("value.name", self.value.name), ("value.lora", self.value.lora)) if on]
+            raise ConfigError(f"ppo.value_model=shared puts the value head on the policy, but {' and '.join(given)} "
                               "configure a separate value model: drop them, or set ppo.value_model=separate")
         if values:
             ppo = dataclasses.replace(self.ppo, **values)
