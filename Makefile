@@ -55,8 +55,8 @@ tmux:
 # Both run the tests in PYTEST_WORKERS pytest-xdist processes (tests/conftest.py gives each its
 # share of the cores). --dist loadfile keeps each test file on one worker, so a module fixture (the
 # e2e demo run, the DDP launches, the report's run) is computed once, not once per worker; files are
-# handed out in name order (--no-loadscope-reorder), not fewest-tests-last, which would start the
-# long e2e, DDP, resume and report files only at the end.
+# handed out in collection order (--no-loadscope-reorder), not fewest-tests-last, which would start the
+# long e2e, DDP and resume files only at the end: tests/conftest.py collects those three first.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
