@@ -773,14 +773,14 @@ class Config:
         # a LoRA policy's defaults (LORA_DEFAULTS) for the algorithm keys the ppo section left unset
         lora = LORA_DEFAULTS.get(self.ppo.algo, {}) if self.model.lora_r else {}
         values = {k: v for k, v in lora.items() if k in getattr(self.ppo, "_defaulted", ())}
-        separate = bool(self.value.name or self.value.lora or self.ppo.value_init is not None)
-        if self.ppo.value_model is None:  # the critic: a model of its own only when one is configured
-            values["value_model"] = "separate" if separate else "shared"
-        elif self.ppo.value_model == "shared" and (self.value.name or self.value.lora):
-            # (ppo.value_init beside a shared head is left alone: configs saved before the head was the
-            # default record value_init: reward for every run, and it names nothing to load)
-            given = [k for k, on in (("value.name", self.value.name), ("value.lora", self.value.lora)) if on]
-            raise ConfigError(f"ppo.value_model=shared puts the value head on the policy, but {' and '.join(given)} "
+        # the critic: a model of its own only when one is configured. value.name and value.lora name a
+        # model to build; ppo.value_init asks for one only when unset beside it (configs saved before
+        # the head was the default record value_init: reward for every run, shared ones included)
+        model_keys = [k for k, on in (("value.name", self.value.name), ("value.lora", self.value.lora)) if on]
+        if self.ppo.value_model is None:
+            values["value_model"] = "separate" if model_keys or self.ppo.value_init is not None else "shared"
+        elif self.ppo.value_model == "shared" and model_keys:
+            raise ConfigError(f"ppo.value_model=shared puts the value head on the policy, but {' and '.join(model_keys)} "
                               "configure a separate value model: drop them, or set ppo.value_model=separate")
         if values:
             ppo = dataclasses.replace(self.ppo, **values)
