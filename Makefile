@@ -97,6 +97,7 @@ $(TRL112)/.installed:
 	touch $(TRL112)/.installed
 
 bench: $(BENCH_STAMP) $(TRL112)/.installed
+	$(BIN)/pytest -m bench -q  # the checks the TRL comparisons rest on (rlhfkit's GRPO update is TRL's, ...)
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/ppo_step.py
 	$(BIN)/python benchmarks/time_to_accuracy.py
