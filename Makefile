@@ -97,7 +97,7 @@ $(TRL112)/.installed:
 	touch $(TRL112)/.installed
 
 bench: $(BENCH_STAMP) $(TRL112)/.installed
-	$(BIN)/pytest -m bench -q  # the checks the TRL comparisons rest on (rlhfkit's GRPO update is TRL's, ...)
+	$(BIN)/pytest -m bench -q  # the checks the TRL comparisons rest on: the same GRPO update, the same head
 	$(BIN)/python benchmarks/rollout.py
 	$(BIN)/python benchmarks/ppo_step.py
 	$(BIN)/python benchmarks/time_to_accuracy.py
@@ -108,7 +108,7 @@ bench: $(BENCH_STAMP) $(TRL112)/.installed
 # GPT-2 small's shape and the real chat model on the short workload, the real chat model on the
 # reasoning-shaped one; about 30 hours, an estimate (benchmarks/README.md, real_step.py)
 bench-real: $(BENCH_STAMP)
-	$(BIN)/pytest -m bench -q  # the forced completion-position scoring equals TRL's stock head
+	$(BIN)/pytest -m bench -q  # the checks the TRL comparisons rest on: the same GRPO update, the same head
 	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
 	$(BIN)/python benchmarks/real_step.py --size gpt2 --workload short --core 0
 	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload short --core 0
