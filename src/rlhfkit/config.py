@@ -460,7 +460,7 @@ class PPOConfig(Section):
     head against a separate critic started from the reward model: on the doubling tutorial's
     classifier reward 0.65x the seconds per rollout and 0.77x the seconds to 0.99 held-out exact
     (tuning seeds 21-32); it held on the robustness matrix's 27 runs (seeds 0-2 and 33-38, three
-    rewards; benchmarks/README.md); on the real chat model with LoRA, 0.58x the seconds a step,
+    rewards; benchmarks/FINDINGS.md); on the real chat model with LoRA, 0.58x the seconds a step,
     half the memory, and held-out exact 0.5 sooner on 2 of 3 seeds (README, "Learning on it").
     A separate critic is what TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat use."""
     value_init: Literal["reward", "policy"] | None = None
