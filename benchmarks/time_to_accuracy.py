@@ -15,7 +15,8 @@ and logging fall outside, to TRL's favour), and runs the same greedy evaluation
 64 completions for everyone; TRL takes ``steps_per_generation x num_iterations`` optimizer
 steps per rollout, and is evaluated once all of them have run. The table gives rollouts to
 the target and seconds per rollout apart, median and min-max over the seeds: the first is
-what the configuration buys, the second what the implementation costs.
+what the configuration buys, the second what a rollout's work costs (the implementation, and
+arithmetic one library skips: benchmarks/README.md).
 
 Contenders (rlhfkit's from a small sweep on seeds 10-12, never on the reported seeds 0-2;
 steps to 0.99 with the exact reward):
