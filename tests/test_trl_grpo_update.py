@@ -5,9 +5,10 @@ schedule and reads any difference in rollouts to the target as coming from the s
 update. This checks that reading: one rollout's batch (GRPO groups, completions of different
 lengths, a reference that differs from the policy so the KL term acts) goes through two epochs of
 one minibatch in both libraries -- rlhfkit's ``ppo_update`` with ``rlhfkit grpo``'s defaults, and
-TRL's own ``compute_loss`` with the keys the benchmark gives it (``loss_type='bnpo'``,
-``scale_rewards='batch'``, k3 without the importance ratio, beta and clip range as rlhfkit's), the
-accelerator's backward and gradient clip and TRL's fused AdamW. The advantages, the gradients of
+TRL's own ``compute_loss`` under the GRPOConfig the benchmark builds (its ``trl_grpo_config`` with
+``trl_on_rlhfkit_schedule``'s keys: ``loss_type='bnpo'``, ``scale_rewards='batch'``, k3 without the
+importance ratio, beta and clip range as rlhfkit's, float32), the accelerator's backward and
+gradient clip and TRL's fused AdamW. The advantages, the gradients of
 both optimizer steps (the second one at a ratio away from 1, with clipped tokens) and the weights
 after them must agree to rounding.
 
@@ -24,11 +25,13 @@ bench-real`` run it; ``make test`` leaves it out).
 from __future__ import annotations
 
 import copy
+from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import torch
 
-from hf_helpers import chat_tokenizer
+from hf_helpers import chat_tokenizer, import_example
 from rlhfkit.config import PPOConfig
 from rlhfkit.experience import ActorCritic, Experience, sequence_advantages
 from rlhfkit.models import build_tiny, token_logprobs
@@ -37,6 +40,7 @@ from rlhfkit.trainers.rl import make_optimizer, ppo_update
 
 U, G, P, R = 4, 4, 6, 5  # prompts, completions per prompt, prompt and completion columns
 B = U * G
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def batch(tok, vocab: int, left_padding: bool, seed: int = 0):
@@ -65,7 +69,9 @@ def grads(model) -> dict[str, torch.Tensor]:
 def test_the_grpo_update_equals_trls_on_the_same_batch(tmp_path, arch, left_padding):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
+
+    tta = import_example(BENCHMARKS, "time_to_accuracy")
 
     tok = chat_tokenizer()
     base = build_tiny(arch, tok, seed=0)
@@ -106,13 +112,12 @@ def test_the_grpo_update_equals_trls_on_the_same_batch(tmp_path, arch, left_padd
 
     # TRL: its loss on the same inputs, then what its Trainer does with it for one optimizer step
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-    # float32 and no checkpointing, as the benchmark runs it (TRL's defaults are bf16 and checkpointing)
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,
-                      report_to=[], per_device_train_batch_size=B,
-                      num_generations=G, steps_per_generation=1, num_iterations=pc.ppo_epochs, beta=pc.kl_coef,
-                      loss_type="bnpo", scale_rewards="batch", use_bias_correction_kl=False, learning_rate=pc.lr,
-                      lr_scheduler_type="constant", epsilon=pc.clip_range, max_grad_norm=pc.max_grad_norm,
-                      max_completion_length=R, temperature=pc.temperature)
+    # the benchmark's GRPOConfig on rlhfkit's schedule (float32, no checkpointing; read for its rollout
+    # of 64), with this test's learning rate and its batch as one minibatch
+    keys = {**tta.trl_on_rlhfkit_schedule(Namespace(batch_size=64)), "per_device_train_batch_size": B,
+            "steps_per_generation": 1, "learning_rate": pc.lr}
+    assert keys["num_iterations"] == pc.ppo_epochs and keys["num_generations"] == G
+    args = tta.trl_grpo_config(str(tmp_path / "trl"), seed=0, max_steps=1, batch_size=B, overrides=keys)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["x"] * B}), processing_class=tok)
     trainer.create_optimizer()
@@ -129,18 +134,22 @@ def test_the_grpo_update_equals_trls_on_the_same_batch(tmp_path, arch, left_padd
         their_grads.append(grads(model))
         trainer.optimizer.step()
 
+    # the first epoch's gradients come from the same weights (measured: 1e-6 of their size); the
+    # second's from weights one Adam step apart by rounding, whose gap depends on the threads'
+    # summation order (up to 1.2e-4 of the size on two threads, 1e-5 on one)
     assert len(our_grads) == len(their_grads) == 2
     for epoch, (a, b) in enumerate(zip(our_grads, their_grads)):
         assert a.keys() == b.keys()
         for name in b:
             scale = b[name].abs().max().item()
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4 * scale + 1e-9,
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=(1e-4, 1e-3)[epoch] * scale + 1e-9,
                                        msg=f"epoch {epoch}: {name}")
     # Adam's steps are about lr per weight whatever the gradient's size, so a weight whose gradient is
-    # near 0 carries its rounding further: the weights agree to 1% of one step
+    # near 0 carries its rounding further: the weights agree to 5% of one step (measured: 0.5% on one
+    # thread, 1.4% on two)
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), base.parameters()))
     gap = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ours.parameters()))
-    assert moved > pc.lr and gap < 0.01 * pc.lr
+    assert moved > pc.lr and gap < 0.05 * pc.lr
 
 
 def test_the_doubling_prompts_need_no_padding():
