@@ -52,9 +52,9 @@ Rows (``--rows``; default: the seven GRPO rows without LoRA):
                            ``rlhfkit.lean.shared_prompts`` return None (what they do when sharing
                            does not pay); the positions of TRL's completion-position rows, body
                            and head
-    rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update
-                           takes transformers' forward over whole rows (no shared prompt there)
-                           and runs it twice; rollout and reference as in the first row
+    rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update's
+                           shared-prompt forward keeps each layer's input only and runs the layer
+                           again in the backward; rollout and reference as in the first row
     trl_grpo               trl 1.16 GRPOTrainer: ``per_device_train_batch_size=MICRO``,
                            ``gradient_accumulation_steps=64/MICRO`` (one generation of 64 per
                            optimizer step), ``num_generations=G``, ``beta=0.3``,
@@ -231,10 +231,9 @@ def positions(row: str, wl: dict) -> dict:
                 "backward": 2 * whole, "head": B * R * 3}
     shared = s["lib"] == "rlhfkit" and not s["unshared"]
     scoring = U * P + B * R if shared else B * (P + R)
-    update = B * (P + R) if s["lib"] == "rlhfkit" and s["ckpt"] else scoring  # transformers' forward under checkpointing
     head_rows = B * (P + R - 1) if s["lib"] == "trl" and not s["compact"] else B * R
     return {"rollout": (U if shared else B) * P + B * (R - 1), "experience": scoring,
-            "update": update * (2 if s["ckpt"] else 1), "backward": update, "head": B * R + 2 * head_rows}
+            "update": scoring * (2 if s["ckpt"] else 1), "backward": scoring, "head": B * R + 2 * head_rows}
 
 
 def body_work(pos: dict) -> int:

@@ -272,3 +272,60 @@ def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch)
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def saved_bytes(fn):
+    """``fn()`` and the bytes autograd keeps for its backward outside checkpointed regions (the
+    checkpoint's own hooks take the tensors saved inside them)."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+@pytest.mark.parametrize("path", ["full", "two_streams", "flat"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_checkpointing_keeps_values_and_gradients_and_drops_activations(name, path):
+    """With the model's gradient checkpointing on, the lean forwards (full, and shared prompts
+    as two streams or one flat sequence) checkpoint each layer: the same states and gradients
+    as without, with well under half the activations kept for the backward; in eval mode or
+    without a graph nothing is checkpointed."""
+    from rlhfkit.models import enable_gradient_checkpointing
+
+    plain, ckpt = MODELS[name]().train(), enable_gradient_checkpointing(MODELS[name]()).train()
+    assert lean.supported(ckpt)
+    ids, mask = batch()
+    P = ids.shape[1]
+    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # 4 groups of 3
+    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
+    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
+    pos = position_ids_from_mask(seq_mask)
+    shared = lean.shared_prompts(seq, seq_mask, P)
+
+    def forward(model):
+        if path == "full":
+            return lean.hidden_states(model, seq, seq_mask, pos)[:, P - 1 : -1]
+        return lean.response_hidden_states(model, seq, seq_mask, pos, P, *shared, flat=path == "flat")
+
+    weight = torch.randn(32, generator=torch.Generator().manual_seed(2)).to(DEV)  # the models' width
+    outs, kept, grads = [], [], []
+    for model in (plain, ckpt):
+        out, n = saved_bytes(lambda: forward(model))
+        (out @ weight).square().mean().backward()
+        outs.append(out.detach())
+        kept.append(n)
+        grads.append([p.grad for p in model.parameters()])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+    assert [g is None for g in grads[1]] == [g is None for g in grads[0]] and grads[0][1] is not None
+    for a, b in zip(*grads):
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert kept[1] < 0.5 * kept[0], kept
+    with torch.no_grad():
+        assert not lean._checkpointing(lean._Arch(ckpt))
+    assert not lean._checkpointing(lean._Arch(ckpt.eval()))

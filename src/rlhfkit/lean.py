@@ -21,7 +21,8 @@ computed as ``x * sigmoid(2z)`` (equal to ``x * (1 + tanh z) / 2``; on this CPU 
 is 3.5x slower than sigmoid). Tests compare hidden states, gradients and generations with
 ``transformers`` to 1e-5. :func:`supported` says whether a model can take this path;
 callers fall back to the model's own forward otherwise (other architectures, adapters but plain LoRA,
-quantised layers, active dropout, gradient checkpointing, sliding windows ...).
+quantised layers, active dropout, sliding windows ...). Under a model's gradient checkpointing
+the full and the shared-prompt forwards checkpoint each layer themselves.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import kernels
 from .distributed import is_sharded
@@ -119,12 +121,12 @@ def supported(model: nn.Module) -> bool:
     """True when :func:`hidden_states` / :func:`prefill` reproduce this model's forward: a GPT-2
     or Llama/Qwen2 stack of plain layers or plain LoRA on its linear layers (peft; no other
     adapters, quantised or otherwise replaced layers, no sharded parameters), no active
-    dropout, no gradient checkpointing, no sliding window. Cheap enough to ask before every
+    dropout, no sliding window. Cheap enough to ask before every
     forward: the layers' types and parameters are looked at directly, and the dropout modules
     are found once per model."""
     base = _base(model)
     cfg = getattr(base, "config", None)
-    if cfg is None or _dropout_active(base) or (base.training and getattr(base, "gradient_checkpointing", False)):
+    if cfg is None or _dropout_active(base):
         return False
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if head is not None and not _plain(head):
@@ -375,10 +377,36 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     x = arch.embed(input_ids, position_ids)
     rope = arch.rope(x, position_ids)
     mask = _full_mask(attention_mask)
-    for layer in arch.layers:
+
+    def step(i, layer, x):
         q, k, v = arch.qkv(layer, x, rope)
-        x = arch.finish_layer(layer, x, _attend(q, k, v, mask, arch.scale, arch.groups))
+        return arch.finish_layer(layer, x, _attend(q, k, v, mask, arch.scale, arch.groups))
+
+    x, = _run_layers(arch, step, (x,))
     return arch.final_norm(x)
+
+
+def _checkpointing(arch: _Arch) -> bool:
+    """Whether this forward checkpoints its layers: the model's own switch
+    (``gradient_checkpointing_enable()``, :func:`rlhfkit.models.enable_gradient_checkpointing`)
+    in train mode, and a graph being recorded."""
+    return arch.base.training and bool(getattr(arch.base, "gradient_checkpointing", False)) and torch.is_grad_enabled()
+
+
+def _run_layers(arch: _Arch, step, state: tuple) -> tuple:
+    """``state = step(i, layer, *state)`` through every layer. Under the model's gradient
+    checkpointing each layer's call keeps only its inputs and runs again in the backward, as
+    the model's own forward does with ``use_reentrant=False``. No dropout is active on this
+    path (:func:`supported`), so the second run needs no saved random state."""
+    ckpt = _checkpointing(arch)
+    for i, layer in enumerate(arch.layers):
+        if ckpt:
+            state = checkpoint(step, i, layer, *state, use_reentrant=False, preserve_rng_state=False)
+        else:
+            state = step(i, layer, *state)
+        if not isinstance(state, tuple):
+            state = (state,)
+    return state
 
 
 def shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
@@ -434,15 +462,19 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
     xr = arch.embed(input_ids[:, P:], pos_r)  # [B, R, H]
     rope_p, rope_r = arch.rope(xp, pos_p), arch.rope(xr, pos_r)
     last = len(arch.layers) - 1
-    for i, layer in enumerate(arch.layers):
+
+    def step(i, layer, xp, xr):
         qp, kp, vp = arch.qkv(layer, xp, rope_p)
         qr, kr, vr = arch.qkv(layer, xr, rope_r)
         keys = torch.cat([kp.index_select(0, rows), kr], 2)  # [B, Hkv, T, D]
         values = torch.cat([vp.index_select(0, rows), vr], 2)
+        mp = mask_p
         if i == last:  # the prompt's last column is all that is still needed from it
-            qp, xp, mask_p = qp[:, :, -1:], xp[:, -1:], mask_p[:, :, -1:]
-        xp = arch.finish_layer(layer, xp, _attend(qp, kp, vp, mask_p, arch.scale, arch.groups))
-        xr = arch.finish_layer(layer, xr, _attend(qr, keys, values, mask_r, arch.scale, arch.groups))
+            qp, xp, mp = qp[:, :, -1:], xp[:, -1:], mp[:, :, -1:]
+        return (arch.finish_layer(layer, xp, _attend(qp, kp, vp, mp, arch.scale, arch.groups)),
+                arch.finish_layer(layer, xr, _attend(qr, keys, values, mask_r, arch.scale, arch.groups)))
+
+    xp, xr = _run_layers(arch, step, (xp, xr))
     hp = arch.final_norm(xp[:, -1]).index_select(0, rows)  # [B, H]: the state at column P-1
     return torch.cat([hp[:, None], arch.final_norm(xr[:, :-1])], 1)  # [B, R, H]
 
@@ -457,20 +489,24 @@ def _shared_flat(arch: _Arch, input_ids: torch.Tensor, position_ids: torch.Tenso
     x = arch.embed(*flat)  # [1, N, H]
     rope = arch.rope(x, flat[1])
     last = len(arch.layers) - 1
-    for i, layer in enumerate(arch.layers):
+
+    def step(i, layer, x):
         # [1, heads, N, D] -> [U, heads, P, D] and [B, heads, R, D] views (split: its backward is one cat)
         (qp, qr), (kp, kr), (vp, vr) = (
             (a.unflatten(1, (U, P)).transpose(0, 1), b.unflatten(1, (B, R)).transpose(0, 1))
             for a, b in (t.squeeze(0).split([n_p, B * R], 1) for t in arch.qkv(layer, x, rope)))
         keys = torch.cat([kp.index_select(0, rows), kr], 2)  # [B, Hkv, T, D]
         values = torch.cat([vp.index_select(0, rows), vr], 2)
+        mp = mask_p
         if i == last:  # the prompt's last column is all that is still needed from it
-            qp, mask_p = qp[:, :, -1:], mask_p[:, :, -1:]
+            qp, mp = qp[:, :, -1:], mp[:, :, -1:]
             xp, xr = x.squeeze(0).split([n_p, B * R])
             x = torch.cat([xp.unflatten(0, (U, P))[:, -1], xr])[None]  # [1, U + B*R, H]
-        a = torch.cat([_attend(qp, kp, vp, mask_p, arch.scale, arch.groups).transpose(1, 2).flatten(0, 1),
+        a = torch.cat([_attend(qp, kp, vp, mp, arch.scale, arch.groups).transpose(1, 2).flatten(0, 1),
                        _attend(qr, keys, values, mask_r, arch.scale, arch.groups).transpose(1, 2).flatten(0, 1)])
-        x = arch.finish_tokens(layer, x, a.flatten(1))  # a: [tokens, heads * D]
+        return arch.finish_tokens(layer, x, a.flatten(1))  # a: [tokens, heads * D]
+
+    x, = _run_layers(arch, step, (x,))
     xp, xr = arch.final_norm(x.squeeze(0)).split([U, B * R])
     hp = xp.index_select(0, rows)  # [B, H]: the state at column P-1
     return torch.cat([hp[:, None], xr.unflatten(0, (B, R))[:, :-1]], 1)  # [B, R, H]

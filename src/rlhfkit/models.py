@@ -280,7 +280,9 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> PreTrainedModel:
     """Activation checkpointing in the non-reentrant form (works with frozen embeddings and LoRA).
 
     Layers drop their KV cache while checkpointing in train mode, so sampling must run in
-    :func:`eval_mode` (rollouts do)."""
+    :func:`eval_mode` (rollouts do). Models on rlhfkit's lean forward (GPT-2, Llama, Qwen2) read
+    the same switch and checkpoint each of their layers there (:func:`rlhfkit.lean.hidden_states`,
+    shared prompts included)."""
     base = unwrap(model)
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
