@@ -128,6 +128,8 @@ def test_first_minibatch_has_ratio_one_and_kl_zero(value_model, reuse):
     assert first["policy/clipfrac"].item() == 0.0
     # and the update did move the policy: later minibatches see ratios != 1
     assert max(s["policy/approx_kl"].item() for s in mb_stats[1:]) > 1e-6
+    # the spent gradients are freed before the next rollout (memory of the trained weights' size)
+    assert all(p.grad is None for p in [*ac.policy.parameters(), *ac.critic_parameters()])
 
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])

@@ -209,6 +209,10 @@ def ppo_update(
             if engine.guard.ok(loss, stats["policy/grad_norm"], stats.get("value/grad_norm", 0.0)):
                 optimizer.step()
             all_stats.append(stats)
+    # the last step's gradients are spent: free them now rather than at the next update's first
+    # minibatch, so the rollout and the reference forward between updates do not hold a copy
+    # of the trained weights' size (TRL's Trainer frees them after each step the same way)
+    optimizer.zero_grad(set_to_none=True)
     return all_stats
 
 
