@@ -52,6 +52,8 @@ Rows (``--rows``; default: the seven GRPO rows without LoRA):
                            ``rlhfkit.lean.shared_prompts`` return None (what they do when sharing
                            does not pay); the positions of TRL's completion-position rows, body
                            and head
+    rlhfkit_grpo_graph     the first row with ``ppo.cuda_graph=true``: each decode step replayed as
+                           a CUDA graph (GPU only; on a CPU the same fixed-shape step runs eagerly)
     rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update's
                            shared-prompt forward keeps each layer's input only and runs the layer
                            again in the backward; rollout and reference as in the first row
@@ -164,6 +166,7 @@ NAMES = {
     "rlhfkit_grpo": "rlhfkit GRPO",
     "rlhfkit_grpo_unshared": "rlhfkit GRPO, prompts unshared",
     "rlhfkit_grpo_ckpt": "rlhfkit GRPO, checkpointing",
+    "rlhfkit_grpo_graph": "rlhfkit GRPO, CUDA-graph decode",
     "trl_grpo": "TRL, CPU head (all positions)",
     "trl_grpo_compact": "TRL, completion positions",
     "trl_grpo_ckpt": "TRL, CPU head, checkpointing",
@@ -175,7 +178,7 @@ NAMES = {
     "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA",
 }
 ROWS = list(NAMES)
-DEFAULT_ROWS = ROWS[:7]
+GRPO_ROWS = ROWS[:8]  # without LoRA; the defaults: all but the CUDA-graph one on a CPU, the _compact ones on CUDA
 # (numerator, denominator, what the ratio shows)
 RATIOS = [
     ("rlhfkit_grpo", "trl_grpo", "both as shipped, on a CPU"),
@@ -198,6 +201,8 @@ GPU_RATIOS = [
     ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "shared prompts, within rlhfkit"),
     ("rlhfkit_grpo", "trl_grpo_ckpt", "TRL at its default checkpointing"),
     ("rlhfkit_grpo_ckpt", "trl_grpo_ckpt", "both checkpointing"),
+    ("rlhfkit_grpo_graph", "trl_grpo", "rlhfkit decoding through a CUDA graph"),
+    ("rlhfkit_grpo_graph", "rlhfkit_grpo", "the CUDA graph, within rlhfkit"),
     ("rlhfkit_grpo_lora", "trl_grpo_lora", "LoRA, both as shipped"),
 ]
 
@@ -210,7 +215,7 @@ def row_spec(row: str) -> dict:
     """What a row name turns on: library, algorithm and the switches after them."""
     lib, algo, *flags = row.split("_")
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
-            "unshared": "unshared" in flags, "compact": "compact" in flags}
+            "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -426,7 +431,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
            "minibatch_size": B, "micro_batch_size": wl["micro"], "max_new_tokens": wl["new_tokens"], "lr": LR,
            "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0, "samples_per_log": 0, "trajectories_every": 0}
     if s["algo"] == "grpo":
-        ppo.update(group_size=wl["group_size"], kl_coef=KL)
+        ppo.update(group_size=wl["group_size"], kl_coef=KL, cuda_graph=s["graph"])
     else:  # the rows measure what a critic model of its own costs (positions() counts its forwards)
         ppo.update(value_model="separate")
     model = {"name": paths["model"], "gradient_checkpointing": s["ckpt"]}
@@ -615,7 +620,7 @@ def main() -> None:
     for knob in WORKLOADS["short"]:
         ap.add_argument("--" + knob.replace("_", "-"), type=int, help=f"override the workload's {knob}")
     ap.add_argument("--rows", nargs="+", choices=ROWS,
-                    help="default: the seven GRPO rows without LoRA (on CUDA, those but the _compact ones)")
+                    help="default: the seven GRPO rows without LoRA (on CUDA, those but the _compact ones, with the CUDA-graph row)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps before the measured ones, per run")
     ap.add_argument("--runs", type=int, default=3, help="runs of every row, in alternating order")
@@ -635,7 +640,7 @@ def main() -> None:
     if ("fetch" in SIZES[args.size] or "shape_of" in SIZES[args.size]) and args.layers not in (None, SIZES[args.size]["layers"]):
         sys.exit(f"--layers applies to gpt2 and qwen; {args.size} keeps its model's layers")
     if args.rows is None:
-        args.rows = [r for r in DEFAULT_ROWS if args.device == "cpu" or not row_spec(r)["compact"]]
+        args.rows = [r for r in GRPO_ROWS if not row_spec(r)["graph" if args.device == "cpu" else "compact"]]
     if args.device == "cuda" and any(row_spec(r)["compact"] for r in args.rows):
         sys.exit("on CUDA TRL's head scores completion positions only as shipped: leave the _compact rows out")
     args.layers = args.layers or SIZES[args.size]["layers"]

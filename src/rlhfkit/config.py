@@ -366,6 +366,15 @@ class PPOConfig(Section):
     contains one -- the token completing it is its last and the row counts as finished (no
     missing_eos_penalty; counted in response/eos_rate). The held-out evaluation uses them too.
     Empty = none."""
+    cuda_graph: bool = False
+    """Replay each decode step of the rollout as a CUDA graph (on CUDA, on rlhfkit's lean forward:
+    GPT-2, Llama, Qwen2 with a rotary table that does not change with the length). At a small
+    model's size a GPU decode step is hundreds of kernel launches that cost more than their
+    arithmetic, and a replay issues them at once. The step then attends over the whole
+    pre-allocated cache with the unwritten columns masked: the same tokens and log-probs up to
+    rounding (tests check them against the usual decode, on a CPU where the same fixed-shape step
+    runs without a graph). Off by default until its speed is measured on a GPU (benchmarks/README.md,
+    real_step.py's rlhfkit_grpo_graph row); it changes nothing on a CPU but the extra attention."""
     reuse_rollout_logprobs: bool = True
     """Use the sampler's log-probs (and a shared value head's values and the entropies) as the
     experience pass's instead of running the policy again -- only when the sampler computed them

@@ -626,6 +626,49 @@ def decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -
     return arch.final_norm(x[:, 0])
 
 
+# rotary embeddings whose tables do not depend on how long the sequence is (the dynamic and long
+# ones recompute them as it grows, a host-side decision a CUDA graph cannot replay)
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def static_shapes(cache: KVCache) -> bool:
+    """Whether :func:`static_decode_step` computes this cache's model."""
+    arch = cache.arch
+    return arch.gpt2 or getattr(arch.base.rotary_emb, "rope_type", None) in _STATIC_ROPE
+
+
+@torch.no_grad()
+def static_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, t: torch.Tensor,
+                       columns: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_step` with every shape and address fixed, so that a CUDA graph can replay
+    it: the step's column is the tensor ``t [1]`` rather than ``cache.length``, the keys and
+    values go in with ``index_copy_``, and attention runs over all ``T_max`` columns
+    (``columns [T_max]``: ``arange``) with those after ``t`` masked, instead of a slice that
+    grows. Equal to :func:`decode_step` up to rounding; it does not advance ``cache.length``."""
+    arch = cache.arch
+    bias = cache.key_bias.masked_fill(columns > t, float("-inf"))[:, None, None, :]  # [B, 1, 1, T_max]
+    if arch.gpt2:
+        eps, H, D = arch.eps, arch.n_heads, arch.head_dim
+        B = tokens.shape[0]
+        x = torch.embedding(arch.wte, tokens) + torch.embedding(arch.wpe, positions)  # [B, C]
+        C = x.shape[-1]
+        for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kv in zip(arch.layers, cache.kv):
+            qkv = torch.addmm(ab, torch.layer_norm(x, (C,), ln1w, ln1b, eps), aw).view(B, 3, H, 1, D)
+            kv.index_copy_(3, t, qkv[:, 1:])  # this step's key and value, one copy
+            a = F.scaled_dot_product_attention(qkv[:, 0], kv[:, 0], kv[:, 1], attn_mask=bias,
+                                               scale=arch.scale).view(B, C)
+            x = torch.addmm(pb, a, pw).add_(x)
+            x = torch.addmm(mb, act(torch.addmm(fb, torch.layer_norm(x, (C,), ln2w, ln2b, eps), fw)), mw).add_(x)
+        return torch.layer_norm(x, (C,), arch.final[0], arch.final[1], eps)
+    x = arch.embed(tokens[:, None], positions[:, None])  # [B, 1, H]
+    rope = arch.rope(x, positions[:, None])
+    for layer, kv in zip(arch.layers, cache.kv):
+        q, k, v = arch.qkv(layer, x, rope)
+        kv.index_copy_(3, t, torch.stack([k, v], 1))
+        x = arch.finish_layer(layer, x, _attend(q, kv[:, 0], kv[:, 1], bias, arch.scale, arch.groups))
+    return arch.final_norm(x[:, 0])
+
+
 def _gpt2_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """:func:`decode_step` for GPT-2 written out flat: at a small model's sizes each tensor op
     costs a few microseconds and the Python around it as much again."""

@@ -177,11 +177,13 @@ class _Forward:
     """The model's next-token logits one step at a time: the lean path (:mod:`rlhfkit.lean`,
     pre-allocated cache, functional forward) or the model's own forward with a DynamicCache."""
 
-    def __init__(self, model, prompt_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, lean: bool):
+    def __init__(self, model, prompt_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, lean: bool,
+                 graph: bool = False):
         self.model, self.mask, self.lean = model, mask, lean
         positions = position_ids_from_mask(mask)  # [B, P]
         self.next_pos = positions[:, -1] + 1  # [B]
         self.hidden = None
+        self.fixed = None
         if lean:
             head = model.get_output_embeddings()
             if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
@@ -189,6 +191,8 @@ class _Forward:
             self.head = head
             self.hidden, self.cache = lean_lm.prefill(model, prompt_ids, mask, positions, max_new_tokens)
             self.logits = head(self.hidden)  # [B, V]
+            if graph and lean_lm.static_shapes(self.cache):
+                self.fixed = _FixedStep(self.cache, head, prompt_ids.device.type == "cuda")
         else:
             self.cache = DynamicCache()
             # the prefill needs the last position's logits only: [B, P, V] of a big vocabulary is GiBs
@@ -199,7 +203,9 @@ class _Forward:
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Feed ``tok [B]``; the logits ``[B, V]`` of the next position."""
-        if self.lean:
+        if self.fixed is not None:
+            self.hidden, logits = self.fixed(tok, self.next_pos)
+        elif self.lean:
             self.hidden = lean_lm.decode_step(self.cache, tok, self.next_pos)
             logits = self.head(self.hidden)
         else:
@@ -210,6 +216,53 @@ class _Forward:
             self.cache, logits = out.past_key_values, out.logits[:, -1]
         self.next_pos = self.next_pos + 1
         return logits
+
+
+class _FixedStep:
+    """The lean decode step with fixed shapes and buffers (:func:`rlhfkit.lean.static_decode_step`),
+    on CUDA captured once as a CUDA graph and replayed for every token: at a small model's size a
+    step is hundreds of kernel launches, each costing more than its arithmetic, and a replay
+    launches them all at once. On a CPU (no graphs) the same step runs as written, which is how
+    the tests check it. The outputs are the graph's own buffers, rewritten by the next step, so
+    they are copied out."""
+
+    def __init__(self, cache, head, cuda: bool):
+        B, dev = cache.key_bias.shape[0], cache.key_bias.device
+        self.cache, self.head, self.graph = cache, head, None
+        self.tok = torch.zeros(B, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.columns = torch.arange(cache.key_bias.shape[1], device=dev)
+        for kv in cache.kv:  # attention weighs the unwritten columns by 0, and 0 * NaN would not be 0
+            kv[:, :, :, cache.length:].zero_()
+        if cuda:
+            self.t.fill_(cache.length)  # the warm-up writes the first step's column, which the first replay rewrites
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # CUDA's libraries set themselves up outside the capture
+                self._run()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._run()
+
+    @torch.no_grad()
+    def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = lean_lm.static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns)
+        return hidden, self.head(hidden)
+
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden [B, H], logits [B, V])`` after feeding ``tok`` at ``pos``; advances the cache."""
+        self.tok.copy_(tok)
+        self.pos.copy_(pos)
+        self.t.fill_(self.cache.length)
+        if self.graph is None:
+            hidden, logits = self._run()
+        else:
+            self.graph.replay()
+            hidden, logits = (x.clone() for x in self.out)
+        self.cache.length += 1
+        return hidden, logits
 
 
 class _StopStrings:
@@ -364,6 +417,7 @@ def generate(
     top_p: float = 1.0,
     stop: Sequence[str] = (),
     tokenizer=None,
+    graph: bool = False,
 ) -> Rollout:
     """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt.
 
@@ -393,6 +447,10 @@ def generate(
         stop: strings that end a response, like EOS, when its decoded new text contains one;
             the token completing it is the row's last valid token and the row is ``finished``.
         tokenizer: decodes the responses for ``stop`` (needed only with it).
+        graph: on the lean path, decode with fixed shapes and, on CUDA, replay each step as a
+            CUDA graph (:class:`_FixedStep`); a model whose rotary tables change with the length
+            decodes as usual. Attention then spans the whole pre-allocated cache each step (the
+            columns not yet written masked), the same result up to rounding.
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
@@ -401,7 +459,7 @@ def generate(
     if any(not s for s in stop) or (stop and tokenizer is None):
         raise ValueError("stop strings must be non-empty and need the tokenizer to decode responses")
     B, device = prompt_ids.shape[0], prompt_ids.device
-    fwd = _Forward(model, prompt_ids, prompt_mask.long(), max_new_tokens, lean and lean_lm.supported(model))
+    fwd = _Forward(model, prompt_ids, prompt_mask.long(), max_new_tokens, lean and lean_lm.supported(model), graph)
     logits = fwd.logits  # [B, V]
     # the sampler's log-probs stand in for a training forward only when they are computed alike
     forward_logprobs = fwd.lean and logits.dtype == torch.float32

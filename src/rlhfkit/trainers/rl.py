@@ -311,7 +311,7 @@ def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_
             return generate(ac.policy, ids, mask, n, eos_token_ids(ac.policy, tok), tok.pad_token_id,
                             pc.temperature, greedy=step is None, uniforms=u,
                             value_head=ac.value_head if pc.reuse_rollout_logprobs and step is not None else None,
-                            top_k=pc.top_k, top_p=pc.top_p, stop=pc.stop, tokenizer=tok)
+                            top_k=pc.top_k, top_p=pc.top_p, stop=pc.stop, tokenizer=tok, graph=pc.cuda_graph)
 
     return sample
 
