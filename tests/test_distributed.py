@@ -3,15 +3,15 @@
 Each command runs with its own defaults for a few steps (PPO past its critic warm-up; GRPO, RLOO
 and REINFORCE two steps of batch 64 in minibatches of 32 over two epochs; DPO, SFT and the reward
 model two steps of their default batches), plus variants (a warm-up step on a shared value head,
-LoRA, a prompt file in minibatches of one group, micro-batches of 3 rows, GRPO's per-sequence
-mean loss with GSPO's sequence ratios, whose processes are weighted by rows), once in a single
-process and once under ``accelerate launch`` with two processes, each taking half of every global
-batch. The logged losses, gradient norms and statistics and the saved weights must agree (1e-4),
-which holds only if sharding reproduces the single-process batch, sampling does not depend on the
-split, every minibatch holds the same rows of the global batch as in one process (whichever
-process holds them), batch-wide statistics are gathered, token-mean losses are reweighted, a
-critic warm-up leaves the actor's optimizer state alone and metrics are reduced; and only the main
-process may write files.
+LoRA, a prompt file in minibatches of one group, micro-batches of 3 rows, GRPO's per-sequence mean
+loss with GSPO's sequence ratios, whose processes are weighted by rows, and GRPO with gradient
+checkpointing), once in a single process and once under ``accelerate launch`` with two processes,
+each taking half of every global batch. The logged losses, gradient norms and statistics and the
+saved weights must agree (1e-4), which holds only if sharding reproduces the single-process batch,
+sampling does not depend on the split, every minibatch holds the same rows of the global batch as
+in one process (whichever process holds them), batch-wide statistics are gathered, token-mean
+losses are reweighted, a critic warm-up leaves the actor's optimizer state alone and metrics are
+reduced; and only the main process may write files.
 
 PPO and GRPO (the prompt-file run) also run on two "nodes" of one process each, started as two
 separate launches on this machine (``--nnodes 2`` / ``--num_machines 2``, node rank 0 and 1,
@@ -53,7 +53,7 @@ pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-RUNS = ("ppo", "ppo_warmup", "ppo_separate", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "rloo",
+RUNS = ("ppo", "ppo_warmup", "ppo_separate", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "grpo_ckpt", "rloo",
         "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env")
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a shared value head (ppo's default), a separate critic,
 # the three critic-free estimators, LoRA (PPO with an adapter on the critic too, GRPO) and multi-turn

@@ -43,6 +43,8 @@ runs = {  # run name: (command, overrides)
     # ratios, in micro-batches: minibatches of 3 groups of 2 hold 4 rows of one process and 2 of the other
     "grpo_seqmean": ("grpo", [*rl, "ppo.batch_size=12", "ppo.minibatch_size=6", "ppo.group_size=2",
                               "ppo.loss_type=grpo", "ppo.importance_sampling_level=sequence", "ppo.micro_batch_size=2"]),
+    # gradient checkpointing: the lean forward checkpoints each layer itself, the group's prompt shared
+    "grpo_ckpt": ("grpo", [*rl, "ppo.group_size=4", "model.gradient_checkpointing=true"]),
     # multi-turn episodes (three turns, observations between them, per-turn rewards): the environment's
     # rewards alone (grpo), and added to the reward model's score with GAE over the turns (ppo)
     "grpo_env": ("grpo", [*rl[:-1], "ppo.group_size=4", f"env.class={Path(__file__).parent / 'echo_env.py'}:Echo"]),
