@@ -220,18 +220,33 @@ def _norm_params(norm: nn.Module) -> tuple[torch.Tensor, float]:
 
 def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tensor:
     weight, eps = params
+    if x.dtype == weight.dtype == torch.float32:  # the formula below as one fused forward kernel
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _add_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + F.linear(a, weight, bias)`` for ``x [B, T, C]``, ``a [..., in]``: without a bias the
+    residual goes into the matrix product as its accumulator (one kernel instead of two)."""
+    if bias is not None:
+        return x + F.linear(a, weight, bias).view(x.shape)
+    return torch.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), weight.t()).view(x.shape)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: ``rotate_half(x) * sin == swap_halves(x) * _signed_sin(sin)``."""
+    s1, s2 = sin.chunk(2, dim=-1)
+    return torch.cat((-s1, s2), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions, ``x * cos + rotate_half(x) * sin`` (``rotate_half(x) = [-x2, x1]``) in
+    three operations: the sign is in ``signed_sin`` (:func:`_signed_sin`, once per forward).
+    ``x [B, H, T, D]``, ``cos / signed_sin [B, 1, T, D]``."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin  # x [B, H, T, D], cos/sin [B, 1, T, D]
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
 
 
 def _attend(q, k, v, mask, scale, groups: int) -> torch.Tensor:
@@ -317,7 +332,7 @@ class _Arch:
         if self.gpt2:
             return None
         cos, sin = self.base.rotary_emb(x, positions)
-        return cos[:, None], sin[:, None]
+        return cos[:, None], _signed_sin(sin[:, None])
 
     def qkv(self, layer, x: torch.Tensor, rope):
         """Residual stream ``[B, T, H]`` -> ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``."""
@@ -328,16 +343,15 @@ class _Arch:
             q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             return q, k, v
         h = _rms_norm(layer[0], x)
-        D, nq, nkv = self.head_dim, self.n_heads * self.head_dim, self.kv_heads * self.head_dim
-        if len(layer[1]) == 1:
-            q, k, v = F.linear(h, *layer[1][0]).split([nq, nkv, nkv], dim=-1)
-        else:
+        D, H, Hkv = self.head_dim, self.n_heads, self.kv_heads
+        if len(layer[1]) == 1:  # fused: q and k side by side already
+            qkv = F.linear(h, *layer[1][0]).view(B, T, H + 2 * Hkv, D)
+            qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
+        else:  # q and k rotated together (one set of kernels; on a GPU the launches are the cost)
             q, k, v = (F.linear(h, w, b) for w, b in layer[1])
-        q = q.view(B, T, self.n_heads, D).transpose(1, 2)
-        k = k.view(B, T, self.kv_heads, D).transpose(1, 2)
-        v = v.view(B, T, self.kv_heads, D).transpose(1, 2)
-        cos, sin = rope
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+            qk, v = torch.cat([q.view(B, T, H, D), k.view(B, T, Hkv, D)], 2), v.view(B, T, Hkv, D)
+        q, k = _rope(qk.transpose(1, 2), *rope).split([H, Hkv], 1)  # [B, H, T, D], [B, Hkv, T, D]
+        return q, k, v.transpose(1, 2)
 
     def finish_layer(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Attention output ``[B, H, T, D]`` -> output projection, residual, MLP, residual."""
@@ -353,13 +367,13 @@ class _Arch:
             h = F.layer_norm(x, (C,), layer[6], layer[7], self.eps).view(B * T, C)
             m = layer[12](torch.addmm(layer[9], h, layer[8]))
             return x + torch.addmm(layer[11], m, layer[10]).view(B, T, C)
-        x = x + F.linear(a, *layer[2]).view(B, T, C)
+        x = _add_linear(x, a, *layer[2])
         h = _rms_norm(layer[3], x)
         if len(layer[4]) == 1:
             gate, up = F.linear(h, *layer[4][0]).chunk(2, dim=-1)
         else:
             gate, up = (F.linear(h, w, b) for w, b in layer[4])
-        return x + F.linear(layer[6](gate) * up, *layer[5])
+        return _add_linear(x, layer[6](gate) * up, *layer[5])
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.gpt2:
