@@ -7,7 +7,8 @@ on any device with ``torch.profiler``: top-level ``aten`` operations that are no
 allocations (each launches at least one kernel on a GPU), and times them, for three paths:
 ``shared`` (prompts and responses as two streams per layer, the CPU's default), ``flat`` (one
 flat sequence through the token-wise operations, the GPU's default) and ``unshared`` (every
-row in full, ``rlhfkit.lean.hidden_states``).
+row in full, ``rlhfkit.lean.hidden_states``); and the same for one cached decode step of the
+rollout (``decode``, no grad).
 
     python benchmarks/shared_prompt_ops.py                      # small sizes, both shapes
     python benchmarks/shared_prompt_ops.py --prompts 16 --group 4 --prompt-len 128 --new 64
@@ -45,6 +46,20 @@ def model(shape: str) -> torch.nn.Module:
         m = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=576, intermediate_size=1536,
                                          num_attention_heads=9, num_key_value_heads=3, vocab_size=1000))
     return m.train()
+
+
+def decode_ops(shape: str, args) -> None:
+    """Top-level compute operations and time of one cached decode step (:func:`rlhfkit.lean.decode_step`)
+    for ``prompts x group`` rows: the rollout's unit of work, bound by launches on a GPU."""
+    B, P = args.prompts * args.group, args.prompt_len
+    m = model(shape).eval().to(args.device)
+    ids = torch.randint(0, 1000, (B, P)).to(args.device)
+    mask = torch.ones_like(ids)
+    pos = position_ids_from_mask(mask)
+    _, cache = lean.prefill(m, ids, mask, pos, args.repeats + 3)
+    tok, nxt = ids[:, -1], pos[:, -1] + 1
+    ops, seconds = count_and_time(lambda: lean.decode_step(cache, tok, nxt), args.repeats, args.device == "cuda")
+    print(f"{shape:6} {'decode':9} {ops:11d} {1e3 * seconds:12.2f}")
 
 
 def count_and_time(step, repeats: int, cuda: bool) -> tuple[int, float]:
@@ -105,6 +120,8 @@ def main() -> None:
     print(f"{'shape':6} {'path':9} {'compute ops':>11} {'ms (median)':>12}")
     for shape in ("gpt2", "llama"):
         compare(shape, args)
+    for shape in ("gpt2", "llama"):
+        decode_ops(shape, args)
 
 
 if __name__ == "__main__":
