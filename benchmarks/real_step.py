@@ -631,6 +631,9 @@ def main() -> None:
     ap.add_argument("--shape-from", help="smollm2-init: the directory whose config and tokenizer the model takes")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--report", action="store_true", help="run nothing: print the table from --out/results.jsonl")
+    ap.add_argument("--commits", nargs="+", metavar="COMMIT",
+                    help="the table from the runs made at these commits only (prefixes), e.g. to leave out runs "
+                         "of a row whose code has changed since")
     ap.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     ap.add_argument("--wl", help=argparse.SUPPRESS)
     ap.add_argument("--paths", help=argparse.SUPPRESS)
@@ -669,6 +672,9 @@ def main() -> None:
                 run_one(row, run, setting, paths, args)
         print(f"{time.perf_counter() - t0:.0f} s in all", flush=True)
     found = stored(args, setting)
+    if args.commits:
+        found = {row: kept for row, recs in found.items()
+                 if (kept := [r for r in recs if any(r["commit"].startswith(c) for c in args.commits)])}
     print_table({r: found[r] for r in args.rows if r in found}, setting, args)
 
 
