@@ -121,9 +121,8 @@ def supported(model: nn.Module) -> bool:
     """True when :func:`hidden_states` / :func:`prefill` reproduce this model's forward: a GPT-2
     or Llama/Qwen2 stack of plain layers or plain LoRA on its linear layers (peft; no other
     adapters, quantised or otherwise replaced layers, no sharded parameters), no active
-    dropout, no sliding window. Cheap enough to ask before every
-    forward: the layers' types and parameters are looked at directly, and the dropout modules
-    are found once per model."""
+    dropout, no sliding window. Cheap enough to ask before every forward: the layers' types and
+    parameters are looked at directly, and the dropout modules are found once per model."""
     base = _base(model)
     cfg = getattr(base, "config", None)
     if cfg is None or _dropout_active(base):
