@@ -35,18 +35,21 @@ def commit() -> str:
     return found or "unknown"
 
 
-def store_result(out: Path | str, record: dict) -> None:
-    """Append one run, with the commit, to ``out/results.jsonl``: runs made apart (another core,
-    another day) are merged by the script's ``--report``."""
+def store_result(out: Path | str, record: dict, at: str | None = None) -> None:
+    """Append one run, with its commit (``at``, taken when the run started; default: now), to
+    ``out/results.jsonl``: runs made apart (another core, another day) are merged by the script's
+    ``--report``."""
     with open(Path(out) / RESULTS, "a") as f:
-        f.write(json.dumps({**record, "commit": commit()}) + "\n")
+        f.write(json.dumps({**record, "commit": at or commit()}) + "\n")
 
 
 def stored_results(out: Path | str, match: dict) -> list[dict]:
-    """The runs in ``out/results.jsonl`` whose keys hold the values in ``match``, oldest first."""
+    """The runs in ``out/results.jsonl`` whose keys hold the values in ``match``, oldest first. A
+    run given a ``superseded`` key by hand (its reason: the code it measured was replaced) stays in
+    the file and out of the tables."""
     path = Path(out) / RESULTS
     rows = map(json.loads, path.read_text().splitlines() if path.exists() else [])
-    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+    return [r for r in rows if "superseded" not in r and all(r.get(k) == v for k, v in match.items())]
 
 
 def pin_to_core(core: int = 0) -> None:

@@ -140,6 +140,7 @@ import torch  # noqa: E402
 from bench_common import (  # noqa: E402
     PhaseClock,
     clock_grpo_trainer,
+    commit,
     marked,
     pin_to_core,
     pinned_cmd,
@@ -533,6 +534,7 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
                      "--core", str(args.core), "--out", args.out, "--wl", json.dumps(setting["workload"]),
                      "--paths", json.dumps(paths))
     env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
+    at = commit()  # the code the worker imports now, whatever is checked out when it ends
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
@@ -540,7 +542,7 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
         print(f"  {row_name(row, args.device)}, run {run}: failed (exit {proc.returncode}); skipped:\n{proc.stderr[-3000:]}", flush=True)
         return None
     res = summarise(json.loads(lines[-1][len(RESULT):]))
-    store_result(args.out, {"row": row, "run": run, **setting, **res})  # every run kept: --report reads them back
+    store_result(args.out, {"row": row, "run": run, **setting, **res}, at)  # every run kept: --report reads them back
     lengths = res["completion_tokens"]
     short = "" if lengths and min(lengths) == setting["workload"]["new_tokens"] else f" (completion tokens {lengths}!)"
     print(f"  {row_name(row, args.device)}, run {run}: {res['seconds']['total']:.1f} s/step, "
@@ -631,9 +633,6 @@ def main() -> None:
     ap.add_argument("--shape-from", help="smollm2-init: the directory whose config and tokenizer the model takes")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--report", action="store_true", help="run nothing: print the table from --out/results.jsonl")
-    ap.add_argument("--commits", nargs="+", metavar="COMMIT",
-                    help="the table from the runs made at these commits only (prefixes), e.g. to leave out runs "
-                         "of a row whose code has changed since")
     ap.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     ap.add_argument("--wl", help=argparse.SUPPRESS)
     ap.add_argument("--paths", help=argparse.SUPPRESS)
@@ -672,9 +671,6 @@ def main() -> None:
                 run_one(row, run, setting, paths, args)
         print(f"{time.perf_counter() - t0:.0f} s in all", flush=True)
     found = stored(args, setting)
-    if args.commits:
-        found = {row: kept for row, recs in found.items()
-                 if (kept := [r for r in recs if any(r["commit"].startswith(c) for c in args.commits)])}
     print_table({r: found[r] for r in args.rows if r in found}, setting, args)
 
 
