@@ -621,21 +621,36 @@ def _bind_decode(cache: KVCache, kv: torch.Tensor):
 def decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One cached step: ``tokens, positions [B]`` -> last hidden state ``[B, H]``; appends to
     ``cache`` and uses the parameters :func:`prefill` gathered into it."""
+    t = cache.length
+    mask = None if cache.bound else cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
+    hidden = _decode(cache, tokens, positions, t, t + 1, mask, cache.bound)
+    cache.length = t + 1
+    return hidden
+
+
+def _write_column(kv: torch.Tensor, column: int | torch.Tensor, new: torch.Tensor) -> None:
+    """``new [B, 2, Hkv, 1, D]`` into cache column ``column``: an int, or a tensor ``[1]`` (fixed address)."""
+    if isinstance(column, int):
+        kv.narrow(3, column, 1).copy_(new)
+    else:
+        kv.index_copy_(3, column, new)
+
+
+def _decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, column: int | torch.Tensor,
+            span: int, mask: torch.Tensor | None, bound: list | None) -> torch.Tensor:
+    """The step of :func:`decode_step` and :func:`static_decode_step`: this step's keys and values
+    go in at ``column``, attention reads cache columns ``0 .. span-1`` under ``mask [B, 1, 1, span]``
+    (GPT-2 with ``bound``: the compiled kernels, which take the column and mask themselves)."""
     arch = cache.arch
     if arch.gpt2:
-        return _gpt2_decode_step(cache, tokens, positions)
-    t = cache.length
+        return _gpt2_decode(cache, tokens, positions, column, span, mask, bound)
     x = arch.embed(tokens[:, None], positions[:, None])  # [B, 1, H]
     rope = arch.rope(x, positions[:, None])
-    mask = cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
     for layer, kv in zip(arch.layers, cache.kv):
         q, k, v = arch.qkv(layer, x, rope)
-        kc, vc = kv[:, 0], kv[:, 1]
-        kc.narrow(2, t, 1).copy_(k)
-        vc.narrow(2, t, 1).copy_(v)
-        out = _attend(q, kc[:, :, : t + 1], vc[:, :, : t + 1], mask, arch.scale, arch.groups)
-        x = arch.finish_layer(layer, x, out)
-    cache.length = t + 1
+        _write_column(kv, column, torch.stack([k, v], 1))
+        seen = kv[:, :, :, :span]
+        x = arch.finish_layer(layer, x, _attend(q, seen[:, 0], seen[:, 1], mask, arch.scale, arch.groups))
     return arch.final_norm(x[:, 0])
 
 
@@ -658,53 +673,32 @@ def static_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Te
     values go in with ``index_copy_``, and attention runs over all ``T_max`` columns
     (``columns [T_max]``: ``arange``) with those after ``t`` masked, instead of a slice that
     grows. Equal to :func:`decode_step` up to rounding; it does not advance ``cache.length``."""
-    arch = cache.arch
     bias = cache.key_bias.masked_fill(columns > t, float("-inf"))[:, None, None, :]  # [B, 1, 1, T_max]
-    if arch.gpt2:
-        eps, H, D = arch.eps, arch.n_heads, arch.head_dim
-        B = tokens.shape[0]
-        x = torch.embedding(arch.wte, tokens) + torch.embedding(arch.wpe, positions)  # [B, C]
-        C = x.shape[-1]
-        for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kv in zip(arch.layers, cache.kv):
-            qkv = torch.addmm(ab, torch.layer_norm(x, (C,), ln1w, ln1b, eps), aw).view(B, 3, H, 1, D)
-            kv.index_copy_(3, t, qkv[:, 1:])  # this step's key and value, one copy
-            a = F.scaled_dot_product_attention(qkv[:, 0], kv[:, 0], kv[:, 1], attn_mask=bias,
-                                               scale=arch.scale).view(B, C)
-            x = torch.addmm(pb, a, pw).add_(x)
-            x = torch.addmm(mb, act(torch.addmm(fb, torch.layer_norm(x, (C,), ln2w, ln2b, eps), fw)), mw).add_(x)
-        return torch.layer_norm(x, (C,), arch.final[0], arch.final[1], eps)
-    x = arch.embed(tokens[:, None], positions[:, None])  # [B, 1, H]
-    rope = arch.rope(x, positions[:, None])
-    for layer, kv in zip(arch.layers, cache.kv):
-        q, k, v = arch.qkv(layer, x, rope)
-        kv.index_copy_(3, t, torch.stack([k, v], 1))
-        x = arch.finish_layer(layer, x, _attend(q, kv[:, 0], kv[:, 1], bias, arch.scale, arch.groups))
-    return arch.final_norm(x[:, 0])
+    return _decode(cache, tokens, positions, t, columns.shape[0], bias, None)
 
 
-def _gpt2_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """:func:`decode_step` for GPT-2 written out flat: at a small model's sizes each tensor op
-    costs a few microseconds and the Python around it as much again."""
+def _gpt2_decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, column: int | torch.Tensor,
+                 span: int, mask: torch.Tensor | None, bound: list | None) -> torch.Tensor:
+    """:func:`_decode` for GPT-2 written out flat: at a small model's sizes each tensor op costs a
+    few microseconds and the Python around it as much again."""
     arch = cache.arch
-    t, eps, H, D = cache.length, arch.eps, arch.n_heads, arch.head_dim
+    eps, H, D = arch.eps, arch.n_heads, arch.head_dim
     B = tokens.shape[0]
     x = torch.embedding(arch.wte, tokens) + torch.embedding(arch.wpe, positions)  # [B, C]
     C = x.shape[-1]
-    mask = None if cache.bound else cache.key_bias[:, None, None, : t + 1]  # [B, 1, 1, t+1]
     sdpa = F.scaled_dot_product_attention
-    for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kv, bound in zip(
-            arch.layers, cache.kv, cache.bound or [None] * len(cache.kv)):
+    for (ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb, act), kv, layer_bound in zip(
+            arch.layers, cache.kv, bound or [None] * len(cache.kv)):
         h = torch.layer_norm(x, (C,), ln1w, ln1b, eps)
-        if bound is not None:  # the compiled attention, bound to this layer's buffers and cache
-            qkv, a, attend = bound
+        if layer_bound is not None:  # the compiled attention, bound to this layer's buffers and cache
+            qkv, a, attend = layer_bound
             torch.addmm(ab, h, aw, out=qkv)  # [B, 3C]
-            attend(t)  # this step's key and value into cache column t, attention into a [B, C]
+            attend(column)  # this step's key and value into the cache column, attention into a [B, C]
         else:
             qkv = torch.addmm(ab, h, aw).view(B, 3, H, 1, D)
-            kv.narrow(3, t, 1).copy_(qkv[:, 1:])  # this step's key and value, one copy
-            seen = kv[:, :, :, : t + 1]
+            _write_column(kv, column, qkv[:, 1:])  # this step's key and value, one copy
+            seen = kv[:, :, :, :span]
             a = sdpa(qkv[:, 0], seen[:, 0], seen[:, 1], attn_mask=mask, scale=arch.scale).view(B, C)
         x = torch.addmm(pb, a, pw).add_(x)
         x = torch.addmm(mb, act(torch.addmm(fb, torch.layer_norm(x, (C,), ln2w, ln2b, eps), fw)), mw).add_(x)
-    cache.length = t + 1
     return torch.layer_norm(x, (C,), arch.final[0], arch.final[1], eps)
