@@ -40,7 +40,7 @@ optimizer step of the 64 completions, a k3 KL term of weight 0.3 in the loss aga
 reference (the base model; with LoRA the base with the adapter disabled), scores divided by
 the batch's std, dropout off.
 
-Rows (``--rows``; default: the seven GRPO rows without LoRA):
+Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
 
     rlhfkit_grpo           ``rlhfkit grpo``'s defaults but one epoch of one minibatch of 64
                            (``ppo.ppo_epochs=1 ppo.minibatch_size=64 ppo.micro_batch_size=MICRO``);
@@ -57,6 +57,12 @@ Rows (``--rows``; default: the seven GRPO rows without LoRA):
     rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update's
                            shared-prompt forward keeps each layer's input only and runs the layer
                            again in the backward; rollout and reference as in the first row
+    rlhfkit_grpo_ckpt_offload  ``rlhfkit_grpo_ckpt`` with ``ppo.offload=true``: AdamW's moments in
+                           host memory from the step's start to the update, the reference's
+                           weights there outside the experience pass (GPU only; on a CPU host
+                           and device memory are one). The moments' copy to the host is timed
+                           as the rollout's, their copy back as the update's
+    rlhfkit_grpo_graph_ckpt_offload  the three switches together (GPU only)
     trl_grpo               trl 1.16 GRPOTrainer: ``per_device_train_batch_size=MICRO``,
                            ``gradient_accumulation_steps=64/MICRO`` (one generation of 64 per
                            optimizer step), ``num_generations=G``, ``beta=0.3``,
@@ -113,7 +119,7 @@ anything. TRL's phases are timed from the outside: rollout to the end of its ``_
 experience to the end of ``_generate_and_score_completions`` (reference log-probs, rewards,
 advantages), update to the end of the optimizer step.
 
-    python benchmarks/real_step.py --size gpt2 --workload short          # seven rows x 3 runs
+    python benchmarks/real_step.py --size gpt2 --workload short          # the CPU's seven rows x 3 runs
     python benchmarks/real_step.py --size smollm2 --workload reasoning --rows rlhfkit_grpo trl_grpo_compact
     python benchmarks/real_step.py --size gpt2 --layers 1 --prompt-tokens 8 --new-tokens 4 --groups 2 \\
         --group-size 2 --micro 2 --steps 1 --warmup 0 --runs 1 --core 1    # seconds: does every row run?
@@ -168,6 +174,8 @@ NAMES = {
     "rlhfkit_grpo_unshared": "rlhfkit GRPO, prompts unshared",
     "rlhfkit_grpo_ckpt": "rlhfkit GRPO, checkpointing",
     "rlhfkit_grpo_graph": "rlhfkit GRPO, CUDA-graph decode",
+    "rlhfkit_grpo_ckpt_offload": "rlhfkit GRPO, checkpointing, offload",
+    "rlhfkit_grpo_graph_ckpt_offload": "rlhfkit GRPO, graph, ckpt, offload",
     "trl_grpo": "TRL, CPU head (all positions)",
     "trl_grpo_compact": "TRL, completion positions",
     "trl_grpo_ckpt": "TRL, CPU head, checkpointing",
@@ -179,7 +187,7 @@ NAMES = {
     "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA",
 }
 ROWS = list(NAMES)
-GRPO_ROWS = ROWS[:8]  # without LoRA; the defaults: all but the CUDA-graph one on a CPU, the _compact ones on CUDA
+GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
 # (numerator, denominator, what the ratio shows)
 RATIOS = [
     ("rlhfkit_grpo", "trl_grpo", "both as shipped, on a CPU"),
@@ -204,6 +212,9 @@ GPU_RATIOS = [
     ("rlhfkit_grpo_ckpt", "trl_grpo_ckpt", "both checkpointing"),
     ("rlhfkit_grpo_graph", "trl_grpo", "rlhfkit decoding through a CUDA graph"),
     ("rlhfkit_grpo_graph", "rlhfkit_grpo", "the CUDA graph, within rlhfkit"),
+    ("rlhfkit_grpo_ckpt_offload", "trl_grpo_ckpt", "rlhfkit checkpointing with offload, TRL at its default"),
+    ("rlhfkit_grpo_ckpt_offload", "rlhfkit_grpo_ckpt", "offload, within rlhfkit"),
+    ("rlhfkit_grpo_graph_ckpt_offload", "trl_grpo_ckpt", "rlhfkit's three switches, TRL at its default"),
     ("rlhfkit_grpo_lora", "trl_grpo_lora", "LoRA, both as shipped"),
 ]
 
@@ -216,7 +227,8 @@ def row_spec(row: str) -> dict:
     """What a row name turns on: library, algorithm and the switches after them."""
     lib, algo, *flags = row.split("_")
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
-            "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags}
+            "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
+            "offload": "offload" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -430,7 +442,8 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     ppo = {**ALGO_DEFAULTS[s["algo"]], "steps": args.warmup + args.steps, "batch_size": B, "ppo_epochs": 1,
            "minibatch_size": B, "micro_batch_size": wl["micro"], "max_new_tokens": wl["new_tokens"], "lr": LR,
-           "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0, "samples_per_log": 0, "trajectories_every": 0}
+           "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0, "samples_per_log": 0, "trajectories_every": 0,
+           "offload": s["offload"]}
     if s["algo"] == "grpo":
         ppo.update(group_size=wl["group_size"], kl_coef=KL, cuda_graph=s["graph"])
     else:  # the rows measure what a critic model of its own costs (positions() counts its forwards)
@@ -447,11 +460,32 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     rl.rollout = marked(rl.rollout, clock, "rollout", start=True)
     rl.make_experience = marked(rl.make_experience, clock, "experience")
     rl.ppo_update = marked(rl.ppo_update, clock, "update", end=True)
+    rl.start_offload = opening_offload(rl.start_offload, clock)
     rl.eos_token_ids = lambda model, tok: [-1]  # no token ends a completion: each runs to max_new_tokens
     with unshared_prompts() if s["unshared"] else contextlib.nullcontext():
         rl.train_rl(cfg)
     lengths = [json.loads(line).get("response/length") for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {**measured(clock, args.warmup), "completion_tokens": [x for x in lengths if x is not None]}
+
+
+def opening_offload(start, clock: PhaseClock):
+    """``rl.start_offload`` whose moments' copy to the host, the first thing a step does, opens
+    the step (so it is timed with the rollout); the copy back runs between the experience mark
+    and the update's, so it is timed with the update."""
+
+    def wrapped(*a, **kw):
+        moments = start(*a, **kw)
+        if moments is not None:
+            to_host = moments.to_host
+
+            def opening():
+                clock.start()
+                to_host()
+
+            moments.to_host = opening
+        return moments
+
+    return wrapped
 
 
 def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
@@ -622,7 +656,8 @@ def main() -> None:
     for knob in WORKLOADS["short"]:
         ap.add_argument("--" + knob.replace("_", "-"), type=int, help=f"override the workload's {knob}")
     ap.add_argument("--rows", nargs="+", choices=ROWS,
-                    help="default: the seven GRPO rows without LoRA (on CUDA, those but the _compact ones, with the CUDA-graph row)")
+                    help="default: the GRPO rows without LoRA: on a CPU all but the CUDA-graph and offload "
+                         "ones; on CUDA all but the _compact ones")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="steps before the measured ones, per run")
     ap.add_argument("--runs", type=int, default=3, help="runs of every row, in alternating order")
@@ -642,7 +677,8 @@ def main() -> None:
     if ("fetch" in SIZES[args.size] or "shape_of" in SIZES[args.size]) and args.layers not in (None, SIZES[args.size]["layers"]):
         sys.exit(f"--layers applies to gpt2 and qwen; {args.size} keeps its model's layers")
     if args.rows is None:
-        args.rows = [r for r in GRPO_ROWS if not row_spec(r)["graph" if args.device == "cpu" else "compact"]]
+        args.rows = [r for r in GRPO_ROWS if not (row_spec(r)["graph"] or row_spec(r)["offload"] if args.device == "cpu"
+                                                  else row_spec(r)["compact"])]
     if args.device == "cuda" and any(row_spec(r)["compact"] for r in args.rows):
         sys.exit("on CUDA TRL's head scores completion positions only as shipped: leave the _compact rows out")
     args.layers = args.layers or SIZES[args.size]["layers"]

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .offload import on_device
+
 
 def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int, rows: slice,
                      turn: int = 0) -> torch.Tensor:
@@ -273,27 +275,28 @@ def _full_weights(model, per_layer: bool = False):
     own weights (embeddings, final norm, heads) are gathered here and each layer gathers and
     frees its weights around each of its forwards (FSDP's hooks): less memory, one all-gather
     per layer per forward (per generated token)."""
-    mods = fsdp_modules(model)
-    if not mods:
-        yield
-        return
-    mods[0]._get_fsdp_state()._lazy_init()  # no public call does it outside a root forward
-    groups = []
-    if not per_layer:
-        groups = [g for m in mods for g in m._get_fsdp_state()._fsdp_param_groups]
-    saved = [g.post_forward_mesh_info for g in groups]
-    for g in groups:  # keep the layers gathered after their forwards
-        g.post_forward_mesh_info = None
-    gathered = mods if not per_layer else mods[:1]
-    for m in gathered:
-        m.unshard()
-    try:
-        yield
-    finally:
-        for g, info in zip(groups, saved):
-            g.post_forward_mesh_info = info
+    with on_device(model):  # ppo.offload: a frozen model's weights live in host memory outside these blocks
+        mods = fsdp_modules(model)
+        if not mods:
+            yield
+            return
+        mods[0]._get_fsdp_state()._lazy_init()  # no public call does it outside a root forward
+        groups = []
+        if not per_layer:
+            groups = [g for m in mods for g in m._get_fsdp_state()._fsdp_param_groups]
+        saved = [g.post_forward_mesh_info for g in groups]
+        for g in groups:  # keep the layers gathered after their forwards
+            g.post_forward_mesh_info = None
+        gathered = mods if not per_layer else mods[:1]
         for m in gathered:
-            m.reshard()
+            m.unshard()
+        try:
+            yield
+        finally:
+            for g, info in zip(groups, saved):
+                g.post_forward_mesh_info = info
+            for m in gathered:
+                m.reshard()
 
 
 def prepare(accelerator, *objects, micro_batch: int):

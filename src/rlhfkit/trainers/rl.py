@@ -62,6 +62,7 @@ from ..models import (
     policy_with_reference,
     quiet_load_report,
 )
+from ..offload import HostMoments, offload_frozen
 from ..prompts import PromptData, prompt_data, prompt_tensors
 from ..rewards import Reward, build_reward, other_tokenizer
 from ..rollout import Rollout, decode_responses, eos_token_ids, generate
@@ -437,6 +438,23 @@ def refuse_untested_engines(accelerator, cfg: Config) -> None:
                          "differs from the single-process one; use DDP, or grpo / rloo / reinforce (no critic)")
 
 
+def start_offload(run: Run, pc: PPOConfig, optimizer, *frozen) -> HostMoments | None:
+    """``ppo.offload``: the frozen models' weights to host memory now (:mod:`rlhfkit.offload`) and
+    the optimizer's moments each step (the returned :class:`~rlhfkit.offload.HostMoments`)."""
+    if not pc.offload:
+        return None
+    kind = getattr(run.accelerator, "distributed_type", None)
+    if kind in ("FSDP", "DEEPSPEED"):
+        raise ValueError(f"ppo.offload runs on one process or under DDP; under {kind} the optimizer state and the "
+                         "frozen models are sharded across processes already: leave it off")
+    if run.device.type == "cpu":
+        warnings.warn("ppo.offload on a CPU saves no memory: host and device memory are one (the copies still run)",
+                      UserWarning, stacklevel=2)
+    for model in frozen:
+        offload_frozen(model, run.device)
+    return HostMoments(optimizer, run.device)
+
+
 def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
     """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the prompts of ``data.path``, or of
     the built-in task (``run.task``) when it is unset.
@@ -463,6 +481,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     train_ac, optimizer = run.prepare(ac, optimizer, micro_batch=local_pc.minibatch_size)
     shard_frozen(run.accelerator, ref, *scorer.models)  # FSDP: no whole copy of them per process
     engine = run.engine(train_ac)
+    moments = start_offload(run, pc, optimizer, ref, *scorer.models)
     # a critic warm-up's backward leaves the actor out: under DDP it goes around the wrapper (whose
     # reducer would otherwise need find_unused_parameters=True on every step) and the critic's
     # gradients are averaged as DDP averages them
@@ -495,6 +514,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     shown = baseline.get(st.stop_metric, math.nan)  # the progress line's last evaluated value
     for step in run.steps():
         t0 = time.perf_counter()
+        if moments is not None:  # ppo.offload: AdamW's moments wait in host memory until the update
+            moments.to_host()
         # step 1. rollout: grpo / rloo take each prompt G times in a row, the grouping the baselines expect
         records = shard.take([r for r in data.train.batch(pc.batch_size // repeats) for _ in range(repeats)])
         roll, episode = rollout(run, ac, train_ac, tok, records, step, max_new_tokens, env)
@@ -510,6 +531,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         stats["policy/lr"] = set_lr(optimizer, pc, step)
         # rows left out (filter_zero_std_groups, mask_truncated_completions) leave every token mean
         train_exp = exp if exp.loss_rows is None else exp.select(exp.loss_rows)
+        if moments is not None:
+            moments.to_device()
         if len(train_exp.input_ids):  # none kept: no update this step
             stats.update(mean_stats(ppo_update(ac, optimizer, train_exp, local_pc, st.kl_coef, update_policy=not warm,
                                                engine=warm_engine if warm else engine,

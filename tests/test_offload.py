@@ -1,0 +1,182 @@
+"""``ppo.offload``: AdamW's moments and the frozen models' weights leave the device between the
+phases that read them, and come back unchanged: a run with it trains exactly as one without.
+
+On a CPU host and device memory are one, so there these tests check the mechanics (separate
+copies made and dropped at the right points) and the arithmetic;
+``RLHFKIT_TEST_DEVICE=cuda pytest tests/test_offload.py`` runs the first two on a GPU, where they
+also check the device memory given back. What it saves in a training step is measured by
+``benchmarks/real_step.py``'s ``rlhfkit_grpo_ckpt_offload`` row."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import rlhfkit.trainers.rl as rl
+from rlhfkit.models import build_tiny_policy
+from rlhfkit.offload import HostMoments, offload_frozen, on_device
+from rlhfkit.tasks import doubling
+from rlhfkit.utils import read_jsonl
+
+TOK = doubling.make_tokenizer()
+DEV = torch.device(os.environ.get("RLHFKIT_TEST_DEVICE", "cpu"))
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated(DEV) if DEV.type == "cuda" else 0
+
+
+def _held(tensors) -> int:
+    """Device bytes the CUDA caching allocator counts for ``tensors``: blocks of 512-byte multiples."""
+    return sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(3, len(TOK), (4, 7), generator=torch.Generator().manual_seed(seed)).to(DEV)
+
+
+def _step(model, optimizer, ids) -> None:
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_moments_leave_and_come_back_as_fresh_copies_and_training_is_unchanged():
+    plain, moved = (build_tiny_policy(TOK, 0, n_layer=1, n_head=2, n_embd=16).to(DEV) for _ in range(2))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (plain, moved)]
+    moments = HostMoments(opts[1], DEV)
+    moments.to_host()
+    moments.to_device()  # before the first step there is no state: both are no-ops
+    for step in range(3):
+        _step(plain, opts[0], _batch(step))
+        if step:
+            moments.to_device()
+        _step(moved, opts[1], _batch(step))
+        used = {(p, k): v.clone() for p, s in opts[1].state.items() for k, v in s.items()}
+        ptrs = {key: opts[1].state[key[0]][key[1]].data_ptr() for key in used}
+        before = _allocated()
+        moments.to_host()
+        for (p, k), v in used.items():  # host buffers now: equal values, not the tensors the step used
+            away = opts[1].state[p][k]
+            assert away is moments.away[p][k][0] and away.device.type == "cpu"
+            assert away.data_ptr() != ptrs[p, k] and torch.equal(away, v.cpu())
+        if DEV.type == "cuda":  # the device's copies are freed
+            assert before - _allocated() == _held(used.values())
+    moments.to_device()
+    for p, s in opts[1].state.items():
+        for k, v in s.items():  # device copies, not the host buffers (which the next step would overwrite)
+            assert v.data_ptr() != moments.away[p][k][0].data_ptr()
+    for a, b in zip(plain.parameters(), moved.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    state0, state1 = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    for i in state0:
+        for k in state0[i]:
+            torch.testing.assert_close(state0[i][k], state1[i][k], rtol=0, atol=0)
+
+
+def test_frozen_weights_are_on_the_device_only_inside_blocks_and_nested_blocks_copy_once():
+    ref = build_tiny_policy(TOK, 1, n_layer=1, n_head=2, n_embd=16).to(DEV).eval()
+    ref.lm_head.weight = ref.transformer.wte.weight  # tied, as most hub checkpoints: one parameter, moved once
+    ids = _batch(0)
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    params = list(ref.parameters())
+    before = _allocated()
+    offload_frozen(ref, DEV)
+    host = [p.data_ptr() for p in params]
+    assert all(p.device.type == "cpu" for p in params)
+    weights = _held(params)
+    if DEV.type == "cuda":
+        assert before - _allocated() == weights
+    with on_device(ref):
+        inside = [p.data_ptr() for p in params]
+        assert not set(inside) & set(host) and all(p.device == want.device for p in params)  # copies
+        if DEV.type == "cuda":
+            assert before - _allocated() == 0
+        with on_device(ref):
+            assert [p.data_ptr() for p in params] == inside  # not copied again
+        assert [p.data_ptr() for p in params] == inside  # the inner block's end keeps them
+        with torch.no_grad():
+            torch.testing.assert_close(ref(input_ids=ids).logits, want, rtol=0, atol=0)
+    assert [p.data_ptr() for p in params] == host
+    if DEV.type == "cuda":
+        assert before - _allocated() == weights
+    with on_device(None):  # no model (no reference under LoRA): nothing to do
+        pass
+
+
+@pytest.mark.parametrize("algo,sections", [
+    ("grpo", {}),  # a reference (full fine-tuning, KL in the loss) and a reward model
+    ("ppo", {"ppo": {"value_model": "separate"}}),  # the critic's moments travel too
+])
+def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_models, tiny_config, tmp_path,
+                                                          monkeypatch, no_plots):
+    """Defaults of the command otherwise; three steps, each evaluated (the reward model and the
+    reference are used inside and outside the step). During the rollout the moments are in host
+    buffers and the frozen models hold their host copies; during the experience pass they are on
+    the device."""
+    seen = []
+    rollout, experience = rl.rollout, rl.make_experience
+
+    def spy_rollout(run, ac, train_ac, tok, records, step, *a, **kw):
+        if step is not None and offload:
+            seen.append(("rollout", holder.moments_away(), holder.frozen_at_home()))
+        return rollout(run, ac, train_ac, tok, records, step, *a, **kw)
+
+    def spy_experience(*a, **kw):
+        if offload:
+            seen.append(("experience", holder.moments_away(), holder.frozen_at_home()))
+        return experience(*a, **kw)
+
+    class holder:  # what start_offload set up, read by the spies
+        moments = frozen = None
+
+        @classmethod
+        def moments_away(cls):
+            opt = cls.moments.optimizer
+            return bool(opt.state) and all(v is cls.moments.away[p][k][0]
+                                           for p, s in opt.state.items() for k, v in s.items())
+
+        @classmethod
+        def frozen_at_home(cls):
+            return all(p.data_ptr() == h.data_ptr() for m in cls.frozen for p, h in m._rlhfkit_offload["host"])
+
+    start = rl.start_offload
+
+    def spy_start(run, pc, optimizer, *frozen):
+        holder.moments = start(run, pc, optimizer, *frozen)
+        holder.frozen = [m for m in frozen if m is not None]
+        return holder.moments
+
+    monkeypatch.setattr(rl, "rollout", spy_rollout)
+    monkeypatch.setattr(rl, "make_experience", spy_experience)
+    monkeypatch.setattr(rl, "start_offload", spy_start)
+    results = []
+    for offload in (False, True):
+        out = tmp_path / f"offload_{offload}"
+        cfg = tiny_config(out, model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                          ppo={"algo": algo, "steps": 3, "eval_every": 1, "offload": offload, "lr": 1e-2,
+                               **sections.get("ppo", {})})
+        with pytest.warns(UserWarning, match="saves no memory") if offload else _nothing():
+            rl.train_rl(cfg)
+        rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+                for r in read_jsonl(out / "metrics.jsonl")]
+        results.append((rows, load_file(str(out / "policy" / "model.safetensors"))))
+    assert len(holder.frozen) == 2  # the reference and the reward model
+    assert results[0][0] == results[1][0]
+    for k, v in results[0][1].items():
+        torch.testing.assert_close(results[1][1][k], v, rtol=0, atol=0)
+    # the first step's rollout comes before any moment exists
+    assert seen == [("rollout", False, True), ("experience", False, False)] + \
+        [("rollout", True, True), ("experience", True, False)] * 2
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
