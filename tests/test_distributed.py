@@ -53,7 +53,8 @@ pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
-RUNS = ("ppo", "ppo_warmup", "ppo_separate", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "grpo_ckpt", "rloo",
+RUNS = ("ppo", "ppo_warmup", "ppo_separate", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "grpo_ckpt",
+        "grpo_offload", "rloo",
         "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env")
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a shared value head (ppo's default), a separate critic,
 # the three critic-free estimators, LoRA (PPO with an adapter on the critic too, GRPO) and multi-turn

@@ -45,6 +45,9 @@ runs = {  # run name: (command, overrides)
                               "ppo.loss_type=grpo", "ppo.importance_sampling_level=sequence", "ppo.micro_batch_size=2"]),
     # gradient checkpointing: the lean forward checkpoints each layer itself, the group's prompt shared
     "grpo_ckpt": ("grpo", [*rl, "ppo.group_size=4", "model.gradient_checkpointing=true"]),
+    # AdamW's moments and the reference in host memory outside the phases that read them (under DDP the
+    # optimizer is accelerate's wrapper)
+    "grpo_offload": ("grpo", [*rl, "ppo.group_size=4", "ppo.offload=true"]),
     # multi-turn episodes (three turns, observations between them, per-turn rewards): the environment's
     # rewards alone (grpo), and added to the reward model's score with GAE over the turns (ppo)
     "grpo_env": ("grpo", [*rl[:-1], "ppo.group_size=4", f"env.class={Path(__file__).parent / 'echo_env.py'}:Echo"]),
