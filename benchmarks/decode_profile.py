@@ -1,0 +1,134 @@
+"""Where a rollout's decode step spends its time: wall-clock per token and the profiler's kernels.
+
+The GPU step of ``real_step.py`` is mostly the rollout's decode loop. This script runs that loop
+alone, as the rollout runs it (:func:`rlhfkit.lean.prefill`, then one step per new token), for
+the two workloads of ``real_step.py`` and three ways of stepping:
+
+- ``eager``: :func:`rlhfkit.lean.decode_step`, attention over the columns written so far (the
+  default);
+- ``fixed``: :func:`rlhfkit.lean.static_decode_step`, every shape fixed, attention over the whole
+  pre-allocated cache with the unwritten columns masked, run as written;
+- ``graph``: the fixed step replayed as a CUDA graph (``ppo.cuda_graph``; CUDA only).
+
+For each it prints the seconds per token (mean over the whole loop, so early and late columns
+both count), and with ``--profile`` the kernels (or, on a CPU, operators) that took the most
+device time over the loop, with their share. Random weights of the real shapes (the timing does
+not depend on their values); the LM head is included, sampling is not (argmax stands in).
+
+    python benchmarks/decode_profile.py --device cuda --profile
+    python benchmarks/decode_profile.py --workload short --layers 2 --steps 8    # a quick CPU run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from rlhfkit import lean
+from rlhfkit.models import position_ids_from_mask
+from rlhfkit.rollout import _FixedStep
+
+# real_step.py's workloads and the model shapes it runs them on
+WORKLOADS = {
+    "reasoning": {"shape": "gpt2", "prompts": 8, "group": 8, "prompt_len": 64, "new": 512},
+    "short": {"shape": "smollm2", "prompts": 16, "group": 4, "prompt_len": 128, "new": 64},
+}
+
+
+def build(shape: str, layers: int | None) -> torch.nn.Module:
+    if shape == "gpt2":  # GPT-2 small
+        return GPT2LMHeadModel(GPT2Config(n_layer=layers or 12, n_embd=768, n_head=12, vocab_size=50257,
+                                          resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    return LlamaForCausalLM(LlamaConfig(  # SmolLM2-135M's shape
+        num_hidden_layers=layers or 30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True))
+
+
+def loop(model, wl: dict, how: str, device, steps: int | None, prof=None):
+    """Prefill the workload's rows (each group's prompt repeated, as GRPO lays them out), then
+    decode ``steps`` tokens (default: the workload's). Returns the seconds of the decode loop and
+    its steps; ``prof``, a profiler context, is entered around the decode loop alone."""
+    P, new = wl["prompt_len"], wl["new"]
+    steps = steps or new
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (wl["prompts"], P), generator=gen)
+    ids = ids.repeat_interleave(wl["group"], 0).to(device)
+    mask = torch.ones_like(ids)
+    pos = position_ids_from_mask(mask)
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        hidden, cache = lean.prefill(model, ids, mask, pos, new)
+        tok, nxt = F.linear(hidden, head).argmax(-1), pos[:, -1] + 1
+        fixed = _FixedStep(cache, lambda h: F.linear(h, head), device.type == "cuda") if how != "eager" else None
+        if how == "fixed":
+            fixed.graph = None  # the fixed-shape step as written
+        sync(device)
+        with prof if prof is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                if fixed is None:
+                    logits = F.linear(lean.decode_step(cache, tok, nxt), head)
+                else:
+                    _, logits = fixed(tok, nxt)
+                tok, nxt = logits.argmax(-1), nxt + 1
+            sync(device)
+            seconds = time.perf_counter() - t0
+    return seconds, steps
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=list(WORKLOADS), nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--how", choices=["eager", "fixed", "graph"], nargs="+")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, help="fewer decoder layers than the real shape (quick checks)")
+    ap.add_argument("--steps", type=int, help="decode steps (default: the workload's new tokens)")
+    ap.add_argument("--profile", action="store_true", help="also print the loop's top kernels")
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as real_step.py runs both libraries
+    hows = args.how or (["eager", "fixed", "graph"] if device.type == "cuda" else ["eager", "fixed"])
+    for name in args.workload:
+        wl = WORKLOADS[name]
+        model = build(wl["shape"], args.layers).to(device).eval()
+        print(f"\n{name}: {wl['shape']} shape, {model.config.num_hidden_layers} layers, "
+              f"{wl['prompts'] * wl['group']} rows, prompt {wl['prompt_len']}, {args.steps or wl['new']} new tokens")
+        for how in hows:
+            loop(model, wl, how, device, min(8, args.steps or wl["new"]))  # warm-up: kernels, allocator, graph capture
+            seconds, steps = loop(model, wl, how, device, args.steps)
+            print(f"  {how:6s} {1e3 * seconds / steps:7.2f} ms a token ({seconds:.2f} s for {steps})")
+            if args.profile:
+                profile(model, wl, how, device, args)
+
+
+def profile(model, wl, how, device, args) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = torch_profile(activities=acts)
+    loop(model, wl, how, device, args.steps, prof)
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = [e for e in events if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in rows)
+    print(f"    {'device' if cuda else 'CPU'} time in kernels/ops: {total / 1e3:.1f} ms; top {args.top}:")
+    for e in sorted(rows, key=lambda e: -getattr(e, key))[: args.top]:
+        print(f"    {100 * getattr(e, key) / total:5.1f}%  {getattr(e, key) / 1e3:9.1f} ms  {e.count:7d} x  {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
