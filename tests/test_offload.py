@@ -119,12 +119,17 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
     buffers and the frozen models hold their host copies; during the experience pass they are on
     the device."""
     seen = []
-    rollout, experience = rl.rollout, rl.make_experience
+    rollout, experience, evaluate = rl.rollout, rl.make_experience, rl.evaluate
 
     def spy_rollout(run, ac, train_ac, tok, records, step, *a, **kw):
         if step is not None and offload:
             seen.append(("rollout", holder.moments_away(), holder.frozen_at_home()))
         return rollout(run, ac, train_ac, tok, records, step, *a, **kw)
+
+    def spy_evaluate(*a, **kw):
+        if offload:
+            seen.append(("evaluate", holder.moments_away(), holder.frozen_at_home()))
+        return evaluate(*a, **kw)
 
     def spy_experience(*a, **kw):
         if offload:
@@ -137,7 +142,8 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
         @classmethod
         def moments_away(cls):
             opt = cls.moments.optimizer
-            return bool(opt.state) and all(v is cls.moments.away[p][k][0]
+            away = cls.moments.away
+            return bool(opt.state) and all(v is away.get(p, {}).get(k, (None,))[0]
                                            for p, s in opt.state.items() for k, v in s.items())
 
         @classmethod
@@ -153,6 +159,7 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
 
     monkeypatch.setattr(rl, "rollout", spy_rollout)
     monkeypatch.setattr(rl, "make_experience", spy_experience)
+    monkeypatch.setattr(rl, "evaluate", spy_evaluate)
     monkeypatch.setattr(rl, "start_offload", spy_start)
     results = []
     for offload in (False, True):
@@ -169,9 +176,12 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
     assert results[0][0] == results[1][0]
     for k, v in results[0][1].items():
         torch.testing.assert_close(results[1][1][k], v, rtol=0, atol=0)
-    # the first step's rollout comes before any moment exists
-    assert seen == [("rollout", False, True), ("experience", False, False)] + \
-        [("rollout", True, True), ("experience", True, False)] * 2
+    # the evaluation before step 0 and the first step's rollout come before any moment exists; each
+    # evaluation after an update runs with the moments away (the reward model is put on the device
+    # inside it, not seen from here)
+    step = [("rollout", True, True), ("experience", True, False), ("evaluate", True, True)]
+    assert seen == [("evaluate", False, True), ("rollout", False, True), ("experience", False, False),
+                    ("evaluate", True, True)] + step * 2
 
 
 class _nothing:

@@ -549,6 +549,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         # step 5. evaluate: greedy completions of the held-out prompts
         last = step == pc.steps - 1
         if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
+            if moments is not None:  # the evaluation's rollouts need the moments no more than the step's
+                moments.to_host()
             stats.update(evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens, env))
             shown = stats.get(st.stop_metric, shown)
             if best is not None:
