@@ -9,13 +9,16 @@ also check the device memory given back. What it saves in a training step is mea
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import rlhfkit.trainers.rl as rl
+from rlhfkit.checkpoint import latest_checkpoint
 from rlhfkit.models import build_tiny_policy
 from rlhfkit.offload import HostMoments, offload_frozen, on_device
 from rlhfkit.tasks import doubling
@@ -114,10 +117,10 @@ def test_frozen_weights_are_on_the_device_only_inside_blocks_and_nested_blocks_c
 ])
 def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_models, tiny_config, tmp_path,
                                                           monkeypatch, no_plots):
-    """Defaults of the command otherwise; three steps, each evaluated (the reward model and the
-    reference are used inside and outside the step). During the rollout the moments are in host
-    buffers and the frozen models hold their host copies; during the experience pass they are on
-    the device."""
+    """Defaults of the command otherwise; three steps, each evaluated and checkpointed. During the
+    rollout and the evaluation the moments are in host buffers and the frozen models hold their
+    host copies; during the experience pass the frozen models are on the device. A checkpoint
+    written with the moments away resumes to the same end."""
     seen = []
     rollout, experience, evaluate = rl.rollout, rl.make_experience, rl.evaluate
 
@@ -165,10 +168,18 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
     for offload in (False, True):
         out = tmp_path / f"offload_{offload}"
         cfg = tiny_config(out, model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
+                          run={"checkpoint_every": 1},
                           ppo={"algo": algo, "steps": 3, "eval_every": 1, "offload": offload, "lr": 1e-2,
                                **sections.get("ppo", {})})
-        with pytest.warns(UserWarning, match="saves no memory") if offload else _nothing():
+        with pytest.warns(UserWarning, match="saves no memory") if offload else contextlib.nullcontext():
             rl.train_rl(cfg)
+        if offload:  # checkpoints are written with the moments away: resume from the next-to-last
+            whole = list(seen)
+            shutil.rmtree(latest_checkpoint(out))
+            seen.clear()
+            with pytest.warns(UserWarning, match="saves no memory"):
+                rl.train_rl(cfg.replace(run={"resume": True}))
+            assert seen == [("rollout", True, True), ("experience", True, False), ("evaluate", True, True)] * 2
         rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
                 for r in read_jsonl(out / "metrics.jsonl")]
         results.append((rows, load_file(str(out / "policy" / "model.safetensors"))))
@@ -179,14 +190,7 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
     # the evaluation before step 0 and the first step's rollout come before any moment exists; each
     # evaluation after an update runs with the moments away (the reward model is put on the device
     # inside it, not seen from here)
-    step = [("rollout", True, True), ("experience", True, False), ("evaluate", True, True)]
-    assert seen == [("evaluate", False, True), ("rollout", False, True), ("experience", False, False),
-                    ("evaluate", True, True)] + step * 2
+    assert whole == [("evaluate", False, True), ("rollout", False, True), ("experience", False, False),
+                     ("evaluate", True, True)] + [("rollout", True, True), ("experience", True, False),
+                                                  ("evaluate", True, True)] * 2
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -379,9 +379,11 @@ class PPOConfig(Section):
     every token costs more than the launches saved; so it is off by default. On a CPU it changes
     nothing but the extra attention."""
     offload: bool = False
-    """Keep in host memory what a phase of the step does not read: AdamW's moments from the start
-    of a step to its update, the reference and reward models' weights outside the experience pass
-    and the held-out evaluation (their device copy is made for those and freed after). The
+    """Keep in host memory what a phase of the step does not read: AdamW's moments outside the
+    update (they leave before the rollout and before a held-out evaluation; checkpoints are
+    written from the host copies), the reference and reward models' weights outside the
+    experience pass and the held-out evaluation (their device copy is made for those and freed
+    after). The
     rollout, whose KV cache is the peak with long completions, then holds the policy alone beside
     its cache: in full fine-tuning about three times the trained weights less, and the update the
     reference's weights less. The same arithmetic (copies come back bit for bit); the cost is the
