@@ -450,8 +450,10 @@ def start_offload(run: Run, pc: PPOConfig, optimizer, *frozen) -> HostMoments | 
     if run.device.type == "cpu":
         warnings.warn("ppo.offload on a CPU saves no memory: host and device memory are one (the copies still run)",
                       UserWarning, stacklevel=2)
-    for model in frozen:
-        offload_frozen(model, run.device)
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in frozen:  # one holding a trained weight (a reward model object that is the policy) stays
+        if model is not None and not any(id(p) in trained for p in model.parameters()):
+            offload_frozen(model, run.device)
     return HostMoments(optimizer, run.device)
 
 
