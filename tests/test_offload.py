@@ -194,3 +194,21 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
                      ("evaluate", True, True)] + [("rollout", True, True), ("experience", True, False),
                                                   ("evaluate", True, True)] * 2
 
+
+
+def test_a_frozen_model_holding_a_trained_weight_stays_and_fsdp_is_refused():
+    from types import SimpleNamespace
+
+    from rlhfkit.config import PPOConfig
+
+    policy, ref = (build_tiny_policy(TOK, seed, n_layer=1, n_head=2, n_embd=16) for seed in (0, 1))
+    optimizer = torch.optim.AdamW(policy.parameters())
+    run = SimpleNamespace(accelerator=None, device=torch.device("cpu"))
+    pc = PPOConfig(offload=True)
+    with pytest.warns(UserWarning, match="saves no memory"):
+        rl.start_offload(run, pc, optimizer, ref, policy)  # e.g. a reward model object that is the policy
+    assert hasattr(ref, "_rlhfkit_offload") and not hasattr(policy, "_rlhfkit_offload")
+    fsdp = SimpleNamespace(accelerator=SimpleNamespace(distributed_type="FSDP"), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="one process or under DDP"):
+        rl.start_offload(fsdp, pc, optimizer, ref)
+    assert rl.start_offload(run, PPOConfig(), optimizer, ref) is None  # off by default
