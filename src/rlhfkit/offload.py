@@ -13,7 +13,8 @@ them, yet with long completions its KV cache makes it the step's peak. So, with 
 Nothing is computed differently: what comes back is a copy of what left. The cost is the copies,
 per step the moments once each way and the frozen weights once up (their host copy stays, so
 putting them away copies nothing). On CUDA the host buffers are pinned and the copies are queued
-on the current stream: a freed device tensor's memory is reused only by work queued after its copy.
+on the current stream: a freed device tensor's memory is reused only by work queued after its copy,
+and the moments' copies to the host are waited for before the host can read them.
 On a CPU, where host and device memory are one, the same copies run and save nothing.
 """
 
@@ -31,7 +32,7 @@ class HostMoments:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch one
-        self.pin = device.type == "cuda"
+        self.device, self.pin = device, device.type == "cuda"
         self.away: dict = {}  # param -> {key: (host buffer, the device it came from)}
 
     @torch.no_grad()
@@ -48,6 +49,9 @@ class HostMoments:
                 buf.copy_(value, non_blocking=self.pin)
                 kept[key] = (buf, value.device)
                 state[key] = buf
+        if self.pin:  # the copies are queued: finish them before anything on the host reads the buffers (a
+            # checkpoint); the work queued next would wait for them on the GPU anyway
+            torch.cuda.current_stream(self.device).synchronize()
 
     @torch.no_grad()
     def to_device(self) -> None:
