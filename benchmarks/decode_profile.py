@@ -66,7 +66,7 @@ def loop(model, wl: dict, how: str, device, steps: int | None, prof=None):
         tok, nxt = F.linear(hidden, head).argmax(-1), pos[:, -1] + 1
         fixed = _FixedStep(cache, lambda h: F.linear(h, head), device.type == "cuda") if how != "eager" else None
         if how == "fixed":
-            fixed.graph = None  # the fixed-shape step as written
+            fixed.cuda = False  # the fixed-shape step as written, no graph
         sync(device)
         with prof if prof is not None else contextlib.nullcontext():
             t0 = time.perf_counter()

@@ -331,17 +331,24 @@ def test_checkpointing_keeps_values_and_gradients_and_drops_activations(name, pa
     assert not lean._checkpointing(lean._Arch(ckpt.eval()))
 
 
+@pytest.mark.parametrize("band", [None, 4])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fixed_shape_decode_matches_the_growing_one(name, monkeypatch):
-    """``generate(graph=True)``: the decode step with fixed shapes (attention over the whole
-    pre-allocated cache, unwritten columns masked; on CUDA replayed as a CUDA graph) samples the
-    same tokens with the same log-probs as the step over a cache that grows, greedy and sampled,
-    with left padding and a row that ends early."""
+def test_fixed_shape_decode_matches_the_growing_one(name, band, monkeypatch):
+    """``generate(graph=True)``: the decode step with fixed shapes (attention over the cache up to
+    the end of the current band of columns, unwritten columns masked; on CUDA replayed as a CUDA
+    graph per band) samples the same tokens with the same log-probs as the step over a cache that
+    grows, greedy and sampled, with left padding and a row that ends early; with bands of 4
+    columns the decode crosses several."""
+    from rlhfkit import rollout
+
+    if band is not None:
+        monkeypatch.setattr(rollout._FixedStep, "BAND", band)
     model = MODELS[name]()
     ids, mask = batch()
-    calls = []
+    calls = []  # (the step's column, the columns attention reads, the cache's columns)
     step = lean.static_decode_step
-    monkeypatch.setattr(lean, "static_decode_step", lambda *a: calls.append(1) or step(*a))
+    monkeypatch.setattr(lean, "static_decode_step",
+                        lambda *a: calls.append((a[0].length, a[4].shape[0], a[0].key_bias.shape[1])) or step(*a))
     u = torch.rand((ids.shape[0], 8), generator=torch.Generator().manual_seed(7)).to(DEV)
     ended = False
     for kw in ({"greedy": True}, {"uniforms": u}):
@@ -352,5 +359,13 @@ def test_fixed_shape_decode_matches_the_growing_one(name, monkeypatch):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=0)
     assert ended  # some row ended before the token limit (these seeds)
-    # every step after the prefill took the fixed path (a CUDA graph runs it twice: warm-up, capture)
-    assert len(calls) >= 2 * 7 if DEV.type == "cpu" else len(calls) == 4
+    width = max(band or rollout._FixedStep.BAND, -(-calls[0][2] // 16))
+    for t, span, T in calls:  # the written columns and those up to the band's end, no more
+        assert t < span <= T and (span == T or span % width == 0) and span - t <= width
+    spans = [span for _, span, _ in calls]
+    assert (len(set(spans)) > 1) == (band is not None)
+    if DEV.type == "cpu":  # every step after the prefill took the fixed path
+        assert len(calls) >= 2 * 7
+    else:  # a CUDA graph per band, each run twice when made (warm-up, capture), the rest replays:
+        made = spans[::2]  # in each of the two rollouts, one per band in growing order
+        assert spans[1::2] == made and sum(b <= a for a, b in zip(made, made[1:])) == 1

@@ -370,14 +370,15 @@ class PPOConfig(Section):
     """Replay each decode step of the rollout as a CUDA graph (on CUDA, on rlhfkit's lean forward:
     GPT-2, Llama, Qwen2 with a rotary table that does not change with the length). At a small
     model's size a GPU decode step is hundreds of kernel launches that cost more than their
-    arithmetic, and a replay issues them at once. The step then attends over the whole
-    pre-allocated cache with the unwritten columns masked: the same tokens and log-probs up to
-    rounding (tests check them against the usual decode, on a CPU where the same fixed-shape step
-    runs without a graph). Measured on an H200 (benchmarks/README.md, real_step.py's
-    rlhfkit_grpo_graph row): a 30-layer 135M model's step 0.9 s instead of 1.5 s on 64 new tokens,
-    but a 12-layer one's 2.7 s instead of 2.4 s on 512, where attending over the whole cache at
-    every token costs more than the launches saved; so it is off by default. On a CPU it changes
-    nothing but the extra attention."""
+    arithmetic, and a replay issues them at once. The step has fixed shapes: attention reads the
+    cache up to the end of the current band of columns (at least 64; a graph per band, made when
+    the decode reaches it) with the unwritten columns masked: the same tokens and log-probs up to
+    rounding (tests check them against the usual decode, on a CPU where the same fixed-shape steps
+    run without a graph). Measured on an H200 at commit 43d0b07, when the step still read the
+    whole cache (benchmarks/README.md, real_step.py's rlhfkit_grpo_graph row): a 30-layer 135M
+    model's step 0.9 s instead of 1.5 s on 64 new tokens, but a 12-layer one's 2.7 s instead of
+    2.4 s on 512, where reading all 576 columns at every token cost more than the launches saved;
+    the bands bound those reads, not yet timed on a GPU. Off by default until they are."""
     offload: bool = False
     """Keep in host memory what a phase of the step does not read: AdamW's moments outside the
     update (they leave before the rollout and before a held-out evaluation; checkpoints are

@@ -670,11 +670,13 @@ def static_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Te
                        columns: torch.Tensor) -> torch.Tensor:
     """:func:`decode_step` with every shape and address fixed, so that a CUDA graph can replay
     it: the step's column is the tensor ``t [1]`` rather than ``cache.length``, the keys and
-    values go in with ``index_copy_``, and attention runs over all ``T_max`` columns
-    (``columns [T_max]``: ``arange``) with those after ``t`` masked, instead of a slice that
-    grows. Equal to :func:`decode_step` up to rounding; it does not advance ``cache.length``."""
-    bias = cache.key_bias.masked_fill(columns > t, float("-inf"))[:, None, None, :]  # [B, 1, 1, T_max]
-    return _decode(cache, tokens, positions, t, columns.shape[0], bias, None)
+    values go in with ``index_copy_``, and attention runs over a fixed span of columns
+    (``columns [S]``: ``arange(S)``, S <= T_max, S > t) with those after ``t`` masked, instead of
+    a slice that grows. Equal to :func:`decode_step` up to rounding; it does not advance
+    ``cache.length``."""
+    span = columns.shape[0]
+    bias = cache.key_bias[:, :span].masked_fill(columns > t, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
+    return _decode(cache, tokens, positions, t, span, bias, None)
 
 
 def _gpt2_decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, column: int | torch.Tensor,

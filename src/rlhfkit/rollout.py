@@ -220,45 +220,64 @@ class _Forward:
 
 class _FixedStep:
     """The lean decode step with fixed shapes and buffers (:func:`rlhfkit.lean.static_decode_step`),
-    on CUDA captured once as a CUDA graph and replayed for every token: at a small model's size a
-    step is hundreds of kernel launches, each costing more than its arithmetic, and a replay
-    launches them all at once. On a CPU (no graphs) the same step runs as written, which is how
-    the tests check it. The outputs are the graph's own buffers, rewritten by the next step, so
+    on CUDA captured as CUDA graphs and replayed for every token: at a small model's size a step is
+    hundreds of kernel launches, each costing more than its arithmetic, and a replay launches them
+    all at once. Attention reads the cache up to the end of the current band of ``band`` columns
+    (the written ones and fewer than ``band`` unwritten ones, masked), one graph per band,
+    captured when the decode reaches the band and dropped when it leaves it (bands only grow; the
+    next graph shares its memory pool): attention over the whole pre-allocated cache at every
+    token cost more than the launches saved on long completions (512 new tokens of a 12-layer
+    model on an H200). On a CPU (no graphs) the same steps run as written, which is how
+    the tests check them. The outputs are a graph's own buffers, rewritten by its next replay, so
     they are copied out."""
 
+    BAND = 64  # columns per band, at least; at most 16 bands (captures) per rollout
+
     def __init__(self, cache, head, cuda: bool):
-        B, dev = cache.key_bias.shape[0], cache.key_bias.device
-        self.cache, self.head, self.graph = cache, head, None
+        B, T = cache.key_bias.shape
+        dev = cache.key_bias.device
+        self.cache, self.head, self.cuda, self.T = cache, head, cuda, T
+        self.band = max(self.BAND, -(-T // 16))
+        self.span, self.graph, self.out = 0, None, None  # the current band's end, graph and outputs
         self.tok = torch.zeros(B, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, dtype=torch.long, device=dev)
         self.t = torch.zeros(1, dtype=torch.long, device=dev)
-        self.columns = torch.arange(cache.key_bias.shape[1], device=dev)
+        self.columns = torch.arange(T, device=dev)
         for kv in cache.kv:  # attention weighs the unwritten columns by 0, and 0 * NaN would not be 0
             kv[:, :, :, cache.length:].zero_()
-        if cuda:
-            self.t.fill_(cache.length)  # the warm-up writes the first step's column, which the first replay rewrites
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # CUDA's libraries set themselves up outside the capture
-                self._run()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self._run()
 
     @torch.no_grad()
-    def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = lean_lm.static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns)
+    def _run(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = lean_lm.static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns[:span])
         return hidden, self.head(hidden)
+
+    def _capture(self, span: int) -> None:
+        """The graph of the step over columns ``0 .. span-1`` in place of the last band's; its
+        warm-up runs the current step (writing this step's cache column, which the first replay
+        writes again)."""
+        dev = self.t.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # CUDA's libraries set themselves up outside the capture
+            self._run(span)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # the last band's graph is never replayed again: the new one may take its pool's free memory
+        with torch.cuda.graph(graph, pool=self.graph.pool() if self.graph is not None else None):
+            out = self._run(span)
+        self.graph, self.out, self.span = graph, out, span
 
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden [B, H], logits [B, V])`` after feeding ``tok`` at ``pos``; advances the cache."""
         self.tok.copy_(tok)
         self.pos.copy_(pos)
         self.t.fill_(self.cache.length)
-        if self.graph is None:
-            hidden, logits = self._run()
+        span = min(self.T, (self.cache.length // self.band + 1) * self.band)
+        if not self.cuda:
+            hidden, logits = self._run(span)
         else:
+            if span != self.span:
+                self._capture(span)
             self.graph.replay()
             hidden, logits = (x.clone() for x in self.out)
         self.cache.length += 1
