@@ -4,8 +4,8 @@ Full fine-tuning keeps on the device, beside the policy, AdamW's two moments (tw
 weights) and the frozen models: the reference and any reward model. The rollout reads none of
 them, yet with long completions its KV cache makes it the step's peak. So, with ``ppo.offload``:
 
-- :class:`HostMoments`: the optimizer's state goes to host memory when a step starts and comes
-  back just before the update;
+- :class:`HostMoments`: the optimizer's state goes to host memory when a step starts (and before
+  a held-out evaluation) and comes back just before the update;
 - :func:`offload_frozen`: a frozen model's weights stay in host memory, and
   :func:`on_device` puts a copy on the device for the blocks that run it. Every use of a
   reference or reward model is inside :func:`rlhfkit.distributed.full_weights`, which calls it.
