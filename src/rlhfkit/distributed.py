@@ -257,6 +257,7 @@ def full_weights(*models, per_layer: bool = False):
     """:func:`_full_weights` of each of ``models`` (None and unsharded ones are no-ops)."""
     with contextlib.ExitStack() as stack:
         for model in models:
+            stack.enter_context(on_device(model))  # ppo.offload: a frozen model's weights come from host memory
             stack.enter_context(_full_weights(model, per_layer))
         yield
 
@@ -275,28 +276,27 @@ def _full_weights(model, per_layer: bool = False):
     own weights (embeddings, final norm, heads) are gathered here and each layer gathers and
     frees its weights around each of its forwards (FSDP's hooks): less memory, one all-gather
     per layer per forward (per generated token)."""
-    with on_device(model):  # ppo.offload: a frozen model's weights live in host memory outside these blocks
-        mods = fsdp_modules(model)
-        if not mods:
-            yield
-            return
-        mods[0]._get_fsdp_state()._lazy_init()  # no public call does it outside a root forward
-        groups = []
-        if not per_layer:
-            groups = [g for m in mods for g in m._get_fsdp_state()._fsdp_param_groups]
-        saved = [g.post_forward_mesh_info for g in groups]
-        for g in groups:  # keep the layers gathered after their forwards
-            g.post_forward_mesh_info = None
-        gathered = mods if not per_layer else mods[:1]
+    mods = fsdp_modules(model)
+    if not mods:
+        yield
+        return
+    mods[0]._get_fsdp_state()._lazy_init()  # no public call does it outside a root forward
+    groups = []
+    if not per_layer:
+        groups = [g for m in mods for g in m._get_fsdp_state()._fsdp_param_groups]
+    saved = [g.post_forward_mesh_info for g in groups]
+    for g in groups:  # keep the layers gathered after their forwards
+        g.post_forward_mesh_info = None
+    gathered = mods if not per_layer else mods[:1]
+    for m in gathered:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for g, info in zip(groups, saved):
+            g.post_forward_mesh_info = info
         for m in gathered:
-            m.unshard()
-        try:
-            yield
-        finally:
-            for g, info in zip(groups, saved):
-                g.post_forward_mesh_info = info
-            for m in gathered:
-                m.reshard()
+            m.reshard()
 
 
 def prepare(accelerator, *objects, micro_batch: int):
