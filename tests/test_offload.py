@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -60,14 +61,16 @@ def test_moments_leave_and_come_back_as_fresh_copies_and_training_is_unchanged()
         _step(moved, opts[1], _batch(step))
         used = {(p, k): v.clone() for p, s in opts[1].state.items() for k, v in s.items()}
         ptrs = {key: opts[1].state[key[0]][key[1]].data_ptr() for key in used}
+        gone = [weakref.ref(v) for s in opts[1].state.values() for v in s.values()]
         before = _allocated()
         moments.to_host()
+        assert all(r() is None for r in gone)  # nothing holds the device copies any more
         for (p, k), v in used.items():  # host buffers now: equal values, not the tensors the step used
             away = opts[1].state[p][k]
             assert away is moments.away[p][k][0] and away.device.type == "cpu"
             assert away.data_ptr() != ptrs[p, k] and torch.equal(away, v.cpu())
-        if DEV.type == "cuda":  # the device's copies are freed
-            assert before - _allocated() == _held(used.values())
+        if DEV.type == "cuda":  # their memory is given back (on an H200 the second round gave 3 KiB more)
+            assert before - _allocated() >= _held(used.values())
     moments.to_device()
     for p, s in opts[1].state.items():
         for k, v in s.items():  # device copies, not the host buffers (which the next step would overwrite)
@@ -168,7 +171,7 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
     for offload in (False, True):
         out = tmp_path / f"offload_{offload}"
         cfg = tiny_config(out, model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
-                          run={"checkpoint_every": 1},
+                          run={"checkpoint_every": 1, "device": "cpu"},  # the mechanics, on any host
                           ppo={"algo": algo, "steps": 3, "eval_every": 1, "offload": offload, "lr": 1e-2,
                                **sections.get("ppo", {})})
         with pytest.warns(UserWarning, match="saves no memory") if offload else contextlib.nullcontext():
