@@ -10,12 +10,17 @@ the two workloads of ``real_step.py`` and three ways of stepping:
   pre-allocated cache with the unwritten columns masked, run as written;
 - ``graph``: the fixed step replayed as a CUDA graph (``ppo.cuda_graph``; CUDA only).
 
+and, with ``--attention triton`` (CUDA, where Triton is installed), the same steps with the decode
+attention swapped for the kernel in ``decode_attention.py`` (one query a row; PyTorch's
+memory-efficient kernel computes tiles of 64 queries).
+
 For each it prints the seconds per token (mean over the whole loop, so early and late columns
 both count), and with ``--profile`` the kernels (or, on a CPU, operators) that took the most
 device time over the loop, with their share. Random weights of the real shapes (the timing does
 not depend on their values); the LM head is included, sampling is not (argmax stands in).
 
     python benchmarks/decode_profile.py --device cuda --profile
+    python benchmarks/decode_profile.py --device cuda --attention sdpa triton
     python benchmarks/decode_profile.py --workload short --layers 2 --steps 8    # a quick CPU run
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 
 import torch
@@ -49,10 +55,37 @@ def build(shape: str, layers: int | None) -> torch.nn.Module:
         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True))
 
 
-def loop(model, wl: dict, how: str, device, steps: int | None, prof=None):
+@contextlib.contextmanager
+def attention(kind: str):
+    """The decode loop's attention: PyTorch's (``sdpa``), or one-query calls sent to the Triton
+    kernel of ``decode_attention.py`` (``triton``); :mod:`rlhfkit.lean` looks the function up at
+    each call, so replacing it here reaches its decode step."""
+    if kind == "sdpa":
+        yield
+        return
+    try:
+        from decode_attention import one_query_attention
+    except ImportError as e:
+        raise SystemExit(f"--attention triton needs Triton (CUDA builds of PyTorch bring it): {e}") from None
+
+    torch_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, scale=None, enable_gqa=False, **kw):
+        if q.shape[-2] != 1 or attn_mask is None or attn_mask.dtype == torch.bool or kw:
+            return torch_sdpa(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa, **kw)
+        return one_query_attention(q, k, v, attn_mask, scale if scale is not None else q.shape[-1] ** -0.5)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = torch_sdpa
+
+
+def loop(model, wl: dict, how: str, device, steps: int | None, prof=None, attend: str = "sdpa"):
     """Prefill the workload's rows (each group's prompt repeated, as GRPO lays them out), then
-    decode ``steps`` tokens (default: the workload's). Returns the seconds of the decode loop and
-    its steps; ``prof``, a profiler context, is entered around the decode loop alone."""
+    decode ``steps`` tokens (default: the workload's). Returns the seconds of the decode loop, its
+    steps and the last step's logits; ``prof``, a profiler context, is entered around the decode loop alone."""
     P, new = wl["prompt_len"], wl["new"]
     steps = steps or new
     gen = torch.Generator().manual_seed(0)
@@ -68,7 +101,7 @@ def loop(model, wl: dict, how: str, device, steps: int | None, prof=None):
         if how == "fixed":
             fixed.cuda = False  # the fixed-shape step as written, no graph
         sync(device)
-        with prof if prof is not None else contextlib.nullcontext():
+        with attention(attend), prof if prof is not None else contextlib.nullcontext():
             t0 = time.perf_counter()
             for _ in range(steps):
                 if fixed is None:
@@ -78,7 +111,7 @@ def loop(model, wl: dict, how: str, device, steps: int | None, prof=None):
                 tok, nxt = logits.argmax(-1), nxt + 1
             sync(device)
             seconds = time.perf_counter() - t0
-    return seconds, steps
+    return seconds, steps, logits
 
 
 def sync(device) -> None:
@@ -95,32 +128,38 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="decode steps (default: the workload's new tokens)")
     ap.add_argument("--profile", action="store_true", help="also print the loop's top kernels")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--attention", choices=["sdpa", "triton"], nargs="+", default=["sdpa"],
+                    help="the decode attention: PyTorch's, and/or decode_attention.py's Triton kernel (CUDA)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as real_step.py runs both libraries
+    if "triton" in args.attention and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--attention triton runs on CUDA (or on a CPU under TRITON_INTERPRET=1, slowly)")
     hows = args.how or (["eager", "fixed", "graph"] if device.type == "cuda" else ["eager", "fixed"])
     for name in args.workload:
         wl = WORKLOADS[name]
         model = build(wl["shape"], args.layers).to(device).eval()
         print(f"\n{name}: {wl['shape']} shape, {model.config.num_hidden_layers} layers, "
               f"{wl['prompts'] * wl['group']} rows, prompt {wl['prompt_len']}, {args.steps or wl['new']} new tokens")
-        for how in hows:
-            loop(model, wl, how, device, min(8, args.steps or wl["new"]))  # warm-up: kernels, allocator, graph capture
-            seconds, steps = loop(model, wl, how, device, args.steps)
-            print(f"  {how:6s} {1e3 * seconds / steps:7.2f} ms a token ({seconds:.2f} s for {steps})")
-            if args.profile:
-                profile(model, wl, how, device, args)
+        for attend in args.attention:
+            for how in hows:
+                # warm-up: kernels, allocator, graph capture
+                loop(model, wl, how, device, min(8, args.steps or wl["new"]), attend=attend)
+                seconds, steps, _ = loop(model, wl, how, device, args.steps, attend=attend)
+                print(f"  {how:6s} {attend:6s} {1e3 * seconds / steps:7.2f} ms a token ({seconds:.2f} s for {steps})")
+                if args.profile:
+                    profile(model, wl, how, device, args, attend)
 
 
-def profile(model, wl, how, device, args) -> None:
+def profile(model, wl, how, device, args, attend: str = "sdpa") -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = torch_profile(activities=acts)
-    loop(model, wl, how, device, args.steps, prof)
+    loop(model, wl, how, device, args.steps, prof, attend)
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     rows = [e for e in events if getattr(e, key, 0) > 0]
