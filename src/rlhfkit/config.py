@@ -377,8 +377,10 @@ class PPOConfig(Section):
     run without a graph). Measured on an H200 at commit 43d0b07, when the step still read the
     whole cache (benchmarks/README.md, real_step.py's rlhfkit_grpo_graph row): a 30-layer 135M
     model's step 0.9 s instead of 1.5 s on 64 new tokens, but a 12-layer one's 2.7 s instead of
-    2.4 s on 512, where reading all 576 columns at every token cost more than the launches saved;
-    the bands bound those reads, not yet timed on a GPU. Off by default until they are."""
+    2.4 s on 512, where reading all 576 columns at every token cost more than the launches saved.
+    With the bands (the same H200, commit a0c876e) the 12-layer step took 2.2 s either way, the
+    graphs holding 821 MiB more, and the 135M one 1.1 s against 1.9 s. Off by default: it pays
+    where launches dominate (small layers, short completions)."""
     offload: bool = False
     """Keep in host memory what a phase of the step does not read: AdamW's moments outside the
     update (they leave before the rollout and before a held-out evaluation; checkpoints are
@@ -390,7 +392,10 @@ class PPOConfig(Section):
     reference's weights less. The same arithmetic (copies come back bit for bit); the cost is the
     transfers, per step the moments once each way and the frozen weights once to the device
     (pinned host memory on CUDA). One process or DDP; FSDP and DeepSpeed shard these already.
-    Nothing to gain on a CPU, where the copies still run."""
+    Nothing to gain on a CPU, where the copies still run. Measured on an H200 (commit a0c876e,
+    with model.gradient_checkpointing, benchmarks/README.md): GPT-2 small's step on 512-token
+    completions peaked at 3472 MiB, 2.4 s a step (without offload, at commit 43d0b07: 4903 MiB,
+    2.3 s)."""
     reuse_rollout_logprobs: bool = True
     """Use the sampler's log-probs (and a shared value head's values and the entropies) as the
     experience pass's instead of running the policy again -- only when the sampler computed them
