@@ -10,9 +10,11 @@ the two workloads of ``real_step.py`` and three ways of stepping:
   pre-allocated cache with the unwritten columns masked, run as written;
 - ``graph``: the fixed step replayed as a CUDA graph (``ppo.cuda_graph``; CUDA only).
 
-and, with ``--attention triton`` (CUDA, where Triton is installed), the same steps with the decode
-attention swapped for the kernel in ``decode_attention.py`` (one query a row; PyTorch's
-memory-efficient kernel computes tiles of 64 queries).
+With ``--attention sdpa triton`` each runs again with the decode attention swapped for the
+Triton kernel of ``decode_attention.py`` (one query a row, where PyTorch's memory-efficient
+kernel computes tiles of 64 queries), and the last step's logits are compared with PyTorch's.
+On a CPU that needs ``TRITON_INTERPRET=1`` (slow: a check, not a timing), and rlhfkit's compiled
+CPU attention is switched off so that the calls reach the swapped function.
 
 For each it prints the seconds per token (mean over the whole loop, so early and late columns
 both count), and with ``--profile`` the kernels (or, on a CPU, operators) that took the most
@@ -22,6 +24,7 @@ not depend on their values); the LM head is included, sampling is not (argmax st
     python benchmarks/decode_profile.py --device cuda --profile
     python benchmarks/decode_profile.py --device cuda --attention sdpa triton
     python benchmarks/decode_profile.py --workload short --layers 2 --steps 8    # a quick CPU run
+    TRITON_INTERPRET=1 python benchmarks/decode_profile.py --workload short --layers 1 --steps 4 --attention sdpa triton
 """
 
 from __future__ import annotations
@@ -136,18 +139,26 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True  # as real_step.py runs both libraries
     if "triton" in args.attention and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--attention triton runs on CUDA (or on a CPU under TRITON_INTERPRET=1, slowly)")
+    if "triton" in args.attention and device.type == "cpu":  # let the decode's attention reach SDPA
+        lean.kernels.usable = lean.kernels.worth_it = lambda *a, **k: False
     hows = args.how or (["eager", "fixed", "graph"] if device.type == "cuda" else ["eager", "fixed"])
     for name in args.workload:
         wl = WORKLOADS[name]
         model = build(wl["shape"], args.layers).to(device).eval()
         print(f"\n{name}: {wl['shape']} shape, {model.config.num_hidden_layers} layers, "
               f"{wl['prompts'] * wl['group']} rows, prompt {wl['prompt_len']}, {args.steps or wl['new']} new tokens")
+        last = {}  # how -> PyTorch attention's last logits
         for attend in args.attention:
             for how in hows:
                 # warm-up: kernels, allocator, graph capture
                 loop(model, wl, how, device, min(8, args.steps or wl["new"]), attend=attend)
-                seconds, steps, _ = loop(model, wl, how, device, args.steps, attend=attend)
-                print(f"  {how:6s} {attend:6s} {1e3 * seconds / steps:7.2f} ms a token ({seconds:.2f} s for {steps})")
+                seconds, steps, logits = loop(model, wl, how, device, args.steps, attend=attend)
+                apart = ""
+                if attend == "sdpa":
+                    last[how] = logits
+                elif how in last:
+                    apart = f", last logits {(logits - last[how]).abs().max().item():.1e} from PyTorch attention's"
+                print(f"  {how:6s} {attend:6s} {1e3 * seconds / steps:7.2f} ms a token ({seconds:.2f} s for {steps}){apart}")
                 if args.profile:
                     profile(model, wl, how, device, args, attend)
 
