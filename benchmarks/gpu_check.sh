@@ -33,7 +33,7 @@ timeout 60 python3 benchmarks/decode_attention.py
 timeout 120 python3 benchmarks/decode_profile.py --device cuda --attention sdpa triton 2>&1 | tee "$OUT_DIR/decode.txt"
 
 echo "== CUDA tests [$(el) s]"
-RLHFKIT_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore \
+RLHFKIT_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -W ignore \
   tests/test_lean.py tests/test_offload.py 2>&1 | tail -8 | tee "$OUT_DIR/tests.txt"
 
 SHAPE_FROM=${SHAPE_FROM:-$HOME/.cache/rlhfkit/models/smollm2-135m-instruct}
