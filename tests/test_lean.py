@@ -369,3 +369,85 @@ def test_fixed_shape_decode_matches_the_growing_one(name, band, monkeypatch):
     else:  # a CUDA graph per band, each run twice when made (warm-up, capture), the rest replays:
         made = spans[::2]  # in each of the two rollouts, one per band in growing order
         assert spans[1::2] == made and sum(b <= a for a, b in zip(made, made[1:])) == 1
+
+
+def activation_bytes(model, fn):
+    """``fn()`` and the bytes autograd keeps for its backward, parameters left out."""
+    params = {p.data_ptr() for p in model.parameters()}
+    total = [0]
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+@pytest.mark.parametrize("path", ["full", "two_streams", "flat"])
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_llama_layers_keep_fewer_activations_for_the_same_gradients(name, path, monkeypatch):
+    """A Llama layer's training forward keeps the norms' inputs instead of their outputs and the
+    MLP's gate and up instead of silu(gate) and the product (``_NormLinears``, ``_SwiGLUDown``):
+    the same states and gradients as autograd's own graph of the same layer, with at least
+    ``2 (hidden + intermediate)`` fewer numbers kept per token and layer."""
+    model = MODELS[name]().train()
+    ids, mask = batch()
+    P = ids.shape[1]
+    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # 4 groups of 3
+    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
+    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
+    pos = position_ids_from_mask(seq_mask)
+    shared = lean.shared_prompts(seq, seq_mask, P)
+
+    def forward():
+        if path == "full":
+            return lean.hidden_states(model, seq, seq_mask, pos)[:, P - 1 : -1]
+        return lean.response_hidden_states(model, seq, seq_mask, pos, P, *shared, flat=path == "flat")
+
+    weight = torch.randn(32, generator=torch.Generator().manual_seed(2)).to(DEV)
+    outs, kept, grads = [], [], []
+    for lean_layers in (False, True):
+        if not lean_layers:
+            monkeypatch.setattr(lean, "_lean_training", lambda x, w: False)
+        else:
+            monkeypatch.undo()
+        model.zero_grad(set_to_none=True)
+        out, n = activation_bytes(model, forward)
+        (out @ weight).square().mean().backward()
+        outs.append(out.detach())
+        kept.append(n)
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert grads[1].keys() == grads[0].keys() and len(grads[0]) > 0
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-4, rtol=1e-4, msg=k)
+    cfg = model.config
+    tokens = {"full": seq.numel(), "two_streams": 4 * P + resp.numel(), "flat": 4 * P + resp.numel()}[path]
+    fewer = 2 * (cfg.hidden_size + cfg.intermediate_size) * tokens * cfg.num_hidden_layers * 4
+    assert kept[1] <= kept[0] - fewer, (kept, fewer)
+
+
+def test_norm_linears_and_swiglu_down_gradients():
+    """The two functions' hand-written backward passes against finite differences (float64,
+    PyTorch's ops; the compiled SwiGLU kernel is float32 and checked in tests/test_kernels.py)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, dtype=torch.float64, generator=g).requires_grad_()
+    norm = (1 + 0.3 * torch.randn(5, dtype=torch.float64, generator=g)).requires_grad_()
+    w1, w2 = (torch.randn(n, 5, dtype=torch.float64, generator=g).requires_grad_() for n in (4, 3))
+    b2 = torch.randn(3, dtype=torch.float64, generator=g).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: lean._NormLinears.apply(a[0], a[1], 1e-6, a[2], None, a[3], a[4]),
+                                    (x, norm, w1, w2, b2))
+    gate, up = (torch.randn(6, 7, dtype=torch.float64, generator=g).mul(3).requires_grad_() for _ in range(2))
+    wd = torch.randn(5, 7, dtype=torch.float64, generator=g).requires_grad_()
+    bd = torch.randn(5, dtype=torch.float64, generator=g).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: lean._SwiGLUDown.apply(*a, None), (x, gate, up, wd))
+    assert torch.autograd.gradcheck(lean._SwiGLUDown.apply, (x, gate, up, wd, bd))
+    # the forwards are the layers' own arithmetic
+    h = F.rms_norm(x, (5,), norm, 1e-6)
+    ys = lean._NormLinears.apply(x, norm, 1e-6, w1, None, w2, b2)
+    torch.testing.assert_close(ys[0], F.linear(h, w1))
+    torch.testing.assert_close(ys[1], F.linear(h, w2, b2))
+    torch.testing.assert_close(lean._SwiGLUDown.apply(x, gate, up, wd, bd), x + F.linear(F.silu(gate) * up, wd, bd))

@@ -152,10 +152,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if ctx.temperature != 1.0:
                 g = g.div_(ctx.temperature)  # d(z / T) / dz
             g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
-            if need_h:
+            if need_h and grad_h.dtype == g.dtype:
+                torch.mm(g, weight, out=grad_h[s : s + ctx.chunk_rows])  # rows of grad_h: contiguous
+            elif need_h:
                 grad_h[s : s + ctx.chunk_rows] = g @ weight
             if need_w:
-                grad_w += g.t() @ h
+                if g.dtype == acc:  # summed in place: no [V, H] temporary a chunk
+                    grad_w.addmm_(g.t(), h)
+                else:
+                    grad_w += g.t() @ h
             if need_b:
                 grad_b += g.sum(0)
             del g

@@ -226,6 +226,108 @@ def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tens
     return weight * xf.to(x.dtype)
 
 
+def _rms_norm_backward(grad_h: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                       need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients wrt ``x [N, C]`` and ``weight`` of ``h = weight * x * rstd`` (rstd per row):
+    ``dx = rstd (u - x rstd mean(u x rstd))`` with ``u = grad_h * weight``."""
+    xhat = x * rstd
+    grad_w = (grad_h * xhat).sum(0) if need_w else None
+    grad_x = None
+    if need_x:
+        u = grad_h * weight
+        grad_x = (u - xhat * (u * xhat).mean(-1, keepdim=True)) * rstd
+    return grad_x, grad_w
+
+
+class _NormLinears(torch.autograd.Function):
+    """``F.linear(rms_norm(x), W_i, b_i)`` for several linear layers reading one norm (a Llama
+    layer's q, k, v, or gate and up), keeping ``x [N, C]`` and its per-row ``rstd`` for the
+    backward instead of the normalised rows: they are computed again there (two element-wise
+    passes). Autograd would keep the norm's input and output both; this keeps ``C`` fewer
+    numbers a token for every norm of every layer (about a tenth of a Llama layer's saved
+    activations). Float32 only (the norm's forward is PyTorch's, ``F.rms_norm``).
+
+    ``forward(ctx, x, norm_weight, eps, w_1, b_1, w_2, b_2, ...)`` -> ``(y_1, y_2, ...)``."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, eps, *linears):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))  # [N, 1]
+        h = F.rms_norm(x, x.shape[-1:], norm_weight, eps)  # the old path's numbers exactly
+        weights, biases = linears[0::2], linears[1::2]
+        ctx.save_for_backward(x, rstd, norm_weight, *weights)
+        ctx.biased = [b is not None for b in biases]
+        return tuple(F.linear(h, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, rstd, norm_weight, *weights = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        h = x * rstd * norm_weight  # the normalised rows again
+        grad_h, out = None, [None] * (2 * len(weights))
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            if g is None:
+                continue
+            if need[3 + 2 * i]:
+                out[2 * i] = g.t() @ h
+            if need[4 + 2 * i] and ctx.biased[i]:
+                out[2 * i + 1] = g.sum(0)
+            if need[0] or need[1]:
+                grad_h = g @ w if grad_h is None else grad_h.addmm_(g, w)
+        grad_x = grad_nw = None
+        if grad_h is not None:
+            grad_x, grad_nw = _rms_norm_backward(grad_h, x, rstd, norm_weight, need[0], need[1])
+        return grad_x, grad_nw, None, *out
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """``x + F.linear(silu(gate) * up, weight, bias)``: a Llama MLP's tail and its residual,
+    keeping ``gate`` and ``up`` only. Autograd would also keep ``silu(gate)`` and the product (the
+    down projection's input): two of the layer's widest tensors, about a third of its saved
+    activations. The backward computes them again (one pass with the compiled kernel,
+    :func:`rlhfkit.kernels.swiglu_backward`, on a CPU in float32).
+
+    ``x [N, C]``, ``gate, up [N, I]``, ``weight [C, I]``."""
+
+    @staticmethod
+    def forward(ctx, x, gate, up, weight, bias):
+        if _swiglu_compiled(gate, up):
+            act = kernels.swiglu(gate, up)
+        else:
+            act = F.silu(gate).mul_(up)
+        ctx.save_for_backward(gate, up, weight)
+        ctx.biased = bias is not None
+        out = x + F.linear(act, weight, bias) if bias is not None else torch.addmm(x, act, weight.t())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, weight = ctx.saved_tensors
+        need_x, need_gate, need_up, need_w, need_b = ctx.needs_input_grad
+        grad_act = grad @ weight  # [N, I]
+        if _swiglu_compiled(gate, up):
+            act, grad_gate, grad_up = kernels.swiglu_backward(gate, up, grad_act, need_w)
+        else:
+            s = torch.sigmoid(gate)
+            silu = gate * s
+            act = silu * up if need_w else None
+            grad_up = grad_act * silu
+            grad_gate = grad_act.mul_(up).mul_(s.mul_(1 + gate * (1 - s)))  # d silu / dg = s (1 + g (1 - s))
+        grad_w = grad.t() @ act if need_w else None
+        grad_b = grad.sum(0) if need_b and ctx.biased else None
+        return grad if need_x else None, grad_gate, grad_up, grad_w, grad_b
+
+
+def _swiglu_compiled(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return (gate.device.type == "cpu" and gate.dtype == up.dtype == torch.float32 and gate.is_contiguous()
+            and up.is_contiguous() and kernels.available())
+
+
+def _lean_training(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a Llama layer's norms and MLP keep fewer activations (:class:`_NormLinears`,
+    :class:`_SwiGLUDown`): a float32 forward that records a graph."""
+    return torch.is_grad_enabled() and x.dtype == weight.dtype == torch.float32
+
+
 def _add_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x + F.linear(a, weight, bias)`` for ``x [B, T, C]``, ``a [..., in]``: without a bias the
     residual goes into the matrix product as its accumulator (one kernel instead of two)."""
@@ -315,7 +417,8 @@ class _Arch:
                     proj = [_weight(lin) for lin in (a.q_proj, a.k_proj, a.v_proj)]
                     mlp_in = [_weight(lin) for lin in (m.gate_proj, m.up_proj)]
                 self.layers.append((_norm_params(b.input_layernorm), proj, _weight(a.o_proj),
-                                    _norm_params(b.post_attention_layernorm), mlp_in, _weight(m.down_proj), m.act_fn))
+                                    _norm_params(b.post_attention_layernorm), mlp_in, _weight(m.down_proj), m.act_fn,
+                                    type(m.act_fn).__name__ in ("SiLU", "SiLUActivation")))  # F.silu
             self.wte = base.embed_tokens.weight
             self.final = _norm_params(base.norm)
         self.groups = self.n_heads // self.kv_heads
@@ -341,13 +444,16 @@ class _Arch:
             qkv = torch.addmm(layer[3], h.view(B * T, C), layer[2])
             q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             return q, k, v
-        h = _rms_norm(layer[0], x)
         D, H, Hkv = self.head_dim, self.n_heads, self.kv_heads
         if len(layer[1]) == 1:  # fused: q and k side by side already
-            qkv = F.linear(h, *layer[1][0]).view(B, T, H + 2 * Hkv, D)
+            qkv = F.linear(_rms_norm(layer[0], x), *layer[1][0]).view(B, T, H + 2 * Hkv, D)
             qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
         else:  # q and k rotated together (one set of kernels; on a GPU the launches are the cost)
-            q, k, v = (F.linear(h, w, b) for w, b in layer[1])
+            if _lean_training(x, layer[0][0]):  # the normalised rows are not kept for the backward
+                q, k, v = _NormLinears.apply(x.reshape(B * T, C), *layer[0], *(t for wb in layer[1] for t in wb))
+            else:
+                h = _rms_norm(layer[0], x)
+                q, k, v = (F.linear(h, w, b) for w, b in layer[1])
             qk, v = torch.cat([q.view(B, T, H, D), k.view(B, T, Hkv, D)], 2), v.view(B, T, Hkv, D)
         q, k = _rope(qk.transpose(1, 2), *rope).split([H, Hkv], 1)  # [B, H, T, D], [B, Hkv, T, D]
         return q, k, v.transpose(1, 2)
@@ -367,6 +473,9 @@ class _Arch:
             m = layer[12](torch.addmm(layer[9], h, layer[8]))
             return x + torch.addmm(layer[11], m, layer[10]).view(B, T, C)
         x = _add_linear(x, a, *layer[2])
+        if len(layer[4]) == 2 and layer[7] and _lean_training(x, layer[3][0]):  # fewer activations kept
+            gate, up = _NormLinears.apply(x.view(B * T, C), *layer[3], *(t for wb in layer[4] for t in wb))
+            return _SwiGLUDown.apply(x.view(B * T, C), gate, up, *layer[5]).view(B, T, C)
         h = _rms_norm(layer[3], x)
         if len(layer[4]) == 1:
             gate, up = F.linear(h, *layer[4][0]).chunk(2, dim=-1)

@@ -1,6 +1,6 @@
 /* rlhfkit's compiled pieces, float32 on a CPU: softmax attention for short contexts (forward,
- * backward, and a decode step that also appends to the KV cache), the tanh-GELU (forward and
- * backward) and the sampling step of a rollout. Called through ctypes from rlhfkit/kernels.py,
+ * backward, and a decode step that also appends to the KV cache), the tanh-GELU and a Llama MLP's
+ * SwiGLU gate (forward and backward each) and the sampling step of a rollout. Called through ctypes from rlhfkit/kernels.py,
  * which compiles this file on first use and falls back to PyTorch when it cannot.
  *
  * At a small model's sizes PyTorch's CPU kernels spend more on set-up than on arithmetic:
@@ -371,6 +371,49 @@ void rlhfkit_gelu_tanh_backward(const float *x, const float *gate, const float *
     for (; i < n; i++) {
         const float xv = x[i], s = gate[i], xdz = (c1 + c3x3 * xv * xv) * xv;
         out[i] = ((s - s * s) * xdz + s) * grad[i];
+    }
+}
+
+/* ------------------------------------------------------------------------------ SwiGLU
+ *
+ * A Llama MLP's gate: act = silu(g) u = g s u with s = sigmoid(g) = 1 / (1 + exp(-g)), exp(-g)
+ * clamped at exp(87) (then s ~ 1.6e-38 and silu(g) ~ 0, as in float32 arithmetic). */
+static inline v8 sigmoid8(v8 g)
+{
+    const v8 neg = -g;
+    return splat(1.f) / (splat(1.f) + exp8(sel(neg > splat(87.f), splat(87.f), neg)));
+}
+
+static inline float sigmoid1(float g) { return 1.f / (1.f + expf(-g > 87.f ? 87.f : -g)); }
+
+void rlhfkit_swiglu(const float *g, const float *u, float *act, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 gv = ld(g + i);
+        st(act + i, gv * sigmoid8(gv) * ld(u + i));
+    }
+    for (; i < n; i++) act[i] = g[i] * sigmoid1(g[i]) * u[i];
+}
+
+/* The backward of rlhfkit_swiglu from the output's gradient d: du = d g s and
+ * dg = d u (s + g s (1 - s)) (d silu / dg); with act not NULL, act = g s u again (the down
+ * projection's weight gradient needs it, and the forward did not keep it). */
+void rlhfkit_swiglu_backward(const float *g, const float *u, const float *d, float *act, float *dg, float *du,
+                             int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 gv = ld(g + i), uv = ld(u + i), dv = ld(d + i), s = sigmoid8(gv), gs = gv * s;
+        if (act) st(act + i, gs * uv);
+        st(du + i, dv * gs);
+        st(dg + i, dv * uv * (s + gs * (splat(1.f) - s)));
+    }
+    for (; i < n; i++) {
+        const float s = sigmoid1(g[i]), gs = g[i] * s;
+        if (act) act[i] = gs * u[i];
+        du[i] = d[i] * gs;
+        dg[i] = d[i] * u[i] * (s + gs * (1.f - s));
     }
 }
 
