@@ -387,12 +387,13 @@ def activation_bytes(model, fn):
 
 
 @pytest.mark.parametrize("path", ["full", "two_streams", "flat"])
-@pytest.mark.parametrize("name", ["qwen2", "llama"])
-def test_llama_layers_keep_fewer_activations_for_the_same_gradients(name, path, monkeypatch):
-    """A Llama layer's training forward keeps the norms' inputs instead of their outputs and the
-    MLP's gate and up instead of silu(gate) and the product (``_NormLinears``, ``_SwiGLUDown``):
-    the same states and gradients as autograd's own graph of the same layer, with at least
-    ``2 (hidden + intermediate)`` fewer numbers kept per token and layer."""
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_layers_keep_fewer_activations_for_the_same_gradients(name, path, monkeypatch):
+    """A layer's training forward keeps the norms' inputs instead of their outputs (``_NormLinears``)
+    and the MLP's input projections instead of the activation's intermediates and output
+    (``_SwiGLUDown``: gate and up, not silu(gate) and the product; ``_GeluDown``: not the GELU's
+    gate and output): the same states and gradients as autograd's own graph of the same layer,
+    with at least ``2 (hidden + intermediate)`` fewer numbers kept per token and layer."""
     model = MODELS[name]().train()
     ids, mask = batch()
     P = ids.shape[1]
@@ -425,20 +426,23 @@ def test_llama_layers_keep_fewer_activations_for_the_same_gradients(name, path, 
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-4, rtol=1e-4, msg=k)
     cfg = model.config
-    tokens = {"full": seq.numel(), "two_streams": 4 * P + resp.numel(), "flat": 4 * P + resp.numel()}[path]
-    fewer = 2 * (cfg.hidden_size + cfg.intermediate_size) * tokens * cfg.num_hidden_layers * 4
+    C, L = cfg.hidden_size, cfg.num_hidden_layers
+    inner = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * C
+    tokens = seq.numel() if path == "full" else 4 * P + resp.numel()
+    last_mlp = tokens if path == "full" else 4 + resp.numel()  # the prompts' last column only, at the top
+    fewer = 4 * (2 * (C + inner) * tokens * (L - 1) + C * tokens + (C + 2 * inner) * last_mlp)  # float32 bytes
     assert kept[1] <= kept[0] - fewer, (kept, fewer)
 
 
-def test_norm_linears_and_swiglu_down_gradients():
-    """The two functions' hand-written backward passes against finite differences (float64,
-    PyTorch's ops; the compiled SwiGLU kernel is float32 and checked in tests/test_kernels.py)."""
+def test_norm_linears_swiglu_down_and_gelu_down_gradients():
+    """The hand-written backward passes against finite differences (float64, PyTorch's ops; the
+    compiled kernels are float32 and checked in tests/test_kernels.py)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 5, dtype=torch.float64, generator=g).requires_grad_()
     norm = (1 + 0.3 * torch.randn(5, dtype=torch.float64, generator=g)).requires_grad_()
     w1, w2 = (torch.randn(n, 5, dtype=torch.float64, generator=g).requires_grad_() for n in (4, 3))
     b2 = torch.randn(3, dtype=torch.float64, generator=g).requires_grad_()
-    assert torch.autograd.gradcheck(lambda *a: lean._NormLinears.apply(a[0], a[1], 1e-6, a[2], None, a[3], a[4]),
+    assert torch.autograd.gradcheck(lambda *a: lean._NormLinears.apply(a[0], a[1], None, 1e-6, False, a[2], None, a[3], a[4]),
                                     (x, norm, w1, w2, b2))
     gate, up = (torch.randn(6, 7, dtype=torch.float64, generator=g).mul(3).requires_grad_() for _ in range(2))
     wd = torch.randn(5, 7, dtype=torch.float64, generator=g).requires_grad_()
@@ -447,7 +451,20 @@ def test_norm_linears_and_swiglu_down_gradients():
     assert torch.autograd.gradcheck(lean._SwiGLUDown.apply, (x, gate, up, wd, bd))
     # the forwards are the layers' own arithmetic
     h = F.rms_norm(x, (5,), norm, 1e-6)
-    ys = lean._NormLinears.apply(x, norm, 1e-6, w1, None, w2, b2)
+    ys = lean._NormLinears.apply(x, norm, None, 1e-6, False, w1, None, w2, b2)
     torch.testing.assert_close(ys[0], F.linear(h, w1))
     torch.testing.assert_close(ys[1], F.linear(h, w2, b2))
     torch.testing.assert_close(lean._SwiGLUDown.apply(x, gate, up, wd, bd), x + F.linear(F.silu(gate) * up, wd, bd))
+    # a layer norm and GPT-2's [in, out] weights; GPT-2's MLP tail
+    nb = torch.randn(5, dtype=torch.float64, generator=g).requires_grad_()
+    w3 = torch.randn(5, 4, dtype=torch.float64, generator=g).requires_grad_()
+    b3 = torch.randn(4, dtype=torch.float64, generator=g).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: lean._NormLinears.apply(a[0], a[1], a[2], 1e-5, True, a[3], a[4]),
+                                    (x, norm, nb, w3, b3))
+    y, = lean._NormLinears.apply(x, norm, nb, 1e-5, True, w3, b3)
+    torch.testing.assert_close(y, torch.addmm(b3, F.layer_norm(x, (5,), norm, nb, 1e-5), w3))
+    f = torch.randn(6, 7, dtype=torch.float64, generator=g).mul(3).requires_grad_()
+    wp = torch.randn(7, 5, dtype=torch.float64, generator=g).requires_grad_()
+    assert torch.autograd.gradcheck(lean._GeluDown.apply, (x, f, wp, bd))
+    torch.testing.assert_close(lean._GeluDown.apply(x, f, wp, bd),
+                               x + torch.addmm(bd, F.gelu(f, approximate="tanh"), wp))

@@ -226,57 +226,62 @@ def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tens
     return weight * xf.to(x.dtype)
 
 
-def _rms_norm_backward(grad_h: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
-                       need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients wrt ``x [N, C]`` and ``weight`` of ``h = weight * x * rstd`` (rstd per row):
-    ``dx = rstd (u - x rstd mean(u x rstd))`` with ``u = grad_h * weight``."""
-    xhat = x * rstd
-    grad_w = (grad_h * xhat).sum(0) if need_w else None
-    grad_x = None
-    if need_x:
-        u = grad_h * weight
-        grad_x = (u - xhat * (u * xhat).mean(-1, keepdim=True)) * rstd
-    return grad_x, grad_w
-
-
 class _NormLinears(torch.autograd.Function):
-    """``F.linear(rms_norm(x), W_i, b_i)`` for several linear layers reading one norm (a Llama
-    layer's q, k, v, or gate and up), keeping ``x [N, C]`` and its per-row ``rstd`` for the
-    backward instead of the normalised rows: they are computed again there (two element-wise
-    passes). Autograd would keep the norm's input and output both; this keeps ``C`` fewer
-    numbers a token for every norm of every layer (about a tenth of a Llama layer's saved
-    activations). Float32 only (the norm's forward is PyTorch's, ``F.rms_norm``).
+    """Linear layers reading one norm's output: a Llama layer's q, k, v (or gate and up) after
+    its RMS norm, GPT-2's q/k/v or MLP input after its layer norm. Keeps ``x [N, C]`` and the
+    norm's per-row statistics for the backward instead of the normalised rows, which are
+    computed again there (two element-wise passes): autograd would keep the norm's input and
+    output both, so this keeps ``C`` fewer numbers a token for every norm of every layer.
+    The forward is the layers' own arithmetic (``F.rms_norm`` / ``F.layer_norm``, then
+    ``F.linear``, or ``addmm(b, h, w)`` for GPT-2's ``Conv1D`` weights stored ``[in, out]``).
 
-    ``forward(ctx, x, norm_weight, eps, w_1, b_1, w_2, b_2, ...)`` -> ``(y_1, y_2, ...)``."""
+    ``forward(ctx, x, norm_weight, norm_bias, eps, conv1d, w_1, b_1, w_2, b_2, ...)`` ->
+    ``(y_1, y_2, ...)``; ``norm_bias`` None: an RMS norm, else a layer norm."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, eps, *linears):
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))  # [N, 1]
-        h = F.rms_norm(x, x.shape[-1:], norm_weight, eps)  # the old path's numbers exactly
+    def forward(ctx, x, norm_weight, norm_bias, eps, conv1d, *linears):
+        if norm_bias is None:
+            rstd, mean = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)), None  # [N, 1]
+            h = F.rms_norm(x, x.shape[-1:], norm_weight, eps)
+        else:
+            var, mean = torch.var_mean(x, -1, keepdim=True, correction=0)
+            rstd = torch.rsqrt(var.add_(eps))
+            h = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
         weights, biases = linears[0::2], linears[1::2]
-        ctx.save_for_backward(x, rstd, norm_weight, *weights)
-        ctx.biased = [b is not None for b in biases]
+        ctx.save_for_backward(x, norm_weight, norm_bias, rstd, mean, *weights)
+        ctx.conv1d, ctx.biased = conv1d, [b is not None for b in biases]
+        if conv1d:
+            return tuple(torch.addmm(b, h, w) if b is not None else h @ w for w, b in zip(weights, biases))
         return tuple(F.linear(h, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
-        x, rstd, norm_weight, *weights = ctx.saved_tensors
+        x, norm_weight, norm_bias, rstd, mean, *weights = ctx.saved_tensors
         need = ctx.needs_input_grad
-        h = x * rstd * norm_weight  # the normalised rows again
+        xhat = (x if mean is None else x - mean) * rstd  # the normalised rows again
+        h = xhat * norm_weight if norm_bias is None else torch.addcmul(norm_bias, xhat, norm_weight)
         grad_h, out = None, [None] * (2 * len(weights))
         for i, (g, w) in enumerate(zip(grads, weights)):
             if g is None:
                 continue
-            if need[3 + 2 * i]:
-                out[2 * i] = g.t() @ h
-            if need[4 + 2 * i] and ctx.biased[i]:
+            if need[5 + 2 * i]:
+                out[2 * i] = h.t() @ g if ctx.conv1d else g.t() @ h
+            if need[6 + 2 * i] and ctx.biased[i]:
                 out[2 * i + 1] = g.sum(0)
-            if need[0] or need[1]:
-                grad_h = g @ w if grad_h is None else grad_h.addmm_(g, w)
-        grad_x = grad_nw = None
+            if any(need[:3]):
+                wt = w.t() if ctx.conv1d else w
+                grad_h = g @ wt if grad_h is None else grad_h.addmm_(g, wt)
+        grad_x = grad_nw = grad_nb = None
         if grad_h is not None:
-            grad_x, grad_nw = _rms_norm_backward(grad_h, x, rstd, norm_weight, need[0], need[1])
-        return grad_x, grad_nw, None, *out
+            grad_nw = (grad_h * xhat).sum(0) if need[1] else None
+            grad_nb = grad_h.sum(0) if need[2] else None
+            if need[0]:
+                u = grad_h * norm_weight
+                grad_x = u - xhat * (u * xhat).mean(-1, keepdim=True)
+                if mean is not None:  # a layer norm's centring
+                    grad_x -= u.mean(-1, keepdim=True)
+                grad_x *= rstd
+        return grad_x, grad_nw, grad_nb, None, None, *out
 
 
 class _SwiGLUDown(torch.autograd.Function):
@@ -317,14 +322,50 @@ class _SwiGLUDown(torch.autograd.Function):
         return grad if need_x else None, grad_gate, grad_up, grad_w, grad_b
 
 
+class _GeluDown(torch.autograd.Function):
+    """``x + addmm(bias, gelu_tanh(f), weight)``: GPT-2's MLP tail (``Conv1D`` weight ``[I, C]``)
+    and its residual, keeping ``f`` (the MLP's input projection) only. Autograd would also keep
+    the GELU's gate and its output (the down projection's input), two tensors as wide as ``f``;
+    the backward computes them again (:func:`rlhfkit.kernels.gelu_tanh` on a CPU in float32)."""
+
+    @staticmethod
+    def forward(ctx, x, f, weight, bias):
+        m = kernels.gelu_tanh(f) if _gelu_compiled(f) else _gelu_gate(f).mul_(f)
+        ctx.save_for_backward(f, weight)
+        ctx.biased = bias is not None
+        return x + (torch.addmm(bias, m, weight) if bias is not None else m @ weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        f, weight = ctx.saved_tensors
+        need_x, need_f, need_w, need_b = ctx.needs_input_grad
+        grad_m = grad @ weight.t()  # [N, I]
+        if _gelu_compiled(f):
+            s = torch.empty_like(f)
+            m = kernels.gelu_tanh(f, gate=s)
+            grad_f = kernels.gelu_tanh_backward(f, s, grad_m)
+        else:
+            s = _gelu_gate(f)
+            m = f * s
+            xdz = torch.addcmul(_c1(f), f, f, value=3 * _C3).mul_(f)  # as _GeluTanhCPU.backward
+            grad_f = torch.addcmul(s, s, s, value=-1.0).mul_(xdz).add_(s).mul_(grad_m)
+        grad_w = m.t() @ grad if need_w else None
+        grad_b = grad.sum(0) if need_b and ctx.biased else None
+        return grad if need_x else None, grad_f, grad_w, grad_b
+
+
+def _gelu_compiled(f: torch.Tensor) -> bool:
+    return f.device.type == "cpu" and f.dtype == torch.float32 and f.is_contiguous() and kernels.available()
+
+
 def _swiglu_compiled(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return (gate.device.type == "cpu" and gate.dtype == up.dtype == torch.float32 and gate.is_contiguous()
             and up.is_contiguous() and kernels.available())
 
 
 def _lean_training(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a Llama layer's norms and MLP keep fewer activations (:class:`_NormLinears`,
-    :class:`_SwiGLUDown`): a float32 forward that records a graph."""
+    """Whether a layer's norms and MLP keep fewer activations (:class:`_NormLinears`,
+    :class:`_SwiGLUDown`, :class:`_GeluDown`): a float32 forward that records a graph."""
     return torch.is_grad_enabled() and x.dtype == weight.dtype == torch.float32
 
 
@@ -440,8 +481,11 @@ class _Arch:
         """Residual stream ``[B, T, H]`` -> ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``."""
         B, T, C = x.shape
         if self.gpt2:
-            h = F.layer_norm(x, (C,), layer[0], layer[1], self.eps)
-            qkv = torch.addmm(layer[3], h.view(B * T, C), layer[2])
+            if _lean_training(x, layer[0]):  # the normalised rows are not kept for the backward
+                qkv, = _NormLinears.apply(x.reshape(B * T, C), layer[0], layer[1], self.eps, True, layer[2], layer[3])
+            else:
+                h = F.layer_norm(x, (C,), layer[0], layer[1], self.eps)
+                qkv = torch.addmm(layer[3], h.view(B * T, C), layer[2])
             q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             return q, k, v
         D, H, Hkv = self.head_dim, self.n_heads, self.kv_heads
@@ -450,7 +494,8 @@ class _Arch:
             qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
         else:  # q and k rotated together (one set of kernels; on a GPU the launches are the cost)
             if _lean_training(x, layer[0][0]):  # the normalised rows are not kept for the backward
-                q, k, v = _NormLinears.apply(x.reshape(B * T, C), *layer[0], *(t for wb in layer[1] for t in wb))
+                q, k, v = _NormLinears.apply(x.reshape(B * T, C), layer[0][0], None, layer[0][1], False,
+                                             *(t for wb in layer[1] for t in wb))
             else:
                 h = _rms_norm(layer[0], x)
                 q, k, v = (F.linear(h, w, b) for w, b in layer[1])
@@ -469,12 +514,16 @@ class _Arch:
         B, T, C = x.shape
         if self.gpt2:
             x = x + torch.addmm(layer[5], a, layer[4]).view(B, T, C)
+            if layer[12] is _gelu_tanh and _lean_training(x, layer[6]):  # fewer activations kept
+                f, = _NormLinears.apply(x.view(B * T, C), layer[6], layer[7], self.eps, True, layer[8], layer[9])
+                return _GeluDown.apply(x.view(B * T, C), f, layer[10], layer[11]).view(B, T, C)
             h = F.layer_norm(x, (C,), layer[6], layer[7], self.eps).view(B * T, C)
             m = layer[12](torch.addmm(layer[9], h, layer[8]))
             return x + torch.addmm(layer[11], m, layer[10]).view(B, T, C)
         x = _add_linear(x, a, *layer[2])
         if len(layer[4]) == 2 and layer[7] and _lean_training(x, layer[3][0]):  # fewer activations kept
-            gate, up = _NormLinears.apply(x.view(B * T, C), *layer[3], *(t for wb in layer[4] for t in wb))
+            gate, up = _NormLinears.apply(x.view(B * T, C), layer[3][0], None, layer[3][1], False,
+                                          *(t for wb in layer[4] for t in wb))
             return _SwiGLUDown.apply(x.view(B * T, C), gate, up, *layer[5]).view(B, T, C)
         h = _rms_norm(layer[3], x)
         if len(layer[4]) == 1:
