@@ -16,6 +16,15 @@ On a CPU in float32, attention over short contexts and the tanh-GELU (forward an
 go to :mod:`rlhfkit.kernels` (compiled loops; PyTorch's ops without a C compiler): at a small
 model's sizes PyTorch spends more on setting up those ops than on their arithmetic.
 
+In a float32 training forward each layer keeps less for its backward than autograd would:
+the norms' inputs, not their outputs (:class:`_NormLinears`), and the MLP's input projections,
+not the activation's intermediates and output (:class:`_SwiGLUDown`, :class:`_GeluDown`); the
+backward rebuilds them with a few element-wise passes, the matrix products unchanged. On
+SmolLM2-135M with a micro-batch of 16 rows (4 prompts of 128 tokens shared by 16 completions
+of 64) that is ~1 GiB less at the same time (at commit 3777dbe on a 2-core Intel Xeon, one
+thread: peak 3768 -> 2756 MiB, 10.0 -> 9.8 s a forward and backward); on GPT-2 small (12
+layers) 3067 -> 2587 MiB.
+
 Differences from the reference implementations are rounding only: GPT-2's ``gelu_new`` is
 computed as ``x * sigmoid(2z)`` (equal to ``x * (1 + tanh z) / 2``; on this CPU build tanh
 is 3.5x slower than sigmoid). Tests compare hidden states, gradients and generations with
