@@ -426,9 +426,10 @@ class PPOConfig(Section):
     """Put the KL penalty in the loss (beta * token-mean of kl_estimator, GRPO style) instead of
     the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator. Unset:
     false for ppo, true for grpo, rloo and reinforce. For ppo on a verifier reward, true with k3
-    (kl_coef 0.3) keeps the policy from dropping an answer the reference still samples (on the doubling task
-    3 of 36 runs stalled at 0.66 without it, 0 with it), but on learned rewards it drifted in 10
-    of 24 runs against 1 (README, "Defaults that hold on rewards they were not tuned on")."""
+    (kl_coef 0.3) keeps the policy from dropping an answer the reference still samples (on the
+    doubling task 3 of 36 runs stalled at 0.66 without it, 0 with it), but on learned rewards it
+    drifted in 10 of 24 runs against 1 (README, "Defaults that hold on rewards they were not
+    tuned on")."""
     adaptive_kl: bool = False
     """Adapt beta with the proportional controller towards kl_target."""
     kl_target: float = 0.5
