@@ -335,6 +335,8 @@ def settings_table(args, contenders) -> None:
         pc = rlhfkit_config(algo, {"model": "", "train": "", "held": ""}, Path("."), 0, args).ppo  # LoRA defaults
         mb = min(pc.minibatch_size, pc.batch_size)
         kl = f"{pc.kl_estimator} {pc.kl_coef:g} in the {'loss' if pc.kl_in_loss else 'reward'}" if pc.kl_coef else "none (beta 0)"
+        if pc.forward_kl_coef:
+            kl += f", k3 {pc.forward_kl_coef:g} in the loss"
         group = f"{pc.group_size}" if algo == "grpo" else "1 (critic, GAE)"
         scale = pc.scale_rewards if algo == "grpo" else "running normalisation"
         lr = f"{pc.lr:g} {pc.lr_schedule}" + (f" (critic {pc.value_lr:g})" if algo == "ppo" else "")

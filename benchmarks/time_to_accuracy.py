@@ -130,7 +130,7 @@ TRL_CONTENDERS = ("trl_grpo", "trl_schedule")
 RESULT = "RESULT "
 # the settings each contender prints under the table
 SHOWN_RLHFKIT = ("group_size", "batch_size", "minibatch_size", "ppo_epochs", "lr", "lr_schedule", "kl_coef",
-                 "kl_estimator", "kl_in_loss", "scale_rewards", "normalize_reward", "loss_type", "clip_range",
+                 "kl_estimator", "kl_in_loss", "forward_kl_coef", "scale_rewards", "normalize_reward", "loss_type", "clip_range",
                  "score_clip", "max_grad_norm", "temperature", "value_model")
 SHOWN_TRL = ("num_generations", "generation_batch_size", "per_device_train_batch_size", "steps_per_generation",
              "num_iterations", "learning_rate", "lr_scheduler_type", "beta", "use_bias_correction_kl",

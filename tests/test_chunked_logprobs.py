@@ -189,6 +189,31 @@ def test_update_in_chunks_equals_full_logits(tiny_models, monkeypatch, value_mod
         torch.testing.assert_close(chunked[3][name], full[3][name], atol=1e-6, rtol=1e-6, msg=name)
 
 
+def test_forward_kl_term_beside_the_reward_kl(tiny_models):
+    """ppo.forward_kl_coef = c adds c * token-mean of k3 = exp(log ref - log pi) - 1 - (log ref - log pi)
+    to PPO's loss while the KL stays in the reward: the loss grows by that hand-computed mean, and
+    loss and gradients equal those of the k3 loss term GRPO uses (kl_in_loss=true) at beta c."""
+    ac = _actor_critic(tiny_models.policy, "shared", tied=False)
+    exp = _experience(ac)
+    base = Config().ppo  # PPO's defaults: k1 in the reward and this term at 0.1
+    assert not base.kl_in_loss and base.kl_estimator == "k1" and base.forward_kl_coef == 0.1
+    plain = _loss_and_grads(ac, exp, dataclasses.replace(base, forward_kl_coef=0.0))
+    beside = _loss_and_grads(ac, exp, dataclasses.replace(base, forward_kl_coef=0.25))
+    log_r = exp.ref_logprobs - beside[1]
+    k3 = (log_r.exp() - 1 - log_r)[exp.response_mask.bool()]
+    torch.testing.assert_close(beside[0] - plain[0], 0.25 * k3.mean(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(beside[2]["policy/kl_loss"], k3.mean(), atol=1e-6, rtol=1e-5)
+    ac.zero_grad(set_to_none=True)  # the same term as GRPO's k3 loss at beta 0.25
+    pc_loss = dataclasses.replace(base, kl_in_loss=True, kl_estimator="k3")  # forward_kl_coef 0.1: not used
+    loss, _, _ = minibatch_loss(ac, exp, torch.arange(len(exp.score)), pc_loss, kl_coef=0.25, update_policy=True)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), beside[0], atol=1e-6, rtol=1e-6)
+    for name, p in ac.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, beside[3][name], atol=1e-6, rtol=1e-5, msg=name)
+    assert any((beside[3][n] - plain[3][n]).abs().max() > 1e-4 for n in plain[3]), "the term moved no gradient"
+
+
 def test_first_minibatch_ratio_is_one_in_chunks(monkeypatch):
     """The experience pass takes the full logits, the update the chunked path: the first
     minibatch's ratio is still 1 (the two compute the same numbers)."""

@@ -315,7 +315,7 @@ def test_overlong_penalty_keys():
 def test_a_lora_policy_takes_the_lora_defaults_for_the_keys_left_unset(tmp_path):
     from rlhfkit.config import ALGO_DEFAULTS, LORA_DEFAULTS, ModelConfig
 
-    assert LORA_DEFAULTS["grpo"] == {"kl_coef": 0.0} and "ppo" not in LORA_DEFAULTS
+    assert LORA_DEFAULTS["grpo"] == {"kl_coef": 0.0} and LORA_DEFAULTS["ppo"] == {"forward_kl_coef": 0.0}
     for algo in ALGO_DEFAULTS:
         want = {**ALGO_DEFAULTS[algo], **LORA_DEFAULTS.get(algo, {})}
         ways = [load_config(overrides=[f"ppo.algo={algo}", "model.lora_r=16"]),
@@ -326,7 +326,8 @@ def test_a_lora_policy_takes_the_lora_defaults_for_the_keys_left_unset(tmp_path)
         for cfg in ways:
             assert {k: getattr(cfg.ppo, k) for k in want} == want, algo
         # LoRA off again: the algorithm's own defaults come back
-        assert ways[0].replace(model={"lora_r": 0}).ppo.kl_coef == ALGO_DEFAULTS[algo]["kl_coef"]
+        off = ways[0].replace(model={"lora_r": 0}).ppo
+        assert (off.kl_coef, off.forward_kl_coef) == (ALGO_DEFAULTS[algo]["kl_coef"], ALGO_DEFAULTS[algo]["forward_kl_coef"])
     # a key the user sets wins, from the command line, a file or Python
     assert load_config(overrides=["ppo.algo=grpo", "model.lora_r=16", "ppo.kl_coef=0.3"]).ppo.kl_coef == 0.3
     assert Config(model=ModelConfig(lora_r=16), ppo=PPOConfig(algo="grpo", kl_coef=0.1)).ppo.kl_coef == 0.1

@@ -184,3 +184,18 @@ def test_k1_as_a_loss_term_is_refused_with_the_fix():
     for algo, defaults in ALGO_DEFAULTS.items():  # every command's defaults pass
         Config().replace(ppo=defaults)
         assert not (defaults.get("kl_in_loss") and defaults.get("kl_estimator", "k1") == "k1"), algo
+
+
+
+def test_forward_kl_term_defaults():
+    """PPO: k1 in the reward plus a k3 loss term of 0.1, 0 with LoRA; the critic-free commands
+    (their KL a loss term already) 0; switching the algorithm moves the unset key along."""
+    assert Config().ppo.forward_kl_coef == 0.1
+    assert load_config(overrides=["model.lora_r=8"]).ppo.forward_kl_coef == 0.0
+    for algo in ("grpo", "rloo", "reinforce"):
+        assert load_config(overrides=[f"ppo.algo={algo}"]).ppo.forward_kl_coef == 0.0
+    assert Config().replace(ppo={"algo": "grpo"}).replace(ppo={"algo": "ppo"}).ppo.forward_kl_coef == 0.1
+    assert load_config(overrides=["ppo.forward_kl_coef=0", "model.lora_r=8"]).ppo.forward_kl_coef == 0.0
+    assert load_config(overrides=["ppo.forward_kl_coef=0.3", "model.lora_r=8"]).ppo.forward_kl_coef == 0.3
+    with pytest.raises(ConfigError, match="ppo.forward_kl_coef"):
+        load_config(overrides=["ppo.forward_kl_coef=-0.1"])

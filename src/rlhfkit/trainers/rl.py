@@ -112,6 +112,10 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
             kl = kl_estimate(logprobs, exp.ref_logprobs[mb], pc.kl_estimator)  # [b, R]
             loss = loss + kl_coef * agg(kl)
             stats["policy/kl_loss"] = masked_mean(kl.detach(), rmask)  # stats are token means, as policy_loss's
+        elif pc.forward_kl_coef:
+            kl = kl_estimate(logprobs, exp.ref_logprobs[mb], "k3")  # [b, R]
+            loss = loss + pc.forward_kl_coef * agg(kl)
+            stats["policy/kl_loss"] = masked_mean(kl.detach(), rmask)
     return loss, logprobs, stats
 
 
