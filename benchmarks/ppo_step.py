@@ -9,7 +9,8 @@ runs in its own process pinned to the same core with one torch thread, takes
           trl 1.12: run from a separate virtualenv, ``--trl112-python``, by default
           ``.venv-trl112/bin/python``; skipped with a note when it is missing). Same schedule
           for both: batch 64, 2 epochs x 2 minibatches of 32, a value model initialised from
-          the pairwise reward model, which also scores; KL 0.2 (k1) in the reward.
+          the pairwise reward model, which also scores; KL 0.2 (k1) in the reward and no KL
+          loss term (rlhfkit's ppo.forward_kl_coef=0, as TRL's PPO).
     GRPO  rlhfkit GRPO (its defaults: 16 prompts x 4 samples, 2 epochs x 2 minibatches of 32,
           k3 KL 0.3 in the loss) vs TRL's GRPOTrainer (configured as in time_to_accuracy.py:
           8 prompts x 8 samples, one optimizer step on the 64 completions, k3 KL 0.1 in the
@@ -75,8 +76,8 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a run appends to an existing metrics.jsonl: start clean
     ppo = {**ALGO_DEFAULTS[algo], "steps": args.warmup + args.steps, "stop_at": 0.0, "eval_every": 0,
            "critic_warmup_steps": 0}
-    if algo == "ppo":  # TRL's PPOTrainer trains a value model of its own: the same arithmetic
-        ppo["value_model"] = "separate"
+    if algo == "ppo":  # TRL's PPOTrainer trains a value model of its own and has no KL loss term: the same arithmetic
+        ppo.update(value_model="separate", forward_kl_coef=0.0)
     if kind == "rlhfkit_grpo_trl_schedule":
         ppo.update(group_size=8, ppo_epochs=1, minibatch_size=64, kl_coef=0.1)
     reward = {"name": paths["rm"]} if algo == "ppo" else {"function": "rlhfkit.tasks.doubling:exact_reward"}

@@ -186,7 +186,6 @@ def test_k1_as_a_loss_term_is_refused_with_the_fix():
         assert not (defaults.get("kl_in_loss") and defaults.get("kl_estimator", "k1") == "k1"), algo
 
 
-
 def test_forward_kl_term_defaults():
     """PPO: k1 in the reward plus a k3 loss term of 0.1, 0 with LoRA; the critic-free commands
     (their KL a loss term already) 0; switching the algorithm moves the unset key along."""

@@ -418,7 +418,8 @@ class PPOConfig(Section):
     ppo, 0.3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS); 0 for grpo, rloo and reinforce
     with a LoRA policy (model.lora_r > 0; config.LORA_DEFAULTS: on a pretrained chat model beta
     0.3 held the answer's format still for 60 steps). PPO's per-token KL weight is 0.05 in
-    TRL, 0.01 in OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here."""
+    TRL, 0.01 in OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here; ppo adds a k3
+    loss term beside it (forward_kl_coef, 0.1): set both to 0 for no KL term at all."""
     kl_estimator: Literal["k1", "k2", "k3"] = None  # type: ignore[assignment]
     """Per-token KL estimator from the sampled token's log-probs, with log r = log ref - log pi:
     k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As values (objective/kl) k1 and k3 are
