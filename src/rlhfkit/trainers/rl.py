@@ -108,14 +108,12 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
         loss = loss + p_loss
         if with_entropy:
             loss = loss - pc.entropy_coef * agg(entropy)
-        if pc.kl_in_loss:
-            kl = kl_estimate(logprobs, exp.ref_logprobs[mb], pc.kl_estimator)  # [b, R]
-            loss = loss + kl_coef * agg(kl)
+        # the KL as the loss term (kl_in_loss), or beside the reward's KL a k3 term (forward_kl_coef)
+        kind, coef = (pc.kl_estimator, kl_coef) if pc.kl_in_loss else ("k3", pc.forward_kl_coef)
+        if pc.kl_in_loss or coef:
+            kl = kl_estimate(logprobs, exp.ref_logprobs[mb], kind)  # [b, R]
+            loss = loss + coef * agg(kl)
             stats["policy/kl_loss"] = masked_mean(kl.detach(), rmask)  # stats are token means, as policy_loss's
-        elif pc.forward_kl_coef:
-            kl = kl_estimate(logprobs, exp.ref_logprobs[mb], "k3")  # [b, R]
-            loss = loss + pc.forward_kl_coef * agg(kl)
-            stats["policy/kl_loss"] = masked_mean(kl.detach(), rmask)
     return loss, logprobs, stats
 
 
