@@ -201,6 +201,12 @@ def _c1(x: torch.Tensor) -> torch.Tensor:
     return _C1_TENSORS[x.dtype]  # a 0-dim CPU tensor (made once): addcmul's broadcast addend
 
 
+def _gelu_by_gate(x: torch.Tensor) -> bool:
+    """Whether the sigmoid-gate form below applies: a CPU tensor of a dtype with a constant in
+    ``_C1_TENSORS`` (a CPU scalar cannot be ``addcmul``'s addend for a CUDA tensor)."""
+    return x.device.type == "cpu" and x.dtype in _C1_TENSORS
+
+
 def _gelu_gate(x: torch.Tensor) -> torch.Tensor:
     """``sigmoid(c1 x + c3 x^3)`` in three kernels (addcmul gives c1 + c3 x^2 in one)."""
     return torch.addcmul(_c1(x), x, x, value=_C3).mul_(x).sigmoid_()
@@ -339,7 +345,12 @@ class _GeluDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, f, weight, bias):
-        m = kernels.gelu_tanh(f) if _gelu_compiled(f) else _gelu_gate(f).mul_(f)
+        if _gelu_compiled(f):
+            m = kernels.gelu_tanh(f)
+        elif _gelu_by_gate(f):
+            m = _gelu_gate(f).mul_(f)
+        else:  # a GPU (one fused kernel), or a dtype the gate has no constant for
+            m = F.gelu(f, approximate="tanh")
         ctx.save_for_backward(f, weight)
         ctx.biased = bias is not None
         return x + (torch.addmm(bias, m, weight) if bias is not None else m @ weight)
@@ -353,11 +364,14 @@ class _GeluDown(torch.autograd.Function):
             s = torch.empty_like(f)
             m = kernels.gelu_tanh(f, gate=s)
             grad_f = kernels.gelu_tanh_backward(f, s, grad_m)
-        else:
+        elif _gelu_by_gate(f):
             s = _gelu_gate(f)
             m = f * s
             xdz = torch.addcmul(_c1(f), f, f, value=3 * _C3).mul_(f)  # as _GeluTanhCPU.backward
             grad_f = torch.addcmul(s, s, s, value=-1.0).mul_(xdz).add_(s).mul_(grad_m)
+        else:
+            m = F.gelu(f, approximate="tanh") if need_w else None
+            grad_f = torch.ops.aten.gelu_backward(grad_m, f, approximate="tanh")
         grad_w = m.t() @ grad if need_w else None
         grad_b = grad.sum(0) if need_b and ctx.biased else None
         return grad if need_x else None, grad_f, grad_w, grad_b
