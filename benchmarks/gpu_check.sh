@@ -9,7 +9,9 @@
 #   bash benchmarks/gpu_check.sh [OUT_DIR]          # default runs/gpu_check; BUDGET=480 by default
 #
 # WHEELS=DIR installs the wheels in DIR first (no index, into /tmp/site): TRL and what the
-# machine's Python lacks, for a machine without the network. SHAPE_FROM=DIR is the directory
+# machine's Python lacks, for a machine without the network (on an H200 image with torch
+# 2.11.0+cu130: trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19, tensorboardX and
+# transformers 5.24.0 were enough). SHAPE_FROM=DIR is the directory
 # with SmolLM2-135M-Instruct's config and tokenizer for the `short` rows (default: the model
 # `rlhfkit fetch-model smollm2-135m-instruct` saved); without it those rows are left out.
 # Every stored row goes to OUT_DIR/results.jsonl; `real_step.py ... --out OUT_DIR --report`
@@ -33,16 +35,17 @@ timeout 60 python3 benchmarks/decode_attention.py
 timeout 120 python3 benchmarks/decode_profile.py --device cuda --attention sdpa triton 2>&1 | tee "$OUT_DIR/decode.txt"
 
 echo "== CUDA tests [$(el) s]"
-RLHFKIT_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -W ignore \
-  tests/test_lean.py tests/test_offload.py 2>&1 | tail -8 | tee "$OUT_DIR/tests.txt"
+RLHFKIT_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -rf -p no:cacheprovider -W ignore \
+  tests/test_lean.py tests/test_offload.py > "$OUT_DIR/tests.txt" 2>&1
+grep -E "^FAILED|[0-9]+ (passed|failed)" "$OUT_DIR/tests.txt"
 
 SHAPE_FROM=${SHAPE_FROM:-$HOME/.cache/rlhfkit/models/smollm2-135m-instruct}
 R="--device cuda --size gpt2 --workload reasoning --runs 1 --out $OUT_DIR"
 S="--device cuda --size smollm2-init --shape-from $SHAPE_FROM --workload short --runs 1 --out $OUT_DIR"
 [ -f "$SHAPE_FROM/config.json" ] || { echo "no $SHAPE_FROM/config.json: the short rows are left out"; S=""; }
-for spec in "R rlhfkit_grpo" "R trl_grpo_ckpt" "R rlhfkit_grpo_ckpt_offload" "R rlhfkit_grpo_graph_ckpt_offload" \
-            "S rlhfkit_grpo" "S trl_grpo_ckpt" "S rlhfkit_grpo_graph_ckpt_offload" "S rlhfkit_grpo_graph" \
-            "R rlhfkit_grpo_ckpt_offload" "R rlhfkit_grpo" "R trl_grpo_ckpt" "S rlhfkit_grpo_graph_ckpt_offload"; do
+for spec in "R rlhfkit_grpo" "R trl_grpo" "R trl_grpo_ckpt" "R rlhfkit_grpo_ckpt_offload" \
+            "S rlhfkit_grpo_graph" "S trl_grpo" "S trl_grpo_ckpt" "S rlhfkit_grpo_graph_ckpt_offload" \
+            "R trl_grpo" "R rlhfkit_grpo" "S trl_grpo" "S rlhfkit_grpo_graph"; do
   set -- $spec
   [ "$(el)" -gt "$BUDGET" ] && { echo "$BUDGET s spent: stopping before $spec"; break; }
   if [ "$1" = S ]; then [ -n "$S" ] || continue; args=$S; else args=$R; fi
