@@ -394,9 +394,9 @@ def test_training_layers_keep_fewer_activations_for_the_same_gradients(name, pat
     (``_SwiGLUDown``: gate and up, not silu(gate) and the product; ``_GeluDown``: not the GELU's
     gate and output): the same states and gradients as autograd's own graph of the same layer,
     with at least ``2 (hidden + intermediate)`` fewer numbers kept per token and layer. On a GPU
-    autograd's GPT-2 layer keeps one intermediate fewer to begin with (``F.gelu`` is one op there,
-    the sigmoid-gate form with its gate a CPU one), so there the saving is ``2 hidden +
-    intermediate``."""
+    autograd's own GPT-2 layer keeps one intermediate fewer to begin with (there the GELU is
+    ``F.gelu``, one op keeping its input; on a CPU it is the sigmoid-gate form, which keeps its
+    gate too), so there the saving is ``2 hidden + intermediate``."""
     model = MODELS[name]().train()
     ids, mask = batch()
     P = ids.shape[1]
