@@ -332,7 +332,10 @@ def stored_runs(args, contenders) -> dict[str, list[dict]]:
 def settings_table(args, contenders) -> None:
     """What each contender computes, side by side: the arithmetic that differs."""
     def ours(algo):
-        pc = rlhfkit_config(algo, {"model": "", "train": "", "held": ""}, Path("."), 0, args).ppo  # LoRA defaults
+        from rlhfkit.config import load_config
+
+        cfg = rlhfkit_config(algo, {"model": "", "train": "", "held": ""}, Path("."), 0, args)  # LoRA defaults
+        pc = (load_config(None, args.override, base=cfg) if args.override else cfg).ppo  # as the runs: overrides too
         mb = min(pc.minibatch_size, pc.batch_size)
         kl = f"{pc.kl_estimator} {pc.kl_coef:g} in the {'loss' if pc.kl_in_loss else 'reward'}" if pc.kl_coef else "none (beta 0)"
         if pc.forward_kl_coef:
@@ -353,7 +356,7 @@ def settings_table(args, contenders) -> None:
             "trl_defaults": lambda: trl("trl_defaults"), "trl_schedule": lambda: trl("trl_schedule")}
     rows = {kind: make[kind]() for kind in contenders}
     head = ["completions/prompt", "epochs x opt. steps", "lr", "KL", "score scaling", "loss reduction"]
-    width = [20, 21, 32, 22, 23, 15]
+    width = [max(w, 2 + max(len(r[i]) for r in rows.values())) for i, w in enumerate([20, 21, 32, 22, 23, 15])]
     print("\nSettings (16 completions per step for all; LoRA r 16 alpha 16; float32):")
     print(f"{'contender':<26}" + "".join(f"{h:<{w}}" for h, w in zip(head, width)))
     for kind, cells in rows.items():
