@@ -103,11 +103,12 @@ CONTENDERS = {
 def rlhfkit_config(algo: str, paths: dict, out: Path, seed: int, args):
     """``rlhfkit <algo>``'s defaults on the task: only the task's sizes, the files, LoRA r 16 and
     the benchmark's bookkeeping (evaluation, stopping, one thread, no samples) are set; the
-    algorithm's keys come from its defaults for a LoRA policy (config.LORA_DEFAULTS)."""
-    from rlhfkit.config import Config
+    algorithm's keys come from its defaults for a LoRA policy (config.LORA_DEFAULTS), then
+    ``--override`` (a variant of the defaults, stored and reported apart from them)."""
+    from rlhfkit.config import Config, load_config
 
     spec = ",".join(f"{EXAMPLE / 'rewards.py'}:{name}" for name in REWARDS)
-    return Config().replace(
+    cfg = Config().replace(
         run={"out_dir": str(out), "seed": seed, "progress": False, "threads": 1, "overwrite": True,
              "tensorboard": False},
         model={"name": paths["model"], "lora_r": LORA_R},
@@ -117,6 +118,7 @@ def rlhfkit_config(algo: str, paths: dict, out: Path, seed: int, args):
              "eval_every": args.eval_every, "stop_at": args.target, "stop_metric": "eval/accuracy",
              "samples_per_log": 0, "trajectories_every": 0},
     )
+    return load_config(None, args.override, base=cfg) if args.override else cfg
 
 
 def trl_settings(kind: str, args) -> dict:
@@ -148,14 +150,11 @@ def variant_suffix(args) -> str:
 
 
 def run_rlhfkit(algo: str, paths: dict, args) -> dict:
-    from rlhfkit.config import load_config
     from rlhfkit.trainers.rl import train_rl
     from rlhfkit.utils import read_jsonl
 
     out = Path(args.out) / (f"rlhfkit_{algo}_{args.seed}" + variant_suffix(args))
     cfg = rlhfkit_config(algo, paths, out, args.seed, args)
-    if args.override:  # a variant of the defaults, stored and reported apart from them
-        cfg = load_config(None, args.override, base=cfg)
     res = train_rl(cfg)
     rows = read_jsonl(out / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
@@ -332,10 +331,7 @@ def stored_runs(args, contenders) -> dict[str, list[dict]]:
 def settings_table(args, contenders) -> None:
     """What each contender computes, side by side: the arithmetic that differs."""
     def ours(algo):
-        from rlhfkit.config import load_config
-
-        cfg = rlhfkit_config(algo, {"model": "", "train": "", "held": ""}, Path("."), 0, args)  # LoRA defaults
-        pc = (load_config(None, args.override, base=cfg) if args.override else cfg).ppo  # as the runs: overrides too
+        pc = rlhfkit_config(algo, {"model": "", "train": "", "held": ""}, Path("."), 0, args).ppo  # as the runs
         mb = min(pc.minibatch_size, pc.batch_size)
         kl = f"{pc.kl_estimator} {pc.kl_coef:g} in the {'loss' if pc.kl_in_loss else 'reward'}" if pc.kl_coef else "none (beta 0)"
         if pc.forward_kl_coef:

@@ -213,7 +213,7 @@ def _gelu_gate(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+    if not _gelu_by_gate(x):
         return F.gelu(x, approximate="tanh")
     if torch.is_grad_enabled() and x.requires_grad:
         return _GeluTanhCPU.apply(x)
