@@ -63,6 +63,9 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            and device memory are one). The moments' copy to the host is timed
                            as the rollout's, their copy back as the update's
     rlhfkit_grpo_graph_ckpt_offload  the three switches together (GPU only)
+    rlhfkit_grpo_mkl       the first row with ``RLHFKIT_ONEDNN=0``: every float32 product on MKL
+                           (PyTorch's ``F.linear`` / ``mm``, as TRL's run) instead of oneDNN
+                           (``rlhfkit.gemm``; CPU only, not in the default rows)
     trl_grpo               trl 1.16 GRPOTrainer: ``per_device_train_batch_size=MICRO``,
                            ``gradient_accumulation_steps=64/MICRO`` (one generation of 64 per
                            optimizer step), ``num_generations=G``, ``beta=0.3``,
@@ -185,6 +188,7 @@ NAMES = {
     "trl_grpo_compact_lora": "TRL, compl. pos., LoRA",
     "rlhfkit_ppo": "rlhfkit PPO",
     "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA",
+    "rlhfkit_grpo_mkl": "rlhfkit GRPO, MKL products",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -194,6 +198,8 @@ RATIOS = [
     ("rlhfkit_grpo", "trl_grpo_compact", "TRL scoring completion positions, as on a GPU"),
     ("rlhfkit_grpo_unshared", "trl_grpo_compact", "same positions through body and head: implementation"),
     ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "shared prompts, within rlhfkit"),
+    ("rlhfkit_grpo", "rlhfkit_grpo_mkl", "oneDNN's products against MKL's (TRL's), within rlhfkit"),
+    ("rlhfkit_grpo_mkl", "trl_grpo_compact", "TRL scoring completion positions, both on MKL"),
     ("trl_grpo_compact", "trl_grpo", "TRL's CPU head scoring every position, within TRL"),
     ("rlhfkit_grpo", "trl_grpo_ckpt", "TRL at its default checkpointing, CPU head"),
     ("rlhfkit_grpo", "trl_grpo_compact_ckpt", "TRL at its defaults as on a GPU"),
@@ -228,7 +234,7 @@ def row_spec(row: str) -> dict:
     lib, algo, *flags = row.split("_")
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
-            "offload": "offload" in flags}
+            "offload": "offload" in flags, "mkl": "mkl" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -437,6 +443,11 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     from rlhfkit.config import ALGO_DEFAULTS, Config
 
     s = row_spec(row)
+    if s["mkl"]:  # float32 products on MKL, as PyTorch's own ops (and TRL) compute them
+        from rlhfkit import gemm
+
+        os.environ["RLHFKIT_ONEDNN"] = "0"
+        gemm._available = None
     B = wl["groups"] * wl["group_size"]
     out = Path(args.out) / f"step_{args.size}_{args.layers}l_{row}"
     shutil.rmtree(out, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""Core math of RLHF: pure functions over tensors, importing only torch.
+"""Core math of RLHF: pure functions over tensors, importing only torch (and :mod:`rlhfkit.gemm`,
+which picks a CPU matrix-product library).
 
 Shape letters, fixed once for the whole package:
     B  batch            T  full sequence (prompt + response)
@@ -21,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from . import gemm
 
 __all__ = [
     "logprobs_from_logits",
@@ -109,7 +112,7 @@ def _tempered_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                      temperature: float) -> torch.Tensor:
     """``[n, V]`` logits of one chunk as the LM head computes them (in its dtype), divided by the
     temperature in that dtype too, then upcast: the numbers the full-logits path sees."""
-    logits = F.linear(hidden, weight, bias)  # [n, V]
+    logits = gemm.linear(hidden, weight, bias)  # [n, V]; oneDNN on a CPU in float32
     if temperature != 1.0:
         logits = logits / temperature
     return logits.to(torch.promote_types(logits.dtype, torch.float32))

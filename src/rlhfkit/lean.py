@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import kernels
+from . import gemm, kernels
 from .distributed import is_sharded
 
 _LLAMA_LIKE = ("llama", "qwen2")
@@ -265,9 +265,7 @@ class _NormLinears(torch.autograd.Function):
         weights, biases = linears[0::2], linears[1::2]
         ctx.save_for_backward(x, norm_weight, norm_bias, rstd, mean, *weights)
         ctx.conv1d, ctx.biased = conv1d, [b is not None for b in biases]
-        if conv1d:
-            return tuple(torch.addmm(b, h, w) if b is not None else h @ w for w, b in zip(weights, biases))
-        return tuple(F.linear(h, w, b) for w, b in zip(weights, biases))
+        return tuple(gemm.linear(h, w.t() if conv1d else w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -285,7 +283,7 @@ class _NormLinears(torch.autograd.Function):
                 out[2 * i + 1] = g.sum(0)
             if any(need[:3]):
                 wt = w.t() if ctx.conv1d else w
-                grad_h = g @ wt if grad_h is None else grad_h.addmm_(g, wt)
+                grad_h = gemm.mm(g, wt) if grad_h is None else gemm.addmm_(grad_h, g, wt)
         grad_x = grad_nw = grad_nb = None
         if grad_h is not None:
             grad_nw = (grad_h * xhat).sum(0) if need[1] else None
@@ -316,14 +314,13 @@ class _SwiGLUDown(torch.autograd.Function):
             act = F.silu(gate).mul_(up)
         ctx.save_for_backward(gate, up, weight)
         ctx.biased = bias is not None
-        out = x + F.linear(act, weight, bias) if bias is not None else torch.addmm(x, act, weight.t())
-        return out
+        return gemm.add_linear(x, act, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up, weight = ctx.saved_tensors
         need_x, need_gate, need_up, need_w, need_b = ctx.needs_input_grad
-        grad_act = grad @ weight  # [N, I]
+        grad_act = gemm.mm(grad, weight)  # [N, I]
         if _swiglu_compiled(gate, up):
             act, grad_gate, grad_up = kernels.swiglu_backward(gate, up, grad_act, need_w)
         else:
@@ -353,13 +350,13 @@ class _GeluDown(torch.autograd.Function):
             m = F.gelu(f, approximate="tanh")
         ctx.save_for_backward(f, weight)
         ctx.biased = bias is not None
-        return x + (torch.addmm(bias, m, weight) if bias is not None else m @ weight)
+        return gemm.add_linear(x, m, weight.t(), bias)
 
     @staticmethod
     def backward(ctx, grad):
         f, weight = ctx.saved_tensors
         need_x, need_f, need_w, need_b = ctx.needs_input_grad
-        grad_m = grad @ weight.t()  # [N, I]
+        grad_m = gemm.mm(grad, weight.t())  # [N, I]
         if _gelu_compiled(f):
             s = torch.empty_like(f)
             m = kernels.gelu_tanh(f, gate=s)
@@ -393,11 +390,9 @@ def _lean_training(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _add_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x + F.linear(a, weight, bias)`` for ``x [B, T, C]``, ``a [..., in]``: without a bias the
-    residual goes into the matrix product as its accumulator (one kernel instead of two)."""
-    if bias is not None:
-        return x + F.linear(a, weight, bias).view(x.shape)
-    return torch.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), weight.t()).view(x.shape)
+    """``x + F.linear(a, weight, bias)`` for ``x [B, T, C]``, ``a [..., in]`` (:func:`rlhfkit.gemm.add_linear`:
+    oneDNN on a CPU in float32, else the residual as a matrix product's accumulator)."""
+    return gemm.add_linear(x, a, weight, bias)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -508,7 +503,7 @@ class _Arch:
                 qkv, = _NormLinears.apply(x.reshape(B * T, C), layer[0], layer[1], self.eps, True, layer[2], layer[3])
             else:
                 h = F.layer_norm(x, (C,), layer[0], layer[1], self.eps)
-                qkv = torch.addmm(layer[3], h.view(B * T, C), layer[2])
+                qkv = gemm.linear(h.view(B * T, C), layer[2].t(), layer[3])
             q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             return q, k, v
         D, H, Hkv = self.head_dim, self.n_heads, self.kv_heads
@@ -521,7 +516,7 @@ class _Arch:
                                              *(t for wb in layer[1] for t in wb))
             else:
                 h = _rms_norm(layer[0], x)
-                q, k, v = (F.linear(h, w, b) for w, b in layer[1])
+                q, k, v = (gemm.linear(h, w, b) for w, b in layer[1])
             qk, v = torch.cat([q.view(B, T, H, D), k.view(B, T, Hkv, D)], 2), v.view(B, T, Hkv, D)
         q, k = _rope(qk.transpose(1, 2), *rope).split([H, Hkv], 1)  # [B, H, T, D], [B, Hkv, T, D]
         return q, k, v.transpose(1, 2)
@@ -536,13 +531,13 @@ class _Arch:
         ``x [B, T, H]``'s token order."""
         B, T, C = x.shape
         if self.gpt2:
-            x = x + torch.addmm(layer[5], a, layer[4]).view(B, T, C)
+            x = gemm.add_linear(x, a, layer[4].t(), layer[5])
             if layer[12] is _gelu_tanh and _lean_training(x, layer[6]):  # fewer activations kept
                 f, = _NormLinears.apply(x.view(B * T, C), layer[6], layer[7], self.eps, True, layer[8], layer[9])
                 return _GeluDown.apply(x.view(B * T, C), f, layer[10], layer[11]).view(B, T, C)
             h = F.layer_norm(x, (C,), layer[6], layer[7], self.eps).view(B * T, C)
-            m = layer[12](torch.addmm(layer[9], h, layer[8]))
-            return x + torch.addmm(layer[11], m, layer[10]).view(B, T, C)
+            m = layer[12](gemm.linear(h, layer[8].t(), layer[9]))
+            return gemm.add_linear(x, m, layer[10].t(), layer[11])
         x = _add_linear(x, a, *layer[2])
         if len(layer[4]) == 2 and layer[7] and _lean_training(x, layer[3][0]):  # fewer activations kept
             gate, up = _NormLinears.apply(x.view(B * T, C), layer[3][0], None, layer[3][1], False,
@@ -552,7 +547,7 @@ class _Arch:
         if len(layer[4]) == 1:
             gate, up = F.linear(h, *layer[4][0]).chunk(2, dim=-1)
         else:
-            gate, up = (F.linear(h, w, b) for w, b in layer[4])
+            gate, up = (gemm.linear(h, w, b) for w, b in layer[4])
         return _add_linear(x, layer[6](gate) * up, *layer[5])
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
-from . import kernels
+from . import gemm, kernels
 from . import lean as lean_lm
 from .core import position_ids_from_mask
 
@@ -187,7 +186,7 @@ class _Forward:
         if lean:
             head = model.get_output_embeddings()
             if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
-                head = lambda h, w=head.weight, b=head.bias: F.linear(h, w, b)  # noqa: E731
+                head = lambda h, w=head.weight, b=head.bias: gemm.linear(h, w, b)  # noqa: E731
             self.head = head
             self.hidden, self.cache = lean_lm.prefill(model, prompt_ids, mask, positions, max_new_tokens)
             self.logits = head(self.hidden)  # [B, V]

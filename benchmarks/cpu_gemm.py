@@ -1,0 +1,79 @@
+"""Float32 ``y = x @ W.T`` on a CPU: MKL (PyTorch's ``F.linear``) against oneDNN (``rlhfkit.gemm``).
+
+The weights are SmolLM2-135M's (hidden 576, MLP 1536, 3 of 9 heads for keys and values, a
+49,152-token head), and each layer's is a different tensor, cycled through 30 copies as a
+forward cycles through its layers, so that a weight is not in cache when its product runs
+(a single repeated weight flatters both). Rows: 64 (a decode step of 64 samples), 512 and 1024
+(an update micro-batch's shared prompts and its responses), 2048 (a prefill). Also the input
+gradient ``g @ W`` (the backward's product through the same weight). One thread, pinned with
+``--core``; each cell is the median of ``--rounds`` passes over the copies; the ratio is MKL's
+time over oneDNN's (above 1: oneDNN faster). rlhfkit uses oneDNN for weights of at least
+``rlhfkit.gemm.MIN_WEIGHT`` elements (576 x 576 and up here), whatever the rows.
+
+    python benchmarks/cpu_gemm.py --core 1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from rlhfkit import gemm  # noqa: E402
+
+SHAPES = {"q, o (576 x 576)": (576, 576), "k, v (192 x 576)": (192, 576), "gate, up (1536 x 576)": (1536, 576),
+          "down (576 x 1536)": (576, 1536), "head (49152 x 576)": (49152, 576)}
+ROWS = (64, 512, 1024, 2048)
+
+
+def timed(fn, inputs, weights, rounds: int) -> float:
+    for w in weights[:2]:
+        fn(inputs, w)
+    per = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for w in weights:
+            fn(inputs, w)
+        per.append((time.perf_counter() - t) / len(weights))
+    return statistics.median(per)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--core", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    if not gemm.available():
+        sys.exit("oneDNN's linear is not available in this PyTorch build (or RLHFKIT_ONEDNN=0)")
+    onednn = gemm._onednn
+    print(f"torch {torch.__version__}, one thread; GFLOP/s MKL -> oneDNN (ratio), rows x weight [N, K]")
+    for name, (N, K) in SHAPES.items():
+        copies = 1 if N * K > 1 << 24 else 30
+        weights = [torch.randn(N, K) * 0.02 for _ in range(copies)]
+        cells, grads = [], []
+        for M in ROWS:
+            if M * N * K > 1 << 31:  # the head's products at prefill sizes: minutes, not a decode or update shape
+                cells.append(f"{M}: -")
+                continue
+            x, g = torch.randn(M, K), torch.randn(M, N)
+            flop = 2 * M * N * K / 1e9
+            a = timed(lambda x, w: F.linear(x, w), x, weights, args.rounds)
+            b = timed(lambda x, w: onednn(x, w, None), x, weights, args.rounds)
+            cells.append(f"{M}: {flop / a:.0f} -> {flop / b:.0f} ({a / b:.2f}x)")
+            if M in (64, 1024):
+                a = timed(lambda g, w: torch.mm(g, w), g, weights, args.rounds)
+                b = timed(lambda g, w: onednn(g, w.t(), None), g, weights, args.rounds)
+                grads.append(f"{M}: {a / b:.2f}x")
+        print(f"{name:22s} " + "   ".join(cells) + "   | g @ W " + "  ".join(grads), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Float32 linear layers on a CPU through oneDNN instead of MKL.
+
+PyTorch's CPU build computes a float32 ``F.linear`` / ``mm`` / ``addmm`` with MKL's sgemm. It
+also ships oneDNN, whose inner-product primitive ``torch.compile``'s CPU backend calls as
+``mkldnn::_linear_pointwise``. On a 2-core AMD EPYC (Zen 4, AVX-512; torch 2.13.0, MKL 2024.2,
+oneDNN 3.12), one thread, ``y = x @ W.T`` in GFLOP/s, MKL against oneDNN
+(``benchmarks/cpu_gemm.py``):
+
+=====================  ===========  ===========
+weight ``[N, K]``       64 rows      1536 rows
+=====================  ===========  ===========
+49152 x 576 (a head)   44 -> 82     63 -> 82
+1536 x 576             74 -> 99     80 -> 96
+576 x 1536             82 -> 94     82 -> 99
+=====================  ===========  ===========
+
+Both accumulate in float32 (no reduced-precision arithmetic); results differ by rounding
+(about 1e-6 of the output's size), and each library's rows do not depend on how many rows are
+in the call (but for a single row, where both take a matrix-vector path). A call costs oneDNN
+about 12 us more to set up, so small weights stay on MKL (:data:`MIN_WEIGHT`), as do weight
+gradients ``g.T @ x``, where oneDNN was no faster. Which library computes a product depends on
+the weight only, never on the number of rows, so a batch split into micro-batches or over
+processes computes each row as the whole batch does.
+
+:func:`linear`, :func:`add_linear` and :func:`mm` take oneDNN's path for float32 CPU tensors
+that no autograd graph is recording through (inside a custom ``autograd.Function`` or under
+``no_grad``): the rollout, the reference and reward forwards, the training layers of
+:mod:`rlhfkit.lean` and the chunked log-prob head. Anything else, or ``RLHFKIT_ONEDNN=0``, or a
+PyTorch built without oneDNN, uses PyTorch's own op.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+# weights (N x K) below which products stay on MKL: at 256 x 64 oneDNN's set-up made a 64-row
+# product 20 us against 8 (and 1.4x slower at 192 x 576, 4 rows); from 576 x 576 it was as fast
+# or faster at 1 to 2048 rows with 30 layers' weights cycled (benchmarks/cpu_gemm.py)
+MIN_WEIGHT = 1 << 18
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether oneDNN's linear runs here (PyTorch built with it, ``RLHFKIT_ONEDNN`` not ``0``);
+    checked once with a small product against ``F.linear``."""
+    global _available
+    if _available is None:
+        _available = False
+        if os.environ.get("RLHFKIT_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available():
+            try:
+                x, w = torch.randn(3, 5), torch.randn(4, 5)
+                _available = bool(torch.allclose(_onednn(x, w, None), F.linear(x, w), atol=1e-5))
+            except (RuntimeError, AttributeError):  # an op this build lacks
+                pass
+    return _available
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Float32 on a CPU, a 2-D weight of at least ``MIN_WEIGHT`` elements, oneDNN here."""
+    if not (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2):
+        return False
+    if b is not None and b.dtype != torch.float32:
+        return False
+    return w.numel() >= MIN_WEIGHT and available()
+
+
+def _tracked(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)``: ``x [..., K]``, ``w [N, K]`` (a transposed view is fine) -> ``[..., N]``."""
+    if not _fits(x, w, b):
+        return F.linear(x, w, b)
+    if _tracked(x, w, b):
+        return _AddLinear.apply(None, x, w, b)
+    return _onednn(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
+
+
+def add_linear(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``res + F.linear(x, w, b)``, shaped as ``res`` (the product's shape, or its rows flattened).
+    PyTorch's path without a bias is one ``addmm``, the residual as its accumulator."""
+    if _fits(x, w, b) and res.dtype == torch.float32:
+        if _tracked(res, x, w, b):
+            return _AddLinear.apply(res, x, w, b)
+        return _onednn(x.reshape(-1, x.shape[-1]), w, b).add_(res.reshape(-1, w.shape[0])).view(res.shape)
+    if b is not None:
+        return res + F.linear(x, w, b).view(res.shape)
+    return torch.addmm(res.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w.t()).view(res.shape)
+
+
+def mm(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``a @ m`` for ``a [M, K]``, ``m [K, N]``: :func:`linear` with ``m.t()`` as the weight."""
+    return linear(a, m.t())
+
+
+def addmm_(out: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``out += a @ m`` in place (``out [M, N]``, no graph recorded)."""
+    if _fits(a, m.t(), None):
+        return out.add_(_onednn(a, m.t(), None))
+    return out.addmm_(a, m)
+
+
+class _AddLinear(torch.autograd.Function):
+    """``res + x @ w.T + b`` (``res`` may be None) under autograd, both products of ``x`` through
+    oneDNN: the forward and the input gradient ``g @ w``; the weight gradient ``g.T @ x`` on
+    PyTorch's op. Saves what autograd's ``addmm`` saves (``x`` and ``w``)."""
+
+    @staticmethod
+    def forward(ctx, res, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.res_shape = None if res is None else res.shape
+        y = _onednn(x.reshape(-1, x.shape[-1]), w, b)
+        if res is not None:
+            return y.add_(res.reshape(y.shape)).view(res.shape)
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        need_res, need_x, need_w, need_b = ctx.needs_input_grad
+        g = grad.reshape(-1, w.shape[0])  # [M, N]
+        grad_x = mm(g, w).view(x.shape) if need_x else None
+        grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+        grad_b = g.sum(0) if need_b else None
+        grad_res = grad.view(ctx.res_shape) if need_res else None
+        return grad_res, grad_x, grad_w, grad_b

@@ -1,0 +1,126 @@
+"""oneDNN's float32 linear (:mod:`rlhfkit.gemm`) against PyTorch's ops, and the lean paths with it.
+
+The tests' models are far below :data:`rlhfkit.gemm.MIN_WEIGHT`, so these tests lower it to 0 to
+send every product of a float32 CPU forward through oneDNN, and count the calls that did."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import test_lean
+from rlhfkit import gemm
+from rlhfkit.core import chunked_token_logprobs
+
+pytestmark = pytest.mark.skipif(not gemm.available(), reason="this PyTorch build has no oneDNN linear")
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Every float32 CPU product through oneDNN; yields the list of the weights' shapes it ran."""
+    calls = []
+    real = gemm._onednn
+
+    def counted(x, w, b):
+        calls.append(tuple(w.shape))
+        return real(x, w, b)
+
+    monkeypatch.setattr(gemm, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(gemm, "_onednn", counted)
+    return calls
+
+
+def tensors(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+def test_products_match_pytorch(onednn_calls):
+    x, w, b, res, m = tensors((3, 5, 7), (6, 7), (6,), (3, 5, 6), (7, 4))
+    torch.testing.assert_close(gemm.linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+    torch.testing.assert_close(gemm.linear(x, m.t()), x @ m)  # a transposed view as the weight (GPT-2's Conv1D)
+    torch.testing.assert_close(gemm.add_linear(res, x, w, b), res + F.linear(x, w, b))
+    torch.testing.assert_close(gemm.add_linear(res.view(15, 6), x, w), res.view(15, 6) + F.linear(x, w).view(15, 6))
+    a = x.view(15, 7)
+    torch.testing.assert_close(gemm.mm(a, m), a @ m)
+    torch.testing.assert_close(gemm.mm(a.t().contiguous().t(), m), a @ m)  # a strided input
+    out = torch.randn(15, 4)
+    torch.testing.assert_close(gemm.addmm_(out.clone(), a, m), out + a @ m)
+    assert len(onednn_calls) == 8
+
+
+def test_small_products_and_other_dtypes_stay_on_pytorch(monkeypatch):
+    monkeypatch.setattr(gemm, "_onednn", lambda *a: pytest.fail("oneDNN called"))
+    x, w = tensors((4, 8), (8, 8))
+    assert w.numel() < gemm.MIN_WEIGHT
+    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+    monkeypatch.setattr(gemm, "MIN_WEIGHT", 0)
+    gemm.linear(x.double(), w.double())
+    gemm.linear(x.bfloat16(), w.bfloat16())
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setattr(gemm, "_available", None)
+    monkeypatch.setenv("RLHFKIT_ONEDNN", "0")
+    assert not gemm.available()
+    monkeypatch.setattr(gemm, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(gemm, "_onednn", lambda *a: pytest.fail("oneDNN called"))
+    x, w = tensors((4, 8), (8, 8))
+    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("with_res", [True, False])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gradients_under_autograd_match_pytorch(onednn_calls, with_res, transposed):
+    """Under a recorded graph the products go through ``_AddLinear``: its gradients for the
+    residual, the input, the weight (also a transposed view of a leaf) and the bias are autograd's."""
+    res, x, w, b, up = tensors((2, 3, 6), (2, 3, 5), (6, 5), (6,), (2, 3, 6))
+    if transposed:
+        w = w.t().contiguous()  # stored [in, out] like GPT-2's Conv1D, used as its transpose
+    leaves = [t.clone().requires_grad_() for t in (res, x, w, b)]
+    ref_leaves = [t.clone().requires_grad_() for t in (res, x, w, b)]
+
+    def weight(ws):
+        return ws.t() if transposed else ws
+
+    if with_res:
+        out = gemm.add_linear(leaves[0], leaves[1], weight(leaves[2]), leaves[3])
+        ref = ref_leaves[0] + F.linear(ref_leaves[1], weight(ref_leaves[2]), ref_leaves[3])
+    else:
+        out = gemm.linear(leaves[1], weight(leaves[2]), leaves[3])
+        ref = F.linear(ref_leaves[1], weight(ref_leaves[2]), ref_leaves[3])
+    assert out.grad_fn is not None and "AddLinear" in type(out.grad_fn).__name__
+    torch.testing.assert_close(out, ref)
+    used = leaves if with_res else leaves[1:]
+    refs = ref_leaves if with_res else ref_leaves[1:]
+    for a, r in zip(torch.autograd.grad(out, used, up), torch.autograd.grad(ref, refs, up)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("name", list(test_lean.MODELS))
+def test_lean_forwards_backwards_and_generation_through_onednn(name, onednn_calls, monkeypatch):
+    """The lean paths' own equality tests (transformers' forward and gradients, generation,
+    shared prompts) with every product of the float32 CPU forwards and input gradients on oneDNN."""
+    if test_lean.DEV.type != "cpu":
+        pytest.skip("oneDNN's linear is a CPU path")
+    test_lean.test_hidden_states_and_grads_match_transformers(name)
+    test_lean.test_generation_with_static_cache_matches_the_models_own_forward(name)
+    test_lean.test_shared_prompt_forward_matches_the_full_forward(name, None, monkeypatch)
+    assert len(onednn_calls) > 0
+
+
+def test_chunked_head_through_onednn(onednn_calls):
+    hidden, weight, bias = tensors((10, 6), (13, 6), (13,))
+    targets = torch.randint(0, 13, (10,), generator=torch.Generator().manual_seed(1))
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    logp, ent = chunked_token_logprobs(*leaves, targets, 0.7, 4, True)
+    ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    z = F.linear(*ref_leaves) / 0.7
+    ref = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+    ref_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    torch.testing.assert_close(logp, ref)
+    torch.testing.assert_close(ent, ref_ent)
+    for a, r in zip(torch.autograd.grad((logp + ent).sum(), leaves), torch.autograd.grad((ref + ref_ent).sum(), ref_leaves)):
+        torch.testing.assert_close(a, r)
+    assert len(onednn_calls) >= 6  # three chunks, forward and again in the backward
