@@ -3,8 +3,9 @@
 The weights are SmolLM2-135M's (hidden 576, MLP 1536, 3 of 9 heads for keys and values, a
 49,152-token head), and each layer's is a different tensor, cycled through 30 copies as a
 forward cycles through its layers, so that a weight is not in cache when its product runs
-(a single repeated weight flatters both). Rows: 64 (a decode step of 64 samples), 512 and 1024
-(an update micro-batch's shared prompts and its responses), 2048 (a prefill). Also the input
+(a single repeated weight flatters both). Rows: 64 (a decode step of 64 samples), 341 (a chunk
+of the log-prob head), 512 and 1024 (an update micro-batch's shared prompts and its responses),
+2048 (a prefill). Also the input
 gradient ``g @ W`` (the backward's product through the same weight). One thread, pinned with
 ``--core``; each cell is the median of ``--rounds`` passes over the copies; the ratio is MKL's
 time over oneDNN's (above 1: oneDNN faster). rlhfkit uses oneDNN for weights of at least
@@ -28,7 +29,7 @@ from rlhfkit import gemm  # noqa: E402
 
 SHAPES = {"q, o (576 x 576)": (576, 576), "k, v (192 x 576)": (192, 576), "gate, up (1536 x 576)": (1536, 576),
           "down (576 x 1536)": (576, 1536), "head (49152 x 576)": (49152, 576)}
-ROWS = (64, 512, 1024, 2048)
+ROWS = (64, 341, 512, 1024, 2048)
 
 
 def timed(fn, inputs, weights, rounds: int) -> float:
@@ -60,7 +61,7 @@ def main() -> None:
         weights = [torch.randn(N, K) * 0.02 for _ in range(copies)]
         cells, grads = [], []
         for M in ROWS:
-            if M * N * K > 1 << 31:  # the head's products at prefill sizes: minutes, not a decode or update shape
+            if M * N * K > 1 << 34:  # the head at 1024 and 2048 rows: not a decode or update chunk's shape
                 cells.append(f"{M}: -")
                 continue
             x, g = torch.randn(M, K), torch.randn(M, N)

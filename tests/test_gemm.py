@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import test_lean
-from rlhfkit import gemm
-from rlhfkit.core import chunked_token_logprobs
+from rlhfkit import gemm, lean
+from rlhfkit.core import chunked_token_logprobs, position_ids_from_mask
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="this PyTorch build has no oneDNN linear")
 
@@ -124,3 +124,28 @@ def test_chunked_head_through_onednn(onednn_calls):
     for a, r in zip(torch.autograd.grad((logp + ent).sum(), leaves), torch.autograd.grad((ref + ref_ent).sum(), ref_leaves)):
         torch.testing.assert_close(a, r)
     assert len(onednn_calls) >= 6  # three chunks, forward and again in the backward
+
+
+@pytest.mark.parametrize("name", list(test_lean.MODELS))
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(name, onednn_calls):
+    """Which library runs a product depends on the weight, not on the rows: the forward and the
+    parameter gradients of a batch are its halves', as micro-batches and processes split it."""
+    if test_lean.DEV.type != "cpu":
+        pytest.skip("oneDNN's linear is a CPU path")
+    model = test_lean.MODELS[name]().train()
+    ids, mask = test_lean.batch()
+    pos = position_ids_from_mask(mask)
+
+    def forward_and_grads(rows):
+        model.zero_grad()
+        h = lean.hidden_states(model, ids[rows], mask[rows], pos[rows])
+        (h * mask[rows, :, None]).square().sum().backward()
+        return h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, g_whole = forward_and_grads(slice(0, 4))
+    first, g_first = forward_and_grads(slice(0, 2))
+    second, g_second = forward_and_grads(slice(2, 4))
+    assert torch.equal(whole, torch.cat([first, second]))
+    assert len(onednn_calls) > 0
+    for n, g in g_whole.items():
+        torch.testing.assert_close(g, g_first[n] + g_second[n], atol=1e-5, rtol=1e-5)  # sums in another order

@@ -22,11 +22,11 @@ gradients ``g.T @ x``, where oneDNN was no faster. Which library computes a prod
 the weight only, never on the number of rows, so a batch split into micro-batches or over
 processes computes each row as the whole batch does.
 
-:func:`linear`, :func:`add_linear` and :func:`mm` take oneDNN's path for float32 CPU tensors
-that no autograd graph is recording through (inside a custom ``autograd.Function`` or under
-``no_grad``): the rollout, the reference and reward forwards, the training layers of
-:mod:`rlhfkit.lean` and the chunked log-prob head. Anything else, or ``RLHFKIT_ONEDNN=0``, or a
-PyTorch built without oneDNN, uses PyTorch's own op.
+:func:`linear`, :func:`add_linear`, :func:`mm` and :func:`addmm_` take oneDNN's path for float32
+CPU tensors; where autograd records a graph through them, :class:`_AddLinear` gives the product
+its backward. Callers: the rollout's forwards and head, the reference and reward forwards, the
+training layers of :mod:`rlhfkit.lean` and the chunked log-prob head. Anything else, or
+``RLHFKIT_ONEDNN=0``, or a PyTorch built without oneDNN, uses PyTorch's own op.
 """
 from __future__ import annotations
 
