@@ -3,16 +3,17 @@
 PyTorch's CPU build computes a float32 ``F.linear`` / ``mm`` / ``addmm`` with MKL's sgemm. It
 also ships oneDNN, whose inner-product primitive ``torch.compile``'s CPU backend calls as
 ``mkldnn::_linear_pointwise``. On a 2-core AMD EPYC (Zen 4, AVX-512; torch 2.13.0, MKL 2024.2,
-oneDNN 3.12), one thread, ``y = x @ W.T`` in GFLOP/s, MKL against oneDNN
-(``benchmarks/cpu_gemm.py``):
+oneDNN 3.12), one thread, ``y = x @ W.T`` in GFLOP/s, MKL -> oneDNN, each layer's weight a
+different tensor as in a forward (``benchmarks/cpu_gemm.py``, commit 9387e3c):
 
-=====================  ===========  ===========
-weight ``[N, K]``       64 rows      1536 rows
-=====================  ===========  ===========
-49152 x 576 (a head)   44 -> 82     63 -> 82
-1536 x 576             74 -> 99     80 -> 96
-576 x 1536             82 -> 94     82 -> 99
-=====================  ===========  ===========
+=======================  ==========  ==========  ==========  ==========
+weight ``[N, K]``        64 rows     341 rows    1024 rows   2048 rows
+=======================  ==========  ==========  ==========  ==========
+576 x 576 (q, o)         69 -> 78    92 -> 95    91 -> 93    90 -> 100
+1536 x 576 (gate, up)    69 -> 75    75 -> 90    77 -> 96    82 -> 99
+576 x 1536 (down)        77 -> 82    80 -> 94    81 -> 101   84 -> 100
+49152 x 576 (the head)   52 -> 83    67 -> 82
+=======================  ==========  ==========  ==========  ==========
 
 Both accumulate in float32 (no reduced-precision arithmetic); results differ by rounding
 (about 1e-6 of the output's size), and each library's rows do not depend on how many rows are
