@@ -58,6 +58,7 @@ def test_small_products_and_other_dtypes_stay_on_pytorch(monkeypatch):
     monkeypatch.setattr(gemm, "MIN_WEIGHT", 0)
     gemm.linear(x.double(), w.double())
     gemm.linear(x.bfloat16(), w.bfloat16())
+    assert gemm.linear(x[:0], w).shape == (0, 8)  # no rows
 
 
 def test_switched_off_by_the_environment(monkeypatch):

@@ -63,8 +63,8 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 
 def _fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Float32 on a CPU, a 2-D weight of at least ``MIN_WEIGHT`` elements, oneDNN here."""
-    if not (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2):
+    """Float32 on a CPU, a 2-D weight of at least ``MIN_WEIGHT`` elements, some rows, oneDNN here."""
+    if not (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2 and x.numel()):
         return False
     if b is not None and b.dtype != torch.float32:
         return False
@@ -130,5 +130,5 @@ class _AddLinear(torch.autograd.Function):
         grad_x = mm(g, w).view(x.shape) if need_x else None
         grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
         grad_b = g.sum(0) if need_b else None
-        grad_res = grad.view(ctx.res_shape) if need_res else None
+        grad_res = grad.reshape(ctx.res_shape) if need_res else None
         return grad_res, grad_x, grad_w, grad_b
