@@ -389,12 +389,6 @@ def _lean_training(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x.dtype == weight.dtype == torch.float32
 
 
-def _add_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x + F.linear(a, weight, bias)`` for ``x [B, T, C]``, ``a [..., in]`` (:func:`rlhfkit.gemm.add_linear`:
-    oneDNN on a CPU in float32, else the residual as a matrix product's accumulator)."""
-    return gemm.add_linear(x, a, weight, bias)
-
-
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """``sin`` with its first half negated: ``rotate_half(x) * sin == swap_halves(x) * _signed_sin(sin)``."""
     s1, s2 = sin.chunk(2, dim=-1)
@@ -538,7 +532,7 @@ class _Arch:
             h = F.layer_norm(x, (C,), layer[6], layer[7], self.eps).view(B * T, C)
             m = layer[12](gemm.linear(h, layer[8].t(), layer[9]))
             return gemm.add_linear(x, m, layer[10].t(), layer[11])
-        x = _add_linear(x, a, *layer[2])
+        x = gemm.add_linear(x, a, *layer[2])
         if len(layer[4]) == 2 and layer[7] and _lean_training(x, layer[3][0]):  # fewer activations kept
             gate, up = _NormLinears.apply(x.view(B * T, C), layer[3][0], None, layer[3][1], False,
                                           *(t for wb in layer[4] for t in wb))
@@ -548,7 +542,7 @@ class _Arch:
             gate, up = F.linear(h, *layer[4][0]).chunk(2, dim=-1)
         else:
             gate, up = (gemm.linear(h, w, b) for w, b in layer[4])
-        return _add_linear(x, layer[6](gate) * up, *layer[5])
+        return gemm.add_linear(x, layer[6](gate) * up, *layer[5])
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.gpt2:
