@@ -49,7 +49,6 @@ def test_a_freed_tensor_comes_back_without_page_faults():
 def test_setup_run_applies_it_on_a_cpu_unless_turned_off(setting, device, applied, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(utils, "keep_freed_memory", lambda: calls.append(1))
-    monkeypatch.setattr(utils, "resolve_device", lambda name: __import__("torch").device(name))
     cfg = Config().replace(run={"out_dir": str(tmp_path / "run"), "keep_freed_memory": setting, "device": device})
     utils.setup_run(cfg, write=False)
     assert bool(calls) == applied

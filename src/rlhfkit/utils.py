@@ -213,7 +213,8 @@ def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
     seed_everything(cfg.run.seed)
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
-    if cfg.run.keep_freed_memory and resolve_device(cfg.run.device).type == "cpu":
+    on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available())
+    if cfg.run.keep_freed_memory and on_cpu:
         keep_freed_memory()
     if not cfg.run.progress or not _is_tty(sys.stderr):
         quiet_hub_progress()
