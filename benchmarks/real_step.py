@@ -66,9 +66,6 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
     rlhfkit_grpo_mkl       the first row with ``RLHFKIT_ONEDNN=0``: every float32 product on MKL
                            (PyTorch's ``F.linear`` / ``mm``, as TRL's run) instead of oneDNN
                            (``rlhfkit.gemm``; CPU only, not in the default rows)
-    rlhfkit_grpo_trim      the first row with ``run.keep_freed_memory=false``: glibc's malloc as
-                           it ships, returning large freed blocks to the system (CPU only, not in
-                           the default rows)
     trl_grpo               trl 1.16 GRPOTrainer: ``per_device_train_batch_size=MICRO``,
                            ``gradient_accumulation_steps=64/MICRO`` (one generation of 64 per
                            optimizer step), ``num_generations=G``, ``beta=0.3``,
@@ -84,9 +81,6 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            per-token log-probs and gradients match the stock path
     trl_grpo_ckpt          ``trl_grpo`` at TRL's own default, ``gradient_checkpointing=True``
     trl_grpo_compact_ckpt  both: TRL's defaults as they run on a GPU
-    trl_grpo_compact_keep  ``trl_grpo_compact`` with the malloc setting rlhfkit applies on a CPU
-                           (``rlhfkit.utils.keep_freed_memory()``, called by the worker before TRL
-                           loads): the same tuning for both (CPU only, not in the default rows)
 
 and ``rlhfkit_grpo_lora``, ``trl_grpo_lora``, ``trl_grpo_compact_lora`` (LoRA r 16, alpha 32,
 every linear layer but the head), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
@@ -195,8 +189,6 @@ NAMES = {
     "rlhfkit_ppo": "rlhfkit PPO",
     "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA",
     "rlhfkit_grpo_mkl": "rlhfkit GRPO, MKL products",
-    "rlhfkit_grpo_trim": "rlhfkit GRPO, freed memory returned",
-    "trl_grpo_compact_keep": "TRL, compl. pos., freed memory kept",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -208,9 +200,6 @@ RATIOS = [
     ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "shared prompts, within rlhfkit"),
     ("rlhfkit_grpo", "rlhfkit_grpo_mkl", "oneDNN's products against MKL's (TRL's), within rlhfkit"),
     ("rlhfkit_grpo_mkl", "trl_grpo_compact", "TRL scoring completion positions, both on MKL"),
-    ("rlhfkit_grpo", "rlhfkit_grpo_trim", "freed memory kept (run.keep_freed_memory), within rlhfkit"),
-    ("rlhfkit_grpo", "trl_grpo_compact_keep", "TRL scoring completion positions, both keeping freed memory"),
-    ("trl_grpo_compact_keep", "trl_grpo_compact", "freed memory kept, within TRL"),
     ("trl_grpo_compact", "trl_grpo", "TRL's CPU head scoring every position, within TRL"),
     ("rlhfkit_grpo", "trl_grpo_ckpt", "TRL at its default checkpointing, CPU head"),
     ("rlhfkit_grpo", "trl_grpo_compact_ckpt", "TRL at its defaults as on a GPU"),
@@ -245,7 +234,7 @@ def row_spec(row: str) -> dict:
     lib, algo, *flags = row.split("_")
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
-            "offload": "offload" in flags, "mkl": "mkl" in flags, "trim": "trim" in flags, "keep": "keep" in flags}
+            "offload": "offload" in flags, "mkl": "mkl" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -475,7 +464,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
         model.update(lora_r=LORA["r"], lora_alpha=LORA["alpha"])
     cfg = Config().replace(
         run={"out_dir": str(out), "seed": args.seed, "progress": False, "threads": 1, "checkpoint_every": 0,
-             "tensorboard": False, "device": args.device, "keep_freed_memory": not s["trim"]},
+             "tensorboard": False, "device": args.device},
         model=model, ppo=ppo, value={"lora": s["lora"]}, reward={"function": "real_step:letter_share"},
         data={"path": paths["prompts"], "max_prompt_length": wl["prompt_tokens"]})
     clock = PhaseClock(cuda=args.device == "cuda")
@@ -518,10 +507,6 @@ def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
     from rlhfkit.utils import read_jsonl
 
     s = row_spec(row)
-    if s["keep"]:  # the malloc setting rlhfkit's CPU runs apply, before anything large is allocated
-        from rlhfkit.utils import keep_freed_memory
-
-        assert keep_freed_memory(), "keep_freed_memory() needs glibc's malloc"
     B = wl["groups"] * wl["group_size"]
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(paths["model"])

@@ -119,13 +119,6 @@ class RunConfig(Section):
     """'auto' (CUDA when available), 'cpu' or 'cuda'."""
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
-    keep_freed_memory: bool = True
-    """On a CPU run with glibc's malloc (Linux), keep the memory freed tensors give back in the
-    process for the next ones (malloc's mmap path off, no trimming), instead of returning it to
-    the system and page-faulting it in again, zeroed, at the next allocation of that size. Saved
-    10% of a real 135M model's GRPO step on a 2-core CPU (``benchmarks/README.md``); the
-    resident set then stays near its peak between phases rather than shrinking. Set once for the
-    whole process."""
     progress: bool = True
     """Show progress bars."""
     task: Literal["doubling", "cities"] = "doubling"

@@ -36,31 +36,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory in the process: no allocation served by its own
-    ``mmap`` (``M_MMAP_MAX`` 0; by default every block over 128 KiB to 32 MiB is), and the heap's
-    free top never given back (``M_TRIM_THRESHOLD`` -1). A training step allocates and frees the
-    same large tensors (activations, logits chunks, gradients) every micro-batch; returned to the
-    system, each comes back as fresh pages the kernel faults in and zeroes one by one. Kept, the
-    next tensor of that size reuses them. Returns whether it was applied: False without glibc
-    (macOS, musl), where nothing changes. Process-wide and not undone; the resident set stays
-    near the process's peak."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 -- glibc only: other C libraries' mallopt differ or lack these
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, -1) == 1
-
-
 def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
     """An ``accelerate.Accelerator`` on the configured device.
 
@@ -205,7 +180,7 @@ def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> 
 
 
 def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
-    """Seed, set threads (and on a CPU :func:`keep_freed_memory`) and check ``run.out_dir`` (:func:`check_out_dir`); with ``write``, also
+    """Seed, set threads and check ``run.out_dir`` (:func:`check_out_dir`); with ``write``, also
     start the run directory (:func:`start_run_dir`), else the caller does once its inputs are
     loaded, so a bad data file or model leaves no directory behind. Every process of a
     distributed launch uses the same seed. Off a terminal, or with ``run.progress=false``, the
@@ -213,9 +188,6 @@ def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
     seed_everything(cfg.run.seed)
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
-    on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available())
-    if cfg.run.keep_freed_memory and on_cpu:
-        keep_freed_memory()
     if not cfg.run.progress or not _is_tty(sys.stderr):
         quiet_hub_progress()
     check_out_dir(cfg, resumable)
