@@ -81,6 +81,10 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            per-token log-probs and gradients match the stock path
     trl_grpo_ckpt          ``trl_grpo`` at TRL's own default, ``gradient_checkpointing=True``
     trl_grpo_compact_ckpt  both: TRL's defaults as they run on a GPU
+    trl_grpo_compact_keep  ``trl_grpo_compact`` in a process whose glibc malloc keeps freed memory
+                           (:func:`keep_freed_memory`, called by the worker before anything else):
+                           an environment setting any PyTorch program can take; CPU only, not in
+                           the default rows. ``rlhfkit_grpo_keep`` is the same for rlhfkit
 
 and ``rlhfkit_grpo_lora``, ``trl_grpo_lora``, ``trl_grpo_compact_lora`` (LoRA r 16, alpha 32,
 every linear layer but the head), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
@@ -189,6 +193,8 @@ NAMES = {
     "rlhfkit_ppo": "rlhfkit PPO",
     "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA",
     "rlhfkit_grpo_mkl": "rlhfkit GRPO, MKL products",
+    "rlhfkit_grpo_keep": "rlhfkit GRPO, freed memory kept",
+    "trl_grpo_compact_keep": "TRL, compl. pos., freed memory kept",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -200,6 +206,9 @@ RATIOS = [
     ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "shared prompts, within rlhfkit"),
     ("rlhfkit_grpo", "rlhfkit_grpo_mkl", "oneDNN's products against MKL's (TRL's), within rlhfkit"),
     ("rlhfkit_grpo_mkl", "trl_grpo_compact", "TRL scoring completion positions, both on MKL"),
+    ("rlhfkit_grpo", "trl_grpo_compact_keep", "TRL scoring completion positions, its malloc keeping freed memory"),
+    ("rlhfkit_grpo_keep", "rlhfkit_grpo", "malloc keeping freed memory, within rlhfkit"),
+    ("trl_grpo_compact_keep", "trl_grpo_compact", "malloc keeping freed memory, within TRL"),
     ("trl_grpo_compact", "trl_grpo", "TRL's CPU head scoring every position, within TRL"),
     ("rlhfkit_grpo", "trl_grpo_ckpt", "TRL at its default checkpointing, CPU head"),
     ("rlhfkit_grpo", "trl_grpo_compact_ckpt", "TRL at its defaults as on a GPU"),
@@ -234,7 +243,7 @@ def row_spec(row: str) -> dict:
     lib, algo, *flags = row.split("_")
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
-            "offload": "offload" in flags, "mkl": "mkl" in flags}
+            "offload": "offload" in flags, "mkl": "mkl" in flags, "keep": "keep" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -548,8 +557,25 @@ def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
 # --------------------------------------------------------------------------- driver
 
 
+def keep_freed_memory() -> None:
+    """Make glibc's malloc keep freed memory in this process: no block served by its own ``mmap``
+    (``M_MMAP_MAX`` 0) and the heap's free top never returned (``M_TRIM_THRESHOLD`` -1), so a
+    large tensor freed and allocated again reuses pages instead of faulting fresh zeroed ones in
+    (what ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=...`` does from
+    the environment)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.gnu_get_libc_version  # noqa: B018 -- glibc only: raises AttributeError elsewhere
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if libc.mallopt(-4, 0) != 1 or libc.mallopt(-1, -1) != 1:  # M_MMAP_MAX, M_TRIM_THRESHOLD
+        raise RuntimeError("mallopt refused M_MMAP_MAX / M_TRIM_THRESHOLD")
+
+
 def worker(args) -> None:
     pin_to_core(args.core)
+    if row_spec(args.worker)["keep"]:
+        keep_freed_memory()
     quiet_hf()
     if args.device == "cuda":  # the same matrix-product precision for both libraries: TF32
         torch.set_float32_matmul_precision("high")
