@@ -85,6 +85,15 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            (:func:`keep_freed_memory`, called by the worker before anything else):
                            an environment setting any PyTorch program can take; CPU only, not in
                            the default rows. ``rlhfkit_grpo_keep`` is the same for rlhfkit
+    trl_grpo_compact_thp   ``trl_grpo_compact`` with ``THP_MEM_ALLOC_ENABLE=1`` in the worker's
+                           environment: PyTorch's CPU allocator aligns tensors of 2 MiB and more
+                           to 2 MiB and asks the kernel for transparent huge pages there
+                           (``madvise``), so large tensors fault in 2 MiB at a time and their
+                           products miss the TLB less (where the system's THP setting is
+                           ``madvise`` or ``always``). Read once, before PyTorch's first
+                           allocation, so only the environment can set it; the worker records
+                           the huge pages it holds after the run. ``rlhfkit_grpo_thp`` is the
+                           same for rlhfkit; CPU only, not in the default rows
 
 and ``rlhfkit_grpo_lora``, ``trl_grpo_lora``, ``trl_grpo_compact_lora`` (LoRA r 16, alpha 32,
 every linear layer but the head), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
@@ -195,6 +204,8 @@ NAMES = {
     "rlhfkit_grpo_mkl": "rlhfkit GRPO, MKL products",
     "rlhfkit_grpo_keep": "rlhfkit GRPO, freed memory kept",
     "trl_grpo_compact_keep": "TRL, compl. pos., freed memory kept",
+    "rlhfkit_grpo_thp": "rlhfkit GRPO, huge pages",
+    "trl_grpo_compact_thp": "TRL, compl. pos., huge pages",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -209,6 +220,9 @@ RATIOS = [
     ("rlhfkit_grpo", "trl_grpo_compact_keep", "TRL scoring completion positions, its malloc keeping freed memory"),
     ("rlhfkit_grpo_keep", "rlhfkit_grpo", "malloc keeping freed memory, within rlhfkit"),
     ("trl_grpo_compact_keep", "trl_grpo_compact", "malloc keeping freed memory, within TRL"),
+    ("rlhfkit_grpo_thp", "trl_grpo_compact_thp", "both on huge pages, TRL scoring completion positions"),
+    ("rlhfkit_grpo_thp", "rlhfkit_grpo", "huge pages, within rlhfkit"),
+    ("trl_grpo_compact_thp", "trl_grpo_compact", "huge pages, within TRL"),
     ("trl_grpo_compact", "trl_grpo", "TRL's CPU head scoring every position, within TRL"),
     ("rlhfkit_grpo", "trl_grpo_ckpt", "TRL at its default checkpointing, CPU head"),
     ("rlhfkit_grpo", "trl_grpo_compact_ckpt", "TRL at its defaults as on a GPU"),
@@ -243,7 +257,8 @@ def row_spec(row: str) -> dict:
     lib, algo, *flags = row.split("_")
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
-            "offload": "offload" in flags, "mkl": "mkl" in flags, "keep": "keep" in flags}
+            "offload": "offload" in flags, "mkl": "mkl" in flags, "keep": "keep" in flags,
+            "thp": "thp" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -583,7 +598,20 @@ def worker(args) -> None:
     result = (run_trl if args.worker.startswith("trl") else run_rlhfkit)(args.worker, paths, wl, args)
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
+    result["huge_mib"] = anon_huge_mib()
     print(RESULT + json.dumps(result), flush=True)
+
+
+def anon_huge_mib() -> float | None:
+    """MiB of this process's memory on transparent huge pages now (``AnonHugePages`` in
+    ``/proc/self/smaps_rollup``), or None where the kernel does not say."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def summarise(result: dict) -> dict:
@@ -595,7 +623,7 @@ def summarise(result: dict) -> dict:
     peak = {k: max(s["peak_mib"][k] for s in steps) for k in PHASES}
     return {"seconds": sec, "peak_mib": peak, "loaded_mib": result["loaded_mib"],
             "peak_rss_mib": max(result["loaded_mib"], *peak.values()), "completion_tokens": result["completion_tokens"],
-            **({"gpu": result["gpu"]} if "gpu" in result else {})}
+            "huge_mib": result.get("huge_mib"), **({"gpu": result["gpu"]} if "gpu" in result else {})}
 
 
 def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None:
@@ -605,6 +633,9 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
                      "--core", str(args.core), "--out", args.out, "--wl", json.dumps(setting["workload"]),
                      "--paths", json.dumps(paths))
     env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("THP_MEM_ALLOC_ENABLE", None)  # huge pages only where the row asks for them
+    if row_spec(row)["thp"]:
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     at = commit()  # the code the worker imports now, whatever is checked out when it ends
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -616,8 +647,9 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
     store_result(args.out, {"row": row, "run": run, **setting, **res}, at)  # every run kept: --report reads them back
     lengths = res["completion_tokens"]
     short = "" if lengths and min(lengths) == setting["workload"]["new_tokens"] else f" (completion tokens {lengths}!)"
+    huge = f", {res['huge_mib']:.0f} MiB of it on huge pages at the end" if res["huge_mib"] else ""
     print(f"  {row_name(row, args.device)}, run {run}: {res['seconds']['total']:.1f} s/step, "
-          f"peak {res['peak_rss_mib']:.0f} MiB "
+          f"peak {res['peak_rss_mib']:.0f} MiB{huge} "
           f"({time.perf_counter() - t0:.0f} s wall){short}", flush=True)
     return res
 

@@ -119,8 +119,8 @@ def _tempered_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """:func:`chunked_token_logprobs` with its own backward: only the inputs are saved, and each
-    chunk's logits are computed again in the backward pass."""
+    """:func:`chunked_token_logprobs` with its own backward: only the inputs and each row's
+    logsumexp are saved, and each chunk's logits are computed again in the backward pass."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy):
@@ -128,28 +128,35 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
         logp = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)  # [N]
         ent = torch.empty_like(logp) if with_entropy else None  # [N]
+        lse = torch.empty_like(logp)  # [N], kept for the backward: it need not sum each row again
         for s in range(0, hidden.shape[0], chunk_rows):
             z = _tempered_logits(hidden[s : s + chunk_rows], weight, bias, temperature)  # [n, V]
-            lse = torch.logsumexp(z, dim=-1)  # [n]
-            logp[s : s + chunk_rows] = z.gather(-1, targets[s : s + chunk_rows, None]).squeeze(-1) - lse
+            picked = z.gather(-1, targets[s : s + chunk_rows, None]).squeeze(-1)  # [n]
             if with_entropy:
-                ent[s : s + chunk_rows] = lse - (F.softmax(z, dim=-1) * z).sum(-1)
+                lse[s : s + chunk_rows] = torch.logsumexp(z, dim=-1)
+                ent[s : s + chunk_rows] = lse[s : s + chunk_rows] - (F.softmax(z, dim=-1) * z).sum(-1)
+            else:
+                lse[s : s + chunk_rows] = _logsumexp_(z)
+            logp[s : s + chunk_rows] = picked - lse[s : s + chunk_rows]
             del z
-        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         return (logp, ent) if with_entropy else logp
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent=None):
-        hidden, weight, bias, targets = ctx.saved_tensors
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = torch.promote_types(weight.dtype, torch.float32)  # weight grads summed over chunks in >= float32
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        # float32 weight gradients start as the first chunk's product (no zeroed [V, H] buffer)
+        zero_w = need_w and (weight.dtype != acc or hidden.shape[0] == 0)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if zero_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         for s in range(0, hidden.shape[0], ctx.chunk_rows):
             h = hidden[s : s + ctx.chunk_rows]  # [n, H]
-            g = _logit_grad(_tempered_logits(h, weight, bias, ctx.temperature), targets[s : s + ctx.chunk_rows],
+            g = _logit_grad(_tempered_logits(h, weight, bias, ctx.temperature), lse[s : s + ctx.chunk_rows, None],
+                            targets[s : s + ctx.chunk_rows],
                             None if grad_logp is None else grad_logp[s : s + ctx.chunk_rows],
                             None if grad_ent is None else grad_ent[s : s + ctx.chunk_rows])  # [n, V]
             if ctx.temperature != 1.0:
@@ -160,7 +167,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             elif need_h:
                 grad_h[s : s + ctx.chunk_rows] = g @ weight
             if need_w:
-                if g.dtype == acc:  # summed in place: no [V, H] temporary a chunk
+                if grad_w is None:
+                    grad_w = g.t() @ h  # [V, H]
+                elif g.dtype == acc:  # summed in place: no [V, H] temporary a chunk
                     grad_w.addmm_(g.t(), h)
                 else:
                     grad_w += g.t() @ h
@@ -172,17 +181,30 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
-def _logit_grad(z: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor | None,
+def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(z, -1)`` for ``z [n, V]``, overwriting ``z`` (with ``exp(z - max)``):
+    the exponentials land in ``z``'s own pages instead of two fresh ``[n, V]`` tensors. Rows
+    whose max is infinite are shifted by 0, as ``torch.logsumexp`` does."""
+    top = z.amax(-1, keepdim=True)  # [n, 1]
+    top.masked_fill_(top.isinf(), 0.0)
+    return z.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))  # [n]
+
+
+def _logit_grad(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor | None,
                 grad_ent: torch.Tensor | None) -> torch.Tensor:
     """Gradient wrt the (tempered) logits ``z [n, V]`` (overwritten) of ``grad_logp . logp(targets)
-    + grad_ent . H``: ``d logp / dz = onehot - p`` and ``dH / dz = -p * (log p + H)``."""
-    logp = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # [n, V] log-softmax, in place
+    + grad_ent . H``, given the rows' logsumexp ``lse [n, 1]`` from the forward: ``d logp / dz =
+    onehot - p`` and ``dH / dz = -p * (log p + H)``."""
+    if grad_ent is None:  # the update's usual case: -grad_logp p, then + grad_logp at the target, in z's pages
+        if grad_logp is None:
+            return z.zero_()
+        gl = grad_logp[:, None].to(z.dtype)
+        g = z.sub_(lse).exp_().mul_(gl.neg())  # [n, V]
+        return g.scatter_add_(1, targets[:, None], gl)
+    logp = z.sub_(lse)  # [n, V] log-softmax, in place
     p = logp.exp()  # [n, V]
-    if grad_ent is not None:
-        ent = -(p * logp).sum(-1, keepdim=True)  # [n, 1]
-        g = logp.add_(ent).mul_(p).mul_(-grad_ent[:, None])  # -grad_ent * p * (log p + H)
-    else:
-        g = logp.zero_()
+    ent = -(p * logp).sum(-1, keepdim=True)  # [n, 1]
+    g = logp.add_(ent).mul_(p).mul_(-grad_ent[:, None])  # -grad_ent * p * (log p + H)
     if grad_logp is not None:
         g.addcmul_(p, grad_logp[:, None].to(g.dtype), value=-1.0)
         g.scatter_add_(1, targets[:, None], grad_logp[:, None].to(g.dtype))
@@ -204,9 +226,9 @@ def chunked_token_logprobs(
     ``z = (hidden @ weight.T + bias) / temperature``; ``logp[n] = z[n, targets[n]] -
     logsumexp(z[n])`` and ``H[n] = logsumexp(z[n]) - sum_v softmax(z[n])_v z[n, v]``, the
     numbers :func:`logprobs_from_logits` and :func:`entropy_from_logits` give for the full
-    logits (``lm_head(hidden) / temperature``). The forward keeps only its inputs; the backward
-    computes each chunk's logits again and adds the chunk's gradients wrt ``hidden``, ``weight``
-    and ``bias`` (``dlogp/dz = onehot - p``, ``dH/dz = -p (log p + H)``, both divided by the
+    logits (``lm_head(hidden) / temperature``). The forward keeps its inputs and each row's
+    logsumexp; the backward computes each chunk's logits again and adds the chunk's gradients wrt
+    ``hidden``, ``weight`` and ``bias`` (``dlogp/dz = onehot - p``, ``dH/dz = -p (log p + H)``, both divided by the
     temperature). Peak memory is a few ``[chunk_rows, V]`` float32 temporaries instead of
     several ``[N, V]`` ones kept from the forward to the backward.
 
