@@ -115,6 +115,26 @@ def test_half_precision_computes_the_softmax_in_float32():
         torch.testing.assert_close(g.float(), fg.float(), atol=0.05, rtol=0.05)
 
 
+def test_no_rows_give_zero_gradients():
+    """An empty batch of rows: empty log-probs, and a zero gradient of the head's shape."""
+    hidden, weight, b, targets = _inputs(bias=True)
+    empty = hidden[:0].detach().requires_grad_()
+    lp, ent = chunked_token_logprobs(empty, weight, b, targets[:0], 0.9, 4, with_entropy=True)
+    assert lp.shape == ent.shape == (0,)
+    gh, gw, gb = torch.autograd.grad(lp.sum() + ent.sum(), (empty, weight, b))
+    assert gh.shape == (0, H) and gw.shape == weight.shape and gb.shape == b.shape
+    assert not gw.any() and not gb.any()
+
+
+def test_infinite_logits_as_torch_logsumexp():
+    """The forward's logsumexp (computed in the logits' own memory) treats rows with an infinite
+    maximum as ``torch.logsumexp`` does: -inf for a row of -inf, +inf where a logit is +inf."""
+    from rlhfkit.core import _logsumexp_
+
+    z = torch.tensor([[0.5, -1.0, 2.0], [-float("inf")] * 3, [1.0, float("inf"), 0.0], [-float("inf"), 3.0, 1.0]])
+    torch.testing.assert_close(_logsumexp_(z.clone()), torch.logsumexp(z, -1), atol=0, rtol=0)
+
+
 def test_bad_shapes_are_refused():
     hidden, weight, b, targets = _inputs(bias=True)
     with pytest.raises(ValueError, match="targets"):
