@@ -149,9 +149,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = torch.promote_types(weight.dtype, torch.float32)  # weight grads summed over chunks in >= float32
         grad_h = torch.empty_like(hidden) if need_h else None
-        # float32 weight gradients start as the first chunk's product (no zeroed [V, H] buffer)
-        zero_w = need_w and (weight.dtype != acc or hidden.shape[0] == 0)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if zero_w else None
+        grad_w = None  # the first chunk's product, the others summed into it: no zeroed [V, H] buffer
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         for s in range(0, hidden.shape[0], ctx.chunk_rows):
             h = hidden[s : s + ctx.chunk_rows]  # [n, H]
@@ -168,7 +166,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_h[s : s + ctx.chunk_rows] = g @ weight
             if need_w:
                 if grad_w is None:
-                    grad_w = g.t() @ h  # [V, H]
+                    grad_w = (g.t() @ h).to(acc)  # [V, H]; a half-precision product rounded as below
                 elif g.dtype == acc:  # summed in place: no [V, H] temporary a chunk
                     grad_w.addmm_(g.t(), h)
                 else:
@@ -176,6 +174,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if need_b:
                 grad_b += g.sum(0)
             del g
+        if need_w and grad_w is None:  # no rows
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None
@@ -228,8 +228,8 @@ def chunked_token_logprobs(
     numbers :func:`logprobs_from_logits` and :func:`entropy_from_logits` give for the full
     logits (``lm_head(hidden) / temperature``). The forward keeps its inputs and each row's
     logsumexp; the backward computes each chunk's logits again and adds the chunk's gradients wrt
-    ``hidden``, ``weight`` and ``bias`` (``dlogp/dz = onehot - p``, ``dH/dz = -p (log p + H)``, both divided by the
-    temperature). Peak memory is a few ``[chunk_rows, V]`` float32 temporaries instead of
+    ``hidden``, ``weight`` and ``bias`` (``dlogp/dz = onehot - p``, ``dH/dz = -p (log p + H)``,
+    both divided by the temperature). Peak memory is a few ``[chunk_rows, V]`` float32 temporaries instead of
     several ``[N, V]`` ones kept from the forward to the backward.
 
     The logits are computed in the head's dtype and the softmax in at least float32, as in the
