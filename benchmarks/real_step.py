@@ -103,8 +103,10 @@ started from the policy, through its own adapter with LoRA, ``ppo.value_model=se
 Per step each row also gets the positions it runs through the model's body (all layers) and
 through the LM head, counted from the workload: with P prompt tokens, R new tokens, U groups of
 G and B = U G rows, the rollout runs P prompt positions per distinct prompt and R - 1 decode
-positions per row; a scoring forward (reference, update) runs U P + B R positions when prompts
-are shared and B (P + R) otherwise; checkpointing runs the update's forward twice; the update
+positions per row; a scoring forward (reference, update) runs B (P + R) positions in TRL, and in
+rlhfkit U P + B (R - 1) when prompts are shared, B (P + R - 1) otherwise (it does not run the last
+column, which predicts nothing; the critic of the PPO rows runs every column); checkpointing runs
+the update's forward twice; the update
 backpropagates through its positions once. "Body arithmetic" counts a backward position as two
 forward ones (with LoRA the frozen weights get no gradient, so there a backward costs less; the
 count is the same for both libraries). The head scores one row per sampled token in the rollout,
@@ -273,12 +275,14 @@ def positions(row: str, wl: dict) -> dict:
     s = row_spec(row)
     P, R, U, G = wl["prompt_tokens"], wl["new_tokens"], wl["groups"], wl["group_size"]
     B = U * G
-    if s["algo"] == "ppo":  # 64 distinct prompts; the critic runs beside the reference and the policy
-        whole = B * (P + R)
-        return {"rollout": B * P + B * (R - 1), "experience": 2 * whole, "update": 2 * whole * (2 if s["ckpt"] else 1),
-                "backward": 2 * whole, "head": B * R * 3}
+    if s["algo"] == "ppo":  # 64 distinct prompts; the critic (every column) beside the reference and the policy
+        both = B * (P + R - 1) + B * (P + R)
+        return {"rollout": B * P + B * (R - 1), "experience": both, "update": both * (2 if s["ckpt"] else 1),
+                "backward": both, "head": B * R * 3}
     shared = s["lib"] == "rlhfkit" and not s["unshared"]
-    scoring = U * P + B * R if shared else B * (P + R)
+    # rlhfkit's scoring forwards do not run the last column (it predicts nothing); TRL's run it
+    last = 0 if s["lib"] == "rlhfkit" else B
+    scoring = (U * P + B * (R - 1) if shared else B * (P + R - 1)) + last
     head_rows = B * (P + R - 1) if s["lib"] == "trl" and not s["compact"] else B * R
     return {"rollout": (U if shared else B) * P + B * (R - 1), "experience": scoring,
             "update": scoring * (2 if s["ckpt"] else 1), "backward": scoring, "head": B * R + 2 * head_rows}

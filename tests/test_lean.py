@@ -274,6 +274,42 @@ def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch)
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["hf", "full", "two_streams", "flat"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_response_states_never_read_the_last_column(name, path, monkeypatch):
+    """The states that score a response end at column T-2: the last column's state predicts
+    nothing and, the attention being causal, no earlier column reads it, so
+    ``models.response_hidden`` does not run it on any path (the model's own forward, the lean
+    one in full, shared prompts as two streams or one flat sequence). A token id outside the
+    vocabulary there would make the embedding raise if it were read; the states equal the full
+    forward's at columns P-1..T-2, also with one response column (its state is the prompt's
+    last)."""
+    from rlhfkit import models
+
+    if path == "hf":
+        monkeypatch.setattr(lean, "supported", lambda model: False)
+    elif path == "full":  # what the lean path does when sharing prompts does not pay
+        monkeypatch.setattr(lean, "shared_prompts", lambda *a, **k: None)
+    else:
+        monkeypatch.setattr(lean, "response_hidden_states",
+                            functools.partial(lean.response_hidden_states, flat=path == "flat"))
+    model = MODELS[name]()
+    ids, mask = batch()
+    P = ids.shape[1]
+    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # 4 groups of 3
+    for R in (5, 1):
+        resp = torch.randint(3, len(TOK), (12, R), generator=torch.Generator().manual_seed(1)).to(DEV)
+        seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
+        with torch.no_grad():
+            ref = lean.hidden_states(model, seq, seq_mask, position_ids_from_mask(seq_mask))[:, P - 1 : -1]
+            bad = seq.clone()
+            if R > 1:
+                bad[:, -1] = len(TOK) + 1000  # no such token
+            got = models.response_hidden(model, bad, seq_mask, P)
+        assert got.shape == ref.shape == (12, R, ref.shape[-1])
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def saved_bytes(fn):
     """``fn()`` and the bytes autograd keeps for its backward outside checkpointed regions (the
     checkpoint's own hooks take the tensors saved inside them)."""
@@ -431,8 +467,9 @@ def test_training_layers_keep_fewer_activations_for_the_same_gradients(name, pat
     cfg = model.config
     C, L = cfg.hidden_size, cfg.num_hidden_layers
     inner = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * C
-    tokens = seq.numel() if path == "full" else 4 * P + resp.numel()
-    last_mlp = tokens if path == "full" else 4 + resp.numel()  # the prompts' last column only, at the top
+    run_resp = resp.numel() - resp.shape[0]  # the shared paths do not run the last column
+    tokens = seq.numel() if path == "full" else 4 * P + run_resp
+    last_mlp = tokens if path == "full" else 4 + run_resp  # the prompts' last column only, at the top
     act = inner if name == "gpt2" and DEV.type != "cpu" else 2 * inner  # the MLP's intermediates not kept
     fewer = 4 * ((2 * C + act) * tokens * (L - 1) + C * tokens + (C + act) * last_mlp)  # float32 bytes
     assert kept[1] <= kept[0] - fewer, (kept, fewer)

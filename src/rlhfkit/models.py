@@ -560,7 +560,9 @@ def response_hidden(model: PreTrainedModel, input_ids, attention_mask, prompt_le
     """Hidden states at the columns that predict the response tokens, ``[B, R, H]``.
 
     When prompts repeat across rows (GRPO / RLOO groups) and the model takes the lean path,
-    each distinct prompt is computed once (:func:`rlhfkit.lean.response_hidden_states`).
+    each distinct prompt is computed once (:func:`rlhfkit.lean.response_hidden_states`). The
+    last column is not run: its state predicts no token and, the attention being causal, no
+    other column reads it (one response token in R less arithmetic).
     """
     positions = position_ids_from_mask(attention_mask)
     use_lean = lean.supported(model)
@@ -568,7 +570,9 @@ def response_hidden(model: PreTrainedModel, input_ids, attention_mask, prompt_le
         shared = lean.shared_prompts(input_ids, attention_mask, prompt_len)
         if shared is not None:
             return lean.response_hidden_states(model, input_ids, attention_mask, positions, prompt_len, *shared)
-    return _hidden(model, input_ids, attention_mask, positions, use_lean)[:, prompt_len - 1 : -1]
+    T_in = input_ids.shape[1] - 1  # >= prompt_len: at least one response column
+    return _hidden(model, input_ids[:, :T_in], attention_mask[:, :T_in], positions[:, :T_in],
+                   use_lean)[:, prompt_len - 1 :]
 
 
 def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
