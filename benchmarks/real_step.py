@@ -105,8 +105,8 @@ through the LM head, counted from the workload: with P prompt tokens, R new toke
 G and B = U G rows, the rollout runs P prompt positions per distinct prompt and R - 1 decode
 positions per row; a scoring forward (reference, update) runs B (P + R) positions in TRL, and in
 rlhfkit U P + B (R - 1) when prompts are shared, B (P + R - 1) otherwise (it does not run the last
-column, which predicts nothing; the critic of the PPO rows runs every column); checkpointing runs
-the update's forward twice; the update
+column, which predicts nothing, since commit d64422e: runs stored before it ran B more; the critic
+of the PPO rows runs every column); checkpointing runs the update's forward twice; the update
 backpropagates through its positions once. "Body arithmetic" counts a backward position as two
 forward ones (with LoRA the frozen weights get no gradient, so there a backward costs less; the
 count is the same for both libraries). The head scores one row per sampled token in the rollout,

@@ -562,7 +562,7 @@ def response_hidden(model: PreTrainedModel, input_ids, attention_mask, prompt_le
     When prompts repeat across rows (GRPO / RLOO groups) and the model takes the lean path,
     each distinct prompt is computed once (:func:`rlhfkit.lean.response_hidden_states`). The
     last column is not run: its state predicts no token and, the attention being causal, no
-    other column reads it (one response token in R less arithmetic).
+    other column reads it (one of the R response columns fewer to run).
     """
     positions = position_ids_from_mask(attention_mask)
     use_lean = lean.supported(model)
