@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import rlhfkit.models as models
-from rlhfkit.config import Config
+import rlhfkit.trainers.rl as rl
+from rlhfkit.config import Config, PPOConfig
 from rlhfkit.core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits
 from rlhfkit.experience import ActorCritic, Experience, make_experience
 from rlhfkit.models import (
@@ -143,6 +144,69 @@ def test_bad_shapes_are_refused():
         chunked_token_logprobs(hidden, weight, b, targets, chunk_rows=0)
 
 
+# --------------------------------------------------------------------------- the loss in the head
+
+
+def _token_loss(a, c, use_ent):
+    """A per-token loss of the log-probs (PPO's clipped ratio against made-up old log-probs) and
+    the entropies, weighted per token: its part from rows ``s .. e-1`` reads those rows only."""
+    old = torch.linspace(-3.0, -1.0, N, dtype=torch.float64)
+
+    def fn(lp, ent, s, e):
+        ratio = torch.exp(lp - old[s:e])
+        part = (a[s:e] * torch.maximum(-ratio, -ratio.clamp(0.8, 1.2))).sum()
+        return part + (c[s:e] * ent).sum() if use_ent else part
+
+    return fn
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, N, 50])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("use_ent", [False, True], ids=["logprobs", "with_entropy"])
+def test_loss_in_the_head_equals_the_loss_of_the_full_logits(chunk_rows, bias, use_ent):
+    """``chunked_token_loss``: in float64 the loss, the log-probs (no gradient), the entropies and
+    the gradients wrt the hidden states, the head's weight and bias, scaled by the loss's own
+    incoming gradient, equal those of the same loss on the full logits' log-probs."""
+    from rlhfkit.core import chunked_token_loss
+
+    hidden, weight, b, targets = _inputs(bias)
+    params = [p for p in (hidden, weight, b) if p is not None]
+    gen = torch.Generator().manual_seed(2)
+    a, c = torch.randn(N, generator=gen, dtype=torch.float64), torch.randn(N, generator=gen, dtype=torch.float64)
+    fn = _token_loss(a, c, use_ent)
+    loss, lp, ent = chunked_token_loss(hidden, weight, b, targets, fn, 0.7, chunk_rows, with_entropy=use_ent)
+    assert not lp.requires_grad and (ent is None) != use_ent
+    full_lp, full_ent = _full(hidden, weight, b, targets, 0.7)
+    full_loss = fn(full_lp, full_ent if use_ent else None, 0, N)
+    torch.testing.assert_close(lp, full_lp.detach(), atol=1e-12, rtol=1e-12)
+    if use_ent:
+        torch.testing.assert_close(ent, full_ent.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(loss, full_loss.detach(), atol=1e-12, rtol=1e-12)
+    grads = torch.autograd.grad(-2.5 * loss, params)
+    full_grads = torch.autograd.grad(-2.5 * full_loss, params)
+    for name, g, fg in zip(("hidden", "weight", "bias"), grads, full_grads):
+        torch.testing.assert_close(g, fg, atol=1e-12, rtol=1e-12, msg=name)
+
+
+def test_loss_in_the_head_frozen_head_and_no_rows():
+    """A frozen head (LoRA) gets no gradient and the hidden states theirs; no rows give a zero
+    loss and a zero weight gradient of the head's shape."""
+    from rlhfkit.core import chunked_token_loss
+
+    hidden, weight, b, targets = _inputs(bias=True)
+    a = torch.ones(N, dtype=torch.float64)
+    fn = _token_loss(a, a, use_ent=False)
+    loss, _, _ = chunked_token_loss(hidden, weight.detach(), None, targets, fn, 1.0, 4)
+    (g,) = torch.autograd.grad(loss, hidden)
+    (fg,) = torch.autograd.grad(fn(_full(hidden, weight.detach(), None, targets, 1.0)[0], None, 0, N), hidden)
+    torch.testing.assert_close(g, fg, atol=1e-12, rtol=1e-12)
+    empty = hidden[:0].detach().requires_grad_()
+    loss, lp, _ = chunked_token_loss(empty, weight, b, targets[:0], fn, 0.9, 4)
+    assert lp.shape == (0,) and loss.item() == 0.0
+    gh, gw, gb = torch.autograd.grad(loss, (empty, weight, b))
+    assert gh.shape == (0, H) and gw.shape == weight.shape and not gw.any() and not gb.any()
+
+
 # --------------------------------------------------------------------------- the update
 
 
@@ -168,6 +232,8 @@ def _actor_critic(path: str, value_model: str, tied: bool) -> ActorCritic:
     policy = disable_dropout(load_policy(path)).train()
     if tied:  # one Parameter for the input embedding and the head: both uses add to its gradient
         policy.lm_head.weight = policy.transformer.wte.weight
+    if value_model == "none":  # GRPO: no critic
+        return ActorCritic(policy)
     if value_model == "shared":
         head = ValueHead(policy.config.hidden_size)
         torch.nn.init.normal_(head.summary.weight, std=0.5)
@@ -186,19 +252,26 @@ def _loss_and_grads(ac: ActorCritic, exp: Experience, pc, update_policy: bool = 
     return loss.detach(), logprobs.detach(), stats, grads
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["loss_in_head", "loss_after"])
 @pytest.mark.parametrize("update_policy", [True, False], ids=["update", "critic_warmup"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
-def test_update_in_chunks_equals_full_logits(tiny_models, monkeypatch, value_model, tied, update_policy):
+def test_update_in_chunks_equals_full_logits(tiny_models, monkeypatch, value_model, tied, update_policy, fused):
+    """The policy's loss computed inside the chunked head (``rl.FUSED_TOKEN_LOSS``, the default)
+    or from the chunked head's log-probs: the full logits' loss, stats and gradients."""
     ac = _actor_critic(tiny_models.policy, value_model, tied)
     exp = _experience(ac)
     pc = dataclasses.replace(Config().ppo, temperature=0.7, entropy_coef=0.05, kl_in_loss=True, kl_estimator="k2")
     full = _loss_and_grads(ac, exp, pc, update_policy)
     monkeypatch.setattr(models, "UPDATE_LOGITS", 4 * ac.policy.get_output_embeddings().out_features)
-    calls, real = [], models.chunked_token_logprobs  # chunks of 4 of the 30 rows: the last one of 2
-    monkeypatch.setattr(models, "chunked_token_logprobs", lambda *a: calls.append(a[5]) or real(*a))
+    monkeypatch.setattr(rl, "FUSED_TOKEN_LOSS", fused)
+    calls = []  # chunks of 4 of the 30 rows: the last one of 2
+    for real, at in ((models.chunked_token_logprobs, 5), (models.chunked_token_loss, 6)):
+        monkeypatch.setattr(models, real.__name__, lambda *a, real=real, at=at: calls.append(a[at]) or real(*a))
     chunked = _loss_and_grads(ac, exp, pc, update_policy)
     assert calls == [4], "the update did not take the chunked path"
+    if fused and update_policy:
+        assert not chunked[1].requires_grad, "the loss was not computed in the head"
     for got, want in zip(chunked[:2], full[:2]):  # the loss, the log-probs
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert chunked[2].keys() == full[2].keys()
@@ -207,6 +280,56 @@ def test_update_in_chunks_equals_full_logits(tiny_models, monkeypatch, value_mod
     assert chunked[3].keys() == full[3].keys() and len(full[3]) > 0
     for name in full[3]:
         torch.testing.assert_close(chunked[3][name], full[3][name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+class _Recorder:
+    """An optimizer that records each step's gradients and moves nothing."""
+
+    def __init__(self, params):
+        self.params, self.steps = list(params), []
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        self.steps.append([None if p.grad is None else p.grad.clone() for p in self.params])
+
+
+@pytest.mark.parametrize("algo, change", [
+    ("grpo", {}), ("ppo", {}), ("grpo", {"loss_type": "grpo"}), ("grpo", {"loss_type": "dr_grpo", "max_new_tokens": 5}),
+    ("grpo", {"loss_type": "cispo"}), ("grpo", {"loss_type": "sapo"}), ("grpo", {"importance_sampling_level": "sequence"}),
+], ids=["grpo", "ppo", "seq_mean", "dr_grpo", "cispo", "sapo", "gspo"])
+def test_loss_in_the_head_any_micro_batch_split(tiny_models, monkeypatch, algo, change):
+    """The commands' defaults (GRPO: k3 in the loss; PPO: a shared value head, k3 0.1 beside the
+    reward's KL) and other aggregations and objectives, the loss in the chunked head (a
+    sequence-level ratio: after it), micro-batches of 2 or 4 of a minibatch's 6 rows: every
+    optimizer step's gradients are those of the whole minibatch on the full logits."""
+    ac = _actor_critic(tiny_models.policy, "shared" if algo == "ppo" else "none", tied=True)
+    exp = _experience(ac)
+    pc = dataclasses.replace(PPOConfig(algo=algo), batch_size=6, minibatch_size=6, micro_batch_size=0,
+                             group_size=2, samples_per_prompt=2 if algo == "grpo" else 1, **change)
+    assert (pc.kl_in_loss, pc.kl_estimator) == ((True, "k3") if algo == "grpo" else (False, "k1"))
+    fused = pc.importance_sampling_level == "token"
+
+    def steps(micro):
+        opt = _Recorder(ac.parameters())
+        ppo_update(ac, opt, exp, dataclasses.replace(pc, micro_batch_size=micro), pc.kl_coef,
+                   generator=torch.Generator().manual_seed(0))
+        return opt.steps
+
+    want = steps(0)
+    monkeypatch.setattr(models, "UPDATE_LOGITS", 4 * ac.policy.get_output_embeddings().out_features)
+    calls, real = [], models.chunked_token_loss
+    monkeypatch.setattr(models, "chunked_token_loss", lambda *a: calls.append(a[6]) or real(*a))
+    for micro in (2, 4):
+        got = steps(micro)
+        assert len(got) == len(want) == pc.ppo_epochs * 1 and bool(calls) == fused
+        for g_step, w_step in zip(got, want):
+            for g, w in zip(g_step, w_step):
+                assert (g is None) == (w is None)
+                if w is not None:
+                    torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
 
 
 def test_forward_kl_term_beside_the_reward_kl(tiny_models):

@@ -29,6 +29,7 @@ __all__ = [
     "logprobs_from_logits",
     "entropy_from_logits",
     "chunked_token_logprobs",
+    "chunked_token_loss",
     "masked_sum",
     "masked_mean",
     "masked_var",
@@ -49,6 +50,7 @@ __all__ = [
     "aggregation_count",
     "sequence_log_ratio",
     "policy_loss",
+    "token_policy_loss",
     "value_loss",
     "explained_variance",
     "bradley_terry_loss",
@@ -179,6 +181,123 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None
+
+
+class _ChunkedTokenLoss(torch.autograd.Function):
+    """:func:`chunked_token_loss`: each chunk's logits are computed once, in the forward, where
+    the chunk's loss gradient wrt its log-probs (and entropies) is already known, so the
+    gradients wrt ``hidden``, ``weight`` and ``bias`` are summed there and the backward only
+    scales them by the loss's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy, loss_fn):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        acc = torch.promote_types(weight.dtype, torch.float32)  # weight grads summed over chunks in >= float32
+        N = hidden.shape[0]
+        logp = torch.empty(N, dtype=dtype, device=hidden.device)  # [N]
+        ent = torch.empty_like(logp) if with_entropy else None  # [N]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None  # the first chunk's product, the others summed into it (no zeroed [V, H] buffer)
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        loss = torch.zeros((), dtype=dtype, device=hidden.device)
+        for s in range(0, N, chunk_rows):
+            e = min(N, s + chunk_rows)
+            h, t = hidden[s:e], targets[s:e, None]  # [n, H], [n, 1]
+            z = _tempered_logits(h, weight, bias, temperature)  # [n, V]
+            picked = z.gather(-1, t).squeeze(-1)  # [n]
+            if with_entropy:
+                lse = torch.logsumexp(z, dim=-1)  # [n]
+                ent[s:e] = lse - (F.softmax(z, dim=-1) * z).sum(-1)
+            else:  # z becomes exp(z - max), then the softmax, in its own pages
+                top = z.amax(-1, keepdim=True)  # [n, 1]
+                top.masked_fill_(top.isinf(), 0.0)
+                total = z.sub_(top).exp_().sum(-1)  # [n]
+                lse = total.log().add_(top.squeeze(-1))
+            logp[s:e] = picked - lse
+            with torch.enable_grad():  # d loss_chunk / d logp (and d / d entropy): small tensors
+                lp = logp[s:e].detach().requires_grad_()
+                en = ent[s:e].detach().requires_grad_() if with_entropy else None
+                part = loss_fn(lp, en, s, e)
+                grads = torch.autograd.grad(part, [lp, en] if with_entropy else [lp], allow_unused=True)
+            loss += part.detach().to(dtype)
+            g_lp = torch.zeros_like(lp) if grads[0] is None else grads[0]  # [n]
+            if with_entropy:
+                g_ent = torch.zeros_like(lp) if grads[1] is None else grads[1]
+                g = _logit_grad(z, lse[:, None], t.squeeze(1), g_lp, g_ent)  # [n, V]
+            else:  # -g p with p = z / total, then + g at the target: d logp / dz = onehot - p
+                g = z.mul_((-g_lp / total)[:, None].to(z.dtype)).scatter_add_(1, t, g_lp[:, None].to(z.dtype))
+            if temperature != 1.0:
+                g = g.div_(temperature)  # d(z / T) / dz
+            g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
+            if need_h and grad_h.dtype == g.dtype:
+                torch.mm(g, weight, out=grad_h[s:e])
+            elif need_h:
+                grad_h[s:e] = g @ weight
+            if need_w:
+                if grad_w is None:
+                    grad_w = (g.t() @ h).to(acc)  # [V, H]
+                elif g.dtype == acc:
+                    grad_w.addmm_(g.t(), h)
+                else:
+                    grad_w += g.t() @ h
+            if need_b:
+                grad_b += g.sum(0)
+            del z, g
+        if need_w and grad_w is None:  # no rows
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                     None if grad_b is None else grad_b.to(bias.dtype))
+        ctx.mark_non_differentiable(logp, *([ent] if with_entropy else []))
+        return (loss, logp, ent) if with_entropy else (loss, logp)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        if ctx.grads is None:
+            raise RuntimeError("chunked_token_loss computed its gradients once, in the forward: its backward "
+                               "cannot run twice (build the loss again instead of retain_graph=True)")
+        grads, ctx.grads = ctx.grads, None  # once: the summed gradients are not kept past their use
+        out = [None if gr is None else gr.mul_(grad_loss) for gr in grads]  # a scalar: the loss's weight
+        return (*out, None, None, None, None, None)
+
+
+def chunked_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor | None, int, int], torch.Tensor],
+    temperature: float = 1.0,
+    chunk_rows: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A loss that is a sum over tokens, ``sum_n f_n(logp[n], H[n])``, computed with
+    :func:`chunked_token_logprobs`'s numbers and without computing any logits twice.
+
+    ``loss_fn(logp, ent, s, e)`` is the loss's part from rows ``s .. e-1`` given their log-probs
+    ``logp [e - s]`` (and entropies, or None): a differentiable scalar that reads no other row.
+    Each chunk's logits ``[n, V]`` are built once; while they are at hand, autograd gives the
+    chunk's ``d part / d logp`` (and ``d part / d H``), which makes the chunk's gradient wrt the
+    logits (``onehot - p``, ``-p (log p + H)``) and, through the head's products, its share of
+    the gradients wrt ``hidden``, ``weight`` and ``bias``. Those are kept until the backward,
+    which only multiplies them by the incoming gradient. Against
+    :func:`chunked_token_logprobs` followed by the same loss, the gradients are the same to
+    rounding, with one ``[n, H] x [H, V]`` product fewer per chunk (the logits are not computed
+    again in the backward) and one exponential pass fewer.
+
+    The summed weight gradient (``[V, H]``) and ``hidden``'s (``[N, H]``) are held from the
+    forward to the backward, where the unfused path allocates them in the backward.
+
+    Returns:
+        ``(loss, logprobs [N], entropy [N] or None)``; only ``loss`` carries a gradient.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    out = _ChunkedTokenLoss.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows),
+                                  bool(with_entropy), loss_fn)
+    return out if with_entropy else (*out, None)
 
 
 def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
@@ -733,6 +852,19 @@ def policy_objective(loss_type: str) -> str:
     """The policy objective a ``ppo.loss_type`` uses: ``cispo`` and ``sapo`` their own, the
     aggregations (token_mean, grpo, bnpo, dr_grpo, dapo) PPO's clipped surrogate."""
     return loss_type if loss_type in POLICY_OBJECTIVES else "clip"
+
+
+def token_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      valid: torch.Tensor, objective: str = "clip",
+                      options: SurrogateOptions | None = None) -> torch.Tensor:
+    """The per-token loss of :func:`policy_loss` at ``level='token'``, before its aggregation:
+    ``objective`` (:data:`POLICY_OBJECTIVES`) of ``ratio = exp(logprobs - old_logprobs)``; slots
+    where ``valid`` (bool, the shape of ``logprobs``) is False compute on zeros. Any shape: each
+    token's value reads that token alone, so a chunk of rows gives the whole's values there."""
+    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    own = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+    per_token, _, _ = POLICY_OBJECTIVES[objective](own, torch.exp(log_ratio), advantages, options or SurrogateOptions())
+    return per_token
 
 
 def policy_loss(

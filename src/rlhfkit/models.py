@@ -37,7 +37,13 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from . import lean
-from .core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits, position_ids_from_mask
+from .core import (
+    chunked_token_logprobs,
+    chunked_token_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    position_ids_from_mask,
+)
 from .distributed import is_sharded
 
 
@@ -665,6 +671,23 @@ def token_logprobs(
     detach_value: bool = False,
     entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`token_logprobs_and_loss` without a token loss: ``(logprobs, entropy, values)``."""
+    return token_logprobs_and_loss(policy, input_ids, attention_mask, prompt_len, response_ids, temperature,
+                                   value_head, detach_value, entropy)[:3]
+
+
+def token_logprobs_and_loss(
+    policy: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    response_ids: torch.Tensor,
+    temperature: float = 1.0,
+    value_head: ValueHead | None = None,
+    detach_value: bool = False,
+    entropy: bool = False,
+    token_loss=None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs of the response tokens under the (tempered) policy, their entropies and (with a
     shared head) values, response-aligned: the numbers of :func:`policy_forward`'s logits divided
     by ``temperature`` and read by :func:`~rlhfkit.core.logprobs_from_logits` /
@@ -677,14 +700,21 @@ def token_logprobs(
     with the vocabulary. Otherwise (a small vocabulary, an adapter on the head) the full logits
     are computed as before.
 
+    ``token_loss(logp, ent, s, e)``, a loss that is a sum over tokens (its part from the
+    flattened ``[B * R]`` positions ``s .. e-1``, reading no other): on the chunked path it is
+    computed by :func:`~rlhfkit.core.chunked_token_loss`, which builds each chunk's logits once
+    instead of again in the backward; the log-probs and entropies are then returned without a
+    gradient, and the loss with one. Elsewhere the loss is None and the caller computes it from
+    the log-probs as usual.
+
     Returns:
-        ``(logprobs [B, R], entropy [B, R] or None, values [B, R] or None)``; entropies only
-        with ``entropy=True``.
+        ``(logprobs [B, R], entropy [B, R] or None, values [B, R] or None, loss or None)``;
+        entropies only with ``entropy=True``.
     """
     if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off
         with torch.no_grad(), policy.active() as base:
-            return token_logprobs(base, input_ids, attention_mask, prompt_len, response_ids, temperature,
-                                  entropy=entropy)
+            return (*token_logprobs(base, input_ids, attention_mask, prompt_len, response_ids, temperature,
+                                    entropy=entropy), None)
     hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
     values = None
     if value_head is not None:
@@ -694,11 +724,15 @@ def token_logprobs(
     if head is None or response_ids.numel() <= rows:
         logits = unwrap(policy).get_output_embeddings()(hidden) / temperature  # [B, R, V]
         return (logprobs_from_logits(logits, response_ids), entropy_from_logits(logits) if entropy else None,
-                values)
-    logp, ent = chunked_token_logprobs(hidden.flatten(0, 1), head.weight, head.bias, response_ids.flatten(),
-                                       temperature, rows, entropy)  # [B * R]
-    shape = response_ids.shape
-    return logp.view(shape), None if ent is None else ent.view(shape), values
+                values, None)
+    shape, loss = response_ids.shape, None
+    if token_loss is not None and torch.is_grad_enabled():
+        loss, logp, ent = chunked_token_loss(hidden.flatten(0, 1), head.weight, head.bias, response_ids.flatten(),
+                                             token_loss, temperature, rows, entropy)  # [B * R]
+    else:
+        logp, ent = chunked_token_logprobs(hidden.flatten(0, 1), head.weight, head.bias, response_ids.flatten(),
+                                           temperature, rows, entropy)  # [B * R]
+    return logp.view(shape), None if ent is None else ent.view(shape), values, loss
 
 
 def masked_lm_loss(model, ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:

@@ -44,6 +44,7 @@ from ..core import (
     masked_mean,
     policy_loss,
     policy_objective,
+    token_policy_loss,
     value_loss,
 )
 from ..distributed import full_state_dict, full_weights, rollout_uniforms, shard_frozen
@@ -81,20 +82,66 @@ def surrogate_options(pc: PPOConfig) -> SurrogateOptions:
                             temperature_neg=pc.sapo_temperature_neg)
 
 
+# the policy's per-token loss (policy objective, KL term, entropy bonus) computed inside the
+# chunked LM head, whose logits are then built once instead of again in the backward
+# (core.chunked_token_loss); False: always from the returned log-probs
+FUSED_TOKEN_LOSS = True
+
+
+def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float):
+    """The policy's part of :func:`minibatch_loss` (objective, KL term, entropy bonus) as
+    ``fn(logp, ent, s, e)``: the part of the aggregated loss that the flattened ``[b * R]``
+    positions ``s .. e-1`` contribute, from their log-probs and entropies alone
+    (:func:`rlhfkit.models.token_logprobs_and_loss`). Each aggregation is linear in the per-token
+    losses, so its weight for each token (what autograd gives as ``d aggregate / d x``) turns
+    it into a sum over tokens. None where a token's loss reads other tokens (a sequence-level
+    importance ratio)."""
+    if pc.importance_sampling_level != "token":
+        return None
+    rmask = exp.response_mask[mb]
+    dtype = exp.old_logprobs.dtype
+    with torch.enable_grad():
+        x = torch.zeros(rmask.shape, dtype=dtype, device=rmask.device, requires_grad=True)
+        weights = torch.autograd.grad(aggregate(x, rmask, pc.loss_type, pc.max_new_tokens or 0), x)[0].flatten()
+    valid = rmask.bool().flatten()
+    old, adv = exp.old_logprobs[mb].flatten(), exp.advantages[mb].expand_as(rmask).flatten()
+    objective, options = policy_objective(pc.loss_type), surrogate_options(pc)._replace(clip_low=pc.clip_range)
+    kind, coef = (pc.kl_estimator, kl_coef) if pc.kl_in_loss else ("k3", pc.forward_kl_coef)
+    ref = exp.ref_logprobs[mb].flatten() if (pc.kl_in_loss or coef) else None
+
+    def fn(logp, ent, s, e):
+        v = valid[s:e]
+        per = token_policy_loss(logp, old[s:e], adv[s:e], v, objective, options)  # [n]
+        if ref is not None:
+            per = per + coef * kl_estimate(logp, ref[s:e], kind)
+        if ent is not None:
+            per = per - pc.entropy_coef * ent
+        return (weights[s:e] * torch.where(v, per, torch.zeros_like(per))).sum()
+
+    return fn
+
+
 def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float,
                    update_policy: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(loss, logprobs [b, R], stats)`` of minibatch rows ``mb``: the clipped value loss, and
     unless it is a critic warm-up the clipped policy loss, the entropy bonus and the KL term.
     Every part is a per-token loss reduced by the one aggregation ``pc.loss_type``
-    (:func:`rlhfkit.core.aggregate`; TRL aggregates its policy + KL per-token loss alike)."""
+    (:func:`rlhfkit.core.aggregate`; TRL aggregates its policy + KL per-token loss alike).
+
+    Where the LM head is taken in chunks (a big vocabulary), the policy's part is computed
+    inside it (:func:`policy_token_loss`; the same loss, each chunk's logits built once): the
+    log-probs then come back without a gradient and the parts below give the stats only."""
     rmask = exp.response_mask[mb]
     agg = functools.partial(aggregate, mask=rmask, kind=pc.loss_type, max_len=pc.max_new_tokens or 0)
     with_entropy = update_policy and bool(pc.entropy_coef)
+    token_loss = policy_token_loss(exp, mb, pc, kl_coef) if update_policy and FUSED_TOKEN_LOSS else None
     # log-probs (and entropies) of the chosen tokens straight from the forward: a big vocabulary's
-    # [b, R, V] logits are never held whole (models.token_logprobs)
-    logprobs, entropy, values = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
-                                         detach_value=not update_policy, response_ids=exp.response_ids[mb],
-                                         entropy=with_entropy)  # [b, R] each
+    # [b, R, V] logits are never held whole (models.token_logprobs_and_loss)
+    out = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
+                   detach_value=not update_policy, response_ids=exp.response_ids[mb], entropy=with_entropy,
+                   **({} if token_loss is None else {"token_loss": token_loss}))  # [b, R] each
+    logprobs, entropy, values = out[:3]
+    fused = out[3] if len(out) > 3 else None  # a forward that ignores token_loss returns three
     loss, stats = torch.zeros((), device=logprobs.device), {}
     if values is not None:
         v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range,
@@ -105,14 +152,15 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
                                   policy_objective(pc.loss_type), surrogate_options(pc))
     stats.update(p_stats)
     if update_policy:
-        loss = loss + p_loss
-        if with_entropy:
+        loss = loss + (p_loss if fused is None else fused)
+        if with_entropy and fused is None:
             loss = loss - pc.entropy_coef * agg(entropy)
         # the KL as the loss term (kl_in_loss), or beside the reward's KL a k3 term (forward_kl_coef)
         kind, coef = (pc.kl_estimator, kl_coef) if pc.kl_in_loss else ("k3", pc.forward_kl_coef)
         if pc.kl_in_loss or coef:
             kl = kl_estimate(logprobs, exp.ref_logprobs[mb], kind)  # [b, R]
-            loss = loss + coef * agg(kl)
+            if fused is None:
+                loss = loss + coef * agg(kl)
             stats["policy/kl_loss"] = masked_mean(kl.detach(), rmask)  # stats are token means, as policy_loss's
     return loss, logprobs, stats
 
