@@ -63,6 +63,10 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            and device memory are one). The moments' copy to the host is timed
                            as the rollout's, their copy back as the update's
     rlhfkit_grpo_graph_ckpt_offload  the three switches together (GPU only)
+    rlhfkit_grpo_twopass   the first row with ``trainers.rl.FUSED_TOKEN_LOSS`` off: the update's
+                           loss computed from the chunked head's log-probs, whose backward builds
+                           each chunk's logits again (rlhfkit before commit e95660e, and TRL's
+                           head); CPU or GPU, not in the default rows
     rlhfkit_grpo_mkl       the first row with ``RLHFKIT_ONEDNN=0``: every float32 product on MKL
                            (PyTorch's ``F.linear`` / ``mm``, as TRL's run) instead of oneDNN
                            (``rlhfkit.gemm``; CPU only, not in the default rows)
@@ -208,6 +212,7 @@ NAMES = {
     "trl_grpo_compact_keep": "TRL, compl. pos., freed memory kept",
     "rlhfkit_grpo_thp": "rlhfkit GRPO, huge pages",
     "trl_grpo_compact_thp": "TRL, compl. pos., huge pages",
+    "rlhfkit_grpo_twopass": "rlhfkit GRPO, loss after the head",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -221,6 +226,7 @@ RATIOS = [
     ("rlhfkit_grpo_mkl", "trl_grpo_compact", "TRL scoring completion positions, both on MKL"),
     ("rlhfkit_grpo", "trl_grpo_compact_keep", "TRL scoring completion positions, its malloc keeping freed memory"),
     ("rlhfkit_grpo_keep", "rlhfkit_grpo", "malloc keeping freed memory, within rlhfkit"),
+    ("rlhfkit_grpo", "rlhfkit_grpo_twopass", "the loss inside the head (logits built once), within rlhfkit"),
     ("trl_grpo_compact_keep", "trl_grpo_compact", "malloc keeping freed memory, within TRL"),
     ("rlhfkit_grpo_thp", "trl_grpo_compact_thp", "both on huge pages, TRL scoring completion positions"),
     ("rlhfkit_grpo_thp", "rlhfkit_grpo", "huge pages, within rlhfkit"),
@@ -260,7 +266,7 @@ def row_spec(row: str) -> dict:
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
             "offload": "offload" in flags, "mkl": "mkl" in flags, "keep": "keep" in flags,
-            "thp": "thp" in flags}
+            "thp": "thp" in flags, "twopass": "twopass" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -501,6 +507,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     rl.ppo_update = marked(rl.ppo_update, clock, "update", end=True)
     rl.start_offload = opening_offload(rl.start_offload, clock)
     rl.eos_token_ids = lambda model, tok: [-1]  # no token ends a completion: each runs to max_new_tokens
+    rl.FUSED_TOKEN_LOSS = not s["twopass"]
     with unshared_prompts() if s["unshared"] else contextlib.nullcontext():
         rl.train_rl(cfg)
     lengths = [json.loads(line).get("response/length") for line in (out / "metrics.jsonl").read_text().splitlines()]
