@@ -158,12 +158,12 @@ def main() -> None:
     import torch
 
     base = "rlhfkit_fused" if "rlhfkit_fused" in results else args.contenders[0]
-    want = torch.load(os.path.join(tmp, base + ".pt"))
+    want = torch.load(os.path.join(tmp, base + ".pt"), weights_only=True)
     print(f"\none micro-batch: {args.rows} rows, hidden {args.hidden}, vocabulary {args.vocab}, float32, one thread "
           f"on core {args.core}; median (min-max) over {args.runs} runs of the median of {args.steps} steps")
     print(f"{'contender':18} {'forward s':>10} {'backward s':>11} {'step s':>22} {'added MiB':>10} {'grad diff':>10}")
     for c, rs in results.items():
-        got = torch.load(os.path.join(tmp, c + ".pt"))
+        got = torch.load(os.path.join(tmp, c + ".pt"), weights_only=True)
         diff = max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
         steps = [r["step"] for r in rs]
         med = lambda k, rs=rs: statistics.median(r[k] for r in rs)  # noqa: E731
