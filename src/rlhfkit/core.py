@@ -159,22 +159,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                             targets[s : s + ctx.chunk_rows],
                             None if grad_logp is None else grad_logp[s : s + ctx.chunk_rows],
                             None if grad_ent is None else grad_ent[s : s + ctx.chunk_rows])  # [n, V]
-            if ctx.temperature != 1.0:
-                g = g.div_(ctx.temperature)  # d(z / T) / dz
-            g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
-            if need_h and grad_h.dtype == g.dtype:
-                torch.mm(g, weight, out=grad_h[s : s + ctx.chunk_rows])  # rows of grad_h: contiguous
-            elif need_h:
-                grad_h[s : s + ctx.chunk_rows] = g @ weight
-            if need_w:
-                if grad_w is None:
-                    grad_w = (g.t() @ h).to(acc)  # [V, H]; a half-precision product rounded as below
-                elif g.dtype == acc:  # summed in place: no [V, H] temporary a chunk
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w += g.t() @ h
-            if need_b:
-                grad_b += g.sum(0)
+            grad_w = _head_grads(g, h, weight, ctx.temperature, grad_h, grad_w, need_w, grad_b, s, acc)
             del g
         if need_w and grad_w is None:  # no rows
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
@@ -227,22 +212,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
                 g = _logit_grad(z, lse[:, None], t.squeeze(1), g_lp, g_ent)  # [n, V]
             else:  # -g p with p = z / total, then + g at the target: d logp / dz = onehot - p
                 g = z.mul_((-g_lp / total)[:, None].to(z.dtype)).scatter_add_(1, t, g_lp[:, None].to(z.dtype))
-            if temperature != 1.0:
-                g = g.div_(temperature)  # d(z / T) / dz
-            g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
-            if need_h and grad_h.dtype == g.dtype:
-                torch.mm(g, weight, out=grad_h[s:e])
-            elif need_h:
-                grad_h[s:e] = g @ weight
-            if need_w:
-                if grad_w is None:
-                    grad_w = (g.t() @ h).to(acc)  # [V, H]
-                elif g.dtype == acc:
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w += g.t() @ h
-            if need_b:
-                grad_b += g.sum(0)
+            grad_w = _head_grads(g, h, weight, temperature, grad_h, grad_w, need_w, grad_b, s, acc)
             del z, g
         if need_w and grad_w is None:  # no rows
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
@@ -298,6 +268,32 @@ def chunked_token_loss(
     out = _ChunkedTokenLoss.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows),
                                   bool(with_entropy), loss_fn)
     return out if with_entropy else (*out, None)
+
+
+def _head_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, temperature: float,
+                grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, need_w: bool,
+                grad_b: torch.Tensor | None, s: int, acc: torch.dtype) -> torch.Tensor | None:
+    """Add one chunk's share to the head's gradients, given ``g [n, V]``, the gradient wrt its
+    (tempered) logits (overwritten): ``grad_h[s : s + n] = g W``; with ``need_w``, ``grad_w +=
+    g.T h`` in ``acc`` (None: the first chunk's product starts it, no zeroed ``[V, H]`` buffer);
+    ``grad_b += sum(g)``. Returns ``grad_w``."""
+    if temperature != 1.0:
+        g = g.div_(temperature)  # d(z / T) / dz
+    g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
+    if grad_h is not None and grad_h.dtype == g.dtype:
+        torch.mm(g, weight, out=grad_h[s : s + g.shape[0]])  # rows of grad_h: contiguous
+    elif grad_h is not None:
+        grad_h[s : s + g.shape[0]] = g @ weight
+    if need_w:
+        if grad_w is None:
+            grad_w = (g.t() @ h).to(acc)  # [V, H]; a half-precision product rounded as below
+        elif g.dtype == acc:  # summed in place: no [V, H] temporary a chunk
+            grad_w.addmm_(g.t(), h)
+        else:
+            grad_w += g.t() @ h
+    if grad_b is not None:
+        grad_b += g.sum(0)
+    return grad_w
 
 
 def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
