@@ -31,7 +31,7 @@ from .core import (
     zero_std_groups,
 )
 from .distributed import Shard
-from .models import ValueHead, policy_forward, token_logprobs, token_logprobs_and_loss, token_values, unwrap
+from .models import ValueHead, policy_forward, token_logprobs, token_values, unwrap
 from .rewards import Scorer
 from .rollout import Rollout
 from .utils import to_float
@@ -124,12 +124,12 @@ class ActorCritic(torch.nn.Module):
 
         Given ``response_ids [B, R]`` (the update), the chosen tokens' log-probs instead of the
         logits: ``(logprobs [B, R], entropy [B, R] or None, values)``, from
-        :func:`~rlhfkit.models.token_logprobs_and_loss`, which for a big vocabulary never holds
+        :func:`~rlhfkit.models.token_logprobs`, which for a big vocabulary never holds
         the ``[B, R, V]`` logits; with ``token_loss`` also that loss (or None where it was not
         computed in the head: see there), as a fourth item. All of it runs inside ``forward``, so
         DDP / FSDP see every weight used."""
         if response_ids is not None:
-            logprobs, ent, values, loss = token_logprobs_and_loss(
+            logprobs, ent, values, *loss = token_logprobs(  # loss: [] without token_loss
                 self.policy, input_ids, attention_mask, prompt_len, response_ids, temperature, self.value_head,
                 detach_value, entropy, token_loss)
         else:
@@ -139,7 +139,7 @@ class ActorCritic(torch.nn.Module):
             values = self.critic_values(input_ids, attention_mask, prompt_len)  # [B, R]
         if response_ids is None:
             return logits / temperature, values
-        return (logprobs, ent, values) if token_loss is None else (logprobs, ent, values, loss)
+        return logprobs, ent, values, *loss
 
     def critic_values(self, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
         """A separate value model's ``values [B, R]`` (response-aligned)."""

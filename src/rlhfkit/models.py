@@ -670,24 +670,8 @@ def token_logprobs(
     value_head: ValueHead | None = None,
     detach_value: bool = False,
     entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`token_logprobs_and_loss` without a token loss: ``(logprobs, entropy, values)``."""
-    return token_logprobs_and_loss(policy, input_ids, attention_mask, prompt_len, response_ids, temperature,
-                                   value_head, detach_value, entropy)[:3]
-
-
-def token_logprobs_and_loss(
-    policy: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_len: int,
-    response_ids: torch.Tensor,
-    temperature: float = 1.0,
-    value_head: ValueHead | None = None,
-    detach_value: bool = False,
-    entropy: bool = False,
     token_loss=None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple:
     """Log-probs of the response tokens under the (tempered) policy, their entropies and (with a
     shared head) values, response-aligned: the numbers of :func:`policy_forward`'s logits divided
     by ``temperature`` and read by :func:`~rlhfkit.core.logprobs_from_logits` /
@@ -708,13 +692,20 @@ def token_logprobs_and_loss(
     the log-probs as usual.
 
     Returns:
-        ``(logprobs [B, R], entropy [B, R] or None, values [B, R] or None, loss or None)``;
-        entropies only with ``entropy=True``.
+        ``(logprobs [B, R], entropy [B, R] or None, values [B, R] or None)``; entropies only
+        with ``entropy=True``; given ``token_loss``, also that loss or None, as a fourth item.
     """
+    out = _token_logprobs(policy, input_ids, attention_mask, prompt_len, response_ids, temperature, value_head,
+                          detach_value, entropy, token_loss)
+    return out if token_loss is not None else out[:3]
+
+
+def _token_logprobs(policy, input_ids, attention_mask, prompt_len, response_ids, temperature, value_head,
+                    detach_value, entropy, token_loss):
     if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off
         with torch.no_grad(), policy.active() as base:
             return (*token_logprobs(base, input_ids, attention_mask, prompt_len, response_ids, temperature,
-                                    entropy=entropy), None)
+                                    entropy=entropy), None)  # the reference: no loss
     hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
     values = None
     if value_head is not None:

@@ -92,7 +92,7 @@ def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef:
     """The policy's part of :func:`minibatch_loss` (objective, KL term, entropy bonus) as
     ``fn(logp, ent, s, e)``: the part of the aggregated loss that the flattened ``[b * R]``
     positions ``s .. e-1`` contribute, from their log-probs and entropies alone
-    (:func:`rlhfkit.models.token_logprobs_and_loss`). Each aggregation is linear in the per-token
+    (:func:`rlhfkit.models.token_logprobs`). Each aggregation is linear in the per-token
     losses, so its weight for each token (what autograd gives as ``d aggregate / d x``) turns
     it into a sum over tokens. None where a token's loss reads other tokens (a sequence-level
     importance ratio)."""
@@ -136,7 +136,7 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
     with_entropy = update_policy and bool(pc.entropy_coef)
     token_loss = policy_token_loss(exp, mb, pc, kl_coef) if update_policy and FUSED_TOKEN_LOSS else None
     # log-probs (and entropies) of the chosen tokens straight from the forward: a big vocabulary's
-    # [b, R, V] logits are never held whole (models.token_logprobs_and_loss)
+    # [b, R, V] logits are never held whole (models.token_logprobs)
     out = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
                    detach_value=not update_policy, response_ids=exp.response_ids[mb], entropy=with_entropy,
                    **({} if token_loss is None else {"token_loss": token_loss}))  # [b, R] each
