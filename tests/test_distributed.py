@@ -4,9 +4,10 @@ Each command runs with its own defaults for a few steps (PPO past its critic war
 and REINFORCE two steps of batch 64 in minibatches of 32 over two epochs; DPO, SFT and the reward
 model two steps of their default batches), plus variants (a warm-up step on a shared value head,
 LoRA, a prompt file in minibatches of one group, micro-batches of 3 rows, GRPO's per-sequence mean
-loss with GSPO's sequence ratios, whose processes are weighted by rows, and GRPO with gradient
-checkpointing), once in a single process and once under ``accelerate launch`` with two processes,
-each taking half of every global batch. The logged losses, gradient norms and statistics and the
+loss with GSPO's sequence ratios, whose processes are weighted by rows, GRPO with gradient
+checkpointing, and PPO and GRPO with their defaults again, their update's loss computed inside a
+chunked LM head as at a real vocabulary), once in a single process and once under ``accelerate
+launch`` with two processes, each taking half of every global batch. The logged losses, gradient norms and statistics and the
 saved weights must agree (1e-4), which holds only if sharding reproduces the single-process batch,
 sampling does not depend on the split, every minibatch holds the same rows of the global batch as
 in one process (whichever process holds them), batch-wide statistics are gathered, token-mean
@@ -55,7 +56,8 @@ DRIVER = Path(__file__).parent / "dist" / "driver.py"
 TOL = 1e-4
 RUNS = ("ppo", "ppo_warmup", "ppo_separate", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "grpo_ckpt",
         "grpo_offload", "rloo",
-        "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env")
+        "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env",
+        "ppo_chunked", "grpo_chunked")
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a shared value head (ppo's default), a separate critic,
 # the three critic-free estimators, LoRA (PPO with an adapter on the critic too, GRPO) and multi-turn
 # environments (GRPO, PPO), matched to the
@@ -238,6 +240,22 @@ def test_micro_batches_on_two_processes_match_whole_batches_on_one(runs, cmd):
     assert not bad, bad
     weights = "reward_model" if cmd == "rm" else "policy"
     _assert_weights_match(one / cmd / weights, two / f"{cmd}_micro" / weights)
+
+
+@pytest.mark.parametrize("cmd", ["ppo", "grpo"])
+def test_loss_inside_the_chunked_head_on_two_processes(runs, cmd):
+    """At a real vocabulary the update's policy loss is computed inside the chunked LM head
+    (``core.chunked_token_loss``), each process scaling its rows' share of the global token mean:
+    the commands' defaults on that path (``driver.py``'s ``*_chunked`` runs) must give, on two
+    processes, the metrics and weights of one process, and in one process those of the full logits."""
+    one, two = runs
+    for n, log in ((1, "1-process.log"), (2, "2-process.log")):
+        calls = [int(line.rsplit(" ", 1)[1]) for line in (one.parent / log).read_text().splitlines()
+                 if line.startswith(f"fused loss calls in {cmd}_chunked: ")]
+        assert len(calls) == n and min(calls) > 0, calls  # every process took the path
+    assert not {k: v for k, v in _metric_diffs(one / cmd, one / f"{cmd}_chunked").items() if not v <= TOL}
+    _assert_weights_match(one / cmd / "policy", one / f"{cmd}_chunked" / "policy")
+    _assert_weights_match(one / f"{cmd}_chunked" / "policy", two / f"{cmd}_chunked" / "policy")
 
 
 @pytest.mark.parametrize("cmd,weights", [("ppo", "policy"), ("grpo", "policy"), ("grpo_file", "policy"), ("dpo", "policy"),

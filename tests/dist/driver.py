@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from rlhfkit import models
 from rlhfkit.cli import main
 
 out, policy, rm = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -57,17 +58,37 @@ runs = {  # run name: (command, overrides)
     "sft": ("sft", ["sft.steps=2"]),
     "rm": ("rm", ["reward.steps=2", "reward.eval_pairs=64"]),
 }
+# ppo and grpo with their defaults once more, their update's log-probs computed a few rows of logits
+# at a time as at a real vocabulary, where 2**24 logits a chunk is ~340 rows of SmolLM2's 49,152 ids:
+# models.UPDATE_LOGITS lowered to 4 rows of the doubling task's 42 ids takes that path (the policy's
+# loss computed inside the chunked head, each process scaling its share of the global token mean)
+runs.update({f"{name}_chunked": runs[name] for name in ("ppo", "grpo")})
+CHUNK_LOGITS = 4 * 42
 # the same in micro-batches of 3 rows per process (gradient sync on the last one only)
 runs.update({f"{name}_micro": (cmd, [*args, f"{'reward' if cmd == 'rm' else cmd}.micro_batch_size=3"])
              for name, (cmd, args) in list(runs.items()) if name in ("ppo", "dpo", "sft", "rm")})
 only = sys.argv[4:]
 if unknown := set(only) - set(runs):
     sys.exit(f"unknown runs {sorted(unknown)}; known: {list(runs)}")
+fused_calls = 0
+chunked_token_loss = models.chunked_token_loss
+
+
+def counted_chunked_token_loss(*args, **kwargs):
+    global fused_calls
+    fused_calls += 1
+    return chunked_token_loss(*args, **kwargs)
+
+
+models.chunked_token_loss = counted_chunked_token_loss
+update_logits = models.UPDATE_LOGITS
 for name, (cmd, args) in runs.items():
     if only and name not in only:
         continue
+    models.UPDATE_LOGITS, fused_calls = CHUNK_LOGITS if name.endswith("_chunked") else update_logits, 0
     if main([cmd, *common, *args, f"run.out_dir={out / name}"]) != 0:
         sys.exit(f"rlhfkit {cmd} ({name}) failed")
+    print(f"fused loss calls in {name}: {fused_calls}", flush=True)  # every process prints its own
 
 from accelerate import PartialState  # noqa: E402  (the state the trainers ran under)
 
