@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--layers", type=int, help="fewer decoder layers than the real shape (quick checks)")
     ap.add_argument("--steps", type=int, help="decode steps (default: the workload's new tokens)")
+    ap.add_argument("--shape", choices=["gpt2", "smollm2"],
+                    help="the model's shape (default: the workload's, as on a GPU in real_step.py's tables)")
     ap.add_argument("--profile", action="store_true", help="also print the loop's top kernels")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--attention", choices=["sdpa", "triton"], nargs="+", default=["sdpa"],
@@ -144,8 +146,8 @@ def main() -> None:
     hows = args.how or (["eager", "fixed", "graph"] if device.type == "cuda" else ["eager", "fixed"])
     for name in args.workload:
         wl = WORKLOADS[name]
-        model = build(wl["shape"], args.layers).to(device).eval()
-        print(f"\n{name}: {wl['shape']} shape, {model.config.num_hidden_layers} layers, "
+        model = build(args.shape or wl["shape"], args.layers).to(device).eval()
+        print(f"\n{name}: {args.shape or wl['shape']} shape, {model.config.num_hidden_layers} layers, "
               f"{wl['prompts'] * wl['group']} rows, prompt {wl['prompt_len']}, {args.steps or wl['new']} new tokens")
         last = {}  # how -> PyTorch attention's last logits
         for attend in args.attention:
