@@ -35,7 +35,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ports import launch_port
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
 from rlhfkit.tasks import doubling
 from rlhfkit.tasks.doubling import make_tokenizer
@@ -77,12 +77,6 @@ EXAMPLES = Path(__file__).parents[1] / "examples" / "accelerate"
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
@@ -111,7 +105,7 @@ def runs(tmp_path_factory):
     # (accelerate 1.x sends a bare --cpu multi-process launch to mpirun instead)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port())]
+              "--main_process_port", str(launch_port())]
     procs = {
         1: subprocess.Popen([sys.executable, str(DRIVER), str(root / "one"), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
@@ -153,7 +147,7 @@ def two_nodes(request, runs):
     root = runs[0].parent
     cwds = [root / f"{request.param}-node{rank}" for rank in (0, 1)]
     procs = []
-    for cmd, cwd in zip(_launch_nodes(request.param, root, _free_port()), cwds):
+    for cmd, cwd in zip(_launch_nodes(request.param, root, launch_port()), cwds):
         cwd.mkdir()
         with open(root / f"{cwd.name}.log", "w") as log:
             procs.append(subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=log, stderr=subprocess.STDOUT))
@@ -303,7 +297,7 @@ def deepspeed_run(request, runs):
     out = root / f"deepspeed-{request.param}"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(EXAMPLES / f"deepspeed_{request.param}.yaml"), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"),
+           "--main_process_port", str(launch_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"),
            *names]
     proc = subprocess.run(cmd, env={**ENV, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
@@ -336,7 +330,7 @@ def test_engines_refuse_what_would_fail_or_differ_from_one_process(runs, tmp_pat
     different update or failing after the training."""
     root = runs[0].parent
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / f"{config}.yaml"),
-              "--num_processes", "2", "--main_process_port", str(_free_port()),
+              "--num_processes", "2", "--main_process_port", str(launch_port()),
               *(["--fsdp_transformer_layer_cls_to_wrap", "GPT2Block"] if config == "fsdp" else []),
               "-m", "rlhfkit", cmd, "run.device=cpu", "run.progress=false", f"model.name={root / 'policy'}",
               f"reward.name={root / 'rm'}", "ppo.steps=1", "ppo.max_new_tokens=4", *extra,
@@ -354,7 +348,7 @@ def fsdp_run(runs):
     out = root / "fsdp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / "fsdp.yaml"),
            "--num_processes", "2", "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--main_process_port",
-           str(_free_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"), *FSDP_RUNS]
+           str(launch_port()), str(DRIVER), str(out), str(root / "policy"), str(root / "rm"), *FSDP_RUNS]
     proc = subprocess.run(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, f"FSDP run failed:\n{proc.stdout[-6000:]}"
     # every run but grpo_env (its environment alone scores) reads a reward model; all but the LoRA

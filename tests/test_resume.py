@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ports import launch_port
 from rlhfkit.checkpoint import Checkpointer, latest_checkpoint
 from rlhfkit.config import PPOConfig
 from rlhfkit.experience import RLState
@@ -63,7 +64,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISI
 
 def _run(args: list[str], fault: str | None = None) -> int:
     env = {**ENV, **({"RLHFKIT_FAULT": fault} if fault else {})}
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600).returncode
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode:  # pytest shows what a test printed when it fails: the run's own error
+        print(f"exit {done.returncode}: {' '.join(args[-6:])}\n{done.stderr[-6000:]}")
+    return done.returncode
 
 
 def _rows(out: Path) -> list[dict]:
@@ -216,11 +220,7 @@ FSDP_STEPS = 4
 def _fsdp_args(models, out: Path) -> list[str]:
     """A grpo run under examples/accelerate/fsdp.yaml on two CPU processes (gloo), the policy
     sharded per GPT2Block, a checkpoint after every step."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = launch_port()
     config = Path(__file__).parents[1] / "examples" / "accelerate" / "fsdp.yaml"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
               "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--main_process_port", str(port), "-m", "rlhfkit"]
