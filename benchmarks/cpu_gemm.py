@@ -6,7 +6,8 @@ forward cycles through its layers, so that a weight is not in cache when its pro
 (a single repeated weight flatters both). Rows: 64 (a decode step of 64 samples), 341 (a chunk
 of the log-prob head), 512 and 1024 (an update micro-batch's shared prompts and its responses),
 2048 (a prefill). Also the input
-gradient ``g @ W`` (the backward's product through the same weight). One thread, pinned with
+gradient ``g @ W`` (the backward's product through the same weight) and, at 512 and 2048 rows,
+the weight gradient ``g.T @ x`` (``rlhfkit.gemm.grad_weight``). One thread, pinned with
 ``--core``; each cell is the median of ``--rounds`` passes over the copies; the ratio is MKL's
 time over oneDNN's (above 1: oneDNN faster). rlhfkit uses oneDNN for weights of at least
 ``rlhfkit.gemm.MIN_WEIGHT`` elements (576 x 576 and up here), whatever the rows.
@@ -59,7 +60,7 @@ def main() -> None:
     for name, (N, K) in SHAPES.items():
         copies = 1 if N * K > 1 << 24 else 30
         weights = [torch.randn(N, K) * 0.02 for _ in range(copies)]
-        cells, grads = [], []
+        cells, grads, wgrads = [], [], []
         for M in ROWS:
             if M * N * K > 1 << 34:  # the head at 1024 and 2048 rows: not a decode or update chunk's shape
                 cells.append(f"{M}: -")
@@ -73,7 +74,12 @@ def main() -> None:
                 a = timed(lambda g, w: torch.mm(g, w), g, weights, args.rounds)
                 b = timed(lambda g, w: onednn(g, w.t(), None), g, weights, args.rounds)
                 grads.append(f"{M}: {a / b:.2f}x")
-        print(f"{name:22s} " + "   ".join(cells) + "   | g @ W " + "  ".join(grads), flush=True)
+            if M in (512, 2048) and copies > 1:  # the weight gradient: no weight read, one product
+                a = timed(lambda gx, _: gx[0].t() @ gx[1], (g, x), weights[:3], args.rounds)
+                b = timed(lambda gx, _: onednn(gx[0].t(), gx[1].t(), None), (g, x), weights[:3], args.rounds)
+                wgrads.append(f"{M}: {a / b:.2f}x")
+        print(f"{name:22s} " + "   ".join(cells) + "   | g @ W " + "  ".join(grads)
+              + ("   | g.T @ x " + "  ".join(wgrads) if wgrads else ""), flush=True)
 
 
 if __name__ == "__main__":

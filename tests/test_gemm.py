@@ -50,6 +50,20 @@ def test_products_match_pytorch(onednn_calls):
     assert len(onednn_calls) == 8
 
 
+def test_backward_products_match_pytorch(onednn_calls):
+    """The weight gradient ``a.T @ b`` and ``out = a @ m`` into rows of a bigger tensor (the
+    head's input gradient), against PyTorch's products in float64."""
+    g, x, w, h = tensors((9, 6), (9, 5), (6, 5), (9, 4))
+    torch.testing.assert_close(gemm.grad_weight(g, x, w), (g.double().t() @ x.double()).float())
+    torch.testing.assert_close(gemm.grad_weight(x, g, w.t()), (x.double().t() @ g.double()).float())  # Conv1D
+    torch.testing.assert_close(gemm.grad_weight(g.t().contiguous().t(), x, w), g.t() @ x)  # a strided input
+    big, m = torch.zeros(12, 4), tensors((6, 4), seed=1)[0]
+    gemm.mm_out(g, m, big[2:11])
+    torch.testing.assert_close(big[2:11], g @ m)
+    assert big[:2].eq(0).all() and big[11:].eq(0).all()
+    assert onednn_calls == [(5, 9), (6, 9), (5, 9), (4, 6)]  # b.T, the rows summed over, stands in for the weight
+
+
 def test_small_products_and_other_dtypes_stay_on_pytorch(monkeypatch):
     monkeypatch.setattr(gemm, "_onednn", lambda *a: pytest.fail("oneDNN called"))
     x, w = tensors((4, 8), (8, 8))
@@ -59,6 +73,8 @@ def test_small_products_and_other_dtypes_stay_on_pytorch(monkeypatch):
     gemm.linear(x.double(), w.double())
     gemm.linear(x.bfloat16(), w.bfloat16())
     assert gemm.linear(x[:0], w).shape == (0, 8)  # no rows
+    monkeypatch.setattr(gemm, "MIN_WEIGHT", 65)  # a weight gradient: the weight decides, not the rows
+    torch.testing.assert_close(gemm.grad_weight(*tensors((100, 8), (100, 8)), w), gemm.grad_weight(*tensors((100, 8), (100, 8)), w))
 
 
 def test_switched_off_by_the_environment(monkeypatch):

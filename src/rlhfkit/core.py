@@ -281,7 +281,7 @@ def _head_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, temperat
         g = g.div_(temperature)  # d(z / T) / dz
     g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
     if grad_h is not None and grad_h.dtype == g.dtype:
-        torch.mm(g, weight, out=grad_h[s : s + g.shape[0]])  # rows of grad_h: contiguous
+        gemm.mm_out(g, weight, grad_h[s : s + g.shape[0]])  # rows of grad_h: contiguous
     elif grad_h is not None:
         grad_h[s : s + g.shape[0]] = g @ weight
     if need_w:

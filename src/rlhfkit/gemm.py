@@ -101,6 +101,23 @@ def mm(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return linear(a, m.t())
 
 
+def mm_out(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ m`` (``out [M, N]`` written, e.g. a block of rows of a bigger tensor)."""
+    if _fits(a, m.t(), None):
+        return out.copy_(_onednn(a, m.t(), None))
+    return torch.mm(a, m, out=out)
+
+
+def grad_weight(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``a.T @ b``, a weight's gradient (``g.T @ x`` for ``x @ w.T``; ``x.T @ g`` for GPT-2's
+    ``x @ w``), on oneDNN's path when ``weight``'s forward product takes it: the rows ``a`` and
+    ``b`` share are summed over, and which library sums them depends on the weight, not on
+    how many rows there are."""
+    if _fits(b, weight, None) and a.dtype == torch.float32:
+        return _onednn(a.t(), b.t(), None)
+    return a.t() @ b
+
+
 def addmm_(out: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``out += a @ m`` in place (``out [M, N]``, no graph recorded)."""
     if _fits(a, m.t(), None):
@@ -109,9 +126,9 @@ def addmm_(out: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 class _AddLinear(torch.autograd.Function):
-    """``res + x @ w.T + b`` (``res`` may be None) under autograd, both products of ``x`` through
-    oneDNN: the forward and the input gradient ``g @ w``; the weight gradient ``g.T @ x`` on
-    PyTorch's op. Saves what autograd's ``addmm`` saves (``x`` and ``w``)."""
+    """``res + x @ w.T + b`` (``res`` may be None) under autograd, its three products through
+    oneDNN: the forward, the input gradient ``g @ w`` and the weight gradient ``g.T @ x``. Saves
+    what autograd's ``addmm`` saves (``x`` and ``w``)."""
 
     @staticmethod
     def forward(ctx, res, x, w, b):
@@ -128,7 +145,7 @@ class _AddLinear(torch.autograd.Function):
         need_res, need_x, need_w, need_b = ctx.needs_input_grad
         g = grad.reshape(-1, w.shape[0])  # [M, N]
         grad_x = mm(g, w).view(x.shape) if need_x else None
-        grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+        grad_w = grad_weight(g, x.reshape(-1, x.shape[-1]), w) if need_w else None
         grad_b = g.sum(0) if need_b else None
         grad_res = grad.reshape(ctx.res_shape) if need_res else None
         return grad_res, grad_x, grad_w, grad_b

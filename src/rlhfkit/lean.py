@@ -278,7 +278,7 @@ class _NormLinears(torch.autograd.Function):
             if g is None:
                 continue
             if need[5 + 2 * i]:
-                out[2 * i] = h.t() @ g if ctx.conv1d else g.t() @ h
+                out[2 * i] = gemm.grad_weight(h, g, w) if ctx.conv1d else gemm.grad_weight(g, h, w)
             if need[6 + 2 * i] and ctx.biased[i]:
                 out[2 * i + 1] = g.sum(0)
             if any(need[:3]):
@@ -329,7 +329,7 @@ class _SwiGLUDown(torch.autograd.Function):
             act = silu * up if need_w else None
             grad_up = grad_act * silu
             grad_gate = grad_act.mul_(up).mul_(s.mul_(1 + gate * (1 - s)))  # d silu / dg = s (1 + g (1 - s))
-        grad_w = grad.t() @ act if need_w else None
+        grad_w = gemm.grad_weight(grad, act, weight) if need_w else None
         grad_b = grad.sum(0) if need_b and ctx.biased else None
         return grad if need_x else None, grad_gate, grad_up, grad_w, grad_b
 
@@ -369,7 +369,7 @@ class _GeluDown(torch.autograd.Function):
         else:
             m = F.gelu(f, approximate="tanh") if need_w else None
             grad_f = torch.ops.aten.gelu_backward(grad_m, f, approximate="tanh")
-        grad_w = m.t() @ grad if need_w else None
+        grad_w = gemm.grad_weight(m, grad, weight) if need_w else None
         grad_b = grad.sum(0) if need_b and ctx.biased else None
         return grad if need_x else None, grad_f, grad_w, grad_b
 
