@@ -2,12 +2,13 @@
 
 PyTorch's CPU build computes a float32 ``F.linear`` / ``mm`` / ``addmm`` with MKL's sgemm. It
 also ships oneDNN, whose inner-product primitive ``torch.compile``'s CPU backend calls as
-``mkldnn::_linear_pointwise``. On a 2-core AMD EPYC (Zen 4, AVX-512; torch 2.13.0, MKL 2024.2,
-oneDNN 3.12), one thread, ``y = x @ W.T`` in GFLOP/s, MKL -> oneDNN, each layer's weight a
-different tensor as in a forward (``benchmarks/cpu_gemm.py``, commit 9387e3c):
+``mkldnn::_linear_pointwise``. One thread, ``y = x @ W.T`` in GFLOP/s, MKL -> oneDNN, each
+layer's weight a different tensor as in a forward (``benchmarks/cpu_gemm.py``; torch 2.13.0,
+MKL 2024.2, oneDNN 3.12):
 
 =======================  ==========  ==========  ==========  ==========
-weight ``[N, K]``        64 rows     341 rows    1024 rows   2048 rows
+2-core AMD EPYC, Zen 4   64 rows     341 rows    1024 rows   2048 rows
+(commit 9387e3c)
 =======================  ==========  ==========  ==========  ==========
 576 x 576 (q, o)         69 -> 78    92 -> 95    91 -> 93    90 -> 100
 1536 x 576 (gate, up)    69 -> 75    75 -> 90    77 -> 96    82 -> 99
@@ -15,19 +16,37 @@ weight ``[N, K]``        64 rows     341 rows    1024 rows   2048 rows
 49152 x 576 (the head)   52 -> 83    67 -> 82
 =======================  ==========  ==========  ==========  ==========
 
+=======================  ==========  ==========  ==========  ==========
+2-core AMD EPYC, Zen 5   64 rows     341 rows    1024 rows   2048 rows
+(CPU family 26, 4833982)
+=======================  ==========  ==========  ==========  ==========
+576 x 576 (q, o)         94 -> 181   110 -> 230  101 -> 231  106 -> 238
+1536 x 576 (gate, up)    88 -> 177   102 -> 220  107 -> 229  108 -> 238
+576 x 1536 (down)        93 -> 187   108 -> 227  112 -> 236  109 -> 242
+49152 x 576 (the head)   77 -> 184   84 -> 170
+=======================  ==========  ==========  ==========  ==========
+
+On the Zen 5 machine MKL stays near 105-115 GFLOP/s, about half of what oneDNN reaches there,
+and the same holds for the backward's products: the input gradient ``g @ W`` 1.8-2.3x faster
+on oneDNN, the weight gradient ``g.T @ x`` 1.7-2.1x (on the Zen 4 machine the weight gradient
+was no faster on oneDNN, and stayed on MKL until commit 4833982).
+
 Both accumulate in float32 (no reduced-precision arithmetic); results differ by rounding
 (about 1e-6 of the output's size), and each library's rows do not depend on how many rows are
 in the call (but for a single row, where both take a matrix-vector path). A call costs oneDNN
-about 12 us more to set up, so small weights stay on MKL (:data:`MIN_WEIGHT`), as do weight
-gradients ``g.T @ x``, where oneDNN was no faster. Which library computes a product depends on
-the weight only, never on the number of rows, so a batch split into micro-batches or over
-processes computes each row as the whole batch does.
+about 12 us more to set up, so small weights stay on MKL (:data:`MIN_WEIGHT`). Which library
+computes a product depends on the weight only, never on the number of rows, so a batch split
+into micro-batches or over processes computes each row as the whole batch does; a weight
+gradient, a sum over rows, is split into partial sums by any such split in either library.
 
-:func:`linear`, :func:`add_linear`, :func:`mm` and :func:`addmm_` take oneDNN's path for float32
-CPU tensors; where autograd records a graph through them, :class:`_AddLinear` gives the product
-its backward. Callers: the rollout's forwards and head, the reference and reward forwards, the
-training layers of :mod:`rlhfkit.lean` and the chunked log-prob head. Anything else, or
-``RLHFKIT_ONEDNN=0``, or a PyTorch built without oneDNN, uses PyTorch's own op.
+:func:`linear`, :func:`add_linear`, :func:`mm`, :func:`mm_out`, :func:`addmm_` and
+:func:`grad_weight` take oneDNN's path for float32 CPU tensors; where autograd records a graph
+through them, :class:`_AddLinear` gives the product its backward. Callers: the rollout's
+forwards and head, the reference and reward forwards, the training layers of
+:mod:`rlhfkit.lean` (forward, input and weight gradients) and the chunked log-prob head (its
+forward and input gradient; its weight gradient, summed chunk by chunk into one ``[V, H]``
+tensor, stays on ``addmm_`` in place, where oneDNN would need a ``[V, H]`` temporary a chunk).
+Anything else, or ``RLHFKIT_ONEDNN=0``, or a PyTorch built without oneDNN, uses PyTorch's own op.
 """
 from __future__ import annotations
 
