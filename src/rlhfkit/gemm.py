@@ -29,7 +29,7 @@ MKL 2024.2, oneDNN 3.12):
 On the Zen 5 machine MKL stays near 105-115 GFLOP/s, about half of what oneDNN reaches there,
 and the same holds for the backward's products: the input gradient ``g @ W`` 1.8-2.3x faster
 on oneDNN, the weight gradient ``g.T @ x`` 1.7-2.1x (on the Zen 4 machine the weight gradient
-was no faster on oneDNN, and stayed on MKL until commit 4833982).
+was about as fast in either library).
 
 Both accumulate in float32 (no reduced-precision arithmetic); results differ by rounding
 (about 1e-6 of the output's size), and each library's rows do not depend on how many rows are
