@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import shutil
 import subprocess
@@ -35,12 +36,32 @@ def commit() -> str:
     return found or "unknown"
 
 
+def cpu() -> str:
+    """The CPU, as precisely as Linux names it: machines sold under one name (a 2-core "AMD
+    EPYC" virtual machine) differ by generation, and with it by how fast each library's matrix
+    products run, so a stored result carries the family and model numbers too."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    return name
+
+
 def store_result(out: Path | str, record: dict, at: str | None = None) -> None:
-    """Append one run, with its commit (``at``, taken when the run started; default: now), to
-    ``out/results.jsonl``: runs made apart (another core, another day) are merged by the script's
-    ``--report``."""
+    """Append one run, with its commit (``at``, taken when the run started; default: now) and
+    its CPU, to ``out/results.jsonl``: runs made apart (another core, another day) are merged by
+    the script's ``--report``."""
     with open(Path(out) / RESULTS, "a") as f:
-        f.write(json.dumps({**record, "commit": at or commit()}) + "\n")
+        f.write(json.dumps({**record, "commit": at or commit(), "cpu": cpu()}) + "\n")
 
 
 def stored_results(out: Path | str, match: dict) -> list[dict]:

@@ -683,6 +683,7 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
     wl = setting["workload"]
     runs = sorted({len(v) for v in results.values()})
     commits = sorted({r["commit"] for v in results.values() for r in v})
+    cpus = sorted({r.get("cpu", "not recorded") for v in results.values() for r in v})
     gpu = setting.get("device") == "cuda"
     name = lambda row: row_name(row, "cuda" if gpu else "cpu")  # noqa: E731
     where = (f"each row alone on the GPU ({', '.join(sorted({r.get('gpu', '?') for v in results.values() for r in v}))}),"
@@ -692,7 +693,7 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
           f"{wl['groups']} prompts of {wl['prompt_tokens']} tokens x {wl['group_size']} samples x {wl['new_tokens']} new "
           f"tokens, one optimizer step in micro-batches of {wl['micro']}; {where}; "
           f"{setting['warmup']} warm-up + {setting['steps']} measured step(s) a run, {'/'.join(map(str, runs))} run(s), "
-          f"commit {', '.join(commits)}. Seconds: median over runs of each run's median step (min-max over runs); "
+          f"commit {', '.join(commits)}, CPU {' / '.join(cpus)}. Seconds: median over runs of each run's median step (min-max over runs); "
           f"{memory} in MiB; positions per step through the model's body (forward, backward) and its LM head")
     print(f"{'row':<34}{'rollout':>20}{'experience':>20}{'update':>22}{'step':>22}{'peak MiB':>20}"
           f"{'body fwd':>10}{'body bwd':>10}{'head':>10}")
