@@ -5,10 +5,15 @@ GRPO with LoRA on SmolLM2-135M-Instruct (``rlhfkit fetch-model``) for the city-c
 only.", 98 training and 32 held-out cities). The base answers in whole sentences: held-out greedy
 exact 0.00, the right country somewhere in the answer 0.53. With the command's defaults for a
 LoRA policy (config.LORA_DEFAULTS: no KL term; 16 completions a step, the three weighted rewards
-of the example), within 40 steps held-out exact must go from 0 to 0.5 or more (the run stops
+of the example), within 60 steps held-out exact must go from 0 to 0.5 or more (the run stops
 there: ppo.stop_at, evaluated every 5 steps) while the share of answers naming the right country
 does not fall below the base's -- the format learned, the facts kept. A few minutes on one core
 (the first steps' sentences are slow, one-word answers fast).
+
+The budget: ``benchmarks/real_model.py`` measured 30, 15 and 55 steps to 0.5 on seeds 0-2, and
+this one run can land anywhere in that range: on a 2-core Zen 5 AMD EPYC the same code gave
+0.00 after 40 steps under ``make test-real`` and 0.84 alone (why the two runs differ is not
+known), so 40 steps was a coin flip there; 60 covers the slowest seed measured.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def test_grpo_with_lora_teaches_the_real_model_the_format_and_keeps_the_facts(mo
     args = ["grpo", f"model.name={model_dir}", "model.lora_r=16",
             f"data.path={tmp_path / 'data' / 'prompts.jsonl'}", f"data.eval_path={tmp_path / 'data' / 'held.jsonl'}",
             f"reward.function={rewards}:exact,{rewards}:contains,{rewards}:brevity", "reward.weights=1,1,1",
-            "ppo.batch_size=16", "ppo.max_new_tokens=16", "ppo.steps=40", "ppo.eval_every=5", "ppo.stop_at=0.5",
+            "ppo.batch_size=16", "ppo.max_new_tokens=16", "ppo.steps=60", "ppo.eval_every=5", "ppo.stop_at=0.5",
             "run.threads=1", "run.progress=false",
             f"run.out_dir={tmp_path / 'run'}"]
     assert main(args) == 0
