@@ -51,6 +51,8 @@ def _bias(B, Tq, Tk, causal, gen):
     (64, 4, 4, 1, 19, 16),  # the tiny model's decode step
     (5, 4, 4, 11, 11, 16),  # its prefill (causal)
     (3, 6, 2, 1, 40, 64),  # grouped-query decode
+    (2, 8, 2, 1, 150, 64),  # four heads a key head: the grouped decode path, keys over several L1 passes
+    (2, 14, 2, 1, 77, 128),  # seven heads a key head, head_dim 128
     (2, 4, 1, 7, 9, 12),  # head_dim not a multiple of 8, queries after a cached prefix
     (2, 2, 2, 3, 3, 80),
     (1, 2, 2, 1, 1, 8),  # a single key
@@ -262,7 +264,8 @@ def test_no_compiler_falls_back_and_builds_are_cached(tmp_path):
 
 
 @needs_cc
-@pytest.mark.parametrize("B,H,Hkv,Tq,Tk,D", [(4, 4, 4, 8, 19, 16), (3, 4, 2, 11, 11, 16), (2, 2, 1, 5, 7, 12)])
+@pytest.mark.parametrize("B,H,Hkv,Tq,Tk,D", [(4, 4, 4, 8, 19, 16), (3, 4, 2, 11, 11, 16), (2, 2, 1, 5, 7, 12),
+                                              (2, 8, 2, 1, 70, 16)])
 def test_attention_gradients_match_reference(B, H, Hkv, Tq, Tk, D):
     """The compiled backward against autograd through float64 softmax attention: dq, dk, dv with
     padding, causal masks, grouped heads, strided inputs, a head size with a scalar tail."""
@@ -288,3 +291,37 @@ def test_attention_steps_aside_for_large_work_and_other_dtypes():
     assert not kernels.worth_it(q.double(), k.double(), v.double())
     big = torch.empty(1, 1, kernels.MAX_KEYS + 1, 16)
     assert not kernels.worth_it(q[:1, :1], big, big)  # more keys than the kernel's stack holds
+
+
+@needs_cc
+def test_a_decode_step_takes_the_kernel_at_any_size_on_one_thread():
+    # shapes of the real model's long-completion rollout: 64 rows, 9 query heads over 3 key heads,
+    # 576 keys of 64 -- work above SMALL_ONE_THREAD, where PyTorch's time is about twice the kernel's
+    q = torch.empty(1, 1, 1, 64).expand(64, 9, 1, 64)
+    kv = torch.empty(1, 1, 1, 64).expand(64, 3, 576, 64)
+    assert 64 * 9 * 576 * 64 > kernels.SMALL_ONE_THREAD
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert kernels.worth_it(q, kv, kv)
+        assert not kernels.worth_it(q.expand(64, 9, 8, 64), kv, kv)  # eight queries a row: PyTorch's blocking wins
+        torch.set_num_threads(2)
+        assert not kernels.worth_it(q, kv, kv)  # on two threads PyTorch's threaded attention wins
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_cc
+@pytest.mark.parametrize("H,Hkv,D", [(8, 2, 64), (12, 3, 32), (7, 1, 16)])
+def test_grouped_decode_is_separate_rows_bit_for_bit(H, Hkv, D):
+    # with four or more query heads a key head, a decode step takes the heads of a group in turns
+    # over blocks of keys; the arithmetic per head is the same as with the key head repeated
+    gen = torch.Generator().manual_seed(H)
+    B, Tk = 3, 203
+    q = torch.randn(B, H, 1, D, generator=gen)
+    k, v = torch.randn(B, Hkv, Tk, D, generator=gen), torch.randn(B, Hkv, Tk, D, generator=gen)
+    bias = _bias(B, 1, Tk, False, gen)
+    grouped = kernels.attention(q, k, v, bias, D**-0.5)
+    g = H // Hkv
+    separate = kernels.attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), bias, D**-0.5)
+    assert torch.equal(grouped, separate)

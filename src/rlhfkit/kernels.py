@@ -53,6 +53,10 @@ _lock = threading.Lock()
 # fast or faster. Measured on this project's 2-core machine: on one thread the kernel is 0.3-0.8x
 # PyTorch's time up to ~2^24 (16 x 12 heads x 32 x 32 x 64: 0.83x; 64 x 64 queries and keys:
 # 1.1x); on two threads up to ~2^21 (16 x 12 x 1 x 96 x 64: 0.84x; 8 x 14 x 1 x 512 x 64: 1.4x).
+# A decode step (one query a row) reuses no key across queries, so PyTorch's blocking gains
+# nothing there: on one thread the kernel takes 0.4-0.6x its time at every size measured (up to
+# 2^26: 64 rows x 12 heads x 1024 keys x 64, or 16 x 32 heads x 2048 keys x 128, at commit
+# b03b757 on a 2-core AMD EPYC Zen 5) and has no work limit.
 SMALL_ONE_THREAD, SMALL_THREADED = 1 << 24, 1 << 21
 MAX_KEYS, MAX_HEAD_DIM = 16384, 512  # as csrc/cpu_kernels.c (one query's scores live on its stack)
 
@@ -149,10 +153,12 @@ def available() -> bool:
     return bool(_load())
 
 
-def usable(like: torch.Tensor, work: int, keys: int, head_dim: int) -> bool:
+def usable(like: torch.Tensor, work: int, keys: int, head_dim: int, queries: int = 0) -> bool:
     """Whether attention over tensors like ``like`` with ``work = B x H x Tq x Tk x head_dim``
-    and ``keys`` keys should run here: float32 on a CPU, small enough work, the kernel available."""
-    limit = SMALL_ONE_THREAD if torch.get_num_threads() == 1 else SMALL_THREADED
+    and ``keys`` keys should run here: float32 on a CPU, small enough work (any work on one
+    thread when each row has ``queries == 1``: a decode step), the kernel available."""
+    one_thread = torch.get_num_threads() == 1
+    limit = (work if queries == 1 else SMALL_ONE_THREAD) if one_thread else SMALL_THREADED
     return (like.device.type == "cpu" and like.dtype == torch.float32 and work <= limit and keys <= MAX_KEYS
             and head_dim <= MAX_HEAD_DIM and available())
 
@@ -167,7 +173,7 @@ def worth_it(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`attention` should replace PyTorch's for ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
     (:func:`usable`; with autograd the compiled backward runs too)."""
     B, H, Tq, D = q.shape
-    return k.dtype == q.dtype == v.dtype and usable(q, B * H * Tq * k.shape[2] * D, k.shape[2], D)
+    return k.dtype == q.dtype == v.dtype and usable(q, B * H * Tq * k.shape[2] * D, k.shape[2], D, Tq)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,

@@ -780,7 +780,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         kv = [t.index_select(0, rows) for t in kv]
         key_bias, hidden = key_bias.index_select(0, rows), hidden.index_select(0, rows)
     cache = KVCache(kv, key_bias, P, arch)
-    if arch.gpt2 and kernels.usable(kv[0], B * arch.n_heads * T_max * arch.head_dim, T_max, arch.head_dim):
+    if arch.gpt2 and kernels.usable(kv[0], B * arch.n_heads * T_max * arch.head_dim, T_max, arch.head_dim, 1):
         cache.bound = [_bind_decode(cache, t) for t in kv]
     return hidden, cache
 
