@@ -55,10 +55,17 @@ import os
 import torch
 import torch.nn.functional as F
 
-# weights (N x K) below which products stay on MKL: at 256 x 64 oneDNN's set-up made a 64-row
-# product 20 us against 8 (and 1.4x slower at 192 x 576, 4 rows); from 576 x 576 it was as fast
-# or faster at 1 to 2048 rows with 30 layers' weights cycled (benchmarks/cpu_gemm.py)
-MIN_WEIGHT = 1 << 18
+# weights (N x K) below which products stay on MKL: oneDNN's set-up costs about 10 us a call,
+# more than a small weight's whole product over a few rows. One thread, 30 layers' weights
+# cycled, oneDNN's time over MKL's (2-core AMD EPYC Zen 5, commit f630175):
+#   64 x 256 or 128 x 128: 4.5x at 1 row, 1.9x at 16, 0.9x at 64, 0.45x at 512 to 4088
+#   192 x 576 (SmolLM2's key and value projections): 2.1x at 1 row, 1.1x at 4, 0.73x at 16,
+#   0.55x at 64, 0.42x at 4088
+# (on a Zen 4 EPYC, 1.4x at 192 x 576 and 4 rows; from 576 x 576 as fast or faster at 1 to 2048
+# rows: benchmarks/cpu_gemm.py). The limit sits between the tiny models' largest weights
+# (128 x 512 = 65536 and below), whose rollouts run a few rows, and a real model's smallest
+# projections, whose training and rollouts run hundreds to thousands.
+MIN_WEIGHT = 100_000
 _available: bool | None = None
 
 
