@@ -325,3 +325,49 @@ def test_grouped_decode_is_separate_rows_bit_for_bit(H, Hkv, D):
     g = H // Hkv
     separate = kernels.attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), bias, D**-0.5)
     assert torch.equal(grouped, separate)
+
+
+@needs_cc
+@pytest.mark.parametrize("B,H,Hkv,Tq,Tk,D,block", [
+    (3, 6, 2, 300, 340, 64, 128),  # responses after a prompt: three blocks, the last one short
+    (2, 4, 2, 37, 37, 16, 8),  # a whole causal sequence, keys in every block a multiple of 8 plus a tail
+    (2, 3, 3, 21, 45, 12, 5),  # head_dim not a multiple of 8, one head a key head
+    (1, 8, 1, 9, 9, 32, 4),  # eight heads over one key head
+])
+def test_block_attention_matches_reference(B, H, Hkv, Tq, Tk, D, block, monkeypatch):
+    monkeypatch.setattr(kernels, "QUERY_BLOCK", block)
+    gen = torch.Generator().manual_seed(Tq)
+    q = torch.randn(B, H, Tq, D, generator=gen).requires_grad_()
+    k = torch.randn(B, Hkv, Tk, D, generator=gen).requires_grad_()
+    v = torch.randn(B, Hkv, Tk, D, generator=gen).requires_grad_()
+    allowed = _bias(B, Tq, Tk, True, gen) == 0  # left padding per row, causal: query i sees keys <= Tk - Tq + i
+    scale = D**-0.5
+    bias = torch.zeros(B, Tq, Tk).masked_fill(~allowed, float("-inf"))
+    ours = kernels.block_attention(q, k, v, allowed, scale)
+    torch.testing.assert_close(ours.double(), _reference(q, k, v, bias, scale), atol=2e-6, rtol=2e-6)
+    w = torch.randn(B, H, Tq, D, generator=gen)
+    grads = torch.autograd.grad((ours * w).sum(), (q, k, v))
+    qq, kk, vv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    refs = torch.autograd.grad((_reference(qq, kk, vv, bias, scale) * w.double()).sum(), (qq, kk, vv))
+    for ours_g, ref_g in zip(grads, refs):
+        torch.testing.assert_close(ours_g.double(), ref_g, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the same values without autograd
+        torch.testing.assert_close(kernels.block_attention(q, k, v, allowed, scale), ours, atol=0, rtol=0)
+
+
+@needs_cc
+def test_block_attention_routing_never_depends_on_the_batch_size():
+    q, kv = torch.empty(1, 9, 511, 64), torch.empty(1, 3, 575, 64)
+    mask = torch.ones(1, 511, 575, dtype=torch.bool)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert kernels.block_usable(q, kv, kv, mask)
+        assert kernels.block_usable(q.expand(8, -1, -1, -1), kv.expand(8, -1, -1, -1), kv.expand(8, -1, -1, -1),
+                                    mask.expand(8, -1, -1))
+        assert not kernels.block_usable(q[:, :, :10], kv[:, :, :10], kv[:, :, :10], mask[:, :10, :10])  # too small
+        assert not kernels.block_usable(q, kv, kv, mask.float())  # an additive mask: not this path
+        torch.set_num_threads(2)
+        assert not kernels.block_usable(q, kv, kv, mask)  # threads: PyTorch's threaded attention
+    finally:
+        torch.set_num_threads(threads)

@@ -74,8 +74,38 @@ def loss_grads(model, hiddens, valid) -> list[dict[str, torch.Tensor]]:
     return grads
 
 
+def force_blocks(monkeypatch):
+    """Route every boolean-mask attention of a forward to ``kernels.block_attention`` (one
+    thread, no size floor), in blocks of 3 queries so that a tiny batch spans several."""
+    from rlhfkit import kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler: the blocked attention needs the compiled kernels")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setattr(kernels, "MIN_BLOCK_SCORES", 0)
+    monkeypatch.setattr(kernels, "QUERY_BLOCK", 3)
+    calls = []
+    real = kernels.block_attention
+    monkeypatch.setattr(kernels, "block_attention", lambda *a: calls.append(1) or real(*a))
+    return calls, threads
+
+
+@pytest.mark.parametrize("attention", ["default", "blocks"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_hidden_states_and_grads_match_transformers(name):
+def test_hidden_states_and_grads_match_transformers(name, attention, monkeypatch):
+    if attention == "blocks":
+        calls, threads = force_blocks(monkeypatch)  # threads restored below
+    try:
+        _hidden_states_and_grads_match_transformers(name)
+    finally:
+        if attention == "blocks":
+            torch.set_num_threads(threads)
+    if attention == "blocks":
+        assert calls  # the blocked attention ran
+
+
+def _hidden_states_and_grads_match_transformers(name):
     model = MODELS[name]()
     assert lean.supported(model)
     ids, mask = batch()
@@ -237,13 +267,22 @@ def test_repeated_rows_finds_runs_of_one_prompt():
     assert lean.repeated_rows(ids[:1], mask[:1]) is None
 
 
-@pytest.mark.parametrize("flat", [None, True], ids=["device_default", "flat"])
+@pytest.mark.parametrize("flat", [None, True, "blocks"], ids=["device_default", "flat", "blocked_attention"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch):
     """Rows that repeat a prompt (shuffled, as in a GRPO minibatch) run it once: same logits
     and the same gradients as running every row in full -- with the device's choice of two
-    streams or one flat sequence (two on a CPU), and with the flat one forced."""
+    streams or one flat sequence (two on a CPU), with the flat one forced, and with the
+    shared path's attention in blocks (the full forward keeps PyTorch's)."""
     from rlhfkit.models import policy_forward
+
+    if flat == "blocks":
+        threads = torch.get_num_threads()
+        try:
+            _shared_prompt_forward_with_blocks(name, monkeypatch, policy_forward)
+        finally:
+            torch.set_num_threads(threads)
+        return
 
     if flat is not None:
         monkeypatch.setattr(lean, "response_hidden_states",
@@ -535,3 +574,29 @@ def test_gelu_down_both_branches_agree(gate_form, monkeypatch):
     for a, b in zip(torch.autograd.grad(out, (x, f, wp, bd), upstream),
                     torch.autograd.grad(ref, ref_inputs, upstream)):
         torch.testing.assert_close(a, b)
+
+
+def _shared_prompt_forward_with_blocks(name, monkeypatch, policy_forward):
+    model = MODELS[name]().train()
+    ids, mask = batch()
+    P = ids.shape[1]
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0)).to(DEV)
+    ids, mask = ids.repeat(3, 1)[order], mask.repeat(3, 1)[order]
+    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
+    resp_mask = torch.ones_like(resp)
+    resp_mask[0, 3:] = 0
+    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, resp_mask], 1)
+    pos = position_ids_from_mask(seq_mask)
+    ref = model.get_output_embeddings()(lean.hidden_states(model, seq, seq_mask, pos)[:, P - 1 : -1])
+    calls, _ = force_blocks(monkeypatch)
+    ours, _ = policy_forward(model, seq, seq_mask, P)
+    assert calls  # the shared path's attention ran in blocks
+    valid = resp_mask.bool()
+    torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    grads = []
+    for out in (ref, ours):
+        model.zero_grad()
+        out[valid].logsumexp(-1).sum().backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)

@@ -128,6 +128,8 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
         "rlhfkit_attend": ([ptr] * 6 + [i64] * 6 + [f32] + strides, status),
         "rlhfkit_attend_backward": ([ptr] * 10 + [i64] * 6 + [f32] + strides, status),
         "rlhfkit_decode_attend": ([ptr] * 4 + [i64] * 5 + [f32], status),
+        "rlhfkit_block_softmax": ([ptr] * 3 + [i64] * 4 + [f32, ctypes.c_int], None),
+        "rlhfkit_block_softmax_backward": ([ptr] * 3 + [i64] * 2 + [f32], None),
         "rlhfkit_gelu_tanh": ([ptr] * 3 + [i64], None),
         "rlhfkit_gelu_tanh_backward": ([ptr] * 4 + [i64], None),
         "rlhfkit_swiglu": ([ptr] * 3 + [i64], None),
@@ -288,6 +290,146 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, ou
 
     step.buffers = tensors  # the memory behind the pointers lives as long as the call
     return step
+
+
+# ------------------------------------------------------------------ causal attention by blocks
+
+QUERY_BLOCK = 128  # queries of a head a block: their scores for 576 keys, 3 heads at once, ~0.9 MB
+# Scores a key head (heads reading it x queries x keys) from which the blocks beat PyTorch's
+# attention, forward and backward, on one thread (2-core AMD EPYC Zen 5, commit 852d624; time
+# over PyTorch's, forward / backward): 3 heads x 511 queries x 575 keys 0.43 / 0.44; 3 x 128 x 128
+# 0.78 / 0.78; 3 x 63 x 191 0.79 / 0.89; below, the Python around each block's three calls
+# costs more than it saves: 3 x 64 x 64 1.39 / 1.48, 1 x 63 x 191 (GPT-2's heads) 1.31 / 1.14.
+MIN_BLOCK_SCORES = 1 << 15
+
+
+def block_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether :func:`block_attention` should compute ``q [B, H, Tq, D]`` over ``k, v [B, Hkv, Tk, D]``
+    under the boolean ``mask``: float32 on a CPU, one thread, at least ``MIN_BLOCK_SCORES``
+    scores a key head (``H / Hkv x Tq x Tk``: never the batch size, so a micro-batch computes
+    its rows as the whole batch would), oneDNN's products and the compiled kernels available."""
+    from rlhfkit import gemm
+
+    H, Tq = q.shape[1], q.shape[2]
+    Hkv, Tk = k.shape[1], k.shape[2]
+    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and mask.dtype == torch.bool
+            and torch.get_num_threads() == 1 and 0 < Hkv and H % Hkv == 0 and Tq <= Tk
+            and H // Hkv * Tq * Tk >= MIN_BLOCK_SCORES and gemm.available() and available())
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal masked attention, ``softmax(scale * q k^T, masked) v`` with grouped heads, as
+    ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)``.
+
+    ``q [B, H, Tq, D]``; ``k, v [B, Hkv, Tk, D]``; ``mask [B, Tq, Tk]`` boolean (True: may
+    attend), which must be causal with the queries at the last ``Tq`` of the ``Tk`` positions:
+    query ``i`` sees no key after ``Tk - Tq + i``, and at least one key. Returns a ``[B, H, Tq, D]``
+    view of ``[B, Tq, H, D]``; differentiable in q, k and v.
+
+    For each row and key head, a block of ``QUERY_BLOCK`` queries of every head that reads it is
+    one oneDNN product with the keys the block can see (the causal bound: later keys are never
+    multiplied), a compiled masked softmax, and one product with the values. The backward
+    computes the probabilities again from each query's log-sum-exp (flash attention's
+    recompute), so only that is kept. On one thread of a Zen 5 AMD EPYC at the real model's
+    reasoning shapes (8 rows x 9 heads over 3, 511 queries after a 64-token prompt, head_dim 64),
+    PyTorch's CPU flash attention computes every key of every query block, causal or not, at
+    about 90 GFLOP/s (``benchmarks/README.md``)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _BlockAttention.apply(q, k, v, mask, scale)
+    return _block_forward(q, k, v, mask, scale)[0]
+
+
+def _blocks(Tq: int, Tk: int):
+    """``(r0, r1, n)``: each block of queries and the number of keys its last query may see."""
+    for r0 in range(0, Tq, QUERY_BLOCK):
+        r1 = min(Tq, r0 + QUERY_BLOCK)
+        yield r0, r1, Tk - Tq + r1
+
+
+def _block_inputs(q, k, v, mask):
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if (k.shape != (B, Hkv, Tk, D) or v.shape != k.shape or mask.shape != (B, Tq, Tk) or Tq > Tk
+            or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in (q, k, v))):
+        raise ValueError(f"block_attention: unsupported inputs q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)} mask {tuple(mask.shape)}")
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    return k.contiguous(), v.contiguous(), mask
+
+
+def _block_forward(q, k, v, mask, scale):
+    from rlhfkit import gemm
+
+    lib = _required()
+    k, v, mask = _block_inputs(q, k, v, mask)
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    g = H // Hkv
+    out = q.new_empty((B, Tq, H, D)).transpose(1, 2)
+    lse = q.new_empty((B, H, Tq))
+    row = q.new_empty(g * QUERY_BLOCK)
+    ms = mask.stride(1)
+    for b in range(B):
+        for hk in range(Hkv):
+            heads = slice(hk * g, (hk + 1) * g)
+            K, V = k[b, hk], v[b, hk]
+            for r0, r1, n in _blocks(Tq, Tk):
+                m = r1 - r0
+                s = gemm._onednn(q[b, heads, r0:r1].reshape(g * m, D), K[:n], None)  # [g*m, n] scores
+                mrow = mask[b, r0]  # held until the call returns
+                lib.rlhfkit_block_softmax(s.data_ptr(), mrow.data_ptr(), row.data_ptr(), g, m, n, ms, scale, 0)
+                out[b, heads, r0:r1] = gemm._onednn(s, V[:n].t(), None).view(g, m, D)
+                lse[b, heads, r0:r1] = row[: g * m].view(g, m)
+    return out, lse
+
+
+class _BlockAttention(torch.autograd.Function):
+    """:func:`block_attention` with its backward, block by block as the forward: the
+    probabilities again from the saved log-sum-exp, ``dV += P^T dO``, ``dP = dO V^T``,
+    ``dS = scale P (dP - rowsum(dO * O))``, ``dQ = dS K``, ``dK += dS^T Q``, every product on oneDNN."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        out, lse = _block_forward(q, k, v, mask, scale)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gout):
+        from rlhfkit import gemm
+
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        lib = _required()
+        k, v, mask = _block_inputs(q, k, v, mask)
+        B, H, Tq, D = q.shape
+        Hkv, Tk = k.shape[1], k.shape[2]
+        g, scale, ms = H // Hkv, ctx.scale, mask.stride(1)
+        delta = (gout * out).sum(-1)  # [B, H, Tq]: dO . O of each query
+        dq = q.new_empty((B, H, Tq, D))
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for b in range(B):
+            for hk in range(Hkv):
+                heads = slice(hk * g, (hk + 1) * g)
+                K, V = k[b, hk], v[b, hk]
+                for r0, r1, n in _blocks(Tq, Tk):
+                    m = r1 - r0
+                    qb = q[b, heads, r0:r1].reshape(g * m, D)
+                    go = gout[b, heads, r0:r1].reshape(g * m, D)
+                    # (the tensors behind every pointer are held by a name until the call returns)
+                    row_lse, row_delta = lse[b, heads, r0:r1].contiguous(), delta[b, heads, r0:r1].contiguous()
+                    p = gemm._onednn(qb, K[:n], None)  # [g*m, n]: the scores, then the probabilities
+                    mrow = mask[b, r0]
+                    lib.rlhfkit_block_softmax(p.data_ptr(), mrow.data_ptr(), row_lse.data_ptr(), g, m, n, ms, scale, 1)
+                    dv[b, hk, :n] += gemm._onednn(p.t(), go.t(), None)
+                    ds = gemm._onednn(go, V[:n], None)  # [g*m, n]: dP, then dS
+                    lib.rlhfkit_block_softmax_backward(ds.data_ptr(), p.data_ptr(), row_delta.data_ptr(), g * m, n,
+                                                       scale)
+                    dq[b, heads, r0:r1] = gemm._onednn(ds, K[:n].t(), None).view(g, m, D)
+                    dk[b, hk, :n] += gemm._onednn(ds.t(), qb.t(), None)
+        return dq, dk, dv, None, None
 
 
 def _check_same(name: str, *tensors: torch.Tensor) -> None:

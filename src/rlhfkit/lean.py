@@ -405,8 +405,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
 
 def _attend(q, k, v, mask, scale, groups: int) -> torch.Tensor:
     """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
-    boolean (True = may attend) or additive. Small float32 CPU work goes to the compiled kernel
-    (:mod:`rlhfkit.kernels`, with its own backward under autograd), the rest to PyTorch's."""
+    boolean (True = may attend) or additive. Every mask here is causal with the queries at the
+    last ``Tq`` of the ``Tk`` positions (a forward, a prompt, the responses after a shared
+    prompt, a decode step). Small float32 CPU work goes to the compiled kernel, larger work on
+    one thread under a boolean mask to the blocked one (:mod:`rlhfkit.kernels`, each with its own
+    backward under autograd), the rest to PyTorch's."""
+    if mask.dtype == torch.bool and mask.shape[2] == q.shape[2] and kernels.block_usable(q, k, v, mask):
+        return kernels.block_attention(q, k, v, mask[:, 0], scale)
     if kernels.worth_it(q, k, v):
         bias = mask[:, 0]  # [B, Tq|1, Tk]
         if bias.dtype == torch.bool:

@@ -433,6 +433,83 @@ int rlhfkit_decode_attend(const float *qkv, float *kv, const float *bias, float 
     return 0;
 }
 
+/* ------------------------------------------------------------------------------ blocked attention
+ *
+ * The element-wise steps of rlhfkit.kernels.block_attention, which computes attention for a
+ * block of m queries of G heads (rows head-major: row r is head r / m, query r % m) as two
+ * matrix products on oneDNN with these in between. s [rows, n] holds q . k over the block's
+ * first n keys; mask (bytes, nonzero = may attend) holds query i's row at mask + i * ms, every
+ * query allowed at least one key. */
+
+static inline i8 allowed8(const uint8_t *p) { /* 8 mask bytes as lanes of -1 (allowed) or 0 */
+    i8 r;
+    for (int k = 0; k < 8; k++) r[k] = p[k];
+    return r != 0;
+}
+
+/* forward (lse_in == 0): s becomes softmax(scale * s) over the allowed keys (0 elsewhere) and
+ * lse[r] its log-sum-exp; the backward's recompute (lse_in == 1): s becomes
+ * exp(scale * s - lse[r]) where allowed, 0 elsewhere */
+void rlhfkit_block_softmax(float *s, const uint8_t *mask, float *lse, int64_t G, int64_t m, int64_t n, int64_t ms,
+                           float scale, int lse_in)
+{
+    const v8 ninf = splat(-INFINITY), sc = splat(scale);
+    for (int64_t r = 0; r < G * m; r++) {
+        float *x = s + r * n;
+        const uint8_t *mk = mask + (r % m) * ms;
+        int64_t j = 0;
+        if (lse_in) {
+            const v8 l = splat(lse[r]);
+            for (; j + 8 <= n; j += 8) st(x + j, sel(allowed8(mk + j), exp8(ld(x + j) * sc - l), splat(0.f)));
+            for (; j < n; j++) x[j] = mk[j] ? expf(x[j] * scale - lse[r]) : 0.f;
+            continue;
+        }
+        v8 m8 = ninf;
+        for (; j + 8 <= n; j += 8) {
+            const v8 v = sel(allowed8(mk + j), ld(x + j) * sc, ninf);
+            st(x + j, v);
+            m8 = sel(v > m8, v, m8);
+        }
+        float top = hmax(m8);
+        for (; j < n; j++) {
+            x[j] = mk[j] ? x[j] * scale : -INFINITY;
+            top = x[j] > top ? x[j] : top;
+        }
+        const v8 t8 = splat(top);
+        v8 sum8 = splat(0.f);
+        for (j = 0; j + 8 <= n; j += 8) {
+            const v8 e = exp8(ld(x + j) - t8);
+            st(x + j, e);
+            sum8 += e;
+        }
+        float total = hsum(sum8);
+        for (; j < n; j++) {
+            x[j] = expf(x[j] - top);
+            total += x[j];
+        }
+        const float inv = 1.f / total;
+        const v8 i8v = splat(inv);
+        for (j = 0; j + 8 <= n; j += 8) st(x + j, ld(x + j) * i8v);
+        for (; j < n; j++) x[j] *= inv;
+        lse[r] = top + logf(total);
+    }
+}
+
+/* the backward through the softmax: dp [rows, n] (dO . v_j) becomes the scores' gradient
+ * scale * p * (dp - delta[r]), delta[r] = dO . O of the row; p 0 at masked keys */
+void rlhfkit_block_softmax_backward(float *dp, const float *p, const float *delta, int64_t rows, int64_t n, float scale)
+{
+    const v8 sc = splat(scale);
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = dp + r * n;
+        const float *pr = p + r * n;
+        const v8 d = splat(delta[r]);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) st(x + j, ld(pr + j) * (ld(x + j) - d) * sc);
+        for (; j < n; j++) x[j] = pr[j] * (x[j] - delta[r]) * scale;
+    }
+}
+
 /* ------------------------------------------------------------------------------ GELU
  *
  * gelu_tanh(x) = x (1 + tanh z) / 2 = x sigmoid(2z),  2z = c1 x + c3 x^3,  c1 = 2 sqrt(2 / pi),
