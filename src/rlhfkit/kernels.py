@@ -11,6 +11,9 @@ in one pass each:
 * :func:`gelu_tanh`: ``x * sigmoid(c1 x + c3 x^3)``, optionally writing the gate for a backward;
 * :func:`swiglu` / :func:`swiglu_backward`: a Llama MLP's ``silu(gate) * up`` and its gradients
   (recomputing the activation the forward did not keep) in one pass each;
+* :func:`block_attention`: at the other end, causal attention too large for the loop above, on
+  one thread: oneDNN products over blocks of queries, each with only the keys it may see, and
+  a compiled masked softmax between them (forward and backward);
 * :class:`Sampler`: tempered log-softmax, inverse-CDF draw, log-prob, entropy, EOS bookkeeping.
 
 Together they took the tiny rollout from 2.35x to ~3.3x ``transformers``' ``generate``
@@ -23,9 +26,10 @@ source, the compiler and its flags (AVX2 when ATen itself uses it), and loaded w
 ``RLHFKIT_KERNELS=0``, :func:`available` is False and every caller uses PyTorch's ops; results
 agree to rounding (~1e-7), as ``tests/test_kernels.py`` checks.
 
-Callers use them for float32 CPU tensors when the work is small enough (:func:`worth_it`):
-in generation, in the reference and reward forwards, and in training forwards, where the
-attention and the GELU run their compiled backward passes.
+Callers use them for float32 CPU tensors when the work is small enough (:func:`worth_it`;
+a decode step at any size on one thread) or, for :func:`block_attention`, large enough
+(:func:`block_usable`): in generation, in the reference and reward forwards, and in training
+forwards, where the attention and the GELU run their compiled backward passes.
 """
 from __future__ import annotations
 

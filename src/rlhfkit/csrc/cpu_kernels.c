@@ -1,6 +1,7 @@
 /* rlhfkit's compiled pieces, float32 on a CPU: softmax attention for short contexts (forward,
  * backward, and a decode step that also appends to the KV cache), the tanh-GELU and a Llama MLP's
- * SwiGLU gate (forward and backward each) and the sampling step of a rollout. Called through ctypes from rlhfkit/kernels.py,
+ * SwiGLU gate (forward and backward each), the masked softmax between the oneDNN products of
+ * the blocked causal attention, and the sampling step of a rollout. Called through ctypes from rlhfkit/kernels.py,
  * which compiles this file on first use and falls back to PyTorch when it cannot.
  *
  * At a small model's sizes PyTorch's CPU kernels spend more on set-up than on arithmetic:
