@@ -122,7 +122,7 @@ def test_lean_forwards_backwards_and_generation_through_onednn(name, onednn_call
     shared prompts) with every product of the float32 CPU forwards and input gradients on oneDNN."""
     if test_lean.DEV.type != "cpu":
         pytest.skip("oneDNN's linear is a CPU path")
-    test_lean.test_hidden_states_and_grads_match_transformers(name)
+    test_lean._hidden_states_and_grads_match_transformers(name)
     test_lean.test_generation_with_static_cache_matches_the_models_own_forward(name)
     test_lean.test_shared_prompt_forward_matches_the_full_forward(name, None, monkeypatch)
     assert len(onednn_calls) > 0
