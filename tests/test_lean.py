@@ -279,7 +279,9 @@ def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch)
     if flat == "blocks":
         threads = torch.get_num_threads()
         try:
-            _shared_prompt_forward_with_blocks(name, monkeypatch, policy_forward)
+            forced = []  # the live list of blocked-attention calls, once force_blocks has run
+            _shared_prompt_forward_matches(name, policy_forward, lambda: forced.append(force_blocks(monkeypatch)[0]))
+            assert forced[0]  # the shared path's attention ran in blocks
         finally:
             torch.set_num_threads(threads)
         return
@@ -288,29 +290,7 @@ def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch)
         monkeypatch.setattr(lean, "response_hidden_states",
                             functools.partial(lean.response_hidden_states, flat=flat))
 
-    model = MODELS[name]().train()
-    ids, mask = batch()
-    P = ids.shape[1]
-    order = torch.randperm(12, generator=torch.Generator().manual_seed(0)).to(DEV)
-    ids, mask = ids.repeat(3, 1)[order], mask.repeat(3, 1)[order]
-    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
-    resp_mask = torch.ones_like(resp)
-    resp_mask[0, 3:] = 0  # a response that ended early: padding after it
-    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, resp_mask], 1)
-    assert lean.shared_prompts(seq, seq_mask, P) is not None  # 4 distinct prompts in 12 rows
-    pos = position_ids_from_mask(seq_mask)
-    ref = lean.hidden_states(model, seq, seq_mask, pos)[:, P - 1 : -1]
-    ours, _ = policy_forward(model, seq, seq_mask, P)  # takes the shared path
-    ref_logits = model.get_output_embeddings()(ref)
-    valid = resp_mask.bool()
-    torch.testing.assert_close(ours[valid], ref_logits[valid], atol=1e-5, rtol=1e-5)
-    grads = []
-    for out in (ref_logits, ours):
-        model.zero_grad()
-        out[valid].logsumexp(-1).sum().backward(retain_graph=True)
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    _shared_prompt_forward_matches(name, policy_forward)
 
 
 @pytest.mark.parametrize("path", ["hf", "full", "two_streams", "flat"])
@@ -576,7 +556,9 @@ def test_gelu_down_both_branches_agree(gate_form, monkeypatch):
         torch.testing.assert_close(a, b)
 
 
-def _shared_prompt_forward_with_blocks(name, monkeypatch, policy_forward):
+def _shared_prompt_forward_matches(name, policy_forward, before_ours=None):
+    """The body of the shared-prompt test; ``before_ours`` runs between the reference (the
+    full forward) and the shared forward."""
     model = MODELS[name]().train()
     ids, mask = batch()
     P = ids.shape[1]
@@ -584,17 +566,18 @@ def _shared_prompt_forward_with_blocks(name, monkeypatch, policy_forward):
     ids, mask = ids.repeat(3, 1)[order], mask.repeat(3, 1)[order]
     resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
     resp_mask = torch.ones_like(resp)
-    resp_mask[0, 3:] = 0
+    resp_mask[0, 3:] = 0  # a response that ended early: padding after it
     seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, resp_mask], 1)
+    assert lean.shared_prompts(seq, seq_mask, P) is not None  # 4 distinct prompts in 12 rows
     pos = position_ids_from_mask(seq_mask)
-    ref = model.get_output_embeddings()(lean.hidden_states(model, seq, seq_mask, pos)[:, P - 1 : -1])
-    calls, _ = force_blocks(monkeypatch)
-    ours, _ = policy_forward(model, seq, seq_mask, P)
-    assert calls  # the shared path's attention ran in blocks
+    ref_logits = model.get_output_embeddings()(lean.hidden_states(model, seq, seq_mask, pos)[:, P - 1 : -1])
+    if before_ours is not None:
+        before_ours()
+    ours, _ = policy_forward(model, seq, seq_mask, P)  # takes the shared path
     valid = resp_mask.bool()
-    torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[valid], ref_logits[valid], atol=1e-5, rtol=1e-5)
     grads = []
-    for out in (ref, ours):
+    for out in (ref_logits, ours):
         model.zero_grad()
         out[valid].logsumexp(-1).sum().backward(retain_graph=True)
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
