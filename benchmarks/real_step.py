@@ -69,7 +69,10 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            head); CPU or GPU, not in the default rows
     rlhfkit_grpo_mkl       the first row with ``RLHFKIT_ONEDNN=0``: every float32 product on MKL
                            (PyTorch's ``F.linear`` / ``mm``, as TRL's run) instead of oneDNN
-                           (``rlhfkit.gemm``; CPU only, not in the default rows)
+                           (``rlhfkit.gemm``; CPU only, not in the default rows). On an Intel
+                           CPU this is the first row: rlhfkit keeps MKL there by default
+    rlhfkit_grpo_onednn    the first row with ``RLHFKIT_ONEDNN=1``: oneDNN's products (and the
+                           blocked attention) whatever the CPU; on an AMD one this is the first row
     trl_grpo               trl 1.16 GRPOTrainer: ``per_device_train_batch_size=MICRO``,
                            ``gradient_accumulation_steps=64/MICRO`` (one generation of 64 per
                            optimizer step), ``num_generations=G``, ``beta=0.3``,
@@ -208,6 +211,7 @@ NAMES = {
     "rlhfkit_ppo": "rlhfkit PPO",
     "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA",
     "rlhfkit_grpo_mkl": "rlhfkit GRPO, MKL products",
+    "rlhfkit_grpo_onednn": "rlhfkit GRPO, oneDNN products",
     "rlhfkit_grpo_keep": "rlhfkit GRPO, freed memory kept",
     "trl_grpo_compact_keep": "TRL, compl. pos., freed memory kept",
     "rlhfkit_grpo_thp": "rlhfkit GRPO, huge pages",
@@ -222,7 +226,8 @@ RATIOS = [
     ("rlhfkit_grpo", "trl_grpo_compact", "TRL scoring completion positions, as on a GPU"),
     ("rlhfkit_grpo_unshared", "trl_grpo_compact", "same positions through body and head: implementation"),
     ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "shared prompts, within rlhfkit"),
-    ("rlhfkit_grpo", "rlhfkit_grpo_mkl", "oneDNN's products against MKL's (TRL's), within rlhfkit"),
+    ("rlhfkit_grpo", "rlhfkit_grpo_mkl", "the default products against MKL's (TRL's), within rlhfkit (1 on Intel)"),
+    ("rlhfkit_grpo_onednn", "rlhfkit_grpo_mkl", "oneDNN's products against MKL's (TRL's), within rlhfkit"),
     ("rlhfkit_grpo_mkl", "trl_grpo_compact", "TRL scoring completion positions, both on MKL"),
     ("rlhfkit_grpo", "trl_grpo_compact_keep", "TRL scoring completion positions, its malloc keeping freed memory"),
     ("rlhfkit_grpo_keep", "rlhfkit_grpo", "malloc keeping freed memory, within rlhfkit"),
@@ -265,7 +270,7 @@ def row_spec(row: str) -> dict:
     lib, algo, *flags = row.split("_")
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
-            "offload": "offload" in flags, "mkl": "mkl" in flags, "keep": "keep" in flags,
+            "offload": "offload" in flags, "mkl": "mkl" in flags, "onednn": "onednn" in flags, "keep": "keep" in flags,
             "thp": "thp" in flags, "twopass": "twopass" in flags}
 
 
@@ -477,11 +482,11 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     from rlhfkit.config import ALGO_DEFAULTS, Config
 
     s = row_spec(row)
-    if s["mkl"]:  # float32 products on MKL, as PyTorch's own ops (and TRL) compute them
+    if s["mkl"] or s["onednn"]:  # MKL: as PyTorch's own ops (and TRL) compute them; oneDNN: on any CPU
         from rlhfkit import gemm
 
-        os.environ["RLHFKIT_ONEDNN"] = "0"
-        gemm._available = None
+        os.environ["RLHFKIT_ONEDNN"] = "1" if s["onednn"] else "0"
+        gemm.reset()
     B = wl["groups"] * wl["group_size"]
     out = Path(args.out) / f"step_{args.size}_{args.layers}l_{row}"
     shutil.rmtree(out, ignore_errors=True)

@@ -26,6 +26,7 @@ def onednn_calls(monkeypatch):
         return real(x, w, b)
 
     monkeypatch.setattr(gemm, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(gemm, "_enabled", True)  # whatever the CPU: on an Intel one MKL is the default
     monkeypatch.setattr(gemm, "_onednn", counted)
     return calls
 
@@ -79,13 +80,50 @@ def test_small_products_and_other_dtypes_stay_on_pytorch(monkeypatch):
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setattr(gemm, "_available", None)
     monkeypatch.setenv("RLHFKIT_ONEDNN", "0")
-    assert not gemm.available()
-    monkeypatch.setattr(gemm, "MIN_WEIGHT", 0)
-    monkeypatch.setattr(gemm, "_onednn", lambda *a: pytest.fail("oneDNN called"))
-    x, w = tensors((4, 8), (8, 8))
-    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+    gemm.reset()
+    try:
+        assert not gemm.available() and not gemm.enabled()
+        monkeypatch.setattr(gemm, "MIN_WEIGHT", 0)
+        monkeypatch.setattr(gemm, "_onednn", lambda *a: pytest.fail("oneDNN called"))
+        x, w = tensors((4, 8), (8, 8))
+        torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+    finally:
+        monkeypatch.undo()
+        gemm.reset()
+
+
+@pytest.mark.parametrize("vendor, setting, expected", [
+    ("AuthenticAMD", None, True), ("", None, True),  # MKL's generic code on AMD: oneDNN ~2x its rate
+    ("GenuineIntel", None, False), ("GenuineIntel", "auto", False),  # MKL's own kernels: faster than oneDNN's
+    ("GenuineIntel", "1", True), ("AuthenticAMD", "0", False)])
+def test_the_cpu_vendor_picks_the_library_unless_the_environment_does(monkeypatch, vendor, setting, expected):
+    from rlhfkit import kernels
+
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    if setting is None:
+        monkeypatch.delenv("RLHFKIT_ONEDNN", raising=False)
+    else:
+        monkeypatch.setenv("RLHFKIT_ONEDNN", setting)
+    gemm.reset()
+    threads = torch.get_num_threads()
+    try:
+        assert gemm.enabled() is expected
+        monkeypatch.setattr(gemm, "MIN_WEIGHT", 0)
+        calls = []
+        real = gemm._onednn
+        monkeypatch.setattr(gemm, "_onednn", lambda *a: calls.append(1) or real(*a))
+        x, w = tensors((4, 8), (8, 8))
+        torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+        assert bool(calls) is expected
+        if kernels.available():  # the blocked attention runs only where oneDNN's products do
+            torch.set_num_threads(1)
+            q, kv = torch.empty(1, 9, 511, 64), torch.empty(1, 3, 575, 64)
+            assert kernels.block_usable(q, kv, kv, torch.ones(1, 511, 575, dtype=torch.bool)) is expected
+    finally:
+        torch.set_num_threads(threads)
+        monkeypatch.undo()
+        gemm.reset()
 
 
 @pytest.mark.parametrize("with_res", [True, False])

@@ -77,10 +77,13 @@ def loss_grads(model, hiddens, valid) -> list[dict[str, torch.Tensor]]:
 def force_blocks(monkeypatch):
     """Route every boolean-mask attention of a forward to ``kernels.block_attention`` (one
     thread, no size floor), in blocks of 3 queries so that a tiny batch spans several."""
-    from rlhfkit import kernels
+    from rlhfkit import gemm, kernels
 
     if not kernels.available():
         pytest.skip("no C compiler: the blocked attention needs the compiled kernels")
+    if not gemm.available():
+        pytest.skip("this PyTorch build has no oneDNN linear: the blocked attention's products")
+    monkeypatch.setattr(gemm, "_enabled", True)  # whatever the CPU's vendor
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setattr(kernels, "MIN_BLOCK_SCORES", 0)

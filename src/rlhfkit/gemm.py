@@ -1,4 +1,4 @@
-"""Float32 linear layers on a CPU through oneDNN instead of MKL.
+"""Float32 linear layers on a CPU through oneDNN instead of MKL (by default on CPUs other than Intel's).
 
 PyTorch's CPU build computes a float32 ``F.linear`` / ``mm`` / ``addmm`` with MKL's sgemm. It
 also ships oneDNN, whose inner-product primitive ``torch.compile``'s CPU backend calls as
@@ -46,7 +46,8 @@ forwards and head, the reference and reward forwards, the training layers of
 :mod:`rlhfkit.lean` (forward, input and weight gradients) and the chunked log-prob head (its
 forward and input gradient; its weight gradient, summed chunk by chunk into one ``[V, H]``
 tensor, stays on ``addmm_`` in place, where oneDNN would need a ``[V, H]`` temporary a chunk).
-Anything else, or ``RLHFKIT_ONEDNN=0``, or a PyTorch built without oneDNN, uses PyTorch's own op.
+Anything else, an Intel CPU (unless ``RLHFKIT_ONEDNN=1``; :func:`enabled`), ``RLHFKIT_ONEDNN=0``,
+or a PyTorch built without oneDNN, uses PyTorch's own op.
 """
 from __future__ import annotations
 
@@ -67,6 +68,25 @@ import torch.nn.functional as F
 # projections, whose training and rollouts run hundreds to thousands.
 MIN_WEIGHT = 100_000
 _available: bool | None = None
+_enabled: bool | None = None
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string as Linux reports it (``GenuineIntel``, ``AuthenticAMD``), or ``""``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def reset() -> None:
+    """Read ``RLHFKIT_ONEDNN`` again on the next product (after changing it in this process)."""
+    global _available, _enabled
+    _available = _enabled = None
 
 
 def available() -> bool:
@@ -75,7 +95,7 @@ def available() -> bool:
     global _available
     if _available is None:
         _available = False
-        if os.environ.get("RLHFKIT_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available():
+        if os.environ.get("RLHFKIT_ONEDNN", "auto") != "0" and torch.backends.mkldnn.is_available():
             try:
                 x, w = torch.randn(3, 5), torch.randn(4, 5)
                 _available = bool(torch.allclose(_onednn(x, w, None), F.linear(x, w), atol=1e-5))
@@ -84,17 +104,33 @@ def available() -> bool:
     return _available
 
 
+def enabled() -> bool:
+    """Whether products take oneDNN's path here: :func:`available`, and the CPU not an Intel one
+    unless ``RLHFKIT_ONEDNN=1``. MKL picks its own fastest kernels on Intel CPUs; on an AMD one
+    it runs generic code at half oneDNN's rate (the tables above). On a 2-core Intel Xeon (CPU
+    family 6, model 207, AVX-512 and AMX; commit cf65421), one thread, SmolLM2's shapes, oneDNN
+    took 1.05-1.45x MKL's time for the forward and input-gradient products from 64 rows up and
+    1.1-2.2x for the weight gradient (medians of 11 interleaved rounds), so ``auto`` (unset)
+    keeps MKL there. ``RLHFKIT_ONEDNN=0`` turns oneDNN off everywhere, ``1`` on everywhere."""
+    global _enabled
+    if _enabled is None:
+        mode = os.environ.get("RLHFKIT_ONEDNN", "auto")
+        _enabled = available() and (mode == "1" or cpu_vendor() != "GenuineIntel")
+    return _enabled
+
+
 def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 def _fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Float32 on a CPU, a 2-D weight of at least ``MIN_WEIGHT`` elements, some rows, oneDNN here."""
+    """Float32 on a CPU, a 2-D weight of at least ``MIN_WEIGHT`` elements, some rows, oneDNN
+    :func:`enabled` here."""
     if not (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2 and x.numel()):
         return False
     if b is not None and b.dtype != torch.float32:
         return False
-    return w.numel() >= MIN_WEIGHT and available()
+    return w.numel() >= MIN_WEIGHT and enabled()
 
 
 def _tracked(*tensors: torch.Tensor | None) -> bool:

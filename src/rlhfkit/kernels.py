@@ -304,6 +304,10 @@ QUERY_BLOCK = 128  # queries of a head a block: their scores for 576 keys, 3 hea
 # over PyTorch's, forward / backward): 3 heads x 511 queries x 575 keys 0.43 / 0.44; 3 x 128 x 128
 # 0.78 / 0.78; 3 x 63 x 191 0.79 / 0.89; below, the Python around each block's three calls
 # costs more than it saves: 3 x 64 x 64 1.39 / 1.48, 1 x 63 x 191 (GPT-2's heads) 1.31 / 1.14.
+# On a 2-core Intel Xeon (CPU family 6, model 207; commit cf65421), where oneDNN's products
+# are slower than MKL's (rlhfkit.gemm.enabled), forward + backward at 8 rows x 3 x 511 x 575
+# took 1.27x PyTorch's time on oneDNN's products and 0.94x on MKL's (medians of 8 interleaved
+# rounds): no gain worth a second path, so the blocks run only where oneDNN's products do.
 MIN_BLOCK_SCORES = 1 << 15
 
 
@@ -311,14 +315,15 @@ def block_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """Whether :func:`block_attention` should compute ``q [B, H, Tq, D]`` over ``k, v [B, Hkv, Tk, D]``
     under the boolean ``mask``: float32 on a CPU, one thread, at least ``MIN_BLOCK_SCORES``
     scores a key head (``H / Hkv x Tq x Tk``: never the batch size, so a micro-batch computes
-    its rows as the whole batch would), oneDNN's products and the compiled kernels available."""
+    its rows as the whole batch would), oneDNN's products in use (:func:`rlhfkit.gemm.enabled`)
+    and the compiled kernels available."""
     from rlhfkit import gemm
 
     H, Tq = q.shape[1], q.shape[2]
     Hkv, Tk = k.shape[1], k.shape[2]
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and mask.dtype == torch.bool
             and torch.get_num_threads() == 1 and 0 < Hkv and H % Hkv == 0 and Tq <= Tk
-            and H // Hkv * Tq * Tk >= MIN_BLOCK_SCORES and gemm.available() and available())
+            and H // Hkv * Tq * Tk >= MIN_BLOCK_SCORES and gemm.enabled() and available())
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
