@@ -8,9 +8,11 @@ of the log-prob head), 512 and 1024 (an update micro-batch's shared prompts and 
 2048 (a prefill). Also the input
 gradient ``g @ W`` (the backward's product through the same weight) and, at 512 and 2048 rows,
 the weight gradient ``g.T @ x`` (``rlhfkit.gemm.grad_weight``). One thread, pinned with
-``--core``; each cell is the median of ``--rounds`` passes over the copies; the ratio is MKL's
-time over oneDNN's (above 1: oneDNN faster). rlhfkit uses oneDNN for weights of at least
-``rlhfkit.gemm.MIN_WEIGHT`` elements (576 x 576 and up here), whatever the rows.
+``--core``; MKL and oneDNN take turns pass by pass (alternating which goes first), each
+GFLOP/s is the median of ``--rounds`` passes over the copies and the ratio the median of the
+passes' ratios, MKL's time over oneDNN's (above 1: oneDNN faster). rlhfkit uses oneDNN for weights of at least
+``rlhfkit.gemm.MIN_WEIGHT`` elements (192 x 576 and up here), whatever the rows, on CPUs other than Intel's
+(``rlhfkit.gemm.enabled``).
 
     python benchmarks/cpu_gemm.py --core 1
 """
@@ -45,10 +47,24 @@ def timed(fn, inputs, weights, rounds: int) -> float:
     return statistics.median(per)
 
 
+def paired(mkl, onednn, inputs, weights, rounds: int) -> tuple[float, float, float]:
+    """MKL's median seconds a product, oneDNN's, and the median of the rounds' ratios (MKL over
+    oneDNN): the two take turns round by round, in alternating order, so that a machine whose
+    speed drifts between seconds (a shared VM) slows both alike."""
+    a, b, ratios = [], [], []
+    for r in range(rounds):
+        pair = (mkl, onednn) if r % 2 == 0 else (onednn, mkl)
+        t = {fn: timed(fn, inputs, weights, 1) for fn in pair}
+        a.append(t[mkl])
+        b.append(t[onednn])
+        ratios.append(t[mkl] / t[onednn])
+    return statistics.median(a), statistics.median(b), statistics.median(ratios)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--core", type=int, default=None)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=11)
     args = ap.parse_args()
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
@@ -67,17 +83,17 @@ def main() -> None:
                 continue
             x, g = torch.randn(M, K), torch.randn(M, N)
             flop = 2 * M * N * K / 1e9
-            a = timed(lambda x, w: F.linear(x, w), x, weights, args.rounds)
-            b = timed(lambda x, w: onednn(x, w, None), x, weights, args.rounds)
-            cells.append(f"{M}: {flop / a:.0f} -> {flop / b:.0f} ({a / b:.2f}x)")
+            a, b, ratio = paired(lambda x, w: F.linear(x, w), lambda x, w: onednn(x, w, None), x, weights,
+                                 args.rounds)
+            cells.append(f"{M}: {flop / a:.0f} -> {flop / b:.0f} ({ratio:.2f}x)")
             if M in (64, 1024):
-                a = timed(lambda g, w: torch.mm(g, w), g, weights, args.rounds)
-                b = timed(lambda g, w: onednn(g, w.t(), None), g, weights, args.rounds)
-                grads.append(f"{M}: {a / b:.2f}x")
+                ratio = paired(lambda g, w: torch.mm(g, w), lambda g, w: onednn(g, w.t(), None), g, weights,
+                               args.rounds)[2]
+                grads.append(f"{M}: {ratio:.2f}x")
             if M in (512, 2048) and copies > 1:  # the weight gradient: no weight read, one product
-                a = timed(lambda gx, _: gx[0].t() @ gx[1], (g, x), weights[:3], args.rounds)
-                b = timed(lambda gx, _: onednn(gx[0].t(), gx[1].t(), None), (g, x), weights[:3], args.rounds)
-                wgrads.append(f"{M}: {a / b:.2f}x")
+                ratio = paired(lambda gx, _: gx[0].t() @ gx[1], lambda gx, _: onednn(gx[0].t(), gx[1].t(), None),
+                               (g, x), weights[:3], args.rounds)[2]
+                wgrads.append(f"{M}: {ratio:.2f}x")
         print(f"{name:22s} " + "   ".join(cells) + "   | g @ W " + "  ".join(grads)
               + ("   | g.T @ x " + "  ".join(wgrads) if wgrads else ""), flush=True)
 
