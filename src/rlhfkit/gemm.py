@@ -26,10 +26,23 @@ MKL 2024.2, oneDNN 3.12):
 49152 x 576 (the head)   77 -> 184   84 -> 170
 =======================  ==========  ==========  ==========  ==========
 
+=======================  ==========  ==========  ==========  ==========
+2-core Intel Xeon        64 rows     341 rows    1024 rows   2048 rows
+(family 6, model 207,
+d8a2c52, the other core busy)
+=======================  ==========  ==========  ==========  ==========
+576 x 576 (q, o)         67 -> 57    89 -> 82    145 -> 128  120 -> 124
+1536 x 576 (gate, up)    80 -> 79    115 -> 104  130 -> 116  130 -> 120
+576 x 1536 (down)        92 -> 91    121 -> 132  125 -> 113  110 -> 101
+49152 x 576 (the head)   96 -> 108   81 -> 74
+=======================  ==========  ==========  ==========  ==========
+
 On the Zen 5 machine MKL stays near 105-115 GFLOP/s, about half of what oneDNN reaches there,
 and the same holds for the backward's products: the input gradient ``g @ W`` 1.8-2.3x faster
 on oneDNN, the weight gradient ``g.T @ x`` 1.7-2.1x (on the Zen 4 machine the weight gradient
-was about as fast in either library).
+was about as fast in either library). On the Intel machine MKL runs its own kernels: per pass,
+oneDNN's forward rate was 0.83-1.03x MKL's (1.11x only for the head at 64 rows), the input
+gradient 0.67-0.91x, the weight gradient 0.5-0.88x, so there rlhfkit keeps MKL (:func:`enabled`).
 
 Both accumulate in float32 (no reduced-precision arithmetic); results differ by rounding
 (about 1e-6 of the output's size), and each library's rows do not depend on how many rows are
