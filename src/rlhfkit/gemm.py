@@ -65,6 +65,7 @@ or a PyTorch built without oneDNN, uses PyTorch's own op.
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +86,8 @@ _enabled: bool | None = None
 
 
 def cpu_vendor() -> str:
-    """The CPU's vendor string as Linux reports it (``GenuineIntel``, ``AuthenticAMD``), or ``""``."""
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``) from Linux's ``/proc/cpuinfo``,
+    else from :func:`platform.processor` (Windows names the vendor there), or ``""``."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -93,7 +95,8 @@ def cpu_vendor() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return ""
+    name = platform.processor()
+    return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in name), "")
 
 
 def reset() -> None:
