@@ -10,9 +10,9 @@ gradient ``g @ W`` (the backward's product through the same weight) and, at 512 
 the weight gradient ``g.T @ x`` (``rlhfkit.gemm.grad_weight``). One thread, pinned with
 ``--core``; MKL and oneDNN take turns pass by pass (alternating which goes first), each
 GFLOP/s is the median of ``--rounds`` passes over the copies and the ratio the median of the
-passes' ratios, MKL's time over oneDNN's (above 1: oneDNN faster). rlhfkit uses oneDNN for weights of at least
-``rlhfkit.gemm.MIN_WEIGHT`` elements (192 x 576 and up here), whatever the rows, on CPUs other than Intel's
-(``rlhfkit.gemm.enabled``).
+passes' ratios, MKL's time over oneDNN's (above 1: oneDNN faster). rlhfkit uses oneDNN for
+weights of at least ``rlhfkit.gemm.MIN_WEIGHT`` elements (192 x 576 and up here), whatever the
+rows, on CPUs other than Intel's (``rlhfkit.gemm.enabled``).
 
     python benchmarks/cpu_gemm.py --core 1
 """

@@ -126,8 +126,8 @@ def enabled() -> bool:
     it runs generic code at half oneDNN's rate (the tables above). On a 2-core Intel Xeon (CPU
     family 6, model 207, AVX-512 and AMX; commit cf65421), one thread, SmolLM2's shapes, oneDNN
     took 1.05-1.45x MKL's time for the forward and input-gradient products from 64 rows up and
-    1.1-2.2x for the weight gradient (medians of 11 interleaved rounds), so ``auto`` (unset)
-    keeps MKL there. ``RLHFKIT_ONEDNN=0`` turns oneDNN off everywhere, ``1`` on everywhere."""
+    1.1-2.2x for the weight gradient (medians of 11 interleaved rounds, as
+    ``benchmarks/cpu_gemm.py`` now times them), so ``auto`` (unset) keeps MKL there. ``RLHFKIT_ONEDNN=0`` turns oneDNN off everywhere, ``1`` on everywhere."""
     global _enabled
     if _enabled is None:
         mode = os.environ.get("RLHFKIT_ONEDNN", "auto")
