@@ -12,6 +12,7 @@ them on a GPU (the lean path takes GPU-only branches there: fused q/k/v and gate
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import pytest
@@ -495,6 +496,50 @@ def test_training_layers_keep_fewer_activations_for_the_same_gradients(name, pat
     act = inner if name == "gpt2" and DEV.type != "cpu" else 2 * inner  # the MLP's intermediates not kept
     fewer = 4 * ((2 * C + act) * tokens * (L - 1) + C * tokens + (C + act) * last_mlp)  # float32 bytes
     assert kept[1] <= kept[0] - fewer, (kept, fewer)
+
+
+@pytest.mark.parametrize("path", ["full", "two_streams", "flat"])
+def test_pytorch_attention_keeps_one_additive_mask_per_forward_and_queries_without_keys(path, monkeypatch):
+    """Attention routed to PyTorch's (``F.scaled_dot_product_attention``) gets each boolean mask
+    of a forward as one additive mask made once (``lean._additive``), not one conversion per
+    layer kept for the backward: a 4-layer model keeps one mask (full forward) or three (the
+    shared prompts' streams: the prompts', the responses', the prompts' last column at the top)
+    where it kept one per layer and stream. On a CPU q and k are rotated apart, so the queries
+    attention keeps are not a view holding the keys' rows too. The values and gradients are the
+    other tests' (this forward against the model's own)."""
+    from rlhfkit import kernels
+
+    monkeypatch.setattr(kernels, "worth_it", lambda *a: False)  # PyTorch's attention at every size
+    monkeypatch.setattr(kernels, "block_usable", lambda *a: False)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    model = scramble(LlamaForCausalLM(cfg), 2).train()
+    ids, mask = batch()
+    P = ids.shape[1]
+    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # 4 groups of 3
+    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
+    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
+    pos = position_ids_from_mask(seq_mask)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if path == "full":
+            lean.hidden_states(model, seq, seq_mask, pos)
+        else:
+            lean.response_hidden_states(model, seq, seq_mask, pos, P, *lean.shared_prompts(seq, seq_mask, P),
+                                        flat=path == "flat")
+    masks = {t.untyped_storage().data_ptr() for t in saved
+             if t.dim() == 4 and t.shape[1] == 1 and t.is_floating_point() and ((t == 0) | (t == -math.inf)).all()}
+    assert len(masks) == (1 if path == "full" else 3)
+    if path == "full" and DEV.type == "cpu":  # every saved [B, heads, T, D] tensor owns its storage
+        heads = [t for t in saved if t.dim() == 4 and t.shape[1] in (4, 2) and t.shape[-1] == 8]
+        assert len(heads) >= 3 * 4  # q, keys, values of each layer
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in heads)
 
 
 def test_norm_linears_swiglu_down_and_gelu_down_gradients():

@@ -403,21 +403,37 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
 
 
-def _attend(q, k, v, mask, scale, groups: int) -> torch.Tensor:
+def _attend(q, k, v, mask, scale, groups: int, additive: dict | None = None) -> torch.Tensor:
     """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
     boolean (True = may attend) or additive. Every mask here is causal with the queries at the
     last ``Tq`` of the ``Tk`` positions (a forward, a prompt, the responses after a shared
     prompt, a decode step). Small float32 CPU work goes to the compiled kernel, larger work on
     one thread under a boolean mask to the blocked one (:mod:`rlhfkit.kernels`, each with its own
-    backward under autograd), the rest to PyTorch's."""
+    backward under autograd), the rest to PyTorch's.
+
+    ``additive``: a dict that lives as long as one forward through the layers; a boolean mask
+    the other two routes need as an additive one is converted once into it and reused by
+    every layer (:func:`_additive`)."""
     if mask.dtype == torch.bool and mask.shape[2] == q.shape[2] and kernels.block_usable(q, k, v, mask):
         return kernels.block_attention(q, k, v, mask[:, 0], scale)
+    if mask.dtype == torch.bool:
+        mask = _additive(mask, q.dtype, {} if additive is None else additive)
     if kernels.worth_it(q, k, v):
-        bias = mask[:, 0]  # [B, Tq|1, Tk]
-        if bias.dtype == torch.bool:
-            bias = torch.zeros(bias.shape, dtype=q.dtype).masked_fill_(~bias, float("-inf"))
-        return kernels.attention(q, k, v, bias, scale)  # [B, H, Tq, D], a view of [B, Tq, H, D]
+        return kernels.attention(q, k, v, mask[:, 0], scale)  # [B, H, Tq, D], a view of [B, Tq, H, D]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype, memo: dict) -> torch.Tensor:
+    """The boolean ``mask`` as an additive one (0 attend, -inf never), made once per ``memo``.
+    PyTorch's attention would convert a boolean mask itself, the same way (bit for bit), on
+    every call, and keep each layer's conversion for the backward: at the reasoning update's
+    micro-batch (8 rows x 511 response queries x 575 keys, 30 layers) that was 270 MiB of
+    identical float masks. The memo holds the boolean mask too, so its ``id`` cannot be reused."""
+    hit = memo.get(id(mask))
+    if hit is None or hit[0] is not mask or hit[1].dtype != dtype:
+        hit = memo[id(mask)] = (mask, torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+                                .masked_fill_(~mask, float("-inf")))
+    return hit[1]
 
 
 def _full_mask(attention_mask: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -513,6 +529,11 @@ class _Arch:
             if _lean_training(x, layer[0][0]):  # the normalised rows are not kept for the backward
                 q, k, v = _NormLinears.apply(x.reshape(B * T, C), layer[0][0], None, layer[0][1], False,
                                              *(t for wb in layer[1] for t in wb))
+                if x.device.type == "cpu":  # rotated apart: attention keeps q for the backward, and a
+                    # view of a joint q-and-k tensor would keep k's rows alive with it (on SmolLM2 a
+                    # quarter more; the keys it uses are a copy). The same arithmetic element by element.
+                    return (_rope(q.view(B, T, H, D).transpose(1, 2), *rope),
+                            _rope(k.view(B, T, Hkv, D).transpose(1, 2), *rope), v.view(B, T, Hkv, D).transpose(1, 2))
             else:
                 h = _rms_norm(layer[0], x)
                 q, k, v = (gemm.linear(h, w, b) for w, b in layer[1])
@@ -564,11 +585,11 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     arch = _Arch(model)
     x = arch.embed(input_ids, position_ids)
     rope = arch.rope(x, position_ids)
-    mask = _full_mask(attention_mask)
+    mask, additive = _full_mask(attention_mask), {}
 
     def step(i, layer, x):
         q, k, v = arch.qkv(layer, x, rope)
-        return arch.finish_layer(layer, x, _attend(q, k, v, mask, arch.scale, arch.groups))
+        return arch.finish_layer(layer, x, _attend(q, k, v, mask, arch.scale, arch.groups, additive))
 
     x, = _run_layers(arch, step, (x,))
     return arch.final_norm(x)
@@ -655,7 +676,7 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
                         torch.cat([pos_p.flatten(), pos_r.flatten()])).split([pos_p.numel(), pos_r.numel()])
     xp, xr = xp.view(*pos_p.shape, -1), xr.view(*pos_r.shape, -1)  # [U, P, H], [B, T_in - P, H]
     rope_p, rope_r = arch.rope(xp, pos_p), arch.rope(xr, pos_r)
-    last = len(arch.layers) - 1
+    last, additive = len(arch.layers) - 1, {}
 
     def step(i, layer, xp, xr):
         qp, kp, vp = arch.qkv(layer, xp, rope_p)
@@ -665,8 +686,8 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
         mp = mask_p
         if i == last:  # the prompt's last column is all that is still needed from it
             qp, xp, mp = qp[:, :, -1:], xp[:, -1:], mp[:, :, -1:]
-        return (arch.finish_layer(layer, xp, _attend(qp, kp, vp, mp, arch.scale, arch.groups)),
-                arch.finish_layer(layer, xr, _attend(qr, keys, values, mask_r, arch.scale, arch.groups)))
+        return (arch.finish_layer(layer, xp, _attend(qp, kp, vp, mp, arch.scale, arch.groups, additive)),
+                arch.finish_layer(layer, xr, _attend(qr, keys, values, mask_r, arch.scale, arch.groups, additive)))
 
     xp, xr = _run_layers(arch, step, (xp, xr))
     hp = arch.final_norm(xp[:, -1]).index_select(0, rows)  # [B, H]: the state at column P-1
@@ -684,7 +705,7 @@ def _shared_flat(arch: _Arch, input_ids: torch.Tensor, position_ids: torch.Tenso
             for t in (input_ids, position_ids)]  # [1, N]: the distinct prompts, then the responses
     x = arch.embed(*flat)  # [1, N, H]
     rope = arch.rope(x, flat[1])
-    last = len(arch.layers) - 1
+    last, additive = len(arch.layers) - 1, {}
 
     def step(i, layer, x):
         # [1, heads, N, D] -> [U, heads, P, D] and [B, heads, R, D] views (split: its backward is one cat)
@@ -698,8 +719,8 @@ def _shared_flat(arch: _Arch, input_ids: torch.Tensor, position_ids: torch.Tenso
             qp, mp = qp[:, :, -1:], mp[:, :, -1:]
             xp, xr = x.squeeze(0).split([n_p, B * R])
             x = torch.cat([xp.unflatten(0, (U, P))[:, -1], xr])[None]  # [1, U + B*R, H]
-        a = torch.cat([_attend(qp, kp, vp, mp, arch.scale, arch.groups).transpose(1, 2).flatten(0, 1),
-                       _attend(qr, keys, values, mask_r, arch.scale, arch.groups).transpose(1, 2).flatten(0, 1)])
+        a = torch.cat([_attend(qp, kp, vp, mp, arch.scale, arch.groups, additive).transpose(1, 2).flatten(0, 1),
+                       _attend(qr, keys, values, mask_r, arch.scale, arch.groups, additive).transpose(1, 2).flatten(0, 1)])
         return arch.finish_tokens(layer, x, a.flatten(1))  # a: [tokens, heads * D]
 
     x, = _run_layers(arch, step, (x,))
