@@ -69,7 +69,7 @@ from ..rewards import Reward, build_reward, other_tokenizer
 from ..rollout import Rollout, decode_responses, eos_token_ids, generate
 from ..tasks import get_task
 from ..trajectories import TrajectoryWriter
-from ..utils import UpdateGuard, cut_file, file_size, mean_stats
+from ..utils import UpdateGuard, cut_file, file_size, mean_stats, release_free_memory
 from .common import Engine, Run
 
 
@@ -570,10 +570,12 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
             moments.to_host()
         # step 1. rollout: grpo / rloo take each prompt G times in a row, the grouping the baselines expect
         records = shard.take([r for r in data.train.batch(pc.batch_size // repeats) for _ in range(repeats)])
+        release_free_memory()  # each phase's peak resident set its own, not the last phase's freed heap
         roll, episode = rollout(run, ac, train_ac, tok, records, step, max_new_tokens, env)
         fault_point("rollout", step)
         t1 = time.perf_counter()
         # step 2. experience: scores, reference log-probs, values -> advantages and returns
+        release_free_memory()
         with full_weights(train_ac, ref, *scorer.models):  # FSDP: the forwards below call the modules themselves
             exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
         stats = shard.mean({**stats, **episode}, maxed=("policy/logprob_gap",))
@@ -585,6 +587,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         train_exp = exp if exp.loss_rows is None else exp.select(exp.loss_rows)
         if moments is not None:
             moments.to_device()
+        release_free_memory()
         if len(train_exp.input_ids):  # none kept: no update this step
             stats.update(mean_stats(ppo_update(ac, optimizer, train_exp, local_pc, st.kl_coef, update_policy=not warm,
                                                engine=warm_engine if warm else engine,
