@@ -63,6 +63,16 @@ def batch():
     return enc["input_ids"].to(DEV), enc["attention_mask"].to(DEV)
 
 
+def grouped_batch():
+    """:func:`batch`'s prompts as 4 groups of 3 rows, each row with its own 5 response tokens:
+    ``(seq, seq_mask, position_ids, prompt_len, responses)``."""
+    ids, mask = batch()
+    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
+    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
+    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
+    return seq, seq_mask, position_ids_from_mask(seq_mask), ids.shape[1], resp
+
+
 def loss_grads(model, hiddens, valid) -> list[dict[str, torch.Tensor]]:
     """For each of ``hiddens`` (two forwards of ``model``), the gradients of one random projection
     of the valid positions' states, by parameter name."""
@@ -358,12 +368,7 @@ def test_checkpointing_keeps_values_and_gradients_and_drops_activations(name, pa
 
     plain, ckpt = MODELS[name]().train(), enable_gradient_checkpointing(MODELS[name]()).train()
     assert lean.supported(ckpt)
-    ids, mask = batch()
-    P = ids.shape[1]
-    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # 4 groups of 3
-    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
-    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
-    pos = position_ids_from_mask(seq_mask)
+    seq, seq_mask, pos, P, resp = grouped_batch()
     shared = lean.shared_prompts(seq, seq_mask, P)
 
     def forward(model):
@@ -457,12 +462,7 @@ def test_training_layers_keep_fewer_activations_for_the_same_gradients(name, pat
     ``F.gelu``, one op keeping its input; on a CPU it is the sigmoid-gate form, which keeps its
     gate too), so there the saving is ``2 hidden + intermediate``."""
     model = MODELS[name]().train()
-    ids, mask = batch()
-    P = ids.shape[1]
-    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # 4 groups of 3
-    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
-    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
-    pos = position_ids_from_mask(seq_mask)
+    seq, seq_mask, pos, P, resp = grouped_batch()
     shared = lean.shared_prompts(seq, seq_mask, P)
 
     def forward():
@@ -515,12 +515,7 @@ def test_pytorch_attention_keeps_one_additive_mask_per_forward_and_queries_witho
     cfg = LlamaConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
     model = scramble(LlamaForCausalLM(cfg), 2).train()
-    ids, mask = batch()
-    P = ids.shape[1]
-    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # 4 groups of 3
-    resp = torch.randint(3, len(TOK), (12, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
-    seq, seq_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
-    pos = position_ids_from_mask(seq_mask)
+    seq, seq_mask, pos, P, resp = grouped_batch()
     saved = []
 
     def pack(t):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import os
@@ -28,7 +30,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-_LIBC = None
+@functools.cache
+def _glibc():
+    """glibc with ``malloc_trim`` typed, or None (not Linux, or another C library: musl has none)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def release_free_memory() -> None:
@@ -40,20 +52,9 @@ def release_free_memory() -> None:
     GiB of holes on a 2-core Intel Xeon), and the pages are faulted in again where the next
     phase reuses them. After every micro-batch too it would cap the update's peak lower, but
     that re-faulting cost about 10% of the update's time (``benchmarks/README.md``)."""
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                libc = ctypes.CDLL("libc.so.6")
-                libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-                _LIBC = libc
-            except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-                pass
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def resolve_device(name: str) -> torch.device:
