@@ -257,3 +257,36 @@ def test_the_rl_loop_releases_free_memory_before_each_phase(tiny_models, tiny_co
     rl.train_rl(cfg)
     phases = ["release", "rollout", "release", "make_experience", "release", "ppo_update"]
     assert calls == phases * 2, calls
+
+
+def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused_ones_none():
+    """The update's gradients go to one buffer off the heap: bit for bit the sums autograd makes
+    without it, over three micro-batches; a parameter no loss reaches keeps ``.grad`` None (so the
+    optimizer skips it, as without the buffer); FSDP and DeepSpeed opt out."""
+    from rlhfkit.utils import gradient_buffer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    unused = torch.nn.Parameter(torch.randn(4))
+    params = [*model.parameters(), unused]
+    xs = [torch.randn(7, 6) for _ in range(3)]
+
+    def grads(buffered: bool, enabled: bool = True):
+        for p in params:
+            p.grad = None
+        with gradient_buffer(params, enabled=enabled) if buffered else contextlib.nullcontext():
+            for x in xs:
+                model(x).square().mean().backward()
+        return [None if p.grad is None else p.grad.clone() for p in params], {p.grad.untyped_storage().data_ptr()
+                                                                             for p in params if p.grad is not None}
+
+    plain, plain_storages = grads(False)
+    buffered, storages = grads(True)
+    assert buffered[-1] is None and plain[-1] is None
+    assert all(torch.equal(a, b) for a, b in zip(plain[:-1], buffered[:-1]))
+    assert len(plain_storages) == 4 and len(storages) == 1  # one block each without the buffer, one in all with it
+    _, opted_out = grads(True, enabled=False)
+    assert len(opted_out) == 4
+    before = [p.grad for p in model.parameters()]
+    model(xs[0]).sum().backward()  # after the block: autograd's own accumulation, into the same tensors
+    assert all(p.grad is g for p, g in zip(model.parameters(), before))

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -353,3 +354,42 @@ def test_overlong_penalty_lands_in_the_scores_after_the_missing_eos_penalty():
     torch.testing.assert_close(score, torch.tensor([1.0, 2.0 - 0.75, 3.0 - 0.25 - 1.5]))
     _, plain, _ = final_scores(scorer, roll, dataclasses.replace(pc, overlong_buffer=0), None, Shard())
     torch.testing.assert_close(plain, torch.tensor([1.0, 2.0, 2.75]))
+
+
+def _update_with_grad_storages(value_model: str, pc):
+    """One ``ppo_update`` from the same rollout; the trained weights after it and, for each
+    optimizer step, the set of storages its gradients live in."""
+    ac, ref, rm = _setup(value_model)
+    ids, mask = prompts(16, seed=6)
+    torch.manual_seed(6)
+    roll = generate(ac.policy, ids, mask, 6, TOK.eos_token_id, TOK.pad_token_id)
+    exp, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-2},
+                             {"params": ac.critic_parameters(), "lr": 1e-2}])
+    storages, real_step = [], opt.step
+
+    def step():
+        storages.append({p.grad.untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]
+                         if p.grad is not None})
+        real_step()
+
+    opt.step = step
+    ppo_update(ac, opt, exp, pc, pc.kl_coef, generator=torch.Generator().manual_seed(0))
+    return [p.detach().clone() for p in ac.parameters()], storages
+
+
+@pytest.mark.parametrize("value_model", ["separate", "shared"])
+def test_update_with_the_gradient_buffer_moves_the_weights_as_autograds_own_gradients_do(value_model, monkeypatch):
+    """``ppo_update`` keeps the CPU gradients in one buffer (``utils.gradient_buffer``); the trained
+    weights after a whole update (2 epochs x 2 minibatches x 2 micro-batches) are bit for bit
+    those of the same update with autograd's own gradients, and every gradient the optimizer
+    steps with lives in that one buffer."""
+    import rlhfkit.trainers.rl as rl
+
+    pc = Config().replace(ppo={"batch_size": 16, "minibatch_size": 8, "micro_batch_size": 4, "ppo_epochs": 2}).ppo
+    weights, storages = _update_with_grad_storages(value_model, pc)
+    monkeypatch.setattr(rl, "gradient_buffer", lambda params, enabled=True: contextlib.nullcontext())
+    plain, plain_storages = _update_with_grad_storages(value_model, pc)
+    assert len(storages) == 4 and all(len(s) == 1 for s in storages)
+    assert all(len(s) > 1 for s in plain_storages)
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain))

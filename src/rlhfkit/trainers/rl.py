@@ -69,7 +69,7 @@ from ..rewards import Reward, build_reward, other_tokenizer
 from ..rollout import Rollout, decode_responses, eos_token_ids, generate
 from ..tasks import get_task
 from ..trajectories import TrajectoryWriter
-from ..utils import UpdateGuard, cut_file, file_size, mean_stats, release_free_memory
+from ..utils import UpdateGuard, cut_file, file_size, gradient_buffer, mean_stats, release_free_memory
 from .common import Engine, Run
 
 
@@ -235,31 +235,35 @@ def ppo_update(
     micro = pc.micro_batch_size
     all_stats = []
     order = None
-    for _ in range(pc.ppo_epochs):
-        if order is None or pc.minibatch_draw == "epoch":  # 'rollout': one partition, kept for every epoch
-            order = minibatch_order(B, G, generator)
-        for rows in order.split(M):
-            mb = shard.local_rows(rows, b).to(exp.input_ids.device)
-            most = max(shard.rows_per_process(rows, b))
-            weight = shard.token_weight(exp.response_mask[mb])  # 1 with one process
-            # the loss's own unit (tokens or rows: core.aggregation_count); the token weight's for a token mean
-            loss_weight = shard.count_weight(aggregation_count(exp.response_mask[mb], pc.loss_type)) \
-                if AGGREGATIONS[pc.loss_type].unit != "tokens" else weight
-            optimizer.zero_grad(set_to_none=True)
-            # no optimizer step yet on the first minibatch: the gap is to the policy that sampled
-            gap = logprob_gap and not all_stats
-            step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, loss_weight,
-                                     gap)
-            n_passes = -(-most // micro) if micro else 1
-            loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",), passes=n_passes)
-            # every term is a token mean over the response mask but the gap
-            stats = shard.mean(stats, weight, maxed=("policy/logprob_gap",))
-            stats["policy/grad_norm"] = engine.clip(ac.policy.parameters(), pc.max_grad_norm)
-            if ac.has_critic:
-                stats["value/grad_norm"] = engine.clip(ac.critic_parameters(), pc.max_grad_norm)
-            if engine.guard.ok(loss, stats["policy/grad_norm"], stats.get("value/grad_norm", 0.0)):
-                optimizer.step()
-            all_stats.append(stats)
+    # CPU: the gradients in one buffer off the C heap, so they do not pin the activations' holes
+    # (not where the engine places them itself)
+    own_grads = getattr(engine.accelerator, "distributed_type", "NO") not in ("FSDP", "DEEPSPEED")
+    with gradient_buffer((p for group in optimizer.param_groups for p in group["params"]), enabled=own_grads):
+        for _ in range(pc.ppo_epochs):
+            if order is None or pc.minibatch_draw == "epoch":  # 'rollout': one partition, kept for every epoch
+                order = minibatch_order(B, G, generator)
+            for rows in order.split(M):
+                mb = shard.local_rows(rows, b).to(exp.input_ids.device)
+                most = max(shard.rows_per_process(rows, b))
+                weight = shard.token_weight(exp.response_mask[mb])  # 1 with one process
+                # the loss's own unit (tokens or rows: core.aggregation_count); the token weight's for a token mean
+                loss_weight = shard.count_weight(aggregation_count(exp.response_mask[mb], pc.loss_type)) \
+                    if AGGREGATIONS[pc.loss_type].unit != "tokens" else weight
+                optimizer.zero_grad(set_to_none=True)
+                # no optimizer step yet on the first minibatch: the gap is to the policy that sampled
+                gap = logprob_gap and not all_stats
+                step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, loss_weight,
+                                         gap)
+                n_passes = -(-most // micro) if micro else 1
+                loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",), passes=n_passes)
+                # every term is a token mean over the response mask but the gap
+                stats = shard.mean(stats, weight, maxed=("policy/logprob_gap",))
+                stats["policy/grad_norm"] = engine.clip(ac.policy.parameters(), pc.max_grad_norm)
+                if ac.has_critic:
+                    stats["value/grad_norm"] = engine.clip(ac.critic_parameters(), pc.max_grad_norm)
+                if engine.guard.ok(loss, stats["policy/grad_norm"], stats.get("value/grad_norm", 0.0)):
+                    optimizer.step()
+                all_stats.append(stats)
     # the last step's gradients are spent: free them now rather than at the next update's first
     # minibatch, so the rollout and the reference forward between updates do not hold a copy
     # of the trained weights' size (TRL's Trainer frees them after each step the same way)
