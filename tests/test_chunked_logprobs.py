@@ -287,6 +287,7 @@ class _Recorder:
 
     def __init__(self, params):
         self.params, self.steps = list(params), []
+        self.param_groups = [{"params": self.params}]  # what ppo_update reads of an optimizer besides these calls
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:

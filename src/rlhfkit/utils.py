@@ -72,11 +72,11 @@ def gradient_buffer(params, enabled: bool = True):
     is a separate heap block placed among the activations' holes during the first
     micro-batch's backward; alive until the optimizer step, they keep the next micro-batches
     from packing their activations where those holes were, and the heap, and the resident
-    set, grows (about 0.55 GiB of the update's peak on SmolLM2-135M at 512-token
-    completions, ``benchmarks/README.md``). Only plain CPU tensors take part: FSDP's sharded
-    parameters and GPU tensors (whose caching allocator reuses freed blocks itself) keep their
-    own gradients, and so do all of them when ``enabled`` is false (engines that own the
-    gradients: FSDP, DeepSpeed)."""
+    set, grows (the update's peak on SmolLM2-135M's GRPO step with 512-token completions went
+    from 9062 to 8165 MiB with the buffer, ``benchmarks/README.md``). Only plain CPU tensors
+    take part: FSDP's sharded parameters and GPU tensors (whose caching allocator reuses freed
+    blocks itself) keep their own gradients, and so do all of them when ``enabled`` is false
+    (engines that own the gradients: FSDP, DeepSpeed)."""
     params = [p for p in params if enabled and p.requires_grad and p.device.type == "cpu" and type(p.data) is torch.Tensor
               and p.layout == torch.strided]
     sizes: dict[torch.dtype, int] = {}
