@@ -63,21 +63,10 @@ def _poison(fn, bad_calls, calls: list):
 
 
 def _ppo_setup():
-    from rlhfkit.experience import make_experience
-    from rlhfkit.rewards import reward_model_scorer
-    from rlhfkit.rollout import generate
-    from rlhfkit.tasks import doubling
-    from test_ppo import _setup, prompts
+    from test_ppo import update_inputs
 
-    tok = doubling.make_tokenizer()
-    ac, ref, rm = _setup("separate")
     pc = Config().replace(ppo={"minibatch_size": 4}).ppo
-    ids, mask = prompts(16, seed=6)
-    torch.manual_seed(6)
-    roll = generate(ac.policy, ids, mask, 6, tok.eos_token_id, tok.pad_token_id)
-    exp, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
-    opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-2},
-                             {"params": ac.critic_parameters(), "lr": 1e-2}])
+    ac, exp, opt = update_inputs("separate", pc)
     return ac, exp, pc, opt
 
 

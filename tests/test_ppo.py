@@ -356,9 +356,9 @@ def test_overlong_penalty_lands_in_the_scores_after_the_missing_eos_penalty():
     torch.testing.assert_close(plain, torch.tensor([1.0, 2.0, 2.75]))
 
 
-def _update_with_grad_storages(value_model: str, pc):
-    """One ``ppo_update`` from the same rollout; the trained weights after it and, for each
-    optimizer step, the set of storages its gradients live in."""
+def update_inputs(value_model: str, pc):
+    """The same rollout's experience every call, and a fresh AdamW: ``(ac, exp, optimizer)``
+    for one ``ppo_update``."""
     ac, ref, rm = _setup(value_model)
     ids, mask = prompts(16, seed=6)
     torch.manual_seed(6)
@@ -366,6 +366,13 @@ def _update_with_grad_storages(value_model: str, pc):
     exp, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
     opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-2},
                              {"params": ac.critic_parameters(), "lr": 1e-2}])
+    return ac, exp, opt
+
+
+def _update_with_grad_storages(value_model: str, pc):
+    """One ``ppo_update`` from the same rollout; the trained weights after it and, for each
+    optimizer step, the set of storages its gradients live in."""
+    ac, exp, opt = update_inputs(value_model, pc)
     storages, real_step = [], opt.step
 
     def step():
