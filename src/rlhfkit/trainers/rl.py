@@ -69,7 +69,15 @@ from ..rewards import Reward, build_reward, other_tokenizer
 from ..rollout import Rollout, decode_responses, eos_token_ids, generate
 from ..tasks import get_task
 from ..trajectories import TrajectoryWriter
-from ..utils import UpdateGuard, cut_file, file_size, gradient_buffer, mean_stats, release_free_memory
+from ..utils import (
+    UpdateGuard,
+    cut_file,
+    file_size,
+    gradient_buffer,
+    mean_stats,
+    release_free_memory,
+    tensors_off_heap,
+)
 from .common import Engine, Run
 
 
@@ -238,7 +246,10 @@ def ppo_update(
     # CPU: the gradients in one buffer off the C heap, so they do not pin the activations' holes
     # (not where the engine places them itself)
     own_grads = getattr(engine.accelerator, "distributed_type", "NO") not in ("FSDP", "DEEPSPEED")
-    with gradient_buffer((p for group in optimizer.param_groups for p in group["params"]), enabled=own_grads):
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    # CPU: the activations off the C heap too, so what a micro-batch frees is not kept as holes
+    on_cpu = any(p.device.type == "cpu" for p in trained)
+    with gradient_buffer(trained, enabled=own_grads), tensors_off_heap(enabled=on_cpu):
         for _ in range(pc.ppo_epochs):
             if order is None or pc.minibatch_draw == "epoch":  # 'rollout': one partition, kept for every epoch
                 order = minibatch_order(B, G, generator)
