@@ -400,3 +400,22 @@ def test_update_with_the_gradient_buffer_moves_the_weights_as_autograds_own_grad
     assert len(storages) == 4 and all(len(s) == 1 for s in storages)
     assert all(len(s) > 1 for s in plain_storages)
     assert all(torch.equal(a, b) for a, b in zip(weights, plain))
+
+
+def test_update_off_heap_is_asked_for_and_moves_the_weights_as_the_default_update_does(monkeypatch):
+    """``ppo.update_off_heap`` turns :func:`rlhfkit.utils.tensors_off_heap` on for the update (off
+    by default); where the tensors live does not change the arithmetic: bit for bit the same weights."""
+    import rlhfkit.trainers.rl as rl
+
+    asked, real = [], rl.tensors_off_heap
+
+    def recording(enabled=True):
+        asked.append(enabled)
+        return real(enabled=enabled)
+
+    monkeypatch.setattr(rl, "tensors_off_heap", recording)
+    pc = Config().replace(ppo={"batch_size": 16, "minibatch_size": 8, "micro_batch_size": 4, "ppo_epochs": 2}).ppo
+    default, _ = _update_with_grad_storages("separate", pc)
+    off_heap, _ = _update_with_grad_storages("separate", dataclasses.replace(pc, update_off_heap=True))
+    assert asked == [False, True]
+    assert all(torch.equal(a, b) for a, b in zip(default, off_heap))

@@ -247,9 +247,9 @@ def ppo_update(
     # (not where the engine places them itself)
     own_grads = getattr(engine.accelerator, "distributed_type", "NO") not in ("FSDP", "DEEPSPEED")
     trained = [p for group in optimizer.param_groups for p in group["params"]]
-    # CPU: the activations off the C heap too, so what a micro-batch frees is not kept as holes
-    on_cpu = any(p.device.type == "cpu" for p in trained)
-    with gradient_buffer(trained, enabled=own_grads), tensors_off_heap(enabled=on_cpu):
+    # CPU, on request: the activations off the C heap too, so what a micro-batch frees is not kept as holes
+    off_heap = pc.update_off_heap and any(p.device.type == "cpu" for p in trained)
+    with gradient_buffer(trained, enabled=own_grads), tensors_off_heap(enabled=off_heap):
         for _ in range(pc.ppo_epochs):
             if order is None or pc.minibatch_draw == "epoch":  # 'rollout': one partition, kept for every epoch
                 order = minibatch_order(B, G, generator)
