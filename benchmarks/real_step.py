@@ -67,6 +67,10 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            loss computed from the chunked head's log-probs, whose backward builds
                            each chunk's logits again (rlhfkit before commit e95660e, and TRL's
                            head); CPU or GPU, not in the default rows
+    rlhfkit_grpo_offheap   the first row with ``ppo.update_off_heap=true``: during the update every
+                           tensor of 1 MiB or more mapped on its own and handed back when freed
+                           (glibc; CPU only, not in the default rows). ``rlhfkit_grpo_offheap_thp``
+                           adds ``THP_MEM_ALLOC_ENABLE=1`` (below)
     rlhfkit_grpo_mkl       the first row with ``RLHFKIT_ONEDNN=0``: every float32 product on MKL
                            (PyTorch's ``F.linear`` / ``mm``, as TRL's run) instead of oneDNN
                            (``rlhfkit.gemm``; CPU only, not in the default rows). On an Intel
@@ -217,6 +221,8 @@ NAMES = {
     "rlhfkit_grpo_thp": "rlhfkit GRPO, huge pages",
     "trl_grpo_compact_thp": "TRL, compl. pos., huge pages",
     "rlhfkit_grpo_twopass": "rlhfkit GRPO, loss after the head",
+    "rlhfkit_grpo_offheap": "rlhfkit GRPO, update off the heap",
+    "rlhfkit_grpo_offheap_thp": "rlhfkit GRPO, off heap, huge pages",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -232,6 +238,9 @@ RATIOS = [
     ("rlhfkit_grpo", "trl_grpo_compact_keep", "TRL scoring completion positions, its malloc keeping freed memory"),
     ("rlhfkit_grpo_keep", "rlhfkit_grpo", "malloc keeping freed memory, within rlhfkit"),
     ("rlhfkit_grpo", "rlhfkit_grpo_twopass", "the loss inside the head (logits built once), within rlhfkit"),
+    ("rlhfkit_grpo_offheap", "rlhfkit_grpo", "the update's tensors off the heap, within rlhfkit"),
+    ("rlhfkit_grpo_offheap_thp", "rlhfkit_grpo_offheap", "huge pages for the update's tensors off the heap"),
+    ("rlhfkit_grpo_offheap", "trl_grpo_compact_ckpt", "rlhfkit's update off the heap, TRL at its defaults as on a GPU"),
     ("trl_grpo_compact_keep", "trl_grpo_compact", "malloc keeping freed memory, within TRL"),
     ("rlhfkit_grpo_thp", "trl_grpo_compact_thp", "both on huge pages, TRL scoring completion positions"),
     ("rlhfkit_grpo_thp", "rlhfkit_grpo", "huge pages, within rlhfkit"),
@@ -271,7 +280,7 @@ def row_spec(row: str) -> dict:
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
             "offload": "offload" in flags, "mkl": "mkl" in flags, "onednn": "onednn" in flags, "keep": "keep" in flags,
-            "thp": "thp" in flags, "twopass": "twopass" in flags}
+            "thp": "thp" in flags, "twopass": "twopass" in flags, "offheap": "offheap" in flags}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -493,7 +502,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     ppo = {**ALGO_DEFAULTS[s["algo"]], "steps": args.warmup + args.steps, "batch_size": B, "ppo_epochs": 1,
            "minibatch_size": B, "micro_batch_size": wl["micro"], "max_new_tokens": wl["new_tokens"], "lr": LR,
            "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0, "samples_per_log": 0, "trajectories_every": 0,
-           "offload": s["offload"]}
+           "offload": s["offload"], "update_off_heap": s["offheap"]}
     if s["algo"] == "grpo":
         ppo.update(group_size=wl["group_size"], kl_coef=KL, cuda_graph=s["graph"])
     else:  # the rows measure what a critic model of its own costs (positions() counts its forwards)
