@@ -416,8 +416,9 @@ class PPOConfig(Section):
     on SmolLM2-135M's GRPO step with 512-token completions (2-core Intel Xeon, commit d2cceda,
     benchmarks/README.md): peak 6101 against 8255 MiB, the update 387.6 against 320.4 s (1.21x)
     in a pair of runs at the same time. Off by default for that time; with transparent huge
-    pages for PyTorch's tensors (``THP_MEM_ALLOC_ENABLE=1`` in the environment) the faults cost
-    less. Nothing changes on a GPU."""
+    pages for PyTorch's tensors (``THP_MEM_ALLOC_ENABLE=1`` in the environment, read before
+    PyTorch's first allocation) the update took 1.07-1.11x in two more pairs, at the same peak.
+    Nothing changes on a GPU."""
     reuse_rollout_logprobs: bool = True
     """Use the sampler's log-probs (and a shared value head's values and the entropies) as the
     experience pass's instead of running the policy again -- only when the sampler computed them
