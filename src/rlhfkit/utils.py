@@ -76,10 +76,10 @@ def tensors_off_heap(enabled: bool = True, threshold: int = UPDATE_MMAP_THRESHOL
     never moves a block, so what a micro-batch frees between blocks still in use stays resident
     as holes the next sizes do not fit, and the update's peak resident set grows by them. Off
     the heap, the resident set is the tensors alive: the peak of SmolLM2-135M's GRPO step with
-    512-token completions went from 8031-8255 to 6018-6117 MiB (``benchmarks/README.md``).
+    512-token completions went from 8031-8255 to 6018-6148 MiB (``benchmarks/README.md``).
     The cost is the page faults: each such tensor's pages are mapped, zeroed by the kernel and
     faulted in again at every allocation instead of reused (the update took 1.21x its time
-    there), so the RL loop uses this only with ``ppo.update_off_heap``.
+    there, 1.07-1.11x on huge pages), so the RL loop uses this only with ``ppo.update_off_heap``.
 
     On leaving, the threshold is set to 32 MiB, the value glibc's dynamic threshold reaches in
     any process that frees a tensor that large, and stays fixed there (a threshold set once
