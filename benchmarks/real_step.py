@@ -72,10 +72,12 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            (glibc; CPU only, not in the default rows). ``rlhfkit_grpo_offheap_thp``
                            adds ``THP_MEM_ALLOC_ENABLE=1`` (below)
     rlhfkit_grpo_jemalloc  the first row in a worker with jemalloc in place of glibc's malloc
-                           (``LD_PRELOAD``, the system's library: Debian's ``libjemalloc2``);
+                           (``LD_PRELOAD``, as ``run.malloc=jemalloc`` sets it: the system's
+                           library, Debian's ``libjemalloc2``);
                            ``rlhfkit_grpo_tcmalloc`` the same with tcmalloc
-                           (``libtcmalloc-minimal4``), ``trl_grpo_compact_jemalloc`` TRL's row on
-                           jemalloc. CPU only, not in the default rows
+                           (``libtcmalloc-minimal4``), ``trl_grpo_compact_jemalloc`` and
+                           ``trl_grpo_compact_ckpt_tcmalloc`` TRL's rows on them. CPU only, not in
+                           the default rows
     rlhfkit_grpo_mkl       the first row with ``RLHFKIT_ONEDNN=0``: every float32 product on MKL
                            (PyTorch's ``F.linear`` / ``mm``, as TRL's run) instead of oneDNN
                            (``rlhfkit.gemm``; CPU only, not in the default rows). On an Intel
@@ -188,6 +190,7 @@ from bench_common import (  # noqa: E402
     store_result,
     stored_results,
 )
+from rlhfkit import malloc  # noqa: E402
 
 RESULT = "RESULT "
 DEFAULT_OUT = "runs/bench_real"
@@ -231,6 +234,7 @@ NAMES = {
     "rlhfkit_grpo_jemalloc": "rlhfkit GRPO, jemalloc",
     "rlhfkit_grpo_tcmalloc": "rlhfkit GRPO, tcmalloc",
     "trl_grpo_compact_jemalloc": "TRL, compl. pos., jemalloc",
+    "trl_grpo_compact_ckpt_tcmalloc": "TRL, compl. pos., ckpt, tcmalloc",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -253,7 +257,8 @@ RATIOS = [
     ("rlhfkit_grpo_jemalloc", "rlhfkit_grpo", "jemalloc in place of glibc's malloc, within rlhfkit"),
     ("rlhfkit_grpo_tcmalloc", "rlhfkit_grpo", "tcmalloc in place of glibc's malloc, within rlhfkit"),
     ("rlhfkit_grpo_jemalloc", "trl_grpo_compact_jemalloc", "both on jemalloc, TRL scoring completion positions"),
-    ("rlhfkit_grpo_jemalloc", "trl_grpo_compact_ckpt", "rlhfkit on jemalloc, TRL at its defaults as on a GPU"),
+    ("rlhfkit_grpo_tcmalloc", "trl_grpo_compact_ckpt", "rlhfkit on tcmalloc, TRL at its defaults as on a GPU"),
+    ("rlhfkit_grpo_tcmalloc", "trl_grpo_compact_ckpt_tcmalloc", "both on tcmalloc, TRL at its defaults as on a GPU"),
     ("rlhfkit_grpo_thp", "trl_grpo_compact_thp", "both on huge pages, TRL scoring completion positions"),
     ("rlhfkit_grpo_thp", "rlhfkit_grpo", "huge pages, within rlhfkit"),
     ("trl_grpo_compact_thp", "trl_grpo_compact", "huge pages, within TRL"),
@@ -286,23 +291,6 @@ def row_name(row: str, device: str = "cpu") -> str:
     return GPU_NAMES.get(row, NAMES[row]) if device == "cuda" else NAMES[row]
 
 
-# Rows ending in one of these names run the worker with that malloc preloaded (``LD_PRELOAD``) in
-# place of glibc's: the system's shared library, e.g. Debian's ``libjemalloc2`` and
-# ``libtcmalloc-minimal4`` packages.
-PRELOADED_MALLOC = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
-
-
-def preloaded_malloc(name: str) -> str:
-    """The path of malloc library ``name`` (a key of ``PRELOADED_MALLOC``), or an error naming the
-    package that provides it."""
-    lib = PRELOADED_MALLOC[name]
-    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
-        if os.path.exists(os.path.join(d, lib)):
-            return os.path.join(d, lib)
-    raise SystemExit(f"{lib} not found: install it (Debian: apt-get install "
-                     f"{'libjemalloc2' if name == 'jemalloc' else 'libtcmalloc-minimal4'}) to run the {name} rows")
-
-
 def row_spec(row: str) -> dict:
     """What a row name turns on: library, algorithm and the switches after them."""
     lib, algo, *flags = row.split("_")
@@ -310,7 +298,7 @@ def row_spec(row: str) -> dict:
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
             "offload": "offload" in flags, "mkl": "mkl" in flags, "onednn": "onednn" in flags, "keep": "keep" in flags,
             "thp": "thp" in flags, "twopass": "twopass" in flags, "offheap": "offheap" in flags,
-            "malloc": next((f for f in flags if f in PRELOADED_MALLOC), None)}
+            "malloc": next((f for f in flags if f in malloc.LIBRARIES), None)}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -646,9 +634,9 @@ def worker(args) -> None:
     pin_to_core(args.core)
     if row_spec(args.worker)["keep"]:
         keep_freed_memory()
-    malloc = row_spec(args.worker)["malloc"]
-    if malloc and PRELOADED_MALLOC[malloc] not in Path("/proc/self/maps").read_text():
-        raise SystemExit(f"the {args.worker} row's worker runs without {PRELOADED_MALLOC[malloc]}")
+    lib = row_spec(args.worker)["malloc"]
+    if lib and not malloc.loaded(malloc.resolve(lib)):
+        raise SystemExit(f"the {args.worker} row's worker runs without {malloc.resolve(lib)} preloaded")
     quiet_hf()
     if args.device == "cuda":  # the same matrix-product precision for both libraries: TF32
         torch.set_float32_matmul_precision("high")
@@ -695,7 +683,7 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
     if row_spec(row)["thp"]:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     if row_spec(row)["malloc"]:
-        env["LD_PRELOAD"] = preloaded_malloc(row_spec(row)["malloc"])
+        env["LD_PRELOAD"] = malloc.resolve(row_spec(row)["malloc"])  # as ``run.malloc`` preloads it
     at = commit()  # the code the worker imports now, whatever is checked out when it ends
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

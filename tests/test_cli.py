@@ -238,3 +238,38 @@ def test_a_bad_record_is_answered_before_torch_is_imported(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "heavy: []" in done.stdout
+
+
+@pytest.fixture
+def preload_lib(tmp_path):
+    """A shared library no Python process loads by itself, built with the C compiler the kernels use."""
+    src, lib = tmp_path / "marker.c", tmp_path / "libmarker.so"
+    src.write_text("int rlhfkit_preload_marker(void) { return 7; }\n")
+    subprocess.run([os.environ.get("CC") or "cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return str(lib)
+
+
+def test_run_malloc_restarts_the_command_line_once_with_the_library_preloaded(preload_lib):
+    from rlhfkit import malloc
+
+    assert not malloc.loaded(preload_lib)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RLHFKIT_MALLOC_RESTARTED")}
+    done = run_cli("grpo", f"run.malloc={preload_lib}", "--print-config", env=env)
+    assert done.returncode == 0, done.stderr
+    # printed by the restarted process only once the library is in LD_PRELOAD and mapped
+    assert done.stderr.count(f"rlhfkit grpo: malloc: {preload_lib} (run.malloc={preload_lib})") == 1
+    assert f"malloc: {preload_lib}" in done.stdout  # the resolved config, printed after the restart
+
+
+def test_run_malloc_errors_name_the_fix(preload_lib, monkeypatch, capsys):
+    from rlhfkit import malloc
+
+    done = run_cli("grpo", "run.malloc=tcmallocc", "--print-config")
+    assert done.returncode == 2
+    assert "run.malloc must be '', 'tcmalloc', 'jemalloc' or a path" in done.stderr
+    monkeypatch.setattr(malloc.ctypes.util, "find_library", lambda name: None)
+    with pytest.raises(ValueError, match="libjemalloc2"):
+        malloc.resolve("jemalloc")
+    # called as a function, the command cannot restart its caller: it says how to preload instead
+    assert main(["grpo", f"run.malloc={preload_lib}", "--print-config"]) == 2
+    assert f"set LD_PRELOAD={preload_lib} before Python starts" in capsys.readouterr().err

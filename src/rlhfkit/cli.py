@@ -207,6 +207,7 @@ def _one_line_warnings(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = None if argv is not None else sys.argv[1:]  # the command line to restart with run.malloc
     with _one_line_warnings(args.command):
         return _main(args)
 
@@ -221,6 +222,7 @@ def _main(args) -> int:
         # the command line and the config are checked before torch and transformers are imported
         # (seconds): a mistyped key is answered at once
         cfg = _config(args)
+        _preload_malloc(args, cfg)
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
@@ -239,6 +241,20 @@ def _main(args) -> int:
         _error(args.command, e)  # the inputs were fine but the run diverged
         return 1
     return 0
+
+
+def _preload_malloc(args, cfg: Config) -> None:
+    """run.malloc: restart the command line with that malloc preloaded (rlhfkit.malloc), before
+    torch is imported. Called as a function (``main([...])``) it cannot restart its caller."""
+    name = cfg.run.malloc if "run" in COMMAND_SECTIONS.get(args.command, ()) else ""
+    if not name:
+        return
+    from . import malloc
+
+    if args.argv is None and not malloc.loaded(malloc.resolve(name)):
+        raise ValueError(f"run.malloc={name} restarts the `rlhfkit` command with LD_PRELOAD; called as a "
+                         f"function, set LD_PRELOAD={malloc.resolve(name)} before Python starts instead")
+    malloc.restart_with(name, args.command, args.argv or [])
 
 
 def _check_data(command: str, cfg: Config) -> None:

@@ -119,6 +119,12 @@ class RunConfig(Section):
     """'auto' (CUDA when available), 'cpu' or 'cuda'."""
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
+    malloc: str = ""
+    """The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc' or 'jemalloc'
+    (the system's shared library, e.g. Debian's libtcmalloc-minimal4), or a path to a malloc
+    library. The command line restarts itself once with it in LD_PRELOAD, before torch loads
+    (``rlhfkit.malloc``). tcmalloc keeps a CPU update's resident set near the tensors alive,
+    where glibc's heap keeps freed holes: MEASURED_TCMALLOC. Nothing changes on a GPU's memory."""
     progress: bool = True
     """Show progress bars."""
     task: Literal["doubling", "cities"] = "doubling"
