@@ -46,7 +46,8 @@ def resolve(name: str) -> str:
 
 def loaded(lib: str) -> bool:
     """Is ``lib`` (a loader name or path) preloaded in this process: in ``LD_PRELOAD`` and mapped."""
-    if lib not in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+    names = {os.path.basename(p) for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()}
+    if os.path.basename(lib) not in names:  # a path the user preloaded counts for its file name
         return False
     try:
         ctypes.CDLL(lib, mode=os.RTLD_NOLOAD)  # raises when the library is not in the process
