@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import sys
 import weakref
 
@@ -292,30 +293,44 @@ def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused
     assert all(p.grad is g for p, g in zip(model.parameters(), before))
 
 
+# Run in a fresh interpreter: glibc serves a request from a free chunk of its heap before asking
+# for a new mapping, whatever the threshold, so the free chunks earlier tests leave in a worker's
+# heap would decide where the tensors below land.
+_OFF_HEAP_PROBE = """
+import os, torch
+from rlhfkit.utils import tensors_off_heap
+
+def resident_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+def freed_mib(hole_mib=24):
+    hole = torch.ones(hole_mib << 18)  # float32: hole_mib MiB, pages touched
+    after = [torch.ones(1 << 18) for _ in range(128)]  # 1 MiB each, kept: some land above it
+    before = resident_mib()
+    del hole
+    drop = before - resident_mib()
+    del after
+    return drop
+
+with tensors_off_heap():
+    off_heap = freed_mib()
+on_heap = freed_mib()  # the threshold now 32 MiB: both sizes come from the heap
+with tensors_off_heap(enabled=False):
+    opted_out = freed_mib()
+print(off_heap, on_heap, opted_out)
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
 def test_tensors_off_heap_return_a_freed_tensor_between_live_ones_to_the_system():
     """Inside the block a tensor of 1 MiB or more is mapped on its own, so freeing it while the
     tensors allocated after it are alive lowers the resident set by its size; on glibc's heap
     (the threshold it leaves behind, 32 MiB) the same pages stay resident as a hole."""
-    from rlhfkit.utils import tensors_off_heap
-
-    def resident_mib() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-    def freed_mib(hole_mib: int = 24) -> float:
-        hole = torch.ones(hole_mib << 18)  # float32: hole_mib MiB, pages touched
-        after = [torch.ones(1 << 18) for _ in range(128)]  # 1 MiB each, kept: some land above it
-        before = resident_mib()
-        del hole
-        drop = before - resident_mib()
-        del after
-        return drop
-
-    with tensors_off_heap():
-        off_heap = freed_mib()
-    on_heap = freed_mib()  # the threshold now 32 MiB: both sizes come from the heap
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # glibc's malloc, not another
+    done = subprocess.run([sys.executable, "-c", _OFF_HEAP_PROBE], capture_output=True, text=True, timeout=300,
+                          env=env, check=True)
+    off_heap, on_heap, opted_out = map(float, done.stdout.split())
     assert off_heap > 23, off_heap
     assert on_heap < 1, on_heap
-    with tensors_off_heap(enabled=False):
-        assert freed_mib() < 1
+    assert opted_out < 1, opted_out
