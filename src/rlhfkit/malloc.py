@@ -6,7 +6,7 @@ frees between blocks still alive as holes in its heap, resident until the heap's
 the resident set of an update stays well above the tensors alive (2 GiB of 8 on SmolLM2-135M's
 GRPO step with 512-token completions, ``benchmarks/README.md``). tcmalloc reuses freed page
 spans and hands idle ones back to the system as it goes. The preload must be in the environment
-before the process starts, so the command line restarts itself once (``os.execv``: the same
+before the process starts, so the command line restarts itself once (``os.execve``: the same
 process id, arguments and environment plus ``LD_PRELOAD``) before it imports torch; a notebook
 or script sets ``LD_PRELOAD`` itself. No torch import here: this runs first.
 """
@@ -65,6 +65,7 @@ def restart_with(name: str, command: str, argv: list[str]) -> None:
         return
     lib = resolve(name)
     if loaded(lib):
+        os.environ.pop(_RESTARTED, None)  # a command this one starts may restart for its own run.malloc
         print(f"rlhfkit {command}: malloc: {lib} (run.malloc={name})", file=sys.stderr, flush=True)
         return
     if os.environ.get(_RESTARTED):
