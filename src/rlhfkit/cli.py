@@ -247,14 +247,10 @@ def _preload_malloc(args, cfg: Config) -> None:
     """run.malloc: restart the command line with that malloc preloaded (rlhfkit.malloc), before
     torch is imported. Called as a function (``main([...])``) it cannot restart its caller."""
     name = cfg.run.malloc if "run" in COMMAND_SECTIONS.get(args.command, ()) else ""
-    if not name:
-        return
-    from . import malloc
+    if name:
+        from . import malloc
 
-    if args.argv is None and not malloc.loaded(malloc.resolve(name)):
-        raise ValueError(f"run.malloc={name} restarts the `rlhfkit` command with LD_PRELOAD; called as a "
-                         f"function, set LD_PRELOAD={malloc.resolve(name)} before Python starts instead")
-    malloc.restart_with(name, args.command, args.argv or [])
+        malloc.restart_with(name, args.command, args.argv)
 
 
 def _check_data(command: str, cfg: Config) -> None:

@@ -56,11 +56,11 @@ def loaded(lib: str) -> bool:
     return True
 
 
-def restart_with(name: str, command: str, argv: list[str]) -> None:
+def restart_with(name: str, command: str, argv: list[str] | None) -> None:
     """Make sure this process runs with malloc ``name`` preloaded: return at once when it does
     (or ``name`` is empty), else restart the command line as ``python -m rlhfkit ARGV`` with it in
-    ``LD_PRELOAD`` (this call does not return). ValueError when the library is missing or the
-    restart did not load it."""
+    ``LD_PRELOAD`` (this call does not return). ValueError when the library is missing, the
+    restart did not load it, or ``argv`` is None (called as a function: no command line to restart)."""
     if not name:
         return
     lib = resolve(name)
@@ -68,6 +68,9 @@ def restart_with(name: str, command: str, argv: list[str]) -> None:
         os.environ.pop(_RESTARTED, None)  # a command this one starts may restart for its own run.malloc
         print(f"rlhfkit {command}: malloc: {lib} (run.malloc={name})", file=sys.stderr, flush=True)
         return
+    if argv is None:
+        raise ValueError(f"run.malloc={name} restarts the `rlhfkit` command with LD_PRELOAD; called as a "
+                         f"function, set LD_PRELOAD={lib} before Python starts instead")
     if os.environ.get(_RESTARTED):
         raise ValueError(f"run.malloc={name}: {lib} was not preloaded after the restart (LD_PRELOAD="
                          f"{os.environ.get('LD_PRELOAD', '')!r}); the dynamic loader's message is above")
