@@ -125,7 +125,7 @@ class RunConfig(Section):
     library. The command line restarts itself once with it in LD_PRELOAD, before torch loads
     (``rlhfkit.malloc``). tcmalloc keeps a CPU update's resident set near the tensors alive,
     where glibc's heap keeps freed holes: on SmolLM2-135M's GRPO step with 512-token completions
-    (2-core Intel Xeon, commit 72461bf, benchmarks/README.md) the peak went from 8018 to 6117 MiB
+    (2-core Intel Xeon, commit 72461bf, benchmarks/RESULTS.md) the peak went from 8018 to 6117 MiB
     and the step took 0.96x the time, in a pair of runs side by side; jemalloc reached 5988 MiB
     but took 1.11x. Off by default: it needs a system library; recommended for CPU training
     where that library is installed. A GPU's memory is not malloc's."""
@@ -396,7 +396,7 @@ class PPOConfig(Section):
     the decode reaches it) with the unwritten columns masked: the same tokens and log-probs up to
     rounding (tests check them against the usual decode, on a CPU where the same fixed-shape steps
     run without a graph). Measured on an H200 at commit 43d0b07, when the step still read the
-    whole cache (benchmarks/README.md, real_step.py's rlhfkit_grpo_graph row): a 30-layer 135M
+    whole cache (benchmarks/RESULTS.md, real_step.py's rlhfkit_grpo_graph row): a 30-layer 135M
     model's step 0.9 s instead of 1.5 s on 64 new tokens, but a 12-layer one's 2.7 s instead of
     2.4 s on 512, where reading all 576 columns at every token cost more than the launches saved.
     With the bands (the same H200, commit a0c876e) the 12-layer step took 2.2 s either way, the
@@ -414,7 +414,7 @@ class PPOConfig(Section):
     transfers, per step the moments once each way and the frozen weights once to the device
     (pinned host memory on CUDA). One process or DDP; FSDP and DeepSpeed shard these already.
     Nothing to gain on a CPU, where the copies still run. Measured on an H200 (commit a0c876e,
-    with model.gradient_checkpointing, benchmarks/README.md): GPT-2 small's step on 512-token
+    with model.gradient_checkpointing, benchmarks/RESULTS.md): GPT-2 small's step on 512-token
     completions peaked at 3472 MiB, 2.4 s a step (without offload, at commit 43d0b07: 4903 MiB,
     2.3 s)."""
     update_off_heap: bool = False
@@ -424,7 +424,7 @@ class PPOConfig(Section):
     stays resident as holes. The update's peak resident set is then the tensors alive; the cost
     is the page faults of mapping them afresh at every allocation. The same arithmetic. Measured
     on SmolLM2-135M's GRPO step with 512-token completions (2-core Intel Xeon, commit d2cceda,
-    benchmarks/README.md): peak 6101 against 8255 MiB, the update 387.6 against 320.4 s (1.21x)
+    benchmarks/RESULTS.md): peak 6101 against 8255 MiB, the update 387.6 against 320.4 s (1.21x)
     in a pair of runs at the same time. Off by default for that time; with transparent huge
     pages for PyTorch's tensors (``THP_MEM_ALLOC_ENABLE=1`` in the environment, read before
     PyTorch's first allocation) the update took 1.07-1.11x in two more pairs, at the same peak.

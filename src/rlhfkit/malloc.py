@@ -4,7 +4,7 @@ the C library's, through ``LD_PRELOAD``.
 On a CPU every tensor's memory comes from ``malloc``. glibc's keeps the blocks a training step
 frees between blocks still alive as holes in its heap, resident until the heap's top is free, so
 the resident set of an update stays well above the tensors alive (2 GiB of 8 on SmolLM2-135M's
-GRPO step with 512-token completions, ``benchmarks/README.md``). tcmalloc reuses freed page
+GRPO step with 512-token completions, ``benchmarks/RESULTS.md``). tcmalloc reuses freed page
 spans and hands idle ones back to the system as it goes. The preload must be in the environment
 before the process starts, so the command line restarts itself once (``os.execve``: the same
 process id, arguments and environment plus ``LD_PRELOAD``) before it imports torch; a notebook

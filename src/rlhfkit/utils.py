@@ -53,7 +53,7 @@ def release_free_memory() -> None:
     starts from the last one's. Called between the phases: tens of milliseconds (66 ms for 1.8
     GiB of holes on a 2-core Intel Xeon), and the pages are faulted in again where the next
     phase reuses them. After every micro-batch too it would cap the update's peak lower, but
-    that re-faulting cost about 10% of the update's time (``benchmarks/README.md``)."""
+    that re-faulting cost about 10% of the update's time (``benchmarks/RESULTS.md``)."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -76,7 +76,7 @@ def tensors_off_heap(enabled: bool = True, threshold: int = UPDATE_MMAP_THRESHOL
     never moves a block, so what a micro-batch frees between blocks still in use stays resident
     as holes the next sizes do not fit, and the update's peak resident set grows by them. Off
     the heap, the resident set is the tensors alive: the peak of SmolLM2-135M's GRPO step with
-    512-token completions went from 8031-8255 to 6018-6148 MiB (``benchmarks/README.md``).
+    512-token completions went from 8031-8255 to 6018-6148 MiB (``benchmarks/RESULTS.md``).
     The cost is the page faults: each such tensor's pages are mapped, zeroed by the kernel and
     faulted in again at every allocation instead of reused (the update took 1.21x its time
     there, 1.07-1.11x on huge pages), so the RL loop uses this only with ``ppo.update_off_heap``.
@@ -109,7 +109,7 @@ def gradient_buffer(params, enabled: bool = True):
     micro-batch's backward; alive until the optimizer step, they keep the next micro-batches
     from packing their activations where those holes were, and the heap, and the resident
     set, grows (the update's peak on SmolLM2-135M's GRPO step with 512-token completions went
-    from 9062 to 8165 MiB with the buffer, ``benchmarks/README.md``). Only plain CPU tensors
+    from 9062 to 8165 MiB with the buffer, ``benchmarks/RESULTS.md``). Only plain CPU tensors
     take part: FSDP's sharded parameters and GPU tensors (whose caching allocator reuses freed
     blocks itself) keep their own gradients, and so do all of them when ``enabled`` is false
     (engines that own the gradients: FSDP, DeepSpeed)."""
