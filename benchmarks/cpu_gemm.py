@@ -12,7 +12,7 @@ the weight gradient ``g.T @ x`` (``rlhfkit.gemm.grad_weight``). One thread, pinn
 GFLOP/s is the median of ``--rounds`` passes over the copies and the ratio the median of the
 passes' ratios, MKL's time over oneDNN's (above 1: oneDNN faster). rlhfkit uses oneDNN for
 weights of at least ``rlhfkit.gemm.MIN_WEIGHT`` elements (192 x 576 and up here), whatever the
-rows, on CPUs other than Intel's (``rlhfkit.gemm.enabled``).
+rows, on non-Intel CPUs with AVX-512 (``rlhfkit.gemm.enabled``).
 
     python benchmarks/cpu_gemm.py --core 1
 """

@@ -81,9 +81,11 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
     rlhfkit_grpo_mkl       the first row with ``RLHFKIT_ONEDNN=0``: every float32 product on MKL
                            (PyTorch's ``F.linear`` / ``mm``, as TRL's run) instead of oneDNN
                            (``rlhfkit.gemm``; CPU only, not in the default rows). On an Intel
-                           CPU this is the first row: rlhfkit keeps MKL there by default
+                           CPU or one without AVX-512 this is the first row: rlhfkit keeps MKL
+                           there by default
     rlhfkit_grpo_onednn    the first row with ``RLHFKIT_ONEDNN=1``: oneDNN's products (and the
-                           blocked attention) whatever the CPU; on an AMD one this is the first row
+                           blocked attention) whatever the CPU; on an AMD one with AVX-512 this is the
+                           first row
     trl_grpo               trl 1.16 GRPOTrainer: ``per_device_train_batch_size=MICRO``,
                            ``gradient_accumulation_steps=64/MICRO`` (one generation of 64 per
                            optimizer step), ``num_generations=G``, ``beta=0.3``,
@@ -244,7 +246,7 @@ RATIOS = [
     ("rlhfkit_grpo", "trl_grpo_compact", "TRL scoring completion positions, as on a GPU"),
     ("rlhfkit_grpo_unshared", "trl_grpo_compact", "same positions through body and head: implementation"),
     ("rlhfkit_grpo", "rlhfkit_grpo_unshared", "shared prompts, within rlhfkit"),
-    ("rlhfkit_grpo", "rlhfkit_grpo_mkl", "the default products against MKL's (TRL's), within rlhfkit (1 on Intel)"),
+    ("rlhfkit_grpo", "rlhfkit_grpo_mkl", "the default products against MKL's (TRL's), within rlhfkit (1 where MKL is the default)"),
     ("rlhfkit_grpo_onednn", "rlhfkit_grpo_mkl", "oneDNN's products against MKL's (TRL's), within rlhfkit"),
     ("rlhfkit_grpo_mkl", "trl_grpo_compact", "TRL scoring completion positions, both on MKL"),
     ("rlhfkit_grpo", "trl_grpo_compact_keep", "TRL scoring completion positions, its malloc keeping freed memory"),

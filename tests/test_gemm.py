@@ -4,6 +4,9 @@ The tests' models are far below :data:`rlhfkit.gemm.MIN_WEIGHT`, so these tests 
 send every product of a float32 CPU forward through oneDNN, and count the calls that did."""
 from __future__ import annotations
 
+import os
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,14 +96,29 @@ def test_switched_off_by_the_environment(monkeypatch):
         gemm.reset()
 
 
-@pytest.mark.parametrize("vendor, setting, expected", [
-    ("AuthenticAMD", None, True), ("", None, True),  # MKL's generic code on AMD: oneDNN ~2x its rate
-    ("GenuineIntel", None, False), ("GenuineIntel", "auto", False),  # MKL's own kernels: faster than oneDNN's
-    ("GenuineIntel", "1", True), ("AuthenticAMD", "0", False)])
-def test_the_cpu_vendor_picks_the_library_unless_the_environment_does(monkeypatch, vendor, setting, expected):
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="reads Linux's /proc/cpuinfo on x86-64")
+def test_cpu_flags_reads_this_machines_features():
+    flags = gemm.cpu_flags()
+    assert {"sse2", "fpu"} <= flags  # every x86-64 CPU has them
+    assert all(f == f.strip() and f for f in flags)
+
+
+AVX512 = frozenset({"avx2", "avx512f"})
+AVX2 = frozenset({"avx2"})
+
+
+@pytest.mark.parametrize("vendor, flags, setting, expected", [
+    ("AuthenticAMD", AVX512, None, True),  # Zen 4 / Zen 5: MKL's AVX2 code, oneDNN ~1.1-2x its rate
+    ("AuthenticAMD", AVX2, None, False), ("AuthenticAMD", AVX2, "auto", False),  # Zen 3: MKL faster
+    ("", frozenset(), None, False),  # no flags to read: PyTorch's default
+    ("GenuineIntel", AVX512, None, False), ("GenuineIntel", AVX512, "auto", False),  # MKL's own kernels
+    ("GenuineIntel", AVX512, "1", True), ("AuthenticAMD", AVX2, "1", True), ("AuthenticAMD", AVX512, "0", False)])
+def test_the_cpu_picks_the_library_unless_the_environment_does(monkeypatch, vendor, flags, setting, expected):
     from rlhfkit import kernels
 
     monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: flags)
     if setting is None:
         monkeypatch.delenv("RLHFKIT_ONEDNN", raising=False)
     else:

@@ -1,4 +1,4 @@
-"""Float32 linear layers on a CPU through oneDNN instead of MKL (by default on CPUs other than Intel's).
+"""Float32 linear layers on a CPU through oneDNN instead of MKL (by default on non-Intel CPUs with AVX-512).
 
 PyTorch's CPU build computes a float32 ``F.linear`` / ``mm`` / ``addmm`` with MKL's sgemm. It
 also ships oneDNN, whose inner-product primitive ``torch.compile``'s CPU backend calls as
@@ -37,12 +37,27 @@ d8a2c52, the other core busy)
 49152 x 576 (the head)   96 -> 108   81 -> 74
 =======================  ==========  ==========  ==========  ==========
 
+=======================  ==========  ==========  ==========  ==========
+2-core AMD EPYC, Zen 3   64 rows     341 rows    1024 rows   2048 rows
+(CPU family 25, model 1,
+no AVX-512; b302278)
+=======================  ==========  ==========  ==========  ==========
+576 x 576 (q, o)         74 -> 67    91 -> 81    94 -> 86    92 -> 86
+1536 x 576 (gate, up)    73 -> 69    87 -> 81    96 -> 87    94 -> 87
+576 x 1536 (down)        75 -> 72    91 -> 84    93 -> 80    93 -> 85
+49152 x 576 (the head)   61 -> 73    71 -> 72
+=======================  ==========  ==========  ==========  ==========
+
 On the Zen 5 machine MKL stays near 105-115 GFLOP/s, about half of what oneDNN reaches there,
 and the same holds for the backward's products: the input gradient ``g @ W`` 1.8-2.3x faster
 on oneDNN, the weight gradient ``g.T @ x`` 1.7-2.1x (on the Zen 4 machine the weight gradient
 was about as fast in either library). On the Intel machine MKL runs its own kernels: per pass,
 oneDNN's forward rate was 0.83-1.03x MKL's (1.11x only for the head at 64 rows), the input
 gradient 0.67-0.91x, the weight gradient 0.5-0.88x, so there rlhfkit keeps MKL (:func:`enabled`).
+On the Zen 3 machine, which has no AVX-512, MKL runs at the Zen 5 one's rate (about 90-95
+GFLOP/s) and oneDNN slower: forward 0.81-0.95x MKL's rate but for the head (1.19x at 64 rows,
+1.01x at 341 and 512), the input gradient 0.75-0.93x, the weight gradient 0.61-0.92x; so MKL
+there too.
 
 Both accumulate in float32 (no reduced-precision arithmetic); results differ by rounding
 (about 1e-6 of the output's size), and each library's rows do not depend on how many rows are
@@ -59,8 +74,8 @@ forwards and head, the reference and reward forwards, the training layers of
 :mod:`rlhfkit.lean` (forward, input and weight gradients) and the chunked log-prob head (its
 forward and input gradient; its weight gradient, summed chunk by chunk into one ``[V, H]``
 tensor, stays on ``addmm_`` in place, where oneDNN would need a ``[V, H]`` temporary a chunk).
-Anything else, an Intel CPU (unless ``RLHFKIT_ONEDNN=1``; :func:`enabled`), ``RLHFKIT_ONEDNN=0``,
-or a PyTorch built without oneDNN, uses PyTorch's own op.
+Anything else, an Intel CPU or one without AVX-512 (unless ``RLHFKIT_ONEDNN=1``; :func:`enabled`),
+``RLHFKIT_ONEDNN=0``, or a PyTorch built without oneDNN, uses PyTorch's own op.
 """
 from __future__ import annotations
 
@@ -99,6 +114,19 @@ def cpu_vendor() -> str:
     return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in name), "")
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``avx2``, ``avx512f``, ...) from Linux's ``/proc/cpuinfo``, or an
+    empty set where that file does not list them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def reset() -> None:
     """Read ``RLHFKIT_ONEDNN`` again on the next product (after changing it in this process)."""
     global _available, _enabled
@@ -121,17 +149,28 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """Whether products take oneDNN's path here: :func:`available`, and the CPU not an Intel one
-    unless ``RLHFKIT_ONEDNN=1``. MKL picks its own fastest kernels on Intel CPUs; on an AMD one
-    it runs generic code at half oneDNN's rate (the tables above). On a 2-core Intel Xeon (CPU
-    family 6, model 207, AVX-512 and AMX; commit cf65421), one thread, SmolLM2's shapes, oneDNN
-    took 1.05-1.45x MKL's time for the forward and input-gradient products from 64 rows up and
-    1.1-2.2x for the weight gradient (medians of 11 interleaved rounds, as
-    ``benchmarks/cpu_gemm.py`` now times them), so ``auto`` (unset) keeps MKL there. ``RLHFKIT_ONEDNN=0`` turns oneDNN off everywhere, ``1`` on everywhere."""
+    """Whether products take oneDNN's path here: :func:`available`, and, unless
+    ``RLHFKIT_ONEDNN=1``, an x86 CPU that is not Intel's and has AVX-512 (``avx512f``).
+
+    MKL, PyTorch's default, runs its AVX-512 kernels on Intel CPUs only; oneDNN runs them on any
+    CPU that has them. So on an AMD EPYC with AVX-512 oneDNN is faster, and where MKL runs its
+    own kernels or where neither library has AVX-512 to use, MKL is (the tables above; one
+    thread, SmolLM2's shapes, ``benchmarks/cpu_gemm.py``):
+
+    - Zen 4 and Zen 5 EPYCs (AVX-512): oneDNN 1.02-1.6x and about 2x MKL's rate;
+    - a 2-core Intel Xeon (CPU family 6, model 207, AVX-512 and AMX; commit cf65421): oneDNN
+      took 1.05-1.45x MKL's time for the forward and input-gradient products from 64 rows up
+      and 1.1-2.2x for the weight gradient (medians of 11 interleaved rounds);
+    - a 2-core Zen 3 EPYC (CPU family 25, model 1, AVX2 and no AVX-512; commit b302278):
+      oneDNN's forward rate 0.81-0.95x MKL's, the input gradient 0.75-0.93x, the weight gradient
+      0.61-0.92x (7 interleaved rounds).
+
+    Elsewhere (no flags to read, another architecture) PyTorch's default stays: not measured.
+    ``RLHFKIT_ONEDNN=0`` turns oneDNN off everywhere, ``1`` on everywhere."""
     global _enabled
     if _enabled is None:
         mode = os.environ.get("RLHFKIT_ONEDNN", "auto")
-        _enabled = available() and (mode == "1" or cpu_vendor() != "GenuineIntel")
+        _enabled = available() and (mode == "1" or (cpu_vendor() != "GenuineIntel" and "avx512f" in cpu_flags()))
     return _enabled
 
 

@@ -17,7 +17,7 @@ in one pass each:
 * :class:`Sampler`: tempered log-softmax, inverse-CDF draw, log-prob, entropy, EOS bookkeeping.
 
 Together they took the tiny rollout from 2.35x to ~3.3x ``transformers``' ``generate``
-(``benchmarks/rollout.py``, README "Performance").
+(``benchmarks/rollout.py``, ``benchmarks/RESULTS.md``).
 
 The C file is compiled on first use with the system's C compiler (``$CC`` or ``cc``; ~0.5 s)
 into ``$RLHFKIT_CACHE/kernels`` (default ``~/.cache/rlhfkit``), under a name that hashes the
@@ -307,7 +307,10 @@ QUERY_BLOCK = 128  # queries of a head a block: their scores for 576 keys, 3 hea
 # On a 2-core Intel Xeon (CPU family 6, model 207; commit cf65421), where oneDNN's products
 # are slower than MKL's (rlhfkit.gemm.enabled), forward + backward at 8 rows x 3 x 511 x 575
 # took 1.27x PyTorch's time on oneDNN's products and 0.94x on MKL's (medians of 8 interleaved
-# rounds): no gain worth a second path, so the blocks run only where oneDNN's products do.
+# rounds): no gain worth a second path, so the blocks run only where oneDNN's products do. On a
+# 2-core Zen 3 EPYC (CPU family 25, model 1, no AVX-512; commit b302278), where oneDNN's products
+# are slower too, an update micro-batch's attention took 9.00 s in blocks on oneDNN against 9.59 s
+# in PyTorch's (benchmarks/update_profile.py, 2 rounds each): 0.94x again.
 MIN_BLOCK_SCORES = 1 << 15
 
 
@@ -342,7 +345,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     recompute), so only that is kept. On one thread of a Zen 5 AMD EPYC at the real model's
     reasoning shapes (8 rows x 9 heads over 3, 511 queries after a 64-token prompt, head_dim 64),
     PyTorch's CPU flash attention computes every key of every query block, causal or not, at
-    about 90 GFLOP/s (``benchmarks/README.md``)."""
+    about 90 GFLOP/s (``benchmarks/RESULTS.md``)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _BlockAttention.apply(q, k, v, mask, scale)
     return _block_forward(q, k, v, mask, scale)[0]
