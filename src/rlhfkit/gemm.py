@@ -100,16 +100,24 @@ _available: bool | None = None
 _enabled: bool | None = None
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``) from Linux's ``/proc/cpuinfo``,
-    else from :func:`platform.processor` (Windows names the vendor there), or ``""``."""
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first line of Linux's ``/proc/cpuinfo`` that starts with ``field``."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``) from Linux's ``/proc/cpuinfo``,
+    else from :func:`platform.processor` (Windows names the vendor there), or ``""``."""
+    vendor = _cpuinfo("vendor_id")
+    if vendor is not None:
+        return vendor
     name = platform.processor()
     return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in name), "")
 
@@ -117,14 +125,7 @@ def cpu_vendor() -> str:
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (``avx2``, ``avx512f``, ...) from Linux's ``/proc/cpuinfo``, or an
     empty set where that file does not list them."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
 def reset() -> None:
