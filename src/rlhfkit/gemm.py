@@ -54,8 +54,8 @@ on oneDNN, the weight gradient ``g.T @ x`` 1.7-2.1x (on the Zen 4 machine the we
 was about as fast in either library). On the Intel machine MKL runs its own kernels: per pass,
 oneDNN's forward rate was 0.83-1.03x MKL's (1.11x only for the head at 64 rows), the input
 gradient 0.67-0.91x, the weight gradient 0.5-0.88x, so there rlhfkit keeps MKL (:func:`enabled`).
-On the Zen 3 machine, which has no AVX-512, MKL runs at the Zen 5 one's rate (about 90-95
-GFLOP/s) and oneDNN slower: forward 0.81-0.95x MKL's rate but for the head (1.19x at 64 rows,
+On the Zen 3 machine, which has no AVX-512, MKL runs at 71-96 GFLOP/s (77-112 on the Zen 5
+one) and oneDNN slower: forward 0.81-0.95x MKL's rate but for the head (1.19x at 64 rows,
 1.01x at 341 and 512), the input gradient 0.75-0.93x, the weight gradient 0.61-0.92x; so MKL
 there too.
 
@@ -153,10 +153,10 @@ def enabled() -> bool:
     """Whether products take oneDNN's path here: :func:`available`, and, unless
     ``RLHFKIT_ONEDNN=1``, an x86 CPU that is not Intel's and has AVX-512 (``avx512f``).
 
-    MKL, PyTorch's default, runs its AVX-512 kernels on Intel CPUs only; oneDNN runs them on any
-    CPU that has them. So on an AMD EPYC with AVX-512 oneDNN is faster, and where MKL runs its
-    own kernels or where neither library has AVX-512 to use, MKL is (the tables above; one
-    thread, SmolLM2's shapes, ``benchmarks/cpu_gemm.py``):
+    On the AMD EPYCs MKL, PyTorch's default, ran at about the same rate with AVX-512 (Zen 5) as
+    without it (Zen 3), as AVX2 code would; oneDNN uses AVX-512 wherever the CPU has it. So on an
+    AMD EPYC with AVX-512 oneDNN is faster, and on Intel's CPUs (MKL's own kernels) or without
+    AVX-512 MKL is (the tables above; one thread, SmolLM2's shapes, ``benchmarks/cpu_gemm.py``):
 
     - Zen 4 and Zen 5 EPYCs (AVX-512): oneDNN 1.02-1.6x and about 2x MKL's rate;
     - a 2-core Intel Xeon (CPU family 6, model 207, AVX-512 and AMX; commit cf65421): oneDNN
