@@ -816,6 +816,13 @@ def main() -> None:
                 import trl  # noqa: F401
             except ImportError:
                 sys.exit("TRL is not installed: pip install -e .[bench] (or leave the trl_* rows out with --rows)")
+        # one call at a time per --out: a second would clear the rows' run directories under the
+        # first and continue its run numbering (rlhfkit.utils' run lock, on the whole folder)
+        from rlhfkit.utils import lock_run_dir, run_dir_holder
+
+        if holder := run_dir_holder(args.out):
+            sys.exit(f"--out {args.out} is in use by another call ({holder}): wait for it, or choose another --out")
+        lock_run_dir(args.out)
         ppo = any(row_spec(r)["algo"] == "ppo" for r in args.rows)
         paths = prepare(Path(args.out), args.size, args.layers, wl["prompt_tokens"],
                         max(256, (args.warmup + args.steps) * (B if ppo else wl["groups"])), args.shape_from)

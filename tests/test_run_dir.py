@@ -1,10 +1,15 @@
 """A run directory is never damaged: a new run refuses one that holds an earlier run (unless it
-continues it with --resume or replaces it with run.overwrite=true), and a run stopped by bad
-input before its first step leaves no directory behind."""
+continues it with --resume or replaces it with run.overwrite=true), refuses one a live run holds
+whatever it is told, and a run stopped by bad input before its first step leaves no directory
+behind."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +17,7 @@ import pytest
 from rlhfkit.cli import main
 from rlhfkit.config import Config, ConfigError
 from rlhfkit.demo import start_demo_dir
-from rlhfkit.utils import check_out_dir
+from rlhfkit.utils import LOCK_FILE, check_out_dir, lock_run_dir, release_run_dir, run_dir_holder
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -22,6 +27,26 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 def boom(prompts, completions, **columns):
     raise ValueError("reward broke")
+
+
+def gated(prompts, completions, **columns):
+    """A reward that holds its run at step 0 until the test opens the gate (``RLHFKIT_TEST_GATE``)."""
+    gate = Path(os.environ["RLHFKIT_TEST_GATE"])
+    (gate / "started").touch()
+    deadline = time.monotonic() + 180
+    while not (gate / "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the test never opened the gate")
+        time.sleep(0.05)
+    return [0.0] * len(completions)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -82,6 +107,68 @@ def test_resume_continues_the_run_the_refusal_protects(grpo_args, tmp_path):
         check_out_dir(Config().replace(run={"out_dir": str(out), "resume": True, "overwrite": True}))
 
 
+def test_a_live_run_keeps_its_directory_from_a_second_run(grpo_args, tmp_path, capsys):
+    """A second process in a live run's directory is refused, whatever it is told: replacing it,
+    continuing it, or a plain rerun (which, the live run having logged no step yet, would
+    otherwise replace it without asking); the live run then finishes whole."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    gate.mkdir()
+    args = [*grpo_args, "run.tensorboard=false"]
+    env = {**os.environ, "RLHFKIT_TEST_GATE": str(gate),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    live = subprocess.Popen([sys.executable, "-m", "rlhfkit", *args, "reward.function=test_run_dir:gated"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(gate / "started", live)  # inside step 0's reward: the directory started, nothing logged
+        before = snapshot(out)
+        assert "config.yaml" in before and before["metrics.jsonl"] == b""
+        for extra in (["run.overwrite=true"], ["--resume"], []):
+            assert main([*args, *extra]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1, err
+            assert err[0].startswith(f"rlhfkit grpo: error: run.out_dir {out} is in use by a live run "
+                                     f"(process {live.pid} on "), err[0]
+            assert snapshot(out) == before
+        (gate / "go").touch()
+        _, stderr = live.communicate(timeout=300)
+    finally:
+        (gate / "go").touch()
+        if live.poll() is None:
+            live.kill()
+    assert live.returncode == 0, stderr
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert run_dir_holder(out) is None  # the lock went with the process
+    assert main([*args, "--resume"]) == 0  # free again: continued (at its end, nothing left to run)
+
+
+def test_the_lock_goes_with_a_killed_process_and_on_release(tmp_path):
+    out = tmp_path / "run"
+    code = ("import sys, time; from rlhfkit.utils import lock_run_dir; lock_run_dir(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert run_dir_holder(out).startswith(f"process {holder.pid} on ")
+        with pytest.raises(ConfigError, match=f"in use by a live run \\(process {holder.pid} "):
+            lock_run_dir(out)
+        with pytest.raises(ConfigError, match="in use by a live run"):
+            check_out_dir(Config().replace(run={"out_dir": str(out), "overwrite": True}))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_dir_holder(out) is None  # killed without a word: the kernel dropped its lock
+    lock_run_dir(out)
+    lock_run_dir(out)  # again in the same process: nothing
+    assert run_dir_holder(out) is None  # held here, not by another process
+    other = subprocess.run([sys.executable, "-c", code.replace("time.sleep(600)", "pass"), str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode != 0 and f"in use by a live run (process {os.getpid()} " in other.stderr
+    release_run_dir(out)
+    other = subprocess.run([sys.executable, "-c", code.replace("time.sleep(600)", "pass"), str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0 and other.stdout == "held\n", other.stderr
+
+
 def test_bad_data_leaves_no_run_directory(tiny_models, tmp_path, capsys):
     out = tmp_path / "fresh"
     bad = tmp_path / "prompts.jsonl"
@@ -121,7 +208,7 @@ def test_the_demo_replaces_an_earlier_demo_but_not_another_run(tmp_path):
     (demo / "metrics.jsonl").write_text("{}\n")
     (demo / "mine.txt").write_text("kept")
     start_demo_dir(Config().replace(run={"out_dir": str(demo)}))
-    assert sorted(p.name for p in demo.iterdir()) == ["mine.txt"]
+    assert sorted(p.name for p in demo.iterdir()) == [LOCK_FILE, "mine.txt"]
     other = tmp_path / "ppo"
     other.mkdir()
     (other / "metrics.jsonl").write_text("{}\n")

@@ -34,7 +34,7 @@ from .trainers.dpo import train_dpo
 from .trainers.pretrain import pretrain
 from .trainers.reward import train_reward_model
 from .trainers.rl import train_rl
-from .utils import check_out_dir, clear_run_files, resolve_device
+from .utils import check_out_dir, clear_run_files, lock_run_dir, resolve_device
 
 METRICS = ("format_acc", "exact_acc", "answer_acc")
 
@@ -52,11 +52,12 @@ def start_demo_dir(cfg: Config) -> None:
     so is any earlier run under ``run.overwrite=true``. Another command's run is refused, as
     every command refuses one (:func:`rlhfkit.utils.check_out_dir`); other files stay."""
     out = Path(cfg.run.out_dir)
-    if cfg.run.overwrite or (out / "pretrain" / "config.yaml").exists():
-        clear_run_files(out, extra=STAGES)
-    else:
+    replace = cfg.run.overwrite or (out / "pretrain" / "config.yaml").exists()
+    if not replace:
         check_out_dir(cfg, resumable=False)
-    out.mkdir(parents=True, exist_ok=True)
+    lock_run_dir(out)  # refused while a live run holds it; taken before an earlier demo is cleared
+    if replace:
+        clear_run_files(out, extra=STAGES)
 
 
 def parse_algos(spec: str) -> list[str]:

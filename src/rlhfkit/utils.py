@@ -10,11 +10,17 @@ import math
 import os
 import random
 import shutil
+import socket
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows has no fcntl: run directories go unlocked there
+    fcntl = None
 
 import numpy as np
 import torch
@@ -260,17 +266,100 @@ def produced_anything(out_dir: str | os.PathLike) -> bool:
                                                   "summary.json"))
 
 
+# A live run holds an exclusive lock on this file in its run directory (``flock``; the kernel
+# drops it when the process ends, however it ends), so a second process cannot start, replace or
+# continue the run there at the same time: two writers would append to one metrics.jsonl, write
+# the same checkpoints, and under run.overwrite delete the live run's files. The file stays after
+# the run; it is not one of RUN_FILES and marks nothing.
+LOCK_FILE = ".rlhfkit.lock"
+_held_locks: dict[Path, Any] = {}
+
+
+def _lock_key(out_dir: str | os.PathLike) -> Path:
+    return Path(out_dir).resolve()
+
+
+def _lock_holder(f) -> str:
+    f.seek(0)
+    return f.read().strip() or "another process"
+
+
+def run_dir_holder(out_dir: str | os.PathLike) -> str | None:
+    """Who holds ``out_dir``'s run lock (:func:`lock_run_dir`): the holder's description (process
+    id, host, command, since when) when another process holds it, else None (free, not a run
+    directory, held by this process, or on a filesystem without locks). Creates nothing."""
+    path = Path(out_dir) / LOCK_FILE
+    if fcntl is None or _lock_key(out_dir) in _held_locks or not path.is_file():
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _lock_holder(f)
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError:  # unreadable, or no locks on this filesystem: nothing known
+        return None
+    return None
+
+
+def _in_use(out_dir: str | os.PathLike, holder: str) -> ConfigError:
+    return ConfigError(f"run.out_dir {out_dir} is in use by a live run ({holder}): wait for it to end or stop it, "
+                       "or choose another run.out_dir")
+
+
+def lock_run_dir(out_dir: str | os.PathLike) -> None:
+    """Take ``out_dir``'s run lock for the rest of this process (or until
+    :func:`release_run_dir`), creating the directory; ConfigError when another live process
+    holds it. Taking it again in the same process does nothing. Where the filesystem has no locks
+    (some network mounts) it warns and goes on unlocked."""
+    key = _lock_key(out_dir)
+    if fcntl is None or key in _held_locks:
+        return
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    f = open(Path(out_dir) / LOCK_FILE, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(f)
+        f.close()
+        raise _in_use(out_dir, holder) from None
+    except OSError as e:
+        f.close()
+        warnings.warn(f"run.out_dir {out_dir}: cannot lock it ({e}); nothing stops a second run from writing "
+                      "there at the same time", stacklevel=2)
+        return
+    f.seek(0)
+    f.truncate()
+    f.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+            f"{' '.join(sys.argv)[:300]}\n")
+    f.flush()
+    _held_locks[key] = f
+
+
+def release_run_dir(out_dir: str | os.PathLike) -> None:
+    """Give up ``out_dir``'s run lock before this process ends (a notebook or sweep that hands the
+    directory to another process); nothing when it is not held here."""
+    f = _held_locks.pop(_lock_key(out_dir), None)
+    if f is not None:
+        f.close()  # closing the only descriptor releases the flock
+
+
 def check_out_dir(cfg: Config, resumable: bool = True) -> None:
     """ConfigError, before anything is written, when ``run.out_dir`` holds an earlier run and the
     config neither continues it (``run.resume``) nor replaces it (``run.overwrite``): a new run
     would overwrite its config and samples and append to its metrics. Other files there (a data
     file, notes) do not count, nor does an earlier run that produced nothing (no step logged, no
-    checkpoint, no model: :func:`start_run_dir` replaces it). ``resumable``: the command has
-    ``--resume``."""
+    checkpoint, no model: :func:`start_run_dir` replaces it). ConfigError too, whatever the
+    config, while a live process holds the directory's run lock (:func:`lock_run_dir`).
+    ``resumable``: the command has ``--resume``."""
     r = cfg.run
     if r.resume and r.overwrite:
         raise ConfigError("run.resume and run.overwrite both set: continue the run in run.out_dir (--resume) or "
                           "replace it (run.overwrite=true), not both")
+    holder = run_dir_holder(r.out_dir) if is_main_process() else None
+    if holder:
+        raise _in_use(r.out_dir, holder)
     found = [] if r.resume or r.overwrite or not produced_anything(r.out_dir) else earlier_run_files(r.out_dir)
     if found:
         names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:3]) + (" ..." if len(found) > 3 else "")
@@ -312,6 +401,7 @@ def start_run_dir(cfg: Config) -> Path:
     when it produced nothing) and save the resolved config in it; the main process only."""
     out = Path(cfg.run.out_dir)
     if is_main_process():
+        lock_run_dir(out)  # before anything is deleted or written: a live run there stays untouched
         if cfg.run.overwrite or not (cfg.run.resume or produced_anything(out)):
             clear_run_files(out)  # (an earlier run that produced nothing: its empty logs and config)
         out.mkdir(parents=True, exist_ok=True)
