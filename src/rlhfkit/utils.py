@@ -279,9 +279,15 @@ def _lock_key(out_dir: str | os.PathLike) -> Path:
     return Path(out_dir).resolve()
 
 
-def _lock_holder(f) -> str:
-    f.seek(0)
-    return f.read().strip() or "another process"
+def _flock(f) -> str | None:
+    """Take the exclusive lock on open file ``f`` without waiting: None when taken, else the
+    holder's description as it wrote it (OSError where the filesystem has no locks)."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        return f.read().strip() or "another process"
+    return None
 
 
 def run_dir_holder(out_dir: str | os.PathLike) -> str | None:
@@ -293,14 +299,9 @@ def run_dir_holder(out_dir: str | os.PathLike) -> str | None:
         return None
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return _lock_holder(f)
-            fcntl.flock(f, fcntl.LOCK_UN)
+            return _flock(f)  # taken: free (closing the file lets it go)
     except OSError:  # unreadable, or no locks on this filesystem: nothing known
         return None
-    return None
 
 
 def _in_use(out_dir: str | os.PathLike, holder: str) -> ConfigError:
@@ -313,22 +314,21 @@ def lock_run_dir(out_dir: str | os.PathLike) -> None:
     :func:`release_run_dir`), creating the directory; ConfigError when another live process
     holds it. Taking it again in the same process does nothing. Where the filesystem has no locks
     (some network mounts) it warns and goes on unlocked."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     key = _lock_key(out_dir)
     if fcntl is None or key in _held_locks:
         return
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     f = open(Path(out_dir) / LOCK_FILE, "a+", encoding="utf-8")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _lock_holder(f)
-        f.close()
-        raise _in_use(out_dir, holder) from None
+        holder = _flock(f)
     except OSError as e:
         f.close()
         warnings.warn(f"run.out_dir {out_dir}: cannot lock it ({e}); nothing stops a second run from writing "
                       "there at the same time", stacklevel=2)
         return
+    if holder:
+        f.close()
+        raise _in_use(out_dir, holder)
     f.seek(0)
     f.truncate()
     f.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
