@@ -234,6 +234,50 @@ def test_experience_in_row_chunks_equals_the_whole_batch(value_model, monkeypatc
         assert chunked_stats[k] == pytest.approx(whole_stats[k], abs=1e-6), k
 
 
+def test_row_chunks_end_between_groups():
+    """Hand-computed chunks: whole groups while they fit, a group longer than a chunk cut alone,
+    plain chunks without groups, and a padding difference starts a new group."""
+    from rlhfkit.experience import row_chunks
+
+    grouped = torch.tensor([[1, 2]] * 3 + [[3, 4]] * 3 + [[5, 6]] * 3)  # 3 groups of 3
+    ones = torch.ones_like(grouped)
+    spans = lambda ids, mask, size: [c.tolist() for c in row_chunks(ids, mask, size)]  # noqa: E731
+    assert spans(grouped, ones, 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert spans(grouped, ones, 7) == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
+    assert spans(grouped, ones, 2) == [[0, 1], [2], [3, 4], [5], [6, 7], [8]]
+    assert spans(grouped, ones, 9) == [list(range(9))]
+    assert spans(torch.arange(10).view(5, 2), torch.ones(5, 2), 2) == [[0, 1], [2, 3], [4]]
+    padded = ones.clone()
+    padded[1, 0] = 0  # row 1's prompt is padded differently: groups [0], [1], [2], [3-5], [6-8]
+    assert spans(grouped, padded, 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert spans(grouped, padded, 2) == [[0, 1], [2], [3, 4], [5], [6, 7], [8]]
+    assert spans(grouped, padded, 5) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def test_experience_row_chunks_run_each_group_prompt_once(monkeypatch):
+    """Chunked experience on GRPO groups: each chunk holds whole groups, so the reference forward
+    runs as many prompt passes as with the whole batch (chunks of 5 rows over groups of 4 would
+    run 5 instead of 3), and gives the whole batch's numbers."""
+    import rlhfkit.experience as rl
+    from rlhfkit import lean
+
+    ac, ref, rm = _setup("separate")
+    pc = Config().ppo
+    ids, mask = prompts(3, seed=5)
+    ids, mask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)  # 3 groups of 4
+    roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id)
+    passes, real = [], lean.response_hidden_states
+    monkeypatch.setattr(lean, "response_hidden_states", lambda *a, **k: passes.append(a[5].numel()) or real(*a, **k))
+    whole = rl.experience_forwards(ac, ref, roll, pc, reuse=True)
+    whole_passes, passes[:] = sum(passes), []
+    R, V = roll.response_ids.shape[1], ac.policy.get_output_embeddings().out_features
+    monkeypatch.setattr(rl, "EXPERIENCE_LOGITS", 5 * R * V)  # at most 5 rows a chunk
+    chunked = rl.experience_forwards(ac, ref, roll, pc, reuse=True)
+    assert whole_passes >= 3 and sum(passes) == whole_passes, (whole_passes, passes)
+    for name in ("old_logprobs", "ref_logprobs", "entropy"):
+        torch.testing.assert_close(chunked[name], whole[name], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("schedule", ["constant", "linear"])
 def test_lr_schedule_sets_both_groups_from_the_step(schedule):
     from rlhfkit.trainers.rl import set_lr

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from . import lean
 from .config import PPOConfig
 from .core import (
     explained_variance,
@@ -192,6 +193,33 @@ def loss_rows(zero_std: torch.Tensor | None, finished: torch.Tensor, pc: PPOConf
 EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chunk
 
 
+def row_chunks(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Row indices ``[b]`` in consecutive chunks of at most ``size`` rows that never cut a run of
+    identical prompt rows (a GRPO group, :func:`rlhfkit.lean.repeated_rows`) in two unless the
+    run alone is longer than ``size``: the shared-prompt forward of each chunk then runs every
+    group's prompt once, as the rollout's prefill and the update do. Without such runs, plain
+    ``size``-row chunks.
+
+    With groups of 8 and ``size`` 10 the chunks are 8 rows each, not 10 + 10 + ... (which would
+    run 13 prompts for 8 groups); with groups of 8 and ``size`` 3, 3 + 3 + 2 rows a group."""
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    runs = lean.repeated_rows(prompt_ids, prompt_mask) if size < B else None
+    if runs is None:
+        return list(torch.arange(B, device=device).split(size))
+    ends = [*runs[0].tolist()[1:], B]  # where each run stops
+    spans, start, end = [], 0, 0
+    for stop in ends:
+        if stop - start > size and end > start:  # this run does not fit after the chunk so far
+            spans.append((start, end))
+            start = end
+        while stop - start > size:  # a run longer than a chunk, cut in chunks of its own
+            spans.append((start, start + size))
+            start += size
+        end = stop
+    spans.append((start, B))
+    return [torch.arange(a, b, device=device) for a, b in spans]
+
+
 def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
     """Whether :func:`make_experience` takes the old log-probs, entropies and (shared head)
     values from the rollout instead of a policy forward: allowed by ``ppo.reuse_rollout_logprobs``,
@@ -206,7 +234,8 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
     None) of a rollout. The forwards read the chosen tokens' log-probs through
     :func:`~rlhfkit.models.token_logprobs`, which never holds a big vocabulary's ``[B, R, V]``
     logits (it takes them ``UPDATE_LOGITS`` at a time, as the update does), and run in row
-    chunks of at most ``EXPERIENCE_LOGITS // (R * V)`` rows, which bounds the activations.
+    chunks of at most ``EXPERIENCE_LOGITS // (R * V)`` rows, which bounds the activations, cut
+    between groups (:func:`row_chunks`) so that each group's prompt runs once.
     ``reuse``: old log-probs, entropies and shared-head values come from the sampler (one policy
     forward less per step)."""
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
@@ -214,7 +243,7 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
     vocab = unwrap(ac.policy).get_output_embeddings().out_features
     chunk = max(1, min(B, EXPERIENCE_LOGITS // max(1, R * vocab)))
     parts: dict[str, list] = {"old_logprobs": [], "old_values": [], "entropy": [], "ref_logprobs": []}
-    for rows in torch.arange(B, device=ids.device).split(chunk):
+    for rows in row_chunks(roll.prompt_ids, mask[:, :P], chunk):
         resp = roll.response_ids[rows]
         if reuse:
             logprobs, values, entropy = roll.logprobs[rows], None, roll.entropy[rows]
