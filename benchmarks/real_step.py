@@ -50,8 +50,8 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
     rlhfkit_grpo_unshared  the same with every row's prompt run in full: a benchmark-only switch
                            in the worker makes ``rlhfkit.lean.repeated_rows`` and
                            ``rlhfkit.lean.shared_prompts`` return None (what they do when sharing
-                           does not pay); the positions of TRL's completion-position rows, body
-                           and head
+                           does not pay); the positions of TRL's completion-position rows
+                           through the head, and through the body but the last column
     rlhfkit_grpo_graph     the first row with ``ppo.cuda_graph=true``: each decode step replayed as
                            a CUDA graph (GPU only; on a CPU the same fixed-shape step runs eagerly)
     rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update's
@@ -90,9 +90,11 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            ``gradient_accumulation_steps=64/MICRO`` (one generation of 64 per
                            optimizer step), ``num_generations=G``, ``beta=0.3``,
                            ``scale_rewards='batch'``, ``disable_dropout=True``, loss 'dapo' (its
-                           default), ``gradient_checkpointing=False``. On a CPU (no Triton) its
-                           fused log-prob head projects every prompt and completion position onto
-                           the vocabulary and keeps the completion ones
+                           default; its k3 term weighted by the importance ratio, its default
+                           ``use_bias_correction_kl``), ``gradient_checkpointing=False``. On a CPU
+                           (no Triton on a CUDA or XPU device) its fused log-prob head projects
+                           every prompt and completion position but the last onto the vocabulary
+                           and keeps the completion ones
     trl_grpo_compact       the same, its head scoring the completion positions only, as it does on
                            CUDA: the worker replaces the name ``_use_triton`` in
                            ``trl.trainer.utils`` (where the head picks its path) by a function
@@ -100,7 +102,8 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            in torch. ``tests/test_trl_completion_scoring.py`` checks that the
                            per-token log-probs and gradients match the stock path
     trl_grpo_ckpt          ``trl_grpo`` at TRL's own default, ``gradient_checkpointing=True``
-    trl_grpo_compact_ckpt  both: TRL's defaults as they run on a GPU
+    trl_grpo_compact_ckpt  both: TRL's checkpointing and GPU head (the rest as above: float32,
+                           beta 0.3, where TRL's own defaults are bf16 and beta 0)
     trl_grpo_compact_keep  ``trl_grpo_compact`` in a process whose glibc malloc keeps freed memory
                            (:func:`keep_freed_memory`, called by the worker before anything else):
                            an environment setting any PyTorch program can take; CPU only, not in
@@ -122,7 +125,8 @@ started from the policy, through its own adapter with LoRA, ``ppo.value_model=se
 
 Per step each row also gets the positions it runs through the model's body (all layers) and
 through the LM head, counted from the workload: with P prompt tokens, R new tokens, U groups of
-G and B = U G rows, the rollout runs P prompt positions per distinct prompt and R - 1 decode
+G and B = U G rows, the rollout runs P prompt positions per distinct prompt (rlhfkit; per row in
+TRL and the unshared row) and R - 1 decode
 positions per row; a scoring forward (reference, update) runs B (P + R) positions in TRL, and in
 rlhfkit U P + B (R - 1) when prompts are shared, B (P + R - 1) otherwise (it does not run the last
 column, which predicts nothing, since commit d64422e: runs stored before it ran B more; the critic
