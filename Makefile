@@ -5,7 +5,7 @@
 #   make test-real  the slow tier: learning on the real chat model, the cities file route (~10 min; CI runs it too)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
-#   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (~35 h, one core)
+#   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (about 30 h, one core)
 #   make bench-real-model  learning on SmolLM2-135M-Instruct with LoRA: rlhfkit grpo and ppo (defaults)
 #               against TRL's GRPOTrainer on its defaults and on rlhfkit's schedule, 3 seeds, one
 #               core: hours (benchmarks/README.md; tiny check: python benchmarks/real_model.py
