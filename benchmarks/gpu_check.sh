@@ -1,12 +1,13 @@
 #!/bin/bash
 # The GPU checks in one go, for a machine with one CUDA GPU and little time on it:
-#   1. the decode attention: decode_attention.py against PyTorch, then decode_profile.py with
-#      PyTorch's attention and the Triton kernel (eager, fixed-shape and graph steps);
-#   2. the CUDA tests: tests/test_lean.py and tests/test_offload.py on the GPU;
-#   3. real_step.py's GPU rows, one process each, the most telling first, until BUDGET seconds
-#      have passed (no row starts after that).
+#   1. the CUDA tests of the decode paths: tests/test_triton_decode.py and the fixed-shape
+#      (CUDA-graph) decode of tests/test_lean.py, PyTorch's attention and Triton's;
+#      FULL_TESTS=1 runs all of tests/test_lean.py and tests/test_offload.py instead;
+#   2. real_step.py's GPU rows, one process each, in two rounds (the second in another order),
+#      until BUDGET seconds have passed (no row starts after that); OUT_DIR/results.jsonl and a
+#      log are copied to COPY_TO (if set) after every row.
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR]          # default runs/gpu_check; BUDGET=480 by default
+#   bash benchmarks/gpu_check.sh [OUT_DIR]          # default runs/gpu_check; BUDGET=420 by default
 #
 # WHEELS=DIR installs the wheels in DIR first (no index, into /tmp/site): TRL and what the
 # machine's Python lacks, for a machine without the network (on an H200 image with torch
@@ -14,11 +15,12 @@
 # transformers 5.24.0 were enough). SHAPE_FROM=DIR is the directory
 # with SmolLM2-135M-Instruct's config and tokenizer for the `short` rows (default: the model
 # `rlhfkit fetch-model smollm2-135m-instruct` saved); without it those rows are left out.
-# Every stored row goes to OUT_DIR/results.jsonl; `real_step.py ... --out OUT_DIR --report`
-# prints the tables again.
+# TOKENIZER=DIR: a GPT-2-sized tokenizer real_step.py trained before (its OUT_DIR/tokenizer_gpt2),
+# copied in so the machine does not train one. `real_step.py ... --out OUT_DIR --report` prints
+# the tables again.
 set -u
 OUT_DIR=${1:-runs/gpu_check}
-BUDGET=${BUDGET:-480}
+BUDGET=${BUDGET:-420}
 T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 mkdir -p "$OUT_DIR"
@@ -30,27 +32,34 @@ fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
-echo "== decode attention [$(el) s]"
-timeout 60 python3 benchmarks/decode_attention.py
-timeout 120 python3 benchmarks/decode_profile.py --device cuda --attention sdpa triton 2>&1 | tee "$OUT_DIR/decode.txt"
+[ -n "${TOKENIZER:-}" ] && [ ! -d "$OUT_DIR/tokenizer_gpt2" ] && cp -r "$TOKENIZER" "$OUT_DIR/tokenizer_gpt2"
+save() { [ -n "${COPY_TO:-}" ] && cp "$OUT_DIR/results.jsonl" "$OUT_DIR/log.txt" "$COPY_TO/" 2>/dev/null; true; }
 
 echo "== CUDA tests [$(el) s]"
-RLHFKIT_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -rf -p no:cacheprovider -W ignore \
-  tests/test_lean.py tests/test_offload.py > "$OUT_DIR/tests.txt" 2>&1
+if [ -n "${FULL_TESTS:-}" ]; then TESTS="tests/test_lean.py tests/test_offload.py tests/test_triton_decode.py"; K=""
+else TESTS="tests/test_triton_decode.py tests/test_lean.py"; K="triton or fixed_shape"; fi
+RLHFKIT_TEST_DEVICE=cuda timeout 150 python3 -m pytest -rf -p no:cacheprovider -W ignore $TESTS ${K:+-k "$K"} \
+  > "$OUT_DIR/tests.txt" 2>&1
 grep -E "^FAILED|[0-9]+ (passed|failed)" "$OUT_DIR/tests.txt"
 
 SHAPE_FROM=${SHAPE_FROM:-$HOME/.cache/rlhfkit/models/smollm2-135m-instruct}
 R="--device cuda --size gpt2 --workload reasoning --runs 1 --out $OUT_DIR"
 S="--device cuda --size smollm2-init --shape-from $SHAPE_FROM --workload short --runs 1 --out $OUT_DIR"
 [ -f "$SHAPE_FROM/config.json" ] || { echo "no $SHAPE_FROM/config.json: the short rows are left out"; S=""; }
-for spec in "R rlhfkit_grpo" "R trl_grpo" "R trl_grpo_ckpt" "R rlhfkit_grpo_ckpt_offload" \
-            "S rlhfkit_grpo_graph" "S trl_grpo" "S trl_grpo_ckpt" "S rlhfkit_grpo_graph_ckpt_offload" \
-            "R trl_grpo" "R rlhfkit_grpo" "S trl_grpo" "S rlhfkit_grpo_graph"; do
+# round 1, then round 2 in another order; the long completions (GPT-2 small's shape) first
+for spec in "R rlhfkit_grpo_graph" "R trl_grpo_ckpt" "R rlhfkit_grpo_graph_ckpt_offload" "R trl_grpo" \
+            "R rlhfkit_grpo_graph_torchattn" \
+            "S rlhfkit_grpo_graph" "S trl_grpo_ckpt" "S rlhfkit_grpo_graph_ckpt_offload" "S trl_grpo" \
+            "R trl_grpo_ckpt" "R rlhfkit_grpo_graph_ckpt_offload" "R trl_grpo" "R rlhfkit_grpo_graph" \
+            "S trl_grpo" "S rlhfkit_grpo_graph_ckpt_offload" "S trl_grpo_ckpt" "S rlhfkit_grpo_graph" \
+            "R rlhfkit_grpo_graph_torchattn" "R rlhfkit_grpo_graph_ckpt_offload_torchattn" "R rlhfkit_grpo"; do
   set -- $spec
   [ "$(el)" -gt "$BUDGET" ] && { echo "$BUDGET s spent: stopping before $spec"; break; }
   if [ "$1" = S ]; then [ -n "$S" ] || continue; args=$S; else args=$R; fi
   echo "== $spec [$(el) s]"
-  timeout 120 python3 benchmarks/real_step.py $args --rows "$2" 2>&1 | grep -E "run [0-9]+:|Error|Traceback"
+  timeout 150 python3 benchmarks/real_step.py $args --rows "$2" >> "$OUT_DIR/log.txt" 2>&1
+  grep -E "run [0-9]+:|Error|Traceback" "$OUT_DIR/log.txt" | tail -1
+  save
 done
 echo "== tables [$(el) s]"
 python3 benchmarks/real_step.py $R --report 2>&1 | tail -12 | tee "$OUT_DIR/reasoning.txt"

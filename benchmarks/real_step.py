@@ -53,7 +53,11 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            does not pay); the positions of TRL's completion-position rows
                            through the head, and through the body but the last column
     rlhfkit_grpo_graph     the first row with ``ppo.cuda_graph=true``: each decode step replayed as
-                           a CUDA graph (GPU only; on a CPU the same fixed-shape step runs eagerly)
+                           a CUDA graph (GPU only; on a CPU the same fixed-shape step runs eagerly),
+                           its attention the Triton kernel of ``rlhfkit.triton_decode`` where Triton
+                           imports; ``rlhfkit_grpo_graph_torchattn`` and
+                           ``rlhfkit_grpo_graph_ckpt_offload_torchattn`` keep PyTorch's attention
+                           over bands of columns (``RLHFKIT_TRITON=0``), as before that kernel
     rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update's
                            shared-prompt forward keeps each layer's input only and runs the layer
                            again in the backward; rollout and reference as in the first row
@@ -241,6 +245,8 @@ NAMES = {
     "rlhfkit_grpo_tcmalloc": "rlhfkit GRPO, tcmalloc",
     "trl_grpo_compact_jemalloc": "TRL, compl. pos., jemalloc",
     "trl_grpo_compact_ckpt_tcmalloc": "TRL, compl. pos., ckpt, tcmalloc",
+    "rlhfkit_grpo_graph_torchattn": "rlhfkit GRPO, graph, PyTorch attention",
+    "rlhfkit_grpo_graph_ckpt_offload_torchattn": "rlhfkit GRPO, graph+ckpt+offload, PyTorch attn.",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -289,6 +295,9 @@ GPU_RATIOS = [
     ("rlhfkit_grpo_ckpt_offload", "trl_grpo_ckpt", "rlhfkit checkpointing with offload, TRL at its default"),
     ("rlhfkit_grpo_ckpt_offload", "rlhfkit_grpo_ckpt", "offload, within rlhfkit"),
     ("rlhfkit_grpo_graph_ckpt_offload", "trl_grpo_ckpt", "rlhfkit's three switches, TRL at its default"),
+    ("rlhfkit_grpo_graph", "rlhfkit_grpo_graph_torchattn", "the Triton decode attention, within the graph"),
+    ("rlhfkit_grpo_graph_ckpt_offload", "rlhfkit_grpo_graph_ckpt_offload_torchattn",
+     "the Triton decode attention, within the three switches"),
     ("rlhfkit_grpo_lora", "trl_grpo_lora", "LoRA, both as shipped"),
 ]
 
@@ -304,7 +313,7 @@ def row_spec(row: str) -> dict:
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
             "offload": "offload" in flags, "mkl": "mkl" in flags, "onednn": "onednn" in flags, "keep": "keep" in flags,
             "thp": "thp" in flags, "twopass": "twopass" in flags, "offheap": "offheap" in flags,
-            "malloc": next((f for f in flags if f in malloc.LIBRARIES), None)}
+            "torchattn": "torchattn" in flags, "malloc": next((f for f in flags if f in malloc.LIBRARIES), None)}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -690,6 +699,9 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     if row_spec(row)["malloc"]:
         env["LD_PRELOAD"] = malloc.resolve(row_spec(row)["malloc"])  # as ``run.malloc`` preloads it
+    env.pop("RLHFKIT_TRITON", None)  # the graph's decode attention: Triton's where it runs, unless the row says
+    if row_spec(row)["torchattn"]:
+        env["RLHFKIT_TRITON"] = "0"
     at = commit()  # the code the worker imports now, whatever is checked out when it ends
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -4,9 +4,16 @@ config factory sized so that every trainer runs end to end in a second or two.""
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
-import pytest
+# Triton (a dev dependency on Linux) decides at import whether its kernels run under the
+# interpreter, and transformers imports it: on a CPU the Triton decode attention
+# (rlhfkit.triton_decode) can be tested only if the interpreter is on before any import.
+if os.environ.get("RLHFKIT_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
 import torch
 
 from rlhfkit.config import Config

@@ -395,18 +395,31 @@ def test_checkpointing_keeps_values_and_gradients_and_drops_activations(name, pa
     assert not lean._checkpointing(lean._Arch(ckpt.eval()))
 
 
+@pytest.mark.parametrize("attention", ["torch", "triton"])
 @pytest.mark.parametrize("band", [None, 4])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fixed_shape_decode_matches_the_growing_one(name, band, monkeypatch):
+def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monkeypatch):
     """``generate(graph=True)``: the decode step with fixed shapes (attention over the cache up to
     the end of the current band of columns, unwritten columns masked; on CUDA replayed as a CUDA
     graph per band) samples the same tokens with the same log-probs as the step over a cache that
     grows, greedy and sampled, with left padding and a row that ends early; with bands of 4
-    columns the decode crosses several."""
+    columns the decode crosses several. With the Triton attention (on a CPU under Triton's
+    interpreter) one band spans the whole cache, so one graph serves each rollout, and the
+    kernel reads the written columns only."""
     from rlhfkit import rollout
 
     if band is not None:
         monkeypatch.setattr(rollout._FixedStep, "BAND", band)
+    from rlhfkit import triton_decode
+
+    if attention == "triton":
+        pytest.importorskip("triton")  # a dev dependency on Linux; Triton has no other platforms' wheels
+        monkeypatch.delenv("RLHFKIT_TRITON", raising=False)  # on a CPU conftest.py turned the interpreter on
+    else:
+        monkeypatch.setenv("RLHFKIT_TRITON", "0")
+    kernel_calls = []
+    kernel = triton_decode.attention
+    monkeypatch.setattr(triton_decode, "attention", lambda *a: kernel_calls.append(a[3]) or kernel(*a))
     model = MODELS[name]()
     ids, mask = batch()
     calls = []  # (the step's column, the columns attention reads, the cache's columns)
@@ -423,11 +436,15 @@ def test_fixed_shape_decode_matches_the_growing_one(name, band, monkeypatch):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=0)
     assert ended  # some row ended before the token limit (these seeds)
-    width = max(band or rollout._FixedStep.BAND, -(-calls[0][2] // 16))
-    for t, span, T in calls:  # the written columns and those up to the band's end, no more
-        assert t < span <= T and (span == T or span % width == 0) and span - t <= width
     spans = [span for _, span, _ in calls]
-    assert (len(set(spans)) > 1) == (band is not None)
+    assert bool(kernel_calls) == (attention == "triton")
+    if attention == "triton":  # one band: the whole cache
+        assert all(span == T for _, span, T in calls)
+    else:
+        width = max(band or rollout._FixedStep.BAND, -(-calls[0][2] // 16))
+        for t, span, T in calls:  # the written columns and those up to the band's end, no more
+            assert t < span <= T and (span == T or span % width == 0) and span - t <= width
+        assert (len(set(spans)) > 1) == (band is not None)
     if DEV.type == "cpu":  # every step after the prefill took the fixed path
         assert len(calls) >= 2 * 7
     else:  # a CUDA graph per band, each run twice when made (warm-up, capture), the rest replays:

@@ -841,20 +841,25 @@ def _write_column(kv: torch.Tensor, column: int | torch.Tensor, new: torch.Tenso
 
 
 def _decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, column: int | torch.Tensor,
-            span: int, mask: torch.Tensor | None, bound: list | None) -> torch.Tensor:
+            span: int, mask: torch.Tensor | None, bound: list | None, one_query=None) -> torch.Tensor:
     """The step of :func:`decode_step` and :func:`static_decode_step`: this step's keys and values
     go in at ``column``, attention reads cache columns ``0 .. span-1`` under ``mask [B, 1, 1, span]``
-    (GPT-2 with ``bound``: the compiled kernels, which take the column and mask themselves)."""
+    (GPT-2 with ``bound``: the compiled kernels, which take the column and mask themselves;
+    ``one_query(q [B, H, 1, D], kv) -> [B, H, 1, D]``: an attention that finds the columns itself)."""
     arch = cache.arch
     if arch.gpt2:
-        return _gpt2_decode(cache, tokens, positions, column, span, mask, bound)
+        return _gpt2_decode(cache, tokens, positions, column, span, mask, bound, one_query)
     x = arch.embed(tokens[:, None], positions[:, None])  # [B, 1, H]
     rope = arch.rope(x, positions[:, None])
     for layer, kv in zip(arch.layers, cache.kv):
         q, k, v = arch.qkv(layer, x, rope)
         _write_column(kv, column, torch.stack([k, v], 1))
-        seen = kv[:, :, :, :span]
-        x = arch.finish_layer(layer, x, _attend(q, seen[:, 0], seen[:, 1], mask, arch.scale, arch.groups))
+        if one_query is not None:
+            a = one_query(q, kv)
+        else:
+            seen = kv[:, :, :, :span]
+            a = _attend(q, seen[:, 0], seen[:, 1], mask, arch.scale, arch.groups)
+        x = arch.finish_layer(layer, x, a)
     return arch.final_norm(x[:, 0])
 
 
@@ -871,20 +876,27 @@ def static_shapes(cache: KVCache) -> bool:
 
 @torch.no_grad()
 def static_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, t: torch.Tensor,
-                       columns: torch.Tensor) -> torch.Tensor:
+                       columns: torch.Tensor, triton: bool = False) -> torch.Tensor:
     """:func:`decode_step` with every shape and address fixed, so that a CUDA graph can replay
     it: the step's column is the tensor ``t [1]`` rather than ``cache.length``, the keys and
     values go in with ``index_copy_``, and attention runs over a fixed span of columns
     (``columns [S]``: ``arange(S)``, S <= T_max, S > t) with those after ``t`` masked, instead of
-    a slice that grows. Equal to :func:`decode_step` up to rounding; it does not advance
-    ``cache.length``."""
+    a slice that grows. ``triton``: attention is :func:`rlhfkit.triton_decode.attention`, which
+    reads ``t`` itself and only columns ``0 .. t`` (``columns`` is then not read). Equal to
+    :func:`decode_step` up to rounding; it does not advance ``cache.length``."""
+    if triton:
+        from . import triton_decode
+
+        bias, scale = cache.key_bias, cache.arch.scale
+        return _decode(cache, tokens, positions, t, 0, None, None,
+                       lambda q, kv: triton_decode.attention(q, kv, bias, t, scale))
     span = columns.shape[0]
     bias = cache.key_bias[:, :span].masked_fill(columns > t, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
     return _decode(cache, tokens, positions, t, span, bias, None)
 
 
 def _gpt2_decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, column: int | torch.Tensor,
-                 span: int, mask: torch.Tensor | None, bound: list | None) -> torch.Tensor:
+                 span: int, mask: torch.Tensor | None, bound: list | None, one_query=None) -> torch.Tensor:
     """:func:`_decode` for GPT-2 written out flat: at a small model's sizes each tensor op costs a
     few microseconds and the Python around it as much again."""
     arch = cache.arch
@@ -903,8 +915,11 @@ def _gpt2_decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, 
         else:
             qkv = torch.addmm(ab, h, aw).view(B, 3, H, 1, D)
             _write_column(kv, column, qkv[:, 1:])  # this step's key and value, one copy
-            seen = kv[:, :, :, :span]
-            a = sdpa(qkv[:, 0], seen[:, 0], seen[:, 1], attn_mask=mask, scale=arch.scale).view(B, C)
+            if one_query is not None:
+                a = one_query(qkv[:, 0], kv).view(B, C)
+            else:
+                seen = kv[:, :, :, :span]
+                a = sdpa(qkv[:, 0], seen[:, 0], seen[:, 1], attn_mask=mask, scale=arch.scale).view(B, C)
         x = torch.addmm(pb, a, pw).add_(x)
         x = torch.addmm(mb, act(torch.addmm(fb, torch.layer_norm(x, (C,), ln2w, ln2b, eps), fw)), mw).add_(x)
     return torch.layer_norm(x, (C,), arch.final[0], arch.final[1], eps)

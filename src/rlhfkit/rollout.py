@@ -226,17 +226,23 @@ class _FixedStep:
     captured when the decode reaches the band and dropped when it leaves it (bands only grow; the
     next graph shares its memory pool): attention over the whole pre-allocated cache at every
     token cost more than the launches saved on long completions (512 new tokens of a 12-layer
-    model on an H200). On a CPU (no graphs) the same steps run as written, which is how
-    the tests check them. The outputs are a graph's own buffers, rewritten by its next replay, so
-    they are copied out."""
+    model on an H200). Where Triton runs (:mod:`rlhfkit.triton_decode`) attention is its kernel,
+    which reads the step's column from device memory and only the columns written so far: then
+    one band spans the whole cache and one graph serves the rollout. On a CPU (no graphs) the
+    same steps run as written, which is how the tests check them (the Triton kernel under its
+    interpreter). The outputs are a graph's own buffers, rewritten by its next replay, so they
+    are copied out."""
 
     BAND = 64  # columns per band, at least; at most 16 bands (captures) per rollout
 
     def __init__(self, cache, head, cuda: bool):
+        from . import triton_decode
+
         B, T = cache.key_bias.shape
         dev = cache.key_bias.device
         self.cache, self.head, self.cuda, self.T = cache, head, cuda, T
-        self.band = max(self.BAND, -(-T // 16))
+        self.triton = triton_decode.usable(cache.kv[0], cache.arch.n_heads)
+        self.band = T if self.triton else max(self.BAND, -(-T // 16))
         self.span, self.graph, self.out = 0, None, None  # the current band's end, graph and outputs
         self.tok = torch.zeros(B, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, dtype=torch.long, device=dev)
@@ -247,7 +253,7 @@ class _FixedStep:
 
     @torch.no_grad()
     def _run(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = lean_lm.static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns[:span])
+        hidden = lean_lm.static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns[:span], self.triton)
         return hidden, self.head(hidden)
 
     def _capture(self, span: int) -> None:
@@ -467,8 +473,9 @@ def generate(
         tokenizer: decodes the responses for ``stop`` (needed only with it).
         graph: on the lean path, decode with fixed shapes and, on CUDA, replay each step as a
             CUDA graph (:class:`_FixedStep`); a model whose rotary tables change with the length
-            decodes as usual. Attention then spans the whole pre-allocated cache each step (the
-            columns not yet written masked), the same result up to rounding.
+            decodes as usual. Attention then spans the cache up to the end of a band of columns
+            (the columns not yet written masked), or with Triton reads the written columns
+            only; the same result up to rounding.
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
