@@ -33,14 +33,14 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
 [ -n "${TOKENIZER:-}" ] && [ ! -d "$OUT_DIR/tokenizer_gpt2" ] && cp -r "$TOKENIZER" "$OUT_DIR/tokenizer_gpt2"
-save() { [ -n "${COPY_TO:-}" ] && cp "$OUT_DIR/results.jsonl" "$OUT_DIR/log.txt" "$COPY_TO/" 2>/dev/null; true; }
+save() { [ -n "${COPY_TO:-}" ] && cp "$OUT_DIR/results.jsonl" "$OUT_DIR/log.txt" "$OUT_DIR/tests.txt" "$COPY_TO/" 2>/dev/null; true; }
 
 echo "== CUDA tests [$(el) s]"
 if [ -n "${FULL_TESTS:-}" ]; then TESTS="tests/test_lean.py tests/test_offload.py tests/test_triton_decode.py"; K=""
 else TESTS="tests/test_triton_decode.py tests/test_lean.py"; K="triton or fixed_shape"; fi
 RLHFKIT_TEST_DEVICE=cuda timeout 150 python3 -m pytest -rf -p no:cacheprovider -W ignore $TESTS ${K:+-k "$K"} \
   > "$OUT_DIR/tests.txt" 2>&1
-grep -E "^FAILED|[0-9]+ (passed|failed)" "$OUT_DIR/tests.txt"
+save; grep -E "^FAILED|[0-9]+ (passed|failed)" "$OUT_DIR/tests.txt"
 
 SHAPE_FROM=${SHAPE_FROM:-$HOME/.cache/rlhfkit/models/smollm2-135m-instruct}
 R="--device cuda --size gpt2 --workload reasoning --runs 1 --out $OUT_DIR"
