@@ -8,8 +8,10 @@ a grouped-query key head together, in float32 throughout (no TF32: the step is b
 not arithmetic). The keys and values are read through their strides, so the views
 ``rlhfkit.lean`` passes (columns ``0 .. span-1`` of the pre-allocated cache) need no copy.
 
-It is not used by rlhfkit: ``decode_profile.py --attention triton`` swaps it in for the decode
-loop's attention, to be timed against PyTorch's before anything moves into the library.
+``decode_profile.py --attention triton`` swaps it in for the decode loop's attention, to time it
+against PyTorch's. The library's version (``rlhfkit.triton_decode``, used by ``ppo.cuda_graph``)
+grew out of it: it reads the step's column from device memory, so one CUDA graph serves a
+whole rollout.
 
     python benchmarks/decode_attention.py                      # check against PyTorch on a GPU
     TRITON_INTERPRET=1 python benchmarks/decode_attention.py   # the same check on a CPU (slow)
