@@ -16,8 +16,9 @@
 # with SmolLM2-135M-Instruct's config and tokenizer for the `short` rows (default: the model
 # `rlhfkit fetch-model smollm2-135m-instruct` saved); without it those rows are left out.
 # TOKENIZER=DIR: a GPT-2-sized tokenizer real_step.py trained before (its OUT_DIR/tokenizer_gpt2),
-# copied in so the machine does not train one. `real_step.py ... --out OUT_DIR --report` prints
-# the tables again.
+# copied in so the machine does not train one. RLHFKIT_BENCH_COMMIT=SHA dates the stored rows where
+# the machine's copy of the tree has no git history or a stale one. `real_step.py ... --out
+# OUT_DIR --report` prints the tables again.
 set -u
 OUT_DIR=${1:-runs/gpu_check}
 BUDGET=${BUDGET:-420}
