@@ -407,8 +407,9 @@ class PPOConfig(Section):
     and the bands). On another H200 at commit a4196b5 the 12-layer step took 1.9 s with it
     against 2.6 s with the bands, peaking 867 MiB lower; with model.gradient_checkpointing and
     ppo.offload too, 2.1 s at 3597 MiB, 0.42x the step of TRL there at 0.76x the memory of TRL
-    at its default checkpointing. Off by default: it pays where launches dominate (small layers,
-    short completions) or, with the Triton attention, long completions."""
+    at its default checkpointing. Off by default: measured to pay where launches dominate (small
+    layers, short completions); on long completions the usual step was not timed beside it on
+    that machine (on the earlier ones it matched the banded graph)."""
     offload: bool = False
     """Keep in host memory what a phase of the step does not read: AdamW's moments outside the
     update (they leave before the rollout and before a held-out evaluation; checkpoints are
