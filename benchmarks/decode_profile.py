@@ -11,8 +11,10 @@ the two workloads of ``real_step.py`` and three ways of stepping:
 - ``graph``: the fixed step replayed as a CUDA graph (``ppo.cuda_graph``; CUDA only).
 
 With ``--attention sdpa triton`` each runs again with the decode attention swapped for the
-Triton kernel of ``decode_attention.py`` (one query a row, where PyTorch's memory-efficient
-kernel computes tiles of 64 queries), and the last step's logits are compared with PyTorch's.
+Triton kernel of :mod:`rlhfkit.triton_decode` (one query a row, where PyTorch's memory-efficient
+kernel computes tiles of 64 queries; ``ppo.cuda_graph`` uses it inside the library, reading the
+step's column from device memory; the fixed and graph steps then run the library's own path, one
+graph over the written columns), and the last step's logits are compared with PyTorch's.
 On a CPU that needs ``TRITON_INTERPRET=1`` (slow: a check, not a timing), and rlhfkit's compiled
 CPU attention is switched off so that the calls reach the swapped function.
 
@@ -61,13 +63,16 @@ def build(shape: str, layers: int | None) -> torch.nn.Module:
 @contextlib.contextmanager
 def attention(kind: str):
     """The decode loop's attention: PyTorch's (``sdpa``), or one-query calls sent to the Triton
-    kernel of ``decode_attention.py`` (``triton``); :mod:`rlhfkit.lean` looks the function up at
-    each call, so replacing it here reaches its decode step."""
+    kernel of :mod:`rlhfkit.triton_decode` (``triton``) over the span the caller passes;
+    :mod:`rlhfkit.lean` looks the function up at each call, so replacing it here reaches its
+    decode step."""
     if kind == "sdpa":
         yield
         return
     try:
-        from decode_attention import one_query_attention
+        import triton  # noqa: F401
+
+        from rlhfkit import triton_decode
     except ImportError as e:
         raise SystemExit(f"--attention triton needs Triton (CUDA builds of PyTorch bring it): {e}") from None
 
@@ -76,7 +81,10 @@ def attention(kind: str):
     def sdpa(q, k, v, attn_mask=None, scale=None, enable_gqa=False, **kw):
         if q.shape[-2] != 1 or attn_mask is None or attn_mask.dtype == torch.bool or kw:
             return torch_sdpa(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa, **kw)
-        return one_query_attention(q, k, v, attn_mask, scale if scale is not None else q.shape[-1] ** -0.5)
+        B, S = q.shape[0], k.shape[2]
+        last = torch.full((1,), S - 1, dtype=torch.long, device=q.device)  # every column passed; the mask rules
+        return triton_decode.attention(q, k, v, attn_mask.expand(B, 1, 1, S)[:, 0, 0], last,
+                                       scale if scale is not None else q.shape[-1] ** -0.5)
 
     F.scaled_dot_product_attention = sdpa
     try:
@@ -135,7 +143,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also print the loop's top kernels")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--attention", choices=["sdpa", "triton"], nargs="+", default=["sdpa"],
-                    help="the decode attention: PyTorch's, and/or decode_attention.py's Triton kernel (CUDA)")
+                    help="the decode attention: PyTorch's, and/or rlhfkit.triton_decode's Triton kernel (CUDA)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -152,6 +160,9 @@ def main() -> None:
               f"{wl['prompts'] * wl['group']} rows, prompt {wl['prompt_len']}, {args.steps or wl['new']} new tokens")
         last = {}  # how -> PyTorch attention's last logits
         for attend in args.attention:
+            # the fixed and graph steps choose their attention themselves (rollout._FixedStep):
+            # with triton the library's kernel over the written columns, with sdpa PyTorch's over bands
+            os.environ["RLHFKIT_TRITON"] = "1" if attend == "triton" else "0"
             for how in hows:
                 # warm-up: kernels, allocator, graph capture
                 loop(model, wl, how, device, min(8, args.steps or wl["new"]), attend=attend)

@@ -419,7 +419,7 @@ def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monke
         monkeypatch.setenv("RLHFKIT_TRITON", "0")
     kernel_calls = []
     kernel = triton_decode.attention
-    monkeypatch.setattr(triton_decode, "attention", lambda *a: kernel_calls.append(a[3]) or kernel(*a))
+    monkeypatch.setattr(triton_decode, "attention", lambda *a: kernel_calls.append(a[4]) or kernel(*a))
     model = MODELS[name]()
     ids, mask = batch()
     calls = []  # (the step's column, the columns attention reads, the cache's columns)

@@ -34,7 +34,7 @@ def test_matches_pytorch_over_the_written_columns(H, Hkv, T, t):
     bias[1, :min(70, t)] = float("-inf")  # left padding (the step's own column is never padding)
     bias[2, :min(3, t)] = float("-inf")
     kv, q, bias = kv.to(DEV), q.to(DEV), bias.to(DEV)
-    got = triton_decode.attention(q, kv, bias, torch.tensor([t], device=DEV), D ** -0.5)
+    got = triton_decode.attention(q, kv[:, 0], kv[:, 1], bias, torch.tensor([t], device=DEV), D ** -0.5)
     S = t + 1
     want = F.scaled_dot_product_attention(q, kv[:, 0, :, :S], kv[:, 1, :, :S], attn_mask=bias[:, None, None, :S],
                                           scale=D ** -0.5, enable_gqa=Hkv < H)

@@ -889,7 +889,7 @@ def static_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Te
 
         bias, scale = cache.key_bias, cache.arch.scale
         return _decode(cache, tokens, positions, t, 0, None, None,
-                       lambda q, kv: triton_decode.attention(q, kv, bias, t, scale))
+                       lambda q, kv: triton_decode.attention(q, kv[:, 0], kv[:, 1], bias, t, scale))
     span = columns.shape[0]
     bias = cache.key_bias[:, :span].masked_fill(columns > t, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
     return _decode(cache, tokens, positions, t, span, bias, None)

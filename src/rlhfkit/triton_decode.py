@@ -7,8 +7,8 @@ step's column from device memory (the tensor ``t``), so one graph serves the who
 and each replay reads only the columns written so far: one program per (row, key head) walks
 them in blocks with a running (online) softmax, every query head of a grouped-query key head
 together, in float32 throughout (a decode step is bound by memory, not arithmetic). Keys and
-values are read in place from the lean cache (``[B, 2, Hkv, T, D]``), the additive key mask
-``[B, T]`` likewise.
+values are read in place from the lean cache (``[B, 2, Hkv, T, D]``) through their strides, the
+additive key mask ``[B, T]`` likewise.
 
 Used when Triton imports and the cache is on CUDA; ``RLHFKIT_TRITON=0`` keeps PyTorch's
 attention. On a CPU Triton's interpreter runs it (``TRITON_INTERPRET=1``), which is how the
@@ -51,8 +51,8 @@ def _kernel(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def one_query(q_ptr, kv_ptr, bias_ptr, t_ptr, out_ptr, scale,
-                  sq_b, sq_h, skv_b, skv_2, skv_h, skv_t, sb_b, so_b, so_h,
+    def one_query(q_ptr, k_ptr, v_ptr, bias_ptr, t_ptr, out_ptr, scale,
+                  sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sb_b, so_b, so_h,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         b, h = tl.program_id(0), tl.program_id(1)  # a row and one of its key heads
         span = tl.load(t_ptr) + 1  # columns 0 .. t: the step's own key is written already
@@ -61,16 +61,16 @@ def _kernel(interpret: bool):
         live = g < G
         q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
         q = q.to(tl.float32) * scale  # [GP, D]
-        k_ptr = kv_ptr + b * skv_b + h * skv_h
-        v_ptr = k_ptr + skv_2
+        k_ptr += b * sk_b + h * sk_h
+        v_ptr += b * sv_b + h * sv_h
         top = tl.full([GP], float("-inf"), tl.float32)  # running max of the scores
         total = tl.zeros([GP], tl.float32)  # running sum of exp(score - top)
         acc = tl.zeros([GP, D], tl.float32)  # running sum of exp(score - top) * value
         for start in range(0, span, BLOCK):
             t = start + tl.arange(0, BLOCK)
             inside = t < span
-            k = tl.load(k_ptr + t[:, None] * skv_t + d[None, :], mask=inside[:, None], other=0.0)
-            v = tl.load(v_ptr + t[:, None] * skv_t + d[None, :], mask=inside[:, None], other=0.0)
+            k = tl.load(k_ptr + t[:, None] * sk_t + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_ptr + t[:, None] * sv_t + d[None, :], mask=inside[:, None], other=0.0)
             bias = tl.load(bias_ptr + b * sb_b + t, mask=inside, other=float("-inf")).to(tl.float32)
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) + bias[None, :]  # [GP, BLOCK]
             new_top = tl.maximum(top, tl.max(s, axis=1))
@@ -87,24 +87,25 @@ def _kernel(interpret: bool):
     return one_query, triton.next_power_of_2
 
 
-def attention(q: torch.Tensor, kv: torch.Tensor, key_bias: torch.Tensor, t: torch.Tensor,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor, t: torch.Tensor,
               scale: float) -> torch.Tensor:
-    """``q [B, H, 1, D]`` (any strides, the last one 1) over columns ``0 .. t`` of the cache
-    ``kv [B, 2, Hkv, T, D]`` (keys at ``[:, 0]``, values at ``[:, 1]``) under the additive
-    ``key_bias [B, T]`` (0 attend, -inf padding); ``t``: a ``[1]`` integer tensor on the same
-    device, read by the kernel, so a CUDA graph replays the step for any ``t``. Returns
-    ``[B, H, 1, D]`` (contiguous). A row whose columns are all padding gets NaN (0 / 0)."""
+    """``q [B, H, 1, D]`` over columns ``0 .. t`` of ``k, v [B, Hkv, T, D]`` (the lean cache's
+    ``kv[:, 0]`` and ``kv[:, 1]``; any strides, the last one 1) under the additive ``key_bias
+    [B, T]`` (0 attend, -inf padding); ``t``: a ``[1]`` integer tensor on the same device, read
+    by the kernel, so a CUDA graph replays the step for any ``t``. Returns ``[B, H, 1, D]``
+    (contiguous). A row whose columns are all padding gets NaN (0 / 0)."""
     B, H, one, D = q.shape
-    Hkv = kv.shape[2]
-    if one != 1 or H % Hkv or D & (D - 1) or q.stride(-1) != 1 or kv.stride(-1) != 1 or key_bias.stride(-1) != 1:
+    Hkv = k.shape[1]
+    if (one != 1 or H % Hkv or D & (D - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+            or key_bias.stride(-1) != 1):
         raise ValueError("one query a row, query heads a multiple of key heads, a power-of-two head size, "
                          "the last dimension contiguous")
     kernel, next_power_of_2 = _kernel(_interpreting())
     G = H // Hkv
     GP = next_power_of_2(G)
     out = q.new_empty((B, H, 1, D))
-    kernel[(B, Hkv)](q, kv, key_bias, t, out, scale,
-                     q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-                     key_bias.stride(0), out.stride(0), out.stride(1),
+    kernel[(B, Hkv)](q, k, v, key_bias, t, out, scale,
+                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                     v.stride(0), v.stride(1), v.stride(2), key_bias.stride(0), out.stride(0), out.stride(1),
                      G=G, GP=GP, D=D, BLOCK=max(16, 64 // GP), num_warps=4)
     return out
