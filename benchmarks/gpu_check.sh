@@ -3,7 +3,9 @@
 #   1. the CUDA tests of the decode paths: tests/test_triton_decode.py and the fixed-shape
 #      (CUDA-graph) decode of tests/test_lean.py, PyTorch's attention and Triton's;
 #      FULL_TESTS=1 runs all of tests/test_lean.py and tests/test_offload.py instead;
-#   2. real_step.py's GPU rows, one process each, in two rounds (the second in another order),
+#   2. update_peak.py on the `short` row that meets the time goal there (graph, checkpointing,
+#      offload): every tensor alive at its update's peak, by what made it (OUT_DIR/update_peak.txt);
+#   3. real_step.py's GPU rows, one process each, in two rounds (the second in another order),
 #      until BUDGET seconds have passed (no row starts after that); OUT_DIR/results.jsonl and a
 #      log are copied to COPY_TO (if set) after every row.
 #
@@ -34,7 +36,8 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
 [ -n "${TOKENIZER:-}" ] && [ ! -d "$OUT_DIR/tokenizer_gpt2" ] && cp -r "$TOKENIZER" "$OUT_DIR/tokenizer_gpt2"
-save() { [ -n "${COPY_TO:-}" ] && cp "$OUT_DIR/results.jsonl" "$OUT_DIR/log.txt" "$OUT_DIR/tests.txt" "$COPY_TO/" 2>/dev/null; true; }
+save() { [ -n "${COPY_TO:-}" ] && cp "$OUT_DIR/results.jsonl" "$OUT_DIR/log.txt" "$OUT_DIR/tests.txt" \
+  "$OUT_DIR/update_peak.txt" "$COPY_TO/" 2>/dev/null; true; }
 
 echo "== CUDA tests [$(el) s]"
 if [ -n "${FULL_TESTS:-}" ]; then TESTS="tests/test_lean.py tests/test_offload.py tests/test_triton_decode.py"; K=""
@@ -47,6 +50,12 @@ SHAPE_FROM=${SHAPE_FROM:-$HOME/.cache/rlhfkit/models/smollm2-135m-instruct}
 R="--device cuda --size gpt2 --workload reasoning --runs 1 --out $OUT_DIR"
 S="--device cuda --size smollm2-init --shape-from $SHAPE_FROM --workload short --runs 1 --out $OUT_DIR"
 [ -f "$SHAPE_FROM/config.json" ] || { echo "no $SHAPE_FROM/config.json: the short rows are left out"; S=""; }
+if [ -n "$S" ]; then
+  echo "== update_peak.py, short, graph + checkpointing + offload [$(el) s]"
+  timeout 150 python3 benchmarks/update_peak.py --device cuda --size smollm2-init --shape-from "$SHAPE_FROM" \
+    --workload short --rows rlhfkit_grpo_graph_ckpt_offload --out "$OUT_DIR" > "$OUT_DIR/update_peak.txt" 2>&1
+  save; grep -A 14 "^update's phase peak" "$OUT_DIR/update_peak.txt"
+fi
 # round 1, then round 2 in another order; the long completions (GPT-2 small's shape) first
 for spec in "R rlhfkit_grpo_graph" "R trl_grpo_ckpt" "R rlhfkit_grpo_graph_ckpt_offload" "R trl_grpo" \
             "R rlhfkit_grpo_graph_torchattn" \
