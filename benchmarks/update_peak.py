@@ -96,8 +96,9 @@ def main() -> None:
     wl = dict(rs.WORKLOADS[args.workload])
     paths = rs.prepare(Path(args.out), args.size, args.layers, wl["prompt_tokens"], 256, args.shape_from)
 
-    import rlhfkit.trainers.rl as rl
     from torch.profiler import ProfilerActivity, profile
+
+    import rlhfkit.trainers.rl as rl
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     state = {"experiences": 0, "prof": None}
