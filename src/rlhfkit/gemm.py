@@ -161,7 +161,9 @@ def enabled() -> bool:
     - Zen 4 and Zen 5 EPYCs (AVX-512): oneDNN 1.02-1.6x and about 2x MKL's rate;
     - a 2-core Intel Xeon (CPU family 6, model 207, AVX-512 and AMX; commit cf65421): oneDNN
       took 1.05-1.45x MKL's time for the forward and input-gradient products from 64 rows up
-      and 1.1-2.2x for the weight gradient (medians of 11 interleaved rounds);
+      and 1.1-2.2x for the weight gradient (medians of 11 interleaved rounds); another (model 167,
+      AVX-512 and AMX; commit 6001c10): oneDNN's rate 0.85-1.05x MKL's for the forward, 0.64-0.91x
+      for the input gradient, 0.57-0.89x for the weight gradient (7 rounds);
     - a 2-core Zen 3 EPYC (CPU family 25, model 1, AVX2 and no AVX-512; commit b302278):
       oneDNN's forward rate 0.81-0.95x MKL's, the input gradient 0.75-0.93x, the weight gradient
       0.61-0.92x (7 interleaved rounds).
