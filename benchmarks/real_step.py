@@ -784,6 +784,15 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
                   f"body arithmetic {b[0] / b[1]:.2f}x ({what})")
 
 
+def model_layers(size: str, layers: int | None) -> int:
+    """The layers a ``--size`` runs with: ``--layers`` for the random-init sizes, the model's own
+    for the fetched and shaped ones (exits if ``--layers`` asks for another count there)."""
+    spec = SIZES[size]
+    if ("fetch" in spec or "shape_of" in spec) and layers not in (None, spec["layers"]):
+        sys.exit(f"--layers applies to gpt2 and qwen; {size} keeps its model's layers")
+    return layers or spec["layers"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=list(SIZES), default="gpt2")
@@ -810,14 +819,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    if ("fetch" in SIZES[args.size] or "shape_of" in SIZES[args.size]) and args.layers not in (None, SIZES[args.size]["layers"]):
-        sys.exit(f"--layers applies to gpt2 and qwen; {args.size} keeps its model's layers")
+    args.layers = model_layers(args.size, args.layers)
     if args.rows is None:
         args.rows = [r for r in GRPO_ROWS if not (row_spec(r)["graph"] or row_spec(r)["offload"] if args.device == "cpu"
                                                   else row_spec(r)["compact"])]
     if args.device == "cuda" and any(row_spec(r)["compact"] for r in args.rows):
         sys.exit("on CUDA TRL's head scores completion positions only as shipped: leave the _compact rows out")
-    args.layers = args.layers or SIZES[args.size]["layers"]
     wl = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in WORKLOADS[args.workload].items()}
     B = wl["groups"] * wl["group_size"]
     if B % wl["micro"]:

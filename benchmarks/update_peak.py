@@ -91,10 +91,7 @@ def main() -> None:
     rs.quiet_hf()
     if args.device == "cuda":
         torch.set_float32_matmul_precision("high")  # as real_step's workers
-    if ("fetch" in rs.SIZES[args.size] or "shape_of" in rs.SIZES[args.size]) and args.layers not in (
-            None, rs.SIZES[args.size]["layers"]):
-        sys.exit(f"--layers applies to gpt2 and qwen; {args.size} keeps its model's layers")  # as real_step.py
-    args.layers = args.layers or rs.SIZES[args.size]["layers"]
+    args.layers = rs.model_layers(args.size, args.layers)
     args.warmup, args.steps, args.seed = 1, 1, 0
     wl = dict(rs.WORKLOADS[args.workload])
     paths = rs.prepare(Path(args.out), args.size, args.layers, wl["prompt_tokens"], 256, args.shape_from)
