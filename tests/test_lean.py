@@ -281,13 +281,15 @@ def test_repeated_rows_finds_runs_of_one_prompt():
     assert lean.repeated_rows(ids[:1], mask[:1]) is None
 
 
-@pytest.mark.parametrize("flat", [None, True, "blocks"], ids=["device_default", "flat", "blocked_attention"])
+@pytest.mark.parametrize("flat", [None, False, True, "blocks"],
+                         ids=["device_default", "two_streams", "flat", "blocked_attention"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch):
     """Rows that repeat a prompt (shuffled, as in a GRPO minibatch) run it once: same logits
     and the same gradients as running every row in full -- with the device's choice of two
-    streams or one flat sequence (two on a CPU), with the flat one forced, and with the
-    shared path's attention in blocks (the full forward keeps PyTorch's)."""
+    streams or one flat sequence (flat on a GPU, and on a CPU at these small sizes:
+    ``lean.flat_on_cpu``), with each of the two forced, and with the shared path's attention
+    in blocks (the full forward keeps PyTorch's)."""
     from rlhfkit.models import policy_forward
 
     if flat == "blocks":
@@ -305,6 +307,52 @@ def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch)
                             functools.partial(lean.response_hidden_states, flat=flat))
 
     _shared_prompt_forward_matches(name, policy_forward)
+
+
+def classifier(name: str):
+    """:data:`MODELS`' shape as a 3-label sequence classifier (a reward model's head on it)."""
+    from transformers import AutoModelForSequenceClassification
+
+    causal = MODELS[name]()
+    cfg = causal.config
+    cfg.num_labels = 3
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    model.load_state_dict(causal.state_dict(), strict=False)  # the scrambled body; a fresh head
+    with torch.no_grad():
+        model.score.weight.normal_(generator=torch.Generator().manual_seed(3))
+    return model.to(DEV).eval()
+
+
+@pytest.mark.parametrize("flat", [None, False, True], ids=["device_default", "two_streams", "flat"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_classifier_reads_each_shared_prompt_once(name, flat, monkeypatch):
+    """A reward model or classifier scoring a rollout (``sequence_logits(..., prompt_len=P)``, as
+    ``rewards.reward_model_scorer`` and ``classifier_scorer`` call it) runs each group's prompt
+    once and reads the last attended column: the logits of the full forward, with left-padded
+    prompts, responses cut early and an empty response (its last attended column the prompt's
+    last)."""
+    from rlhfkit.models import sequence_logits
+
+    model = classifier(name)
+    calls = []
+    real = lean.response_hidden_states
+
+    def spy(*a, **k):
+        calls.append(k.get("through_last"))
+        return real(*a, **k) if flat is None else real(*a, **{**k, "flat": flat})
+
+    monkeypatch.setattr(lean, "response_hidden_states", spy)
+    seq, seq_mask, pos, P, _ = grouped_batch()
+    seq_mask[1, P + 2:] = 0  # responses that ended early, one of them with no token at all
+    seq_mask[5, P:] = 0
+    with torch.no_grad():
+        full = sequence_logits(model, seq, seq_mask)
+        assert not calls  # without prompt_len: the full forward
+        shared = sequence_logits(model, seq, seq_mask, prompt_len=P)
+        hf = model(input_ids=seq * seq_mask, attention_mask=seq_mask, position_ids=pos).logits  # [12, 3]
+    assert calls == [True]
+    torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared, hf, atol=1e-5, rtol=1e-5)  # it pools the last token that is not padding
 
 
 @pytest.mark.parametrize("path", ["hf", "full", "two_streams", "flat"])

@@ -241,6 +241,25 @@ def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tens
     return weight * xf.to(x.dtype)
 
 
+_FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)  # (y, rstd); not in every torch
+
+
+def _norm_with_stats(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+    """``(norm(x), rstd [N, 1], mean [N, 1] or None)``: an RMS norm (``bias`` None) or a layer
+    norm of ``x [N, C]`` and the per-row statistics its backward needs, from the norm's own
+    kernel (``native_layer_norm``, ``_fused_rms_norm``) rather than a second pass over ``x``: at
+    the doubling task's 64-wide model ``var_mean`` alone took 5% of a GRPO update. The same
+    numbers as ``F.layer_norm`` / ``F.rms_norm``, which call those kernels."""
+    C = x.shape[-1:]
+    if bias is not None:
+        h, mean, rstd = torch.native_layer_norm(x, C, weight, bias, eps)
+        return h, rstd, mean
+    if _FUSED_RMS_NORM is not None and x.dtype == weight.dtype:
+        h, rstd = _FUSED_RMS_NORM(x, list(C), weight, eps)
+        return h, rstd, None
+    return F.rms_norm(x, C, weight, eps), torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)), None
+
+
 class _NormLinears(torch.autograd.Function):
     """Linear layers reading one norm's output: a Llama layer's q, k, v (or gate and up) after
     its RMS norm, GPT-2's q/k/v or MLP input after its layer norm. Keeps ``x [N, C]`` and the
@@ -255,13 +274,7 @@ class _NormLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, eps, conv1d, *linears):
-        if norm_bias is None:
-            rstd, mean = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)), None  # [N, 1]
-            h = F.rms_norm(x, x.shape[-1:], norm_weight, eps)
-        else:
-            var, mean = torch.var_mean(x, -1, keepdim=True, correction=0)
-            rstd = torch.rsqrt(var.add_(eps))
-            h = F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps)
+        h, rstd, mean = _norm_with_stats(x, norm_weight, norm_bias, eps)
         weights, biases = linears[0::2], linears[1::2]
         ctx.save_for_backward(x, norm_weight, norm_bias, rstd, mean, *weights)
         ctx.conv1d, ctx.biased = conv1d, [b is not None for b in biases]
@@ -635,9 +648,28 @@ def shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
     return first, rows
 
 
+# On a CPU the flat layout is taken up to this many token-wise elements (tokens run x width).
+# ``benchmarks/shared_prompt_ops.py``, 2 layers, one update forward + backward, flat / two
+# sequences, at commit aee3631 on a 2-core Intel Xeon (model 167, the other core busy): 4 x 4
+# rows of 16 + 8 tokens (147K elements at GPT-2's width) 0.77x, (Llama, 576 wide) 0.83x; 8 x 4
+# of 32 + 16 (590K, 442K) 0.95x, 0.96x; 8 x 4 of 64 + 32 (1.2M, 885K) 0.98x, 1.00x; 16 x 4 of
+# 128 + 64 (4.7M, 3.5M) 0.98x, 1.08x. The doubling task's 64-wide model (about 20K elements a
+# minibatch) runs its GRPO update in 0.89x the time flat. The bound sits below the real model's
+# update micro-batches (SmolLM2-135M, ``real_step.py``'s ``short``: 4 prompts of 128 + 16 x 63
+# tokens x 576 = 875K), which keep the two sequences their measured tables used.
+FLAT_CPU_ELEMENTS = 1 << 19
+
+
+def flat_on_cpu(tokens: int, width: int) -> bool:
+    """Whether a CPU runs shared prompts in :func:`response_hidden_states`'s flat layout: a step
+    small enough (``tokens x width`` at most ``FLAT_CPU_ELEMENTS``) that halving its operations
+    pays; above it the two sequences the measured real-size tables used."""
+    return tokens * width <= FLAT_CPU_ELEMENTS
+
+
 def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            position_ids: torch.Tensor, prompt_len: int, first: torch.Tensor,
-                           rows: torch.Tensor, flat: bool | None = None) -> torch.Tensor:
+                           rows: torch.Tensor, flat: bool | None = None, through_last: bool = False) -> torch.Tensor:
     """Hidden states at columns ``P-1 .. T-2`` (those that predict the response tokens),
     ``[B, R, H]``, with each distinct prompt run once (``first`` / ``rows`` from
     :func:`shared_prompts`).
@@ -650,26 +682,32 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
     attention being causal, no other column reads it, so it is not run at all (unless it is the
     only response column).
 
-    ``flat`` (default: on a GPU) runs the distinct prompts' ``U x P`` tokens and the responses'
-    ``B x R`` through every token-wise operation (norms, projections, MLP) as one sequence, and
-    only attention sees them apart. Two sequences of kernels per layer cost a GPU twice the
-    launches for the same arithmetic (on an H100 at a 135M-parameter model's size the update
-    took twice as long with them as with the prompts unshared). On a CPU neither is
-    consistently faster (2 layers, 16 prompts x 4 samples x 128 + 64 tokens, GPT-2 and Llama
-    shapes: within 10% either way from run to run, ``benchmarks/shared_prompt_ops.py``), so the
-    CPU keeps the two sequences its measured tables used.
+    ``through_last``: every column is run, the last included, and the states at columns
+    ``P-1 .. T-1`` come back, ``[B, R+1, H]`` (a reward model's or classifier's read at the
+    last attended token, :func:`rlhfkit.models.sequence_logits`).
+
+    ``flat`` runs the distinct prompts' ``U x P`` tokens and the responses' ``B x R`` through
+    every token-wise operation (norms, projections, MLP) as one sequence, and only attention
+    sees them apart. Two sequences of kernels per layer cost a GPU twice the launches for the
+    same arithmetic (on an H100 at a 135M-parameter model's size the update took twice as long
+    with them as with the prompts unshared), so a GPU always takes it. On a CPU it is taken for
+    small steps only (:func:`flat_on_cpu`), where each operation's fixed cost is a large part of
+    its time; at larger sizes neither is consistently faster.
     """
     arch = _Arch(model)
     P, T = prompt_len, input_ids.shape[1]
-    T_in = T - 1 if T - P > 1 else T  # the columns run: all but the last (it predicts nothing)
+    # the columns run: all but the last (it predicts nothing), unless it is asked for
+    T_in = T if through_last or T - P == 1 else T - 1
+    keep = T - P if through_last else T - 1 - P  # response columns returned after the prompt's last
     full_mask = _full_mask(attention_mask[:, :T_in])  # [B, 1, T_in, T_in]
     mask_p = full_mask[first, :, :P, :P]  # [U, 1, P, P]
     mask_r = full_mask[:, :, P:, :]  # [B, 1, T_in - P, T_in]: response queries see the whole prompt row
     if flat is None:
-        flat = input_ids.device.type == "cuda"
+        flat = input_ids.device.type == "cuda" or flat_on_cpu(first.shape[0] * P + rows.shape[0] * (T_in - P),
+                                                              arch.wte.shape[1])
     if flat:
         return _shared_flat(arch, input_ids[:, :T_in], position_ids[:, :T_in], P, first, rows, mask_p, mask_r,
-                            T - 1 - P)
+                            keep)
     pos_p, pos_r = position_ids[first, :P], position_ids[:, P:T_in]
     # one lookup for both streams: a trained embedding's backward fills one [V, H] gradient, not two
     xp, xr = arch.embed(torch.cat([input_ids[first, :P].flatten(), input_ids[:, P:T_in].flatten()]),
@@ -691,7 +729,7 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
 
     xp, xr = _run_layers(arch, step, (xp, xr))
     hp = arch.final_norm(xp[:, -1]).index_select(0, rows)  # [B, H]: the state at column P-1
-    return torch.cat([hp[:, None], arch.final_norm(xr[:, : T - 1 - P])], 1)  # [B, R, H]
+    return torch.cat([hp[:, None], arch.final_norm(xr[:, :keep])], 1)  # [B, keep + 1, H]
 
 
 def _shared_flat(arch: _Arch, input_ids: torch.Tensor, position_ids: torch.Tensor, P: int, first: torch.Tensor,

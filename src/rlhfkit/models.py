@@ -587,21 +587,38 @@ def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids
     return scalar_head(model)(hidden).squeeze(-1).float()  # [B, T]
 
 
-def sequence_logits(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+def sequence_logits(model: PreTrainedModel, input_ids, attention_mask, position_ids=None,
+                    prompt_len: int | None = None) -> torch.Tensor:
     """The classification head at the last attended token of each row: ``[B, num_labels]``.
 
     Works for left and right padding: the last attended column is found from the mask.
+    ``prompt_len``: the rows are ``[prompt (P) | response]`` with left-padded prompts (a
+    rollout); when prompts repeat across rows (GRPO / RLOO groups) and the model takes the lean
+    path, each distinct prompt is then run once, as in the policy's forwards
+    (:func:`rlhfkit.lean.response_hidden_states`; equal up to rounding).
     """
-    hidden = _hidden(model, input_ids, attention_mask, position_ids)  # [B, T, H]
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
     cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (cols * attention_mask.long()).argmax(-1)  # [B]
-    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    shared = None
+    if prompt_len is not None and 0 < prompt_len < input_ids.shape[1] and lean.supported(model):
+        shared = lean.shared_prompts(input_ids, attention_mask, prompt_len)
+    if shared is not None and bool((last >= prompt_len - 1).all()):
+        hidden = lean.response_hidden_states(model, input_ids, attention_mask, position_ids, prompt_len, *shared,
+                                             through_last=True)  # [B, T - P + 1, H]: columns P-1 .. T-1
+        pooled = hidden[rows, last - (prompt_len - 1)]  # [B, H]
+    else:
+        pooled = _hidden(model, input_ids, attention_mask, position_ids)[rows, last]  # [B, H]
     return scalar_head(model)(pooled).float()  # [B, L]
 
 
-def sequence_scores(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-    """The scalar head at the last attended token of each row: ``[B]`` (a reward model)."""
-    return sequence_logits(model, input_ids, attention_mask, position_ids).squeeze(-1)  # [B]
+def sequence_scores(model: PreTrainedModel, input_ids, attention_mask, position_ids=None,
+                    prompt_len: int | None = None) -> torch.Tensor:
+    """The scalar head at the last attended token of each row: ``[B]`` (a reward model);
+    ``prompt_len`` as in :func:`sequence_logits`."""
+    return sequence_logits(model, input_ids, attention_mask, position_ids, prompt_len).squeeze(-1)  # [B]
 
 
 class ValueHead(nn.Module):

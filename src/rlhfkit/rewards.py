@@ -136,8 +136,9 @@ def reward_model_scorer(reward_model, tokenizer=None, rm_tokenizer=None, name: s
     texts are re-tokenised first (:func:`retokenize`); else the policy's ids are read as is."""
 
     def score(roll: Rollout, records=None) -> torch.Tensor:
-        if rm_tokenizer is None:
-            return sequence_scores(reward_model, roll.input_ids, roll.attention_mask)
+        if rm_tokenizer is None:  # the rollout's own rows: each group's prompt runs once
+            return sequence_scores(reward_model, roll.input_ids, roll.attention_mask,
+                                   prompt_len=roll.prompt_ids.shape[1])
         return sequence_scores(reward_model, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
 
     return Reward([(name, 1.0, score)], [reward_model])
@@ -150,7 +151,8 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_
 
     def score(roll: Rollout, records=None) -> torch.Tensor:
         if rm_tokenizer is None:
-            logits = sequence_logits(classifier, roll.input_ids, roll.attention_mask)  # [B, L]
+            logits = sequence_logits(classifier, roll.input_ids, roll.attention_mask,
+                                     prompt_len=roll.prompt_ids.shape[1])  # [B, L]
         else:
             logits = sequence_logits(classifier, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
         prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
