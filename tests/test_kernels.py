@@ -132,6 +132,10 @@ def test_gelu_tanh():
     z2 = 2 * (2 / torch.pi) ** 0.5 * (x.double() + 0.044715 * x.double() ** 3)
     torch.testing.assert_close(gate.double(), torch.sigmoid(z2), atol=2e-7, rtol=2e-6)
     assert out[0] == 0 and out[7] == 100  # the saturated ends are exact
+    x[8] = float("nan")  # in a vector of 8, not the scalar tail: a NaN stays NaN through the clamps
+    nan_out = kernels.gelu_tanh(x, gate=gate)
+    assert nan_out[8].isnan() and gate[8].isnan() and not nan_out[9:].isnan().any()
+    x[8] = out[8] = 0.0
     y = x.clone()
     kernels.gelu_tanh(y, out=y)  # in place
     torch.testing.assert_close(y, out, atol=0, rtol=0)
