@@ -66,8 +66,13 @@ class Engine:
     an extra graph traversal (and a warning) on every later backward."""
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.accelerator is not None:
-            self.accelerator.backward(loss)
+        acc = self.accelerator
+        # accelerate's backward is ``loss.backward()`` but for DeepSpeed / Megatron, a loss scaler
+        # and its own accumulation, after checks that probe the file system for an optional
+        # package on every call (~0.2 ms: 3% of a GRPO update of the doubling task's model)
+        if acc is not None and (acc.distributed_type in ("DEEPSPEED", "MEGATRON_LM") or acc.scaler is not None
+                                or acc.gradient_accumulation_steps != 1):
+            acc.backward(loss)
         else:
             loss.backward()
 
