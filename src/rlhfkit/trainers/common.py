@@ -76,6 +76,20 @@ class Engine:
         else:
             loss.backward()
 
+    def step(self, optimizer) -> None:
+        """``optimizer.step()``. accelerate's own wrapper (``AcceleratedOptimizer`` itself, not a
+        subclass such as DeepSpeed's, whose engine steps) adds to its inner optimizer's step only
+        a loss scaler's and XLA's gradient sync, after probing the file system for an optional
+        package twice a call (~0.3 ms of a doubling-task GRPO minibatch's 8 ms): without those
+        the inner optimizer steps directly."""
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        if (type(optimizer) is AcceleratedOptimizer and optimizer.scaler is None
+                and optimizer.gradient_state.sync_gradients and optimizer.accelerator_state.distributed_type != "XLA"):
+            optimizer.optimizer.step()
+        else:
+            optimizer.step()
+
     def clip(self, parameters, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.accelerator, parameters, max_norm)
 

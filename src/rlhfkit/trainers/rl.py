@@ -273,7 +273,7 @@ def ppo_update(
                 if ac.has_critic:
                     stats["value/grad_norm"] = engine.clip(ac.critic_parameters(), pc.max_grad_norm)
                 if engine.guard.ok(loss, stats["policy/grad_norm"], stats.get("value/grad_norm", 0.0)):
-                    optimizer.step()
+                    engine.step(optimizer)
                 all_stats.append(stats)
     # the last step's gradients are spent: free them now rather than at the next update's first
     # minibatch, so the rollout and the reference forward between updates do not hold a copy
