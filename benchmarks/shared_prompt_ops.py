@@ -5,8 +5,9 @@ count of compute operations per forward + backward is what decides whether shari
 group's prompt (``rlhfkit.lean.response_hidden_states``) pays there. This script counts them
 on any device with ``torch.profiler``: top-level ``aten`` operations that are not views or
 allocations (each launches at least one kernel on a GPU), and times them, for three paths:
-``shared`` (prompts and responses as two streams per layer, the CPU's default), ``flat`` (one
-flat sequence through the token-wise operations, the GPU's default) and ``unshared`` (every
+``shared`` (prompts and responses as two streams per layer, the CPU's default above
+``rlhfkit.lean.FLAT_CPU_ELEMENTS``), ``flat`` (one flat sequence through the token-wise
+operations, the GPU's default and the CPU's for small steps) and ``unshared`` (every
 row in full, ``rlhfkit.lean.hidden_states``); and the same for one cached decode step of the
 rollout (``decode``, no grad).
 
