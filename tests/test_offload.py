@@ -260,10 +260,12 @@ def test_the_rl_loop_releases_free_memory_before_each_phase(tiny_models, tiny_co
     assert calls == phases * 2, calls
 
 
-def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused_ones_none():
+def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused_ones_none(monkeypatch):
     """The update's gradients go to one buffer off the heap: bit for bit the sums autograd makes
     without it, over three micro-batches; a parameter no loss reaches keeps ``.grad`` None (so the
-    optimizer skips it, as without the buffer); FSDP and DeepSpeed opt out."""
+    optimizer skips it, as without the buffer); FSDP and DeepSpeed opt out, and so does a model
+    under ``GRADIENT_BUFFER_MIN`` trained numbers (lowered here to take this small one)."""
+    import rlhfkit.utils as utils
     from rlhfkit.utils import gradient_buffer
 
     torch.manual_seed(0)
@@ -282,6 +284,9 @@ def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused
                                                                              for p in params if p.grad is not None}
 
     plain, plain_storages = grads(False)
+    _, too_small = grads(True)
+    assert len(too_small) == 4  # 57 numbers: under the bound, autograd's own gradients
+    monkeypatch.setattr(utils, "GRADIENT_BUFFER_MIN", 0)
     buffered, storages = grads(True)
     assert buffered[-1] is None and plain[-1] is None
     assert all(torch.equal(a, b) for a, b in zip(plain[:-1], buffered[:-1]))

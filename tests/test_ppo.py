@@ -436,7 +436,9 @@ def test_update_with_the_gradient_buffer_moves_the_weights_as_autograds_own_grad
     those of the same update with autograd's own gradients, and every gradient the optimizer
     steps with lives in that one buffer."""
     import rlhfkit.trainers.rl as rl
+    import rlhfkit.utils as utils
 
+    monkeypatch.setattr(utils, "GRADIENT_BUFFER_MIN", 0)  # this tiny model is under the size that takes it
     pc = Config().replace(ppo={"batch_size": 16, "minibatch_size": 8, "micro_batch_size": 4, "ppo_epochs": 2}).ppo
     weights, storages = _update_with_grad_storages(value_model, pc)
     monkeypatch.setattr(rl, "gradient_buffer", lambda params, enabled=True: contextlib.nullcontext())

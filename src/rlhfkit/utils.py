@@ -100,6 +100,12 @@ def tensors_off_heap(enabled: bool = True, threshold: int = UPDATE_MMAP_THRESHOL
         libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_CEILING)
 
 
+# gradient_buffer's smallest model, in trained numbers: below it the gradients are too small to
+# matter to the heap, and the hook and copy per parameter and micro-batch cost the doubling
+# task's 64-wide model (about 100K numbers) 2% of its GRPO update
+GRADIENT_BUFFER_MIN = 1 << 22
+
+
 @contextlib.contextmanager
 def gradient_buffer(params, enabled: bool = True):
     """Within the block, the CPU gradients of ``params`` live in one flat buffer per dtype
@@ -118,9 +124,12 @@ def gradient_buffer(params, enabled: bool = True):
     from 9062 to 8165 MiB with the buffer, ``benchmarks/RESULTS.md``). Only plain CPU tensors
     take part: FSDP's sharded parameters and GPU tensors (whose caching allocator reuses freed
     blocks itself) keep their own gradients, and so do all of them when ``enabled`` is false
-    (engines that own the gradients: FSDP, DeepSpeed)."""
+    (engines that own the gradients: FSDP, DeepSpeed) or when they hold fewer than
+    ``GRADIENT_BUFFER_MIN`` numbers in all."""
     params = [p for p in params if enabled and p.requires_grad and p.device.type == "cpu" and type(p.data) is torch.Tensor
               and p.layout == torch.strided]
+    if sum(p.numel() for p in params) < GRADIENT_BUFFER_MIN:
+        params = []  # too small to scatter the heap: the hooks' copies would be all it does
     sizes: dict[torch.dtype, int] = {}
     for p in params:
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
