@@ -301,11 +301,24 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> PreTrainedModel:
 def eval_mode(model: nn.Module):
     """Eval mode for the duration (generation: gradient-checkpointed layers keep their cache)."""
     was_training = model.training
-    model.eval()
+    _set_training(model, False)
     try:
         yield model
     finally:
-        model.train(was_training)
+        _set_training(model, was_training)
+
+
+def _set_training(model: nn.Module, mode: bool) -> None:
+    """``model.train(mode)``. transformers' ``train`` also moves the model's hub kernels
+    (``use_kernels``, on by default where the ``kernels`` package is installed) between their
+    inference and training modes, registering the kernel mapping and kernelizing the model again at
+    each switch: about 1 ms of a rollout of the doubling task's model, twice a rollout. A model
+    on the lean path never runs its layers' own forward, so there only the flags change."""
+    if lean.supported(model):
+        for m in model.modules():
+            m.training = mode
+    else:
+        model.train(mode)
 
 
 def lora_targets(spec: str) -> str | list[str]:
