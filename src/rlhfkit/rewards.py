@@ -120,7 +120,7 @@ def retokenize(roll: Rollout, tokenizer, rm_tokenizer, device) -> tuple[torch.Te
     Prompt and response are decoded to text without special tokens, joined, and, where the
     response ended (the policy's EOS or a stop string), closed with the reward model's own EOS; the text
     is then tokenised by ``rm_tokenizer`` (its BOS / template post-processing included)."""
-    prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+    prompts = tokenizer.batch_decode(roll.prompt_ids.tolist(), skip_special_tokens=True)
     responses = tokenizer.batch_decode(response_rows(roll.response_ids, roll.response_attention),
                                        skip_special_tokens=True)
     eos = rm_tokenizer.eos_token or ""
@@ -155,7 +155,7 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_
                                      prompt_len=roll.prompt_ids.shape[1])  # [B, L]
         else:
             logits = sequence_logits(classifier, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
-        prompts = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+        prompts = tokenizer.batch_decode(roll.prompt_ids.tolist(), skip_special_tokens=True)
         labels = torch.tensor([label_fn(p) for p in prompts], device=logits.device)  # [B]
         return logits.gather(1, labels[:, None]).squeeze(1)  # [B]
 
@@ -184,7 +184,7 @@ def call_arguments(roll: Rollout, tokenizer, records: Sequence[PromptRecord] | N
     """The keyword arguments a reward function receives for a rollout (see the module docstring)."""
     ids, texts = completion_texts(roll, tokenizer)
     if records is None:  # no records: the prompts as the model read them
-        prompts: list = tokenizer.batch_decode(roll.prompt_ids, skip_special_tokens=True)
+        prompts: list = tokenizer.batch_decode(roll.prompt_ids.tolist(), skip_special_tokens=True)
         columns: dict[str, list] = {}
     else:
         prompts = [r.original for r in records]
