@@ -309,6 +309,26 @@ def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch)
     _shared_prompt_forward_matches(name, policy_forward)
 
 
+def test_cpu_takes_the_flat_layout_for_small_steps_only(monkeypatch):
+    """On a CPU, shared prompts run as one flat sequence when the step's tokens x width is at most
+    ``lean.FLAT_CPU_ELEMENTS`` (operations' fixed costs dominate there), as two sequences above it
+    (the layout the real-size tables measured); a GPU always takes the flat one."""
+    if DEV.type != "cpu":
+        pytest.skip("the CPU's choice")
+    model = MODELS["llama"]()
+    seq, seq_mask, pos, P, _ = grouped_batch()
+    shared = lean.shared_prompts(seq, seq_mask, P)
+    taken, real = [], lean._shared_flat
+    monkeypatch.setattr(lean, "_shared_flat", lambda *a: taken.append(True) or real(*a))
+    tokens = 4 * P + 12 * (seq.shape[1] - 1 - P)  # the distinct prompts, then the response columns run
+    with torch.no_grad():
+        for bound, flat in ((tokens * 32, True), (tokens * 32 - 1, False)):  # width 32
+            monkeypatch.setattr(lean, "FLAT_CPU_ELEMENTS", bound)
+            taken.clear()
+            lean.response_hidden_states(model, seq, seq_mask, pos, P, *shared)
+            assert taken == ([True] if flat else [])
+
+
 def classifier(name: str):
     """:data:`MODELS`' shape as a 3-label sequence classifier (a reward model's head on it)."""
     from transformers import AutoModelForSequenceClassification
