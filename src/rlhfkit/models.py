@@ -312,8 +312,8 @@ def _set_training(model: nn.Module, mode: bool) -> None:
     """``model.train(mode)``. transformers' ``train`` also moves the model's hub kernels
     (``use_kernels``, on by default where the ``kernels`` package is installed) between their
     inference and training modes, registering the kernel mapping and kernelizing the model again at
-    each switch: about 1 ms of a rollout of the doubling task's model, twice a rollout. A model
-    on the lean path never runs its layers' own forward, so there only the flags change."""
+    each switch: two switches a rollout took the doubling task's sampling from 7.6 to 6.5 ms. A
+    model on the lean path never runs its layers' own forward, so there only the flags change."""
     if lean.supported(model):
         for m in model.modules():
             m.training = mode
