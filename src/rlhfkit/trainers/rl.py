@@ -108,25 +108,19 @@ def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef:
         return None
     objective, options = policy_objective(pc.loss_type), surrogate_options(pc)._replace(clip_low=pc.clip_range)
     kind, coef = (pc.kl_estimator, kl_coef) if pc.kl_in_loss else ("k3", pc.forward_kl_coef)
-    # built on the first call: a forward whose head is not chunked (a small vocabulary) never calls it
-    per_row: dict[str, torch.Tensor] = {}
 
-    def prepare():
+    @functools.cache  # built on the first call: a forward whose head is not chunked (a small vocabulary) never calls it
+    def per_token():
         rmask = exp.response_mask[mb]
         with torch.enable_grad():
             x = torch.zeros(rmask.shape, dtype=exp.old_logprobs.dtype, device=rmask.device, requires_grad=True)
-            per_row["weights"] = torch.autograd.grad(aggregate(x, rmask, pc.loss_type, pc.max_new_tokens or 0),
-                                                     x)[0].flatten()
-        per_row["valid"] = rmask.bool().flatten()
-        per_row["old"] = exp.old_logprobs[mb].flatten()
-        per_row["adv"] = exp.advantages[mb].expand_as(rmask).flatten()
-        if pc.kl_in_loss or coef:
-            per_row["ref"] = exp.ref_logprobs[mb].flatten()
+            weights = torch.autograd.grad(aggregate(x, rmask, pc.loss_type, pc.max_new_tokens or 0), x)[0].flatten()
+        ref = exp.ref_logprobs[mb].flatten() if (pc.kl_in_loss or coef) else None
+        return (weights, rmask.bool().flatten(), exp.old_logprobs[mb].flatten(),
+                exp.advantages[mb].expand_as(rmask).flatten(), ref)
 
     def fn(logp, ent, s, e):
-        if not per_row:
-            prepare()
-        weights, valid, old, adv, ref = (per_row.get(k) for k in ("weights", "valid", "old", "adv", "ref"))
+        weights, valid, old, adv, ref = per_token()
         v = valid[s:e]
         per = token_policy_loss(logp, old[s:e], adv[s:e], v, objective, options)  # [n]
         if ref is not None:
