@@ -252,6 +252,8 @@ def ppo_update(
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     # CPU, on request: the activations off the C heap too, so what a micro-batch frees is not kept as holes
     off_heap = pc.update_off_heap and any(p.device.type == "cpu" for p in trained)
+    # the clipped groups, listed once rather than walked through the modules at every minibatch
+    policy_params, critic_params = list(ac.policy.parameters()), ac.critic_parameters()
     with gradient_buffer(trained, enabled=own_grads), tensors_off_heap(enabled=off_heap):
         for _ in range(pc.ppo_epochs):
             if order is None or pc.minibatch_draw == "epoch":  # 'rollout': one partition, kept for every epoch
@@ -263,7 +265,7 @@ def ppo_update(
                 # the loss's own unit (tokens or rows: core.aggregation_count); the token weight's for a token mean
                 loss_weight = shard.count_weight(aggregation_count(exp.response_mask[mb], pc.loss_type)) \
                     if AGGREGATIONS[pc.loss_type].unit != "tokens" else weight
-                optimizer.zero_grad(set_to_none=True)
+                engine.zero_grad(optimizer)
                 # no optimizer step yet on the first minibatch: the gap is to the policy that sampled
                 gap = logprob_gap and not all_stats
                 step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, loss_weight,
@@ -272,16 +274,16 @@ def ppo_update(
                 loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",), passes=n_passes)
                 # every term is a token mean over the response mask but the gap
                 stats = shard.mean(stats, weight, maxed=("policy/logprob_gap",))
-                stats["policy/grad_norm"] = engine.clip(ac.policy.parameters(), pc.max_grad_norm)
+                stats["policy/grad_norm"] = engine.clip(policy_params, pc.max_grad_norm)
                 if ac.has_critic:
-                    stats["value/grad_norm"] = engine.clip(ac.critic_parameters(), pc.max_grad_norm)
+                    stats["value/grad_norm"] = engine.clip(critic_params, pc.max_grad_norm)
                 if engine.guard.ok(loss, stats["policy/grad_norm"], stats.get("value/grad_norm", 0.0)):
                     engine.step(optimizer)
                 all_stats.append(stats)
     # the last step's gradients are spent: free them now rather than at the next update's first
     # minibatch, so the rollout and the reference forward between updates do not hold a copy
     # of the trained weights' size (TRL's Trainer frees them after each step the same way)
-    optimizer.zero_grad(set_to_none=True)
+    engine.zero_grad(optimizer)
     return all_stats
 
 
