@@ -100,7 +100,8 @@ class Engine:
     def zero_grad(self, optimizer) -> None:
         """``optimizer.zero_grad(set_to_none=True)``, around accelerate's wrapper where it adds
         nothing: the wrapper reads the inner ``zero_grad``'s signature (``inspect.signature``) on
-        every call, about 0.15 ms, as long as a small model's whole optimizer step."""
+        every call. With the clipped parameters listed once an update, this took the doubling
+        task's GRPO update to 0.98x (34.9 against 35.6 ms, alternating on one captured rollout)."""
         self._inner(optimizer).zero_grad(set_to_none=True)
 
     def clip(self, parameters, max_norm: float) -> torch.Tensor:
