@@ -68,8 +68,8 @@ class Engine:
     def _accelerate_adds_nothing(self) -> bool:
         """Whether accelerate's ``backward`` and its optimizer wrapper's ``step`` and ``zero_grad``
         would only be ``loss.backward()`` and the inner optimizer's calls here: no accelerator, or one with no
-        DeepSpeed / Megatron / XLA, no loss scaler and no accumulation of its own. Both calls
-        probe the file system for an optional package on every call (``is_lomo_available``);
+        DeepSpeed / Megatron / XLA, no loss scaler and no accumulation of its own. Its ``backward``
+        and ``step`` probe the file system for an optional package on every call (``is_lomo_available``);
         going around them took the doubling task's GRPO update to 0.97x (~0.15 ms a call, 60
         alternating runs on one captured rollout)."""
         acc = self.accelerator
