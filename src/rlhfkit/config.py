@@ -133,7 +133,7 @@ class RunConfig(Section):
     """Show progress bars."""
     task: Literal["doubling", "cities"] = "doubling"
     """Built-in task giving the tokenizer, data and evaluation: 'doubling' (the number-doubling tutorial task) or 'cities'
-    ("Where is Pune?" -> "Pune is in India.", seeds 000/003)."""
+    ("Where is Pune?" -> "Pune is in India.", the sample PPO explainers walk through)."""
     max_bad_updates: int = 5
     """An optimizer update whose loss or gradient norm is NaN/inf is skipped (warning, counted in
     guard/skipped_updates); this many skipped in a row stop the run with an error."""
