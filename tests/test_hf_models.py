@@ -317,6 +317,27 @@ def test_lora_ppo_run_on_qwen3(hub, tmp_path):
     assert results[0]["examples"] == results[1]["examples"]
 
 
+def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path):
+    """``model.dtype=bfloat16`` with LoRA, the set-up the config recommends for large models: peft
+    keeps the adapters in float32 beside the bfloat16 base, so the rollout and the update run
+    peft's forward (folding an adapter into a bfloat16 weight would round its update away), and
+    the adapter trains in float32."""
+    cfg = tiny_rl_config(tmp_path, model={"name": hub["llama"], "dtype": "bfloat16", "lora_r": 8, "lora_alpha": 16},
+                         reward={"name": hub["rm"]}, ppo={"algo": "grpo", "steps": 3, "lr": 1e-2})
+    ac, _, _, _ = build_models(cfg, hub["llama"], torch.device("cpu"))
+    dtypes = {n.split(".")[-2] if "lora_" in n else "base": p.dtype for n, p in ac.policy.named_parameters()}
+    assert dtypes == {"base": torch.bfloat16, "default": torch.float32}
+    train_rl(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    # policy == reference at the start, up to bfloat16 rounding between the sampling forward (a KV
+    # cache) and the reference's full forward; then the float32 adapter moves the bfloat16 policy
+    assert len(rows) == 3 and abs(rows[0]["objective/kl"]) < 1e-3
+    assert rows[-1]["objective/kl"] > 1e-2
+    for row in rows:
+        assert all(v is not None and math.isfinite(v) for v in row.values())
+        assert row["policy/logprob_gap"] < 0.5  # bfloat16 rounding between sampling and training forwards
+
+
 def test_reward_model_with_lora_saves_a_plain_merged_classifier(hub, tmp_path):
     cfg = Config().replace(run={"out_dir": str(tmp_path), "progress": False, "threads": 1},
                            model={"name": hub["qwen3"], "lora_r": 4},

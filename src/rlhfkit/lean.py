@@ -94,12 +94,18 @@ def _active_loras(m: nn.Module) -> list[str]:
 
 def _plain_linear(m: nn.Module, kind: str) -> bool:
     """A linear layer of class ``kind`` ('Conv1D', 'Linear') with plain parameters, or plain LoRA
-    on one (peft's ``lora.Linear``: not merged, no DoRA or other variant, no bias on B)."""
+    on one (peft's ``lora.Linear``: not merged, no DoRA or other variant, no bias on B, adapters
+    in the base weight's dtype). peft keeps the adapters of a bfloat16 or float16 base in float32
+    and runs them beside the base product; folding such an adapter into the base weight would round
+    its update to the weight's precision (a bfloat16 weight keeps 8 bits: early updates vanish),
+    so those layers run peft's own forward."""
     if _adapted(m):
         if not hasattr(m, "lora_A") or m.merged or getattr(m, "lora_variant", None):
             return False
+        dtype = getattr(getattr(m.base_layer, "weight", None), "dtype", None)
         return _plain_linear(m.base_layer, kind) and all(
-            _plain(m.lora_A[a], m.lora_B[a]) and m.lora_B[a].bias is None for a in _active_loras(m))
+            _plain(m.lora_A[a], m.lora_B[a]) and m.lora_B[a].bias is None
+            and m.lora_A[a].weight.dtype == m.lora_B[a].weight.dtype == dtype for a in _active_loras(m))
     return type(m).__name__ == kind and _plain(m)
 
 
