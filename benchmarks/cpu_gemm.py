@@ -15,6 +15,13 @@ weights of at least ``rlhfkit.gemm.MIN_WEIGHT`` elements (192 x 576 and up here)
 rows, on non-Intel CPUs with AVX-512 (``rlhfkit.gemm.enabled``).
 
     python benchmarks/cpu_gemm.py --core 1
+
+``--bf16`` compares the float32 product with the bfloat16 one instead, both as PyTorch runs them
+(``F.linear``: MKL for float32; oneDNN for bfloat16, on AMX tiles where the CPU has them), the
+rows and weights as above: what a bfloat16 step could gain on this CPU's products. Its ratio is
+float32's time over bfloat16's.
+
+    python benchmarks/cpu_gemm.py --core 1 --bf16
 """
 from __future__ import annotations
 
@@ -65,10 +72,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--core", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--bf16", action="store_true", help="float32 against bfloat16 products (both PyTorch's own)")
     args = ap.parse_args()
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
+    if args.bf16:
+        return bf16_table(args.rounds)
     if not gemm.available():
         sys.exit("oneDNN's linear is not available in this PyTorch build (or RLHFKIT_ONEDNN=0)")
     onednn = gemm._onednn
@@ -96,6 +106,28 @@ def main() -> None:
                 wgrads.append(f"{M}: {ratio:.2f}x")
         print(f"{name:22s} " + "   ".join(cells) + "   | g @ W " + "  ".join(grads)
               + ("   | g.T @ x " + "  ".join(wgrads) if wgrads else ""), flush=True)
+
+
+
+def bf16_table(rounds: int) -> None:
+    """GFLOP/s of ``F.linear`` in float32 and in bfloat16 (the same values rounded), paired as above."""
+    flags = [f for f in ("amx_bf16", "avx512_bf16") if f in open("/proc/cpuinfo").read().split()]
+    print(f"torch {torch.__version__}, one thread, CPU flags {', '.join(flags) or 'no bf16 ones'}; "
+          "GFLOP/s float32 -> bfloat16 (float32's time over bfloat16's), rows x weight [N, K]")
+    for name, (N, K) in SHAPES.items():
+        copies = 1 if N * K > 1 << 24 else 30
+        weights = [(w, w.bfloat16()) for w in (torch.randn(N, K) * 0.02 for _ in range(copies))]
+        cells = []
+        for M in ROWS:
+            if M * N * K > 1 << 34:
+                cells.append(f"{M}: -")
+                continue
+            x = torch.randn(M, K)
+            flop = 2 * M * N * K / 1e9
+            a, b, ratio = paired(lambda x, w: F.linear(x[0], w[0]), lambda x, w: F.linear(x[1], w[1]),
+                                 (x, x.bfloat16()), weights, rounds)
+            cells.append(f"{M}: {flop / a:.0f} -> {flop / b:.0f} ({ratio:.2f}x)")
+        print(f"{name:22s} " + "   ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

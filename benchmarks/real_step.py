@@ -123,7 +123,10 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            same for rlhfkit; CPU only, not in the default rows
 
 and ``rlhfkit_grpo_lora``, ``trl_grpo_lora``, ``trl_grpo_compact_lora`` (LoRA r 16, alpha 32,
-every linear layer but the head), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
+every linear layer but the head; ``rlhfkit_grpo_lora_bf16`` and ``trl_grpo_compact_lora_bf16``
+the same on a bfloat16 base, rlhfkit at ``model.dtype=bfloat16`` and TRL at ``bf16=True``, its
+default, with the model loaded in bfloat16: peft keeps both adapters in float32, and both libraries
+run peft's forward), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
 started from the policy, through its own adapter with LoRA, ``ppo.value_model=separate``; KL 0.2 in the reward;
 64 distinct prompts a step; TRL 1.16 has no PPO trainer, so these rows show what the critic costs).
 
@@ -247,6 +250,8 @@ NAMES = {
     "trl_grpo_compact_ckpt_tcmalloc": "TRL, compl. pos., ckpt, tcmalloc",
     "rlhfkit_grpo_graph_torchattn": "rlhfkit GRPO, graph, PyTorch attention",
     "rlhfkit_grpo_graph_ckpt_offload_torchattn": "rlhfkit GRPO, graph+ckpt+offload, PyTorch attn.",
+    "rlhfkit_grpo_lora_bf16": "rlhfkit GRPO, LoRA, bf16 base",
+    "trl_grpo_compact_lora_bf16": "TRL, compl. pos., LoRA, bf16",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -280,6 +285,9 @@ RATIOS = [
     ("rlhfkit_grpo_ckpt", "trl_grpo_compact_ckpt", "both checkpointing, TRL scoring completion positions"),
     ("rlhfkit_grpo_lora", "trl_grpo_lora", "LoRA, both as shipped"),
     ("rlhfkit_grpo_lora", "trl_grpo_compact_lora", "LoRA, TRL scoring completion positions"),
+    ("rlhfkit_grpo_lora_bf16", "trl_grpo_compact_lora_bf16", "LoRA on a bf16 base, TRL at bf16=True, completion positions"),
+    ("rlhfkit_grpo_lora_bf16", "rlhfkit_grpo_lora", "a bf16 base under LoRA, within rlhfkit"),
+    ("trl_grpo_compact_lora_bf16", "trl_grpo_compact_lora", "a bf16 base under LoRA and bf16=True, within TRL"),
 ]
 PHASES = ("rollout", "experience", "update")
 GPU_NAMES = {"trl_grpo": "TRL (head: completion positions)", "trl_grpo_ckpt": "TRL, checkpointing",
@@ -313,7 +321,7 @@ def row_spec(row: str) -> dict:
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
             "offload": "offload" in flags, "mkl": "mkl" in flags, "onednn": "onednn" in flags, "keep": "keep" in flags,
             "thp": "thp" in flags, "twopass": "twopass" in flags, "offheap": "offheap" in flags,
-            "torchattn": "torchattn" in flags, "malloc": next((f for f in flags if f in malloc.LIBRARIES), None)}
+            "torchattn": "torchattn" in flags, "bf16": "bf16" in flags, "malloc": next((f for f in flags if f in malloc.LIBRARIES), None)}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -540,7 +548,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
         ppo.update(group_size=wl["group_size"], kl_coef=KL, cuda_graph=s["graph"])
     else:  # the rows measure what a critic model of its own costs (positions() counts its forwards)
         ppo.update(value_model="separate")
-    model = {"name": paths["model"], "gradient_checkpointing": s["ckpt"]}
+    model = {"name": paths["model"], "gradient_checkpointing": s["ckpt"], "dtype": "bfloat16" if s["bf16"] else "float32"}
     if s["lora"]:
         model.update(lora_r=LORA["r"], lora_alpha=LORA["alpha"])
     cfg = Config().replace(
@@ -592,7 +600,7 @@ def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
     B = wl["groups"] * wl["group_size"]
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(paths["model"])
-    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.bfloat16 if s["bf16"] else torch.float32)
     steps = args.warmup + args.steps
     prompts = [r["prompt"] for r in read_jsonl(paths["prompts"])][:steps * wl["groups"]]
     config = GRPOConfig(
@@ -600,7 +608,7 @@ def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
         lr_scheduler_type="constant", beta=KL, num_generations=wl["group_size"],
         per_device_train_batch_size=wl["micro"], gradient_accumulation_steps=B // wl["micro"],
         max_completion_length=wl["new_tokens"], generation_kwargs={"min_new_tokens": wl["new_tokens"]},
-        scale_rewards="batch", disable_dropout=True, temperature=1.0, max_steps=steps, bf16=False,
+        scale_rewards="batch", disable_dropout=True, temperature=1.0, max_steps=steps, bf16=s["bf16"],
         gradient_checkpointing=s["ckpt"], use_cpu=args.device == "cpu", seed=args.seed, logging_steps=1000, log_level="error",
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     peft_config = None
@@ -742,7 +750,7 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
     gpu = setting.get("device") == "cuda"
     name = lambda row: row_name(row, "cuda" if gpu else "cpu")  # noqa: E731
     where = (f"each row alone on the GPU ({', '.join(sorted({r.get('gpu', '?') for v in results.values() for r in v}))}),"
-             f" float32 weights, TF32 matrix products" if gpu else "float32; each row alone on one core, 1 torch thread")
+             f" float32 weights, TF32 matrix products" if gpu else "float32 (bfloat16 where a row says bf16); each row alone on one core, 1 torch thread")
     memory = "peak allocated GPU memory" if gpu else "peak resident set"
     print(f"\nOne RL step, {args.size} with {args.layers} layers ({SIZES[args.size]['vocab']}-token vocabulary); "
           f"{wl['groups']} prompts of {wl['prompt_tokens']} tokens x {wl['group_size']} samples x {wl['new_tokens']} new "
