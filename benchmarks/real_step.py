@@ -340,13 +340,18 @@ def positions(row: str, wl: dict) -> dict:
         both = B * (P + R - 1) + B * (P + R)
         return {"rollout": B * P + B * (R - 1), "experience": both, "update": both * (2 if s["ckpt"] else 1),
                 "backward": both, "head": B * R * 3}
-    shared = s["lib"] == "rlhfkit" and not s["unshared"]
+    # rlhfkit on a bf16 base under LoRA runs the policy through peft's forward (prompts unshared),
+    # and its experience runs the policy again for the old log-probs (the sampler's are not the
+    # training forward's) beside the reference, the base with the adapter off: lean, shared prompts
+    peft = s["lib"] == "rlhfkit" and s["lora"] and s["bf16"]
+    shared = s["lib"] == "rlhfkit" and not s["unshared"] and not peft
     # rlhfkit's scoring forwards do not run the last column (it predicts nothing); TRL's run it
     last = 0 if s["lib"] == "rlhfkit" else B
     scoring = (U * P + B * (R - 1) if shared else B * (P + R - 1)) + last
     head_rows = B * (P + R - 1) if s["lib"] == "trl" and not s["compact"] else B * R
-    return {"rollout": (U if shared else B) * P + B * (R - 1), "experience": scoring,
-            "update": scoring * (2 if s["ckpt"] else 1), "backward": scoring, "head": B * R + 2 * head_rows}
+    return {"rollout": (U if shared else B) * P + B * (R - 1),
+            "experience": scoring + (U * P + B * (R - 1) if peft else 0),
+            "update": scoring * (2 if s["ckpt"] else 1), "backward": scoring, "head": B * R + (3 if peft else 2) * head_rows}
 
 
 def body_work(pos: dict) -> int:
