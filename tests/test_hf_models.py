@@ -13,6 +13,7 @@ from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from hf_helpers import bpe_tokenizer, chat_tokenizer, save_tiny
+from rlhfkit import lean
 from rlhfkit.cli import main
 from rlhfkit.config import Config
 from rlhfkit.core import logprobs_from_logits
@@ -327,10 +328,13 @@ def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path):
     ac, _, _, _ = build_models(cfg, hub["llama"], torch.device("cpu"))
     dtypes = {n.split(".")[-2] if "lora_" in n else "base": p.dtype for n, p in ac.policy.named_parameters()}
     assert dtypes == {"base": torch.bfloat16, "default": torch.float32}
+    assert not lean.supported(ac.policy)  # peft's forward for the policy ...
+    with ac.policy.disable_adapter():
+        assert lean.supported(ac.policy)  # ... the lean one for the reference, the base alone
     train_rl(cfg)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    # policy == reference at the start, up to bfloat16 rounding between the sampling forward (a KV
-    # cache) and the reference's full forward; then the float32 adapter moves the bfloat16 policy
+    # policy == reference at the start, up to bfloat16 rounding between the policy's forward (peft's)
+    # and the reference's (the lean one); then the float32 adapter moves the bfloat16 policy
     assert len(rows) == 3 and abs(rows[0]["objective/kl"]) < 1e-3
     assert rows[-1]["objective/kl"] > 1e-2
     for row in rows:
