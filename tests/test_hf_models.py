@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from rlhfkit.models import (
 )
 from rlhfkit.rewards import other_tokenizer, reward_model_scorer
 from rlhfkit.rollout import Rollout, generate
+from rlhfkit.trainers.common import warn_lossy_updates
 from rlhfkit.trainers.reward import train_reward_model
 from rlhfkit.trainers.rl import build_models, train_rl
 from rlhfkit.utils import read_jsonl
@@ -331,7 +333,10 @@ def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path):
     assert not lean.supported(ac.policy)  # peft's forward for the policy ...
     with ac.policy.disable_adapter():
         assert lean.supported(ac.policy)  # ... the lean one for the reference, the base alone
-    train_rl(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_rl(cfg)
+    assert not [w for w in caught if "rounds to nothing" in str(w.message)]  # the float32 adapter is what trains
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     # policy == reference at the start, up to bfloat16 rounding between the policy's forward (peft's)
     # and the reference's (the lean one); then the float32 adapter moves the bfloat16 policy
@@ -340,6 +345,34 @@ def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path):
     for row in rows:
         assert all(v is not None and math.isfinite(v) for v in row.values())
         assert row["policy/logprob_gap"] < 0.5  # bfloat16 rounding between sampling and training forwards
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_in_the_optimizer_warn_and_the_bound_is_right(dtype):
+    """Training half-precision weights in place warns, naming the magnitude above which a step of
+    about ``lr`` rounds away; torch's own AdamW confirms the bound on both sides of it."""
+    lr = 1e-5
+    w = torch.nn.Parameter(torch.tensor([1e-4, 1e-3, 0.1, 1.0], dtype=dtype))
+    opt = torch.optim.AdamW([w], lr=lr, weight_decay=0.0)
+    with pytest.warns(RuntimeWarning, match="rounds to nothing") as record:
+        warn_lossy_updates(opt)
+    bound = float(str(record[0].message).split("above about ")[1].split(" ")[0])
+    assert bound == pytest.approx(2 * lr / torch.finfo(dtype).eps, rel=0.05)
+    before = w.detach().clone()
+    w.grad = torch.ones_like(w)
+    opt.step()  # AdamW's first step moves each weight by about lr
+    moved = w.detach() != before
+    assert moved[before.abs() < bound / 4].all() and not moved[before.abs() > 4 * bound].any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_lossy_updates(torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=lr))  # float32: silent
+
+
+def test_full_fine_tuning_in_bfloat16_warns(hub, tmp_path):
+    cfg = tiny_rl_config(tmp_path, model={"name": hub["llama"], "dtype": "bfloat16"}, reward={"name": hub["rm"]},
+                         ppo={"algo": "grpo", "steps": 1})
+    with pytest.warns(RuntimeWarning, match="trainable weights are bfloat16 .* rounds to nothing"):
+        train_rl(cfg)
 
 
 def test_reward_model_with_lora_saves_a_plain_merged_classifier(hub, tmp_path):

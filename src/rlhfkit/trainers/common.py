@@ -19,6 +19,7 @@ import contextlib
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,25 @@ from ..config import Config
 from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
 from ..models import save_policy
 from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run, start_run_dir
+
+
+def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:
+    """Warn (once per optimizer) when it trains half-precision weights in place. A bfloat16
+    weight keeps 8 significant bits (float16 11), so an AdamW step of about ``lr`` rounds to
+    nothing on every weight above about ``2 lr / eps`` in magnitude (``eps``: the dtype's
+    machine epsilon): at ``lr`` 1e-5 and bfloat16, every weight above about 0.0026, most of a
+    model's. A LoRA adapter on a half-precision base stays in float32 and is not affected."""
+    for group in optimizer.param_groups:
+        half = [p for p in group["params"] if p.dtype in (torch.bfloat16, torch.float16)]
+        if half:
+            dtype, lr = half[0].dtype, group["lr"]
+            bound = 2 * lr / torch.finfo(dtype).eps
+            warnings.warn(f"{sum(p.numel() for p in half):,} trainable weights are {str(dtype).split('.')[-1]} "
+                          f"(model.dtype): an optimizer step of about lr={lr:g} rounds to nothing on every weight "
+                          f"above about {bound:.2g} in magnitude, most of a model's. Train them in "
+                          "model.dtype=float32, or train a LoRA adapter (model.lora_r), which stays float32.",
+                          RuntimeWarning, stacklevel=2)
+            return
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
