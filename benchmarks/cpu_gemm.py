@@ -108,7 +108,6 @@ def main() -> None:
               + ("   | g.T @ x " + "  ".join(wgrads) if wgrads else ""), flush=True)
 
 
-
 def bf16_table(rounds: int) -> None:
     """GFLOP/s of ``F.linear`` in float32 and in bfloat16 (the same values rounded), paired as above."""
     flags = [f for f in ("amx_bf16", "avx512_bf16") if f in open("/proc/cpuinfo").read().split()]

@@ -212,7 +212,11 @@ class Run:
         return Engine(model, self.accelerator, self.shard, self.guard)
 
     def prepare(self, *objects, micro_batch: int):
-        """The trained model(s) and optimizer as the engine wants them (DDP / FSDP / DeepSpeed)."""
+        """The trained model(s) and optimizer as the engine wants them (DDP / FSDP / DeepSpeed);
+        an optimizer of half-precision weights warns (:func:`warn_lossy_updates`)."""
+        for obj in objects:
+            if isinstance(obj, torch.optim.Optimizer):
+                warn_lossy_updates(obj)
         return prepare(self.accelerator, *objects, micro_batch=micro_batch)
 
     def restore(self, modules: dict, optimizers: dict, schedulers: dict | None = None, data=None,

@@ -44,7 +44,7 @@ from ..evaluate import evaluate_sharded
 from ..models import context_window, eval_mode, load_tokenizer, policy_with_reference
 from ..tasks import get_task
 from ..utils import mean_stats
-from .common import Engine, Run, warn_lossy_updates
+from .common import Engine, Run
 
 LOSS_FIELDS = ("input_ids", "attention_mask", "loss_mask")
 TRL_NAMES = {"chosen": "chosen", "rejected": "rejected", "accuracies": "accuracy", "margins": "margin"}
@@ -135,7 +135,6 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     held_ref = pair_logprobs(ref, pairs.held, shard, device, chunk) if pairs.held is not None else None
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=dc.lr, weight_decay=0.0)
-    warn_lossy_updates(opt)
     train_policy, opt = run.prepare(policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
     params = [p for p in policy.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
     engine = run.engine(train_policy)

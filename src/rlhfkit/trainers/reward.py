@@ -33,7 +33,7 @@ from ..models import (
 )
 from ..tasks import get_task
 from ..utils import mean_stats
-from .common import Run, warn_lossy_updates
+from .common import Run
 
 
 def pair_batch(enc: dict, idx: torch.Tensor, device, margin=None):
@@ -155,7 +155,6 @@ def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float
     data = task.TaskData(cfg.run.seed + 1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
-    warn_lossy_updates(opt)
     train_logits, opt = run.prepare(ModuleForward(model, sequence_logits), opt,
                                     micro_batch=max(1, rc.batch_size // shard.world))
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
@@ -272,7 +271,6 @@ def train_pairwise(cfg: Config, run: Run, model, tok) -> dict[str, float]:
     rc, shard = cfg.reward, run.shard
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
-    warn_lossy_updates(opt)
     # the scalar readout as the module's forward, so DDP sees it (and syncs its gradients)
     train_scores, opt = run.prepare(ModuleForward(model, sequence_scores), opt,
                                     micro_batch=max(1, rc.batch_size // shard.world))

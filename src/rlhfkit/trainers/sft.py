@@ -18,7 +18,7 @@ from ..data import Limit, SFTExample, context_limit, encode_sft, hold_out, load_
 from ..distributed import Shard, full_weights
 from ..models import context_window, eval_mode, load_tokenizer, masked_lm_loss, policy_with_reference
 from ..tasks import get_task
-from .common import Run, lr_lambda, warn_lossy_updates
+from .common import Run, lr_lambda
 
 
 def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None = None) -> dict:
@@ -42,7 +42,6 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     n = enc["input_ids"].shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=sc.lr, weight_decay=0.0)
-    warn_lossy_updates(opt)
     train_model, opt = run.prepare(model, opt, micro_batch=max(1, sc.batch_size // shard.world))  # DDP
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
     engine = run.engine(train_model)
