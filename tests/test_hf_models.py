@@ -322,24 +322,24 @@ def test_lora_ppo_run_on_qwen3(hub, tmp_path):
 
 def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path):
     """``model.dtype=bfloat16`` with LoRA, the set-up the config recommends for large models: peft
-    keeps the adapters in float32 beside the bfloat16 base, so the rollout and the update run
-    peft's forward (folding an adapter into a bfloat16 weight would round its update away), and
-    the adapter trains in float32."""
+    keeps the adapters in float32 beside the bfloat16 base, and so does the lean forward the
+    rollout and the update run (folding an adapter into a bfloat16 weight would round its update
+    away); the adapter trains in float32."""
     cfg = tiny_rl_config(tmp_path, model={"name": hub["llama"], "dtype": "bfloat16", "lora_r": 8, "lora_alpha": 16},
                          reward={"name": hub["rm"]}, ppo={"algo": "grpo", "steps": 3, "lr": 1e-2})
     ac, _, _, _ = build_models(cfg, hub["llama"], torch.device("cpu"))
     dtypes = {n.split(".")[-2] if "lora_" in n else "base": p.dtype for n, p in ac.policy.named_parameters()}
     assert dtypes == {"base": torch.bfloat16, "default": torch.float32}
-    assert not lean.supported(ac.policy)  # peft's forward for the policy ...
+    assert lean.supported(ac.policy)  # the lean forward for the policy ...
     with ac.policy.disable_adapter():
-        assert lean.supported(ac.policy)  # ... the lean one for the reference, the base alone
+        assert lean.supported(ac.policy)  # ... and for the reference, the base alone
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train_rl(cfg)
     assert not [w for w in caught if "rounds to nothing" in str(w.message)]  # the float32 adapter is what trains
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    # policy == reference at the start, up to bfloat16 rounding between the policy's forward (peft's)
-    # and the reference's (the lean one); then the float32 adapter moves the bfloat16 policy
+    # policy == reference at the start (B = 0: the adapters add exactly nothing, up to the bfloat16
+    # rounding of the sum); then the float32 adapter moves the bfloat16 policy
     assert len(rows) == 3 and abs(rows[0]["objective/kl"]) < 1e-3
     assert rows[-1]["objective/kl"] > 1e-2
     for row in rows:

@@ -94,19 +94,25 @@ def _active_loras(m: nn.Module) -> list[str]:
 
 def _plain_linear(m: nn.Module, kind: str) -> bool:
     """A linear layer of class ``kind`` ('Conv1D', 'Linear') with plain parameters, or plain LoRA
-    on one (peft's ``lora.Linear``: not merged, no DoRA or other variant, no bias on B, adapters
-    in the base weight's dtype). peft keeps the adapters of a bfloat16 or float16 base in float32
-    and runs them beside the base product; folding such an adapter into the base weight would round
-    its update to the weight's precision (a bfloat16 weight keeps 8 bits: early updates vanish),
-    so those layers run peft's own forward."""
+    on one (peft's ``lora.Linear``: not merged, no DoRA or other variant, no bias on B). peft
+    keeps the adapters of a bfloat16 or float16 base in float32 and runs them beside the base
+    product; so does this path (:class:`_Unmerged`) for a Llama-like model's layers. Folding
+    such an adapter into the base weight would round its update to the weight's precision (a
+    bfloat16 weight keeps 8 bits: early updates vanish). GPT-2's layers take such adapters
+    through peft's own forward."""
     if _adapted(m):
         if not hasattr(m, "lora_A") or m.merged or getattr(m, "lora_variant", None):
             return False
         dtype = getattr(getattr(m.base_layer, "weight", None), "dtype", None)
         return _plain_linear(m.base_layer, kind) and all(
             _plain(m.lora_A[a], m.lora_B[a]) and m.lora_B[a].bias is None
-            and m.lora_A[a].weight.dtype == m.lora_B[a].weight.dtype == dtype for a in _active_loras(m))
+            and m.lora_A[a].weight.dtype == m.lora_B[a].weight.dtype
+            and (m.lora_A[a].weight.dtype == dtype or (kind == "Linear" and dtype in _HALF))
+            for a in _active_loras(m))
     return type(m).__name__ == kind and _plain(m)
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def lora_delta(m: nn.Module, adapter: str, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,15 +125,52 @@ def lora_delta(m: nn.Module, adapter: str, a: torch.Tensor | None = None, b: tor
     return delta.T if getattr(m, "fan_in_fan_out", False) else delta
 
 
-def _weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+@dataclass(frozen=True)
+class _Unmerged:
+    """A half-precision linear weight ``[out, in]`` and LoRA adapters kept in float32 beside it,
+    ``(A [r, in], B [out, r], scaling)`` each, computed as peft's ``lora.Linear`` does: the base
+    product in half precision, each adapter's in float32 on the input cast up, their sum cast
+    back to the input's dtype. Stands where a weight tensor stands in a layer's tuple; only
+    :func:`_linear` and :func:`_add_linear` apply it (the half-precision forward never takes the
+    float32-only :class:`_NormLinears` / :class:`_SwiGLUDown`)."""
+
+    weight: torch.Tensor
+    loras: tuple[tuple[torch.Tensor, torch.Tensor, float], ...]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, bias)
+        xa = x.to(self.loras[0][0].dtype)
+        for a, b, scaling in self.loras:
+            y = y + F.linear(F.linear(xa, a), b) * scaling
+        return y.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor | _Unmerged, b: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rlhfkit.gemm.linear`, or an :class:`_Unmerged` layer's product."""
+    return w(x, b) if isinstance(w, _Unmerged) else gemm.linear(x, w, b)
+
+
+def _add_linear(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | _Unmerged,
+                b: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rlhfkit.gemm.add_linear`, or the residual plus an :class:`_Unmerged` layer's product."""
+    if isinstance(w, _Unmerged):
+        return res + w(x, b).view(res.shape)
+    return gemm.add_linear(res, x, w, b)
+
+
+def _weight(m: nn.Module) -> tuple[torch.Tensor | _Unmerged, torch.Tensor | None]:
     """``(weight, bias)`` of a linear layer as it computes now. For a LoRA layer the base weight
     plus :func:`lora_delta` of each active adapter, built out of place: the same function as peft's ``base(x) + B(A(x)) * scaling``
     up to rounding, and the update's gradient reaches A and B through it (the frozen base
-    weight gets none)."""
+    weight gets none). Adapters in another dtype than the base weight (float32 on a half-precision
+    base) stay apart: an :class:`_Unmerged` weight."""
     if not _adapted(m):
         return m.weight, m.bias
-    weight = m.base_layer.weight
-    for adapter in _active_loras(m):
+    weight, active = m.base_layer.weight, _active_loras(m)
+    if active and m.lora_A[active[0]].weight.dtype != weight.dtype:
+        return _Unmerged(weight, tuple((m.lora_A[a].weight, m.lora_B[a].weight, m.scaling[a]) for a in active)), \
+            m.base_layer.bias
+    for adapter in active:
         weight = weight + lora_delta(m, adapter)
     return weight, m.base_layer.bias
 
@@ -469,13 +512,15 @@ def _full_mask(attention_mask: torch.Tensor, dtype: torch.dtype | None = None) -
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _fuse(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One ``(weight, bias)`` computing several linear layers on the same input, outputs concatenated."""
-    pairs = [_weight(lin) for lin in linears]
+def _fuse(pairs: list[tuple]) -> list[tuple]:
+    """``[(weight, bias)]`` computing several linear layers' ``(weight, bias)`` on the same input,
+    outputs concatenated; the pairs themselves if one is :class:`_Unmerged`."""
+    if any(isinstance(w, _Unmerged) for w, _ in pairs):
+        return pairs
     weight = torch.cat([w for w, _ in pairs])
     if all(b is None for _, b in pairs):
-        return weight, None
-    return weight, torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in pairs])
+        return [(weight, None)]
+    return [(weight, torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in pairs]))]
 
 
 class _Arch:
@@ -503,12 +548,10 @@ class _Arch:
             self.layers = []
             for b in base.layers:
                 a, m = b.self_attn, b.mlp
+                proj = [_weight(lin) for lin in (a.q_proj, a.k_proj, a.v_proj)]
+                mlp_in = [_weight(lin) for lin in (m.gate_proj, m.up_proj)]
                 if fuse:  # one matmul for q, k, v and one for gate, up (generation only: no grad to route)
-                    proj = [_fuse([a.q_proj, a.k_proj, a.v_proj])]
-                    mlp_in = [_fuse([m.gate_proj, m.up_proj])]
-                else:
-                    proj = [_weight(lin) for lin in (a.q_proj, a.k_proj, a.v_proj)]
-                    mlp_in = [_weight(lin) for lin in (m.gate_proj, m.up_proj)]
+                    proj, mlp_in = _fuse(proj), _fuse(mlp_in)
                 self.layers.append((_norm_params(b.input_layernorm), proj, _weight(a.o_proj),
                                     _norm_params(b.post_attention_layernorm), mlp_in, _weight(m.down_proj), m.act_fn,
                                     type(m.act_fn).__name__ in ("SiLU", "SiLUActivation")))  # F.silu
@@ -555,7 +598,7 @@ class _Arch:
                             _rope(k.view(B, T, Hkv, D).transpose(1, 2), *rope), v.view(B, T, Hkv, D).transpose(1, 2))
             else:
                 h = _rms_norm(layer[0], x)
-                q, k, v = (gemm.linear(h, w, b) for w, b in layer[1])
+                q, k, v = (_linear(h, w, b) for w, b in layer[1])
             qk, v = torch.cat([q.view(B, T, H, D), k.view(B, T, Hkv, D)], 2), v.view(B, T, Hkv, D)
         q, k = _rope(qk.transpose(1, 2), *rope).split([H, Hkv], 1)  # [B, H, T, D], [B, Hkv, T, D]
         return q, k, v.transpose(1, 2)
@@ -577,7 +620,7 @@ class _Arch:
             h = F.layer_norm(x, (C,), layer[6], layer[7], self.eps).view(B * T, C)
             m = layer[12](gemm.linear(h, layer[8].t(), layer[9]))
             return gemm.add_linear(x, m, layer[10].t(), layer[11])
-        x = gemm.add_linear(x, a, *layer[2])
+        x = _add_linear(x, a, *layer[2])
         if len(layer[4]) == 2 and layer[7] and _lean_training(x, layer[3][0]):  # fewer activations kept
             gate, up = _NormLinears.apply(x.view(B * T, C), layer[3][0], None, layer[3][1], False,
                                           *(t for wb in layer[4] for t in wb))
@@ -586,8 +629,8 @@ class _Arch:
         if len(layer[4]) == 1:
             gate, up = F.linear(h, *layer[4][0]).chunk(2, dim=-1)
         else:
-            gate, up = (gemm.linear(h, w, b) for w, b in layer[4])
-        return gemm.add_linear(x, layer[6](gate) * up, *layer[5])
+            gate, up = (_linear(h, w, b) for w, b in layer[4])
+        return _add_linear(x, layer[6](gate) * up, *layer[5])
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.gpt2:
