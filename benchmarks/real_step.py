@@ -125,8 +125,8 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
 and ``rlhfkit_grpo_lora``, ``trl_grpo_lora``, ``trl_grpo_compact_lora`` (LoRA r 16, alpha 32,
 every linear layer but the head; ``rlhfkit_grpo_lora_bf16`` and ``trl_grpo_compact_lora_bf16``
 the same on a bfloat16 base, rlhfkit at ``model.dtype=bfloat16`` and TRL at ``bf16=True``, its
-default, with the model loaded in bfloat16: peft keeps both adapters in float32, and both libraries
-run peft's forward), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
+default, with the model loaded in bfloat16: peft keeps both adapters in float32 beside the bf16
+products; TRL runs peft's forward, rlhfkit its lean one, which does the same arithmetic), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
 started from the policy, through its own adapter with LoRA, ``ppo.value_model=separate``; KL 0.2 in the reward;
 64 distinct prompts a step; TRL 1.16 has no PPO trainer, so these rows show what the critic costs).
 
@@ -340,18 +340,18 @@ def positions(row: str, wl: dict) -> dict:
         both = B * (P + R - 1) + B * (P + R)
         return {"rollout": B * P + B * (R - 1), "experience": both, "update": both * (2 if s["ckpt"] else 1),
                 "backward": both, "head": B * R * 3}
-    # rlhfkit on a bf16 base under LoRA runs the policy through peft's forward (prompts unshared),
-    # and its experience runs the policy again for the old log-probs (the sampler's are not the
-    # training forward's) beside the reference, the base with the adapter off: lean, shared prompts
-    peft = s["lib"] == "rlhfkit" and s["lora"] and s["bf16"]
-    shared = s["lib"] == "rlhfkit" and not s["unshared"] and not peft
+    # rlhfkit on a bf16 base: the sampler's bf16 log-probs are not the training forward's, so its
+    # experience runs the policy again for the old log-probs beside the reference (both through the
+    # lean forward since 1d496f7, shared prompts; before it the LoRA policy ran peft's, unshared)
+    again = s["lib"] == "rlhfkit" and s["bf16"]
+    shared = s["lib"] == "rlhfkit" and not s["unshared"]
     # rlhfkit's scoring forwards do not run the last column (it predicts nothing); TRL's run it
     last = 0 if s["lib"] == "rlhfkit" else B
     scoring = (U * P + B * (R - 1) if shared else B * (P + R - 1)) + last
     head_rows = B * (P + R - 1) if s["lib"] == "trl" and not s["compact"] else B * R
     return {"rollout": (U if shared else B) * P + B * (R - 1),
-            "experience": scoring + (U * P + B * (R - 1) if peft else 0),
-            "update": scoring * (2 if s["ckpt"] else 1), "backward": scoring, "head": B * R + (3 if peft else 2) * head_rows}
+            "experience": scoring * (2 if again else 1),
+            "update": scoring * (2 if s["ckpt"] else 1), "backward": scoring, "head": B * R + (3 if again else 2) * head_rows}
 
 
 def body_work(pos: dict) -> int:
