@@ -3,7 +3,8 @@
 Each command runs with its own defaults for a few steps (PPO past its critic warm-up; GRPO, RLOO and
 REINFORCE two steps of batch 64 in minibatches of 32 over two epochs; DPO, SFT and the reward model
 two steps of their default batches), plus variants (a warm-up step on a shared value head, LoRA, a
-prompt file in minibatches of one group, micro-batches of 3 rows, GRPO's per-sequence mean loss with
+prompt file in minibatches of one group, micro-batches of 3 rows, one update a rollout whose forward
+gives the old log-probs, GRPO's per-sequence mean loss with
 GSPO's sequence ratios, whose processes are weighted by rows, GRPO with gradient checkpointing, and
 PPO and GRPO with their defaults again, their update's loss computed inside a chunked LM head as at
 a real vocabulary), once in a single process and once under ``accelerate launch`` with two
@@ -58,12 +59,13 @@ TOL = 1e-4
 RUNS = ("ppo", "ppo_warmup", "ppo_separate", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "grpo_ckpt",
         "grpo_offload", "rloo",
         "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env",
-        "ppo_chunked", "grpo_chunked")
+        "ppo_chunked", "grpo_chunked", "grpo_deferred")
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a shared value head (ppo's default), a separate critic,
 # the three critic-free estimators, LoRA (PPO with an adapter on the critic too, GRPO) and multi-turn
 # environments (GRPO, PPO), matched to the
 # 1-process run at FSDP_TOL
-FSDP_RUNS = ("ppo", "ppo_separate", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file", "grpo_env", "ppo_env")
+FSDP_RUNS = ("ppo", "ppo_separate", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file", "grpo_env", "ppo_env",
+             "grpo_deferred")
 FSDP_TOL = 1e-5
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and

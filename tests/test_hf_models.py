@@ -347,6 +347,43 @@ def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path):
         assert row["policy/logprob_gap"] < 0.5  # bfloat16 rounding between sampling and training forwards
 
 
+@pytest.mark.parametrize("head", ["whole", "chunked"])
+def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hub, tmp_path, monkeypatch, head):
+    """With one optimizer step a rollout (TRL's schedule: one epoch, one minibatch) and the
+    sampler's log-probs not reused, the experience pass leaves the old log-probs to the update's
+    forward, and the run is the one a forward of their own gives, to rounding: every step's
+    statistics (the KL, entropy and log-prob gap read from the update's forward), hence the weights
+    each step trains. In micro-batches; ``chunked``: the LM head in chunks with the loss inside."""
+    from rlhfkit import experience, models
+
+    if head == "chunked":
+        monkeypatch.setattr(models, "UPDATE_LOGITS", 1)  # one row a chunk
+    real, runs = experience.defer_old_logprobs, {}
+    for defer in (True, False):
+        monkeypatch.setattr(experience, "DEFER_OLD_LOGPROBS", defer)
+        taken = []
+
+        def recorded(*a, taken=taken):
+            taken.append(real(*a))
+            return taken[-1]
+
+        monkeypatch.setattr(experience, "defer_old_logprobs", recorded)
+        cfg = tiny_rl_config(tmp_path / str(defer), model={"name": hub["llama"]}, reward={"name": hub["rm"]},
+                             ppo={"algo": "grpo", "steps": 3, "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1,
+                                  "micro_batch_size": 3, "reuse_rollout_logprobs": False, "lr": 3e-2,
+                                  "entropy_coef": 0.01})
+        train_rl(cfg)
+        assert taken == [defer] * 3
+        runs[defer] = read_jsonl(tmp_path / str(defer) / "metrics.jsonl")
+    keys = ("objective/kl", "objective/entropy", "objective/rlhf_reward", "policy/logprob_gap", "objective/score",
+            "policy/ratio_mean", "policy/approx_kl", "policy/grad_norm", "policy/kl_loss")
+    for a, b in zip(runs[True], runs[False], strict=True):
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), k
+    assert runs[True][-1]["objective/kl"] > 1e-3  # the policy moved away from the reference
+    assert all(abs(r["policy/ratio_mean"] - 1.0) < 1e-6 for r in runs[True])  # one step a rollout: ratio 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_weights_in_the_optimizer_warn_and_the_bound_is_right(dtype):
     """Training half-precision weights in place warns, naming the magnitude above which a step of

@@ -442,7 +442,10 @@ class PPOConfig(Section):
     experience pass's instead of running the policy again -- only when the sampler computed them
     alike (rlhfkit's lean forward in float32: equal up to rounding, ~1e-6). Otherwise, and when
     False, the policy is run again; ``policy/logprob_gap`` reports the largest difference either
-    way (with reuse, on the first minibatch of the update, before any optimizer step)."""
+    way (with reuse, on the first minibatch of the update, before any optimizer step). With one
+    update a rollout (``ppo_epochs`` 1, one minibatch) and the KL a loss term, the update's own
+    forward gives them instead of a policy forward of their own
+    (:func:`rlhfkit.experience.defer_old_logprobs`)."""
     kl_coef: float = None  # type: ignore[assignment]
     """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator). Unset: 0.2 for
     ppo, 0.3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS); 0 for grpo, rloo and reinforce

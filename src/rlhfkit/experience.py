@@ -50,7 +50,8 @@ class Experience:
         response_ids:   ``[B, R]`` actions a_t.
         response_mask:  ``[B, R]`` 1 up to and including the first EOS.
         old_logprobs:   ``[B, R]`` log pi_old(a_t|s_t): the sampler's own (``ppo.reuse_rollout_logprobs``,
-                        :func:`reuse_rollout`) or the training forward's, recomputed.
+                        :func:`reuse_rollout`), the training forward's, recomputed, or (``deferred``)
+                        zeros until the update's own forward writes them (:func:`defer_old_logprobs`).
         ref_logprobs:   ``[B, R]`` log pi_ref(a_t|s_t).
         old_values:     ``[B, R]`` V_old(s_t).
         score:          ``[B]`` reward-model score (after penalties/normalisation, before clip).
@@ -61,6 +62,9 @@ class Experience:
         raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
         loss_rows:      ``[B]`` bool, the rows the update trains on (``ppo.filter_zero_std_groups``,
                         ``ppo.mask_truncated_completions`` leave some out: :meth:`select`); None: all.
+        deferred:       the old log-probs come from the update's forward, which writes them and the
+                        entropies (``entropy [B, R]``) here; :func:`deferred_stats` then gives the
+                        statistics that read them.
     """
 
     input_ids: torch.Tensor
@@ -77,6 +81,8 @@ class Experience:
     returns: torch.Tensor
     raw_advantages: torch.Tensor | None = None
     loss_rows: torch.Tensor | None = None
+    deferred: bool = False
+    entropy: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> Experience:
         """The experience of ``rows`` (``[B]`` bool, or indices) alone: every per-row tensor cut to
@@ -228,8 +234,54 @@ def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
             and (ac.value_head is None or roll.values is not None))
 
 
+# the update's forward gives the old log-probs where it is the rollout's only optimizer step
+# (defer_old_logprobs); False: the experience pass always runs the policy when it cannot reuse the sampler's
+DEFER_OLD_LOGPROBS = True
+
+
+def defer_old_logprobs(ac: ActorCritic, pc: PPOConfig, reuse: bool, beta: float, keep: torch.Tensor | None) -> bool:
+    """Whether the experience pass leaves the old log-probs to the update's forward, as TRL does
+    with one update a rollout. When the update is the rollout's only optimizer step (one epoch,
+    one minibatch: ``ppo_epochs`` 1 and ``minibatch_size`` at least ``batch_size``), its forward
+    runs the policy that sampled, before the step, so its log-probs are the old ones (ratio 1,
+    as with a forward of their own, up to rounding), and one policy forward per step is saved.
+    Taken only when nothing before the update reads them: the sampler's are not reused
+    (``reuse``), no KL in the reward (``beta`` 0: ``kl_in_loss``), no sampling correction, no
+    critic or shared value head (whose values the experience needs), every row trained (``keep``
+    None)."""
+    return (DEFER_OLD_LOGPROBS and not reuse and beta == 0.0 and pc.sampling_correction == "none"
+            and pc.ppo_epochs == 1 and pc.minibatch_size >= pc.batch_size and not ac.has_critic and keep is None)
+
+
+def policy_stats(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, entropy: torch.Tensor,
+                 rollout_logprobs: torch.Tensor | None, rmask: torch.Tensor, score: torch.Tensor,
+                 rewards: torch.Tensor, pc: PPOConfig, kl_coef: float, shard: Shard) -> dict[str, torch.Tensor]:
+    """The statistics that read the old log-probs: the sequence KL to the reference, the RLHF
+    reward (score minus the KL penalty), the mean entropy and, given the sampler's log-probs
+    (``rollout_logprobs``: they were not reused), ``policy/logprob_gap``, the largest
+    generation-time vs training-forward difference (a silent off-policy mismatch shows here)."""
+    valid = rmask.bool()
+    kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
+    stats = {"objective/kl": kl_seq.mean(),
+             "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
+             "objective/entropy": shard.apply_rows(masked_mean, entropy, rmask)}  # a token mean
+    if rollout_logprobs is not None:
+        stats["policy/logprob_gap"] = torch.where(valid, (rollout_logprobs - old_logprobs).abs(), 0.0).max()
+    return stats
+
+
+def deferred_stats(exp: Experience, rollout_logprobs: torch.Tensor, pc: PPOConfig, kl_coef: float,
+                   shard: Shard) -> dict[str, float]:
+    """:func:`policy_stats` of a deferred experience, once the update has written its old
+    log-probs and entropies; the caller reduces them over processes as the experience's."""
+    stats = policy_stats(exp.old_logprobs, exp.ref_logprobs, exp.entropy, rollout_logprobs, exp.response_mask,
+                         exp.score, exp.rewards, pc, kl_coef, shard)
+    return {k: to_float(v) for k, v in stats.items()}
+
+
 @torch.no_grad()
-def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool) -> dict[str, torch.Tensor]:
+def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool,
+                        policy: bool = True) -> dict[str, torch.Tensor]:
     """``old_logprobs``, ``ref_logprobs``, ``entropy`` ``[B, R]`` and ``old_values`` (``[B, R]`` or
     None) of a rollout. The forwards read the chosen tokens' log-probs through
     :func:`~rlhfkit.models.token_logprobs`, which never holds a big vocabulary's ``[B, R, V]``
@@ -237,7 +289,8 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
     chunks of at most ``EXPERIENCE_LOGITS // (R * V)`` rows, which bounds the activations, cut
     between groups (:func:`row_chunks`) so that each group's prompt runs once.
     ``reuse``: old log-probs, entropies and shared-head values come from the sampler (one policy
-    forward less per step)."""
+    forward less per step); ``policy`` False: the policy is not run (its log-probs and entropies
+    None; :func:`defer_old_logprobs`)."""
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
     B, R = roll.response_ids.shape
     vocab = unwrap(ac.policy).get_output_embeddings().out_features
@@ -245,7 +298,9 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
     parts: dict[str, list] = {"old_logprobs": [], "old_values": [], "entropy": [], "ref_logprobs": []}
     for rows in row_chunks(roll.prompt_ids, mask[:, :P], chunk):
         resp = roll.response_ids[rows]
-        if reuse:
+        if not policy:
+            logprobs = values = entropy = None
+        elif reuse:
             logprobs, values, entropy = roll.logprobs[rows], None, roll.entropy[rows]
             if ac.value_head is not None:
                 values = roll.values[rows]
@@ -307,11 +362,16 @@ def make_experience(
     rmask = roll.response_mask
     valid = rmask.bool()
     reuse = reuse_rollout(roll, ac, pc)
-    f = experience_forwards(ac, ref, roll, pc, reuse)
-    old_logprobs, ref_logprobs, old_values = f["old_logprobs"], f["ref_logprobs"], f["old_values"]
     raw_score, score, parts = final_scores(scorer, roll, pc, reward_stats, shard, records)
-    kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
     beta = 0.0 if pc.kl_in_loss else kl_coef
+    zero_std = zero_std_rows(score, pc)  # [B] or None
+    keep = loss_rows(zero_std, roll.finished, pc)  # [B] or None
+    deferred = defer_old_logprobs(ac, pc, reuse, beta, keep)
+    f = experience_forwards(ac, ref, roll, pc, reuse, policy=not deferred)
+    old_logprobs, ref_logprobs, old_values = f["old_logprobs"], f["ref_logprobs"], f["old_values"]
+    if deferred:  # written by the update's forward; the reward reads no KL (beta 0)
+        old_logprobs = torch.zeros_like(ref_logprobs)
+    kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
     raw_advantages = None
     if pc.algo == "ppo" and roll.turn_rewards is not None:
         # an environment's per-turn rewards on each turn's last token; the rest of the (normalised)
@@ -339,14 +399,10 @@ def make_experience(
         weights = sampling_correction_weights(log_w, rmask, pc.sampling_correction, pc.sampling_correction_cap)
         advantages = advantages * weights  # [B, R]
         sampling["policy/sampling_weight"] = shard.apply_rows(masked_mean, weights, rmask)
-    kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
-    zero_std = zero_std_rows(score, pc)  # [B] or None
-    keep = loss_rows(zero_std, roll.finished, pc)  # [B] or None
     stats = {
         "objective/score": raw_score.mean(),
-        "objective/kl": kl_seq.mean(),
-        "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
-        "objective/entropy": shard.apply_rows(masked_mean, f["entropy"], rmask),  # a token mean
+        **({} if deferred else policy_stats(old_logprobs, ref_logprobs, f["entropy"], None if reuse else roll.logprobs,
+                                            rmask, score, rewards, pc, kl_coef, shard)),
         "objective/kl_coef": kl_coef,
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         "response/length": rmask.sum(-1).float().mean(),
@@ -363,12 +419,11 @@ def make_experience(
         stats["frac_reward_zero_std"] = shard.apply_rows(lambda z: z.mean(), zero_std.float())  # global batch
     if keep is not None:
         stats["policy/trained_frac"] = keep.float().mean()
-    if not reuse:  # generation-time vs training-forward log-probs: a silent off-policy mismatch shows here
-        stats["policy/logprob_gap"] = torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max()
     exp = Experience(input_ids=roll.input_ids, attention_mask=roll.attention_mask, prompt_len=roll.prompt_ids.shape[1],
                      response_ids=roll.response_ids, response_mask=rmask, old_logprobs=old_logprobs,
                      ref_logprobs=ref_logprobs, old_values=old_values, score=score, rewards=rewards,
-                     advantages=advantages, returns=returns, raw_advantages=raw_advantages, loss_rows=keep)
+                     advantages=advantages, returns=returns, raw_advantages=raw_advantages, loss_rows=keep,
+                     deferred=deferred, entropy=torch.zeros_like(ref_logprobs) if deferred else None)
     return exp, {k: to_float(v) for k, v in stats.items()}
 
 

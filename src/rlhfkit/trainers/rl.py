@@ -50,7 +50,14 @@ from ..core import (
 from ..distributed import full_state_dict, full_weights, rollout_uniforms, shard_frozen
 from ..envs import EpisodeMaker, episode_stats, play
 from ..evaluate import evaluate_rewards, evaluate_sharded
-from ..experience import ActorCritic, Experience, RLState, completions_per_prompt, make_experience
+from ..experience import (
+    ActorCritic,
+    Experience,
+    RLState,
+    completions_per_prompt,
+    deferred_stats,
+    make_experience,
+)
 from ..models import (
     ValueHead,
     add_lora,
@@ -122,10 +129,11 @@ def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef:
     def fn(logp, ent, s, e):
         weights, valid, old, adv, ref = per_token()
         v = valid[s:e]
-        per = token_policy_loss(logp, old[s:e], adv[s:e], v, objective, options)  # [n]
+        # deferred: the old log-probs are this forward's own (no optimizer step since the rollout)
+        per = token_policy_loss(logp, logp.detach() if exp.deferred else old[s:e], adv[s:e], v, objective, options)
         if ref is not None:
             per = per + coef * kl_estimate(logp, ref[s:e], kind)
-        if ent is not None:
+        if ent is not None and pc.entropy_coef:  # a deferred experience asks for the entropies for its stats
             per = per - pc.entropy_coef * ent
         return (weights[s:e] * torch.where(v, per, torch.zeros_like(per))).sum()
 
@@ -141,7 +149,11 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
 
     Where the LM head is taken in chunks (a big vocabulary), the policy's part is computed
     inside it (:func:`policy_token_loss`; the same loss, each chunk's logits built once): the
-    log-probs then come back without a gradient and the parts below give the stats only."""
+    log-probs then come back without a gradient and the parts below give the stats only.
+
+    A deferred experience (:func:`rlhfkit.experience.defer_old_logprobs`) takes this forward's
+    log-probs, detached, as the old ones (the policy has not stepped since it sampled), and gets
+    them and the entropies written into its ``old_logprobs`` and ``entropy`` rows."""
     rmask = exp.response_mask[mb]
     agg = functools.partial(aggregate, mask=rmask, kind=pc.loss_type, max_len=pc.max_new_tokens or 0)
     with_entropy = update_policy and bool(pc.entropy_coef)
@@ -149,11 +161,14 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
     # log-probs (and entropies) of the chosen tokens straight from the forward: a big vocabulary's
     # [b, R, V] logits are never held whole (models.token_logprobs)
     out = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
-                   detach_value=not update_policy, response_ids=exp.response_ids[mb], entropy=with_entropy,
+                   detach_value=not update_policy, response_ids=exp.response_ids[mb],
+                   entropy=with_entropy or exp.deferred,
                    **({} if token_loss is None else {"token_loss": token_loss}))  # [b, R] each
     logprobs, entropy, values = out[:3]
     fused = out[3] if len(out) > 3 else None  # a forward that ignores token_loss returns three
     loss, stats = torch.zeros((), device=logprobs.device), {}
+    if exp.deferred:
+        exp.old_logprobs[mb], exp.entropy[mb] = logprobs.detach(), entropy.detach()
     if values is not None:
         v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range,
                                    pc.loss_type, pc.max_new_tokens or 0)
@@ -611,7 +626,10 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         if len(train_exp.input_ids):  # none kept: no update this step
             stats.update(mean_stats(ppo_update(ac, optimizer, train_exp, local_pc, st.kl_coef, update_policy=not warm,
                                                engine=warm_engine if warm else engine,
-                                               logprob_gap="policy/logprob_gap" not in stats)))
+                                               logprob_gap="policy/logprob_gap" not in stats and not exp.deferred)))
+        if exp.deferred:  # the update's forward wrote the old log-probs: the stats that read them
+            stats.update(shard.mean(deferred_stats(exp, roll.logprobs, pc, st.kl_coef, shard),
+                                    maxed=("policy/logprob_gap",)))
         t3 = time.perf_counter()
         st.train_s += t3 - t0
         # step 4. log: timings, the adaptive KL coefficient, sample completions
