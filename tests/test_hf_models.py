@@ -347,17 +347,29 @@ def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path):
         assert row["policy/logprob_gap"] < 0.5  # bfloat16 rounding between sampling and training forwards
 
 
-@pytest.mark.parametrize("head", ["whole", "chunked"])
+@pytest.mark.parametrize("head", ["whole", "chunked", "no sampler entropy"])
 def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hub, tmp_path, monkeypatch, head):
     """With one optimizer step a rollout (TRL's schedule: one epoch, one minibatch) and the
     sampler's log-probs not reused, the experience pass leaves the old log-probs to the update's
     forward, and the run is the one a forward of their own gives, to rounding: every step's
-    statistics (the KL, entropy and log-prob gap read from the update's forward), hence the weights
-    each step trains. In micro-batches; ``chunked``: the LM head in chunks with the loss inside."""
+    statistics (the KL and log-prob gap read from the update's forward, the entropy from the
+    sampler's or, where a rollout has none, the update's), hence the weights each step trains. In
+    micro-batches; ``chunked``: the LM head in chunks with the loss inside."""
+    import dataclasses
+
     from rlhfkit import experience, models
+    from rlhfkit.trainers import rl
 
     if head == "chunked":
         monkeypatch.setattr(models, "UPDATE_LOGITS", 1)  # one row a chunk
+    if head == "no sampler entropy":
+        sample = rl.rollout
+
+        def without_entropy(*a, **kw):
+            roll, episode = sample(*a, **kw)
+            return dataclasses.replace(roll, entropy=None), episode
+
+        monkeypatch.setattr(rl, "rollout", without_entropy)
     real, runs = experience.defer_old_logprobs, {}
     for defer in (True, False):
         monkeypatch.setattr(experience, "DEFER_OLD_LOGPROBS", defer)

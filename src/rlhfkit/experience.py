@@ -62,9 +62,12 @@ class Experience:
         raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
         loss_rows:      ``[B]`` bool, the rows the update trains on (``ppo.filter_zero_std_groups``,
                         ``ppo.mask_truncated_completions`` leave some out: :meth:`select`); None: all.
-        deferred:       the old log-probs come from the update's forward, which writes them and the
-                        entropies (``entropy [B, R]``) here; :func:`deferred_stats` then gives the
-                        statistics that read them.
+        deferred:       the old log-probs come from the update's forward, which writes them here;
+                        :func:`deferred_stats` then gives the statistics that read them, with the
+                        entropies ``entropy [B, R]``: the sampler's (the full tempered distribution's,
+                        as the experience pass computes them; an entropy bonus in the loss reads
+                        the update's own), or where the rollout has none (``entropy_pending``) the
+                        update's forward's, written here too.
     """
 
     input_ids: torch.Tensor
@@ -83,6 +86,7 @@ class Experience:
     loss_rows: torch.Tensor | None = None
     deferred: bool = False
     entropy: torch.Tensor | None = None
+    entropy_pending: bool = False
 
     def select(self, rows: torch.Tensor) -> Experience:
         """The experience of ``rows`` (``[B]`` bool, or indices) alone: every per-row tensor cut to
@@ -423,7 +427,8 @@ def make_experience(
                      response_ids=roll.response_ids, response_mask=rmask, old_logprobs=old_logprobs,
                      ref_logprobs=ref_logprobs, old_values=old_values, score=score, rewards=rewards,
                      advantages=advantages, returns=returns, raw_advantages=raw_advantages, loss_rows=keep,
-                     deferred=deferred, entropy=torch.zeros_like(ref_logprobs) if deferred else None)
+                     deferred=deferred, entropy_pending=deferred and roll.entropy is None,
+                     entropy=(torch.zeros_like(ref_logprobs) if roll.entropy is None else roll.entropy) if deferred else None)
     return exp, {k: to_float(v) for k, v in stats.items()}
 
 

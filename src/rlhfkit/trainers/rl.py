@@ -133,7 +133,7 @@ def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef:
         per = token_policy_loss(logp, logp.detach() if exp.deferred else old[s:e], adv[s:e], v, objective, options)
         if ref is not None:
             per = per + coef * kl_estimate(logp, ref[s:e], kind)
-        if ent is not None and pc.entropy_coef:  # a deferred experience asks for the entropies for its stats
+        if ent is not None and pc.entropy_coef:  # a deferred experience may ask for the entropies for its stats
             per = per - pc.entropy_coef * ent
         return (weights[s:e] * torch.where(v, per, torch.zeros_like(per))).sum()
 
@@ -153,7 +153,8 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
 
     A deferred experience (:func:`rlhfkit.experience.defer_old_logprobs`) takes this forward's
     log-probs, detached, as the old ones (the policy has not stepped since it sampled), and gets
-    them and the entropies written into its ``old_logprobs`` and ``entropy`` rows."""
+    them written into its ``old_logprobs`` rows (and the entropies into ``entropy``'s where the
+    rollout had none: ``entropy_pending``)."""
     rmask = exp.response_mask[mb]
     agg = functools.partial(aggregate, mask=rmask, kind=pc.loss_type, max_len=pc.max_new_tokens or 0)
     with_entropy = update_policy and bool(pc.entropy_coef)
@@ -162,13 +163,15 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
     # [b, R, V] logits are never held whole (models.token_logprobs)
     out = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
                    detach_value=not update_policy, response_ids=exp.response_ids[mb],
-                   entropy=with_entropy or exp.deferred,
+                   entropy=with_entropy or exp.entropy_pending,
                    **({} if token_loss is None else {"token_loss": token_loss}))  # [b, R] each
     logprobs, entropy, values = out[:3]
     fused = out[3] if len(out) > 3 else None  # a forward that ignores token_loss returns three
     loss, stats = torch.zeros((), device=logprobs.device), {}
     if exp.deferred:
-        exp.old_logprobs[mb], exp.entropy[mb] = logprobs.detach(), entropy.detach()
+        exp.old_logprobs[mb] = logprobs.detach()
+        if exp.entropy_pending:
+            exp.entropy[mb] = entropy.detach()
     if values is not None:
         v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range,
                                    pc.loss_type, pc.max_new_tokens or 0)
