@@ -199,11 +199,13 @@ def test_lora_hidden_states_grads_and_generations_match_peft(name):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_lora_on_a_half_precision_base_is_as_close_to_float32_as_peft(name, dtype):
+def test_lora_on_a_half_precision_base_is_as_close_to_float32_as_peft_under_autocast(name, dtype):
     """peft keeps a half-precision base's adapters in float32; the lean path runs them beside the
-    half-precision products (not folded into a half-precision weight). Against the same weights
-    held in float32 (the exact function), its hidden states and the adapters' gradients are as
-    close as peft's own forward's; and the adapters matter."""
+    half-precision products (not folded into a half-precision weight), their products in half
+    precision as ``torch.autocast`` computes peft's layers (TRL's and the Trainer's ``bf16=True``).
+    Against the same weights held in float32 (the exact function), its hidden states and the
+    adapters' gradients are as close as peft's under autocast, within 2.5x of peft's
+    float32-adapter forward's; and the adapters matter."""
     full = lora(name)
     with torch.no_grad():  # the half-precision base's values, held in float32
         for n, p in full.named_parameters():
@@ -217,29 +219,33 @@ def test_lora_on_a_half_precision_base_is_as_close_to_float32_as_peft(name, dtyp
     pos, valid = position_ids_from_mask(mask), mask.bool()
     exact = lean.hidden_states(full, ids, mask, pos)
     peft_h = half.get_base_model().base_model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    with torch.autocast(torch.device(DEV).type, dtype):
+        auto_h = half.get_base_model().base_model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
     ours = lean.hidden_states(half, ids, mask, pos)
     assert ours.dtype == dtype
 
     def err(h):
         return (h[valid].float() - exact[valid]).abs().max().item()
 
-    assert err(ours) <= 1.5 * err(peft_h) + 1e-3, (err(ours), err(peft_h))
+    assert err(ours) <= 1.5 * err(auto_h) + 1e-3, (err(ours), err(auto_h))
+    assert err(ours) <= 2.5 * err(peft_h) + 1e-3, (err(ours), err(peft_h))
     with torch.no_grad(), half.disable_adapter():
         base = lean.hidden_states(half, ids, mask, pos)
     assert (base[valid].float() - exact[valid]).abs().max() > 20 * err(ours)  # the adapters matter
     w = torch.randn(exact.shape[-1], generator=torch.Generator().manual_seed(3)).to(DEV)
     grads = []
-    for model, h in ((full, exact), (half, peft_h), (half, ours)):
+    for model, h in ((full, exact), (half, peft_h), (half, auto_h), (half, ours)):
         model.zero_grad()
         (h[valid].float() @ w).square().mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[2].keys() and all("lora_" in n for n in grads[2])
-    assert all(g.dtype == torch.float32 for g in grads[2].values())
+    assert grads[0].keys() == grads[3].keys() and all("lora_" in n for n in grads[3])
+    assert all(g.dtype == torch.float32 for g in grads[3].values())
 
     def gerr(g):
         return max(((g[n] - grads[0][n]).norm() / grads[0][n].norm()).item() for n in grads[0])
 
-    assert gerr(grads[2]) <= 1.5 * gerr(grads[1]) + 1e-3, (gerr(grads[2]), gerr(grads[1]))
+    assert gerr(grads[3]) <= 1.5 * gerr(grads[2]) + 1e-3, (gerr(grads[3]), gerr(grads[2]))
+    assert gerr(grads[3]) <= 2.5 * gerr(grads[1]) + 1e-3, (gerr(grads[3]), gerr(grads[1]))
 
 
 def test_lora_variants_the_lean_path_does_not_compute_fall_back():
