@@ -294,7 +294,9 @@ def _norm_params(norm: nn.Module) -> tuple[torch.Tensor, float]:
 
 def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tensor:
     weight, eps = params
-    if x.dtype == weight.dtype == torch.float32:  # the formula below as one fused forward kernel
+    if x.dtype == weight.dtype:  # the formula below as one fused kernel each way; in half precision it
+        # rounds once where the formula rounds the normalised rows and their product with the weight
+        # apart (one bfloat16 update micro-batch of reasoning: 18 against 25 ms a norm, forward and backward)
         return F.rms_norm(x, x.shape[-1:], weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
