@@ -4,7 +4,8 @@
 * in float64 the values and the gradients wrt the hidden states, the head's weight and bias equal
   those of ``logprobs_from_logits`` / ``entropy_from_logits`` on the full logits, for chunks of one
   row, of an odd number of rows, of all rows and of more, with a temperature;
-* half-precision inputs give float32 log-probs and gradients in the inputs' dtypes;
+* half-precision inputs give float32 log-probs and gradients in the inputs' dtypes; a bfloat16
+  head read as bfloat16 by the compiled kernels gives PyTorch's float32 route's numbers;
 * a PPO update whose log-probs go through chunks of a few rows (``models.UPDATE_LOGITS`` made
   small) gives the losses, statistics and gradients of the full-logits update, tied embeddings
   included, and its first minibatch still has ratio 1;
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 import rlhfkit.models as models
 import rlhfkit.trainers.rl as rl
+from rlhfkit import kernels
 from rlhfkit.config import Config, PPOConfig
 from rlhfkit.core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits
 from rlhfkit.experience import ActorCritic, Experience, make_experience
@@ -114,6 +116,63 @@ def test_half_precision_computes_the_softmax_in_float32():
     for g, fg, p in zip(grads, full_grads, (hidden, weight, b)):
         assert g.dtype == p.dtype
         torch.testing.assert_close(g.float(), fg.float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler: the bfloat16 head runs PyTorch's route")
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+@pytest.mark.parametrize("V", [13, 1003])
+def test_bfloat16_head_read_as_bfloat16_equals_the_float32_route(monkeypatch, temperature, V):
+    """A bfloat16 head's chunks go to the compiled kernels (no float32 copy of the logits), and
+    give what PyTorch's route gives, which converts each chunk first: the log-probs and the loss
+    to float32 rounding, every gradient (its logits' gradient rounded to bfloat16 once on both
+    routes) to within one bfloat16 rounding. Vocabularies with and without a partial last vector."""
+    from rlhfkit.core import chunked_token_loss
+
+    gen = torch.Generator().manual_seed(4)
+    hidden = (2 * torch.randn(N, H, generator=gen)).bfloat16().requires_grad_()
+    weight = torch.randn(V, H, generator=gen).bfloat16().requires_grad_()
+    b = torch.randn(V, generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(V, (N,), generator=gen)
+    a = torch.randn(N, generator=gen)
+    calls = []
+    real = kernels.head_usable
+    monkeypatch.setattr(kernels, "head_usable", lambda z: calls.append(z.dtype) or real(z))
+
+    def run():
+        lp, _ = chunked_token_logprobs(hidden, weight, b, targets, temperature, 4)
+        g1 = torch.autograd.grad((a * lp).sum(), (hidden, weight, b))
+        loss, lp2, _ = chunked_token_loss(hidden, weight, b, targets, lambda lp, ent, s, e: (a[s:e] * lp).sum(),
+                                          temperature, 4)
+        g2 = torch.autograd.grad(loss, (hidden, weight, b))
+        return lp, lp2, loss, g1, g2
+
+    ours = run()
+    assert calls and all(d == torch.bfloat16 for d in calls)
+    monkeypatch.setattr(kernels, "head_usable", lambda z: False)
+    ref = run()
+    for x, y in zip(ours[:3], ref[:3]):
+        assert x.dtype == torch.float32
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    for gs, rs in zip(ours[3:], ref[3:]):
+        for g, r in zip(gs, rs):
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.float(), r.float(), atol=1e-3, rtol=2 ** -7)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler")
+def test_bfloat16_head_kernels_on_infinite_and_exact_values():
+    """Rows of -inf, a +inf logit and a finite row as ``torch.logsumexp`` treats them; the
+    gradient against float64's, rounded to bfloat16 once (to the nearest, ties to even)."""
+    z = torch.tensor([[0.5, -1.0, 2.0, 0.25, 3.0, -2.0, 1.5, 0.0, 4.0], [-float("inf")] * 9,
+                      [1.0, float("inf"), 0.0] * 3]).bfloat16()
+    t = torch.tensor([2, 0, 1])
+    lse, picked = kernels.head_lse_bf16(z, t)
+    torch.testing.assert_close(lse, torch.logsumexp(z.float(), -1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(picked, z.float().gather(1, t[:, None])[:, 0], atol=0, rtol=0)
+    c = torch.tensor([0.7])
+    g = kernels.head_grad_bf16(z[:1], lse[:1], c, t[:1])
+    exact = (c.double()[:, None] * (F.one_hot(t[:1], 9).double() - z[:1].double().softmax(-1))).bfloat16()
+    assert (g.float() - exact.float()).abs().max() <= 2 ** -8 * exact.float().abs().max()
 
 
 def test_no_rows_give_zero_gradients():

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import gemm
+from . import gemm, kernels
 
 __all__ = [
     "logprobs_from_logits",
@@ -110,13 +110,18 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # [B, R]
 
 
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 temperature: float) -> torch.Tensor:
+    """``[n, V]`` logits of one chunk as the LM head computes them (in its dtype), divided by the
+    temperature in that dtype too: the numbers the full-logits path sees, before any upcast."""
+    logits = gemm.linear(hidden, weight, bias)  # [n, V]; oneDNN on a CPU in float32
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def _tempered_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      temperature: float) -> torch.Tensor:
-    """``[n, V]`` logits of one chunk as the LM head computes them (in its dtype), divided by the
-    temperature in that dtype too, then upcast: the numbers the full-logits path sees."""
-    logits = gemm.linear(hidden, weight, bias)  # [n, V]; oneDNN on a CPU in float32
-    if temperature != 1.0:
-        logits = logits / temperature
+    """:func:`_head_logits` upcast to at least float32."""
+    logits = _head_logits(hidden, weight, bias, temperature)
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
@@ -132,7 +137,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         ent = torch.empty_like(logp) if with_entropy else None  # [N]
         lse = torch.empty_like(logp)  # [N], kept for the backward: it need not sum each row again
         for s in range(0, hidden.shape[0], chunk_rows):
-            z = _tempered_logits(hidden[s : s + chunk_rows], weight, bias, temperature)  # [n, V]
+            z = _head_logits(hidden[s : s + chunk_rows], weight, bias, temperature)  # [n, V]
+            if not with_entropy and kernels.head_usable(z):  # bfloat16 read as it is: no float32 copy
+                lse[s : s + chunk_rows], picked = kernels.head_lse_bf16(z, targets[s : s + chunk_rows])
+                logp[s : s + chunk_rows] = picked - lse[s : s + chunk_rows]
+                continue
+            z = z.to(torch.promote_types(z.dtype, torch.float32))
             picked = z.gather(-1, targets[s : s + chunk_rows, None]).squeeze(-1)  # [n]
             if with_entropy:
                 lse[s : s + chunk_rows] = torch.logsumexp(z, dim=-1)
@@ -155,7 +165,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         for s in range(0, hidden.shape[0], ctx.chunk_rows):
             h = hidden[s : s + ctx.chunk_rows]  # [n, H]
-            g = _logit_grad(_tempered_logits(h, weight, bias, ctx.temperature), lse[s : s + ctx.chunk_rows, None],
+            z = _head_logits(h, weight, bias, ctx.temperature)
+            if grad_ent is None and grad_logp is not None and kernels.head_usable(z):  # bfloat16 in and out
+                g = kernels.head_grad_bf16(z, lse[s : s + ctx.chunk_rows], grad_logp[s : s + ctx.chunk_rows]
+                                           / ctx.temperature, targets[s : s + ctx.chunk_rows])  # d(z / T) / dz inside
+                grad_w = _head_grads(g, h, weight, 1.0, grad_h, grad_w, need_w, grad_b, s, acc)
+                continue
+            g = _logit_grad(z.to(torch.promote_types(z.dtype, torch.float32)), lse[s : s + ctx.chunk_rows, None],
                             targets[s : s + ctx.chunk_rows],
                             None if grad_logp is None else grad_logp[s : s + ctx.chunk_rows],
                             None if grad_ent is None else grad_ent[s : s + ctx.chunk_rows])  # [n, V]
@@ -189,12 +205,17 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         for s in range(0, N, chunk_rows):
             e = min(N, s + chunk_rows)
             h, t = hidden[s:e], targets[s:e, None]  # [n, H], [n, 1]
-            z = _tempered_logits(h, weight, bias, temperature)  # [n, V]
-            picked = z.gather(-1, t).squeeze(-1)  # [n]
+            z = _head_logits(h, weight, bias, temperature)  # [n, V]
+            bf16 = not with_entropy and kernels.head_usable(z)  # read as it is: no float32 copy, one pass each way
+            if bf16:
+                lse, picked = kernels.head_lse_bf16(z, t.squeeze(1))
+            else:
+                z = z.to(torch.promote_types(z.dtype, torch.float32))
+                picked = z.gather(-1, t).squeeze(-1)  # [n]
             if with_entropy:
                 lse = torch.logsumexp(z, dim=-1)  # [n]
                 ent[s:e] = lse - (F.softmax(z, dim=-1) * z).sum(-1)
-            else:  # z becomes exp(z - max), then the softmax, in its own pages
+            elif not bf16:  # z becomes exp(z - max), then the softmax, in its own pages
                 top = z.amax(-1, keepdim=True)  # [n, 1]
                 top.masked_fill_(top.isinf(), 0.0)
                 total = z.sub_(top).exp_().sum(-1)  # [n]
@@ -207,12 +228,14 @@ class _ChunkedTokenLoss(torch.autograd.Function):
                 grads = torch.autograd.grad(part, [lp, en] if with_entropy else [lp], allow_unused=True)
             loss += part.detach().to(dtype)
             g_lp = torch.zeros_like(lp) if grads[0] is None else grads[0]  # [n]
-            if with_entropy:
+            if bf16:  # d(z / T) / dz folded into the coefficient: one rounding to bfloat16
+                g = kernels.head_grad_bf16(z, lse, g_lp / temperature, t.squeeze(1))
+            elif with_entropy:
                 g_ent = torch.zeros_like(lp) if grads[1] is None else grads[1]
                 g = _logit_grad(z, lse[:, None], t.squeeze(1), g_lp, g_ent)  # [n, V]
             else:  # -g p with p = z / total, then + g at the target: d logp / dz = onehot - p
                 g = z.mul_((-g_lp / total)[:, None].to(z.dtype)).scatter_add_(1, t, g_lp[:, None].to(z.dtype))
-            grad_w = _head_grads(g, h, weight, temperature, grad_h, grad_w, need_w, grad_b, s, acc)
+            grad_w = _head_grads(g, h, weight, 1.0 if bf16 else temperature, grad_h, grad_w, need_w, grad_b, s, acc)
             del z, g
         if need_w and grad_w is None:  # no rows
             grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)

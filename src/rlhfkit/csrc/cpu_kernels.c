@@ -1,7 +1,8 @@
 /* rlhfkit's compiled pieces, float32 on a CPU: softmax attention for short contexts (forward,
  * backward, and a decode step that also appends to the KV cache), the tanh-GELU and a Llama MLP's
  * SwiGLU gate (forward and backward each), the masked softmax between the oneDNN products of
- * the blocked causal attention, and the sampling step of a rollout. Called through ctypes from rlhfkit/kernels.py,
+ * the blocked causal attention, the sampling step of a rollout, and a bfloat16 LM head's
+ * logsumexp and logits' gradient (read and written as bfloat16, computed in float32). Called through ctypes from rlhfkit/kernels.py,
  * which compiles this file on first use and falls back to PyTorch when it cannot.
  *
  * At a small model's sizes PyTorch's CPU kernels spend more on set-up than on arithmetic:
@@ -705,4 +706,100 @@ int64_t rlhfkit_sample(const float *logits, int64_t B, int64_t V, int64_t ls, fl
         n_alive += alive[b] != 0;
     }
     return n_alive;
+}
+
+/* --------------------------------------------------------------- bfloat16 log-prob head
+ *
+ * An LM head's bfloat16 logits z [n, V] (row stride zs) read as they are: each lane widened
+ * to float32 exactly (a bfloat16 is the top half of a float32), so no float32 copy of the
+ * chunk, no separate max, shift, exp and sum passes. rlhfkit_head_lse_bf16 gives each row's
+ * logsumexp and its target's logit; rlhfkit_head_grad_bf16 the gradient wrt the logits of
+ * sum_r c_r logp_r(t_r), c_r (onehot - softmax), rounded to bfloat16 once (to nearest even),
+ * as the float32 expression converted after. A row whose max is infinite is shifted by 0, as
+ * torch.logsumexp does. */
+
+typedef uint16_t bf8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+
+static inline v8 ld_bf16(const uint16_t *p) {
+    const u8 w = __builtin_convertvector(*(const bf8 *)p, u8) << 16;
+    v8 x;
+    memcpy(&x, &w, 32);
+    return x;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &w, 4);
+    return x;
+}
+
+static inline uint16_t f32_to_bf16(float x) { /* round to nearest even; a NaN stays a (quiet) NaN */
+    uint32_t w;
+    memcpy(&w, &x, 4);
+    if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w >> 16) | 0x40u);
+    return (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+}
+
+static inline void st_bf16(uint16_t *p, v8 x) {
+    u8 w;
+    memcpy(&w, &x, 32);
+    const u8 nan = (w & 0x7fffffffu) > 0x7f800000u; /* all ones where x is NaN */
+    const u8 r = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
+    const u8 q = (w >> 16) | 0x40u;
+    *(bf8 *)p = __builtin_convertvector((nan & q) | (~nan & r), bf8);
+}
+
+static inline float row_max_bf16(const uint16_t *x, int64_t V) {
+    const int64_t V8 = V / 8 * 8;
+    v8 m8 = splat(-INFINITY);
+    int64_t j = 0;
+    for (; j < V8; j += 8) m8 = vmax(ld_bf16(x + j), m8);
+    float m = hmax(m8);
+    for (; j < V; j++) {
+        const float v = bf16_to_f32(x[j]);
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+void rlhfkit_head_lse_bf16(const uint16_t *z, int64_t n, int64_t V, int64_t zs, const int64_t *targets,
+                           float *lse, float *picked)
+{
+    const int64_t V8 = V / 8 * 8;
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *x = z + r * zs;
+        picked[r] = bf16_to_f32(x[targets[r]]);
+        const float m = row_max_bf16(x, V);
+        if (isinf(m)) { /* shifted by 0: -inf for a row of -inf, +inf with a +inf logit */
+            float s = 0.f;
+            for (int64_t j = 0; j < V; j++) s += expf(bf16_to_f32(x[j]));
+            lse[r] = logf(s);
+            continue;
+        }
+        const v8 mv = splat(m);
+        v8 s8 = splat(0.f);
+        int64_t j = 0;
+        for (; j < V8; j += 8) s8 += exp8(ld_bf16(x + j) - mv);
+        float s = hsum(s8);
+        for (; j < V; j++) s += expf(bf16_to_f32(x[j]) - m);
+        lse[r] = logf(s) + m;
+    }
+}
+
+void rlhfkit_head_grad_bf16(const uint16_t *z, int64_t n, int64_t V, int64_t zs, const float *lse,
+                            const float *c, const int64_t *targets, uint16_t *g, int64_t gs)
+{
+    const int64_t V8 = V / 8 * 8;
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *x = z + r * zs;
+        uint16_t *y = g + r * gs;
+        const v8 lv = splat(lse[r]), cv = splat(-c[r]);
+        int64_t j = 0;
+        for (; j < V8; j += 8) st_bf16(y + j, cv * exp8(ld_bf16(x + j) - lv));
+        for (; j < V; j++) y[j] = f32_to_bf16(-c[r] * expf(bf16_to_f32(x[j]) - lse[r]));
+        const int64_t t = targets[r];
+        y[t] = f32_to_bf16(-c[r] * expf(bf16_to_f32(x[t]) - lse[r]) + c[r]);
+    }
 }
