@@ -673,6 +673,40 @@ def test_pytorch_attention_keeps_one_additive_mask_per_forward_and_queries_witho
         assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in heads)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_folded_grouped_heads_are_pytorchs_grouped_attention(dtype):
+    """A half-precision CPU forward under autograd runs grouped heads as one head of
+    ``groups x Tq`` queries a key head (``lean._fold_heads``; PyTorch's bfloat16 backward pays by
+    head): every output equals PyTorch's grouped attention bit for bit, and the gradients are as
+    close to float64's as PyTorch's are. Float32, no-grad and single-query calls keep the
+    grouped call."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, Tq, Tk, D = 3, 6, 2, 7, 11, 16
+    q = torch.randn(B, H, Tq, D, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(B, Hkv, Tk, D, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq).repeat(B, 1, 1)[:, None]  # queries at the end
+    mask[0, :, :, :2] = False  # a row's left padding
+    grad = torch.randn(B, H, Tq, D, generator=g).to(dtype)
+    assert lean._fold_heads(q, k, H // Hkv)
+    assert not lean._fold_heads(q.float(), k.float(), H // Hkv) and not lean._fold_heads(q[:, :, :1], k, H // Hkv)
+    with torch.no_grad():
+        assert not lean._fold_heads(q, k, H // Hkv)
+    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, -math.inf)
+    results = []
+    for run in (lambda q, k, v: lean._attend(q, k, v, mask, 0.25, H // Hkv, {}),
+                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.25, enable_gqa=True),
+                lambda q, k, v: F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                               attn_mask=bias.double(), scale=0.25, enable_gqa=True)):
+        out = run(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+        results.append((out, dq, dk, dv))
+    ours, grouped, exact = results
+    assert torch.equal(ours[0], grouped[0])
+    for i in range(1, 4):
+        err = (ours[i].double() - exact[i]).abs().max().item()
+        assert err <= 1.5 * (grouped[i].double() - exact[i]).abs().max().item() + 1e-3, i
+
+
 def test_norm_linears_swiglu_down_and_gelu_down_gradients():
     """The hand-written backward passes against finite differences (float64, PyTorch's ops; the
     compiled kernels are float32 and checked in tests/test_kernels.py)."""
