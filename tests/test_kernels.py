@@ -112,6 +112,88 @@ def test_decode_attention_appends_and_attends():
         step(T_max)
 
 
+needs_bf16 = pytest.mark.skipif(not (HAVE_CC and kernels._avx512_bf16()),
+                                reason="no AVX-512 BF16 here: bfloat16 decode steps use PyTorch's attention")
+
+
+def _bf16_cache(B, Hkv, Tk, D, gen, T_max=None):
+    """Keys and values as lean's decode sees them: ``[B, Hkv, Tk, D]`` views of a ``[B, 2, Hkv,
+    T_max, D]`` cache whose later columns are not written (NaN)."""
+    T_max = T_max or Tk + 5
+    kv = torch.randn(B, 2, Hkv, T_max, D, generator=gen).to(torch.bfloat16)
+    kv[:, :, :, Tk:] = float("nan")
+    return kv, kv[:, 0, :, :Tk], kv[:, 1, :, :Tk]
+
+
+@needs_bf16
+@pytest.mark.parametrize("B,H,Hkv,Tk,D", [
+    (3, 6, 2, 1, 64),  # the first step after a one-token prompt
+    (2, 9, 3, 17, 64),  # SmolLM2's heads, one block of 16 keys and a tail
+    (2, 8, 2, 150, 128),  # head_dim 128, an odd tail
+    (2, 8, 1, 40, 32),  # eight heads a key head
+    (1, 4, 4, 33, 256),  # no grouping, the widest head
+])
+def test_bf16_decode_attention_is_as_close_to_exact_as_pytorchs(B, H, Hkv, Tk, D):
+    gen = torch.Generator().manual_seed(Tk)
+    q = torch.randn(B, 1, H, D, generator=gen).to(torch.bfloat16).transpose(1, 2)  # as the projection lays it out
+    _, k, v = _bf16_cache(B, Hkv, Tk, D, gen)
+    bias = _bias(B, 1, Tk, False, gen).to(torch.bfloat16)[:, None]  # [B, 1, 1, Tk], left padding
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert kernels.decode_bf16_usable(q, k, v, bias)
+        ours = kernels.decode_attention_bf16(q, k, v, bias, D**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    pytorch = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=D**-0.5, enable_gqa=True)
+    exact = _reference(q, k, v, bias[:, 0], D**-0.5)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (B, H, 1, D)
+    err, err_pt = ((t.double() - exact).abs().max().item() for t in (ours, pytorch))
+    assert err <= 1.5 * err_pt + 2**-9 * exact.abs().max().item(), (err, err_pt)
+
+
+@needs_bf16
+def test_bf16_decode_attention_reads_a_shared_prompt_from_its_first_row():
+    """With ``shared = (rows, P)`` row b's first P keys and values come from row ``rows[b]``: the
+    same output as reading its own copy, and the other rows' copies are never read."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, Hkv, Tk, D, P = 6, 6, 2, 45, 64, 21
+    q = torch.randn(B, H, 1, D, generator=gen).to(torch.bfloat16)
+    kv, k, v = _bf16_cache(B, Hkv, Tk, D, gen)
+    rows = torch.tensor([0, 0, 0, 3, 3, 3])
+    kv[:, :, :, :P] = kv[rows, :, :, :P]  # two groups of three, each group's rows one prompt
+    bias = torch.zeros(B, 1, 1, Tk, dtype=torch.bfloat16)
+    bias[3:, ..., :4] = float("-inf")  # the second group's prompt is left-padded
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        own = kernels.decode_attention_bf16(q, k, v, bias, D**-0.5)
+        kv[[1, 2, 4, 5], :, :, :P] = float("nan")  # copies the shared route must not read
+        shared = kernels.decode_attention_bf16(q, k, v, bias, D**-0.5, (rows, P))
+        assert torch.equal(own, shared)
+        with pytest.raises(ValueError, match="shared rows outside"):
+            kernels.decode_attention_bf16(q, k, v, bias, D**-0.5, (torch.full((B,), B), P))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_bf16
+def test_bf16_decode_attention_steps_aside():
+    q, kv = torch.empty(2, 9, 1, 64, dtype=torch.bfloat16), torch.empty(2, 3, 30, 64, dtype=torch.bfloat16)
+    bias = torch.zeros(2, 1, 1, 30, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert kernels.decode_bf16_usable(q, kv, kv, bias)
+        assert not kernels.decode_bf16_usable(q.float(), kv.float(), kv.float(), bias.float())
+        assert not kernels.decode_bf16_usable(q.expand(2, 9, 2, 64), kv, kv, bias)  # two queries a row
+        assert not kernels.decode_bf16_usable(q[..., :48], kv[..., :48], kv[..., :48], bias)  # head_dim 48
+        torch.set_num_threads(2)
+        assert not kernels.decode_bf16_usable(q, kv, kv, bias)  # threads: PyTorch's threaded attention
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_cc
 def test_attention_rejects_what_it_cannot_do():
     q = torch.randn(1, 2, 1, 8)

@@ -320,6 +320,52 @@ def test_repeated_prompts_share_one_prefill():
     torch.testing.assert_close(hidden[:3], alone.expand(3, -1), atol=1e-5, rtol=0)
 
 
+def test_bfloat16_decode_kernel_is_as_close_to_float32_as_pytorchs_attention(monkeypatch):
+    """A bfloat16 model's decode steps on one thread of a CPU with AVX-512 BF16 take the compiled
+    attention (:func:`rlhfkit.kernels.decode_attention_bf16`), reading each group's prompt from
+    its first row (``KVCache.shared``). Against the same weights in float32, its hidden states
+    are as close as those of PyTorch's attention on the same bfloat16 cache."""
+    from rlhfkit import kernels
+
+    if DEV.type != "cpu" or not kernels._avx512_bf16() or not kernels.available():
+        pytest.skip("the bfloat16 decode kernel runs on CPUs with AVX-512 BF16")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(TOK), hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    full = scramble(LlamaForCausalLM(cfg), 3).to(torch.bfloat16).float()  # bfloat16's values, in float32
+    half = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    half.load_state_dict(full.state_dict())
+    ids, mask = batch()
+    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # groups of three
+    pos = position_ids_from_mask(mask)
+    steps = torch.randint(3, len(TOK), (6, ids.shape[0]), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = kernels.decode_attention_bf16
+    monkeypatch.setattr(kernels, "decode_attention_bf16", lambda *a: calls.append(a[-1]) or real(*a))
+
+    def decode(model, kernel: bool):
+        monkeypatch.setattr(kernels, "decode_bf16_usable", usable if kernel else lambda *a: False)
+        _, cache = lean.prefill(model, ids, mask, pos, len(steps))
+        return torch.stack([lean.decode_step(cache, t, pos[:, -1] + 1 + i) for i, t in enumerate(steps)]), cache
+
+    usable = kernels.decode_bf16_usable
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        exact, _ = decode(full, False)
+        pytorch, _ = decode(half, False)
+        assert not calls
+        ours, cache = decode(half, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert cache.shared is not None and cache.shared[1] == ids.shape[1]
+    assert torch.equal(cache.shared[0], torch.arange(ids.shape[0]) // 3 * 3)
+    assert calls[0] is None  # the prefill's last layer, which only needs its last column's query
+    assert len(calls) == 1 + len(steps) * 2 and all(c is cache.shared for c in calls[1:])  # each step's layers
+    err, err_pt = ((h.float() - exact).abs().max().item() for h in (ours, pytorch))
+    assert err <= 1.5 * err_pt + 1e-3, (err, err_pt)
+
+
 def test_repeated_rows_finds_runs_of_one_prompt():
     """Runs of equal consecutive rows, a differing mask breaking a run; None without a repeat."""
     ids = torch.tensor([[5, 6], [5, 6], [5, 6], [7, 8], [5, 6], [5, 6]])

@@ -478,7 +478,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
 
 
-def _attend(q, k, v, mask, scale, groups: int, additive: dict | None = None) -> torch.Tensor:
+def _attend(q, k, v, mask, scale, groups: int, additive: dict | None = None,
+            shared: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
     boolean (True = may attend) or additive. Every mask here is causal with the queries at the
     last ``Tq`` of the ``Tk`` positions (a forward, a prompt, the responses after a shared
@@ -488,11 +489,15 @@ def _attend(q, k, v, mask, scale, groups: int, additive: dict | None = None) -> 
 
     ``additive``: a dict that lives as long as one forward through the layers; a boolean mask
     the other two routes need as an additive one is converted once into it and reused by
-    every layer (:func:`_additive`)."""
+    every layer (:func:`_additive`). ``shared``: a decode step's :attr:`KVCache.shared`, for the
+    bfloat16 decode kernel (:func:`rlhfkit.kernels.decode_attention_bf16`), which then reads each
+    group's prompt once."""
     if mask.dtype == torch.bool and mask.shape[2] == q.shape[2] and kernels.block_usable(q, k, v, mask):
         return kernels.block_attention(q, k, v, mask[:, 0], scale)
     if mask.dtype == torch.bool:
         mask = _additive(mask, q.dtype, {} if additive is None else additive)
+    if q.shape[2] == 1 and kernels.decode_bf16_usable(q, k, v, mask):
+        return kernels.decode_attention_bf16(q, k, v, mask, scale, shared)
     if kernels.worth_it(q, k, v):
         return kernels.attention(q, k, v, mask[:, 0], scale)  # [B, H, Tq, D], a view of [B, Tq, H, D]
     if _fold_heads(q, k, groups):
@@ -877,6 +882,7 @@ class KVCache:
     length: int
     arch: _Arch
     bound: list | None = None
+    shared: tuple[torch.Tensor, int] | None = None  # (rows [B], P): row b's prompt columns equal row rows[b]'s
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -937,6 +943,8 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         kv = [t.index_select(0, rows) for t in kv]
         key_bias, hidden = key_bias.index_select(0, rows), hidden.index_select(0, rows)
     cache = KVCache(kv, key_bias, P, arch)
+    if rows is not None:  # each row's prompt columns are a copy of its run's first row's
+        cache.shared = (first.index_select(0, rows).contiguous(), P)
     if arch.gpt2 and kernels.usable(kv[0], B * arch.n_heads * T_max * arch.head_dim, T_max, arch.head_dim, 1):
         cache.bound = [_bind_decode(cache, t) for t in kv]
     return hidden, cache
@@ -989,7 +997,7 @@ def _decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, colum
             a = one_query(q, kv)
         else:
             seen = kv[:, :, :, :span]
-            a = _attend(q, seen[:, 0], seen[:, 1], mask, arch.scale, arch.groups)
+            a = _attend(q, seen[:, 0], seen[:, 1], mask, arch.scale, arch.groups, shared=cache.shared)
         x = arch.finish_layer(layer, x, a)
     return arch.final_norm(x[:, 0])
 

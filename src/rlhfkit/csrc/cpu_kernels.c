@@ -1,8 +1,9 @@
 /* rlhfkit's compiled pieces, float32 on a CPU: softmax attention for short contexts (forward,
  * backward, and a decode step that also appends to the KV cache), the tanh-GELU and a Llama MLP's
  * SwiGLU gate (forward and backward each), the masked softmax between the oneDNN products of
- * the blocked causal attention, the sampling step of a rollout, and a bfloat16 LM head's
- * logsumexp and logits' gradient (read and written as bfloat16, computed in float32). Called through ctypes from rlhfkit/kernels.py,
+ * the blocked causal attention, the sampling step of a rollout, a bfloat16 LM head's
+ * logsumexp and logits' gradient (read and written as bfloat16, computed in float32), and a
+ * bfloat16 decode step's attention (AVX-512 BF16, in functions compiled for it alone). Called through ctypes from rlhfkit/kernels.py,
  * which compiles this file on first use and falls back to PyTorch when it cannot.
  *
  * At a small model's sizes PyTorch's CPU kernels spend more on set-up than on arithmetic:
@@ -13,6 +14,7 @@
  * select and the clamps are its single instructions (the generic forms are 3-4 each). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX__
 #include <immintrin.h>
@@ -803,3 +805,191 @@ void rlhfkit_head_grad_bf16(const uint16_t *z, int64_t n, int64_t V, int64_t zs,
         y[t] = f32_to_bf16(-c[r] * expf(bf16_to_f32(x[t]) - lse[r]) + c[r]);
     }
 }
+
+/* ------------------------------------------------------------------------------ bfloat16 decode attention
+ *
+ * One decode step's attention for a bfloat16 model (one query a head) with AVX-512 BF16's
+ * dot-product instruction, which multiplies pairs of bfloat16 exactly and accumulates them in
+ * float32: for each row and key head, the G heads that read it take each block of 16 keys in
+ * turn, so the keys and values are read from memory once (PyTorch's attention read SmolLM2's
+ * cache at about 6-7 GB/s of the 13 GB/s one core of an Intel Xeon streams, and computed it
+ * at about the rate of a float32 loop over converted keys).
+ *
+ *   scores   s_hj = scale * q_h . k_j + bias_j           (float32; bias 0 or -inf)
+ *   softmax  online over blocks: m_h the running max, l_h the running sum, acc_h rescaled
+ *   values   acc_h += sum_j p_hj v_j                     (p rounded to bfloat16 for the product,
+ *                                                         as PyTorch's reduced-precision attention does)
+ *   out_h  = acc_h / l_h                                 (rounded to bfloat16 once)
+ *
+ * head_dim a multiple of 32, at most 256; at most 8 heads a key head. q, k, v, bias and out are
+ * bfloat16; strides in elements: q and out (b, h), k and v (b, h_kv, j), bias (b, j). With src
+ * (not NULL), row b reads its first P keys and values from row src[b]: rows that share a prompt
+ * (a group's samples) read one copy of it, which stays in cache across them, so the prompt
+ * leaves memory once a group instead of once a row. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define BF16_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define DEC_MAX_G 8
+#define DEC_MAX_C 8 /* head_dim / 32 */
+#ifndef PF_KEYS
+#define PF_KEYS 32
+#endif
+
+/* 16 vectors -> one vector of their 16 sums (a transposing reduction: 45 operations) */
+BF16_ATTR static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) /* each 128-bit lane: two partial sums of a[2i] and of a[2i+1] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* each 128-bit lane: one partial sum of a[4i] .. a[4i+3] */
+        c[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]))));
+    for (int i = 0; i < 2; i++) /* lanes: (a[8i..8i+3]: half of the sums, the other half, a[8i+4..]: ...) */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+BF16_ATTR static inline __m512 exp16(__m512 x) { /* exp8 on each half */
+    v8 lo, hi;
+    __m256 l = _mm512_castps512_ps256(x), h = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    memcpy(&lo, &l, 32);
+    memcpy(&hi, &h, 32);
+    lo = exp8(lo), hi = exp8(hi);
+    memcpy(&l, &lo, 32);
+    memcpy(&h, &hi, 32);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(l), h, 1);
+}
+
+BF16_ATTR static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) { /* 16 bfloat16 (lanes off m: 0) */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* Three passes over one row's key head, none with a chain of dependent reductions a block: the
+ * scores of every key (and their running maximum as a vector), then the exponentials and their
+ * sum, then the values. Keys and values before column P are read at kp and vp (another row's
+ * copy of the same prompt, still in cache), the rest at kb and vb. s: G x Tp floats, pw: G x
+ * Tp / 2 words (Tp = Tk rounded up to 16). */
+BF16_ATTR static void decode_group_bf16(const uint16_t *q0, int64_t qh, int G, const uint16_t *kb,
+                                        const uint16_t *vb, const uint16_t *kp, const uint16_t *vp, int64_t P,
+                                        const uint16_t *bi, uint16_t *o0, int64_t oh, int64_t Tk, int C,
+                                        float scale, int64_t ksj, int64_t vsj, int64_t bsj, float *s, uint32_t *pw)
+{
+    static const uint16_t zero[32 * DEC_MAX_C]; /* the rows past the last key */
+    const int64_t Tp = (Tk + 15) / 16 * 16;
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx[DEC_MAX_G];
+    for (int h = 0; h < G; h++) mx[h] = ninf;
+    for (int64_t j0 = 0; j0 < Tk; j0 += 16) {
+        const int n = Tk - j0 < 16 ? (int)(Tk - j0) : 16;
+        const __mmask16 live = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+        const uint16_t *key[16];
+        for (int jj = 0; jj < 16; jj++) key[jj] = jj < n ? (j0 + jj < P ? kp : kb) + (j0 + jj) * ksj : zero;
+        /* keys PF_KEYS ahead into L1 and this block's values into L2 for the third pass: more
+         * reads in flight than the hardware's prefetchers keep (7.5 GB/s without, of about 13) */
+        for (int jj = 0; jj < n; jj++) {
+            const int64_t j = j0 + jj;
+            if (j + PF_KEYS < Tk)
+                for (int c = 0; c < C; c++)
+                    _mm_prefetch((const char *)((j + PF_KEYS < P ? kp : kb) + (j + PF_KEYS) * ksj + 32 * c), _MM_HINT_T0);
+            for (int c = 0; c < C; c++) _mm_prefetch((const char *)((j < P ? vp : vb) + j * vsj + 32 * c), _MM_HINT_T1);
+        }
+        __m512 bias;
+        if (bsj == 1) {
+            bias = ld16_bf16(bi + j0, live);
+        } else {
+            float tmp[16];
+            for (int jj = 0; jj < 16; jj++) tmp[jj] = jj < n ? bf16_to_f32(bi[(j0 + jj) * bsj]) : 0.f;
+            bias = _mm512_loadu_ps(tmp);
+        }
+        bias = _mm512_mask_blend_ps(live, ninf, bias); /* keys past the end: -inf */
+        const __mmask16 dead = _mm512_cmp_ps_mask(bias, ninf, _CMP_EQ_OQ);
+        for (int h = 0; h < G; h++) {
+            const uint16_t *qp = q0 + h * qh;
+            __m512 dots[16];
+            for (int jj = 0; jj < 16; jj++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < C; c++)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(key[jj] + 32 * c),
+                                         (__m512bh)_mm512_loadu_si512(qp + 32 * c));
+                dots[jj] = a;
+            }
+            __m512 sc = _mm512_add_ps(_mm512_mul_ps(sum16(dots), vscale), bias);
+            sc = _mm512_mask_blend_ps(dead, sc, ninf); /* -inf exactly where the bias is */
+            _mm512_storeu_ps(s + h * Tp + j0, sc);
+            mx[h] = _mm512_max_ps(mx[h], sc);
+        }
+    }
+    float inv[DEC_MAX_G];
+    for (int h = 0; h < G; h++) {
+        float m = _mm512_reduce_max_ps(mx[h]);
+        if (m == -INFINITY) m = 0.f; /* every key masked: all p 0, the output 0 */
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < Tk; j0 += 16) {
+            const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + h * Tp + j0), mv));
+            sum = _mm512_add_ps(sum, p);
+            _mm256_storeu_si256((__m256i *)(pw + (h * Tp + j0) / 2), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        const float l = _mm512_reduce_add_ps(sum);
+        inv[h] = l > 0.f ? 1.f / l : 0.f;
+    }
+    __m512 acc[DEC_MAX_G][2 * DEC_MAX_C]; /* head h, d-block c: [2c] d = 32c + 8L + r, [2c+1] d = 32c + 8L + 4 + r */
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < 2 * C; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Tk; j += 2) { /* keys j, j+1: their values interleaved word by word */
+        const uint16_t *va = (j < P ? vp : vb) + j * vsj, *vb1 = j + 1 < Tk ? (j + 1 < P ? vp : vb) + (j + 1) * vsj : zero;
+        for (int c = 0; c < C; c++) {
+            const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb1 + 32 * c);
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int h = 0; h < G; h++) {
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pw[(h * Tp + j) / 2]);
+                acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], lo, pp);
+                acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], hi, pp);
+            }
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        float tmp[2 * DEC_MAX_C][16];
+        const __m512 iv = _mm512_set1_ps(inv[h]);
+        for (int c = 0; c < 2 * C; c++) _mm512_storeu_ps(tmp[c], _mm512_mul_ps(acc[h][c], iv));
+        uint16_t *o = o0 + h * oh;
+        for (int c = 0; c < C; c++)
+            for (int L = 0; L < 4; L++)
+                for (int r = 0; r < 4; r++) {
+                    o[32 * c + 8 * L + r] = f32_to_bf16(tmp[2 * c][4 * L + r]);
+                    o[32 * c + 8 * L + 4 + r] = f32_to_bf16(tmp[2 * c + 1][4 * L + r]);
+                }
+    }
+}
+
+/* Returns 0; 1 for shapes the kernel does not take; 2 on a CPU without AVX-512 BF16; 3 for a
+ * shared row outside 0 .. B-1. */
+int rlhfkit_decode_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *bias,
+                               uint16_t *out, const int64_t *src, int64_t P, int64_t B, int64_t H, int64_t Hkv,
+                               int64_t Tk, int64_t D, float scale, int64_t qb, int64_t qh, int64_t kb, int64_t kh,
+                               int64_t kj, int64_t vb, int64_t vh, int64_t vj, int64_t bb, int64_t bj, int64_t ob,
+                               int64_t oh)
+{
+    if (D % 32 || D > 32 * DEC_MAX_C || Tk < 1 || Hkv < 1 || H % Hkv || H / Hkv > DEC_MAX_G) return 1;
+    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw")) return 2;
+    if (src)
+        for (int64_t b = 0; b < B; b++)
+            if (src[b] < 0 || src[b] >= B) return 3;
+    const int G = (int)(H / Hkv), C = (int)(D / 32);
+    const int64_t Tp = (Tk + 15) / 16 * 16;
+    float *s = malloc(G * Tp * (sizeof(float) + sizeof(uint16_t)));
+    if (!s) return 1;
+    uint32_t *pw = (uint32_t *)(s + G * Tp);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            const int64_t r = src ? src[b] : b;
+            decode_group_bf16(q + b * qb + hk * G * qh, qh, G, k + b * kb + hk * kh, v + b * vb + hk * vh,
+                              k + r * kb + hk * kh, v + r * vb + hk * vh, src ? P : 0, bias + b * bb,
+                              out + b * ob + hk * G * oh, oh, Tk, C, scale, kj, vj, bj, s, pw);
+        }
+    free(s);
+    return 0;
+}
+#else
+int rlhfkit_decode_attend_bf16(void) { return 2; }
+#endif
