@@ -195,6 +195,29 @@ def test_bf16_decode_attention_steps_aside():
 
 
 @needs_cc
+@pytest.mark.parametrize("N,C", [(37, 576), (5, 13), (1, 8)])
+def test_bf16_rms_norm_and_its_gradients_are_as_close_to_exact_as_pytorchs(N, C):
+    gen = torch.Generator().manual_seed(C)
+    x = (3 * torch.randn(2, N, C, generator=gen)).to(torch.bfloat16).requires_grad_()
+    w = (1 + 0.3 * torch.randn(C, generator=gen)).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(2, N, C, generator=gen).to(torch.bfloat16)
+    assert kernels.rms_norm_bf16_usable(x, w) and not kernels.rms_norm_bf16_usable(x.float(), w.float())
+    results = []
+    for norm in (lambda x, w: kernels.rms_norm_bf16(x, w, 1e-5), lambda x, w: F.rms_norm(x, (C,), w, 1e-5),
+                 lambda x, w: F.rms_norm(x.double(), (C,), w.double(), 1e-5)):
+        y = norm(x, w)
+        results.append((y, *torch.autograd.grad(y, (x, w), grad.to(y.dtype))))
+    ours, pytorch, exact = results
+    assert ours[0].dtype == torch.bfloat16 and ours[2].dtype == torch.bfloat16
+    for i in range(3):
+        scale = exact[i].abs().max().item()
+        err, err_pt = ((r[i].double() - exact[i]).abs().max().item() for r in (ours, pytorch))
+        assert err <= 1.5 * err_pt + 2**-9 * scale, (i, err, err_pt)
+    with torch.no_grad():  # no graph: the same forward
+        assert torch.equal(kernels.rms_norm_bf16(x, w, 1e-5), ours[0])
+
+
+@needs_cc
 def test_attention_rejects_what_it_cannot_do():
     q = torch.randn(1, 2, 1, 8)
     with pytest.raises(ValueError, match="unsupported"):

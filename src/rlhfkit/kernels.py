@@ -18,6 +18,8 @@ in one pass each:
 * :func:`head_lse_bf16` / :func:`head_grad_bf16`: a bfloat16 LM head's log-probs and their
   gradient wrt the logits, read from the bfloat16 logits directly (an exception to float32:
   PyTorch's route converts each chunk to float32 first and runs five passes over it);
+* :func:`rms_norm_bf16`: a bfloat16 RMS norm and its backward, one pass a row each way (the
+  backward of ``F.rms_norm`` in bfloat16 is about ten element-wise passes);
 * :func:`decode_attention_bf16`: a bfloat16 model's decode step on a CPU with AVX-512 BF16
   (compiled for it alone, chosen at run time), its keys read once for the heads that share
   them and a group's prompt once for its rows, with software prefetching: PyTorch's attention
@@ -149,6 +151,8 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
         "rlhfkit_sample": ([ptr, i64, i64, i64, f32, ptr, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr], i64),
         "rlhfkit_head_lse_bf16": ([ptr, i64, i64, i64, ptr, ptr, ptr], None),
         "rlhfkit_head_grad_bf16": ([ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64], None),
+        "rlhfkit_rms_norm_bf16": ([ptr] * 4 + [i64, i64, f32], None),
+        "rlhfkit_rms_norm_backward_bf16": ([ptr] * 6 + [i64, i64], None),
     }
     for name, (args, result) in signatures.items():
         fn = getattr(lib, name)
@@ -633,3 +637,56 @@ def head_grad_bf16(z: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor, targe
     _required().rlhfkit_head_grad_bf16(z.data_ptr(), n, V, z.stride(0), lse.data_ptr(), coef.data_ptr(), t.data_ptr(),
                                        g.data_ptr(), V)
     return g
+
+
+# ------------------------------------------------------------------ bfloat16 RMS norm
+
+
+def rms_norm_bf16_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm_bf16` computes ``F.rms_norm(x, x.shape[-1:], weight, eps)``:
+    bfloat16 CPU tensors, a 1-D weight as wide as ``x``'s rows, the compiled kernels available."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 1
+            and x.shape[-1] == weight.shape[0] and x.numel() > 0 and available())
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, x.shape[-1:], weight, eps)`` for bfloat16 CPU tensors
+    (:func:`rms_norm_bf16_usable`): each row's statistics and product in float32, rounded once,
+    one pass a row; differentiable in ``x`` and ``weight`` (one pass a row again, saving only
+    each row's ``rstd`` beside ``x``). One thread of an Intel Xeon (CPU family 6, model 207), a
+    ``[4088, 576]`` norm of SmolLM2's reasoning update, against ``F.rms_norm``: forward 1.47
+    against 4.80 ms, backward 1.87 against 12.79 ms (best of 5, at commit b13d59d)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormBF16.apply(x, weight, eps)
+    return _rms_norm_forward(x, weight, eps)[0]
+
+
+def _rms_norm_forward(x, weight, eps):
+    lib = _required()
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    w = weight.contiguous()
+    y = torch.empty_like(x2)
+    rstd = torch.empty(x2.shape[0], dtype=torch.float32)
+    lib.rlhfkit_rms_norm_bf16(x2.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), *x2.shape, eps)
+    return y.view(x.shape), x2, rstd
+
+
+class _RMSNormBF16(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, x2, rstd = _rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x2, weight, rstd = ctx.saved_tensors
+        lib = _required()
+        g = grad.reshape(x2.shape).contiguous()
+        w = weight.contiguous()
+        dx = torch.empty_like(x2)
+        dw = torch.zeros(x2.shape[1], dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        lib.rlhfkit_rms_norm_backward_bf16(x2.data_ptr(), w.data_ptr(), g.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
+                                           None if dw is None else dw.data_ptr(), *x2.shape)
+        return dx.view(grad.shape), None if dw is None else dw.to(weight.dtype), None

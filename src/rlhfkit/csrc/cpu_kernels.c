@@ -993,3 +993,68 @@ int rlhfkit_decode_attend_bf16(const uint16_t *q, const uint16_t *k, const uint1
 #else
 int rlhfkit_decode_attend_bf16(void) { return 2; }
 #endif
+
+/* ------------------------------------------------------------------------------ bfloat16 RMS norm
+ *
+ * y = w * x * rstd, rstd = 1 / sqrt(mean(x^2) + eps), for rows of C bfloat16 values and a
+ * bfloat16 weight, computed in float32 and rounded once (as F.rms_norm's fused kernel), and
+ * its backward in one pass a row after the dot product: with m = mean(g w x),
+ * dx = rstd g w - x rstd^3 m, and dw += g x rstd (float32, when dw is not NULL). PyTorch's
+ * backward of F.rms_norm in bfloat16 is about ten element-wise passes over the rows. */
+static inline float bf16_row_dot(const uint16_t *a, const uint16_t *b, const uint16_t *c, int64_t C) {
+    /* sum a*b*c, or sum a*a with b == c == NULL */
+    const int64_t C8 = C / 8 * 8;
+    v8 acc = splat(0.f);
+    float t = 0.f;
+    int64_t j = 0;
+    if (!b) {
+        for (; j < C8; j += 8) {
+            const v8 x = ld_bf16(a + j);
+            acc += x * x;
+        }
+        for (; j < C; j++) t += bf16_to_f32(a[j]) * bf16_to_f32(a[j]);
+    } else {
+        for (; j < C8; j += 8) acc += ld_bf16(a + j) * ld_bf16(b + j) * ld_bf16(c + j);
+        for (; j < C; j++) t += bf16_to_f32(a[j]) * bf16_to_f32(b[j]) * bf16_to_f32(c[j]);
+    }
+    return hsum(acc) + t;
+}
+
+void rlhfkit_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, float *rstd, int64_t N, int64_t C,
+                           float eps)
+{
+    const int64_t C8 = C / 8 * 8;
+    for (int64_t r = 0; r < N; r++) {
+        const uint16_t *xr = x + r * C;
+        uint16_t *yr = y + r * C;
+        const float rs = 1.f / sqrtf(bf16_row_dot(xr, NULL, NULL, C) / (float)C + eps);
+        rstd[r] = rs;
+        const v8 rv = splat(rs);
+        int64_t j = 0;
+        for (; j < C8; j += 8) st_bf16(yr + j, ld_bf16(xr + j) * rv * ld_bf16(w + j));
+        for (; j < C; j++) yr[j] = f32_to_bf16(bf16_to_f32(xr[j]) * rs * bf16_to_f32(w[j]));
+    }
+}
+
+void rlhfkit_rms_norm_backward_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *g, const float *rstd,
+                                    uint16_t *dx, float *dw, int64_t N, int64_t C)
+{
+    const int64_t C8 = C / 8 * 8;
+    for (int64_t r = 0; r < N; r++) {
+        const uint16_t *xr = x + r * C, *gr = g + r * C;
+        uint16_t *dr = dx + r * C;
+        const float rs = rstd[r], k = rs * rs * rs * bf16_row_dot(gr, w, xr, C) / (float)C;
+        const v8 rv = splat(rs), kv = splat(k);
+        int64_t j = 0;
+        for (; j < C8; j += 8) {
+            const v8 xv = ld_bf16(xr + j), gv = ld_bf16(gr + j);
+            st_bf16(dr + j, rv * gv * ld_bf16(w + j) - xv * kv);
+            if (dw) st(dw + j, ld(dw + j) + gv * xv * rv);
+        }
+        for (; j < C; j++) {
+            const float xv = bf16_to_f32(xr[j]), gv = bf16_to_f32(gr[j]);
+            dr[j] = f32_to_bf16(rs * gv * bf16_to_f32(w[j]) - xv * k);
+            if (dw) dw[j] += gv * xv * rs;
+        }
+    }
+}
