@@ -248,6 +248,46 @@ def test_lora_on_a_half_precision_base_is_as_close_to_float32_as_peft_under_auto
     assert gerr(grads[3]) <= 2.5 * gerr(grads[1]) + 1e-3, (gerr(grads[3]), gerr(grads[1]))
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_half_precision_lora_decode_stacks_the_adapters_under_the_weight(name, monkeypatch):
+    """A decode step's few rows compute the base product and each ``x A^T`` of a half-precision
+    LoRA layer as one product over ``[W; A]`` (``lean._Unmerged``, made once a generation
+    call), the bias (qwen2's q/k/v) in that product as in ``F.linear``: the same states as the
+    separate products, bit for bit on a CPU."""
+    half = lora(name)
+    for n, p in half.named_parameters():
+        p.data = p.data.to(torch.bfloat16) if "lora_" not in n else p.data
+    with torch.no_grad():
+        for n, p in half.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # adapters that change the states
+    ids, mask = batch()
+    pos = position_ids_from_mask(mask)
+    steps = torch.randint(3, len(TOK), (4, ids.shape[0]), generator=torch.Generator().manual_seed(1)).to(DEV)
+
+    def decode():
+        _, cache = lean.prefill(half, ids, mask, pos, len(steps))
+        layer = cache.arch.layers[0]
+        return torch.stack([lean.decode_step(cache, t, pos[:, -1] + 1 + i) for i, t in enumerate(steps)]), layer
+
+    stacked, layer = decode()
+    assert any(isinstance(w, lean._Unmerged) and w.stacked for w in _flat(layer))
+    monkeypatch.setattr(lean, "STACK_ROWS", 0)
+    apart, layer = decode()
+    assert not any(isinstance(w, lean._Unmerged) and w.stacked for w in _flat(layer))
+    if DEV.type == "cpu":  # each output column reduces over the same inputs in the same order
+        assert torch.equal(stacked, apart)
+    else:  # a GPU's library may pick another algorithm for the wider product
+        torch.testing.assert_close(stacked, apart, atol=1e-2, rtol=2**-7)
+
+
+def _flat(tree):
+    """The leaves of nested tuples and lists."""
+    if isinstance(tree, (tuple, list)):
+        return [leaf for t in tree for leaf in _flat(t)]
+    return [tree]
+
+
 def test_lora_variants_the_lean_path_does_not_compute_fall_back():
     model = lora("qwen2", dropout=0.1).train()
     assert not lean.supported(model)  # the adapter's dropout is active
