@@ -324,10 +324,18 @@ def decode_bf16_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
             and _avx512_bf16() and available())
 
 
-def _avx512_bf16() -> bool:
-    from rlhfkit import gemm
+_AVX512_BF16: bool | None = None
 
-    return {"avx512_bf16", "avx512bw"} <= gemm.cpu_flags()
+
+def _avx512_bf16() -> bool:
+    """Whether this CPU has AVX-512 BF16 (and BW): read from its flags once (a read of
+    ``/proc/cpuinfo`` costs about 30 us, and every layer of a decode step asks)."""
+    global _AVX512_BF16
+    if _AVX512_BF16 is None:
+        from rlhfkit import gemm
+
+        _AVX512_BF16 = {"avx512_bf16", "avx512bw"} <= gemm.cpu_flags()
+    return _AVX512_BF16
 
 
 def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,

@@ -149,8 +149,8 @@ class _Unmerged:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if (x2.shape[0] <= STACK_ROWS and x.device.type == "cpu" and self.weight.numel() <= STACK_MAX_WEIGHT
-                and not torch.is_grad_enabled() and all(a.dtype == x.dtype for a, _, _ in self.loras)):
+        if (not torch.is_grad_enabled() and x2.shape[0] <= STACK_ROWS and x.device.type == "cpu"
+                and self.weight.numel() <= STACK_MAX_WEIGHT and all(a.dtype == x.dtype for a, _, _ in self.loras)):
             # a decode step's few rows: the base product and each x A^T as one product over the
             # weight with the A's stacked under it, made once a generation call (the adapters are
             # cast once a call too, by _weight): one call a layer fewer, each of which cost more
@@ -546,10 +546,10 @@ def _fold_heads(q: torch.Tensor, k: torch.Tensor, groups: int) -> bool:
     layer of SmolLM2's reasoning update (8 rows x 9 heads over 3, 511 queries after a 64-token
     prompt, 575 keys) took 0.131-0.140 s backward with grouped heads against 0.091-0.097 s folded,
     forward 0.024-0.028 s either way (one thread of an Intel Xeon, CPU family 6, model 207, at
-    commit f31bba6; 0.075 against 0.050 s on two threads; float16 0.174 against 0.125 s). Each query's output is the same bit for
-    bit (its keys and mask do not change); the keys' and values' gradients differ by the order
-    of the sums. In float32 it gained nothing (0.102 against 0.103 s), and no-grad forwards gain
-    nothing either, so only those stay as they were."""
+    commit f31bba6; 0.075 against 0.050 s on two threads; float16 0.174 against 0.125 s). Each
+    query's output is the same bit for bit (its keys and mask do not change); the keys' and
+    values' gradients differ by the order of the sums. Float32 gained nothing (0.102 against
+    0.103 s backward) and no-grad forwards gain nothing either: those keep the grouped call."""
     return (groups > 1 and q.shape[2] > 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
 
