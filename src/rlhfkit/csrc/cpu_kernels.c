@@ -3,7 +3,8 @@
  * SwiGLU gate (forward and backward each), the masked softmax between the oneDNN products of
  * the blocked causal attention, the sampling step of a rollout, a bfloat16 LM head's
  * logsumexp and logits' gradient (read and written as bfloat16, computed in float32), and a
- * bfloat16 decode step's attention (AVX-512 BF16, in functions compiled for it alone). Called through ctypes from rlhfkit/kernels.py,
+ * bfloat16 decode step's attention and RMS norm (the attention on AVX-512 BF16, in functions
+ * compiled for it alone). Called through ctypes from rlhfkit/kernels.py,
  * which compiles this file on first use and falls back to PyTorch when it cannot.
  *
  * At a small model's sizes PyTorch's CPU kernels spend more on set-up than on arithmetic:
@@ -812,14 +813,18 @@ void rlhfkit_head_grad_bf16(const uint16_t *z, int64_t n, int64_t V, int64_t zs,
  * dot-product instruction, which multiplies pairs of bfloat16 exactly and accumulates them in
  * float32: for each row and key head, the G heads that read it take each block of 16 keys in
  * turn, so the keys and values are read from memory once (PyTorch's attention read SmolLM2's
- * cache at about 6-7 GB/s of the 13 GB/s one core of an Intel Xeon streams, and computed it
- * at about the rate of a float32 loop over converted keys).
+ * cache at about 6-7 GB/s of the 13 GB/s one core of an Intel Xeon streams). Three passes a
+ * row and key head (decode_group_bf16):
  *
- *   scores   s_hj = scale * q_h . k_j + bias_j           (float32; bias 0 or -inf)
- *   softmax  online over blocks: m_h the running max, l_h the running sum, acc_h rescaled
- *   values   acc_h += sum_j p_hj v_j                     (p rounded to bfloat16 for the product,
+ *   scores   s_hj = scale * q_h . k_j + bias_j           (float32; bias 0 or -inf), and max_j
+ *   softmax  p_hj = exp(s_hj - max), l_h = sum_j p_hj
+ *   values   acc_h = sum_j p_hj v_j                      (p rounded to bfloat16 for the product,
  *                                                         as PyTorch's reduced-precision attention does)
  *   out_h  = acc_h / l_h                                 (rounded to bfloat16 once)
+ *
+ * An online softmax (one pass, rescaling as it goes) measured slower: its reductions a block
+ * form a chain the core waits on. Software prefetching keeps more reads in flight than the
+ * hardware's prefetchers do; without it the kernel was no faster than PyTorch's from memory.
  *
  * head_dim a multiple of 32, at most 256; at most 8 heads a key head. q, k, v, bias and out are
  * bfloat16; strides in elements: q and out (b, h), k and v (b, h_kv, j), bias (b, j). With src
