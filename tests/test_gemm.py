@@ -223,3 +223,72 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(name, onednn_calls):
     assert len(onednn_calls) > 0
     for n, g in g_whole.items():
         torch.testing.assert_close(g, g_first[n] + g_second[n], atol=1e-5, rtol=1e-5)  # sums in another order
+
+
+needs_packing = pytest.mark.skipif(not gemm.packing(), reason="no oneDNN bfloat16 products on this CPU")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows, n, k, biased", [(64, 208, 96, False), (7, 80, 48, True), (1, 64, 32, False)])
+def test_a_packed_bfloat16_weight_computes_what_pytorch_does(rows, n, k, biased):
+    """``gemm.Packed``: the product and the product plus a residual (with and without a bias),
+    bit for bit ``F.linear`` / ``add_linear``'s; calls over more rows than it packs for, and
+    calls autograd records, take ``F.linear`` on the weight (and get a gradient)."""
+    x, w, res, b = (t.bfloat16() for t in tensors((rows, k), (n, k), (rows, n), (n,), seed=rows))
+    b = b if biased else None
+    p = gemm.Packed(w, rows)
+    with torch.no_grad():
+        assert torch.equal(p(x, b), F.linear(x, w, b))
+        assert p.packed is not None  # made at the first call
+        assert torch.equal(p.add(res, x, b), gemm.add_linear(res, x, w, b))
+        assert torch.equal(p(x.view(1, rows, k), b), F.linear(x, w, b)[None])  # leading dimensions kept
+        more = torch.cat([x, x])
+        assert torch.equal(p(more, b), F.linear(more, w, b))
+    wg = w.clone().requires_grad_()
+    y = gemm.Packed(wg, rows)(x, b)
+    assert torch.equal(y, F.linear(x, w, b).to(y.dtype))
+    y.float().sum().backward()
+    assert wg.grad is not None
+
+
+@needs_packing
+@pytest.mark.parametrize("name, adapters", [("llama", True), ("qwen2", False)])
+def test_generation_packs_bfloat16_weights_and_computes_the_same_tokens(name, adapters, monkeypatch):
+    """A bfloat16 generation call of at least ``lean.PACK_STEPS`` steps packs its layers' weights
+    (LoRA's stacked ``[W; A]``, plain weights and biases: qwen2's q/k/v) and its head once: the
+    same tokens and log-probs as unpacked, bit for bit."""
+    from rlhfkit.rollout import generate
+
+    model = test_lean.lora(name) if adapters else test_lean.MODELS[name]()
+    for n, p in model.named_parameters():
+        p.data = p.data.to(torch.bfloat16) if "lora_" not in n else p.data
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # adapters that change the states
+    ids, mask = test_lean.batch()
+    assert gemm.packing()  # checked (with a product of its own) before the products are counted
+    made = []
+    real = gemm.Packed._product
+
+    def counted(self, *a):
+        made.append(self.packed is None)
+        return real(self, *a)
+
+    monkeypatch.setattr(gemm.Packed, "_product", counted)
+
+    def sample(steps):
+        return generate(model.eval(), ids, mask, steps, eos_token_id=-1, pad_token_id=0,
+                        generator=torch.Generator().manual_seed(5))
+
+    packed = sample(lean.PACK_STEPS)
+    per_step = 7 * model.config.num_hidden_layers + 1  # each layer's seven products and the head
+    assert sum(made) == per_step  # packed once
+    assert len(made) >= per_step * lean.PACK_STEPS  # and used at every step (the prefill's too)
+    made.clear()
+    assert sample(lean.PACK_STEPS - 1).response_ids.shape[1] == lean.PACK_STEPS - 1 and not made  # too short to pay
+    monkeypatch.setattr(gemm, "_packing", False)
+    plain = sample(lean.PACK_STEPS)
+    assert not made
+    assert torch.equal(packed.response_ids, plain.response_ids)
+    assert torch.equal(packed.logprobs, plain.logprobs)

@@ -145,6 +145,7 @@ class _Unmerged:
 
     weight: torch.Tensor
     loras: tuple[tuple[torch.Tensor, torch.Tensor, float], ...]
+    pack: bool = False  # the stacked weight packed for oneDNN (gemm.Packed) where it can be
     stacked: list = field(default_factory=list, compare=False)  # ([W; A_1; ...], bias, [bias; 0]) once made
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -158,10 +159,11 @@ class _Unmerged:
             # one thread of an Intel Xeon, model 207): 122.6-124.7 against 128.6-139.5 ms a step
             if not self.stacked or self.stacked[1] is not bias:
                 rank = sum(a.shape[0] for a, _, _ in self.loras)
-                self.stacked[:] = [torch.cat([self.weight, *(a for a, _, _ in self.loras)]), bias,
+                w = torch.cat([self.weight, *(a for a, _, _ in self.loras)])
+                self.stacked[:] = [gemm.Packed(w) if self.pack and gemm.packable(w) else w, bias,
                                    None if bias is None else torch.cat([bias, bias.new_zeros(rank)])]
             n = self.weight.shape[0]
-            yt = F.linear(x2, self.stacked[0], self.stacked[2])  # [rows, out + sum r]: x W^T + bias, then each x A^T
+            yt = _linear(x2, self.stacked[0], self.stacked[2])  # [rows, out + sum r]: x W^T + bias, then each x A^T
             out, at = yt[:, :n], n
             for a, b, scaling in self.loras:
                 out = torch.addmm(out, yt[:, at:at + a.shape[0]], b.t(), alpha=scaling)
@@ -179,35 +181,49 @@ class _Unmerged:
 # generation call, and the call it saves (~20 us) matters beside a small weight's product (216 us
 # for SmolLM2's [1536, 576] at 64 rows), not beside a 7B model's (and CUDA graphs replay a GPU's)
 STACK_ROWS, STACK_MAX_WEIGHT = 256, 1 << 22
+# a generation call of at least PACK_STEPS decode steps packs its bfloat16 weights (gemm.Packed):
+# SmolLM2's 30 layers and head took 0.11 s to pack and a 64-row step 16 ms less (Xeon, model 207)
+PACK_STEPS = 16
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor | _Unmerged, b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`rlhfkit.gemm.linear`, or an :class:`_Unmerged` layer's product."""
-    return w(x, b) if isinstance(w, _Unmerged) else gemm.linear(x, w, b)
+def packs(input_ids: torch.Tensor, max_new_tokens: int) -> bool:
+    """Whether a generation call over ``input_ids`` packs its bfloat16 weights (on a CPU, and only
+    where :func:`rlhfkit.gemm.packing` works; a float32 weight is never packed)."""
+    return input_ids.device.type == "cpu" and input_ids.shape[0] <= STACK_ROWS and max_new_tokens >= PACK_STEPS
 
 
-def _add_linear(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | _Unmerged,
+def _linear(x: torch.Tensor, w: torch.Tensor | _Unmerged | gemm.Packed, b: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rlhfkit.gemm.linear`, or an :class:`_Unmerged` layer's or a packed weight's product."""
+    return gemm.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
+
+
+def _add_linear(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | _Unmerged | gemm.Packed,
                 b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`rlhfkit.gemm.add_linear`, or the residual plus an :class:`_Unmerged` layer's product."""
+    """:func:`rlhfkit.gemm.add_linear`, or the residual plus an :class:`_Unmerged` layer's or a
+    packed weight's product."""
     if isinstance(w, _Unmerged):
         return res + w(x, b).view(res.shape)
+    if isinstance(w, gemm.Packed):
+        return w.add(res, x, b)
     return gemm.add_linear(res, x, w, b)
 
 
-def _weight(m: nn.Module) -> tuple[torch.Tensor | _Unmerged, torch.Tensor | None]:
+def _weight(m: nn.Module, pack: bool = False) -> tuple[torch.Tensor | _Unmerged | gemm.Packed, torch.Tensor | None]:
     """``(weight, bias)`` of a linear layer as it computes now. For a LoRA layer the base weight
     plus :func:`lora_delta` of each active adapter, built out of place: the same function as peft's ``base(x) + B(A(x)) * scaling``
     up to rounding, and the update's gradient reaches A and B through it (the frozen base
     weight gets none). Adapters in another dtype than the base weight (float32 on a half-precision
-    base) stay apart: an :class:`_Unmerged` weight."""
+    base) stay apart: an :class:`_Unmerged` weight. ``pack``: a generation call's weights, whose
+    decode steps' products take a bfloat16 weight packed once (:class:`rlhfkit.gemm.Packed`)."""
     if not _adapted(m):
-        return m.weight, m.bias
+        weight = m.weight
+        return (gemm.Packed(weight, STACK_ROWS) if pack and gemm.packable(weight) else weight), m.bias
     weight, active = m.base_layer.weight, _active_loras(m)
     if active and m.lora_A[active[0]].weight.dtype != weight.dtype:
         loras = tuple((m.lora_A[a].weight, m.lora_B[a].weight, m.scaling[a]) for a in active)
         if not torch.is_grad_enabled():  # generation or scoring: cast once a call, not at every decode step's product
             loras = tuple((a.to(weight.dtype), b.to(weight.dtype), s) for a, b, s in loras)
-        return _Unmerged(weight, loras), m.base_layer.bias
+        return _Unmerged(weight, loras, pack), m.base_layer.bias
     for adapter in active:
         weight = weight + lora_delta(m, adapter)
     return weight, m.base_layer.bias
@@ -594,8 +610,8 @@ def _full_mask(attention_mask: torch.Tensor, dtype: torch.dtype | None = None) -
 
 def _fuse(pairs: list[tuple]) -> list[tuple]:
     """``[(weight, bias)]`` computing several linear layers' ``(weight, bias)`` on the same input,
-    outputs concatenated; the pairs themselves if one is :class:`_Unmerged`."""
-    if any(isinstance(w, _Unmerged) for w, _ in pairs):
+    outputs concatenated; the pairs themselves if one is not a tensor (:class:`_Unmerged`)."""
+    if not all(isinstance(w, torch.Tensor) for w, _ in pairs):
         return pairs
     weight = torch.cat([w for w, _ in pairs])
     if all(b is None for _, b in pairs):
@@ -608,7 +624,7 @@ class _Arch:
     are a large share of a small model's step), plus the layer arithmetic. The tensors are
     the live parameters (or, for generation, concatenations of them), never stale copies."""
 
-    def __init__(self, model: nn.Module, fuse: bool = False):
+    def __init__(self, model: nn.Module, fuse: bool = False, pack: bool = False):
         self.base = base = _base(model)
         cfg = base.config
         self.gpt2 = cfg.model_type == "gpt2"
@@ -628,12 +644,12 @@ class _Arch:
             self.layers = []
             for b in base.layers:
                 a, m = b.self_attn, b.mlp
-                proj = [_weight(lin) for lin in (a.q_proj, a.k_proj, a.v_proj)]
-                mlp_in = [_weight(lin) for lin in (m.gate_proj, m.up_proj)]
+                proj = [_weight(lin, pack) for lin in (a.q_proj, a.k_proj, a.v_proj)]
+                mlp_in = [_weight(lin, pack) for lin in (m.gate_proj, m.up_proj)]
                 if fuse:  # one matmul for q, k, v and one for gate, up (generation only: no grad to route)
                     proj, mlp_in = _fuse(proj), _fuse(mlp_in)
-                self.layers.append((_norm_params(b.input_layernorm), proj, _weight(a.o_proj),
-                                    _norm_params(b.post_attention_layernorm), mlp_in, _weight(m.down_proj), m.act_fn,
+                self.layers.append((_norm_params(b.input_layernorm), proj, _weight(a.o_proj, pack),
+                                    _norm_params(b.post_attention_layernorm), mlp_in, _weight(m.down_proj, pack), m.act_fn,
                                     type(m.act_fn).__name__ in ("SiLU", "SiLUActivation")))  # F.silu
             self.wte = base.embed_tokens.weight
             self.final = _norm_params(base.norm)
@@ -948,7 +964,9 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     """
     # fusing q/k/v and gate/up saves kernel launches on a GPU; on a CPU the copy of the weights
     # (fresh memory, page faults) costs more than the matmuls it merges
-    arch = _Arch(model, fuse=input_ids.device.type == "cuda")
+    # on a CPU, bfloat16 weights packed once for the decode steps (gemm.Packed): the packing (about
+    # 0.1 s for SmolLM2 and its head) pays for itself within a few steps
+    arch = _Arch(model, fuse=input_ids.device.type == "cuda", pack=packs(input_ids, max_new_tokens))
     rows = None
     if (runs := repeated_rows(input_ids, attention_mask)) is not None:  # keep the first row of each run
         first, rows = runs

@@ -186,7 +186,12 @@ class _Forward:
         if lean:
             head = model.get_output_embeddings()
             if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
-                head = lambda h, w=head.weight, b=head.bias: gemm.linear(h, w, b)  # noqa: E731
+                w = head.weight
+                if lean_lm.packs(prompt_ids, max_new_tokens) and gemm.packable(w):  # packed once for the steps
+                    w = gemm.Packed(w, lean_lm.STACK_ROWS)
+                    head = lambda h, w=w, b=head.bias: w(h, b)  # noqa: E731
+                else:
+                    head = lambda h, w=w, b=head.bias: gemm.linear(h, w, b)  # noqa: E731
             self.head = head
             self.hidden, self.cache = lean_lm.prefill(model, prompt_ids, mask, positions, max_new_tokens)
             self.logits = head(self.hidden)  # [B, V]
