@@ -126,7 +126,8 @@ and ``rlhfkit_grpo_lora``, ``trl_grpo_lora``, ``trl_grpo_compact_lora`` (LoRA r 
 every linear layer but the head; ``rlhfkit_grpo_lora_bf16`` and ``trl_grpo_compact_lora_bf16``
 the same on a bfloat16 base, rlhfkit at ``model.dtype=bfloat16`` and TRL at ``bf16=True``, its
 default, with the model loaded in bfloat16: peft keeps both adapters in float32 beside the bf16
-products; TRL runs peft's forward, rlhfkit its lean one, which does the same arithmetic), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
+products; TRL runs peft's forward, rlhfkit its lean one, which does the same arithmetic;
+``trl_grpo_compact_ckpt_lora_bf16`` the TRL one at its default checkpointing), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
 started from the policy, through its own adapter with LoRA, ``ppo.value_model=separate``; KL 0.2 in the reward;
 64 distinct prompts a step; TRL 1.16 has no PPO trainer, so these rows show what the critic costs).
 
@@ -252,6 +253,7 @@ NAMES = {
     "rlhfkit_grpo_graph_ckpt_offload_torchattn": "rlhfkit GRPO, graph+ckpt+offload, PyTorch attn.",
     "rlhfkit_grpo_lora_bf16": "rlhfkit GRPO, LoRA, bf16 base",
     "trl_grpo_compact_lora_bf16": "TRL, compl. pos., LoRA, bf16",
+    "trl_grpo_compact_ckpt_lora_bf16": "TRL, compl. pos., ckpt, LoRA, bf16",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -286,6 +288,7 @@ RATIOS = [
     ("rlhfkit_grpo_lora", "trl_grpo_lora", "LoRA, both as shipped"),
     ("rlhfkit_grpo_lora", "trl_grpo_compact_lora", "LoRA, TRL scoring completion positions"),
     ("rlhfkit_grpo_lora_bf16", "trl_grpo_compact_lora_bf16", "LoRA on a bf16 base, TRL at bf16=True, completion positions"),
+    ("rlhfkit_grpo_lora_bf16", "trl_grpo_compact_ckpt_lora_bf16", "LoRA on a bf16 base, TRL at bf16=True and its default checkpointing"),
     ("rlhfkit_grpo_lora_bf16", "rlhfkit_grpo_lora", "a bf16 base under LoRA, within rlhfkit"),
     ("trl_grpo_compact_lora_bf16", "trl_grpo_compact_lora", "a bf16 base under LoRA and bf16=True, within TRL"),
 ]
