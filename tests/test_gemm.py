@@ -282,13 +282,38 @@ def test_generation_packs_bfloat16_weights_and_computes_the_same_tokens(name, ad
                         generator=torch.Generator().manual_seed(5))
 
     packed = sample(lean.PACK_STEPS)
-    per_step = 7 * model.config.num_hidden_layers + 1  # each layer's seven products and the head
+    # each layer's seven products (with LoRA q, k, v as one and gate, up as one: lean._StackedLoRAs), the head
+    per_step = (4 if adapters else 7) * model.config.num_hidden_layers + 1
     assert sum(made) == per_step  # packed once
     assert len(made) >= per_step * lean.PACK_STEPS  # and used at every step (the prefill's too)
     made.clear()
     assert sample(lean.PACK_STEPS - 1).response_ids.shape[1] == lean.PACK_STEPS - 1 and not made  # too short to pay
-    monkeypatch.setattr(gemm, "_packing", False)
-    plain = sample(lean.PACK_STEPS)
+    monkeypatch.setattr(lean, "PACK_STEPS", 10**9)  # nothing packed, the layers apart
+    plain = sample(16)
     assert not made
     assert torch.equal(packed.response_ids, plain.response_ids)
     assert torch.equal(packed.logprobs, plain.logprobs)
+
+
+@pytest.mark.parametrize("rows", [64, 300])
+def test_stacked_loras_compute_what_the_layers_apart_do(rows):
+    """``lean._StackedLoRAs``: q, k and v (qwen2's biases on them) of bfloat16 LoRA layers as
+    one product and one block-diagonal adapter product: the same numbers as each layer's own
+    stacked product (``lean._Unmerged``), bit for bit, over a decode step's rows and a prefill's."""
+    g = torch.Generator().manual_seed(rows)
+    K, r, s = 160, 8, 2.0
+
+    def bf(*shape):
+        return torch.randn(*shape, generator=g).bfloat16()
+
+    layers = [lean._Unmerged(bf(n, K), ((bf(r, K), bf(n, r) * 0.1, s),)) for n in (192, 64, 64)]
+    biases = [bf(192), None, bf(64)]
+    x = bf(rows, K)
+    with torch.no_grad():
+        apart = torch.cat([u(x, b) for u, b in zip(layers, biases)], 1)
+        (fused, none), = lean._fuse(list(zip(layers, biases)), lora=True)
+        assert isinstance(fused, lean._StackedLoRAs) and none is None
+        assert torch.equal(fused(x), apart)
+        assert torch.equal(fused(x), apart)  # its packed weight (where there is one) made at the first call
+    other = [lean._Unmerged(bf(64, K), ((bf(r, K), bf(64, r), 1.0),)), layers[1]]  # another scaling
+    assert lean._fuse(list(zip(other, [None, None])), lora=True) == list(zip(other, [None, None]))

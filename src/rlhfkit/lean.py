@@ -192,8 +192,9 @@ def packs(input_ids: torch.Tensor, max_new_tokens: int) -> bool:
     return input_ids.device.type == "cpu" and input_ids.shape[0] <= STACK_ROWS and max_new_tokens >= PACK_STEPS
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor | _Unmerged | gemm.Packed, b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`rlhfkit.gemm.linear`, or an :class:`_Unmerged` layer's or a packed weight's product."""
+def _linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rlhfkit.gemm.linear`, or the product of an :class:`_Unmerged` layer, of
+    :class:`_StackedLoRAs` or of a packed weight."""
     return gemm.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
 
 
@@ -608,9 +609,55 @@ def _full_mask(attention_mask: torch.Tensor, dtype: torch.dtype | None = None) -
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _fuse(pairs: list[tuple]) -> list[tuple]:
+class _StackedLoRAs:
+    """Generation only: several LoRA layers reading one input (q, k and v; gate and up), each
+    with one adapter of the same scaling in the base's half precision (:class:`_Unmerged`, cast
+    for the call), as two products: ``x [W_1; ...; A_1; ...]^T`` (plus the biases) and the
+    adapters' outputs times the block-diagonal ``[B_1, ...]``, added with ``addmm``. Each output
+    column sums what :class:`_Unmerged`'s stacked product sums; the block-diagonal product adds
+    exact zeros for the other layers' ranks. Two calls where the layers apart make two each:
+    on SmolLM2's decode steps (64 rows, r 16, one thread of an Intel Xeon, model 207) 30
+    layers' adapted products took 48-55 ms against 56-64 ms a step. The stacked weight is packed
+    (:class:`rlhfkit.gemm.Packed`) where it can be."""
+
+    def __init__(self, layers: list[_Unmerged], biases: list[torch.Tensor | None]):
+        weights = [u.weight for u in layers]
+        (_, _, self.scaling), = layers[0].loras
+        A = [a for u in layers for a, _, _ in u.loras]
+        stacked = torch.cat([*weights, *A])
+        self.n, rank = sum(w.shape[0] for w in weights), sum(a.shape[0] for a in A)
+        self.weight = gemm.Packed(stacked) if gemm.packable(stacked) else stacked
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)] + [stacked.new_zeros(rank)])
+        self.B = stacked.new_zeros((self.n, rank))  # block-diagonal
+        row = col = 0
+        for u in layers:
+            (_, b, _), = u.loras
+            self.B[row:row + b.shape[0], col:col + b.shape[1]] = b
+            row, col = row + b.shape[0], col + b.shape[1]
+
+    @staticmethod
+    def fits(pairs: list[tuple]) -> bool:
+        """Layers this class computes: :class:`_Unmerged` with one adapter each, of one scaling, in
+        the weight's dtype (generation casts them), at most ``STACK_MAX_WEIGHT`` elements in all."""
+        return (all(isinstance(u, _Unmerged) and len(u.loras) == 1 and u.loras[0][0].dtype == u.weight.dtype
+                    for u, _ in pairs)
+                and len({u.loras[0][2] for u, _ in pairs}) == 1
+                and sum(u.weight.numel() for u, _ in pairs) <= STACK_MAX_WEIGHT)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        yt = _linear(x2, self.weight, self.bias)  # [rows, n + sum r]
+        out = torch.addmm(yt[:, :self.n], yt[:, self.n:], self.B.t(), alpha=self.scaling)
+        return out.view(*x.shape[:-1], self.n)
+
+
+def _fuse(pairs: list[tuple], lora: bool = False) -> list[tuple]:
     """``[(weight, bias)]`` computing several linear layers' ``(weight, bias)`` on the same input,
-    outputs concatenated; the pairs themselves if one is not a tensor (:class:`_Unmerged`)."""
+    outputs concatenated; ``lora``: LoRA layers too, as :class:`_StackedLoRAs` where it fits. The
+    pairs themselves otherwise if one is not a tensor."""
+    if lora and _StackedLoRAs.fits(pairs):
+        return [(_StackedLoRAs([u for u, _ in pairs], [b for _, b in pairs]), None)]
     if not all(isinstance(w, torch.Tensor) for w, _ in pairs):
         return pairs
     weight = torch.cat([w for w, _ in pairs])
@@ -648,6 +695,8 @@ class _Arch:
                 mlp_in = [_weight(lin, pack) for lin in (m.gate_proj, m.up_proj)]
                 if fuse:  # one matmul for q, k, v and one for gate, up (generation only: no grad to route)
                     proj, mlp_in = _fuse(proj), _fuse(mlp_in)
+                elif pack:  # a CPU's generation: LoRA layers stacked (their copy is made anyway), plain ones apart
+                    proj, mlp_in = _fuse(proj, lora=True), _fuse(mlp_in, lora=True)
                 self.layers.append((_norm_params(b.input_layernorm), proj, _weight(a.o_proj, pack),
                                     _norm_params(b.post_attention_layernorm), mlp_in, _weight(m.down_proj, pack), m.act_fn,
                                     type(m.act_fn).__name__ in ("SiLU", "SiLUActivation")))  # F.silu
@@ -681,7 +730,7 @@ class _Arch:
             return q, k, v
         D, H, Hkv = self.head_dim, self.n_heads, self.kv_heads
         if len(layer[1]) == 1:  # fused: q and k side by side already
-            qkv = F.linear(_rms_norm(layer[0], x), *layer[1][0]).view(B, T, H + 2 * Hkv, D)
+            qkv = _linear(_rms_norm(layer[0], x), *layer[1][0]).view(B, T, H + 2 * Hkv, D)
             qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
         else:  # q and k rotated together (one set of kernels; on a GPU the launches are the cost)
             if _lean_training(x, layer[0][0]):  # the normalised rows are not kept for the backward
@@ -723,7 +772,7 @@ class _Arch:
             return _SwiGLUDown.apply(x.view(B * T, C), gate, up, *layer[5]).view(B, T, C)
         h = _rms_norm(layer[3], x)
         if len(layer[4]) == 1:
-            gate, up = F.linear(h, *layer[4][0]).chunk(2, dim=-1)
+            gate, up = _linear(h, *layer[4][0]).chunk(2, dim=-1)
         else:
             gate, up = (_linear(h, w, b) for w, b in layer[4])
         return _add_linear(x, layer[6](gate) * up, *layer[5])
