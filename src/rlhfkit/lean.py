@@ -613,14 +613,17 @@ class _StackedLoRAs:
     """Generation only: several LoRA layers reading one input (q, k and v; gate and up), each
     with one adapter of the same scaling in the base's half precision (:class:`_Unmerged`, cast
     for the call), as two products: ``x [W_1; ...; A_1; ...]^T`` (plus the biases) and the
-    adapters' outputs times the block-diagonal ``[B_1, ...]``, added with ``addmm``. Each output
-    column sums what :class:`_Unmerged`'s stacked product sums; the block-diagonal product adds
-    exact zeros for the other layers' ranks. Two calls where the layers apart make two each:
+    adapters' outputs times the block-diagonal ``[B_1, ...]``, added with ``addmm``, over a
+    decode step's rows (at most ``STACK_ROWS``; more rows take the layers apart). Each output
+    column sums what :class:`_Unmerged`'s stacked product sums, the block-diagonal product adding
+    exact zeros for the other layers' ranks: the same numbers bit for bit (``tests/test_gemm.py``;
+    SmolLM2's logits too). Two calls where the layers apart make two each:
     on SmolLM2's decode steps (64 rows, r 16, one thread of an Intel Xeon, model 207) 30
     layers' adapted products took 48-55 ms against 56-64 ms a step. The stacked weight is packed
     (:class:`rlhfkit.gemm.Packed`) where it can be."""
 
     def __init__(self, layers: list[_Unmerged], biases: list[torch.Tensor | None]):
+        self.apart = list(zip(layers, biases))
         weights = [u.weight for u in layers]
         (_, _, self.scaling), = layers[0].loras
         A = [a for u in layers for a, _, _ in u.loras]
@@ -647,6 +650,9 @@ class _StackedLoRAs:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > STACK_ROWS:  # a prefill's rows: the layers apart, as _Unmerged runs them there (oneDNN
+            # blocks a product over many rows by its shape, so a stacked one would round differently)
+            return torch.cat([u(x2, b) for u, b in self.apart], 1).view(*x.shape[:-1], self.n)
         yt = _linear(x2, self.weight, self.bias)  # [rows, n + sum r]
         out = torch.addmm(yt[:, :self.n], yt[:, self.n:], self.B.t(), alpha=self.scaling)
         return out.view(*x.shape[:-1], self.n)
