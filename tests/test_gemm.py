@@ -244,6 +244,15 @@ def test_a_packed_bfloat16_weight_computes_what_pytorch_does(rows, n, k, biased)
         assert torch.equal(p(x.view(1, rows, k), b), F.linear(x, w, b)[None])  # leading dimensions kept
         more = torch.cat([x, x])
         assert torch.equal(p(more, b), F.linear(more, w, b))
+    alone = gemm.Packed(w, rows, keep=False)  # packed at once, the weight not kept
+    assert alone.weight is None
+    with torch.no_grad():
+        assert torch.equal(alone(x, b), F.linear(x, w, b))
+        assert torch.equal(alone.add(res, x, b), gemm.add_linear(res, x, w, b))
+        with pytest.raises(RuntimeError, match="packed without keeping"):
+            alone(torch.cat([x, x]), b)  # more rows than it packs for, and no weight to fall back on
+    with pytest.raises(RuntimeError, match="packed without keeping"):
+        alone(x, b)  # autograd recording
     wg = w.clone().requires_grad_()
     y = gemm.Packed(wg, rows)(x, b)
     assert torch.equal(y, F.linear(x, w, b).to(y.dtype))

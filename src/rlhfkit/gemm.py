@@ -308,16 +308,25 @@ class Packed:
     """A bfloat16 weight ``[N, K]`` with a copy packed for oneDNN's matmul, made at the first
     product over at most ``rows`` rows (a decode step's) without a graph recorded; other calls
     (a prefill's many rows, a training forward) take ``F.linear`` on the weight itself. The
-    packed copy lives as long as this object: one generation call."""
+    packed copy lives as long as this object: one generation call. ``keep=False``: packed at
+    once and the weight not kept (a copy made for the call, such as LoRA's stacked ``[W; A]``,
+    is then freed), for callers that only ask for products this packs."""
 
-    __slots__ = ("weight", "rows", "packed")
+    __slots__ = ("weight", "rows", "packed", "out_features", "dtype")
 
-    def __init__(self, weight: torch.Tensor, rows: int | None = None):
-        self.weight, self.rows, self.packed = weight, rows, None
+    def __init__(self, weight: torch.Tensor, rows: int | None = None, keep: bool = True):
+        self.rows, self.out_features, self.dtype = rows, weight.shape[0], weight.dtype
+        self.weight, self.packed = weight, None
+        if not keep:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows or 64)  # the row count: a hint
+            self.weight = None
 
     def _packs(self, x2: torch.Tensor) -> bool:
-        return (self.rows is None or x2.shape[0] <= self.rows) and not torch.is_grad_enabled() \
-            and x2.dtype == self.weight.dtype
+        ok = (self.rows is None or x2.shape[0] <= self.rows) and not torch.is_grad_enabled() and x2.dtype == self.dtype
+        if not ok and self.weight is None:
+            raise RuntimeError("a weight packed without keeping it computes no-grad products of its own dtype "
+                               f"over at most {self.rows} rows")
+        return ok
 
     def _product(self, x2: torch.Tensor, b: torch.Tensor | None, res: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
@@ -331,7 +340,7 @@ class Packed:
         x2 = x.reshape(-1, x.shape[-1])
         if not self._packs(x2):
             return F.linear(x, self.weight, b)
-        return self._product(x2, b).view(*x.shape[:-1], self.weight.shape[0])
+        return self._product(x2, b).view(*x.shape[:-1], self.out_features)
 
     def add(self, res: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`add_linear` with this weight: ``res + F.linear(x, weight, b)``, shaped as ``res``."""

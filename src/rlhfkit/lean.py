@@ -160,7 +160,7 @@ class _Unmerged:
             if not self.stacked or self.stacked[1] is not bias:
                 rank = sum(a.shape[0] for a, _, _ in self.loras)
                 w = torch.cat([self.weight, *(a for a, _, _ in self.loras)])
-                self.stacked[:] = [gemm.Packed(w) if self.pack and gemm.packable(w) else w, bias,
+                self.stacked[:] = [gemm.Packed(w, STACK_ROWS, keep=False) if self.pack and gemm.packable(w) else w, bias,
                                    None if bias is None else torch.cat([bias, bias.new_zeros(rank)])]
             n = self.weight.shape[0]
             yt = _linear(x2, self.stacked[0], self.stacked[2])  # [rows, out + sum r]: x W^T + bias, then each x A^T
@@ -182,8 +182,11 @@ class _Unmerged:
 # for SmolLM2's [1536, 576] at 64 rows), not beside a 7B model's (and CUDA graphs replay a GPU's)
 STACK_ROWS, STACK_MAX_WEIGHT = 256, 1 << 22
 # a generation call of at least PACK_STEPS decode steps packs its bfloat16 weights (gemm.Packed):
-# SmolLM2's 30 layers and head took 0.11 s to pack and a 64-row step 16 ms less (Xeon, model 207)
-PACK_STEPS = 16
+# SmolLM2's 30 layers and head took 0.11 s to pack and a 64-row step 13 ms less (Xeon, model
+# 207). A weight that is not copied for the call anyway (plain weights, the head) is packed
+# beside the live one: only up to STACK_MAX_WEIGHT elements, the head up to PACK_MAX_HEAD
+# (SmolLM2's has 28M, 56 MB in bfloat16), so a large model's generation does not hold a second copy
+PACK_STEPS, PACK_MAX_HEAD = 16, 1 << 25
 
 
 def packs(input_ids: torch.Tensor, max_new_tokens: int) -> bool:
@@ -218,7 +221,9 @@ def _weight(m: nn.Module, pack: bool = False) -> tuple[torch.Tensor | _Unmerged 
     decode steps' products take a bfloat16 weight packed once (:class:`rlhfkit.gemm.Packed`)."""
     if not _adapted(m):
         weight = m.weight
-        return (gemm.Packed(weight, STACK_ROWS) if pack and gemm.packable(weight) else weight), m.bias
+        # packed beside the live parameter (a copy for the call): only weights the stacking rule would copy too
+        packed = pack and weight.numel() <= STACK_MAX_WEIGHT and gemm.packable(weight)
+        return (gemm.Packed(weight, STACK_ROWS) if packed else weight), m.bias
     weight, active = m.base_layer.weight, _active_loras(m)
     if active and m.lora_A[active[0]].weight.dtype != weight.dtype:
         loras = tuple((m.lora_A[a].weight, m.lora_B[a].weight, m.scaling[a]) for a in active)
@@ -629,7 +634,7 @@ class _StackedLoRAs:
         A = [a for u in layers for a, _, _ in u.loras]
         stacked = torch.cat([*weights, *A])
         self.n, rank = sum(w.shape[0] for w in weights), sum(a.shape[0] for a in A)
-        self.weight = gemm.Packed(stacked) if gemm.packable(stacked) else stacked
+        self.weight = gemm.Packed(stacked, STACK_ROWS, keep=False) if gemm.packable(stacked) else stacked
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)] + [stacked.new_zeros(rank)])
         self.B = stacked.new_zeros((self.n, rank))  # block-diagonal
@@ -650,8 +655,9 @@ class _StackedLoRAs:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > STACK_ROWS:  # a prefill's rows: the layers apart, as _Unmerged runs them there (oneDNN
-            # blocks a product over many rows by its shape, so a stacked one would round differently)
+        if x2.shape[0] > STACK_ROWS or torch.is_grad_enabled():  # a prefill's rows: the layers apart, as
+            # _Unmerged runs them there (oneDNN blocks a product over many rows by its shape, so a
+            # stacked one would round differently)
             return torch.cat([u(x2, b) for u, b in self.apart], 1).view(*x.shape[:-1], self.n)
         yt = _linear(x2, self.weight, self.bias)  # [rows, n + sum r]
         out = torch.addmm(yt[:, :self.n], yt[:, self.n:], self.B.t(), alpha=self.scaling)

@@ -187,7 +187,8 @@ class _Forward:
             head = model.get_output_embeddings()
             if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
                 w = head.weight
-                if lean_lm.packs(prompt_ids, max_new_tokens) and gemm.packable(w):  # packed once for the steps
+                if (lean_lm.packs(prompt_ids, max_new_tokens) and w.numel() <= lean_lm.PACK_MAX_HEAD
+                        and gemm.packable(w)):  # packed once for the steps
                     w = gemm.Packed(w, lean_lm.STACK_ROWS)
                     head = lambda h, w=w, b=head.bias: w(h, b)  # noqa: E731
                 else:
