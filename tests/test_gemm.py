@@ -278,14 +278,19 @@ def test_generation_packs_bfloat16_weights_and_computes_the_same_tokens(name, ad
     ids, mask = test_lean.batch()
     monkeypatch.setattr(lean, "STACK_ROWS", ids.shape[0])  # the prefill's rows above it, as a real prompt's are
     assert gemm.packing()  # checked (with a product of its own) before the products are counted
-    made = []
-    real = gemm.Packed._product
+    made, packs = [], []
+    real, real_pack = gemm.Packed._product, gemm._pack
 
     def counted(self, *a):
-        made.append(self.packed is None)
+        made.append(self)
         return real(self, *a)
 
+    def pack_counted(*a):
+        packs.append(a[0].shape)
+        return real_pack(*a)
+
     monkeypatch.setattr(gemm.Packed, "_product", counted)
+    monkeypatch.setattr(gemm, "_pack", pack_counted)
 
     def sample(steps):
         return generate(model.eval(), ids, mask, steps, eos_token_id=-1, pad_token_id=0,
@@ -294,13 +299,15 @@ def test_generation_packs_bfloat16_weights_and_computes_the_same_tokens(name, ad
     packed = sample(lean.PACK_STEPS)
     # each layer's seven products (with LoRA q, k, v as one and gate, up as one: lean._StackedLoRAs), the head
     per_step = (4 if adapters else 7) * model.config.num_hidden_layers + 1
-    assert sum(made) == per_step  # packed once
+    assert len(packs) == per_step and len({id(p) for p in made}) == per_step  # each packed once
     assert len(made) >= per_step * (lean.PACK_STEPS - 1)  # and used at every decode step
     made.clear()
-    assert sample(lean.PACK_STEPS - 1).response_ids.shape[1] == lean.PACK_STEPS - 1 and not made  # too short to pay
+    packs.clear()
+    assert sample(lean.PACK_STEPS - 1).response_ids.shape[1] == lean.PACK_STEPS - 1  # too short to pay:
+    assert not made and not packs
     monkeypatch.setattr(lean, "PACK_STEPS", 10**9)  # nothing packed, the layers apart
     plain = sample(16)
-    assert not made
+    assert not made and not packs
     assert torch.equal(packed.response_ids, plain.response_ids)
     assert torch.equal(packed.logprobs, plain.logprobs)
 

@@ -318,7 +318,7 @@ class Packed:
         self.rows, self.out_features, self.dtype = rows, weight.shape[0], weight.dtype
         self.weight, self.packed = weight, None
         if not keep:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows or 64)  # the row count: a hint
+            self.packed = _pack(weight, rows or 64)  # the row count: a hint
             self.weight = None
 
     def _packs(self, x2: torch.Tensor) -> bool:
@@ -330,7 +330,7 @@ class Packed:
 
     def _product(self, x2: torch.Tensor, b: torch.Tensor | None, res: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, x2.shape[0])
+            self.packed = _pack(self.weight, x2.shape[0])
         if res is None:
             return torch.ops.mkldnn._linear_pointwise(x2, self.packed, b, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x2, res, self.packed, b, "add")  # as addmm(res, x2, w.T)
@@ -350,6 +350,11 @@ class Packed:
         if b is not None:  # add_linear's order: the biased product rounded, then the sum
             return res + self._product(x2, b).view(res.shape)
         return self._product(x2, None, res.reshape(x2.shape[0], -1)).view(res.shape)
+
+
+def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout for products over about ``rows`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
 
 def packable(w: torch.Tensor) -> bool:
