@@ -268,13 +268,7 @@ def test_generation_packs_bfloat16_weights_and_computes_the_same_tokens(name, ad
     same tokens and log-probs as unpacked, bit for bit."""
     from rlhfkit.rollout import generate
 
-    model = test_lean.lora(name) if adapters else test_lean.MODELS[name]()
-    for n, p in model.named_parameters():
-        p.data = p.data.to(torch.bfloat16) if "lora_" not in n else p.data
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)  # adapters that change the states
+    model = test_lean.bf16_base(test_lean.lora(name) if adapters else test_lean.MODELS[name]())
     ids, mask = test_lean.batch()
     monkeypatch.setattr(lean, "STACK_ROWS", ids.shape[0])  # the prefill's rows above it, as a real prompt's are
     assert gemm.packing()  # checked (with a product of its own) before the products are counted

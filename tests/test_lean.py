@@ -254,13 +254,7 @@ def test_half_precision_lora_decode_stacks_the_adapters_under_the_weight(name, m
     half-precision LoRA layer as one product over ``[W; A]`` (``lean._Unmerged``, made once a
     generation call; not for weights above ``STACK_MAX_WEIGHT``), the bias (qwen2's q/k/v) in
     that product as in ``F.linear``: the same states as the separate products, bit for bit."""
-    half = lora(name)
-    for n, p in half.named_parameters():
-        p.data = p.data.to(torch.bfloat16) if "lora_" not in n else p.data
-    with torch.no_grad():
-        for n, p in half.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)  # adapters that change the states
+    half = bf16_base(lora(name))
     ids, mask = batch()
     pos = position_ids_from_mask(mask)
     steps = torch.randint(3, len(TOK), (4, ids.shape[0]), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -279,6 +273,19 @@ def test_half_precision_lora_decode_stacks_the_adapters_under_the_weight(name, m
     apart, layer = decode()
     assert not stacks(layer)
     assert torch.equal(stacked, apart)  # each output column reduces over the same inputs in the same order
+
+
+def bf16_base(model):
+    """``model`` with its own weights in bfloat16 and its LoRA adapters (if any) in float32, as
+    peft keeps them on a half-precision base; the adapters' ``B`` random, so that they change
+    the states."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" not in n:
+                p.data = p.data.to(torch.bfloat16)
+            elif "lora_B" in n:
+                p.normal_(0, 0.1)
+    return model
 
 
 def _flat(tree):
