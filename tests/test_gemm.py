@@ -306,6 +306,7 @@ def test_generation_packs_bfloat16_weights_and_computes_the_same_tokens(name, ad
     assert torch.equal(packed.logprobs, plain.logprobs)
 
 
+@needs_packing
 @pytest.mark.parametrize("rows", [64, 300])
 def test_stacked_loras_compute_what_the_layers_apart_do(rows):
     """``lean._StackedLoRAs``: q, k and v (qwen2's biases on them) of bfloat16 LoRA layers as

@@ -625,7 +625,7 @@ class _StackedLoRAs:
     SmolLM2's logits too). Two calls where the layers apart make two each:
     on SmolLM2's decode steps (64 rows, r 16, one thread of an Intel Xeon, model 207) 30
     layers' adapted products took 48-55 ms against 56-64 ms a step. The stacked weight is packed
-    (:class:`rlhfkit.gemm.Packed`) where it can be."""
+    (:class:`rlhfkit.gemm.Packed`) and only the packed copy kept."""
 
     def __init__(self, layers: list[_Unmerged], biases: list[torch.Tensor | None]):
         self.apart = list(zip(layers, biases))
@@ -634,7 +634,7 @@ class _StackedLoRAs:
         A = [a for u in layers for a, _, _ in u.loras]
         stacked = torch.cat([*weights, *A])
         self.n, rank = sum(w.shape[0] for w in weights), sum(a.shape[0] for a in A)
-        self.weight = gemm.Packed(stacked, STACK_ROWS, keep=False) if gemm.packable(stacked) else stacked
+        self.weight = gemm.Packed(stacked, STACK_ROWS, keep=False)
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)] + [stacked.new_zeros(rank)])
         self.B = stacked.new_zeros((self.n, rank))  # block-diagonal
@@ -647,9 +647,11 @@ class _StackedLoRAs:
     @staticmethod
     def fits(pairs: list[tuple]) -> bool:
         """Layers this class computes: :class:`_Unmerged` with one adapter each, of one scaling, in
-        the weight's dtype (generation casts them), at most ``STACK_MAX_WEIGHT`` elements in all."""
+        the weight's dtype (generation casts them), at most ``STACK_MAX_WEIGHT`` elements in all,
+        on weights it can pack (bfloat16 on a CPU with oneDNN's: where it was measured and
+        checked bit for bit; a float16 base keeps the layers apart)."""
         return (all(isinstance(u, _Unmerged) and len(u.loras) == 1 and u.loras[0][0].dtype == u.weight.dtype
-                    for u, _ in pairs)
+                    and gemm.packable(u.weight) for u, _ in pairs)
                 and len({u.loras[0][2] for u, _ in pairs}) == 1
                 and sum(u.weight.numel() for u, _ in pairs) <= STACK_MAX_WEIGHT)
 
