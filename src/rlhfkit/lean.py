@@ -189,6 +189,12 @@ STACK_ROWS, STACK_MAX_WEIGHT = 256, 1 << 22
 PACK_STEPS, PACK_MAX_HEAD = 16, 1 << 25
 
 
+def decode_packed(weight: torch.Tensor, limit: int = STACK_MAX_WEIGHT) -> torch.Tensor | gemm.Packed:
+    """``weight`` packed for a generation call's decode steps beside the live one (a copy for
+    the call: only up to ``limit`` elements), or ``weight`` itself where it cannot be packed."""
+    return gemm.Packed(weight, STACK_ROWS) if weight.numel() <= limit and gemm.packable(weight) else weight
+
+
 def packs(input_ids: torch.Tensor, max_new_tokens: int) -> bool:
     """Whether a generation call over ``input_ids`` packs its bfloat16 weights (on a CPU, and only
     where :func:`rlhfkit.gemm.packing` works; a float32 weight is never packed)."""
@@ -220,10 +226,7 @@ def _weight(m: nn.Module, pack: bool = False) -> tuple[torch.Tensor | _Unmerged 
     base) stay apart: an :class:`_Unmerged` weight. ``pack``: a generation call's weights, whose
     decode steps' products take a bfloat16 weight packed once (:class:`rlhfkit.gemm.Packed`)."""
     if not _adapted(m):
-        weight = m.weight
-        # packed beside the live parameter (a copy for the call): only weights the stacking rule would copy too
-        packed = pack and weight.numel() <= STACK_MAX_WEIGHT and gemm.packable(weight)
-        return (gemm.Packed(weight, STACK_ROWS) if packed else weight), m.bias
+        return (decode_packed(m.weight) if pack else m.weight), m.bias
     weight, active = m.base_layer.weight, _active_loras(m)
     if active and m.lora_A[active[0]].weight.dtype != weight.dtype:
         loras = tuple((m.lora_A[a].weight, m.lora_B[a].weight, m.scaling[a]) for a in active)

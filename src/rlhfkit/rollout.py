@@ -187,9 +187,9 @@ class _Forward:
             head = model.get_output_embeddings()
             if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
                 w = head.weight
-                if (lean_lm.packs(prompt_ids, max_new_tokens) and w.numel() <= lean_lm.PACK_MAX_HEAD
-                        and gemm.packable(w)):  # packed once for the steps
-                    w = gemm.Packed(w, lean_lm.STACK_ROWS)
+                if lean_lm.packs(prompt_ids, max_new_tokens):  # packed once for the steps where it can be
+                    w = lean_lm.decode_packed(w, lean_lm.PACK_MAX_HEAD)
+                if isinstance(w, gemm.Packed):
                     head = lambda h, w=w, b=head.bias: w(h, b)  # noqa: E731
                 else:
                     head = lambda h, w=w, b=head.bias: gemm.linear(h, w, b)  # noqa: E731
