@@ -203,6 +203,51 @@ def test_lean_forward_and_decode_equal_transformers_on_smollm2(smol):
     assert (ours_lora - theirs_lora).abs()[mask.bool()].max() < 5e-4
 
 
+@pytest.mark.slow
+def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, monkeypatch):
+    """What a bfloat16 LoRA run samples on a CPU, at the defaults: groups of a prompt (shared in
+    the prefill, whose 12 prompts' rows are more than ``lean.STACK_ROWS``, so its layers run
+    apart), decode steps with packed weights and stacked q/k/v and gate/up. The same tokens and
+    log-probs as with nothing packed or stacked, bit for bit."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit import gemm, lean
+
+    if not gemm.packing():
+        pytest.skip("no oneDNN bfloat16 products on this CPU")
+    model = AutoModelForCausalLM.from_pretrained(smol.dir, dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                             init_lora_weights=False)).eval()  # random B: the adapters count
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()  # as peft keeps them on a half-precision base
+    texts = [smol.tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in QUESTIONS * 3 for _ in range(4)]
+    enc = smol.tok(texts, padding=True, return_tensors="pt", padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    assert len(QUESTIONS) * 3 * ids.shape[1] > lean.STACK_ROWS >= ids.shape[0]
+    stacked = []
+    real = lean._StackedLoRAs.__call__
+    monkeypatch.setattr(lean._StackedLoRAs, "__call__", lambda self, *a: stacked.append(1) or real(self, *a))
+
+    steps = lean.PACK_STEPS
+
+    def sample():
+        with torch.no_grad():
+            return generate(model, ids, mask, steps, eos_token_ids(model, smol.tok), smol.tok.pad_token_id,
+                            generator=torch.Generator().manual_seed(0))
+
+    ours = sample()
+    assert len(stacked) >= 2 * 30 * (steps - 1)  # q/k/v and gate/up stacked in every layer of every decode step
+    monkeypatch.setattr(lean, "PACK_STEPS", 10**9)  # nothing packed or stacked
+    stacked.clear()
+    plain = sample()
+    assert not stacked
+    assert torch.equal(ours.response_ids, plain.response_ids)
+    assert torch.equal(ours.logprobs, plain.logprobs)
+
+
 SEEN: list[dict] = []
 
 
