@@ -127,7 +127,11 @@ every linear layer but the head; ``rlhfkit_grpo_lora_bf16`` and ``trl_grpo_compa
 the same on a bfloat16 base, rlhfkit at ``model.dtype=bfloat16`` and TRL at ``bf16=True``, its
 default, with the model loaded in bfloat16: peft keeps both adapters in float32 beside the bf16
 products; TRL runs peft's forward, rlhfkit its lean one, which does the same arithmetic;
-``trl_grpo_compact_ckpt_lora_bf16`` the TRL one at its default checkpointing), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
+``trl_grpo_compact_ckpt_lora_bf16`` the TRL one at its default checkpointing), the full
+fine-tuning pair ``rlhfkit_grpo_master_bf16`` (``model.dtype=bfloat16 model.master_weights=true``:
+float32 weights, the policy's forwards and backward on bfloat16 copies of them, the reference
+loaded in bfloat16) and ``trl_grpo_compact_master_bf16`` (the model loaded in float32, TRL at
+``bf16=True``: autocast, its reference in float32 under it too), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
 started from the policy, through its own adapter with LoRA, ``ppo.value_model=separate``; KL 0.2 in the reward;
 64 distinct prompts a step; TRL 1.16 has no PPO trainer, so these rows show what the critic costs).
 
@@ -254,6 +258,8 @@ NAMES = {
     "rlhfkit_grpo_lora_bf16": "rlhfkit GRPO, LoRA, bf16 base",
     "trl_grpo_compact_lora_bf16": "TRL, compl. pos., LoRA, bf16",
     "trl_grpo_compact_ckpt_lora_bf16": "TRL, compl. pos., ckpt, LoRA, bf16",
+    "rlhfkit_grpo_master_bf16": "rlhfkit GRPO, bf16 on fp32 weights",
+    "trl_grpo_compact_master_bf16": "TRL, compl. pos., bf16=True, fp32 weights",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -291,6 +297,10 @@ RATIOS = [
     ("rlhfkit_grpo_lora_bf16", "trl_grpo_compact_ckpt_lora_bf16", "LoRA on a bf16 base, TRL at bf16=True and its default checkpointing"),
     ("rlhfkit_grpo_lora_bf16", "rlhfkit_grpo_lora", "a bf16 base under LoRA, within rlhfkit"),
     ("trl_grpo_compact_lora_bf16", "trl_grpo_compact_lora", "a bf16 base under LoRA and bf16=True, within TRL"),
+    ("rlhfkit_grpo_master_bf16", "trl_grpo_compact_master_bf16",
+     "full fine-tuning, bf16 products on fp32 weights: model.master_weights against TRL at bf16=True"),
+    ("rlhfkit_grpo_master_bf16", "rlhfkit_grpo", "bf16 products on fp32 weights against fp32, within rlhfkit"),
+    ("trl_grpo_compact_master_bf16", "trl_grpo_compact", "bf16=True on fp32 weights against fp32, within TRL"),
 ]
 PHASES = ("rollout", "experience", "update")
 GPU_NAMES = {"trl_grpo": "TRL (head: completion positions)", "trl_grpo_ckpt": "TRL, checkpointing",
@@ -324,7 +334,7 @@ def row_spec(row: str) -> dict:
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
             "offload": "offload" in flags, "mkl": "mkl" in flags, "onednn": "onednn" in flags, "keep": "keep" in flags,
             "thp": "thp" in flags, "twopass": "twopass" in flags, "offheap": "offheap" in flags,
-            "torchattn": "torchattn" in flags, "bf16": "bf16" in flags, "malloc": next((f for f in flags if f in malloc.LIBRARIES), None)}
+            "torchattn": "torchattn" in flags, "bf16": "bf16" in flags, "master": "master" in flags, "malloc": next((f for f in flags if f in malloc.LIBRARIES), None)}
 
 
 def letter_share(prompts, completions, **kw) -> list[float]:
@@ -557,7 +567,8 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
         ppo.update(group_size=wl["group_size"], kl_coef=KL, cuda_graph=s["graph"])
     else:  # the rows measure what a critic model of its own costs (positions() counts its forwards)
         ppo.update(value_model="separate")
-    model = {"name": paths["model"], "gradient_checkpointing": s["ckpt"], "dtype": "bfloat16" if s["bf16"] else "float32"}
+    model = {"name": paths["model"], "gradient_checkpointing": s["ckpt"], "dtype": "bfloat16" if s["bf16"] else "float32",
+             "master_weights": s["master"]}
     if s["lora"]:
         model.update(lora_r=LORA["r"], lora_alpha=LORA["alpha"])
     cfg = Config().replace(
@@ -609,7 +620,9 @@ def run_trl(row: str, paths: dict, wl: dict, args) -> dict:
     B = wl["groups"] * wl["group_size"]
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(paths["model"])
-    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.bfloat16 if s["bf16"] else torch.float32)
+    # bf16=True on float32 weights (master): autocast, the Trainer's mixed precision for full fine-tuning
+    half = s["bf16"] and not s["master"]
+    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.bfloat16 if half else torch.float32)
     steps = args.warmup + args.steps
     prompts = [r["prompt"] for r in read_jsonl(paths["prompts"])][:steps * wl["groups"]]
     config = GRPOConfig(

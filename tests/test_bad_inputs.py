@@ -404,6 +404,23 @@ def _(env):
     cli_error(env, ["ppo", "ppo.kl_coef=.nan"], "ppo.kl_coef", "finite number")
 
 
+@case("config_master_weights_without_bfloat16")
+def _(env):
+    cli_error(env, ["grpo", "model.master_weights=true"], "model.master_weights", "model.dtype=bfloat16")
+
+
+@case("config_master_weights_with_lora")
+def _(env):
+    cli_error(env, ["grpo", "model.master_weights=true", "model.dtype=bfloat16", "model.lora_r=8"],
+              "model.master_weights", "LoRA", "float32 already")
+
+
+@case("master_weights_outside_the_rl_commands")
+def _(env):
+    sft_cli(env, [SFT_OK], "model.master_weights is supported by the RL commands",
+            extra=("model.master_weights=true", "model.dtype=bfloat16"))
+
+
 @case("config_probability_out_of_range")
 def _(env):
     cli_error(env, ["ppo", "ppo.gamma=1.5"], "ppo.gamma", "between 0 and 1")

@@ -4,6 +4,8 @@ tokenizer, and LoRA (reference = adapter off, one copy of the base, merged expor
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 import warnings
@@ -422,6 +424,72 @@ def test_full_fine_tuning_in_bfloat16_warns(hub, tmp_path):
                          ppo={"algo": "grpo", "steps": 1})
     with pytest.warns(RuntimeWarning, match="trainable weights are bfloat16 .* rounds to nothing"):
         train_rl(cfg)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_master_weights_run_the_bfloat16_models_arithmetic_on_float32_weights(hub, arch):
+    """``model.master_weights``: under :func:`~rlhfkit.precision.compute_weights` a float32
+    model computes what the same model in bfloat16 computes, bit for bit -- the update's
+    log-probs and entropies (the lean forward for Llama, peft-free transformers for GPT-2) and
+    every weight's gradient, which reaches the float32 weight unrounded (a bfloat16 value in
+    float32) -- and its own float32 parameters are back after the block."""
+    from rlhfkit.models import token_logprobs
+    from rlhfkit.precision import compute_weights, keep_master_weights
+
+    tok = load_tokenizer(hub[arch])
+    master = scramble(load_policy(hub[arch]), seed=2, scale=0.05).train()
+    half = copy.deepcopy(master)
+    for p in half.parameters():  # the weights alone, as from_pretrained(dtype=bfloat16) loads them (the
+        p.data = p.data.to(torch.bfloat16)  # rotary tables stay float32 buffers there)
+    keep_master_weights(master)
+    before = dict(master.named_parameters())
+    ids, mask = left_padded(tok, [p + "6420" for p in PROMPTS])
+    P = ids.shape[1] - 4
+    outs = []
+    for model, ctx in ((half, contextlib.nullcontext()), (master, compute_weights(master))):
+        with ctx:
+            lp, ent, _ = token_logprobs(model, ids, mask, P, ids[:, P:], entropy=True)
+        (lp.float().sum() + 0.1 * ent.float().sum()).backward()
+        outs.append((lp, ent, {n: p.grad for n, p in model.named_parameters()}))
+    (lp_h, ent_h, g_h), (lp_m, ent_m, g_m) = outs
+    assert torch.equal(lp_m, lp_h) and torch.equal(ent_m, ent_h)
+    assert g_m.keys() == g_h.keys() and all(g_m[n] is not None for n in g_m)
+    for n, g in g_m.items():
+        assert g.dtype == torch.float32 and torch.equal(g, g_h[n].float()), n
+    after = dict(master.named_parameters())
+    assert all(after[n] is before[n] and p.dtype == torch.float32 for n, p in after.items())
+
+
+def test_master_weights_grpo_samples_as_bfloat16_and_keeps_the_small_steps(hub, tmp_path):
+    """A GRPO run at ``model.dtype=bfloat16 model.master_weights=true`` against one at
+    ``model.dtype=bfloat16``: before any update both sample the same completions with the same
+    log-probs (the rollout, the reference and the update's forward all run the bfloat16
+    copies); then at ``lr`` 1e-5 the float32 master weights keep nearly every step, where the
+    bfloat16 weights round most of them away, and the saved policy is float32."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, extra in (("half", {}), ("master", {"master_weights": True})):
+        cfg = tiny_rl_config(tmp_path / name, model={"name": hub["llama"], "dtype": "bfloat16", **extra},
+                             reward={"name": hub["rm"]}, ppo={"algo": "grpo", "steps": 2, "lr": 1e-5})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_rl(cfg)
+        runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl"), [str(w.message) for w in caught]
+    (half, half_warned), (master, master_warned) = runs["half"], runs["master"]
+    assert any("rounds to nothing" in w for w in half_warned) and not any("rounds to nothing" in w
+                                                                           for w in master_warned)
+    for k in ("objective/score", "objective/kl", "objective/entropy", "response/length"):
+        assert master[0][k] == half[0][k], k
+    assert master[0]["objective/kl"] == 0.0  # the reference is the bfloat16 load: the copies at the start
+    start = load_file(f"{hub['llama']}/model.safetensors")
+    moved = {}
+    for name, cast in (("half", torch.bfloat16), ("master", torch.float32)):
+        end = load_file(tmp_path / name / "policy" / "model.safetensors")
+        assert {t.dtype for t in end.values()} == {cast}
+        mats = [k for k in start if start[k].ndim == 2]
+        moved[name] = sum((end[k] != start[k].to(cast)).float().mean().item() for k in mats) / len(mats)
+    assert moved["master"] > 0.9 and moved["half"] < 0.3, moved
 
 
 def test_reward_model_with_lora_saves_a_plain_merged_classifier(hub, tmp_path):

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
 # Bottom to top. A module may import its own layer or a lower one; "trainers" are entry points
 # that never import one another (what they share lives in trainers.common).
 LAYERS = [
-    ("base", {"core", "config", "utils", "kernels", "triton_decode", "gemm", "offload", "malloc"}),
+    ("base", {"core", "config", "utils", "kernels", "triton_decode", "gemm", "offload", "malloc", "precision"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "prompts", "tasks", "tasks.doubling",
                         "tasks.cities", "tasks.export"}),
     ("models", {"lean", "models"}),

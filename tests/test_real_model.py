@@ -10,6 +10,7 @@ under CI (``CI`` set) that fails instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -246,6 +247,50 @@ def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, mo
     assert not stacked
     assert torch.equal(ours.response_ids, plain.response_ids)
     assert torch.equal(ours.logprobs, plain.logprobs)
+
+
+@pytest.mark.slow
+def test_master_weights_on_smollm2_sample_and_train_as_its_bfloat16_load(smol):
+    """``model.master_weights`` on the real model: SmolLM2 loaded in float32 and run on bfloat16
+    copies (its tied embedding and head one weight, copied once) samples what
+    ``from_pretrained(dtype=bfloat16)`` samples, at the rollout's defaults (groups, packed decode),
+    and the update's log-probs and every gradient are the bfloat16 model's, bit for bit, the
+    gradients in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit import lean
+    from rlhfkit.distributed import full_weights
+    from rlhfkit.models import token_logprobs
+    from rlhfkit.precision import compute_weights, keep_master_weights
+
+    half = AutoModelForCausalLM.from_pretrained(smol.dir, dtype=torch.bfloat16)
+    master = keep_master_weights(AutoModelForCausalLM.from_pretrained(smol.dir, dtype=torch.float32))
+    assert master.lm_head.weight is master.model.embed_tokens.weight  # tied
+    texts = [smol.tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in QUESTIONS for _ in range(4)]
+    enc = smol.tok(texts, padding=True, return_tensors="pt", padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    rolls = []
+    for model, ctx in ((half, contextlib.nullcontext()), (master, full_weights(master))):
+        with torch.no_grad(), ctx:
+            rolls.append(generate(model.eval(), ids, mask, lean.PACK_STEPS, eos_token_ids(model, smol.tok),
+                                  smol.tok.pad_token_id, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(rolls[0].response_ids, rolls[1].response_ids)
+    assert torch.equal(rolls[0].logprobs, rolls[1].logprobs)
+    seq = torch.cat([ids, rolls[0].response_ids], 1)[::4]  # one row a prompt: a short backward
+    seq_mask = torch.cat([mask, torch.ones_like(rolls[0].response_ids)], 1)[::4]
+    P = ids.shape[1]
+    outs = []
+    for model, ctx in ((half, contextlib.nullcontext()), (master, compute_weights(master))):
+        model.train()
+        with ctx:
+            lp, _, _ = token_logprobs(model, seq, seq_mask, P, seq[:, P:])
+        lp.float().sum().backward()
+        outs.append((lp, dict(model.named_parameters())))
+    (lp_h, p_h), (lp_m, p_m) = outs
+    assert torch.equal(lp_h, lp_m)
+    for n, p in p_m.items():
+        assert p.dtype == torch.float32 and torch.equal(p.grad, p_h[n].grad.float()), n
 
 
 SEEN: list[dict] = []

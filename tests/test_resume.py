@@ -47,6 +47,8 @@ def _args(algo: str, models, out: Path) -> list[str]:
         prompts = _prompt_file(out.parent / "prompts.jsonl")
         return [*_args("grpo", models, out), f"data.path={prompts}", "data.eval_fraction=0.2",
                 "reward.function=rlhfkit.tasks.doubling:exact_reward", "ppo.stop_metric=eval/accuracy"]
+    if algo == "grpo-master":  # float32 weights run as bfloat16 copies: only the float32 ones are state
+        return [*_args("grpo", models, out), "model.dtype=bfloat16", "model.master_weights=true"]
     args = [sys.executable, "-m", "rlhfkit", algo, f"model.name={models.policy}", f"run.out_dir={out}",
             f"ppo.steps={STEPS}", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
             "ppo.eval_every=4", "ppo.stop_at=0", "ppo.trajectories_every=3", "eval.batch_size=512",
@@ -90,7 +92,7 @@ def _kill_from_outside(args: list[str], out: Path, rows: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ppo", "grpo", "grpo-file"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "grpo-file", "grpo-master"])
 def test_killed_and_resumed_run_ends_as_an_unbroken_one(algo, tiny_models, tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert _run(_args(algo, tiny_models, whole)) == 0

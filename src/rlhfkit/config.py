@@ -174,6 +174,13 @@ class ModelConfig(Section):
     """Weight dtype of every loaded model (policy, reference, reward, value): 'auto' keeps the
     checkpoint's own (bf16 for most hub LMs). float32 is the default: full fine-tuning keeps
     AdamW's updates exact; use bfloat16 with LoRA on a GPU for large models."""
+    master_weights: bool = False
+    """Full fine-tuning in bfloat16 arithmetic on float32 weights (RL commands: ppo, grpo, rloo,
+    reinforce): with model.dtype=bfloat16 the trained models (policy, value model) keep float32
+    parameters -- AdamW's updates, the gradients and the saved model stay float32 -- and their
+    forward and backward passes run on bfloat16 copies (rlhfkit.precision); the frozen ones
+    (reference, reward model) are loaded in bfloat16. The full fine-tuning counterpart of
+    TRL's bf16=True; with LoRA the adapter is float32 already (leave this off)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of the trained models (less memory, ~30% more
     compute); rollouts run in eval mode, so the KV cache still works."""
@@ -200,6 +207,12 @@ class ModelConfig(Section):
             raise ConfigError(f"model.lora_alpha must be > 0, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"model.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.master_weights and self.dtype != "bfloat16":
+            raise ConfigError(f"model.master_weights=true runs bfloat16 copies of float32 weights: set "
+                              f"model.dtype=bfloat16 (got {self.dtype!r})")
+        if self.master_weights and self.lora_r:
+            raise ConfigError("model.master_weights=true is for full fine-tuning: a LoRA adapter (model.lora_r) is "
+                              "float32 already beside its bfloat16 base; leave model.master_weights off")
         if self.lora_r and not self.lora_target_modules.strip():
             raise ConfigError("model.lora_target_modules is empty: name modules (e.g. 'q_proj,v_proj') "
                               "or use 'all-linear'")

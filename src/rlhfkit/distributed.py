@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .offload import on_device
+from .precision import compute_weights
 
 
 def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int, rows: slice,
@@ -254,11 +255,14 @@ def shard_frozen(accelerator, *models) -> list:
 
 @contextlib.contextmanager
 def full_weights(*models, per_layer: bool = False):
-    """:func:`_full_weights` of each of ``models`` (None and unsharded ones are no-ops)."""
+    """:func:`_full_weights` of each of ``models`` (None and unsharded ones are no-ops), and
+    under ``model.master_weights`` the trained model's bfloat16 copies
+    (:func:`rlhfkit.precision.compute_weights`): the weights its forwards run on."""
     with contextlib.ExitStack() as stack:
         for model in models:
             stack.enter_context(on_device(model))  # ppo.offload: a frozen model's weights come from host memory
             stack.enter_context(_full_weights(model, per_layer))
+        stack.enter_context(compute_weights(*models))
         yield
 
 

@@ -58,6 +58,10 @@ runs = {  # run name: (command, overrides)
     # in micro-batches of 3 rows (a process holds 4: passes of 3 and 1)
     "grpo_deferred": ("grpo", [*rl, "ppo.group_size=4", "ppo.ppo_epochs=1", "ppo.reuse_rollout_logprobs=false",
                                "ppo.micro_batch_size=3"]),
+    # full fine-tuning on bfloat16 copies of float32 weights (model.master_weights), in micro-batches
+    # of 3 rows: each process's bfloat16 gradients summed into float32 ones, DDP's all-reduce in float32
+    "grpo_master": ("grpo", [*rl, "ppo.group_size=4", "model.dtype=bfloat16", "model.master_weights=true",
+                             "ppo.micro_batch_size=3"]),
     # DPO, SFT and the reward model with their default batches, for two steps
     "dpo": ("dpo", ["dpo.steps=2", "dpo.num_pairs=64"]),
     "sft": ("sft", ["sft.steps=2"]),

@@ -69,8 +69,10 @@ from ..models import (
     load_tokenizer,
     policy_with_reference,
     quiet_load_report,
+    resolve_dtype,
 )
 from ..offload import HostMoments, offload_frozen
+from ..precision import compute_weights, keep_master_weights
 from ..prompts import PromptData, prompt_data, prompt_tensors
 from ..rewards import Reward, build_reward, other_tokenizer
 from ..rollout import Rollout, decode_responses, eos_token_ids, generate
@@ -289,7 +291,9 @@ def ppo_update(
                 step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, loss_weight,
                                          gap)
                 n_passes = -(-most // micro) if micro else 1
-                loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",), passes=n_passes)
+                with compute_weights(model):  # model.master_weights: bf16 copies of this step's weights
+                    loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",),
+                                                    passes=n_passes)
                 # every term is a token mean over the response mask but the gap
                 stats = shard.mean(stats, weight, maxed=("policy/logprob_gap",))
                 stats["policy/grad_norm"] = engine.clip(policy_params, pc.max_grad_norm)
@@ -318,7 +322,7 @@ def build_models(cfg: Config, policy_path: str, device):
     trc = mc.trust_remote_code
     tok = load_tokenizer(policy_path, trust_remote_code=trc)
     # RL compares the sampler's forward with the update's: every dropout off, the adapter's too
-    policy, ref = policy_with_reference(policy_path, mc, device, adapter_dropout=False)
+    policy, ref = policy_with_reference(policy_path, mc, device, adapter_dropout=False, master=True)
     scorer = build_reward(cfg, tok, device)
     if pc.algo != "ppo":
         ac = ActorCritic(policy)
@@ -333,7 +337,10 @@ def build_models(cfg: Config, policy_path: str, device):
             raise ValueError(f"the value model {critic_src} has a different tokenizer from the policy's; the critic "
                              "reads the policy's tokens: use ppo.value_init=policy or a value.name that shares it")
         with quiet_load_report():  # from a causal LM: its LM head unused, a fresh scalar head
-            critic = disable_dropout(load_scalar_model(critic_src, mc.dtype, trc, ignore_mismatched_sizes=True))
+            critic = disable_dropout(load_scalar_model(critic_src, "float32" if mc.master_weights else mc.dtype, trc,
+                                                       ignore_mismatched_sizes=True))
+        if mc.master_weights:
+            keep_master_weights(critic, resolve_dtype(mc.dtype))
         if critic.config.pad_token_id is None:
             critic.config.pad_token_id = tok.pad_token_id
         if cfg.value.lora:
@@ -520,6 +527,9 @@ def refuse_untested_engines(accelerator, cfg: Config) -> None:
     if left_out and getattr(accelerator, "num_processes", 1) > 1:
         raise ValueError(f"ppo.{left_out[0]} runs on one process only: the rows it leaves out of the update differ "
                          "between processes, which would then take different numbers of optimizer steps")
+    if kind in ("FSDP", "DEEPSPEED") and cfg.model.master_weights:
+        raise ValueError(f"model.master_weights runs on one process or under DDP; under {kind} use the engine's own "
+                         "mixed precision (accelerate's --mixed_precision bf16) with model.dtype=float32")
     if kind == "DEEPSPEED" and cfg.ppo.algo == "ppo":
         raise ValueError("ppo under DeepSpeed is not supported: its engine clips one gradient norm over the actor "
                          "and the critic together, where rlhfkit clips each to ppo.max_grad_norm, so the update "
