@@ -415,10 +415,10 @@ def _(env):
               "model.master_weights", "LoRA", "float32 already")
 
 
-@case("master_weights_outside_the_rl_commands")
+@case("master_weights_in_the_reward_model_command")
 def _(env):
-    sft_cli(env, [SFT_OK], "model.master_weights is supported by the RL commands",
-            extra=("model.master_weights=true", "model.dtype=bfloat16"))
+    cli_error(env, ["rm", f"model.name={env.models.policy}", "model.master_weights=true", "model.dtype=bfloat16"],
+              "model.master_weights is supported by ppo, grpo, rloo, reinforce, sft and dpo")
 
 
 @case("config_probability_out_of_range")

@@ -492,6 +492,39 @@ def test_master_weights_grpo_samples_as_bfloat16_and_keeps_the_small_steps(hub, 
     assert moved["master"] > 0.9 and moved["half"] < 0.3, moved
 
 
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_master_weights_in_sft_and_dpo(hub, tmp_path, command):
+    """SFT and DPO at ``model.master_weights=true``: the first step's loss (SFT) or policy
+    log-probs (DPO, whose margin to the bfloat16 reference is then 0) are the bfloat16 run's,
+    the same bfloat16 forward; and at ``lr`` 1e-5 the float32 weights keep the steps that
+    bfloat16 weights round away; the saved policy is float32."""
+    from safetensors.torch import load_file
+
+    from rlhfkit.trainers.dpo import train_dpo
+    from rlhfkit.trainers.sft import train_sft
+
+    train = {"sft": train_sft, "dpo": train_dpo}[command]
+    key = {"sft": "sft/loss", "dpo": "logps/chosen"}[command]
+    start = load_file(f"{hub['llama']}/model.safetensors")
+    mats = [k for k in start if start[k].ndim == 2]
+    first, moved = {}, {}
+    for name, extra, cast in (("half", {}, torch.bfloat16), ("master", {"master_weights": True}, torch.float32)):
+        out = tmp_path / name
+        cfg = Config().replace(run={"out_dir": str(out), "progress": False, "seed": 0, "threads": 1},
+                               model={"name": hub["llama"], "dtype": "bfloat16", **extra},
+                               sft={"steps": 2, "batch_size": 4, "lr": 1e-5, "warmup_steps": 0},
+                               dpo={"steps": 2, "batch_size": 4, "num_pairs": 16, "lr": 1e-5, "eval_every": 0})
+        train(cfg)
+        row = read_jsonl(out / "metrics.jsonl")[0]
+        first[name] = row[key]
+        assert command == "sft" or row["dpo/margin"] == 0.0  # the policy's copies are the reference's weights
+        end = load_file(out / "policy" / "model.safetensors")
+        assert {t.dtype for t in end.values()} == {cast}
+        moved[name] = sum((end[k] != start[k].to(cast)).float().mean().item() for k in mats) / len(mats)
+    assert first["master"] == first["half"]
+    assert moved["master"] > 0.9 and moved["half"] < 0.3, moved
+
+
 def test_reward_model_with_lora_saves_a_plain_merged_classifier(hub, tmp_path):
     cfg = Config().replace(run={"out_dir": str(tmp_path), "progress": False, "threads": 1},
                            model={"name": hub["qwen3"], "lora_r": 4},

@@ -175,8 +175,8 @@ class ModelConfig(Section):
     checkpoint's own (bf16 for most hub LMs). float32 is the default: full fine-tuning keeps
     AdamW's updates exact; use bfloat16 with LoRA on a GPU for large models."""
     master_weights: bool = False
-    """Full fine-tuning in bfloat16 arithmetic on float32 weights (RL commands: ppo, grpo, rloo,
-    reinforce): with model.dtype=bfloat16 the trained models (policy, value model) keep float32
+    """Full fine-tuning in bfloat16 arithmetic on float32 weights (ppo, grpo, rloo, reinforce,
+    sft, dpo): with model.dtype=bfloat16 the trained models (policy, value model) keep float32
     parameters -- AdamW's updates, the gradients and the saved model stay float32 -- and their
     forward and backward passes run on bfloat16 copies (rlhfkit.precision); the frozen ones
     (reference, reward model) are loaded in bfloat16. The full fine-tuning counterpart of

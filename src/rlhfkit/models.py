@@ -385,22 +385,18 @@ class AdapterDisabled:
         return self.peft_model.parameters()
 
 
-def policy_with_reference(path: str, mc, device, reference: bool = True, adapter_dropout: bool = True,
-                          master: bool = False):
+def policy_with_reference(path: str, mc, device, reference: bool = True, adapter_dropout: bool = True):
     """Load the trained policy and its reference from ``path`` as ``model.*`` (``mc``) says.
 
     Full fine-tuning: the policy and a frozen second copy. LoRA (``mc.lora_r > 0``): a peft
     model and :class:`AdapterDisabled` over it, the base weights held once. The models' own
     dropout is off (:func:`disable_dropout`); a LoRA adapter's is ``mc.lora_dropout`` with
     ``adapter_dropout`` (SFT, DPO), else off too (RL). Returns ``(policy, reference)``
-    (reference None with ``reference=False``). ``mc.master_weights`` (callers that run their
-    forwards under :func:`rlhfkit.precision.compute_weights` pass ``master=True``; others refuse
-    it): the policy in float32, marked to run in ``mc.dtype``, the reference in ``mc.dtype``.
+    (reference None with ``reference=False``). ``mc.master_weights``: the policy in float32,
+    marked to run in ``mc.dtype`` under :func:`rlhfkit.precision.compute_weights` (the caller
+    runs its forwards there), the reference in ``mc.dtype``.
     """
     lora = mc.lora_r > 0
-    if mc.master_weights and not master:
-        raise ValueError("model.master_weights is supported by the RL commands (ppo, grpo, rloo, reinforce); "
-                         "here set model.dtype=float32, or bfloat16 with LoRA (model.lora_r)")
     policy = disable_dropout(load_policy(path, "float32" if mc.master_weights else mc.dtype, mc.trust_remote_code))
     if mc.master_weights:
         keep_master_weights(policy, resolve_dtype(mc.dtype))

@@ -47,8 +47,9 @@ def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:
             bound = 2 * lr / torch.finfo(dtype).eps
             warnings.warn(f"{sum(p.numel() for p in half):,} trainable weights are {str(dtype).split('.')[-1]} "
                           f"(model.dtype): an optimizer step of about lr={lr:g} rounds to nothing on every weight "
-                          f"above about {bound:.2g} in magnitude, most of a model's. Train them in "
-                          "model.dtype=float32, or train a LoRA adapter (model.lora_r), which stays float32.",
+                          f"above about {bound:.2g} in magnitude, most of a model's. Keep them float32: "
+                          "model.dtype=float32, or model.master_weights=true with bfloat16 (its arithmetic on "
+                          "float32 weights), or train a LoRA adapter (model.lora_r), which stays float32.",
                           RuntimeWarning, stacklevel=2)
             return
 

@@ -42,6 +42,7 @@ from ..data import context_limit, encode_preferences, encode_triples, hold_out, 
 from ..distributed import Shard, full_weights
 from ..evaluate import evaluate_sharded
 from ..models import context_window, eval_mode, load_tokenizer, policy_with_reference
+from ..precision import compute_weights
 from ..tasks import get_task
 from ..utils import mean_stats
 from .common import Engine, Run
@@ -151,7 +152,8 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
         idx = shard.take(order[pos : pos + dc.batch_size])  # this process's pairs of the global batch
         pos += dc.batch_size
         opt.zero_grad(set_to_none=True)
-        loss, row = dpo_step(engine, ref, ref_cache, pairs.train, idx, dc, device)
+        with compute_weights(train_policy):  # model.master_weights: bf16 copies of this step's weights
+            loss, row = dpo_step(engine, ref, ref_cache, pairs.train, idx, dc, device)
         row["dpo/grad_norm"] = engine.clip(params, 1.0)
         if run.guard.ok(loss, row["dpo/grad_norm"]):
             opt.step()

@@ -199,7 +199,7 @@ def build_reward_model(cfg: Config, task, path: str | None, device):
     backbone frozen, LoRA, gradient checkpointing."""
     rc, mc = cfg.reward, cfg.model
     if mc.master_weights:
-        raise ValueError("model.master_weights is supported by the RL commands (ppo, grpo, rloo, reinforce); "
+        raise ValueError("model.master_weights is supported by ppo, grpo, rloo, reinforce, sft and dpo; "
                          "here set model.dtype=float32, or bfloat16 with LoRA (model.lora_r)")
     if rc.kind == "classifier" and rc.init_from != "policy":
         raise ValueError("reward.kind=classifier starts from a policy checkpoint: set model.name and "

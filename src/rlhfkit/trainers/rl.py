@@ -322,7 +322,7 @@ def build_models(cfg: Config, policy_path: str, device):
     trc = mc.trust_remote_code
     tok = load_tokenizer(policy_path, trust_remote_code=trc)
     # RL compares the sampler's forward with the update's: every dropout off, the adapter's too
-    policy, ref = policy_with_reference(policy_path, mc, device, adapter_dropout=False, master=True)
+    policy, ref = policy_with_reference(policy_path, mc, device, adapter_dropout=False)
     scorer = build_reward(cfg, tok, device)
     if pc.algo != "ppo":
         ac = ActorCritic(policy)

@@ -17,6 +17,7 @@ from ..core import logprobs_from_logits, position_ids_from_mask
 from ..data import Limit, SFTExample, context_limit, encode_sft, hold_out, load_sft, pack_sft
 from ..distributed import Shard, full_weights
 from ..models import context_window, eval_mode, load_tokenizer, masked_lm_loss, policy_with_reference
+from ..precision import compute_weights
 from ..tasks import get_task
 from .common import Run, lr_lambda
 
@@ -54,8 +55,9 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
         batch = {k: v[idx].to(device) for k, v in enc.items()}
         # a mean over target tokens: weighted so the processes' average is the global token mean
         weight = shard.token_weight(batch["loss_mask"][:, 1:] != 0)
-        loss, _ = engine.accumulate(len(idx), sc.micro_batch_size,
-                                    functools.partial(micro_batch_loss, train_model, batch, weight))
+        with compute_weights(train_model):  # model.master_weights: bf16 copies of this step's weights
+            loss, _ = engine.accumulate(len(idx), sc.micro_batch_size,
+                                        functools.partial(micro_batch_loss, train_model, batch, weight))
         grad_norm = engine.clip(params, 1.0)
         if run.guard.ok(loss, grad_norm):
             opt.step()
