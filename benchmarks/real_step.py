@@ -131,7 +131,8 @@ products; TRL runs peft's forward, rlhfkit its lean one, which does the same ari
 fine-tuning pair ``rlhfkit_grpo_master_bf16`` (``model.dtype=bfloat16 model.master_weights=true``:
 float32 weights, the policy's forwards and backward on bfloat16 copies of them, the reference
 loaded in bfloat16) and ``trl_grpo_compact_master_bf16`` (the model loaded in float32, TRL at
-``bf16=True``: autocast, its reference in float32 under it too), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
+``bf16=True``: autocast, its reference in float32 under it too; ``trl_grpo_compact_ckpt_master_bf16``
+at its default checkpointing), ``rlhfkit_ppo`` and ``rlhfkit_ppo_lora`` (a separate critic
 started from the policy, through its own adapter with LoRA, ``ppo.value_model=separate``; KL 0.2 in the reward;
 64 distinct prompts a step; TRL 1.16 has no PPO trainer, so these rows show what the critic costs).
 
@@ -260,6 +261,7 @@ NAMES = {
     "trl_grpo_compact_ckpt_lora_bf16": "TRL, compl. pos., ckpt, LoRA, bf16",
     "rlhfkit_grpo_master_bf16": "rlhfkit GRPO, bf16 on fp32 weights",
     "trl_grpo_compact_master_bf16": "TRL, compl. pos., bf16=True, fp32 weights",
+    "trl_grpo_compact_ckpt_master_bf16": "TRL, compl. pos., ckpt, bf16=True, fp32 weights",
 }
 ROWS = list(NAMES)
 GRPO_ROWS = ROWS[:10]  # without LoRA; the defaults: all but the CUDA-graph and offload ones on a CPU, the _compact ones on CUDA
@@ -299,6 +301,8 @@ RATIOS = [
     ("trl_grpo_compact_lora_bf16", "trl_grpo_compact_lora", "a bf16 base under LoRA and bf16=True, within TRL"),
     ("rlhfkit_grpo_master_bf16", "trl_grpo_compact_master_bf16",
      "full fine-tuning, bf16 products on fp32 weights: model.master_weights against TRL at bf16=True"),
+    ("rlhfkit_grpo_master_bf16", "trl_grpo_compact_ckpt_master_bf16",
+     "full fine-tuning, bf16 products on fp32 weights, TRL at bf16=True and its default checkpointing"),
     ("rlhfkit_grpo_master_bf16", "rlhfkit_grpo", "bf16 products on fp32 weights against fp32, within rlhfkit"),
     ("trl_grpo_compact_master_bf16", "trl_grpo_compact", "bf16=True on fp32 weights against fp32, within TRL"),
 ]
