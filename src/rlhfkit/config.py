@@ -173,7 +173,8 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weight dtype of every loaded model (policy, reference, reward, value): 'auto' keeps the
     checkpoint's own (bf16 for most hub LMs). float32 is the default: full fine-tuning keeps
-    AdamW's updates exact; use bfloat16 with LoRA on a GPU for large models."""
+    AdamW's updates exact; use bfloat16 with LoRA on a GPU for large models, or with
+    model.master_weights=true to fine-tune every weight in bfloat16 arithmetic."""
     master_weights: bool = False
     """Full fine-tuning in bfloat16 arithmetic on float32 weights (ppo, grpo, rloo, reinforce,
     sft, dpo): with model.dtype=bfloat16 the trained models (policy, value model) keep float32
