@@ -13,8 +13,9 @@ float32 weights of ``torch.autocast`` (where autocast also keeps the residual st
 norms in float32, with their casts).
 
 The copies are made once a block: once a generation call, once an experience pass, once a
-micro-batch of the update (its forward and backward), about a third of a weight read-and-write
-pass over the model each (0.1-0.2 s on SmolLM2-135M on one CPU core).
+minibatch of the update (its micro-batches' forwards and backwards share them). On SmolLM2-135M
+a block's copies took 0.19 s (one core of a 2-core Intel Xeon, family 6 model 207, at commit
+c0d2ceb), against GRPO steps of 30-240 s there.
 """
 
 from __future__ import annotations
