@@ -347,6 +347,7 @@ def test_deepspeed_matches_one_process(runs, deepspeed_run):
     pytest.param("deepspeed_zero2", "ppo", [], "clips one gradient norm over the actor and the critic",
                  marks=[pytest.mark.long, needs_deepspeed]),
     pytest.param("deepspeed_zero3", "grpo", [], "ZeRO-3 holds partitioned", marks=[pytest.mark.long, needs_deepspeed]),
+    ("fsdp", "sft", ["model.master_weights=true", "model.dtype=bfloat16"], "model.master_weights runs on one process"),
 ])
 def test_engines_refuse_what_would_fail_or_differ_from_one_process(runs, tmp_path, config, cmd, extra, reason):
     """PPO under DeepSpeed (a critic clipped together with the actor) and RL under ZeRO-3

@@ -194,6 +194,10 @@ class Run:
         # nothing is written yet: restore() starts the directory once the models and data loaded
         self.out: Path = setup_run(cfg, write=False)
         self.accelerator = make_accelerator(cfg, find_unused_parameters=find_unused_parameters)
+        kind = getattr(self.accelerator, "distributed_type", None)
+        if cfg.model.master_weights and kind in ("FSDP", "DEEPSPEED"):  # their weights are sharded or flattened
+            raise ValueError(f"model.master_weights runs on one process or under DDP; under {kind} use the engine's "
+                             "own mixed precision (accelerate's --mixed_precision bf16) with model.dtype=float32")
         self.shard = Shard(self.accelerator)
         self.device = self.accelerator.device
         self.guard = UpdateGuard(cfg.run.max_bad_updates, name)

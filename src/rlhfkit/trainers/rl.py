@@ -527,9 +527,6 @@ def refuse_untested_engines(accelerator, cfg: Config) -> None:
     if left_out and getattr(accelerator, "num_processes", 1) > 1:
         raise ValueError(f"ppo.{left_out[0]} runs on one process only: the rows it leaves out of the update differ "
                          "between processes, which would then take different numbers of optimizer steps")
-    if kind in ("FSDP", "DEEPSPEED") and cfg.model.master_weights:
-        raise ValueError(f"model.master_weights runs on one process or under DDP; under {kind} use the engine's own "
-                         "mixed precision (accelerate's --mixed_precision bf16) with model.dtype=float32")
     if kind == "DEEPSPEED" and cfg.ppo.algo == "ppo":
         raise ValueError("ppo under DeepSpeed is not supported: its engine clips one gradient norm over the actor "
                          "and the critic together, where rlhfkit clips each to ppo.max_grad_norm, so the update "
