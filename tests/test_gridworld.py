@@ -1,4 +1,4 @@
-"""Tests for the grid-world cat (seed 003): rules by hand, exact optimum, drunk moves, learning."""
+"""Tests for the grid-world cat: rules by hand, exact optimum, drunk moves, learning."""
 
 from __future__ import annotations
 
