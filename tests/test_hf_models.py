@@ -492,6 +492,63 @@ def test_master_weights_grpo_samples_as_bfloat16_and_keeps_the_small_steps(hub, 
     assert moved["master"] > 0.9 and moved["half"] < 0.3, moved
 
 
+@pytest.mark.parametrize(("epochs", "held_out"), [(1, True), (2, True), (1, False)])
+def test_master_weights_copies_only_for_blocks_that_run_the_policy(hub, tmp_path, monkeypatch, epochs, held_out):
+    """GRPO at ``model.master_weights=true`` makes the policy's bfloat16 copies once a block that
+    runs it: each rollout, each minibatch of the update, each evaluation (before the first step
+    and after the last) and, with two epochs, each experience pass. With one epoch of one
+    minibatch the update's forward gives the old log-probs, so the experience pass runs the
+    reference alone and makes none; a prompts file with nothing held out evaluates nothing and
+    makes none there either."""
+    from rlhfkit import precision
+    from rlhfkit.trainers import rl
+
+    blocks, phase = [], {"now": "other"}
+    marked = precision._marked
+
+    def spy_marked(models):
+        roots = marked(models)
+        if roots:
+            blocks.append(phase["now"])
+        return roots
+
+    def timed(fn, during, after):  # the phase while ``fn`` runs and once it has returned
+        def wrapper(*args, **kwargs):
+            phase["now"] = during
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phase["now"] = after
+        return wrapper
+
+    deferred = []
+
+    def spy_experience(*args, **kwargs):
+        exp, stats = make_experience(*args, **kwargs)
+        deferred.append(exp.deferred)
+        return exp, stats
+
+    make_experience = rl.make_experience
+    monkeypatch.setattr(precision, "_marked", spy_marked)
+    monkeypatch.setattr(rl, "rollout", timed(rl.rollout, "rollout", "experience"))  # the pass right after it
+    monkeypatch.setattr(rl, "ppo_update", timed(rl.ppo_update, "update", "other"))
+    monkeypatch.setattr(rl, "evaluate", timed(rl.evaluate, "evaluate", "other"))
+    monkeypatch.setattr(rl, "make_experience", spy_experience)
+    data = {}
+    if not held_out:  # the built-in task holds out prompts; a file with eval_fraction 0 does not
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2), encoding="utf-8")
+        data = {"path": str(prompts), "eval_fraction": 0.0}
+    cfg = tiny_rl_config(tmp_path, model={"name": hub["llama"], "dtype": "bfloat16", "master_weights": True},
+                         reward={"name": hub["rm"]}, data=data,
+                         ppo={"algo": "grpo", "steps": 2, "ppo_epochs": epochs, "minibatch_size": 8})
+    train_rl(cfg)
+    assert deferred == [epochs == 1] * 2
+    assert {p: blocks.count(p) for p in ("rollout", "experience", "update", "evaluate", "other")} == {
+        "rollout": 2, "experience": 0 if epochs == 1 else 2, "update": 2 * epochs,
+        "evaluate": 2 if held_out else 0, "other": 0}
+
+
 @pytest.mark.parametrize("command", ["sft", "dpo"])
 def test_master_weights_in_sft_and_dpo(hub, tmp_path, command):
     """SFT and DPO at ``model.master_weights=true``: the first step's loss (SFT) or policy

@@ -254,15 +254,18 @@ def shard_frozen(accelerator, *models) -> list:
 
 
 @contextlib.contextmanager
-def full_weights(*models, per_layer: bool = False):
+def full_weights(*models, per_layer: bool = False, compute: bool = True):
     """:func:`_full_weights` of each of ``models`` (None and unsharded ones are no-ops), and
     under ``model.master_weights`` the trained model's bfloat16 copies
-    (:func:`rlhfkit.precision.compute_weights`): the weights its forwards run on."""
+    (:func:`rlhfkit.precision.compute_weights`): the weights its forwards run on. ``compute``
+    False leaves the copies to the caller, which makes them only if it runs the model (the
+    experience pass, :func:`rlhfkit.experience.experience_forwards`)."""
     with contextlib.ExitStack() as stack:
         for model in models:
             stack.enter_context(on_device(model))  # ppo.offload: a frozen model's weights come from host memory
             stack.enter_context(_full_weights(model, per_layer))
-        stack.enter_context(compute_weights(*models))
+        if compute:
+            stack.enter_context(compute_weights(*models))
         yield
 
 

@@ -33,6 +33,7 @@ from .core import (
 )
 from .distributed import Shard
 from .models import ValueHead, policy_forward, token_logprobs, token_values, unwrap
+from .precision import compute_weights
 from .rewards import Scorer
 from .rollout import Rollout
 from .utils import to_float
@@ -300,22 +301,27 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
     vocab = unwrap(ac.policy).get_output_embeddings().out_features
     chunk = max(1, min(B, EXPERIENCE_LOGITS // max(1, R * vocab)))
     parts: dict[str, list] = {"old_logprobs": [], "old_values": [], "entropy": [], "ref_logprobs": []}
-    for rows in row_chunks(roll.prompt_ids, mask[:, :P], chunk):
-        resp = roll.response_ids[rows]
-        if not policy:
-            logprobs = values = entropy = None
-        elif reuse:
-            logprobs, values, entropy = roll.logprobs[rows], None, roll.entropy[rows]
-            if ac.value_head is not None:
-                values = roll.values[rows]
-            elif ac.critic is not None:
-                values = ac.critic_values(ids[rows], mask[rows], P)
-        else:
-            logprobs, entropy, values = ac(ids[rows], mask[rows], P, pc.temperature, response_ids=resp, entropy=True)
-        ref_logprobs, _, _ = token_logprobs(ref, ids[rows], mask[rows], P, resp, pc.temperature)
-        for name, part in (("old_logprobs", logprobs), ("old_values", values), ("entropy", entropy),
-                           ("ref_logprobs", ref_logprobs)):
-            parts[name].append(part)
+    # model.master_weights: the bfloat16 copies, once for the pass, of the models it runs: the
+    # policy and critic, the critic alone (reused log-probs) or none (a no-op inside a caller's
+    # block over the same models)
+    runs = (ac if not reuse else ac.critic if ac.value_head is None else None) if policy else None
+    with compute_weights(runs):
+        for rows in row_chunks(roll.prompt_ids, mask[:, :P], chunk):
+            resp = roll.response_ids[rows]
+            if not policy:
+                logprobs = values = entropy = None
+            elif reuse:
+                logprobs, values, entropy = roll.logprobs[rows], None, roll.entropy[rows]
+                if ac.value_head is not None:
+                    values = roll.values[rows]
+                elif ac.critic is not None:
+                    values = ac.critic_values(ids[rows], mask[rows], P)
+            else:
+                logprobs, entropy, values = ac(ids[rows], mask[rows], P, pc.temperature, response_ids=resp, entropy=True)
+            ref_logprobs, _, _ = token_logprobs(ref, ids[rows], mask[rows], P, resp, pc.temperature)
+            for name, part in (("old_logprobs", logprobs), ("old_values", values), ("entropy", entropy),
+                               ("ref_logprobs", ref_logprobs)):
+                parts[name].append(part)
     return {k: torch.cat(v) if v[0] is not None else None for k, v in parts.items()}  # [B, R] each
 
 

@@ -441,13 +441,13 @@ def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward:
                 roll, _ = rollout(run, ac, train_ac, tok, chunk, None, cfg.eval.max_new_tokens or max_new_tokens, env)
                 returns += reward.score(roll, chunk)[0].add(roll.turn_rewards.sum(-1)).tolist()
         return {"eval/reward": sum(returns) / len(returns)}
+    if data.task is None and not data.eval_records:
+        return {}  # before the block: no gathered weights, no master-weight copies for nothing
     with full_weights(train_ac, *reward.models):
         if data.task is not None:
             ev = evaluate_sharded(data.task, ac.policy, tok, run.device, run.shard, cfg.eval.batch_size,
                                   cfg.eval.max_new_tokens, cfg.ppo.stop)
             return {"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]}
-        if not data.eval_records:
-            return {}
         return evaluate_rewards(ac.policy, tok, data.eval_records, reward, run.device, run.shard,
                                 cfg.eval.batch_size, cfg.eval.max_new_tokens or max_new_tokens, cfg.eval.greedy,
                                 cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop)
@@ -621,7 +621,9 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         t1 = time.perf_counter()
         # step 2. experience: scores, reference log-probs, values -> advantages and returns
         release_free_memory()
-        with full_weights(train_ac, ref, *scorer.models):  # FSDP: the forwards below call the modules themselves
+        # FSDP: the forwards below call the modules themselves; model.master_weights: the policy's
+        # bfloat16 copies are made in the experience pass, only when it runs the policy
+        with full_weights(train_ac, ref, *scorer.models, compute=False), compute_weights(ref, *scorer.models):
             exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
         stats = shard.mean({**stats, **episode}, maxed=("policy/logprob_gap",))
         t2 = time.perf_counter()
