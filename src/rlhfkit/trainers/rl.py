@@ -622,8 +622,9 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         # step 2. experience: scores, reference log-probs, values -> advantages and returns
         release_free_memory()
         # FSDP: the forwards below call the modules themselves; model.master_weights: the policy's
-        # bfloat16 copies are made in the experience pass, only when it runs the policy
-        with full_weights(train_ac, ref, *scorer.models, compute=False), compute_weights(ref, *scorer.models):
+        # bfloat16 copies are made in the experience pass, only when it runs the policy (the
+        # reference and reward models are never master-weight models)
+        with full_weights(train_ac, ref, *scorer.models, compute=False):
             exp, stats = make_experience(ac, ref, scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
         stats = shard.mean({**stats, **episode}, maxed=("policy/logprob_gap",))
         t2 = time.perf_counter()
