@@ -5,7 +5,7 @@
 #   make test-real  the slow tier: learning on the real chat model, the cities file route (~10 min; CI runs it too)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
-#   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (about 40 h, one core)
+#   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (about 42 h, one core)
 #   make bench-real-model  learning on SmolLM2-135M-Instruct with LoRA: rlhfkit grpo and ppo (defaults)
 #               against TRL's GRPOTrainer on its defaults and on rlhfkit's schedule, 3 seeds, one
 #               core: hours (benchmarks/README.md; tiny check: python benchmarks/real_model.py
@@ -106,18 +106,20 @@ bench: $(BENCH_STAMP) $(TRL112)/.installed
 # One GRPO step against TRL's GRPOTrainer, seven rows that split the ratio into shared prompts,
 # TRL's CPU head and implementation, 3 runs x (1 warm-up + 3 steps), one row at a time on core 0:
 # GPT-2 small's shape and the real chat model on the short workload, the real chat model on the
-# reasoning-shaped one, in float32 and then in bfloat16 (LoRA on a bfloat16 base, and full
-# fine-tuning at model.master_weights, against TRL at bf16=True with and without its default
-# checkpointing); about 40 hours, an estimate (benchmarks/README.md, real_step.py)
+# reasoning-shaped one, in float32 and then in bfloat16 on both workloads (LoRA on a bfloat16
+# base, and full fine-tuning at model.master_weights, against TRL at bf16=True with and without
+# its default checkpointing); about 42 hours, an estimate (benchmarks/README.md, real_step.py)
 bench-real: $(BENCH_STAMP)
 	$(BIN)/pytest -m bench -q  # the checks the TRL comparisons rest on: the same GRPO update, the same head
 	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
 	$(BIN)/python benchmarks/real_step.py --size gpt2 --workload short --core 0
 	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload short --core 0
 	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload reasoning --core 0
-	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload reasoning --core 0 --rows \
-	    rlhfkit_grpo_master_bf16 trl_grpo_compact_master_bf16 trl_grpo_compact_ckpt_master_bf16 \
-	    rlhfkit_grpo_lora_bf16 trl_grpo_compact_lora_bf16 trl_grpo_compact_ckpt_lora_bf16
+	for wl in short reasoning; do \
+	    $(BIN)/python benchmarks/real_step.py --size smollm2 --workload $$wl --core 0 --rows \
+	        rlhfkit_grpo_master_bf16 trl_grpo_compact_master_bf16 trl_grpo_compact_ckpt_master_bf16 \
+	        rlhfkit_grpo_lora_bf16 trl_grpo_compact_lora_bf16 trl_grpo_compact_ckpt_lora_bf16 || exit 1; \
+	done
 
 # Steps to a held-out target and seconds per phase on the real chat model (rlhfkit fetch-model's),
 # four contenders x seeds 0 1 2 one after another on core 0 (benchmarks/README.md): several hours
