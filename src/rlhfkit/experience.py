@@ -304,7 +304,12 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
     # model.master_weights: the bfloat16 copies, once for the pass, of the models it runs: the
     # policy and critic, the critic alone (reused log-probs) or none (a no-op inside a caller's
     # block over the same models)
-    runs = (ac if not reuse else ac.critic if ac.value_head is None else None) if policy else None
+    if not policy:
+        runs = None
+    elif not reuse:
+        runs = ac
+    else:
+        runs = ac.critic if ac.value_head is None else None  # a value head's values come with the rollout
     with compute_weights(runs):
         for rows in row_chunks(roll.prompt_ids, mask[:, :P], chunk):
             resp = roll.response_ids[rows]
