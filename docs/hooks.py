@@ -2,7 +2,7 @@
 at every build.
 
 The page is never committed: each ``mkdocs build`` renders it from the same sources as
-``rlhfkit CMD --help`` (``rc.key_docs()``, ``rc.key_types()``, ``rc.RANGES``, the
+``rlhfkit CMD --help`` (``config.key_docs()``, ``config.key_types()``, ``config.RANGES``, the
 defaults of ``Config()``), so a key added, renamed or re-documented in config.py is in the next
 build of the site, and there is no second copy that could fall behind.
 """
@@ -61,11 +61,12 @@ def _algo_table() -> list[str]:
     keys = rc.ALGO_KEYS
     lines = ["## Defaults that depend on the RL command", "",
              "`rlhfkit ppo`, `grpo`, `rloo` and `reinforce` set `ppo.algo`, which brings these values "
-             "for the keys you do not set yourself (`rc.ALGO_DEFAULTS`). With a LoRA policy "
-             "(`model.lora_r` > 0) the keys in `rc.LORA_DEFAULTS` change again: "
+             "for the keys you do not set yourself (`config.ALGO_DEFAULTS`). With a LoRA policy "
+             "(`model.lora_r` > 0) the keys in `config.LORA_DEFAULTS` change again: "
              + "; ".join(f"`{algo}`: " + ", ".join(f"`ppo.{k}` = `{v!r}`" for k, v in vals.items())
                          for algo, vals in rc.LORA_DEFAULTS.items()) + ".", "",
-             "| command | " + " | ".join(f"`ppo.{k}`" for k in keys) + " |",
+             "Each column is a key of the `ppo` section:", "",
+             "| command | " + " | ".join(f"`{k}`" for k in keys) + " |",
              "|---|" + "---|" * len(keys)]
     for algo, values in rc.ALGO_DEFAULTS.items():
         lines.append(f"| `rlhfkit {algo}` | " + " | ".join(_default(values[k]) for k in keys) + " |")

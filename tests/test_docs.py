@@ -155,3 +155,44 @@ def test_every_example_path_the_readme_names_exists():
     text = README.read_text(encoding="utf-8")
     paths = set(re.findall(r"\b((?:examples|benchmarks|docs)/[\w./-]+\w)", text))
     assert paths and [p for p in paths if not (ROOT / p).exists()] == []
+
+
+def _run_snippets(*names: str) -> dict:
+    """Execute the Python blocks of the README and the pages that define ``names``; their globals."""
+    scope: dict = {}
+    for path in [README, *PAGES]:
+        for block in _blocks(path.read_text(encoding="utf-8"), ("python",)):
+            defined = {n.name for n in ast.parse(block).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            if defined & set(names):
+                exec(compile(block, str(path), "exec"), scope)
+    return scope
+
+
+def test_the_shown_reward_function_scores_as_described():
+    correct = _run_snippets("correct")["correct"]
+    scores = correct(prompts=["2+2?"] * 3, completions=["4", " 4 ", "5"], completion_ids=[[1], [1], [2]],
+                     finished=[True, False, True], answer=["4", "4", "4"])
+    assert scores == [1.0, 0.0, 0.0] and correct.binary is True  # the second was cut: not finished
+
+
+def test_the_shown_environments_play_an_episode():
+    from rlhfkit.prompts import PromptRecord
+
+    scope = _run_snippets("Guess", "Calculator")
+    guess = scope["Guess"]()
+    assert guess.reset(PromptRecord("", {"secret": 7}))[0]["role"] == "user"
+    assert guess.step("3") == ({"role": "user", "content": "No."}, -0.1, False)
+    assert guess.step(" 7") == (None, 1.0, True)
+    calc = scope["Calculator"]()
+    calc.reset(PromptRecord("What is 3 * 4?", {"product": 12}))
+    assert (calc.reward("12"), calc.reward("13")) == (1.0, 0.0)
+    assert scope["multiply"](3, 4) == 12
+
+
+def test_the_api_pages_example_config_is_one_grpo_runs():
+    block = _blocks((ROOT / "docs/reference/api.md").read_text(encoding="utf-8"), ("python",))[0]
+    scope: dict = {}
+    exec(block.split("summary = ")[0], scope)  # everything but the training run itself
+    cfg = scope["cfg"]
+    assert (cfg.ppo.algo, cfg.ppo.steps, cfg.ppo.kl_coef) == ("grpo", 20, config.ALGO_DEFAULTS["grpo"]["kl_coef"])
+    check_rl_config(cfg, cfg.model.name)
