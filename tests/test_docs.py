@@ -196,3 +196,15 @@ def test_the_api_pages_example_config_is_one_grpo_runs():
     cfg = scope["cfg"]
     assert (cfg.ppo.algo, cfg.ppo.steps, cfg.ppo.kl_coef) == ("grpo", 20, config.ALGO_DEFAULTS["grpo"]["kl_coef"])
     check_rl_config(cfg, cfg.model.name)
+
+
+def test_design_page_names_every_module_of_the_layer_map():
+    """docs/design.md's layer table and tests/test_layers.py's map name the same modules."""
+    spec = importlib.util.spec_from_file_location("layers_map", ROOT / "tests" / "test_layers.py")
+    layers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layers)
+    table = "\n".join(line for line in (ROOT / "docs/design.md").read_text(encoding="utf-8").splitlines()
+                      if line.startswith("| "))
+    named = set(re.findall(r"`([\w.]+)`", table))
+    mapped = {m for m in layers.LAYER_OF if m != "__main__"}
+    assert mapped - named == set()
