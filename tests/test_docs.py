@@ -208,3 +208,15 @@ def test_design_page_names_every_module_of_the_layer_map():
     named = set(re.findall(r"`([\w.]+)`", table))
     mapped = {m for m in layers.LAYER_OF if m != "__main__"}
     assert mapped - named == set()
+
+
+@pytest.mark.slow  # converts the real chat model once per machine when it is not cached yet
+def test_the_command_fetch_model_suggests_runs(capsys):
+    """``rlhfkit fetch-model`` ends with an example command: it must be one the RL commands accept."""
+    if cli.main(["fetch-model", "smollm2-135m-instruct"]) != 0:
+        pytest.skip("the real chat model cannot be fetched here (offline?)")
+    hint = capsys.readouterr().out.splitlines()[-1]
+    assert hint.startswith("e.g. rlhfkit grpo ")
+    args = cli._parser().parse_args(shlex.split(hint.removeprefix("e.g. rlhfkit ")))
+    cfg = cli._config(args)
+    check_rl_config(cfg, cfg.model.name)
