@@ -220,3 +220,10 @@ def test_the_command_fetch_model_suggests_runs(capsys):
     args = cli._parser().parse_args(shlex.split(hint.removeprefix("e.g. rlhfkit ")))
     cfg = cli._config(args)
     check_rl_config(cfg, cfg.model.name)
+
+
+def test_the_home_page_lists_every_command():
+    rows = [line for line in (ROOT / "docs/index.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `rlhfkit")]
+    listed = {name for row in rows for name in re.findall(r"`(?:rlhfkit )?([\w-]+)`", _cells(row)[0])}
+    assert listed == set(cli.COMMANDS)
