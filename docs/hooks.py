@@ -41,7 +41,7 @@ def _cell(value: object) -> str:
 
 
 def value_range(key: str) -> str:
-    """The accepted values of ``key`` from RANGES and POSITIVE, as the error message states them."""
+    """The values ``key`` accepts by RANGES and POSITIVE (what the config checks), '" for a key without a range."""
     if key not in rc.RANGES:
         return ""
     lo, hi = rc.RANGES[key]
