@@ -41,7 +41,7 @@ def _cell(value: object) -> str:
 
 
 def value_range(key: str) -> str:
-    """The values ``key`` accepts by RANGES and POSITIVE (what the config checks), '" for a key without a range."""
+    """The values ``key`` accepts by RANGES and POSITIVE (what the config checks); empty without a range."""
     if key not in rc.RANGES:
         return ""
     lo, hi = rc.RANGES[key]
