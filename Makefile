@@ -4,7 +4,8 @@
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
 #   make test-real  the slow tier: learning on the real chat model, the cities file route (~10 min; CI runs it too)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
-#   make bench  the benchmarks side by side with transformers and TRL (see README, Performance)
+#   make docs   build the documentation site into site/ (mkdocs build --strict; installs the docs extra)
+#   make bench  the benchmarks side by side with transformers and TRL (see benchmarks/README.md)
 #   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (about 42 h, one core)
 #   make bench-real-model  learning on SmolLM2-135M-Instruct with LoRA: rlhfkit grpo and ppo (defaults)
 #               against TRL's GRPOTrainer on its defaults and on rlhfkit's schedule, 3 seeds, one
@@ -23,7 +24,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test test-fast test-real test-long lint bench bench-real bench-real-model clean browser tmux
+.PHONY: demo test test-fast test-real test-long docs lint bench bench-real bench-real-model clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -80,6 +81,18 @@ test-long: lint
 test-fast: lint
 	$(PYTEST) -m "not slow and not long and not bench"
 
+# The documentation site (mkdocs.yml, pages in docs/; docs/hooks.py renders the config reference
+# from src/rlhfkit/config.py at every build). --strict: a broken link or a page missing from the
+# navigation fails the build.
+DOCS_STAMP := $(VENV)/.rlhfkit-docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # Benchmarks (each pins itself to one core). TRL is an optional benchmark dependency: the
 # .[bench] extra (trl 1.16, for GRPOTrainer); TRL's PPOTrainer only exists up to trl 1.12 and
 # runs from its own venv, .venv-trl112 (made here when missing; ppo_step skips it otherwise).
@@ -128,4 +141,4 @@ bench-real-model: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/real_model.py --core 0
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs site .pytest_cache .ruff_cache

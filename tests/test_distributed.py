@@ -69,7 +69,7 @@ FSDP_RUNS = ("ppo", "ppo_separate", "grpo", "rloo", "reinforce", "ppo_lora", "gr
 FSDP_TOL = 1e-5
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and
-# ZeRO-3 rollouts (sharded weights) do not work, see README
+# ZeRO-3 rollouts (sharded weights) do not work, see docs/scale-out.md
 DEEPSPEED_RUNS = {"zero2": ("sft", "grpo_file"), "zero3": ("sft",)}
 # the DeepSpeed tests (marked long) need the optional dependency; make test-long installs it
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

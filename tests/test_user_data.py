@@ -42,7 +42,7 @@ def test_every_prompt_file_format_gives_the_same_records(tmp_path):
     want = [(r["prompt"], {"answer": r["answer"], "level": r["level"]}) for r in RECORDS]
     for kind, path in paths.items():
         got = [(e.prompt, e.meta) for e in load_prompts(path, TOK)]
-        # CSV has no types: its cells are strings (README, "Your own data")
+        # CSV has no types: its cells are strings (docs/data.md)
         assert got == ([(p, {"answer": m["answer"], "level": str(m["level"])}) for p, m in want] if kind == "csv"
                        else want), kind
 
@@ -385,7 +385,7 @@ def test_a_reward_function_from_a_file_or_the_current_directory(how, tmp_path, m
         spec = f"{tmp_path.name}/{name}.py:correct"  # relative to the current directory, as a user types it
     else:
         monkeypatch.chdir(tmp_path)
-        spec = f"{name}:correct"  # the README's reward.function=myreward:correct
+        spec = f"{name}:correct"  # the README's and docs/data.md's reward.function=myreward:correct
     fn = load_reward_function(spec)
     assert fn(prompts=["a", "b"], completions=[" 4", "5"], answer=["4", "6"]) == [1.0, 0.0]
     assert load_reward_function(spec) is fn  # imported once

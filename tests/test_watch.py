@@ -76,8 +76,8 @@ def test_an_eos_collapse_is_flagged_within_steps(batch):
 def test_a_healthy_kl_does_not_raise_the_kl_guard_whatever_the_length(per_token, length):
     """Healthy per-token KLs, noisy (log-normal, 30%) around their level: a chat model's 0.03
     nats/token over 512 tokens (15 nats: the per-sequence bound of 10 flagged every step) and the
-    doubling task's healthy peak, ~0.8 nats/token over ~6 tokens (4.6 nats, README's robustness
-    table). None flags."""
+    doubling task's healthy peak, ~0.8 nats/token over ~6 tokens (4.6 nats, the robustness
+    table of benchmarks/README-0.1.0-measurements.md). None flags."""
     kl = per_token * np.random.default_rng(1).lognormal(0.0, 0.3, (STEPS, RUNS)) * length
     fired, _ = _flagged(_watch(), {"objective/kl": kl, "response/length": np.full((STEPS, RUNS), length)},
                         "guard/kl_high")
@@ -85,10 +85,11 @@ def test_a_healthy_kl_does_not_raise_the_kl_guard_whatever_the_length(per_token,
 
 
 def test_a_kl_blow_up_is_flagged():
-    """Hacking-like, after the GRPO collapses of README's robustness section (group-std scaling,
-    beta 0.05, seed 10: per-sequence KL 17 and 25 nats, measured again at commit caa43df as 3.1
-    and 4.3 nats/token at the peak, rising from ~0.5 over about 40 steps; the real runs flagged at
-    steps 58 and 49): the per-token KL rises from 0.5 to 3.5 over steps 30-50. Every run flags."""
+    """Hacking-like, after the GRPO collapses of the robustness section of
+    benchmarks/README-0.1.0-measurements.md (group-std scaling, beta 0.05, seed 10: per-sequence KL
+    17 and 25 nats, measured again at commit caa43df as 3.1 and 4.3 nats/token at the peak, rising
+    from ~0.5 over about 40 steps; the real runs flagged at steps 58 and 49): the per-token KL
+    rises from 0.5 to 3.5 over steps 30-50. Every run flags."""
     kl_token = _ramp(0.5, 3.5, 30, 20) * np.random.default_rng(2).lognormal(0.0, 0.3, (STEPS, RUNS))
     fired, first = _flagged(_watch(), {"objective/kl": 6.0 * kl_token, "response/length": np.full((STEPS, RUNS), 6.0)},
                             "guard/kl_high")
@@ -112,7 +113,8 @@ def test_a_steady_held_out_accuracy_rarely_raises_the_eval_guard(prompts, p):
 @pytest.mark.parametrize("trace", ["plateau", "learned"])
 def test_a_held_out_collapse_is_flagged(prompts, share, trace):
     """Hacking-like: held-out accuracy falls from 0.95 to 0.6 over steps 40-60 while the training
-    score keeps rising (the over-optimisation README's robustness section found: GRPO on the
+    score keeps rising (the over-optimisation the robustness section of
+    benchmarks/README-0.1.0-measurements.md found: GRPO on the
     learned rewards fell to 0.03 and 0.09 held-out exact by step 100; a milder fall here). 'learned':
     the run first climbs from 0.3 over 30 steps, whose own steps raise the noise estimate. On the
     doubling task's 512 held-out prompts every run flags; on 64 prompts at least 80% (all of the

@@ -3,7 +3,7 @@
 #
 # The files come from the built-in city-facts task (`rlhfkit export-task cities DIR`), so the
 # numbers can be compared with `rlhfkit demo run.task=cities`; any files in the same formats
-# work the same way (README, "Your own data"). Usage: examples/own_data/run.sh [OUT_DIR]
+# work the same way (docs/data.md). Usage: examples/own_data/run.sh [OUT_DIR]
 set -euo pipefail
 OUT=${1:-runs/own_data}
 RLHFKIT=${RLHFKIT:-rlhfkit}

@@ -13,7 +13,7 @@
 #
 # Usage: examples/real_model/pipeline.sh [OUT_DIR]   (runs/real_pipeline by default)
 #   CORE=1 picks the CPU core; SFT_STEPS=8 RM_STEPS=10 PPO_STEPS=6 GRPO_STEPS=8 DPO_STEPS=10 the
-#   stages' lengths (SFT_STEPS=3 leaves the later stages more to do: README, "The whole pipeline")
+#   stages' lengths (SFT_STEPS=3 leaves the later stages more to do: docs/real-models.md)
 # Writes OUT_DIR/{data,sft,rm,ppo,grpo,dpo,eval_*,times}/ and prints the table of
 # examples/real_model/pipeline_table.py (held-out numbers, CPU and wall seconds per stage).
 set -euo pipefail

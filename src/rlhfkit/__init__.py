@@ -3,4 +3,4 @@
 Import what you need from the submodules (``rlhfkit.core`` is pure torch and stays
 light; trainers live in ``rlhfkit.trainers``)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

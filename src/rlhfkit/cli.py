@@ -385,7 +385,8 @@ def _fetch_model(args, debug: bool = False) -> int:
     else:
         print(f"{res['name']}: converted {res['source']} in {res['seconds']:.0f}s -> {res['dir']} "
               "(a dequantised Q4_1: close to, not identical with, the bf16 original; see its README.md)")
-    print(f"e.g. rlhfkit grpo model.name={res['dir']} model.lora_r=16 data.path=PROMPTS.jsonl reward.function=MOD:FN")
+    print(f"e.g. rlhfkit grpo model.name={res['dir']} model.lora_r=16 data.path=PROMPTS.jsonl "
+          "ppo.max_new_tokens=64 reward.function=MOD:FN")
     return 0
 
 

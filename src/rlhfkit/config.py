@@ -35,7 +35,7 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # score, so beta = 0.2 pulls as hard on a reward of any scale. With raw scores, 3 of 12 runs on
     # the label classifier (logits of a few units) ended below 0.95 held-out exact, on tuning seeds
     # 33-44; normalised, 0 of 24 (seeds 33-56), 0 of 24 on the Bradley-Terry reward model and 1 of
-    # 24 on the exact verifier (0 raw). README, "Defaults that hold on rewards they were not tuned on".
+    # 24 on the exact verifier (0 raw). benchmarks/README-0.1.0-measurements.md, "Defaults that hold".
     # Beside k1 in the reward (whose policy gradient is the reverse KL(pi || ref)'s, which charges
     # nothing for an answer no longer sampled) a k3 loss term of weight 0.1 pulls on the forward
     # KL(ref || pi): at lr 6e-4 on the exact verifier 3 of 36 runs stalled at 0.66 held-out exact
@@ -48,7 +48,7 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
             "group_size": 8, "forward_kl_coef": 0.1},
     # The critic-free commands share one recipe, chosen on the doubling task across three rewards
     # (the exact verifier, a Bradley-Terry reward model, a label classifier; tuning seeds 10-14,
-    # benchmarks/robustness.py; README, "Defaults that hold on rewards they were not tuned on"):
+    # benchmarks/robustness.py; benchmarks/README-0.1.0-measurements.md, "Defaults that hold"):
     # k3 as a loss term with beta 0.3, and scores divided by the batch's std (scale_rewards=batch,
     # the config's default). GRPO dividing by each group's std with beta 0.05 (the earlier
     # defaults) collapsed on both learned rewards (held-out exact 0.03 and 0.09 at step 100,
@@ -69,7 +69,7 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # A LoRA policy (model.lora_r > 0) takes these instead, for the keys of ALGO_KEYS left unset.
 # On a pretrained chat model (SmolLM2-135M-Instruct, LoRA r 16, 16 completions a step, three
-# weighted rewards: exact, contains the answer, brevity; README, "Learning on it") the critic-free
+# weighted rewards: exact, contains the answer, brevity; benchmarks/README-0.1.0-measurements.md) the critic-free
 # recipe's KL term is what keeps the answer's format from changing: held-out exact stayed 0.00 for
 # 60 steps at beta 0.3 (the city-country task) and for 23 at beta 0.05 with k1 in the reward (the
 # capital-city task), 0.03 at step 29 at beta 0.05 as k3 in the loss; with beta 0 the same recipe
@@ -496,8 +496,8 @@ class PPOConfig(Section):
     keeps. Not used with kl_in_loss=true (the KL is a loss term already: kl_estimator, kl_coef).
     Unset: 0.1 for ppo, 0 for ppo with a LoRA policy (not measured there) and for grpo, rloo and
     reinforce. On the doubling task's verifier at lr 6e-4 it removed PPO's stalls (3 of 36 runs
-    at 0.66 without it, none with it) and held on the learned rewards (README, "Defaults that hold
-    on rewards they were not tuned on")."""
+    at 0.66 without it, none with it) and held on the learned rewards (docs/algorithms/ppo.md,
+    "Why the defaults are what they are")."""
     adaptive_kl: bool = False
     """Adapt beta with the proportional controller towards kl_target."""
     kl_target: float = 0.5
@@ -563,7 +563,8 @@ class PPOConfig(Section):
     classifier reward 0.65x the seconds per rollout and 0.77x the seconds to 0.99 held-out exact
     (tuning seeds 21-32); it held on the robustness matrix's 27 runs (seeds 0-2 and 33-38, three
     rewards; benchmarks/FINDINGS.md); on the real chat model with LoRA, 0.58x the seconds a step,
-    half the memory, and held-out exact 0.5 sooner on 2 of 3 seeds (README, "Learning on it").
+    half the memory, and held-out exact 0.5 sooner on 2 of 3 seeds
+    (benchmarks/README-0.1.0-measurements.md, "Learning on the real chat model").
     A separate critic is what TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat use."""
     value_init: Literal["reward", "policy"] | None = None
     """A separate value model's start: the reward model ('reward', the meaning of unset: when
@@ -696,7 +697,7 @@ class DataConfig(Section):
     """Your training data: a JSONL / JSON / Parquet / CSV file, a ``Dataset.save_to_disk``
     directory or a hub dataset id. sft: demonstrations; rm and dpo: preference pairs; ppo, grpo,
     rloo, reinforce: prompts (every other column reaches the reward functions). Empty: the
-    built-in task's generated data (run.task). Formats: README, "Your own data"."""
+    built-in task's generated data (run.task). Formats: docs/data.md."""
     split: str = ""
     """Split of a dataset directory or hub id (empty: 'train')."""
     eval_path: str = ""

@@ -517,7 +517,7 @@ def open_outputs(run: Run, resumed: dict):
 def refuse_untested_engines(accelerator, cfg: Config) -> None:
     """Stop, with the reason and before any work, where DeepSpeed would fail late or run RL
     differently from one process (measured on two CPU processes against the 1-process run;
-    README, FSDP and DeepSpeed), or where an option differs from it. Every RL command runs under
+    docs/scale-out.md), or where an option differs from it. Every RL command runs under
     FSDP2, LoRA included."""
     kind = getattr(accelerator, "distributed_type", None)
     if kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
