@@ -26,9 +26,10 @@ import yaml
 # The settings of the `ppo` section that depend on the algorithm (ppo.algo): the one source of
 # these defaults for the command line (rlhfkit ppo/grpo/rloo/reinforce sets ppo.algo) and the
 # Python API alike. A key of ALGO_KEYS left unset (None) takes its algorithm's value when the
-# section is built (PPOConfig(algo="grpo") has GRPO's), and changing ppo.algo with
-# Config.replace, a config file or an override moves the ones not given with it to the new
-# algorithm's values.
+# section is built (PPOConfig(algo="grpo") has GRPO's) and stays unset in the config: changing
+# ppo.algo or model.lora_r later, with Config.replace, a config file or an override, moves it to
+# the new algorithm's and policy's value, while a key the user set keeps that value on every route
+# (null sets it back to unset).
 ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward", "forward_kl_coef")
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # PPO normalises scores with running statistics: its KL penalty sits in the reward beside the
@@ -661,7 +662,8 @@ class PPOConfig(Section):
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # the key was a bool before it had three values
             object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
-        # the keys left unset, which a LoRA policy may resolve otherwise (Config, LORA_DEFAULTS)
+        # the keys left unset: Config resolves them for its policy (LORA_DEFAULTS), and Config.replace
+        # and load_config(base=...) keep them unset
         object.__setattr__(self, "_defaulted", frozenset(k for k in ALGO_KEYS if getattr(self, k) is None))
         for key, value in ALGO_DEFAULTS.get(self.algo, {}).items():  # an unknown algo: named by the check below
             if getattr(self, key) is None:
@@ -872,9 +874,9 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self):
-        # a LoRA policy's defaults (LORA_DEFAULTS) for the algorithm keys the ppo section left unset
-        lora = LORA_DEFAULTS.get(self.ppo.algo, {}) if self.model.lora_r else {}
-        values = {k: v for k, v in lora.items() if k in getattr(self.ppo, "_defaulted", ())}
+        # the algorithm keys the ppo section left unset take this policy's values (LORA_DEFAULTS with LoRA)
+        values = {k: v for k, v in algo_defaults(self.ppo.algo, bool(self.model.lora_r)).items()
+                  if k in self.ppo._defaulted and getattr(self.ppo, k) != v}
         # the critic: a model of its own only when one is configured. value.name and value.lora name a
         # model to build; ppo.value_init asks for one only when unset beside it (configs saved before
         # the head was the default record value_init: reward for every run, shared ones included)
@@ -896,28 +898,34 @@ class Config:
                          for g in dataclasses.fields(sec) for v in [getattr(sec, g.name)]}
                 for f in dataclasses.fields(self) for sec in [getattr(self, f.name)]}
 
+    def _as_given(self) -> dict[str, Any]:
+        """:meth:`to_dict` with the algorithm keys the user left unset as None, as they were given:
+        what a copy is built from (``replace``, ``load_config(base=...)``), so that those keys follow
+        a later ppo.algo or model.lora_r and the ones the user set keep their values."""
+        data = self.to_dict()
+        data["ppo"].update(dict.fromkeys(self.ppo._defaulted))
+        return data
+
     def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with some fields changed: ``cfg.replace(ppo={"steps": 3})`` (validated)."""
-        data = self.to_dict()
+        data = self._as_given()
         for sec, values in sections.items():
             for key, val in values.items():
                 _set(data, f"{sec}.{key}", val)
-        follow_algo(data, self.ppo.algo, {f"{s}.{k}" for s, v in sections.items() for k in v}, bool(self.model.lora_r))
+        follow_value_model(data, {f"{s}.{k}" for s, v in sections.items() for k in v})
         return from_dict(data)
 
 
-def follow_algo(data: dict[str, Any], algo_before: str, given: set[str], lora_before: bool = False) -> None:
-    """When ``data``'s ppo.algo differs from ``algo_before``, or LoRA was switched on or off
-    (model.lora_r from or to 0; ``lora_before``: it was on), unset (None) the algorithm-dependent
-    keys (ALGO_KEYS) not among the dotted keys ``given`` with it, so that PPOConfig and Config give
-    them the new algorithm's values (LORA_DEFAULTS' for a LoRA policy). Likewise ppo.value_model,
-    when value.name, value.lora or ppo.value_init is given without it: Config resolves it again."""
-    ppo, model = data.get("ppo"), data.get("model")
-    lora_now = bool(model.get("lora_r")) if isinstance(model, dict) else lora_before
-    if isinstance(ppo, dict) and (ppo.get("algo") != algo_before or lora_now != lora_before):
-        for key in ALGO_KEYS:
-            if f"ppo.{key}" not in given:
-                ppo[key] = None
+def algo_defaults(algo: str, lora: bool) -> dict[str, Any]:
+    """The values of ALGO_KEYS left unset under ``algo``: ALGO_DEFAULTS', LORA_DEFAULTS' for a LoRA policy."""
+    return {**ALGO_DEFAULTS.get(algo, {}), **(LORA_DEFAULTS.get(algo, {}) if lora else {})}
+
+
+def follow_value_model(data: dict[str, Any], given: set[str]) -> None:
+    """Unset (None) ppo.value_model when value.name, value.lora or ppo.value_init is among the dotted
+    keys ``given`` without it, so that Config resolves it again (a saved config.yaml records the
+    shared head of every run that had one)."""
+    ppo = data.get("ppo")
     if isinstance(ppo, dict) and "ppo.value_model" not in given and given & {"value.name", "value.lora", "ppo.value_init"}:
         ppo["value_model"] = None
 
@@ -1099,8 +1107,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 prefer: Sequence[str] = ()) -> Config:
     """Defaults (or ``base``) <- YAML file <- dotted overrides, validated. ``prefer``: the sections
     an unknown key's suggestions come from first (the command's own)."""
-    data = (base or Config()).to_dict()
-    algo_before, lora_before, given = data["ppo"]["algo"], bool(data["model"]["lora_r"]), set()
+    data, given = (base or Config())._as_given(), set()
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -1123,7 +1130,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(item)
         _set(data, key, value, prefer)
         given.add(key)
-    follow_algo(data, algo_before, given, lora_before)
+    follow_value_model(data, given)
     return from_dict(data)
 
 
