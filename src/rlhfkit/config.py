@@ -1001,9 +1001,9 @@ KEY_ALIASES = {"env.class": "env.cls"}
 TRL_KEYS: dict[str, dict[str, tuple[str, str]]] = {
     "ppo": {
         "learning_rate": ("ppo.lr", "the actor's AdamW rate, the critic's is ppo.value_lr; TRL's default 1e-6, "
-                                    "rlhfkit's 3e-4 (tuned on the built-in tasks' tiny models)"),
-        "lr_scheduler_type": ("ppo.lr_schedule", "TRL's default 'linear' decays both rates to 0 over the run, "
-                                                 "rlhfkit's default is 'constant'"),
+                                    "rlhfkit's 3e-4 (set for the built-in tasks' tiny models)"),
+        "lr_scheduler_type": ("ppo.lr_schedule", "TRL's default 'linear' decays the rate to 0 over the run, "
+                                                 "rlhfkit's default is 'constant' (for ppo.lr and ppo.value_lr)"),
         "warmup_ratio": ("", "the RL commands have no learning-rate warm-up; TRL has none by default either "
                              "(transformers 5 reads a warmup_steps below 1 as this share of the steps)"),
         "num_generations": ("ppo.group_size", "completions per prompt for grpo and rloo, TRL's default 8, "
@@ -1011,8 +1011,9 @@ TRL_KEYS: dict[str, dict[str, tuple[str, str]]] = {
         "generation_batch_size": ("ppo.batch_size", "completions per rollout"),
         "num_iterations": ("ppo.ppo_epochs", "passes over each rollout, TRL's default 1, rlhfkit's 2; TRL keeps one "
                            "shuffled split of the rollout for every pass: ppo.minibatch_draw=rollout"),
-        "steps_per_generation": ("ppo.minibatch_size", "optimizer steps per rollout and pass are ppo.batch_size / "
-                                                       "ppo.minibatch_size: TRL's default 1, rlhfkit's 64 / 32 = 2"),
+        "steps_per_generation": ("ppo.minibatch_size", "TRL's counts micro-batches, gradient_accumulation_steps by "
+                                 "default: one optimizer step a generation batch; here a rollout takes "
+                                 "ppo.batch_size / ppo.minibatch_size optimizer steps a pass, 64 / 32 = 2"),
         "per_device_train_batch_size": ("ppo.micro_batch_size", "rows per forward and backward pass, per process; "
                                         "one optimizer step takes per_device_train_batch_size x "
                                         "gradient_accumulation_steps x processes rows: ppo.minibatch_size"),
@@ -1056,8 +1057,8 @@ TRL_KEYS: dict[str, dict[str, tuple[str, str]]] = {
                                              "first"),
     },
     "dpo": {
-        "learning_rate": ("dpo.lr", "constant; TRL's default 1e-6 decays linearly to 0, rlhfkit's 1e-3 is tuned "
-                                    "on the built-in tasks' tiny models"),
+        "learning_rate": ("dpo.lr", "constant; TRL's default 1e-6 decays linearly to 0, rlhfkit's 1e-3 is set "
+                                    "for the built-in tasks' tiny models"),
         "lr_scheduler_type": ("", "dpo.lr is constant; TRL decays it linearly to 0 by default"),
         "warmup_ratio": ("", "dpo has no learning-rate warm-up; TRL has none by default either"),
         "beta": ("dpo.beta", "the same, 0.1 by default"),
