@@ -114,7 +114,8 @@ def test_help_shows_the_commands_own_defaults_and_types(capsys):
     with pytest.raises(SystemExit):
         main(["grpo", "-h"])
     out = capsys.readouterr().out
-    assert "  ppo.kl_coef: float = 0.3\n      beta: weight of the KL penalty (which KL it pulls on: see kl_estimator).\n" in out
+    assert ("  ppo.kl_coef: float = 0.3\n      beta: weight of the KL penalty (which KL it pulls on: see kl_estimator; TRL's "
+            "beta, whose GRPO\n      default is 0 with full fine-tuning too).\n") in out
     assert "  ppo.kl_estimator: 'k1' | 'k2' | 'k3' = 'k3'\n" in out  # grpo's ALGO_DEFAULTS, Literal choices
     assert "  run.out_dir: str = 'runs/grpo'\n" in out
     assert "  ppo.max_new_tokens: int | None = None\n" in out
@@ -159,8 +160,8 @@ def test_an_unknown_key_suggests_the_full_dotted_key(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("rlhfkit sft: error: unknown config key 'steps': keys are written section.key. "
                           "Did you mean sft.steps, pretrain.steps, reward.steps, ppo.steps, dpo.steps")
-    assert main(["ppo", "ppo.beta=0.1"]) == 2  # a key of another section
-    assert capsys.readouterr().err.strip().endswith("Did you mean 'dpo.beta'?")
+    assert main(["ppo", "ppo.beta=0.1"]) == 2  # TRL's name, not dpo.beta: the ppo section's KL weight
+    assert "unknown config key 'ppo.beta'. TRL's beta is ppo.kl_coef here: " in capsys.readouterr().err
 
 
 def test_ppo_with_a_reward_function_alone_starts_the_critic_from_the_policy(tiny_models, tiny_config, tmp_path,

@@ -16,6 +16,7 @@ import math
 import os
 import types
 import typing
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +27,10 @@ import yaml
 # The settings of the `ppo` section that depend on the algorithm (ppo.algo): the one source of
 # these defaults for the command line (rlhfkit ppo/grpo/rloo/reinforce sets ppo.algo) and the
 # Python API alike. A key of ALGO_KEYS left unset (None) takes its algorithm's value when the
-# section is built (PPOConfig(algo="grpo") has GRPO's), and changing ppo.algo with
-# Config.replace, a config file or an override moves the ones not given with it to the new
-# algorithm's values.
+# section is built (PPOConfig(algo="grpo") has GRPO's) and stays unset in the config: changing
+# ppo.algo or model.lora_r later, with Config.replace, a config file or an override, moves it to
+# the new algorithm's and policy's value, while a key the user set keeps that value on every route
+# (null sets it back to unset).
 ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward", "forward_kl_coef")
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # PPO normalises scores with running statistics: its KL penalty sits in the reward beside the
@@ -84,8 +86,14 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
 LORA_DEFAULTS: dict[str, dict[str, Any]] = {**{algo: {"kl_coef": 0.0} for algo in ("grpo", "rloo", "reinforce")},
                                             "ppo": {"forward_kl_coef": 0.0}}
 # k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
-# objective names (PPOConfig.kl_estimator); it is what TRL's GRPO does, and k2 (the reverse KL's
-# gradient) at the same beta held no better on the three rewards
+# objective names (PPOConfig.kl_estimator); it is TRL's GRPO with use_bias_correction_kl=False (its
+# default, True, weighs k3 by the ratio, whose gradient is k2's), and k2 (the reverse KL's gradient)
+# at the same beta held no better on the three rewards
+
+
+# the loss types that reduce each sequence to its token mean first (PPOConfig.loss_type): a
+# sequence-level ratio then weighs every sequence alike, as GSPO's objective does
+PER_SEQUENCE_LOSSES = ("grpo", "sapo")
 
 
 class ConfigError(ValueError):
@@ -334,11 +342,12 @@ class PPOConfig(Section):
     experience and update."""
     scale_rewards: Literal["group", "batch", "advantages", "none"] = "batch"
     """grpo, rloo, reinforce: divide the baseline-centred scores by the std of the prompt's group
-    ('group': GRPO's paper; true reads as this), by the std of the whole batch's raw scores
-    ('batch': TRL's GRPO scale_rewards='batch'), re-centre them on their batch mean and divide
-    by their own std ('advantages': TRL's RLOO normalize_advantages=True; with groups it is not
-    'batch', e.g. 1.0 against 1.32 on one example), or by nothing ('none': Dr. GRPO, RLOO's
-    paper, TRL's RLOO default; false reads as this). See rlhfkit.core.scale_advantages;
+    ('group': GRPO's paper and TRL's GRPO default; true reads as this), by the std of the whole
+    batch's raw scores ('batch', the default here: TRL's GRPO scale_rewards='batch'), re-centre
+    them on their batch mean and divide by their own std ('advantages': TRL's RLOO
+    normalize_advantages=True; with groups it is not 'batch', e.g. 1.0 against 1.32 on one
+    example), or by nothing ('none': Dr. GRPO, RLOO's paper, TRL's RLOO default; false reads as
+    this). See rlhfkit.core.scale_advantages;
     reinforce has no groups. TRL's GRPO divides by the group's std by default, OpenRLHF's too;
     all add a small epsilon to an unbiased std, as here."""
     steps: int = 200
@@ -349,7 +358,8 @@ class PPOConfig(Section):
     """Sequences per optimizer step. On the doubling task 32 beat 16 on 3/3 seeds: 40-55 steps
     to 0.99 instead of 55-75, and half the optimizer steps per rollout."""
     ppo_epochs: int = 2
-    """Passes over each rollout."""
+    """Passes over each rollout (TRL's num_iterations, whose default is 1: with TRL's defaults a
+    rollout is one optimizer step, here ppo_epochs x batch_size / minibatch_size, 4 by default)."""
     minibatch_draw: Literal["epoch", "rollout"] = "epoch"
     """How a rollout's rows are dealt into minibatches (whole groups or prompts, either way):
     'epoch' draws a new partition for every epoch; 'rollout' draws one per rollout and keeps it
@@ -394,7 +404,9 @@ class PPOConfig(Section):
     the cap acts only on a mismatch between the sampler's and the training forward's log-probs.
     The KL term and the value loss are not reweighed (TRL: the same). 'none': no weight."""
     sampling_correction_cap: float = 2.0
-    """The cap of ppo.sampling_correction's weights (TRL's vllm_importance_sampling_cap)."""
+    """The cap of ppo.sampling_correction's weights: TRL's vllm_importance_sampling_clip_max
+    (formerly vllm_importance_sampling_cap), whose default is 3.0; no lower bound, as TRL's
+    vllm_importance_sampling_clip_min would give."""
     stop: tuple[str, ...] = ()
     """Stop strings, a YAML list (one string is a list of one; quote what YAML would read otherwise:
     ppo.stop='["###", "User:"]'): a response also ends, like at EOS, once its decoded new text
@@ -461,12 +473,14 @@ class PPOConfig(Section):
     forward gives them instead of a policy forward of their own
     (:func:`rlhfkit.experience.defer_old_logprobs`)."""
     kl_coef: float = None  # type: ignore[assignment]
-    """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator). Unset: 0.2 for
-    ppo, 0.3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS); 0 for grpo, rloo and reinforce
-    with a LoRA policy (model.lora_r > 0; config.LORA_DEFAULTS: on a pretrained chat model beta
-    0.3 held the answer's format still for 60 steps). PPO's per-token KL weight is 0.05 in
-    TRL, 0.01 in OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here; ppo adds a k3
-    loss term beside it (forward_kl_coef, 0.1): set both to 0 for no KL term at all."""
+    """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator; TRL's beta, whose GRPO
+    default is 0 with full fine-tuning too). Unset: 0.2 for ppo, 0.3 for grpo, rloo and reinforce
+    (config.ALGO_DEFAULTS); 0 for grpo, rloo and reinforce with a LoRA policy (model.lora_r > 0;
+    config.LORA_DEFAULTS: on a pretrained chat model beta 0.3 held the answer's format still for
+    60 steps). TRL's GRPO weighs its k3 term by the ratio (see kl_estimator); TRL's RLOO: 0.05, k1
+    summed over the response in the reward. PPO's per-token KL weight is 0.05 in TRL, 0.01 in
+    OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here; ppo adds a k3 loss term beside
+    it (forward_kl_coef, 0.1): set both to 0 for no KL term at all."""
     kl_estimator: Literal["k1", "k2", "k3"] = None  # type: ignore[assignment]
     """Per-token KL estimator from the sampled token's log-probs, with log r = log ref - log pi:
     k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As values (objective/kl) k1 and k3 are
@@ -480,7 +494,10 @@ class PPOConfig(Section):
       k1: zero in expectation (E_pi[grad log pi] = 0), only noise: refused;
       k2: the reverse KL(pi || ref)'s gradient at each sampled token's state;
       k3: the FORWARD KL(ref || pi)'s gradient at each sampled token's state (grpo/rloo/reinforce).
-    Unset: k1 for ppo, k3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS)."""
+    Unset: k1 for ppo, k3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS). TRL's GRPO puts k3
+    in the loss times the importance ratio by default (use_bias_correction_kl=True): the ratio is 1
+    on-policy but keeps its gradient, and ratio x k3 has k2's gradient, the reverse KL's; port it
+    as k2 (the same gradient, k2's values in objective/kl), use_bias_correction_kl=False as k3."""
     kl_in_loss: bool = None  # type: ignore[assignment]
     """Put the KL penalty in the loss (beta * token-mean of kl_estimator, GRPO style) instead of
     the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator. Unset:
@@ -536,14 +553,20 @@ class PPOConfig(Section):
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
     """The policy loss's ratio: 'token' (PPO); 'sequence' (GSPO, TRL's name): each row's
     exp(mean log-ratio), clipped per sequence -- GSPO used clip ranges near 3e-4 to 4e-4, not
-    0.2; 'sequence_token' (GSPO-token): the same value, per-token gradients."""
+    0.2; 'sequence_token' (GSPO-token): the same value, per-token gradients. Either sequence level
+    with a ppo.loss_type that sums over tokens (all but grpo and sapo) weighs each sequence by its
+    length, not GSPO's per-sequence objective: a warning, as TRL gives. TRL's RLOO takes one ratio
+    per sequence, exp(summed log-ratio), clipped, and the mean over sequences; rlhfkit's rloo takes
+    a ratio and clip per token, reduced by ppo.loss_type: on-policy its gradient is TRL's divided by
+    the mean response length (token_mean)."""
     value_clip_range: float | None = None
     """Value clip around the rollout-time values; None disables it. The common 0.2 assumes
     returns of order 1: with scores of +-3 it lets the critic move 0.2 per step and stalls it."""
     vf_coef: float = 0.5
     """Weight of the value loss."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus."""
+    """Weight of the entropy bonus, reduced by ppo.loss_type as every per-token loss (TRL's GRPO:
+    a token mean whatever its loss_type, as here under token_mean, bnpo, dapo and cispo)."""
     score_clip: float = 5.0
     """Clip the reward score to +-score_clip before it is added -- and before any group or batch
     statistic (GRPO's mean and std). TRL does not clip; OpenRLHF clips to +-10 (for GRPO after
@@ -662,7 +685,8 @@ class PPOConfig(Section):
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # the key was a bool before it had three values
             object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
-        # the keys left unset, which a LoRA policy may resolve otherwise (Config, LORA_DEFAULTS)
+        # the keys left unset: Config resolves them for its policy (LORA_DEFAULTS), and Config.replace
+        # and load_config(base=...) keep them unset
         object.__setattr__(self, "_defaulted", frozenset(k for k in ALGO_KEYS if getattr(self, k) is None))
         for key, value in ALGO_DEFAULTS.get(self.algo, {}).items():  # an unknown algo: named by the check below
             if getattr(self, key) is None:
@@ -684,6 +708,11 @@ class PPOConfig(Section):
             raise ConfigError(f"ppo.epsilon_high={self.epsilon_high} with ppo.loss_type=cispo caps every importance "
                               "weight below 1 (an on-policy step's gradient scaled by it); the cap is an absolute "
                               "weight: use >= 1 (ScaleRL: 5.0), or leave it unset")
+        if self.importance_sampling_level != "token" and self.loss_type not in PER_SEQUENCE_LOSSES:
+            warnings.warn(f"ppo.importance_sampling_level={self.importance_sampling_level} with ppo.loss_type="
+                          f"{self.loss_type} sums the sequence's ratio over its tokens, so each sequence weighs as "
+                          "much as it is long, not GSPO's per-sequence objective; GSPO's setup is "
+                          "ppo.loss_type=grpo", UserWarning, stacklevel=1)  # this line's: shown once per message
         if self.kl_in_loss and self.kl_estimator == "k1":
             raise ConfigError("ppo.kl_in_loss=true with ppo.kl_estimator=k1: k1 = log pi - log ref has a zero expected "
                               "gradient (E_pi[grad log pi] = 0), so as a loss term it is only noise; use "
@@ -758,7 +787,9 @@ class DPOConfig(Section):
     as TRL's loss_type='ipo', each log-prob averaged over its response's tokens; 'ipo_sum': the
     same over summed log-probs (the paper's form, and dpo.loss=ipo before it followed TRL), whose
     beta sets a gap over whole responses, not per token. h is the pair's log-ratio gap (log pi -
-    log ref of chosen minus that of rejected), summed over the response tokens for 'sigmoid'."""
+    log ref of chosen minus that of rejected), summed over the response tokens for 'sigmoid'. The
+    logged rewards/* are beta x the log-ratios the loss uses: per-token means under 'ipo', where
+    TRL logs beta x the summed log-ratios whatever its loss_type."""
     nll_coef: float = 1.0
     """Weight of the chosen answers' per-token NLL added to the preference loss (RPO); the default
     loss is DPO + NLL, TRL's loss_type=["sigmoid", "sft"] (TRL's default adds none); 0 = plain
@@ -873,9 +904,9 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self):
-        # a LoRA policy's defaults (LORA_DEFAULTS) for the algorithm keys the ppo section left unset
-        lora = LORA_DEFAULTS.get(self.ppo.algo, {}) if self.model.lora_r else {}
-        values = {k: v for k, v in lora.items() if k in getattr(self.ppo, "_defaulted", ())}
+        # the algorithm keys the ppo section left unset take this policy's values (LORA_DEFAULTS with LoRA)
+        values = {k: v for k, v in algo_defaults(self.ppo.algo, bool(self.model.lora_r)).items()
+                  if k in self.ppo._defaulted and getattr(self.ppo, k) != v}
         # the critic: a model of its own only when one is configured. value.name and value.lora name a
         # model to build; ppo.value_init asks for one only when unset beside it (configs saved before
         # the head was the default record value_init: reward for every run, shared ones included)
@@ -897,28 +928,34 @@ class Config:
                          for g in dataclasses.fields(sec) for v in [getattr(sec, g.name)]}
                 for f in dataclasses.fields(self) for sec in [getattr(self, f.name)]}
 
+    def _as_given(self) -> dict[str, Any]:
+        """:meth:`to_dict` with the algorithm keys the user left unset as None, as they were given:
+        what a copy is built from (``replace``, ``load_config(base=...)``), so that those keys follow
+        a later ppo.algo or model.lora_r and the ones the user set keep their values."""
+        data = self.to_dict()
+        data["ppo"].update(dict.fromkeys(self.ppo._defaulted))
+        return data
+
     def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with some fields changed: ``cfg.replace(ppo={"steps": 3})`` (validated)."""
-        data = self.to_dict()
+        data = self._as_given()
         for sec, values in sections.items():
             for key, val in values.items():
                 _set(data, f"{sec}.{key}", val)
-        follow_algo(data, self.ppo.algo, {f"{s}.{k}" for s, v in sections.items() for k in v}, bool(self.model.lora_r))
+        follow_value_model(data, {f"{s}.{k}" for s, v in sections.items() for k in v})
         return from_dict(data)
 
 
-def follow_algo(data: dict[str, Any], algo_before: str, given: set[str], lora_before: bool = False) -> None:
-    """When ``data``'s ppo.algo differs from ``algo_before``, or LoRA was switched on or off
-    (model.lora_r from or to 0; ``lora_before``: it was on), unset (None) the algorithm-dependent
-    keys (ALGO_KEYS) not among the dotted keys ``given`` with it, so that PPOConfig and Config give
-    them the new algorithm's values (LORA_DEFAULTS' for a LoRA policy). Likewise ppo.value_model,
-    when value.name, value.lora or ppo.value_init is given without it: Config resolves it again."""
-    ppo, model = data.get("ppo"), data.get("model")
-    lora_now = bool(model.get("lora_r")) if isinstance(model, dict) else lora_before
-    if isinstance(ppo, dict) and (ppo.get("algo") != algo_before or lora_now != lora_before):
-        for key in ALGO_KEYS:
-            if f"ppo.{key}" not in given:
-                ppo[key] = None
+def algo_defaults(algo: str, lora: bool) -> dict[str, Any]:
+    """The values of ALGO_KEYS left unset under ``algo``: ALGO_DEFAULTS', LORA_DEFAULTS' for a LoRA policy."""
+    return {**ALGO_DEFAULTS.get(algo, {}), **(LORA_DEFAULTS.get(algo, {}) if lora else {})}
+
+
+def follow_value_model(data: dict[str, Any], given: set[str]) -> None:
+    """Unset (None) ppo.value_model when value.name, value.lora or ppo.value_init is among the dotted
+    keys ``given`` without it, so that Config resolves it again (a saved config.yaml records the
+    shared head of every run that had one)."""
+    ppo = data.get("ppo")
     if isinstance(ppo, dict) and "ppo.value_model" not in given and given & {"value.name", "value.lora", "ppo.value_init"}:
         ppo["value_model"] = None
 
@@ -930,8 +967,13 @@ def _suggest(name: str, options, prefix: str = "") -> str:
 
 def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence[str] = ()) -> str:
     """" Did you mean ...?" for an unknown key ``name`` (in ``section``, or given with none): the
-    full dotted keys, from the sections in ``prefer`` (a command's own) first."""
+    full dotted keys, from the sections in ``prefer`` (a command's own) first; for a name of TRL's
+    config, the rlhfkit key that does its job (TRL_KEYS)."""
     order = [s for s in dict.fromkeys([*prefer, *data]) if isinstance(data.get(s), dict)]
+    # a TRL name: in the section given, or in the first section holding the name as a key of its own or TRL's
+    first = section or next((s for s in order if name in data[s] or name in TRL_KEYS.get(s, {})), "")
+    if first and name not in data[first] and (hint := _trl_hint(first, name)):
+        return hint
     if section is not None:
         close = difflib.get_close_matches(name, list(data[section]), n=1)
         if close:
@@ -951,6 +993,115 @@ def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence
 
 # keys whose natural name is a Python keyword: the name users write -> the field
 KEY_ALIASES = {"env.class": "env.cls"}
+
+# TRL's config keys -> (the rlhfkit key for the job, "" for none; what differs), by the rlhfkit
+# section that takes over TRL's config: ppo for GRPOConfig and RLOOConfig, dpo for DPOConfig, sft
+# for SFTConfig; read from TRL 1.16's source. An unknown key of such a name names its rlhfkit key
+# (``ppo.num_generations=8``, ``num_generations=8``: "TRL's num_generations is ppo.group_size here");
+# docs/ppo_walkthrough.md, section 10, shows every row.
+TRL_KEYS: dict[str, dict[str, tuple[str, str]]] = {
+    "ppo": {
+        "learning_rate": ("ppo.lr", "the actor's AdamW rate, the critic's is ppo.value_lr; TRL's default 1e-6, "
+                                    "rlhfkit's 3e-4 (set for the built-in tasks' tiny models)"),
+        "lr_scheduler_type": ("ppo.lr_schedule", "TRL's default 'linear' decays the rate to 0 over the run, "
+                                                 "rlhfkit's default is 'constant' (for ppo.lr and ppo.value_lr)"),
+        "warmup_ratio": ("", "the RL commands have no learning-rate warm-up; TRL has none by default either "
+                             "(transformers 5 reads a warmup_steps below 1 as this share of the steps)"),
+        "num_generations": ("ppo.group_size", "completions per prompt for grpo and rloo, TRL's default 8, "
+                                              "rlhfkit's 4; ppo.batch_size counts completions"),
+        "generation_batch_size": ("ppo.batch_size", "completions per rollout"),
+        "num_iterations": ("ppo.ppo_epochs", "passes over each rollout, TRL's default 1, rlhfkit's 2; TRL keeps one "
+                           "shuffled split of the rollout for every pass: ppo.minibatch_draw=rollout"),
+        "steps_per_generation": ("ppo.minibatch_size", "TRL's counts micro-batches, gradient_accumulation_steps by "
+                                 "default: one optimizer step a generation batch; here a rollout takes "
+                                 "ppo.batch_size / ppo.minibatch_size optimizer steps a pass, 64 / 32 = 2"),
+        "per_device_train_batch_size": ("ppo.micro_batch_size", "rows per forward and backward pass, per process; "
+                                        "one optimizer step takes per_device_train_batch_size x "
+                                        "gradient_accumulation_steps x processes rows: ppo.minibatch_size"),
+        "gradient_accumulation_steps": ("ppo.minibatch_size", "set the rows of one optimizer step "
+                                        "(per_device_train_batch_size x gradient_accumulation_steps x processes) and "
+                                        "the rows per pass (ppo.micro_batch_size); the passes follow"),
+        "max_steps": ("ppo.steps", "TRL counts optimizer steps, rlhfkit rollouts (each ppo.ppo_epochs x "
+                                   "ppo.batch_size / ppo.minibatch_size optimizer steps)"),
+        "temperature": ("ppo.temperature", "the same, 1.0 by default; the log-probs are taken at it, as in TRL"),
+        "max_prompt_length": ("data.max_prompt_length", "the longest prompt in tokens, cut from the left "
+                              "(data.truncation); not a key of TRL 1.16's GRPOConfig and RLOOConfig"),
+        "max_completion_length": ("ppo.max_new_tokens", "TRL's default 512; rlhfkit's: the built-in task's longest "
+                                                        "answer, and required with data.path"),
+        "beta": ("ppo.kl_coef", "TRL's GRPO 0.0 by default (k3 in the loss, times the ratio: see "
+                                "use_bias_correction_kl), its RLOO 0.05 (k1 summed in the reward); rlhfkit's grpo, "
+                                "rloo and reinforce 0.3 with full fine-tuning (k3 in the loss), 0 with LoRA"),
+        "use_bias_correction_kl": ("ppo.kl_estimator", "TRL's default true multiplies its k3 term by the ratio, "
+                                   "whose gradient is then k2's (the reverse KL's): ppo.kl_estimator=k2; false is "
+                                   "k3, rlhfkit's default"),
+        "epsilon": ("ppo.clip_range", "the ratio's lower clip (and upper, without ppo.epsilon_high), 0.2 in both"),
+        "scale_rewards": ("ppo.scale_rewards", "TRL's GRPO divides by each group's std by default ('group'), "
+                                               "rlhfkit by the batch's ('batch')"),
+        "normalize_advantages": ("ppo.scale_rewards", "TRL's RLOO: true is ppo.scale_rewards=advantages, its "
+                                                      "default false is 'none'; rlhfkit's default is 'batch'"),
+        "loss_type": ("ppo.loss_type", "TRL's default 'dapo', rlhfkit's 'token_mean': the same when one "
+                                       "generation batch is one optimizer step, as by TRL's default"),
+        "entropy_coef": ("ppo.entropy_coef", "TRL adds the bonus as a token mean whatever its loss_type; "
+                                             "rlhfkit reduces it by ppo.loss_type, as every per-token loss"),
+        "importance_sampling_level": ("ppo.importance_sampling_level", "the same 'token' and 'sequence'; "
+                                      "'sequence' with a ppo.loss_type that sums tokens (all but grpo and sapo) "
+                                      "weighs each sequence by its length: a warning, as in TRL"),
+        "vllm_importance_sampling_correction": ("ppo.sampling_correction", "TRL corrects vLLM's samples by "
+                                                "default, rlhfkit its top-k / top-p samples only when asked"),
+        "vllm_importance_sampling_mode": ("ppo.sampling_correction", "the same mode names; TRL's default "
+                                                                     "'sequence_mask', rlhfkit's 'none'"),
+        "vllm_importance_sampling_clip_max": ("ppo.sampling_correction_cap", "TRL's default 3.0, rlhfkit's 2.0; "
+                                              "no lower bound (TRL's vllm_importance_sampling_clip_min)"),
+        "vllm_importance_sampling_cap": ("ppo.sampling_correction_cap", "TRL's deprecated name of "
+                                         "vllm_importance_sampling_clip_max (default 3.0); rlhfkit's 2.0"),
+        "reward_weights": ("reward.weights", "comma-separated, one per source, the reward model (reward.name) "
+                                             "first"),
+    },
+    "dpo": {
+        "learning_rate": ("dpo.lr", "constant; TRL's default 1e-6 decays linearly to 0, rlhfkit's 1e-3 is set "
+                                    "for the built-in tasks' tiny models"),
+        "lr_scheduler_type": ("", "dpo.lr is constant; TRL decays it linearly to 0 by default"),
+        "warmup_ratio": ("", "dpo has no learning-rate warm-up; TRL has none by default either"),
+        "beta": ("dpo.beta", "the same, 0.1 by default"),
+        "loss_type": ("dpo.loss", "'sigmoid' and 'ipo' (rewards/* logged from per-token means, TRL's from sums); "
+                                  "TRL's ['sigmoid', 'sft'] is rlhfkit's default (dpo.nll_coef=1), TRL's default "
+                                  "['sigmoid'] is dpo.nll_coef=0"),
+        "per_device_train_batch_size": ("dpo.micro_batch_size", "pairs per forward and backward pass, per "
+                                        "process; one optimizer step's pairs are dpo.batch_size"),
+        "gradient_accumulation_steps": ("dpo.batch_size", "set the pairs of one optimizer step and the pairs per "
+                                                          "pass (dpo.micro_batch_size); the passes follow"),
+        "max_steps": ("dpo.steps", "the same: optimizer steps"),
+        "max_length": ("data.max_length", "TRL's default 1024 keeps the start (cuts the completion), rlhfkit's "
+                                          "512 drops prompt tokens from the start (data.truncation)"),
+        "precompute_ref_log_probs": ("dpo.precompute_ref", "TRL's default false, rlhfkit's true"),
+    },
+    "sft": {
+        "learning_rate": ("sft.lr", "the peak of a linear warm-up and a cosine decay to 10% of it; TRL's default "
+                                    "2e-5 decays linearly to 0"),
+        "lr_scheduler_type": ("", "sft warms up linearly (sft.warmup_steps) and decays by a cosine to 10% of "
+                                  "sft.lr; TRL decays linearly to 0 by default"),
+        "warmup_ratio": ("sft.warmup_steps", "steps, not a share: warmup_ratio x sft.steps"),
+        "per_device_train_batch_size": ("sft.micro_batch_size", "rows per forward and backward pass, per "
+                                        "process; one optimizer step's rows are sft.batch_size"),
+        "gradient_accumulation_steps": ("sft.batch_size", "set the rows of one optimizer step and the rows per "
+                                                          "pass (sft.micro_batch_size); the passes follow"),
+        "max_steps": ("sft.steps", "the same: optimizer steps"),
+        "max_length": ("data.max_length", "TRL's default 1024 keeps the start, rlhfkit's 512 drops prompt tokens "
+                                          "from the start (data.truncation)"),
+        "packing": ("data.packing", "the same, off by default"),
+        "completion_only_loss": ("data.completion_only", "TRL's default None: the completion only for "
+                                                         "prompt-completion data; rlhfkit's true"),
+    },
+}
+
+
+def _trl_hint(section: str, name: str) -> str:
+    """" TRL's NAME is KEY here: WHAT DIFFERS." when ``name`` is a key of the TRL config that
+    ``section`` takes over (TRL_KEYS), else ""."""
+    if name not in TRL_KEYS.get(section, {}):
+        return ""
+    key, note = TRL_KEYS[section][name]
+    return f" TRL's {name} {f'is {key} here' if key else 'has no rlhfkit key'}: {note}."
 
 
 def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> None:
@@ -1077,7 +1228,8 @@ def from_dict(data: dict[str, Any]) -> Config:
         fhints = _hints(cls)
         for key in values:
             if key not in fhints:
-                raise ConfigError(f"unknown config key '{sec}.{key}'.{_suggest(key, fhints, f'{sec}.')}")
+                keys = {s: _hints(c) for s, c in hints.items()}
+                raise ConfigError(f"unknown config key '{sec}.{key}'.{_key_suggestion(keys, sec, key)}")
         sections[sec] = cls(**values)  # type- and range-checked by Section.__post_init__
     cfg = Config(**sections)
     check_values(cfg)
@@ -1100,8 +1252,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 prefer: Sequence[str] = ()) -> Config:
     """Defaults (or ``base``) <- YAML file <- dotted overrides, validated. ``prefer``: the sections
     an unknown key's suggestions come from first (the command's own)."""
-    data = (base or Config()).to_dict()
-    algo_before, lora_before, given = data["ppo"]["algo"], bool(data["model"]["lora_r"]), set()
+    data, given = (base or Config())._as_given(), set()
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -1115,8 +1266,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         for sec, values in loaded.items():
-            if sec not in data:
-                raise ConfigError(f"unknown config section '{sec}' in {path}.{_suggest(sec, data)}")
+            if sec not in data:  # a key without its section (TRL's config files are flat) or a mistyped section
+                hint = _suggest(sec, data) if isinstance(values, dict) else _key_suggestion(data, None, sec, prefer)
+                raise ConfigError(f"unknown config section '{sec}' in {path}.{hint}")
             for key, val in (values or {}).items():
                 _set(data, f"{sec}.{key}", val, prefer)
                 given.add(f"{sec}.{key}")
@@ -1124,7 +1276,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(item)
         _set(data, key, value, prefer)
         given.add(key)
-    follow_algo(data, algo_before, given, lora_before)
+    follow_value_model(data, given)
     return from_dict(data)
 
 
