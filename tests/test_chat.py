@@ -1,5 +1,5 @@
 """rlhfkit chat: prompts rendered by the tokenizer's chat template (or plain text without one),
-history, /reset, /quit and end of input; scripted, no terminal needed (the tmux-driven check on a
+history, the /commands and end of input; scripted, no terminal needed (the tmux-driven check on a
 trained model is in test_e2e.py)."""
 
 from __future__ import annotations
@@ -60,6 +60,21 @@ def test_loop_handles_reset_quit_and_end_of_input(tmp_path):
     assert run_chat(path, cfg, scripted(["hi"]), written.append) == 1  # EOF after one line ends the loop
 
 
+def test_commands_are_never_sent_to_the_model(tmp_path):
+    path = save_tiny(tmp_path / "llama", "llama", chat_tokenizer(), seed=5)
+    cfg = Config().replace(run={"device": "cpu"}, chat={"max_new_tokens": 3})
+    written = []
+    lines = ["/help", "hi", "/CLEAR", "/frobnicate now", "//etc is a path", "/exit", "never read"]
+    assert run_chat(path, cfg, scripted(lines), written.append) == 2  # 'hi' and '/etc is a path' answered
+    listing = written[1]  # the commands, listed at start and by /help
+    assert all(name in listing for name in ("/help", "/reset", "/clear", "/quit", "/exit")) and written[2] == listing
+    assert written[4] == "(conversation cleared)"
+    assert written[5].startswith("(unknown command /frobnicate, not sent to the model;") and listing in written[5]
+    assert len(written) == 7  # the reply to '//etc ...', then /exit left without reading on
+    session = ChatSession(path, cfg)  # what '//etc is a path' sent: the line less one slash
+    assert session.reply("/etc is a path") == written[6]
+
+
 def test_plain_prompt_without_a_template_and_sampling(tmp_path):
     tok = make_tokenizer()  # the doubling task's tokenizer: no chat template, BOS added
     policy = build_tiny_policy(tok, seed=0, n_layer=1, n_head=2, n_embd=16)
@@ -83,6 +98,6 @@ def test_a_line_the_tokenizer_cannot_encode_is_named_and_the_chat_goes_on(tmp_pa
     written = []
     cfg = Config().replace(run={"device": "cpu"}, chat={"max_new_tokens": 3})
     assert run_chat(str(tmp_path / "p"), cfg, scripted(["hi 数字", "数字:1234x2="]), written.append) == 1
-    assert written[1] == ("(cannot encode this input: characters the tokenizer cannot encode: 'h', 'i', ' '; "
+    assert written[2] == ("(cannot encode this input: characters the tokenizer cannot encode: 'h', 'i', ' '; "
                           "type another line)")
-    assert len(written) == 4 and written[3] == ""  # then the reply to the next line, and the newline at EOF
+    assert len(written) == 5 and written[4] == ""  # then the reply to the next line, and the newline at EOF

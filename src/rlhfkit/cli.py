@@ -29,7 +29,7 @@ COMMANDS = {
     "eval": "evaluate a policy (run directory, HF model directory or hub id): on data.path's prompts scored by "
             "reward.function / reward.name (eval.baseline: win rate against another policy), else greedily on "
             "the task's held-out prompts",
-    "chat": "talk to a policy (run directory or HF model directory); /quit or Ctrl-D leaves",
+    "chat": "talk to a policy (run directory or HF model directory); /help lists the commands, /quit or Ctrl-D leaves",
     "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "export-task": "write a built-in task's data as JSONL files (sft, prefs, prompts, eval prompts ...) to DIR",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
