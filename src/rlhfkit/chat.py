@@ -67,7 +67,9 @@ class ChatSession:
         self.device = resolve_device(cfg.run.device)
         self.tok = load_tokenizer(path, cfg.model.trust_remote_code, need_pad=False)  # one row: no padding
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        self.model = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(self.device).eval()
+        # a LoRA adapter directory: on model.name when given, else on the base its config names
+        self.model = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code,
+                                 cfg.model.name).to(self.device).eval()
         self.templated = bool(getattr(self.tok, "chat_template", None))
         self.history: list[dict[str, str]] = []
         self.gen = torch.Generator().manual_seed(cfg.run.seed)
