@@ -31,7 +31,8 @@ $PYTHON "$HERE/make_data.py" "$OUT/data" --sft "${SFT_PAIRS:-8}"
 D=$OUT/data
 
 stage sft $RLHFKIT sft "${COMMON[@]}" model.name="$BASE" data.path="$D/sft.jsonl" \
-    sft.steps=${SFT_STEPS:-4} sft.batch_size=8 sft.lr=1e-3 sft.warmup_steps=1 run.out_dir="$OUT/sft"
+    sft.steps=${SFT_STEPS:-4} sft.batch_size=8 sft.lr=1e-3 sft.warmup_steps=1 sft.assistant_turns=last \
+    run.out_dir="$OUT/sft"
 
 stage grpo $RLHFKIT grpo "${COMMON[@]}" model.name="$OUT/sft/policy" data.path="$D/prompts.jsonl" \
     env.class="$HERE/calculator.py:CalculatorEnv" ppo.batch_size=16 ppo.max_new_tokens=40 \
