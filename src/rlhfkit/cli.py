@@ -136,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("name", help="the model to fetch: smollm2-135m-instruct")
             sp.add_argument("dir", nargs="?", help="directory to write it to (default ~/.cache/rlhfkit/models/NAME, "
                                                    "or $RLHFKIT_CACHE/models/NAME)")
+            sp.add_argument("--print-path", action="store_true",
+                            help="print only the model's directory, as an absolute path (fetched first when it is "
+                                 "not there), for scripts: MODEL=$(rlhfkit fetch-model NAME --print-path)")
             continue
         if name == "report":
             sp.add_argument("path", help="run directory (holding metrics.jsonl, config.yaml ...)")
@@ -380,6 +383,9 @@ def _fetch_model(args, debug: bool = False) -> int:
             raise
         _error("fetch-model", e)
         return 2
+    if args.print_path:
+        print(Path(res["dir"]).absolute())
+        return 0
     if res["cached"]:
         print(f"{res['name']}: already converted in {res['dir']} (from {res['source']}); nothing to do")
     else:

@@ -8,13 +8,13 @@
 #   3. held-out accuracy of greedy episodes: the base without the tool, the base with the tool
 #      offered, the warm-up, the GRPO policy (evaluate.py)
 # Usage: examples/real_model/calculator/run.sh [OUT_DIR] [grpo overrides...]
-# SFT_PAIRS (demonstrated questions, 2 records each) and SFT_STEPS size the warm-up.
+# SFT_PAIRS (demonstrated questions, 2 records each) and SFT_STEPS size the warm-up; MODEL_DIR=DIR:
+# the model fetched to a directory of your own; PYTHON, RLHFKIT: see examples/env.sh.
 set -euo pipefail
 OUT=${1:-runs/calculator}; shift || true
-RLHFKIT=${RLHFKIT:-rlhfkit}
-PYTHON=${PYTHON:-python}
 CORE=${CORE:-1}
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/../../env.sh"
 COMMON=(run.overwrite=true run.threads=1 run.progress=false run.checkpoint_every=0 model.lora_r=16)
 mkdir -p "$OUT/times"
 
@@ -25,8 +25,7 @@ stage() {
     /usr/bin/time -f "%U %S %e %M" -o "$OUT/times/$name.txt" taskset -c "$CORE" "$@"
 }
 
-$RLHFKIT fetch-model smollm2-135m-instruct          # cached after the first call
-BASE=${RLHFKIT_CACHE:-$HOME/.cache/rlhfkit}/models/smollm2-135m-instruct
+BASE=$(model_dir smollm2-135m-instruct)          # fetched on the first call, cached after
 $PYTHON "$HERE/make_data.py" "$OUT/data" --sft "${SFT_PAIRS:-8}"
 D=$OUT/data
 
