@@ -11,6 +11,8 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from hf_helpers import CHAT_TEMPLATE, chat_tokenizer
+from rlhfkit.config import Config
 from rlhfkit.data import (
     DataError,
     PreferenceExample,
@@ -23,6 +25,7 @@ from rlhfkit.data import (
     load_sft,
     pack_sft,
 )
+from rlhfkit.trainers.sft import load_demonstrations
 
 # Assistant turns end with EOS inside the template, user/system turns with a newline.
 TEMPLATE = (
@@ -115,18 +118,21 @@ def test_preferences_implicit_prompt(as_source):
 
 SFT_FORMATS = {
     "messages": ({"messages": [user("hi"), bot("yo"), user("bye"), bot("ciao")]},
-                 ("<|user|>hi\n<|assistant|>yo</s><|user|>bye\n<|assistant|>", "ciao</s>")),
-    "prompt_completion_text": ({"prompt": "Q: 1+1\nA:", "completion": " 2"}, ("Q: 1+1\nA:", " 2")),
+                 SFTExample("<|user|>hi\n<|assistant|>", "yo</s>", turns=(("<|user|>bye\n<|assistant|>", "ciao</s>"),))),
+    "prompt_completion_text": ({"prompt": "Q: 1+1\nA:", "completion": " 2"}, SFTExample("Q: 1+1\nA:", " 2")),
     "prompt_completion_chat": ({"prompt": [user("hi")], "completion": [bot("yo")]},
-                               ("<|user|>hi\n<|assistant|>", "yo</s>")),
-    "text": ({"text": "just text"}, ("", "just text")),
+                               SFTExample("<|user|>hi\n<|assistant|>", "yo</s>")),
+    "text": ({"text": "just text"}, SFTExample("", "just text")),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", SFT_FORMATS)
 def test_sft_formats(as_source, fmt):
-    rec, (prompt, completion) = SFT_FORMATS[fmt]
-    assert load_sft(as_source([rec]), TOK) == [SFTExample(prompt, completion)]
+    rec, example = SFT_FORMATS[fmt]
+    assert load_sft(as_source([rec]), TOK) == [example]
+    if fmt == "messages":  # the last assistant turn alone, the earlier ones prompt
+        want = SFTExample("<|user|>hi\n<|assistant|>yo</s><|user|>bye\n<|assistant|>", "ciao</s>")
+        assert load_sft(as_source([rec]), TOK, turns="last") == [want]
 
 
 def test_prompts(as_source):
@@ -227,6 +233,57 @@ def test_encode_sft_loss_mask_is_exactly_the_completion():
     # completion already ends with EOS (chat templates do that): not doubled
     assert ids[2].tolist() == [BOS, *TOK.convert_tokens_to_ids(["q", "r"]), EOS, PAD, PAD, PAD]
     assert att[2].tolist() == [1, 1, 1, 1, 0, 0, 0] and loss[2].tolist() == [0, 0, 1, 1, 0, 0, 0]
+
+
+# SmolLM2-135M-Instruct's chat template, as its tokenizer_config.json has it: a default system
+# turn, and a newline after each turn's <|im_end|>
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_every_assistant_turn_of_a_conversation_is_trained_through_its_end_of_turn(tmp_path):
+    tok = chat_tokenizer()  # one token per character, <|im_start|> and <|im_end|> one token each; EOS <|im_end|>
+    tok.chat_template = SMOLLM2_TEMPLATE
+    msgs = [{"role": "system", "content": "S"}, user("Hi"), bot("Yo!"), user("2+2?"), bot("4")]
+    enc = encode_sft(load_sft([{"messages": msgs}], tok), tok, max_length=100)
+    ids, loss = enc["input_ids"][0], enc["loss_mask"][0]
+    # the template's own rendering, tokenized at once, is the row (less the newline after the last <|im_end|>)
+    full = tok.apply_chat_template(msgs, tokenize=False)
+    assert ids.tolist() == tok(full.removesuffix("\n"))["input_ids"] and enc["attention_mask"].all()
+    # <|im_start|> system \n S <|im_end|> \n = 1+6+1+1+1+1 = 11; <|im_start|> user \n Hi <|im_end|> \n = 1+4+1+2+1+1 = 10;
+    # <|im_start|> assistant \n = 1+9+1 = 11: 32 prompt tokens. Yo! <|im_end|> = 3+1 = 4 trained.
+    # \n <|im_start|> user \n 2+2? <|im_end|> \n <|im_start|> assistant \n = 1+1+4+1+4+1+1+1+9+1 = 24 context;
+    # 4 <|im_end|> = 2 trained: 62 tokens
+    assert loss.tolist() == [0] * 32 + [1] * 4 + [0] * 24 + [1] * 2
+    assert tok.decode(ids[32:36]) == "Yo!<|im_end|>" and tok.decode(ids[60:62]) == "4<|im_end|>"
+    answers = [m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant"]
+    assert tok.decode(ids[loss.bool()]) == "".join(answers)  # the assistant contents and nothing else
+    last = encode_sft(load_sft([{"messages": msgs}], tok, turns="last"), tok, max_length=100)
+    assert last["input_ids"][0].tolist() == ids.tolist() and last["loss_mask"][0].tolist() == [0] * 60 + [1] * 2
+    for turns, later in (("all", 1), ("last", 0)):  # sft.assistant_turns reaches the trainer's loader
+        cfg = Config().replace(sft={"assistant_turns": turns})
+        (ex,), _ = load_demonstrations(cfg, tok, write_jsonl(tmp_path / "sft.jsonl", [{"messages": msgs}]))
+        assert len(ex.turns) == later
+    # a conversation opened by the assistant: that turn answers nothing and stays context
+    opened = encode_sft(load_sft([{"messages": [bot("Hello"), *msgs[1:3]]}], tok), tok, max_length=100)
+    assert tok.decode(opened["input_ids"][0][opened["loss_mask"][0].bool()]) == "Yo!<|im_end|>"
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_the_last_turn_only():
+    tok = chat_tokenizer()  # this template marks every assistant turn but the last as old
+    tok.chat_template = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] }}"
+                                              "{% if m['role'] == 'assistant' and not loop.last %} (old){% endif %}")
+    rec = {"messages": [user("Hi"), bot("Yo"), user("Bye"), bot("Ciao")]}
+    with pytest.raises(DataError, match=r"^list\[0\]: field 'messages': the chat template renders the turns before "
+                                        r"message 3 differently .* sft.assistant_turns=last$"):
+        load_sft([rec], tok)
+    (ex,) = load_sft([rec], tok, turns="last")
+    assert ex.completion == "Ciao<|im_end|>" and ex.prompt.endswith("Yo (old)<|im_end|>\n<|im_start|>user\nBye"
+                                                                    "<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_truncation_left_keeps_response_and_prompt_end():

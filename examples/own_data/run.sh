@@ -4,9 +4,10 @@
 # The files come from the built-in city-facts task (`rlhfkit export-task cities DIR`), so the
 # numbers can be compared with `rlhfkit demo run.task=cities`; any files in the same formats
 # work the same way (docs/data.md). Usage: examples/own_data/run.sh [OUT_DIR]
+# (PYTHON, RLHFKIT: see examples/env.sh)
 set -euo pipefail
 OUT=${1:-runs/own_data}
-RLHFKIT=${RLHFKIT:-rlhfkit}
+. "$(cd "$(dirname "$0")" && pwd)/../env.sh"
 TASK=(run.task=cities model.n_layer=3 model.n_embd=96)   # the base model's size (built from scratch)
 RERUN=run.overwrite=true   # running the script again replaces its earlier runs under OUT_DIR
 

@@ -12,16 +12,16 @@
 # keeps every stage short. Files: examples/real_model/make_pipeline_data.py.
 #
 # Usage: examples/real_model/pipeline.sh [OUT_DIR]   (runs/real_pipeline by default)
+#   MODEL_DIR=DIR: the model fetched to a directory of your own; PYTHON, RLHFKIT: see examples/env.sh
 #   CORE=1 picks the CPU core; SFT_STEPS=8 RM_STEPS=10 PPO_STEPS=6 GRPO_STEPS=8 DPO_STEPS=10 the
 #   stages' lengths (SFT_STEPS=3 leaves the later stages more to do: docs/real-models.md)
 # Writes OUT_DIR/{data,sft,rm,ppo,grpo,dpo,eval_*,times}/ and prints the table of
 # examples/real_model/pipeline_table.py (held-out numbers, CPU and wall seconds per stage).
 set -euo pipefail
 OUT=${1:-runs/real_pipeline}
-RLHFKIT=${RLHFKIT:-rlhfkit}
-PYTHON=${PYTHON:-python}
 CORE=${CORE:-1}
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/../env.sh"
 RW="$HERE/rewards.py"
 COMMON=(run.overwrite=true run.threads=1 run.progress=false run.checkpoint_every=0 model.lora_r=16)
 mkdir -p "$OUT/times"
@@ -33,8 +33,8 @@ stage() {
     /usr/bin/time -f "%U %S %e %M" -o "$OUT/times/$name.txt" taskset -c "$CORE" "$@"
 }
 
-stage fetch $RLHFKIT fetch-model smollm2-135m-instruct          # a no-op once cached
-BASE=${RLHFKIT_CACHE:-$HOME/.cache/rlhfkit}/models/smollm2-135m-instruct
+[ -n "${MODEL_DIR:-}" ] || stage fetch $RLHFKIT fetch-model smollm2-135m-instruct   # a no-op once cached
+BASE=$(model_dir smollm2-135m-instruct)
 $PYTHON "$HERE/make_pipeline_data.py" "$OUT/data" --sft 32
 D=$OUT/data
 

@@ -3,14 +3,14 @@
 # the city-country task (which country is a city in, answered with the country's name alone),
 # 98 training and 32 held-out cities, rewards from examples/real_model/rewards.py.
 # Usage: examples/real_model/run.sh [OUT_DIR] [overrides...]
+#   MODEL_DIR=DIR: the model fetched to a directory of your own; PYTHON, RLHFKIT: see examples/env.sh
 set -euo pipefail
 OUT=${1:-runs/real_model}; shift || true
-RLHFKIT=${RLHFKIT:-rlhfkit}
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/../env.sh"
 
-$RLHFKIT fetch-model smollm2-135m-instruct          # cached after the first call
-MODEL=${RLHFKIT_CACHE:-$HOME/.cache/rlhfkit}/models/smollm2-135m-instruct
-python "$HERE/make_data.py" "$OUT/data"
+MODEL=$(model_dir smollm2-135m-instruct)          # fetched on the first call, cached after
+$PYTHON "$HERE/make_data.py" "$OUT/data"
 
 # exact is the 0/1 verifier (eval/accuracy); contains and brevity shape it: the base answers in
 # whole sentences, so exact alone would give groups without any signal

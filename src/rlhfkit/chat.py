@@ -4,10 +4,13 @@ Each line typed is a user turn. With a chat template in the tokenizer the conver
 (optional system message, earlier turns unless ``chat.history=false``, the new turn) is
 rendered by it with the generation prompt; without one the line itself is the prompt, as
 the toy tasks expect (``数字:1234x2=`` -> ``2468``). Replies are greedy or sampled
-(``chat.greedy``, ``chat.temperature``) up to ``chat.max_new_tokens`` or the EOS. ``/reset``
-forgets the conversation; ``/quit`` or end of input (Ctrl-D) leaves. A line with characters the
-tokenizer cannot encode (outside a character vocabulary such as the toy tasks') is answered
-with a message naming them, and the chat waits for the next line.
+(``chat.greedy``, ``chat.temperature``) up to ``chat.max_new_tokens`` or the EOS. A line
+starting with ``/`` is a command (:data:`COMMANDS`, listed at start and by ``/help``), never sent
+to the model: ``/reset`` (or ``/clear``) forgets the conversation, ``/quit`` (or ``/exit``)
+leaves, as does end of input (Ctrl-D); an unknown one is answered as such, and ``//`` sends a
+line that starts with ``/``. A line with characters the tokenizer cannot encode (outside a
+character vocabulary such as the toy tasks') is answered with a message naming them, and the
+chat waits for the next line.
 """
 
 from __future__ import annotations
@@ -30,6 +33,23 @@ def context_length(model) -> int | None:
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
+# the chat's commands and what they do; ALIASES name the same command another way
+COMMANDS = {"/help": "list these commands", "/reset": "forget the conversation (also /clear)",
+            "/quit": "leave (also /exit, or Ctrl-D)"}
+ALIASES = {"/clear": "/reset", "/exit": "/quit"}
+COMMANDS_HELP = ("commands: " + "; ".join(f"{name} {what}" for name, what in COMMANDS.items())
+                 + "; start a line with // to send it beginning with /")
+
+
+def command_of(line: str) -> str | None:
+    """The command a typed line gives (``'/quit'`` for ``/exit`` too), the unknown ``/word`` as
+    typed, or None for a line to send to the model (``//...`` included)."""
+    if not line.startswith("/") or line.startswith("//"):
+        return None
+    name = line.split()[0].lower()
+    return ALIASES.get(name, name)
+
+
 class UnencodableInput(ValueError):
     """The typed line holds characters the tokenizer cannot encode (``.characters``)."""
 
@@ -47,7 +67,9 @@ class ChatSession:
         self.device = resolve_device(cfg.run.device)
         self.tok = load_tokenizer(path, cfg.model.trust_remote_code, need_pad=False)  # one row: no padding
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        self.model = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(self.device).eval()
+        # a LoRA adapter directory: on model.name when given, else on the base its config names
+        self.model = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code,
+                                 cfg.model.name).to(self.device).eval()
         self.templated = bool(getattr(self.tok, "chat_template", None))
         self.history: list[dict[str, str]] = []
         self.gen = torch.Generator().manual_seed(cfg.run.seed)
@@ -94,6 +116,16 @@ class ChatSession:
         self.history = []
 
 
+def run_command(command: str, session: ChatSession) -> str:
+    """Carry out a command other than ``/quit``; the line to show."""
+    if command == "/reset":
+        session.reset()
+        return "(conversation cleared)"
+    if command == "/help":
+        return COMMANDS_HELP
+    return f"(unknown command {command}, not sent to the model; {COMMANDS_HELP})"
+
+
 def run_chat(path: str, cfg: Config, read: Callable[[str], str] = input, write: Callable[[str], None] = print) -> int:
     """The interactive loop; ``read`` / ``write`` default to the terminal. Returns the number of
     replies given."""
@@ -101,7 +133,8 @@ def run_chat(path: str, cfg: Config, read: Callable[[str], str] = input, write: 
     session = ChatSession(path, cfg)
     mode = "greedy" if cfg.chat.greedy else f"sampled at temperature {cfg.chat.temperature:g}"
     template = "its chat template" if session.templated else "plain-text prompts (no chat template)"
-    write(f"chatting with {path}: {template}, {mode}. /reset forgets, /quit or Ctrl-D leaves.")
+    write(f"chatting with {path}: {template}, {mode}.")
+    write(COMMANDS_HELP)
     n = 0
     while True:
         try:
@@ -110,12 +143,13 @@ def run_chat(path: str, cfg: Config, read: Callable[[str], str] = input, write: 
             write("")
             break
         line = line.strip()
-        if line == "/quit":
+        command = command_of(line)
+        if command == "/quit":
             break
-        if line == "/reset":
-            session.reset()
-            write("(conversation cleared)")
+        if command is not None:
+            write(run_command(command, session))
             continue
+        line = line.removeprefix("/")  # '//text' sends '/text'
         if not line:
             continue
         try:

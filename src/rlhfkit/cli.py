@@ -29,7 +29,7 @@ COMMANDS = {
     "eval": "evaluate a policy (run directory, HF model directory or hub id): on data.path's prompts scored by "
             "reward.function / reward.name (eval.baseline: win rate against another policy), else greedily on "
             "the task's held-out prompts",
-    "chat": "talk to a policy (run directory or HF model directory); /quit or Ctrl-D leaves",
+    "chat": "talk to a policy (run directory or HF model directory); /help lists the commands, /quit or Ctrl-D leaves",
     "report": "write RUN_DIR/report.html: curves, samples and the per-token trajectory view (no network)",
     "export-task": "write a built-in task's data as JSONL files (sft, prefs, prompts, eval prompts ...) to DIR",
     "gridworld": "grid-world cat: REINFORCE or PPO (gridworld.algo) through the same core losses",
@@ -136,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("name", help="the model to fetch: smollm2-135m-instruct")
             sp.add_argument("dir", nargs="?", help="directory to write it to (default ~/.cache/rlhfkit/models/NAME, "
                                                    "or $RLHFKIT_CACHE/models/NAME)")
+            sp.add_argument("--print-path", action="store_true",
+                            help="print only the model's directory, as an absolute path (fetched first when it is "
+                                 "not there), for scripts: MODEL=$(rlhfkit fetch-model NAME --print-path)")
             continue
         if name == "report":
             sp.add_argument("path", help="run directory (holding metrics.jsonl, config.yaml ...)")
@@ -380,6 +383,9 @@ def _fetch_model(args, debug: bool = False) -> int:
             raise
         _error("fetch-model", e)
         return 2
+    if args.print_path:
+        print(Path(res["dir"]).absolute())
+        return 0
     if res["cached"]:
         print(f"{res['name']}: already converted in {res['dir']} (from {res['source']}); nothing to do")
     else:

@@ -767,6 +767,8 @@ class SFTConfig(Section):
     """Rows per forward and backward pass, per process: each step's gradient is accumulated over
     micro-batches of this many rows, each weighted by its share of the batch's target tokens, so
     it equals the whole batch's (0 = the whole batch at once)."""
+    assistant_turns: Literal["all", "last"] = "all"
+    """Assistant turns of a "messages" record trained: 'all' (TRL's assistant_only_loss) or 'last'."""
 
 
 @dataclass(frozen=True)

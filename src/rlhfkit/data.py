@@ -19,20 +19,26 @@ because a ``datasets.Dataset`` fills absent columns with ``None``):
                       conversations: the leading messages they share are the prompt
                       (implicit prompt). Optional ``margin`` (a number), on every record
                       or on none.
-    load_sft          ``messages`` (a conversation ending with an assistant turn: that turn
-                      is the completion, everything before it the prompt); or ``prompt`` +
-                      ``completion`` (strings, or messages); or ``text`` (no prompt: the
-                      loss covers the whole sequence). Checked in that order, so a record
-                      with both ``messages`` and ``prompt`` (ultrachat's layout) is read as
-                      ``messages``.
+    load_sft          ``messages`` (a conversation ending with an assistant turn: every
+                      assistant turn is trained, as TRL's ``assistant_only_loss``, or the
+                      last alone with ``turns='last'``; everything else is context); or
+                      ``prompt`` + ``completion`` (strings, or messages); or ``text`` (no
+                      prompt: the loss covers the whole sequence). Checked in that order,
+                      so a record with both ``messages`` and ``prompt`` (ultrachat's
+                      layout) is read as ``messages``.
     load_prompts      ``prompt`` (a string or messages); the other fields are kept in
                       ``PromptExample.meta`` for reward functions (ground truth and such).
 
 A message is ``{"role": ..., "content": <non-empty string>}`` with role one of ``ROLES``.
 Conversational records are rendered to text with the tokenizer's chat template: the prompt
 with ``add_generation_prompt=True``, the completion as the rendering of prompt + answer
-minus the rendered prompt (which must be a prefix of it). Plain strings are used as they
-are, with no template. Empty (or whitespace-only) prompts and responses are errors.
+minus the rendered prompt (which must be a prefix of it). An SFT answer ends with its
+end-of-turn token (the tokenizer's EOS where the template writes it, e.g. ``<|im_end|>``):
+what the template writes after it, a newline before the next turn, is context, not answer.
+A conversation with several trained assistant turns is cut the same way at each of them,
+which needs a template that renders each earlier turn unchanged as the conversation grows.
+Plain strings are used as they are, with no template. Empty (or whitespace-only) prompts and
+responses are errors.
 
 A pair whose chosen and rejected texts are equal is an error, not a warning: the two
 sequences get the same score, so the pair gives no gradient to a Bradley-Terry or DPO loss
@@ -149,11 +155,22 @@ class PreferenceExample:
 
 @dataclass(frozen=True)
 class SFTExample:
-    """One demonstration; the loss covers ``completion`` only (all of it when prompt is "")."""
+    """One demonstration; the loss covers ``completion`` only (all of it when prompt is ""),
+    and the answers of ``turns``."""
 
     prompt: str  # context, not trained on ("" for the ``text`` format)
     completion: str  # what the model learns to produce
     origin: str = field(default="", compare=False)  # "path:LINE" / "dataset[i]", for errors
+    # the later assistant turns of a conversation, after ``completion``: (context, answer) texts,
+    # the context (the user's turn, the template's text around it) not trained, the answer trained
+    turns: tuple[tuple[str, str], ...] = ()
+
+    def pieces(self) -> list[tuple[str, bool]]:
+        """What follows the prompt, in order, as ``(text, trained)``."""
+        out = [(self.completion, True)]
+        for context, answer in self.turns:
+            out += [(context, False), (answer, True)]
+        return out
 
 
 @dataclass(frozen=True)
@@ -437,6 +454,33 @@ class _Renderer:
     def prompt(self, messages, where: str, key: str = "prompt") -> str:
         return self._apply(messages, True, where, key)
 
+    def answer(self, prompt_msgs, prompt_text: str, answer_msgs, where: str, key: str) -> str:
+        """:meth:`completion` through its end-of-turn token (the tokenizer's EOS as the template
+        writes it, when it does): what the template writes after it is the next turn's context."""
+        text = self.completion(prompt_msgs, prompt_text, answer_msgs, where, key)
+        eos = getattr(self.tokenizer, "eos_token", None)
+        return text[: text.rindex(eos) + len(eos)] if eos and eos in text else text
+
+    def conversation(self, msgs: list[dict], answers: list[int], where: str,
+                     key: str = "messages") -> tuple[str, str, tuple[tuple[str, str], ...]]:
+        """``(prompt, completion, turns)`` of an :class:`SFTExample` training the assistant
+        messages at indices ``answers`` of ``msgs``: each answer cut from the rendering of the
+        conversation up to it, the text between two answers their context."""
+        texts, done = [], ""
+        for j in answers:
+            prompt = self.prompt(msgs[:j], where, key)
+            if not prompt.startswith(done):
+                raise DataError(
+                    f"{where}: field {key!r}: the chat template renders the turns before message {j} differently "
+                    "from how it rendered them before the previous assistant turn (it rewrites earlier turns), so "
+                    "each assistant turn cannot be cut out of one sequence; train the last turn only with "
+                    "sft.assistant_turns=last"
+                )
+            answer = self.answer(msgs[:j], prompt, msgs[j : j + 1], where, key)
+            texts += [prompt[len(done) :], answer]
+            done = prompt + answer
+        return texts[0], texts[1], tuple(zip(texts[2::2], texts[3::2]))
+
     def completion(self, prompt_msgs, prompt_text: str, answer_msgs, where: str, key: str) -> str:
         full = self._apply(prompt_msgs + answer_msgs, False, where, key)
         if not full.startswith(prompt_text):
@@ -536,12 +580,16 @@ def load_preferences(source, tokenizer=None, split: str | None = None) -> list[P
     return out
 
 
-def load_sft(source, tokenizer=None, split: str | None = None) -> list[SFTExample]:
+def load_sft(source, tokenizer=None, split: str | None = None, turns: str = "all") -> list[SFTExample]:
     """Demonstrations from ``source`` (``messages``, ``prompt`` + ``completion``, or ``text``).
 
-    ``tokenizer`` is needed only for conversational records. Raises ``DataError`` on the
-    first malformed record.
+    ``tokenizer`` is needed only for conversational records. ``turns``: which assistant turns
+    of a ``messages`` conversation are trained, ``'all'`` (every one but one that opens the
+    conversation, which answers nothing) or ``'last'``. Raises ``DataError`` on the first
+    malformed record.
     """
+    if turns not in ("all", "last"):
+        raise ValueError(f"turns must be 'all' or 'last', got {turns!r}")
     render = _Renderer(tokenizer)
     out = []
     for where, rec in _records(source, split=split):
@@ -557,9 +605,10 @@ def load_sft(source, tokenizer=None, split: str | None = None) -> list[SFTExampl
                 )
             if last == 0:
                 raise DataError(f"{where}: field 'messages': no prompt turn before the assistant turn")
-            prompt_text = render.prompt(msgs[:last], where, "messages")
-            completion = render.completion(msgs[:last], prompt_text, msgs[last:], where, "messages")
-            out.append(SFTExample(prompt_text, completion, where))
+            answers = [j for j, m in enumerate(msgs) if m["role"] == "assistant" and j > 0] if turns == "all" \
+                else [last]
+            prompt_text, completion, later = render.conversation(msgs, answers, where)
+            out.append(SFTExample(prompt_text, completion, where, later))
         elif rec.get("prompt") is not None or rec.get("completion") is not None:
             prompt = _get(rec, "prompt", where, "a string or a list of messages")
             completion = _get(rec, "completion", where, "a string or a list of messages")
@@ -571,7 +620,7 @@ def load_sft(source, tokenizer=None, split: str | None = None) -> list[SFTExampl
                     )
                 pm = _messages(prompt, where, "prompt")
                 prompt_text = render.prompt(pm, where)
-                completion_text = render.completion(
+                completion_text = render.answer(
                     pm, prompt_text, _answer(completion, where, "completion"), where, "completion"
                 )
                 out.append(SFTExample(prompt_text, completion_text, where))
@@ -677,11 +726,36 @@ class _Codec:
 
     def completions(self, texts: list[str], wheres: Sequence[str] = (), key: str = "completion") -> list[list[int]]:
         out = self.ids(texts, wheres, key)
-        if self.eos is not None:
-            for ids in out:
-                if ids[-1:] != [self.eos]:
-                    ids.append(self.eos)
+        for ids in out:
+            self._end(ids)
         return out
+
+    def _end(self, ids: list[int]) -> bool:
+        """Append EOS to a response that does not end with it; whether it did."""
+        if self.eos is None or ids[-1:] == [self.eos]:
+            return False
+        ids.append(self.eos)
+        return True
+
+    def answers(self, examples: Sequence[SFTExample], wheres: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """The ids of what follows each example's prompt (:meth:`SFTExample.pieces`, each piece
+        tokenized on its own, EOS appended to the last as in :meth:`completions`) and their mask:
+        1 on the answers and that EOS, 0 on the context between them."""
+        pieces = [ex.pieces() for ex in examples]
+        flat = self.ids([text for p in pieces for text, _ in p], [w for p, w in zip(pieces, wheres) for _ in p],
+                        "completion")
+        responses, masks, at = [], [], 0
+        for p in pieces:
+            ids, mask = [], []
+            for piece, (_, trained) in zip(flat[at : at + len(p)], p):
+                ids += piece
+                mask += [int(trained)] * len(piece)
+            at += len(p)
+            if self._end(ids):
+                mask.append(1)
+            responses.append(ids)
+            masks.append(mask)
+        return responses, masks
 
 
 def unencodable_characters(tokenizer, text: str) -> list[str]:
@@ -778,13 +852,16 @@ def _pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
 
 
 def _rows(
-    prompts: list[list[int]], responses: list[list[int]], pad: int, width: int
+    prompts: list[list[int]], responses: list[list[int]], pad: int, width: int,
+    masks: list[list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """Right-padded rows of prompt + response; ``masks``: which response tokens are targets (all by default)."""
     seqs = [p + r for p, r in zip(prompts, responses)]
+    masks = masks if masks is not None else [[1] * len(r) for r in responses]
     return {
         "input_ids": _pad(seqs, pad, width),
         "attention_mask": _pad([[1] * len(s) for s in seqs], 0, width),
-        "loss_mask": _pad([[0] * len(p) + [1] * len(r) for p, r in zip(prompts, responses)], 0, width),
+        "loss_mask": _pad([[0] * len(p) + m for p, m in zip(prompts, masks)], 0, width),
     }
 
 
@@ -794,7 +871,9 @@ def encode_sft(
     """Tokenize demonstrations into right-padded rows, ``[N, L]`` with L the longest row.
 
     Returns ``input_ids``, ``attention_mask`` (1 on tokens, 0 on padding) and ``loss_mask``
-    (1 on the completion tokens and the EOS, 0 on BOS, prompt and padding). ``loss_mask[t]``
+    (1 on the completion tokens and the EOS and on the answers of later ``turns``, 0 on BOS,
+    prompt, the turns' context and padding). Each piece of text is tokenized on its own, so
+    the boundaries are exact. ``loss_mask[t]``
     marks token ``t`` as a target, predicted from position ``t - 1``: HF-style labels are
     ``input_ids.masked_fill(loss_mask == 0, -100)`` (the model shifts them itself).
 
@@ -808,13 +887,13 @@ def encode_sft(
     codec = _Codec(tokenizer)
     wheres = _wheres(examples)
     heads = codec.prompts([ex.prompt for ex in examples], wheres)
-    responses = codec.completions([ex.completion for ex in examples], wheres)
+    responses, masks = codec.answers(examples, wheres)
     prompts = [
         head + _fit(_where(ex, i), head, body, {"completion": resp}, limit, truncation)
         for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))
     ]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    return _rows(prompts, responses, codec.pad, width)
+    return _rows(prompts, responses, codec.pad, width, masks)
 
 
 def encode_preferences(

@@ -79,7 +79,7 @@ def evaluate_path(path: str, cfg) -> dict:
     and evaluate it on ``run.task``; writes ``eval.json`` to ``run.out_dir``."""
     device = resolve_device(cfg.run.device)
     tok = load_tokenizer(path, cfg.model.trust_remote_code)
-    policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device)
+    policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.name).to(device)
     ev = evaluate_task(get_task(cfg.run.task), policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens,
                        stop=cfg.ppo.stop)
     result = {"path": path, "task": cfg.run.task, "format_acc": ev["format_acc"], "exact_acc": ev["exact_acc"], "answer_acc": ev["answer_acc"],
@@ -214,7 +214,7 @@ class _Loaded:
 
 
 def _load(path: str, cfg, device) -> _Loaded:
-    return _Loaded(load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code).to(device),
+    return _Loaded(load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.name).to(device),
                    load_tokenizer(path, cfg.model.trust_remote_code))
 
 

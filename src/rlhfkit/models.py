@@ -224,23 +224,42 @@ def policy_dir(path: str) -> str:
     raise FileNotFoundError(f"no model found at {path}: expected a directory with config.json (or policy/config.json)")
 
 
-def load_policy(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
+def load_policy(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
+                base: str = "") -> PreTrainedModel:
     """A causal LM from a local directory or a hub id (``AutoModelForCausalLM``, safetensors only).
 
     A directory holding only a LoRA adapter (``adapter_config.json``, as ``policy_adapter/``
-    of a LoRA run) is loaded onto its base model and merged."""
+    of a LoRA run) is loaded onto its base model and merged: ``base`` when given, else the one
+    its ``adapter_config.json`` names."""
     dtype = resolve_dtype(dtype) or torch.float32
     p = Path(path)
     if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
-        from peft import AutoPeftModelForCausalLM
-
-        with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                             use_safetensors=True)
-        return model.merge_and_unload()
+        return _load_adapter(p, dtype, trust_remote_code, base)
     return _from_pretrained(AutoModelForCausalLM, path, "policy model", dtype=dtype,
                             trust_remote_code=trust_remote_code, use_safetensors=True)
+
+
+def _load_adapter(path: Path, dtype: torch.dtype, trust_remote_code: bool, base: str = "") -> PreTrainedModel:
+    """The LoRA adapter directory ``path`` on its base model (``base``, else ``base_model_name_or_path``
+    of its ``adapter_config.json``), merged; a base that is not there is a one-line error."""
+    from peft import PeftModel
+
+    named = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    base = base or named or ""
+    where = f"base_model_name_or_path in {path / 'adapter_config.json'}"
+    fix = ("give the base with model.name=PATH_OR_HUB_ID, or put it back at that path (the merged model, a run's "
+           "policy/ beside its policy_adapter/, loads without a base)")
+    if not base:
+        raise ModelLoadError(f"the LoRA adapter {path} names no base model ({where} is empty): {fix}")
+    if not os.path.exists(base) and local_path_reason(base):
+        raise ModelLoadError(f"the base model of the LoRA adapter {path} is not at {base!r} ({where}"
+                             f"{'' if os.path.isabs(base) else ', relative to ' + os.getcwd()}): {fix}")
+    model = _from_pretrained(AutoModelForCausalLM, base, "base model of the LoRA adapter", dtype=dtype,
+                             trust_remote_code=trust_remote_code, use_safetensors=True)
+    with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = PeftModel.from_pretrained(model, str(path))
+    return model.merge_and_unload()
 
 
 def load_scalar_model(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
@@ -444,11 +463,22 @@ def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
     return {k.removeprefix(prefix): v for k, v in sd.items()}
 
 
+def pin_base_path(model: nn.Module) -> None:
+    """Make a LoRA model's ``base_model_name_or_path`` (written to its adapter_config.json) absolute
+    when it is a local directory, so the saved adapter loads from any working directory; a hub id
+    stays as it is."""
+    for pc in model.peft_config.values():
+        base = pc.base_model_name_or_path
+        if base and os.path.isdir(base):
+            pc.base_model_name_or_path = str(Path(base).resolve())
+
+
 def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str | Path | None = None,
                 state_dict: dict | None = None) -> nn.Module:
     """Save a model as a plain Hugging Face checkpoint (safetensors + tokenizer).
 
-    A LoRA model is first saved as an adapter (to ``adapter_dir`` when given), then merged
+    A LoRA model is first saved as an adapter (to ``adapter_dir`` when given; its base as an
+    absolute path, :func:`pin_base_path`), then merged
     into its base weights (``merge_and_unload``, in place) so ``path`` loads with
     ``transformers`` alone. ``state_dict``: the weights to write instead of the module's own
     (FSDP: gathered by :func:`rlhfkit.distributed.full_state_dict`); a LoRA model's are merged
@@ -456,6 +486,7 @@ def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str 
     saved model.
     """
     if is_lora(model) and adapter_dir is not None:
+        pin_base_path(model)
         model.save_pretrained(adapter_dir, **({} if state_dict is None else {"state_dict": state_dict}))
         if tokenizer is not None:
             tokenizer.save_pretrained(adapter_dir)

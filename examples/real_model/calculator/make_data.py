@@ -2,8 +2,9 @@
 and 32 held out (disjoint pairs), as conversational prompt records with an ``answer`` column;
 and ``sft.jsonl``, tool-use demonstrations on the first N training pairs (``--sft N``): for each,
 the call (system message offering the tool + question -> ``<tool_call>...</tool_call>``) and the
-answer (... + the call + the tool's result -> the number alone), the two records SFT needs,
-since its loss covers the last assistant turn. Usage: python make_data.py OUT_DIR [--sft N]"""
+answer (... + the call + the tool's result -> the number alone), two records trained on their
+last assistant turn each (run.sh sets sft.assistant_turns=last, so the call is trained once per
+question). Usage: python make_data.py OUT_DIR [--sft N]"""
 
 from __future__ import annotations
 

@@ -8,13 +8,13 @@
 #   3. held-out accuracy of greedy episodes: the base without the tool, the base with the tool
 #      offered, the warm-up, the GRPO policy (evaluate.py)
 # Usage: examples/real_model/calculator/run.sh [OUT_DIR] [grpo overrides...]
-# SFT_PAIRS (demonstrated questions, 2 records each) and SFT_STEPS size the warm-up.
+# SFT_PAIRS (demonstrated questions, 2 records each) and SFT_STEPS size the warm-up; MODEL_DIR=DIR:
+# the model fetched to a directory of your own; PYTHON, RLHFKIT: see examples/env.sh.
 set -euo pipefail
 OUT=${1:-runs/calculator}; shift || true
-RLHFKIT=${RLHFKIT:-rlhfkit}
-PYTHON=${PYTHON:-python}
 CORE=${CORE:-1}
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/../../env.sh"
 COMMON=(run.overwrite=true run.threads=1 run.progress=false run.checkpoint_every=0 model.lora_r=16)
 mkdir -p "$OUT/times"
 
@@ -25,13 +25,13 @@ stage() {
     /usr/bin/time -f "%U %S %e %M" -o "$OUT/times/$name.txt" taskset -c "$CORE" "$@"
 }
 
-$RLHFKIT fetch-model smollm2-135m-instruct          # cached after the first call
-BASE=${RLHFKIT_CACHE:-$HOME/.cache/rlhfkit}/models/smollm2-135m-instruct
+BASE=$(model_dir smollm2-135m-instruct)          # fetched on the first call, cached after
 $PYTHON "$HERE/make_data.py" "$OUT/data" --sft "${SFT_PAIRS:-8}"
 D=$OUT/data
 
 stage sft $RLHFKIT sft "${COMMON[@]}" model.name="$BASE" data.path="$D/sft.jsonl" \
-    sft.steps=${SFT_STEPS:-4} sft.batch_size=8 sft.lr=1e-3 sft.warmup_steps=1 run.out_dir="$OUT/sft"
+    sft.steps=${SFT_STEPS:-4} sft.batch_size=8 sft.lr=1e-3 sft.warmup_steps=1 sft.assistant_turns=last \
+    run.out_dir="$OUT/sft"
 
 stage grpo $RLHFKIT grpo "${COMMON[@]}" model.name="$OUT/sft/policy" data.path="$D/prompts.jsonl" \
     env.class="$HERE/calculator.py:CalculatorEnv" ppo.batch_size=16 ppo.max_new_tokens=40 \

@@ -1,7 +1,8 @@
 """Supervised fine-tuning on demonstrations (prompt -> completion), any causal LM.
 
-Loss: next-token cross-entropy on completion tokens only (``data.completion_only``), or on
-every token; records in TRL's formats via :mod:`rlhfkit.data`; optional packing; optional
+Loss: next-token cross-entropy on completion tokens only (``data.completion_only``; in a
+``messages`` conversation every assistant turn, or the last with ``sft.assistant_turns=last``),
+or on every token; records in TRL's formats via :mod:`rlhfkit.data`; optional packing; optional
 LoRA (``model.lora_r``; the saved policy is merged). Under ``accelerate launch`` each process
 takes its share of every batch (``sft.batch_size`` is global).
 """
@@ -114,12 +115,12 @@ def load_demonstrations(cfg: Config, tok, data_path: str | None) -> tuple[list[S
     of ``data_path`` (none for the task's)."""
     dc = cfg.data
     if data_path:
-        examples = load_sft(data_path, tok, split=dc.split or None)
+        examples = load_sft(data_path, tok, split=dc.split or None, turns=cfg.sft.assistant_turns)
     else:
         pairs = get_task(cfg.run.task).TaskData(cfg.run.seed + 4).sft_examples(2048)
         examples = [SFTExample(p, c, origin=f"{cfg.run.task}[{i}]") for i, (p, c) in enumerate(pairs)]
     if dc.eval_path:
-        return examples, load_sft(dc.eval_path, tok, split=dc.split or None)
+        return examples, load_sft(dc.eval_path, tok, split=dc.split or None, turns=cfg.sft.assistant_turns)
     if data_path:
         return hold_out(examples, dc.eval_fraction, cfg.run.seed + 7, "demonstrations")
     return examples, []
