@@ -78,12 +78,12 @@ def test_an_eos_collapse_is_flagged_within_steps(batch):
 
 
 # The benchmark's cases (benchmarks/guard_sim.py, 2000 runs each), 200 runs each here. Each case
-# is fed to the watch train_rl builds, as train_rl feeds it. The guards before their redesign
-# flagged, of 2000 healthy runs fed one at a time: a steady reward-model source at 0.3 / 0.5 /
-# 1.5 beside a rising 0/1 one 20% / 20% / 4% (a source was taken for a 0/1 share from its mean
-# and given a share's noise, or none); GRPO groups whose prompt decides the EOS 8.8% (completions
-# counted as independent); a per-token KL above the bound on one-word answers, or on episodes
-# whose held-out return rises, 100% (a fixed bound without a noise model).
+# is fed to the watch train_rl builds, as train_rl feeds it. The earlier rules flagged, of 2000
+# healthy runs fed one at a time: a steady reward-model source at 0.3 / 0.5 / 1.5 beside a rising
+# 0/1 one 20% / 20% / 4% (a source was taken for a 0/1 share from its mean and given a share's
+# noise, or none); GRPO groups whose prompt decides the EOS 8.8% (completions counted as
+# independent); a per-token KL above the bound on one-word answers, or on episodes whose held-out
+# return rises, 100% (a fixed bound without a noise model).
 SIM_RUNS = 200
 NULLS = [c for c in guard_sim.CASES if c.kind == "null"]
 COLLAPSES = [c for c in guard_sim.CASES if c.kind == "collapse"]
@@ -106,7 +106,7 @@ def test_a_healthy_simulated_run_rarely_raises_its_guard(case):
 
 
 # the share of runs that must flag: the fall of a 0/1 source from 0.56 is judged against one
-# evaluation before training over 32 prompts, whose own noise hides it in a few runs (2.5% of 2000)
+# evaluation before training over 32 prompts, whose own noise hides it in a few runs (2.7% of 2000)
 DETECTED = {"tradeoff/fact_for_brevity": 0.95}
 
 
