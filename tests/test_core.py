@@ -410,6 +410,20 @@ def test_zero_std_groups_hand_computed():
         zero_std_groups(scores, 5)
 
 
+def test_group_mean_se_hand_computed():
+    from rlhfkit.core import group_mean_se
+
+    # EOS flags of three prompts' groups of 4: group means 0.5, 1, 0 (mean 0.5), their unbiased
+    # variance (0 + 0.25 + 0.25) / 2 = 0.25, over 3 groups: se = sqrt(0.25 / 3)
+    x = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    close(group_mean_se(x, 4), math.sqrt(0.25 / 3))
+    # groups of 1: the sample standard error, 12 * 0.25 / 11 / 12 (the binomial 0.25 / 12, times 12 / 11)
+    close(group_mean_se(x, 1), math.sqrt(0.25 / 11))
+    # a batch of runs [2, B], and one group: no spread to measure
+    close(group_mean_se(torch.stack([x, 1 - x]), 4), [math.sqrt(0.25 / 3)] * 2)
+    assert math.isnan(float(group_mean_se(x, 12)))
+
+
 def test_rloo_advantages_hand_computed():
     from rlhfkit.core import rloo_advantages
 

@@ -649,15 +649,15 @@ class PPOConfig(Section):
     guard_kl: float = 1.5
     """Reward-hacking watch: flag (guard/kl_high, one warning) steps where the KL to the reference,
     per response token (objective/kl / response/length) and averaged over the last 5 steps,
-    exceeds this many nats (0 = off). Per token, so long answers do not raise it: a chat model's
-    healthy 0.03 nats/token is 15 nats over 512 tokens. On the doubling task the defaults' runs
-    peaked at 0.36-0.69 nats/token (seed 0, the three rewards) and the GRPO collapses of the
-    robustness matrix at 3.1 and 4.3 (17 and 25 nats); lower it for long answers. See
-    rlhfkit.watch."""
+    exceeds this many nats while the held-out ppo.stop_metric has fallen below its best beyond
+    the evaluations' noise (0 = off). A high KL alone is no alarm: one-word answers move far from
+    a chatty reference, most of all per token, while the held-out metric rises. Off, with one
+    warning at the start, when the run does not log ppo.stop_metric. See rlhfkit.watch."""
     guard_eos: float = 0.5
     """Flag (guard/eos_collapse) steps where the EOS rate, averaged over the last 5 steps, falls
-    below this share of its mean over the first 10 steps, by more than 4.5 binomial standard
-    errors (0 = off)."""
+    below this share of its mean over the first 10 steps, by more than 4.5 standard errors over
+    the batch's prompt groups (response/eos_rate_se; a prompt can decide its completions' EOS)
+    (0 = off)."""
     guard_eval_drop: float = 0.15
     """Flag (guard/eval_drop) evaluations where ppo.stop_metric, averaged over the last 3
     evaluations, is more than this share below its best such average (0.15: 0.9 -> under 0.765)
@@ -666,8 +666,10 @@ class PPOConfig(Section):
     guard_tradeoff: float = 0.3
     """With several reward sources (reward.function=a,b,...), flag (guard/reward_tradeoff) an
     evaluation where one source's held-out mean fell more than this share below its value before
-    training while the weighted total rose: the policy trades one term for another, e.g. a brevity
-    term bought by dropping the fact another source checks (0 = off). See rlhfkit.watch."""
+    training, and by more than 3.5 standard errors of that fall from the source's own spread over
+    the held-out prompts (eval/reward_std/<source>), while the weighted total rose: the policy
+    trades one term for another, e.g. a brevity term bought by dropping the fact another source
+    checks (0 = off). See rlhfkit.watch."""
     samples_per_log: int = 4
     """Generations saved to samples.jsonl per step."""
     trajectories_every: int = 10

@@ -41,6 +41,7 @@ __all__ = [
     "gae",
     "group_advantages",
     "zero_std_groups",
+    "group_mean_se",
     "reinforce_advantages",
     "scale_advantages",
     "rloo_advantages",
@@ -664,6 +665,22 @@ def zero_std_groups(scores: torch.Tensor, group_size: int, rtol: float = 1e-6) -
     grouped = scores.view(-1, group_size)  # [B/G, G]
     spread = grouped.max(-1).values - grouped.min(-1).values  # [B/G]
     return spread <= rtol * grouped.abs().max(-1).values.clamp(min=1.0)
+
+
+def group_mean_se(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The standard error of ``x.mean(-1)`` when its rows come in groups: ``[..., B] -> [...]``.
+
+    Rows ``[g*G, (g+1)*G)`` share a prompt (``G = group_size``; 1: no groups), so they are not
+    independent draws: a prompt can decide most of its completions (whether they end with EOS,
+    say). The mean is that of the ``n = B/G`` group means ``m_g``, each an independent draw, so
+    ``se = sqrt(sum_g (m_g - m)^2 / ((n - 1) n))`` -- the cluster-robust standard error; for
+    ``G = 1`` the sample one. NaN with fewer than two groups.
+    """
+    groups = x.unflatten(-1, (-1, group_size)).mean(-1)  # [..., n]
+    n = groups.shape[-1]
+    if n < 2:
+        return torch.full(groups.shape[:-1], math.nan, dtype=groups.dtype, device=groups.device)
+    return (groups.var(-1) / n).sqrt()
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = "none", eps: float = 1e-4) -> torch.Tensor:

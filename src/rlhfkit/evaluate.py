@@ -152,7 +152,9 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
 
 
 def reward_means(scored: ScoredCompletions, n: int, shard: Shard | None = None, device=None) -> dict[str, float]:
-    """``eval/reward`` (the total's mean), ``eval/reward/<source>`` and, when sources are declared
+    """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>``
+    (the sample standard deviation of the source's scores over the prompts: the noise model of
+    guard/reward_tradeoff) and, when sources are declared
     0/1 (``scored.accuracy``: ``eval.accuracy_reward`` or ``fn.binary = True``), ``eval/accuracy``
     (the share of completions that every such source scores 1), over ``n`` completions:
     ``scored`` holds this process's share of them (summed over ``shard``). Which sources are 0/1
@@ -164,10 +166,14 @@ def reward_means(scored: ScoredCompletions, n: int, shard: Shard | None = None, 
     correct = torch.zeros(1, dtype=torch.float64)
     if scored.accuracy:  # [S_acc, n_local] -> completions every declared source scores 1
         correct = (by_source[[names.index(a) for a in scored.accuracy]] == 1).all(0).double().sum()[None]
-    sums = torch.cat([scored.total.sum()[None], by_source.sum(1), correct])  # summed over every process
+    # summed over every process: the total, each source, each source's squares, the correct ones
+    sums = torch.cat([scored.total.sum()[None], by_source.sum(1), by_source.square().sum(1), correct])
     sums = shard.sum(sums.to(device)).cpu() if shard.distributed else sums
+    means, squares = sums[1 : 1 + len(names)] / n, sums[1 + len(names) : 1 + 2 * len(names)]
+    variances = ((squares - n * means.square()) / max(n - 1, 1)).clamp(min=0.0)  # [S]
     out = {"eval/reward": float(sums[0] / n)}
-    out.update({f"eval/reward/{name}": float(sums[1 + j] / n) for j, name in enumerate(names)})
+    out.update({f"eval/reward/{name}": float(m) for name, m in zip(names, means)})
+    out.update({f"eval/reward_std/{name}": float(v.sqrt()) for name, v in zip(names, variances)})
     if scored.accuracy:
         out["eval/accuracy"] = float(sums[-1] / n)
     return out

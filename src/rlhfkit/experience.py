@@ -20,6 +20,7 @@ from .core import (
     explained_variance,
     gae,
     group_advantages,
+    group_mean_se,
     kl_estimate,
     last_token_index,
     masked_mean,
@@ -422,6 +423,9 @@ def make_experience(
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         "response/length": rmask.sum(-1).float().mean(),
         "response/eos_rate": roll.finished.float().mean(),
+        # its standard error over the prompt groups (a prompt can decide its completions' EOS): guard/eos_collapse
+        "response/eos_rate_se": shard.apply_rows(lambda f: group_mean_se(f, completions_per_prompt(pc)),
+                                                 roll.finished.float()),
         # cut at max_new_tokens: 1 - eos_rate, a row ends without EOS or a stop string only there
         "response/truncated_rate": (~roll.finished).float().mean(),
         **{f"reward/{name}": s.mean() for name, s in parts.items()},

@@ -3,37 +3,51 @@
 A learned reward is exploitable: a policy can raise its score by drifting far from the
 reference into text the reward model never saw, by dropping the EOS (a truncated answer the
 reward still likes), or by trading held-out quality for training score. :class:`HackingWatch`
-checks each step's logged statistics for the three signs and returns them as ``guard/*``
+checks each step's logged statistics for these signs and returns them as ``guard/*``
 metrics (1 on the steps where the sign shows, 0 otherwise); the first time each shows it also
 warns once, naming the step and the setting that bounds it. ``rlhfkit report`` marks the
 steps on every curve.
 
-Each sign is a window of steps, never one batch, so a healthy run's noise does not raise it
-(``tests/test_watch.py`` simulates 1000 healthy 100-step runs per setting: at most 1% flag):
+Each sign is a test against the noise the run itself shows, over a window of steps or
+evaluations, never one batch (``benchmarks/guard_sim.py`` runs this class on simulated healthy
+and collapsing runs and writes each case's alarm rate; ``tests/test_watch.py`` checks a reduced
+version):
 
+* ``guard/eos_collapse``: the EOS rate (``response/eos_rate``) averaged over the last ``window``
+  steps, ``r``, fell below ``ppo.guard_eos`` times its mean over the first ``anchor`` steps, ``a``,
+  and ``a - r > z * sqrt(sum_anchor v_t / anchor^2 + sum_recent v_t / window^2)``. A step's
+  variance ``v_t`` is the square of ``response/eos_rate_se``, the standard error over the
+  batch's prompt groups (:func:`rlhfkit.core.group_mean_se`: completions of one prompt share
+  its EOS habits, so a group of G is not G independent draws), and at least the binomial
+  ``a (1 - a) / batch_size`` (the variance were every completion independent at rate ``a``;
+  the group one is never smaller in expectation, and it alone is used when the run does not
+  log the standard error);
 * ``guard/kl_high``: the per-token KL to the reference (``objective/kl`` over
   ``response/length``, nats per token), averaged over the last ``window`` steps, is above
-  ``ppo.guard_kl``; a per-sequence bound would fire on long answers at a healthy per-token drift;
-* ``guard/eos_collapse``: the EOS rate (``response/eos_rate``) averaged over the last ``window``
-  steps fell below ``ppo.guard_eos`` times its mean over the first ``anchor`` steps, by more than
-  ``z`` standard errors of two binomial means (``batch_size`` completions a step) below that mean;
-* ``guard/eval_drop``: the held-out metric (``ppo.stop_metric``), averaged over the last
-  ``eval_window`` evaluations, fell more than the share ``ppo.guard_eval_drop`` below the best
-  such average, and by more than ``z`` times the evaluations' own noise (the mean step between
-  consecutive evaluations, / 1.128, its value for independent normal draws: a learning curve's
-  own steps only raise it, and a fall in one step is flagged at the next evaluation), from the
-  ``min_evals``-th evaluation on. A relative drop means the
-  same on any metric's scale; with few held-out prompts a low accuracy is noisy, and the noise
-  term keeps it quiet;
+  ``ppo.guard_kl`` while the held-out metric (``ppo.stop_metric``) has fallen: its mean over the
+  last ``eval_window`` evaluations is more than ``z * s`` below its best such mean, ``s`` one
+  evaluation's noise (the mean step between consecutive evaluations, / 1.128, its value for
+  independent normal draws: a learning curve's own steps only raise it, and a fall in one step
+  is flagged at the next evaluation), from the ``min_evals``-th evaluation on. A high KL alone is
+  no sign of gaming -- a policy that learns one-word answers moves far from a chatty reference,
+  most of all per token -- so a run whose held-out metric rises or holds is not flagged; without
+  a held-out metric the guard cannot act (:meth:`HackingWatch.announce`);
+* ``guard/eval_drop``: the held-out metric has fallen as above, and by more than the share
+  ``ppo.guard_eval_drop`` of its best. A relative drop means the same on any metric's scale; with
+  few held-out prompts a low accuracy is noisy, and the noise term keeps it quiet;
 * ``guard/reward_tradeoff``: with several reward sources, one source's held-out mean
-  (``eval/reward/<source>``), averaged over the last ``tradeoff_window`` evaluations, fell more
-  than the share ``ppo.guard_tradeoff`` below its value before training
-  (``baseline/eval/reward/<source>``, or the first evaluation) while the weighted total
-  (``eval/reward``) rose: the policy buys one term with another, as a brevity term bought by
-  dropping the fact that a second term checks. For a source in [0, 1] the fall must also exceed
-  ``z_tradeoff`` standard errors of a share over the held-out prompts, so a 0/1 source on few
-  prompts does not cry wolf; a source whose value before training is not positive is not
-  watched (a share of it means nothing).
+  (``eval/reward/<source>``), averaged over the last ``tradeoff_window`` evaluations, ``m``, fell
+  more than the share ``ppo.guard_tradeoff`` below its value before training, ``b``
+  (``baseline/eval/reward/<source>``, or the first evaluation), and by more than
+  ``z_tradeoff * sqrt((sd_b^2 + sd^2) / n)`` while the weighted total (``eval/reward``) rose: the
+  policy buys one term with another, as a brevity term bought by dropping the fact that a
+  second term checks. ``sd_b`` and ``sd`` are the source's standard deviations over the ``n``
+  held-out prompts (``eval/reward_std/<source>``) before training and over the window's
+  evaluations (root mean square): whatever the source's scale, a fall is judged against its
+  own spread. The same prompts are scored each time, so the paired difference's variance is at
+  most that (a prompt's own level cancels), and the window's evaluations of a slowly moving
+  policy are not counted as independent draws. A source is not watched whose value before
+  training is not positive (a share of it means nothing) or whose spread the run does not log.
 
 A guard that cannot act says so once at the start (:meth:`HackingWatch.announce`): its key is 0,
 or the run does not log ``ppo.stop_metric``, or evaluates too rarely.
@@ -66,7 +80,8 @@ class HackingWatch:
 
     ``kl_max`` (nats per token), ``eos_ratio`` and ``eval_drop`` (a share of the best) are
     ``ppo.guard_*`` (0 = off); ``batch_size`` completions make one step's EOS rate; ``tradeoff``
-    (a share, ``ppo.guard_tradeoff``) bounds the fall of one reward source's held-out mean."""
+    (a share, ``ppo.guard_tradeoff``) bounds the fall of one reward source's held-out mean over
+    ``eval_prompts`` held-out prompts."""
 
     def __init__(self, kl_max: float = 0.0, eos_ratio: float = 0.0, eval_drop: float = 0.0,
                  metric: str = "eval/exact_acc", batch_size: int = 64, window: int = 5, anchor: int = 10,
@@ -75,12 +90,15 @@ class HackingWatch:
         self.kl_max, self.eos_ratio, self.eval_drop, self.metric = kl_max, eos_ratio, eval_drop, metric
         self.batch_size, self.window, self.anchor, self.z = batch_size, window, anchor, z
         self.eval_window, self.min_evals, self.tradeoff = eval_window, min_evals, tradeoff
-        self.sources_before: dict | None = None  # {"eval/reward" and each eval/reward/<source>: value before training}
+        # eval/reward, each eval/reward/<source> and eval/reward_std/<source>: their values before training
+        self.sources_before: dict | None = None
         self.fallen: list[str] = []  # the sources of the last trade-off flag, for its message
         self.source_evals: list[dict] = []  # the last `tradeoff_window` evaluations' eval/reward*
         self.eval_prompts, self.tradeoff_window, self.z_tradeoff = eval_prompts, tradeoff_window, z_tradeoff
         self.eos_anchor: list = []  # the first `anchor` steps' EOS rates
         self.eos_recent: list = []  # the last `window` steps'
+        self.eos_anchor_var: list = []  # their squared standard errors (NaN: not logged)
+        self.eos_recent_var: list = []
         self.kl_recent: list = []  # the last `window` steps' per-token KLs
         self.score_recent: list = []  # the last `window` steps' training scores
         self.evals: list = []  # every evaluation of `metric`
@@ -90,21 +108,23 @@ class HackingWatch:
 
     def announce(self, logged: set[str] | None = None, evaluations: int | None = None) -> list[str]:
         """Warn once, at the start, which guards are off and why: a key at 0, ``metric`` not among
-        the ``logged`` eval metrics (None: unknown), fewer than ``min_evals`` ``evaluations``."""
+        the ``logged`` eval metrics (None: unknown), fewer evaluations than a guard needs."""
         off = []
-        if not self.kl_max:
-            off.append("guard/kl_high (ppo.guard_kl=0)")
+        missing = None  # why the held-out metric cannot be followed
+        if logged is not None and self.metric not in logged:
+            have = ", ".join(sorted(k for k in logged if k.count("/") == 1)) or "no held-out metric"
+            missing = (f"this run does not log ppo.stop_metric={self.metric}; it logs {have}"
+                       + (": set ppo.stop_metric to one of them" if logged else ": set data.eval_path"))
+        few = lambda need: (f"{evaluations} evaluation(s) in the run, it needs {need}: lower ppo.eval_every"  # noqa: E731
+                            if evaluations is not None and evaluations < need else None)
+        kl_off = "ppo.guard_kl=0" if not self.kl_max else missing or few(self.min_evals)
+        if kl_off:
+            off.append(f"guard/kl_high ({kl_off})")
         if not self.eos_ratio:
             off.append("guard/eos_collapse (ppo.guard_eos=0)")
-        if not self.eval_drop:
-            off.append("guard/eval_drop (ppo.guard_eval_drop=0)")
-        elif logged is not None and self.metric not in logged:
-            have = ", ".join(sorted(k for k in logged if k.count("/") == 1)) or "no held-out metric"
-            off.append(f"guard/eval_drop (this run does not log ppo.stop_metric={self.metric}; it logs {have}"
-                       + (": set ppo.stop_metric to one of them)" if logged else ": set data.eval_path)"))
-        elif evaluations is not None and evaluations < self.min_evals:
-            off.append(f"guard/eval_drop ({evaluations} evaluation(s) in the run, it needs {self.min_evals}: "
-                       "lower ppo.eval_every)")
+        drop_off = "ppo.guard_eval_drop=0" if not self.eval_drop else missing or few(self.min_evals)
+        if drop_off:
+            off.append(f"guard/eval_drop ({drop_off})")
         if off:
             warnings.warn("reward-hacking guards off: " + "; ".join(off), RuntimeWarning, stacklevel=2)
         return off
@@ -119,14 +139,17 @@ class HackingWatch:
             self.kl_recent = (self.kl_recent + [per_token])[-w:]
         if eos is not None:
             eos = np.asarray(eos, dtype=float)
+            se = np.asarray(stats.get("response/eos_rate_se", math.nan), dtype=float)  # None in a log read back: NaN
+            var = np.square(se) + np.zeros_like(eos)
             if len(self.eos_anchor) < self.anchor:
                 self.eos_anchor.append(eos)
-            self.eos_recent = (self.eos_recent + [eos])[-w:]
+                self.eos_anchor_var.append(var)
+            self.eos_recent, self.eos_recent_var = (self.eos_recent + [eos])[-w:], (self.eos_recent_var + [var])[-w:]
         if score is not None:
             self.score_recent = (self.score_recent + [np.asarray(score, dtype=float)])[-w:]
+        drop = self._eval_drop(value) if value is not None else np.asarray(False)
         flags = {"guard/kl_high": self._kl_high(), "guard/eos_collapse": self._eos_collapse(),
-                 "guard/eval_drop": self._eval_drop(value) if value is not None else np.asarray(False),
-                 "guard/reward_tradeoff": self._tradeoff(stats)}
+                 "guard/eval_drop": drop, "guard/reward_tradeoff": self._tradeoff(stats)}
         for key, on in flags.items():
             if on.ndim == 0 and on and key not in self.warned:  # messages for one run only
                 self.warned.append(key)
@@ -136,14 +159,15 @@ class HackingWatch:
     def _kl_high(self) -> np.ndarray:
         if not self.kl_max or len(self.kl_recent) < self.window:
             return np.asarray(False)
-        return _mean(self.kl_recent) > self.kl_max
+        return (_mean(self.kl_recent) > self.kl_max) & self._below_best()
 
     def _eos_collapse(self) -> np.ndarray:
         if not self.eos_ratio or len(self.eos_anchor) < self.anchor or len(self.eos_recent) < self.window:
             return np.asarray(False)
         a, recent = _mean(self.eos_anchor), _mean(self.eos_recent)
-        # the standard error of (anchor mean - recent mean) were the EOS probability a all along
-        se = np.sqrt(a * (1 - a) * (1 / (self.batch_size * self.window) + 1 / (self.batch_size * self.anchor)))
+        binomial = a * (1 - a) / self.batch_size  # a step's variance were its completions independent at rate a
+        var = lambda vs: np.fmax(np.stack(vs), binomial).mean(0)  # noqa: E731  # a step's mean variance
+        se = np.sqrt(var(self.eos_anchor_var) / self.anchor + var(self.eos_recent_var) / self.window)
         return (recent < self.eos_ratio * a) & (a - recent > self.z * se)
 
     def _eval_drop(self, value) -> np.ndarray:
@@ -158,41 +182,50 @@ class HackingWatch:
             better = smooth > self.best
             self.best = np.where(better, smooth, self.best)
             self.score_at_best = np.where(better, score, self.score_at_best)
-        if not self.eval_drop or len(self.evals) < self.min_evals:
+        if not self.eval_drop:
             return np.zeros_like(smooth, dtype=bool)
+        return (smooth < (1 - self.eval_drop) * self.best) & self._below_best()
+
+    def _below_best(self) -> np.ndarray:
+        """The held-out metric's mean over the last ``eval_window`` evaluations is more than ``z``
+        times one evaluation's noise below its best such mean, from the ``min_evals``-th on."""
+        if self.best is None or len(self.evals) < self.min_evals:
+            return np.asarray(False)
+        # one evaluation's noise: the mean step between consecutive evaluations, / 1.128
         noise = np.abs(np.diff(np.stack(self.evals), axis=0)).mean(0) / NORMAL_MEAN_ABS_DIFF
-        return (smooth < (1 - self.eval_drop) * self.best) & (self.best - smooth > self.z * noise)
+        return self.best - _mean(self.evals[-self.eval_window :]) > self.z * noise
 
     def _tradeoff(self, stats: dict) -> np.ndarray:
         """A source whose mean over the last ``tradeoff_window`` evaluations is more than
-        ``tradeoff`` of its value before training b below it, and, for a source in [0, 1], by
-        more than ``z_tradeoff`` standard errors of such a mean over ``eval_prompts`` prompts
-        (at most sqrt(b (1 - b) / n) each), while the weighted total's mean rose."""
-        now = {k: np.asarray(v, dtype=float) for k, v in stats.items()
-               if k == "eval/reward" or k.startswith("eval/reward/")}
+        ``tradeoff`` of its value before training b below it, and by more than ``z_tradeoff``
+        standard errors of that paired fall, while the weighted total's mean rose."""
+        now = {k: np.asarray(v, dtype=float) for k, v in stats.items() if k.startswith("eval/reward")}
         before = {k[len("baseline/"):]: np.asarray(v, dtype=float) for k, v in stats.items()
-                  if k == "baseline/eval/reward" or k.startswith("baseline/eval/reward/")}
+                  if k.startswith("baseline/eval/reward")}
         if self.sources_before is None and (before or now):
             self.sources_before = before or now  # the first evaluation stands in for a missing baseline
             if not before:
                 return np.asarray(False)
-        if not now:
+        if "eval/reward" not in now:
             return np.asarray(False)
         self.source_evals = (self.source_evals + [now])[-self.tradeoff_window :]
         b = self.sources_before or {}
-        sources = [k for k in now if k != "eval/reward" and k in b]
+        sources = [k for k in now if k.startswith("eval/reward/") and k in b]
         if (not self.tradeoff or len(sources) < 2 or "eval/reward" not in b
                 or len(self.source_evals) < self.tradeoff_window):
             return np.asarray(False)
         mean = {k: _mean([e[k] for e in self.source_evals]) for k in [*sources, "eval/reward"]}
         falls = {}
         for k in sources:
-            fall = (b[k] > 0) & (mean[k] < (1 - self.tradeoff) * b[k])
-            if self.eval_prompts and np.all((b[k] >= 0) & (b[k] <= 1)):  # a share: its sampling noise is bounded
-                se = np.sqrt(b[k] * (1 - b[k]) / self.eval_prompts * (1 + 1 / self.tradeoff_window))
-                fall = fall & (b[k] - mean[k] > self.z_tradeoff * se)
-            falls[k] = fall
+            sd_key = "eval/reward_std/" + k.removeprefix("eval/reward/")
+            if not self.eval_prompts or any(sd_key not in e for e in self.source_evals):
+                continue  # no noise model: not watched
+            var = _mean([np.square(e[sd_key]) for e in self.source_evals])  # the window's mean variance
+            se = np.sqrt((np.square(b[sd_key]) if sd_key in b else var) + var) / math.sqrt(self.eval_prompts)
+            falls[k] = (b[k] > 0) & (mean[k] < (1 - self.tradeoff) * b[k]) & (b[k] - mean[k] > self.z_tradeoff * se)
         self.fallen = [k for k, f in falls.items() if np.ndim(f) == 0 and f]
+        if not falls:
+            return np.asarray(False)
         return np.logical_or.reduce(list(falls.values())) & (mean["eval/reward"] > b["eval/reward"])
 
     def _message(self, key: str, step: int, stats: dict) -> str:
@@ -206,8 +239,11 @@ class HackingWatch:
                     f"weighted total rose ({float(b['eval/reward']):.2f} -> {now['eval/reward']:.2f}): one term is bought with another. Raise the fallen "
                     "source's weight (reward.weights), make the rising one ask for it too, or raise ppo.kl_coef")
         if key == "guard/kl_high":
+            smooth = float(_mean(self.evals[-self.eval_window :]))
             return (head + f"the KL to the reference averaged {float(_mean(self.kl_recent)):.2f} nats per token over "
-                    f"the last {self.window} steps (> ppo.guard_kl={self.kl_max:g}); raise ppo.kl_coef or lower ppo.lr")
+                    f"the last {self.window} steps (> ppo.guard_kl={self.kl_max:g}) while {self.metric} fell to "
+                    f"{smooth:.3f} (mean of the last {self.eval_window} evaluations) from its best {float(self.best):.3f}, "
+                    "beyond the evaluations' noise; raise ppo.kl_coef or lower ppo.lr")
         if key == "guard/eos_collapse":
             return (head + f"only {float(_mean(self.eos_recent)):.2f} of responses ended with EOS over the last "
                     f"{self.window} steps (first {self.anchor} steps: {float(_mean(self.eos_anchor)):.2f}); set "
@@ -223,6 +259,7 @@ class HackingWatch:
     def state_dict(self) -> dict:
         as_list = lambda values: [np.asarray(v).tolist() for v in values]  # noqa: E731
         return {"eos_anchor": as_list(self.eos_anchor), "eos_recent": as_list(self.eos_recent),
+                "eos_anchor_var": as_list(self.eos_anchor_var), "eos_recent_var": as_list(self.eos_recent_var),
                 "kl_recent": as_list(self.kl_recent), "score_recent": as_list(self.score_recent),
                 "evals": as_list(self.evals), "best": None if self.best is None else np.asarray(self.best).tolist(),
                 "score_at_best": None if self.score_at_best is None else np.asarray(self.score_at_best).tolist(),
@@ -240,6 +277,10 @@ class HackingWatch:
             return
         arrays = lambda values: [np.asarray(v, dtype=float) for v in values]  # noqa: E731
         self.eos_anchor, self.eos_recent = arrays(state["eos_anchor"]), arrays(state["eos_recent"])
+        # written before the EOS rate's standard error was logged: NaN, the binomial variance alone
+        nan = lambda rates: [np.full_like(r, math.nan) for r in rates]  # noqa: E731
+        self.eos_anchor_var = arrays(state.get("eos_anchor_var", nan(self.eos_anchor)))
+        self.eos_recent_var = arrays(state.get("eos_recent_var", nan(self.eos_recent)))
         self.kl_recent, self.score_recent = arrays(state["kl_recent"]), arrays(state["score_recent"])
         self.evals = arrays(state["evals"])
         self.best = None if state["best"] is None else np.asarray(state["best"], dtype=float)
