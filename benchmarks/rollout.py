@@ -23,6 +23,9 @@ the device's peak (``--peak-tflops``, by default 989 for H100/H200 bf16 dense).
     python benchmarks/rollout.py                                   # tiny + gpt2-small on CPU
     python benchmarks/rollout.py --models gpt2-small --batch 32 --new-tokens 128
     python benchmarks/rollout.py --device cuda --dtype bf16 --models qwen-0.5b gpt2-small
+    python benchmarks/rollout.py --models tiny --record            # into benchmarks/results/rollout.jsonl
+
+Every (model, runner) of a run is one row with every call's seconds (``bench_common.record``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import DEFAULT_OUT, peak_rss_mib, pin_to_core, prepare, quiet_hf  # noqa: E402
+from bench_common import (  # noqa: E402
+    DEFAULT_OUT,
+    add_record_args,
+    peak_rss_mib,
+    pin_to_core,
+    prepare,
+    quiet_hf,
+    record,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -146,7 +157,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     rows = []
     for k, ts in times.items():
         sec = min(ts) if args.stat == "best" else statistics.median(ts)
-        row = {"model": name, "runner": k, "batch": batch, "new": new, "s": sec, "tok_s": tokens / sec}
+        row = {"model": name, "runner": k, "batch": batch, "new": new, "s": sec, "tok_s": tokens / sec, "times_s": ts,
+               "prompt_tokens": ids.shape[1]}
         if device.type == "cuda":
             row["mfu"] = row["tok_s"] * fpt / (args.peak_tflops * 1e12)
         rows.append(row)
@@ -174,6 +186,7 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: by GPU name)")
     ap.add_argument("--out", default=DEFAULT_OUT)
+    add_record_args(ap)
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -198,8 +211,15 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:<12}{r['runner']:<24}{str(r['batch']) + ' x ' + str(r['new']):>12}{r['s']:>9.4f}"
               f"{r['tok_s']:>11.0f}{r['vs_hf']:>12.2f}x" + (f"{r['mfu'] * 100:>7.2f}%" if mfu else ""))
-    peak = (f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB CUDA" if mfu else f"{peak_rss_mib():.0f} MiB RSS")
-    print(f"peak memory of the process: {peak}")
+    peak_mib = torch.cuda.max_memory_allocated(device) / 2**20 if mfu else peak_rss_mib()
+    print(f"peak memory of the process: {peak_mib:.0f} MiB {'CUDA' if mfu else 'RSS'}")
+    for r in rows:
+        settings = {"model": r["model"], "batch": r["batch"], "new_tokens": r["new"], "prompt_tokens": r["prompt_tokens"],
+                    "temperature": 1.0, "kv_cache": True, "warmup_calls": 1}
+        record("rollout", {"contender": r["runner"], "settings": settings, "seeds": [0], "times_s": r["times_s"],
+                           "tokens_per_call": r["batch"] * r["new"], "peak_mib": peak_mib,
+                           "peak_of": "the process, all runners" + (" (CUDA allocated)" if mfu else " (resident set)")},
+               args, args.device, args.dtype)
 
 
 if __name__ == "__main__":
