@@ -16,7 +16,7 @@ and logging fall outside, to TRL's favour), and runs the same greedy evaluation
 steps per rollout, and is evaluated once all of them have run. The table gives rollouts to
 the target and seconds per rollout apart, median and min-max over the seeds: the first is
 what the configuration buys, the second what a rollout's work costs (the implementation, and
-arithmetic one library skips: benchmarks/README.md).
+arithmetic one library skips: docs/benchmarks.md).
 
 Contenders (rlhfkit's from a small sweep on seeds 10-12, never on the reported seeds 0-2;
 steps to 0.99 with the exact reward):
@@ -76,7 +76,7 @@ Reward (``--reward``):
                 the script checks that both give the same numbers before it starts. It checks
                 the character set, not the digits: only the KL term keeps the doubling right,
                 and a weak one lets the policy game it (TRL GRPO at beta 0.1 stayed below 0.5
-                exact for 300 rollouts; benchmarks/README.md).
+                exact for 300 rollouts; benchmarks/archive/SUMMARY.md, typed by hand).
 
 ``--clock cpu`` replaces wall seconds by each process's CPU seconds (for all contenders alike),
 which other jobs on a shared machine disturb much less.

@@ -22,7 +22,8 @@ set is higher (the heap's own pages).
     python benchmarks/update_peak.py --device cuda --size smollm2-init --shape-from DIR --workload short \\
         --rows rlhfkit_grpo_graph_ckpt_offload
 
-Recorded results are in ``RESULTS.md`` ("What the update holds at its peak").
+Results typed by hand before the record existed are in ``archive/RESULTS.md`` ("What the update
+holds at its peak"); not regenerable.
 """
 
 from __future__ import annotations

@@ -1,0 +1,181 @@
+"""Render every benchmark table the docs show from the committed record, ``benchmarks/results/*.jsonl``.
+
+A page asks for a table with a pair of markers; everything between them is this script's:
+
+    <!-- results:time_to_accuracy -->
+    (the rendered table)
+    <!-- /results -->
+
+Runs group by contender, every setting, device, machine, dtype and allocator (so a table never
+pools two machines or two configurations); a group shows the median of its runs with their
+min-max, the run count, the commit(s) it was measured at (``+dirty``: with uncommitted changes)
+and the machine. CPU and GPU rows go in separate tables.
+
+    python benchmarks/render.py           # rewrite the tables in the pages
+    python benchmarks/render.py --check   # exit 1 when a committed page differs from what it renders
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "benchmarks" / "README.md")
+MARKED = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
+CONTENDERS = {"rlhfkit_ppo": "rlhfkit PPO", "rlhfkit_grpo": "rlhfkit GRPO", "trl_grpo": "TRL GRPO",
+              "trl_schedule": "TRL GRPO on rlhfkit's schedule", "grpo_trl_schedule": "rlhfkit GRPO on TRL's schedule"}
+
+
+def load(benchmark: str, results: Path = RESULTS) -> list[dict]:
+    """The recorded runs of ``benchmark``, oldest first; a run given a ``superseded`` key by hand
+    (the code it measured was replaced) stays in the file and out of the tables."""
+    path = results / f"{benchmark}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [r for r in rows if "superseded" not in r]
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """``median (min–max)`` of ``values``; the value alone when there is one."""
+    med = format(statistics.median(values), fmt)
+    return med if len(values) == 1 else f"{med} ({min(values):{fmt}}–{max(values):{fmt}})"
+
+
+def groups(rows: list[dict]) -> list[list[dict]]:
+    """Runs that measured the same thing in the same place, in order of first appearance: same
+    contender, settings, device, machine, dtype, allocator and threads."""
+    found: dict[str, list[dict]] = {}
+    for r in rows:
+        key = json.dumps([r["contender"], r["settings"], r["device"], r["machine"], r["dtype"], r["allocator"],
+                          r["threads"]], sort_keys=True)
+        found.setdefault(key, []).append(r)
+    return list(found.values())
+
+
+def commits(runs: list[dict]) -> str:
+    return ", ".join(sorted({r["commit"] + ("+dirty" if r.get("dirty") else "") for r in runs}))
+
+
+def machine(runs: list[dict]) -> str:
+    m = runs[0]["machine"]
+    return f"{m['cpu']}, {m['cores']} cores"
+
+
+def table(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(out + ["| " + " | ".join(cells) + " |" for cells in lines])
+
+
+def by_device(grouped: list[list[dict]], render_one) -> str:
+    """One table per device kind, CPU first: a CPU figure says nothing about a GPU."""
+    parts = []
+    for kind, title in (("cpu", "CPU"), ("gpu", "GPU")):
+        mine = [g for g in grouped if (g[0]["device"] == "cpu") == (kind == "cpu")]
+        if mine:
+            parts.append(f"**{title}**\n\n" + render_one(mine))
+    return "\n\n".join(parts)
+
+
+def time_to_accuracy(rows: list[dict]) -> str:
+    """Rollouts and training seconds to the held-out target, per contender."""
+    def render_one(grouped):
+        lines = []
+        for g in grouped:
+            s = g[0]["settings"]
+            rollouts = [r["rollouts"] for r in g]
+            seconds = [r["times_s"][0] for r in g]
+            missed = sum(not r["reached"] for r in g)
+            lines.append([g[0]["device"], CONTENDERS.get(g[0]["contender"], g[0]["contender"]),
+                          f"{s['reward']}, {s['target']}", spread(rollouts, "g") + ("*" if missed else ""),
+                          spread([t / max(1, n) for t, n in zip(seconds, rollouts)], ".3f"), spread(seconds, ".1f"),
+                          s["clock"], spread([r["peak_mib"] for r in g], ".0f") + f" ({g[0]['allocator']})",
+                          f"{len(g)} (seeds {' '.join(str(r['seeds'][0]) for r in g)})", commits(g), machine(g)])
+        return table(["device", "contender", "reward, target", "rollouts to target", "s / rollout",
+                      "s to target", "clock", "peak MiB (allocator)", "runs", "commit", "machine"], lines)
+
+    note = ("Training seconds only (rollout + experience + update; evaluation excluded), one torch thread, "
+            "median (min–max) over runs. `*`: a run stopped at `--max-steps` before the target.")
+    return by_device(groups(rows), render_one) + "\n\n" + note
+
+
+def rollout(rows: list[dict]) -> str:
+    """Tokens per second of each runner; every call of every run pooled."""
+    def render_one(grouped):
+        lines = []
+        generate = {}  # (device, machine, model) -> median tokens/s of transformers' generate
+        for g in grouped:
+            rates = [r["tokens_per_call"] / t for r in g for t in r["times_s"]]
+            if g[0]["contender"] == "transformers generate":
+                generate[where(g)] = statistics.median(rates)
+        for g in grouped:
+            s, rates = g[0]["settings"], [r["tokens_per_call"] / t for r in g for t in r["times_s"]]
+            ratio = statistics.median(rates) / generate[where(g)] if where(g) in generate else None
+            lines.append([g[0]["device"], s["model"], g[0]["contender"], f"{s['batch']} × {s['new_tokens']}",
+                          g[0]["dtype"], spread(rates, ".0f"), f"{ratio:.2f}×" if ratio else "–",
+                          f"{len(g)} ({len(rates)} calls)", commits(g), machine(g)])
+        return table(["device", "model", "runner", "batch × new tokens", "dtype", "tokens/s", "vs generate",
+                      "runs (calls)", "commit", "machine"], lines)
+
+    note = ("Sampling at temperature 1 with a KV cache, EOS disabled so every call makes the same tokens; "
+            "tokens/s: median (min–max) over every timed call; vs generate: the ratio of medians on the same "
+            "device, machine and model.")
+    return by_device(groups(rows), render_one) + "\n\n" + note
+
+
+def where(g: list[dict]) -> tuple:
+    return g[0]["device"], machine(g), g[0]["settings"]["model"], g[0]["dtype"]
+
+
+# name -> (renderer, the command that appends its rows)
+TABLES = {
+    "time_to_accuracy": (time_to_accuracy, "python benchmarks/time_to_accuracy.py --seeds 0 1 "
+                                           "--contenders rlhfkit_grpo rlhfkit_ppo --clock cpu --core 1 --record"),
+    "rollout": (rollout, "python benchmarks/rollout.py --models tiny gpt2-small --core 1 --record"),
+}
+
+
+def render(name: str, results: Path = RESULTS) -> str:
+    """The block between ``name``'s markers: its table(s), or a line saying none is recorded, and
+    the command that records more."""
+    if name not in TABLES:
+        raise SystemExit(f"unknown table '{name}' in a results marker; known: {', '.join(TABLES)}")
+    fn, command = TABLES[name]
+    rows = load(name, results)
+    body = fn(rows) if rows else f"No run of `{name}` is recorded yet."
+    return f"{body}\n\nRows: `benchmarks/results/{name}.jsonl`; more of them: `{command}`, then " \
+           f"`python benchmarks/render.py`.\n"
+
+
+def render_page(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every marked block replaced by what :func:`render` makes of it."""
+    return MARKED.sub(lambda m: m.group(1) + render(m.group(2), results) + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pages", nargs="*", type=Path, default=list(PAGES), help="default: the pages that show results")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page differs from its rendering")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the folder of <benchmark>.jsonl files")
+    args = ap.parse_args(argv)
+    stale = []
+    for page in args.pages:
+        text = page.read_text()
+        new = render_page(text, args.results)
+        if new != text:
+            stale.append(str(page))
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        print(f"out of date with {args.results}: {', '.join(stale)}; run python benchmarks/render.py")
+        return 1
+    print(("rewrote " + ", ".join(stale)) if stale else "every page is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

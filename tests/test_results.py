@@ -1,0 +1,142 @@
+"""Every benchmark number the docs show is rendered from the committed record: the pages equal what
+``benchmarks/render.py`` makes of ``benchmarks/results/*.jsonl``, its cells are the median and
+min-max of the recorded runs (checked against values worked out by hand), and a benchmark's row
+carries where and with what it was measured."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RENDER = ROOT / "benchmarks" / "render.py"
+
+
+def _module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import bench_common as a top-level module
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _render(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RENDER), *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def _write(folder: Path, benchmark: str, rows: list[dict]) -> None:
+    (folder / f"{benchmark}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+CPU_A = {"cpu": "AMD EPYC 7B13 (family 25, model 1)", "cores": 2}
+CPU_B = {"cpu": "Intel Xeon (family 6, model 207)", "cores": 2}
+
+
+def _tta(seed, rollouts, seconds, device="cpu", machine=CPU_A, reached=True, commit="abc1234"):
+    return {"benchmark": "time_to_accuracy", "contender": "rlhfkit_grpo", "seeds": [seed], "times_s": [seconds],
+            "rollouts": rollouts, "reached": reached, "final_exact": 0.99, "peak_mib": 500.0 + seed,
+            "settings": {"reward": "exact", "target": 0.99, "clock": "cpu"}, "device": device, "machine": machine,
+            "dtype": "fp32", "allocator": "glibc" if device == "cpu" else "cuda caching", "threads": 1,
+            "commit": commit, "dirty": False}
+
+
+def test_committed_pages_equal_what_the_script_renders():
+    done = _render("--check")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_pages_show_every_table_the_script_knows():
+    render = _module("render")
+    for page in render.PAGES:
+        assert {m[1] for m in render.MARKED.findall(page.read_text())} == set(render.TABLES), page
+
+
+def test_time_to_accuracy_cells_are_median_and_range_over_runs(tmp_path):
+    rows = [_tta(0, 90, 9.0), _tta(1, 100, 12.0), _tta(2, 80, 10.0, reached=False, commit="def5678"),
+            _tta(0, 70, 3.5, device="NVIDIA H100 80GB HBM3"), _tta(0, 60, 6.0, machine=CPU_B)]
+    _write(tmp_path, "time_to_accuracy", rows)
+    text = _module("render").render("time_to_accuracy", tmp_path)
+    cpu, gpu = text.split("**GPU**")
+    assert "**CPU**" in cpu
+    lines = [ln for ln in cpu.splitlines() if ln.startswith("| cpu")]
+    assert len(lines) == 2  # another machine is another row, never pooled
+    cells = [c.strip() for c in lines[0].split("|")[1:-1]]
+    # rollouts 90 100 80 -> 90 (80-100), one stopped early; s/rollout 0.100 0.120 0.125; s 9 12 10
+    assert cells[1] == "rlhfkit GRPO"
+    assert cells[3:6] == ["90 (80–100)*", "0.120 (0.100–0.125)", "10.0 (9.0–12.0)"]
+    assert cells[7] == "501 (500–502) (glibc)"
+    assert cells[8] == "3 (seeds 0 1 2)" and cells[9] == "abc1234, def5678"
+    assert cells[10] == "AMD EPYC 7B13 (family 25, model 1), 2 cores"
+    assert "Intel Xeon (family 6, model 207)" in lines[1] and "| 60 |" in lines[1]
+    gpu_lines = [ln for ln in gpu.splitlines() if ln.startswith("| NVIDIA")]
+    assert len(gpu_lines) == 1 and "| 70 |" in gpu_lines[0] and "cuda caching" in gpu_lines[0]
+
+
+def test_rollout_pools_every_call_and_divides_medians_on_one_machine(tmp_path):
+    def row(runner, times):
+        return {"benchmark": "rollout", "contender": runner, "times_s": times, "tokens_per_call": 100,
+                "settings": {"model": "tiny", "batch": 10, "new_tokens": 10}, "seeds": [0], "peak_mib": 300.0,
+                "device": "cpu", "machine": CPU_A, "dtype": "fp32", "allocator": "glibc", "threads": 1,
+                "commit": "abc1234", "dirty": True}
+
+    _write(tmp_path, "rollout", [row("transformers generate", [0.5, 0.25]), row("rlhfkit", [0.25]),
+                                 row("rlhfkit", [0.125])])
+    text = _module("render").render("rollout", tmp_path)
+    ours = next(ln for ln in text.splitlines() if "| rlhfkit |" in ln)
+    # generate: 200 and 400 tokens/s -> 300; rlhfkit: 400 and 800 over two runs -> 600, 2.00x
+    assert "| 600 (400–800) | 2.00× | 2 (2 calls) | abc1234+dirty |" in ours
+    assert "| 300 (200–400) | 1.00× | 1 (2 calls) |" in text
+
+
+def test_check_fails_on_a_stale_page_and_rendering_fixes_it(tmp_path):
+    _write(tmp_path, "rollout", [])
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n<!-- results:rollout -->\n| a hand-typed | 0.86x |\n<!-- /results -->\nafter\n")
+    stale = _render("--check", "--results", str(tmp_path), str(page))
+    assert stale.returncode == 1 and "out of date" in stale.stdout
+    assert _render("--results", str(tmp_path), str(page)).returncode == 0
+    text = page.read_text()
+    assert "0.86x" not in text and "No run of `rollout` is recorded yet." in text and text.endswith("after\n")
+    assert _render("--check", "--results", str(tmp_path), str(page)).returncode == 0
+
+
+def test_an_unknown_table_is_one_clear_line(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- results:nonsense -->\n<!-- /results -->\n")
+    done = _render("--check", str(page))
+    assert done.returncode != 0 and "unknown table 'nonsense'" in done.stderr
+
+
+def test_a_recorded_row_carries_where_and_with_what_it_ran(tmp_path, monkeypatch):
+    bench = _module("bench_common")
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc_minimal.so.4")
+    args = SimpleNamespace(record=False, out=str(tmp_path))
+    bench.record("rollout", {"contender": "rlhfkit", "settings": {"model": "tiny"}, "seeds": [0],
+                             "times_s": [0.5, 0.25], "tokens_per_call": 100, "peak_mib": 1.0}, args)
+    (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert row["commit"] == head.stdout.strip() and isinstance(row["dirty"], bool)
+    assert row["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert set(row["versions"]) == {"rlhfkit", "torch", "transformers", "peft", "trl"}
+    assert row["machine"]["cores"] == os.cpu_count() and row["machine"]["cpu"]
+    assert (row["device"], row["dtype"], row["allocator"]) == ("cpu", "fp32", "tcmalloc")
+    assert row["threads"] == torch.get_num_threads() and row["times_s"] == [0.5, 0.25]
+    # --record sends the same row to the committed file the renderer reads
+    assert bench.results_path("rollout", SimpleNamespace(record=True, out="x")) == ROOT / "benchmarks" / "results" / "rollout.jsonl"
+
+
+@pytest.mark.parametrize("benchmark", ["time_to_accuracy", "rollout"])
+def test_committed_rows_hold_every_field_the_tables_and_readers_need(benchmark):
+    rows = _module("render").load(benchmark)
+    for r in rows:
+        for key in ("commit", "dirty", "versions", "machine", "device", "dtype", "allocator", "threads", "contender",
+                    "settings", "seeds", "times_s", "peak_mib"):
+            assert key in r, (benchmark, key)
