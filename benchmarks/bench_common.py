@@ -77,11 +77,14 @@ def cpu() -> str:
 
 
 def versions() -> dict[str, str | None]:
-    """The versions of rlhfkit and the libraries a result depends on (None: not installed)."""
+    """The versions of rlhfkit (the imported package's: an editable install's metadata can be
+    stale) and of the libraries a result depends on (None: not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    found = {}
-    for name in ("rlhfkit", "torch", "transformers", "peft", "trl"):
+    import rlhfkit
+
+    found = {"rlhfkit": rlhfkit.__version__}
+    for name in ("torch", "transformers", "peft", "trl"):
         try:
             found[name] = version(name)
         except PackageNotFoundError:

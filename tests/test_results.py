@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import rlhfkit
+
 ROOT = Path(__file__).resolve().parents[1]
 RENDER = ROOT / "benchmarks" / "render.py"
 
@@ -126,6 +128,7 @@ def test_a_recorded_row_carries_where_and_with_what_it_ran(tmp_path, monkeypatch
     assert row["commit"] == head.stdout.strip() and isinstance(row["dirty"], bool)
     assert row["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert set(row["versions"]) == {"rlhfkit", "torch", "transformers", "peft", "trl"}
+    assert row["versions"]["rlhfkit"] == rlhfkit.__version__
     assert row["machine"]["cores"] == os.cpu_count() and row["machine"]["cpu"]
     assert (row["device"], row["dtype"], row["allocator"]) == ("cpu", "fp32", "tcmalloc")
     assert row["threads"] == torch.get_num_threads() and row["times_s"] == [0.5, 0.25]
