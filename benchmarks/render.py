@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "benchmarks" / "README.md")
 MARKED = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
+PPO_STEP = {"rlhfkit_ppo": "rlhfkit PPO", "trl_ppo": "TRL PPO (PPOTrainer 1.12)", "rlhfkit_grpo": "rlhfkit GRPO",
+            "rlhfkit_grpo_trl_schedule": "rlhfkit GRPO on TRL's schedule", "trl_grpo": "TRL GRPO"}
 CONTENDERS = {"rlhfkit_ppo": "rlhfkit PPO", "rlhfkit_grpo": "rlhfkit GRPO", "trl_grpo": "TRL GRPO",
               "trl_schedule": "TRL GRPO on rlhfkit's schedule", "grpo_trl_schedule": "rlhfkit GRPO on TRL's schedule"}
 
@@ -127,6 +129,26 @@ def rollout(rows: list[dict]) -> str:
     return by_device(groups(rows), render_one) + "\n\n" + note
 
 
+def ppo_step(rows: list[dict]) -> str:
+    """Milliseconds of one RL step on the tiny doubling model, phase by phase."""
+    def render_one(grouped):
+        lines = []
+        for g in grouped:
+            s = g[0]["settings"]
+            phases = [spread([r["phase_median_s"][k] * 1e3 for r in g], ".1f") for k in ("rollout", "experience", "update")]
+            lines.append([g[0]["device"], PPO_STEP.get(g[0]["contender"], g[0]["contender"]), s["schedule"], *phases,
+                          spread([t * 1e3 for r in g for t in r["times_s"]], ".1f"), s["clock"],
+                          spread([r["peak_mib"] for r in g], ".0f") + f" ({g[0]['allocator']})",
+                          f"{len(g)} ({sum(len(r['times_s']) for r in g)} steps)", commits(g), machine(g)])
+        return table(["device", "contender", "prompts × samples, epochs × minibatches", "rollout ms", "experience ms",
+                      "update ms", "step ms", "clock", "peak MiB (allocator)", "runs (steps)", "commit", "machine"],
+                     lines)
+
+    note = ("One step of 64 completions of at most 8 tokens after warm-up steps; phases: median over runs of each "
+            "run's median step; step: median (min–max) over every measured step.")
+    return by_device(groups(rows), render_one) + "\n\n" + note
+
+
 def where(g: list[dict]) -> tuple:
     return g[0]["device"], machine(g), g[0]["settings"]["model"], g[0]["dtype"]
 
@@ -136,6 +158,7 @@ TABLES = {
     "time_to_accuracy": (time_to_accuracy, "python benchmarks/time_to_accuracy.py --seeds 0 1 "
                                            "--contenders rlhfkit_grpo rlhfkit_ppo --clock cpu --core 1 --record"),
     "rollout": (rollout, "python benchmarks/rollout.py --models tiny gpt2-small --core 1 --record"),
+    "ppo_step": (ppo_step, "python benchmarks/ppo_step.py --clock cpu --core 1 --record"),
 }
 
 

@@ -98,6 +98,20 @@ def test_rollout_pools_every_call_and_divides_medians_on_one_machine(tmp_path):
     assert "| 300 (200–400) | 1.00× | 1 (2 calls) |" in text
 
 
+def test_ppo_step_phases_are_medians_over_runs_and_the_step_pools_every_step(tmp_path):
+    def row(times, rollout):
+        return {"benchmark": "ppo_step", "contender": "rlhfkit_grpo", "times_s": times, "seeds": [0],
+                "phase_median_s": {"rollout": rollout, "experience": 0.002, "update": 0.004}, "peak_mib": 400.0,
+                "settings": {"schedule": "16x4, 2x2 of 32", "clock": "cpu"}, "device": "cpu", "machine": CPU_A,
+                "dtype": "fp32", "allocator": "tcmalloc", "threads": 1, "commit": "abc1234", "dirty": False}
+
+    _write(tmp_path, "ppo_step", [row([0.010, 0.012], 0.003), row([0.011, 0.020, 0.009], 0.005)])
+    line = next(ln for ln in _module("render").render("ppo_step", tmp_path).splitlines() if ln.startswith("| cpu"))
+    # rollout medians 3 and 5 ms -> 4.0 (3.0-5.0); steps 10 12 11 20 9 ms -> 11.0 (9.0-20.0)
+    assert "| 4.0 (3.0–5.0) | 2.0 (2.0–2.0) | 4.0 (4.0–4.0) | 11.0 (9.0–20.0) | cpu | 400 (400–400) (tcmalloc) |" in line
+    assert "| 2 (5 steps) |" in line and "| rlhfkit GRPO |" in line
+
+
 def test_check_fails_on_a_stale_page_and_rendering_fixes_it(tmp_path):
     _write(tmp_path, "rollout", [])
     page = tmp_path / "page.md"
@@ -136,7 +150,7 @@ def test_a_recorded_row_carries_where_and_with_what_it_ran(tmp_path, monkeypatch
     assert bench.results_path("rollout", SimpleNamespace(record=True, out="x")) == ROOT / "benchmarks" / "results" / "rollout.jsonl"
 
 
-@pytest.mark.parametrize("benchmark", ["time_to_accuracy", "rollout"])
+@pytest.mark.parametrize("benchmark", ["time_to_accuracy", "rollout", "ppo_step"])
 def test_committed_rows_hold_every_field_the_tables_and_readers_need(benchmark):
     rows = _module("render").load(benchmark)
     for r in rows:
