@@ -118,14 +118,14 @@ def rollout(rows: list[dict]) -> str:
             s, rates = g[0]["settings"], [r["tokens_per_call"] / t for r in g for t in r["times_s"]]
             ratio = statistics.median(rates) / generate[where(g)] if where(g) in generate else None
             lines.append([g[0]["device"], s["model"], g[0]["contender"], f"{s['batch']} × {s['new_tokens']}",
-                          g[0]["dtype"], spread(rates, ".0f"), f"{ratio:.2f}×" if ratio else "–",
+                          g[0]["dtype"], s["clock"], spread(rates, ".0f"), f"{ratio:.2f}×" if ratio else "–",
                           f"{len(g)} ({len(rates)} calls)", commits(g), machine(g)])
-        return table(["device", "model", "runner", "batch × new tokens", "dtype", "tokens/s", "vs generate",
+        return table(["device", "model", "runner", "batch × new tokens", "dtype", "clock", "tokens/s", "vs generate",
                       "runs (calls)", "commit", "machine"], lines)
 
     note = ("Sampling at temperature 1 with a KV cache, EOS disabled so every call makes the same tokens; "
             "tokens/s: median (min–max) over every timed call; vs generate: the ratio of medians on the same "
-            "device, machine and model.")
+            "device and machine, for the same model, shape and clock.")
     return by_device(groups(rows), render_one) + "\n\n" + note
 
 
@@ -150,14 +150,16 @@ def ppo_step(rows: list[dict]) -> str:
 
 
 def where(g: list[dict]) -> tuple:
-    return g[0]["device"], machine(g), g[0]["settings"]["model"], g[0]["dtype"]
+    s = g[0]["settings"]
+    return g[0]["device"], machine(g), s["model"], s["batch"], s["new_tokens"], g[0]["dtype"], s["clock"]
 
 
 # name -> (renderer, the command that appends its rows)
 TABLES = {
     "time_to_accuracy": (time_to_accuracy, "python benchmarks/time_to_accuracy.py --seeds 0 1 "
                                            "--contenders rlhfkit_grpo rlhfkit_ppo --clock cpu --core 1 --record"),
-    "rollout": (rollout, "python benchmarks/rollout.py --models tiny gpt2-small --core 1 --record"),
+    "rollout": (rollout, "python benchmarks/rollout.py --models tiny gpt2-small --repeats 3 --clock cpu --core 1 "
+                         "--record"),
     "ppo_step": (ppo_step, "python benchmarks/ppo_step.py --clock cpu --core 1 --record"),
 }
 

@@ -23,7 +23,10 @@ the device's peak (``--peak-tflops``, by default 989 for H100/H200 bf16 dense).
     python benchmarks/rollout.py                                   # tiny + gpt2-small on CPU
     python benchmarks/rollout.py --models gpt2-small --batch 32 --new-tokens 128
     python benchmarks/rollout.py --device cuda --dtype bf16 --models qwen-0.5b gpt2-small
-    python benchmarks/rollout.py --models tiny --record            # into benchmarks/results/rollout.jsonl
+    python benchmarks/rollout.py --models tiny --clock cpu --record   # into benchmarks/results/rollout.jsonl
+
+``--clock cpu`` times the process's CPU seconds instead of wall seconds (CPU runs: one pinned
+thread), which other jobs on a shared machine disturb much less.
 
 Every (model, runner) of a run is one row with every call's seconds (``bench_common.record``).
 """
@@ -113,14 +116,14 @@ def flops_per_token(model, context: float) -> float:
     return 2 * n + 4 * layers * context * width
 
 
-def timed(fn, device) -> float:
+def timed(fn, device, clock=time.perf_counter) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
@@ -150,7 +153,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.repeats):
         for k, fn in runs.items():
-            times[k].append(timed(fn, device))
+            times[k].append(timed(fn, device, time.process_time if args.clock == "cpu" else time.perf_counter))
     tokens = batch * new
     context = ids.shape[1] + new / 2
     fpt = flops_per_token(model, context)
@@ -184,11 +187,16 @@ def main() -> None:
     ap.add_argument("--stat", choices=["best", "median"], default="best",
                     help="best of the repeats (least disturbed by other jobs, as timeit) or their median")
     ap.add_argument("--core", type=int, default=0)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="'cpu' times this process's CPU seconds (one thread, pinned: for a machine shared with other "
+                         "jobs; CPU runs only)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: by GPU name)")
     ap.add_argument("--out", default=DEFAULT_OUT)
     add_record_args(ap)
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.clock == "cpu" and device.type != "cpu":
+        ap.error("--clock cpu times CPU runs only: a GPU's work is not this process's CPU time")
     if device.type == "cpu":
         pin_to_core(args.core)
     quiet_hf()
@@ -203,7 +211,7 @@ def main() -> None:
         rows += bench_model(name, args, device, DTYPES[args.dtype])
     where = (f"one CPU core (taskset -c {args.core}), {torch.get_num_threads()} torch thread" if device.type == "cpu"
              else torch.cuda.get_device_name(device))
-    print(f"\nRollout throughput, sampling at temperature 1, KV cache, {args.dtype}, {where}; "
+    print(f"\nRollout throughput, sampling at temperature 1, KV cache, {args.dtype}, {where}, {args.clock} clock; "
           f"{args.stat} of {args.repeats} calls each; torch {torch.__version__}")
     mfu = device.type == "cuda"
     print(f"{'model':<12}{'runner':<24}{'batch x new':>12}{'s/call':>9}{'tokens/s':>11}{'vs generate':>13}"
@@ -215,7 +223,7 @@ def main() -> None:
     print(f"peak memory of the process: {peak_mib:.0f} MiB {'CUDA' if mfu else 'RSS'}")
     for r in rows:
         settings = {"model": r["model"], "batch": r["batch"], "new_tokens": r["new"], "prompt_tokens": r["prompt_tokens"],
-                    "temperature": 1.0, "kv_cache": True, "warmup_calls": 1}
+                    "temperature": 1.0, "kv_cache": True, "warmup_calls": 1, "clock": args.clock}
         record("rollout", {"contender": r["runner"], "settings": settings, "seeds": [0], "times_s": r["times_s"],
                            "tokens_per_call": r["batch"] * r["new"], "peak_mib": peak_mib,
                            "peak_of": "the process, all runners" + (" (CUDA allocated)" if mfu else " (resident set)")},

@@ -85,7 +85,8 @@ def test_time_to_accuracy_cells_are_median_and_range_over_runs(tmp_path):
 def test_rollout_pools_every_call_and_divides_medians_on_one_machine(tmp_path):
     def row(runner, times):
         return {"benchmark": "rollout", "contender": runner, "times_s": times, "tokens_per_call": 100,
-                "settings": {"model": "tiny", "batch": 10, "new_tokens": 10}, "seeds": [0], "peak_mib": 300.0,
+                "settings": {"model": "tiny", "batch": 10, "new_tokens": 10, "clock": "cpu"}, "seeds": [0],
+                "peak_mib": 300.0,
                 "device": "cpu", "machine": CPU_A, "dtype": "fp32", "allocator": "glibc", "threads": 1,
                 "commit": "abc1234", "dirty": True}
 
@@ -94,7 +95,7 @@ def test_rollout_pools_every_call_and_divides_medians_on_one_machine(tmp_path):
     text = _module("render").render("rollout", tmp_path)
     ours = next(ln for ln in text.splitlines() if "| rlhfkit |" in ln)
     # generate: 200 and 400 tokens/s -> 300; rlhfkit: 400 and 800 over two runs -> 600, 2.00x
-    assert "| 600 (400–800) | 2.00× | 2 (2 calls) | abc1234+dirty |" in ours
+    assert "| cpu | 600 (400–800) | 2.00× | 2 (2 calls) | abc1234+dirty |" in ours
     assert "| 300 (200–400) | 1.00× | 1 (2 calls) |" in text
 
 
