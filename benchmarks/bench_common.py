@@ -107,11 +107,16 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
 
 
-def stamp(device: str = "cpu", dtype: str = "fp32", at: str | None = None) -> dict:
-    """Where and with what a run was measured: commit (``at``, taken when the run started;
-    default now) and whether the tree was dirty, library versions, machine (CPU model, cores),
-    device, dtype, allocator, torch threads, date."""
-    return {"commit": at or commit(), "dirty": dirty(), "versions": versions(),
+def code_version() -> dict:
+    """The code a run measures: the commit and whether the work tree differed from it."""
+    return {"commit": commit(), "dirty": dirty()}
+
+
+def stamp(device: str = "cpu", dtype: str = "fp32", at: dict | None = None) -> dict:
+    """Where and with what a run was measured: the code (``at``, :func:`code_version` taken when
+    the run started; default now), library versions, machine (CPU model, cores), device, dtype,
+    allocator, torch threads, date."""
+    return {**(at or code_version()), "versions": versions(),
             "machine": {"cpu": cpu(), "cores": os.cpu_count()}, "device": device_name(device), "dtype": dtype,
             "allocator": allocator(device), "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
@@ -130,7 +135,7 @@ def results_path(benchmark: str, args) -> Path:
     return RECORD_DIR / f"{benchmark}.jsonl" if args.record else Path(args.out) / RESULTS
 
 
-def record(benchmark: str, row: dict, args, device: str = "cpu", dtype: str = "fp32", at: str | None = None) -> dict:
+def record(benchmark: str, row: dict, args, device: str = "cpu", dtype: str = "fp32", at: dict | None = None) -> dict:
     """Append one run to :func:`results_path` and return it as written. ``row`` holds what the
     script measured and how: ``contender``, ``settings`` (every setting that tells this run from
     another's), ``seeds``, ``times_s`` (every timed repeat, not a summary), ``peak_mib`` and the

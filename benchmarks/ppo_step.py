@@ -50,7 +50,7 @@ from bench_common import (  # noqa: E402
     DEFAULT_OUT,
     PhaseClock,
     add_record_args,
-    commit,
+    code_version,
     peak_rss_mib,
     pinned_cmd,
     prepare,
@@ -233,7 +233,7 @@ def main() -> None:
                              "--clock", args.clock)
             cmd[cmd.index(sys.executable)] = python
             env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
-            at = commit()  # the code the worker imports now
+            at = code_version()  # the code the worker imports now
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
             if proc.returncode or not lines:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import add_record_args, commit, peak_rss_mib, pin_to_core, prepare, record  # noqa: E402
+from bench_common import add_record_args, code_version, peak_rss_mib, pin_to_core, prepare, record  # noqa: E402
 
 
 def run_rlhfkit(base: str, rm: str, out: Path, seed: int, target: float, max_steps: int) -> dict:
@@ -141,7 +141,7 @@ def main() -> None:
     add_record_args(ap)
     args = ap.parse_args()
     pin_to_core(0)
-    at = commit()  # the code measured, whatever is checked out when the run ends
+    at = code_version()  # the code measured, whatever is checked out when the run ends
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

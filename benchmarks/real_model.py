@@ -81,7 +81,7 @@ import torch  # noqa: E402
 
 from bench_common import (  # noqa: E402
     add_record_args,
-    commit,
+    code_version,
     pin_to_core,
     pinned_cmd,
     quiet_hf,
@@ -304,7 +304,7 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
                      "--target", str(args.target), "--trl-lr", str(args.trl_lr), "--paths", json.dumps(paths),
                      "--override", *args.override)
     env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
-    at = commit()  # the code the worker imports now
+    at = code_version()  # the code the worker imports now
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]

@@ -203,7 +203,7 @@ from bench_common import (  # noqa: E402
     PhaseClock,
     add_record_args,
     clock_grpo_trainer,
-    commit,
+    code_version,
     marked,
     pin_to_core,
     pinned_cmd,
@@ -739,7 +739,7 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
     env.pop("RLHFKIT_TRITON", None)  # the graph's decode attention: Triton's where it runs, unless the row says
     if row_spec(row)["torchattn"]:
         env["RLHFKIT_TRITON"] = "0"
-    at = commit()  # the code the worker imports now, whatever is checked out when it ends
+    at = code_version()  # the code the worker imports now, whatever is checked out when it ends
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
     DEFAULT_OUT,
     add_record_args,
-    commit,
+    code_version,
     peak_rss_mib,
     pinned_cmd,
     prepare,
@@ -125,7 +125,7 @@ def main() -> None:
                                  str(seed), "--out", args.out, "--steps", str(args.steps), "--eval-every",
                                  str(args.eval_every), "--core", str(args.core), "--override", *args.override)
                 env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
-                at = commit()  # the code the worker imports now
+                at = code_version()  # the code the worker imports now
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
                 if proc.returncode or not lines:

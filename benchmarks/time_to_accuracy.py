@@ -113,7 +113,7 @@ from bench_common import (  # noqa: E402
     TRL_GRPO_LR,
     ClassifierReward,
     add_record_args,
-    commit,
+    code_version,
     exact_reward_with_ids,
     peak_rss_mib,
     pinned_cmd,
@@ -377,7 +377,7 @@ def main() -> None:
                              "--clock", args.clock, "--trl-override", *args.trl_override,
                              "--ppo-override", *args.ppo_override, "--grpo-override", *args.grpo_override)
             env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
-            at = commit()  # the code the worker imports now
+            at = code_version()  # the code the worker imports now
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
             if proc.returncode or not lines:
