@@ -100,8 +100,9 @@ def time_to_accuracy(rows: list[dict]) -> str:
         return table(["device", "contender", "reward, target", "rollouts to target", "s / rollout",
                       "s to target", "clock", "peak MiB (allocator)", "runs", "commit", "machine"], lines)
 
-    note = ("Training seconds only (rollout + experience + update; evaluation excluded), one torch thread, "
-            "median (min–max) over runs. `*`: a run stopped at `--max-steps` before the target.")
+    note = ("Seconds of training only (rollout + experience + update; evaluation excluded) on the clock the "
+            "column names (cpu: the process's CPU seconds; wall: elapsed), one torch thread, median (min–max) over "
+            "runs. `*`: a run stopped at `--max-steps` before the target.")
     return by_device(groups(rows), render_one) + "\n\n" + note
 
 
@@ -140,7 +141,7 @@ def ppo_step(rows: list[dict]) -> str:
                           spread([t * 1e3 for r in g for t in r["times_s"]], ".1f"), s["clock"],
                           spread([r["peak_mib"] for r in g], ".0f") + f" ({g[0]['allocator']})",
                           f"{len(g)} ({sum(len(r['times_s']) for r in g)} steps)", commits(g), machine(g)])
-        return table(["device", "contender", "prompts × samples, epochs × minibatches", "rollout ms", "experience ms",
+        return table(["device", "contender", "schedule", "rollout ms", "experience ms",
                       "update ms", "step ms", "clock", "peak MiB (allocator)", "runs (steps)", "commit", "machine"],
                      lines)
 
@@ -156,7 +157,7 @@ def where(g: list[dict]) -> tuple:
 
 # name -> (renderer, the command that appends its rows)
 TABLES = {
-    "time_to_accuracy": (time_to_accuracy, "python benchmarks/time_to_accuracy.py --seeds 0 1 "
+    "time_to_accuracy": (time_to_accuracy, "python benchmarks/time_to_accuracy.py --seeds 0 1 2 "
                                            "--contenders rlhfkit_grpo rlhfkit_ppo --clock cpu --core 1 --record"),
     "rollout": (rollout, "python benchmarks/rollout.py --models tiny gpt2-small --repeats 3 --clock cpu --core 1 "
                          "--record"),
