@@ -30,6 +30,7 @@ PAGES = (ROOT / "docs" / "benchmarks.md", ROOT / "benchmarks" / "README.md")
 MARKED = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
 PPO_STEP = {"rlhfkit_ppo": "rlhfkit PPO", "trl_ppo": "TRL PPO (PPOTrainer 1.12)", "rlhfkit_grpo": "rlhfkit GRPO",
             "rlhfkit_grpo_trl_schedule": "rlhfkit GRPO on TRL's schedule", "trl_grpo": "TRL GRPO"}
+TRL_SIDE = ("trl_grpo", "trl_schedule")
 CONTENDERS = {"rlhfkit_ppo": "rlhfkit PPO", "rlhfkit_grpo": "rlhfkit GRPO", "trl_grpo": "TRL GRPO",
               "trl_schedule": "TRL GRPO on rlhfkit's schedule", "grpo_trl_schedule": "rlhfkit GRPO on TRL's schedule"}
 
@@ -97,13 +98,40 @@ def time_to_accuracy(rows: list[dict]) -> str:
                           spread([t / max(1, n) for t, n in zip(seconds, rollouts)], ".3f"), spread(seconds, ".1f"),
                           s["clock"], spread([r["peak_mib"] for r in g], ".0f") + f" ({g[0]['allocator']})",
                           f"{len(g)} (seeds {' '.join(str(r['seeds'][0]) for r in g)})", commits(g), machine(g)])
-        return table(["device", "contender", "reward, target", "rollouts to target", "s / rollout",
+        head = table(["device", "contender", "reward, target", "rollouts to target", "s / rollout",
                       "s to target", "clock", "peak MiB (allocator)", "runs", "commit", "machine"], lines)
+        return "\n\n".join([head, *filter(None, ["\n".join(tta_ratios(grouped))])])
 
     note = ("Seconds of training only (rollout + experience + update; evaluation excluded) on the clock the "
             "column names (cpu: the process's CPU seconds; wall: elapsed), one torch thread, median (min–max) over "
-            "runs. `*`: a run stopped at `--max-steps` before the target.")
+            "runs. `*`: a run stopped at `--max-steps` before the target (its figures, and a ratio with them, are bounds).")
     return by_device(groups(rows), render_one) + "\n\n" + note
+
+
+def ratios(grouped: list[list[dict]], names: dict, pairs, alike, measures) -> list[str]:
+    """``ours / theirs`` for each pair of contenders measured alike (``alike(group)`` equal): the
+    ratio of each measure's value, with both sides named, and their commits where they differ."""
+    lines = []
+    for a, b in pairs:
+        for ours in (g for g in grouped if g[0]["contender"] == a):
+            for theirs in (g for g in grouped if g[0]["contender"] == b and alike(g) == alike(ours)):
+                parts = [f"{measure(ours) / measure(theirs):.2f}× {label}" for label, measure in measures]
+                apart = "" if commits(ours) == commits(theirs) else f" (commits {commits(ours)} against {commits(theirs)})"
+                lines.append(f"- {names[a]} / {names[b]}: {', '.join(parts)}{apart}")
+    return lines
+
+
+def tta_ratios(grouped: list[list[dict]]) -> list[str]:
+    """Each rlhfkit contender against each TRL contender on the same device, machine, reward,
+    target, clock, evaluation interval and rollout size: the ratios of the medians."""
+    def alike(g):
+        s = g[0]["settings"]
+        return g[0]["device"], machine(g), s["reward"], s["target"], s["clock"], s["eval_every"], s["batch_size"]
+
+    pairs = [(ours, theirs) for theirs in TRL_SIDE for ours in CONTENDERS if ours not in TRL_SIDE]
+    measures = [("the seconds to the target", lambda g: statistics.median(r["times_s"][0] for r in g)),
+                ("the rollouts", lambda g: statistics.median(r["rollouts"] for r in g))]
+    return ratios(grouped, CONTENDERS, pairs, alike, measures)
 
 
 def rollout(rows: list[dict]) -> str:
@@ -141,9 +169,12 @@ def ppo_step(rows: list[dict]) -> str:
                           spread([t * 1e3 for r in g for t in r["times_s"]], ".1f"), s["clock"],
                           spread([r["peak_mib"] for r in g], ".0f") + f" ({g[0]['allocator']})",
                           f"{len(g)} ({sum(len(r['times_s']) for r in g)} steps)", commits(g), machine(g)])
-        return table(["device", "contender", "schedule", "rollout ms", "experience ms",
-                      "update ms", "step ms", "clock", "peak MiB (allocator)", "runs (steps)", "commit", "machine"],
-                     lines)
+        head = table(["device", "contender", "schedule", "rollout ms", "experience ms", "update ms", "step ms", "clock",
+                      "peak MiB (allocator)", "runs (steps)", "commit", "machine"], lines)
+        pairs = (("rlhfkit_ppo", "trl_ppo"), ("rlhfkit_grpo", "trl_grpo"), ("rlhfkit_grpo_trl_schedule", "trl_grpo"))
+        step = [("the step time", lambda g: statistics.median(t for r in g for t in r["times_s"]))]
+        alike = lambda g: (g[0]["device"], machine(g), g[0]["settings"]["clock"])  # noqa: E731
+        return "\n\n".join([head, *filter(None, ["\n".join(ratios(grouped, PPO_STEP, pairs, alike, step))])])
 
     note = ("One step of 64 completions of at most 8 tokens after warm-up steps; phases: median over runs of each "
             "run's median step; step: median (min–max) over every measured step.")
@@ -158,7 +189,7 @@ def where(g: list[dict]) -> tuple:
 # name -> (renderer, the command that appends its rows)
 TABLES = {
     "time_to_accuracy": (time_to_accuracy, "python benchmarks/time_to_accuracy.py --seeds 0 1 2 "
-                                           "--contenders rlhfkit_grpo rlhfkit_ppo --clock cpu --core 1 --record"),
+                                           "--contenders rlhfkit_grpo rlhfkit_ppo trl_grpo --clock cpu --core 1 --record"),
     "rollout": (rollout, "python benchmarks/rollout.py --models tiny gpt2-small --repeats 3 --clock cpu --core 1 "
                          "--record"),
     "ppo_step": (ppo_step, "python benchmarks/ppo_step.py --clock cpu --core 1 --record"),

@@ -42,10 +42,11 @@ CPU_A = {"cpu": "AMD EPYC 7B13 (family 25, model 1)", "cores": 2}
 CPU_B = {"cpu": "Intel Xeon (family 6, model 207)", "cores": 2}
 
 
-def _tta(seed, rollouts, seconds, device="cpu", machine=CPU_A, reached=True, commit="abc1234"):
-    return {"benchmark": "time_to_accuracy", "contender": "rlhfkit_grpo", "seeds": [seed], "times_s": [seconds],
+def _tta(seed, rollouts, seconds, device="cpu", machine=CPU_A, reached=True, commit="abc1234", contender="rlhfkit_grpo"):
+    return {"benchmark": "time_to_accuracy", "contender": contender, "seeds": [seed], "times_s": [seconds],
             "rollouts": rollouts, "reached": reached, "final_exact": 0.99, "peak_mib": 500.0 + seed,
-            "settings": {"reward": "exact", "target": 0.99, "clock": "cpu"}, "device": device, "machine": machine,
+            "settings": {"reward": "exact", "target": 0.99, "clock": "cpu", "eval_every": 5, "batch_size": 64},
+            "device": device, "machine": machine,
             "dtype": "fp32", "allocator": "glibc" if device == "cpu" else "cuda caching", "threads": 1,
             "commit": commit, "dirty": False}
 
@@ -82,6 +83,21 @@ def test_time_to_accuracy_cells_are_median_and_range_over_runs(tmp_path):
     assert len(gpu_lines) == 1 and "| 70 |" in gpu_lines[0] and "cuda caching" in gpu_lines[0]
 
 
+def test_time_to_accuracy_names_both_sides_of_a_ratio_measured_alike(tmp_path):
+    ours = [_tta(0, 90, 9.0), _tta(1, 100, 12.0), _tta(2, 80, 10.0)]
+    theirs = [_tta(s, n, t, contender="trl_grpo") for s, n, t in ((0, 200, 20.0), (1, 300, 30.0), (2, 250, 25.0))]
+    ppo = [_tta(0, 50, 4.0, contender="rlhfkit_ppo", commit="def5678")]
+    elsewhere = [_tta(0, 100, 5.0, machine=CPU_B, contender="trl_grpo")]  # another machine: no ratio against it
+    _write(tmp_path, "time_to_accuracy", ours + theirs + elsewhere + ppo)
+    text = _module("render").render("time_to_accuracy", tmp_path)
+    # seconds: median 10 against 25 -> 0.40x; rollouts: 90 against 250 -> 0.36x
+    ratios = [ln for ln in text.splitlines() if ln.startswith("- ")]
+    assert ratios == ["- rlhfkit PPO / TRL GRPO: 0.16× the seconds to the target, 0.20× the rollouts "
+                      "(commits def5678 against abc1234)",  # 4/25, 50/250
+                      "- rlhfkit GRPO / TRL GRPO: 0.40× the seconds to the target, 0.36× the rollouts"]
+    assert "**GPU**" not in text
+
+
 def test_rollout_pools_every_call_and_divides_medians_on_one_machine(tmp_path):
     def row(runner, times):
         return {"benchmark": "rollout", "contender": runner, "times_s": times, "tokens_per_call": 100,
@@ -100,17 +116,21 @@ def test_rollout_pools_every_call_and_divides_medians_on_one_machine(tmp_path):
 
 
 def test_ppo_step_phases_are_medians_over_runs_and_the_step_pools_every_step(tmp_path):
-    def row(times, rollout):
-        return {"benchmark": "ppo_step", "contender": "rlhfkit_grpo", "times_s": times, "seeds": [0],
+    def row(times, rollout, contender="rlhfkit_grpo"):
+        return {"benchmark": "ppo_step", "contender": contender, "times_s": times, "seeds": [0],
                 "phase_median_s": {"rollout": rollout, "experience": 0.002, "update": 0.004}, "peak_mib": 400.0,
                 "settings": {"schedule": "16x4, 2x2 of 32", "clock": "cpu"}, "device": "cpu", "machine": CPU_A,
                 "dtype": "fp32", "allocator": "tcmalloc", "threads": 1, "commit": "abc1234", "dirty": False}
 
-    _write(tmp_path, "ppo_step", [row([0.010, 0.012], 0.003), row([0.011, 0.020, 0.009], 0.005)])
-    line = next(ln for ln in _module("render").render("ppo_step", tmp_path).splitlines() if ln.startswith("| cpu"))
+    _write(tmp_path, "ppo_step", [row([0.010, 0.012], 0.003), row([0.011, 0.020, 0.009], 0.005),
+                                  row([0.020, 0.024], 0.010, "trl_grpo")])
+    text = _module("render").render("ppo_step", tmp_path)
+    line = next(ln for ln in text.splitlines() if ln.startswith("| cpu"))
     # rollout medians 3 and 5 ms -> 4.0 (3.0-5.0); steps 10 12 11 20 9 ms -> 11.0 (9.0-20.0)
     assert "| 4.0 (3.0–5.0) | 2.0 (2.0–2.0) | 4.0 (4.0–4.0) | 11.0 (9.0–20.0) | cpu | 400 (400–400) (tcmalloc) |" in line
     assert "| 2 (5 steps) |" in line and "| rlhfkit GRPO |" in line
+    # every step: 11 ms against TRL's 22 -> 0.50x
+    assert [ln for ln in text.splitlines() if ln.startswith("- ")] == ["- rlhfkit GRPO / TRL GRPO: 0.50× the step time"]
 
 
 def test_check_fails_on_a_stale_page_and_rendering_fixes_it(tmp_path):
