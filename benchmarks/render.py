@@ -181,6 +181,32 @@ def ppo_step(rows: list[dict]) -> str:
     return by_device(groups(rows), render_one) + "\n\n" + note
 
 
+def guard_sim(rows: list[dict]) -> str:
+    """The reward-hacking guards on simulated runs: how often each healthy case raises its guard,
+    how often and how soon each collapse is flagged; one line per case and commit, over that
+    commit's recorded simulations of the case."""
+    def render_one(kind):
+        found: dict[tuple, list[dict]] = {}
+        for r in rows:
+            if r["kind"] == kind:
+                found.setdefault((r["case"], r["commit"]), []).append(r)
+        lines = []
+        for (case, commit), g in sorted(found.items(), key=lambda kv: kv[0][0]):
+            firsts = [r["median_first_step"] for r in g if r["median_first_step"] is not None]
+            lines.append([case, f"`{g[0]['guard']}`", f"{len(g)} × {g[0]['runs']}",
+                          spread([r["alarm_rate"] for r in g], ".2%"),
+                          f"{min(r['ci95'][0] for r in g):.2%}–{max(r['ci95'][1] for r in g):.2%}",
+                          spread(firsts, "g") if firsts else "–", commit])
+        return table(["case", "guard", "simulations × runs", "alarm rate", "95% interval",
+                      "median first flagged step", "commit"], lines)
+
+    return ("**Healthy runs** (an alarm is a false one)\n\n" + render_one("null") +
+            "\n\n**Collapses** (an alarm is a detection)\n\n" + render_one("collapse") +
+            "\n\nSimulated 100-step runs fed to the watch `train_rl` builds, with the config's defaults; a commit's "
+            "rows are that commit's guards; alarm rate: median (min–max) over the simulations. No timing: the "
+            "machine does not enter.")
+
+
 def where(g: list[dict]) -> tuple:
     s = g[0]["settings"]
     return g[0]["device"], machine(g), s["model"], s["batch"], s["new_tokens"], g[0]["dtype"], s["clock"]
@@ -193,6 +219,7 @@ TABLES = {
     "rollout": (rollout, "python benchmarks/rollout.py --models tiny gpt2-small --repeats 3 --clock cpu --core 1 "
                          "--record"),
     "ppo_step": (ppo_step, "python benchmarks/ppo_step.py --clock cpu --core 1 --record"),
+    "guard_sim": (guard_sim, "python benchmarks/guard_sim.py"),
 }
 
 

@@ -133,6 +133,23 @@ def test_ppo_step_phases_are_medians_over_runs_and_the_step_pools_every_step(tmp
     assert [ln for ln in text.splitlines() if ln.startswith("- ")] == ["- rlhfkit GRPO / TRL GRPO: 0.50× the step time"]
 
 
+def test_guard_sim_groups_a_cases_simulations_by_commit(tmp_path):
+    def row(case, kind, rate, ci, first, commit):
+        return {"case": case, "kind": kind, "guard": "guard/kl_high", "runs": 2000, "alarm_rate": rate, "ci95": ci,
+                "median_first_step": first, "commit": commit}
+
+    _write(tmp_path, "guard_sim", [row("kl/a", "null", 1.0, [0.9981, 1.0], 4.0, "old1234"),
+                                   row("kl/a", "null", 0.001, [0.0003, 0.0036], 44.0, "new5678"),
+                                   row("kl/a", "null", 0.003, [0.0010, 0.0060], 40.0, "new5678"),
+                                   row("kl/b", "collapse", 1.0, [0.9981, 1.0], None, "new5678")])
+    text = _module("render").render("guard_sim", tmp_path)
+    healthy, collapses = text.split("**Collapses**")
+    assert "| kl/a | `guard/kl_high` | 1 × 2000 | 100.00% | 99.81%–100.00% | 4 | old1234 |" in healthy
+    # two simulations at one commit: rates 0.1% and 0.3% -> 0.20% (0.10%-0.30%), first steps 44 and 40 -> 42
+    assert "| kl/a | `guard/kl_high` | 2 × 2000 | 0.20% (0.10%–0.30%) | 0.03%–0.60% | 42 (40–44) | new5678 |" in healthy
+    assert "| kl/b | `guard/kl_high` | 1 × 2000 | 100.00% | 99.81%–100.00% | – | new5678 |" in collapses
+
+
 def test_check_fails_on_a_stale_page_and_rendering_fixes_it(tmp_path):
     _write(tmp_path, "rollout", [])
     page = tmp_path / "page.md"
