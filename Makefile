@@ -5,8 +5,9 @@
 #   make test-real  the slow tier: learning on the real chat model, the cities file route (~10 min; CI runs it too)
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make docs   build the documentation site into site/ (mkdocs build --strict; installs the docs extra)
-#   make bench  the benchmarks side by side with transformers and TRL (see benchmarks/README.md)
-#   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (about 42 h, one core)
+#   make bench  the benchmarks side by side with transformers and TRL (see benchmarks/README.md); the
+#               make bench* targets append their rows to benchmarks/results/ (--record)
+#   make bench-real  one RL step at real model sizes against TRL, rows that split the ratio (many hours, one core)
 #   make bench-real-model  learning on SmolLM2-135M-Instruct with LoRA: rlhfkit grpo and ppo (defaults)
 #               against TRL's GRPOTrainer on its defaults and on rlhfkit's schedule, 3 seeds, one
 #               core: hours (benchmarks/README.md; tiny check: python benchmarks/real_model.py
@@ -111,9 +112,9 @@ $(TRL112)/.installed:
 
 bench: $(BENCH_STAMP) $(TRL112)/.installed
 	$(BIN)/pytest -m bench -q  # the checks the TRL comparisons rest on: the same GRPO update, the same head
-	$(BIN)/python benchmarks/rollout.py
+	$(BIN)/python benchmarks/rollout.py --record
 	$(BIN)/python benchmarks/ppo_step.py
-	$(BIN)/python benchmarks/time_to_accuracy.py
+	$(BIN)/python benchmarks/time_to_accuracy.py --record
 	$(BIN)/python benchmarks/ppo_vs_tutorial.py
 
 # One GRPO step against TRL's GRPOTrainer, seven rows that split the ratio into shared prompts,
@@ -121,15 +122,15 @@ bench: $(BENCH_STAMP) $(TRL112)/.installed
 # GPT-2 small's shape and the real chat model on the short workload, the real chat model on the
 # reasoning-shaped one, in float32 and then in bfloat16 on both workloads (LoRA on a bfloat16
 # base, and full fine-tuning at model.master_weights, against TRL at bf16=True with and without
-# its default checkpointing); about 42 hours, an estimate (benchmarks/README.md, real_step.py)
+# its default checkpointing); many hours on one core (benchmarks/README.md, real_step.py)
 bench-real: $(BENCH_STAMP)
 	$(BIN)/pytest -m bench -q  # the checks the TRL comparisons rest on: the same GRPO update, the same head
 	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
-	$(BIN)/python benchmarks/real_step.py --size gpt2 --workload short --core 0
-	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload short --core 0
-	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload reasoning --core 0
+	$(BIN)/python benchmarks/real_step.py --size gpt2 --workload short --core 0 --record
+	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload short --core 0 --record
+	$(BIN)/python benchmarks/real_step.py --size smollm2 --workload reasoning --core 0 --record
 	for wl in short reasoning; do \
-	    $(BIN)/python benchmarks/real_step.py --size smollm2 --workload $$wl --core 0 --rows \
+	    $(BIN)/python benchmarks/real_step.py --size smollm2 --workload $$wl --core 0 --record --rows \
 	        rlhfkit_grpo_master_bf16 trl_grpo_compact_master_bf16 trl_grpo_compact_ckpt_master_bf16 \
 	        rlhfkit_grpo_lora_bf16 trl_grpo_compact_lora_bf16 trl_grpo_compact_ckpt_lora_bf16 || exit 1; \
 	done
@@ -138,7 +139,7 @@ bench-real: $(BENCH_STAMP)
 # four contenders x seeds 0 1 2 one after another on core 0 (benchmarks/README.md): several hours
 bench-real-model: $(BENCH_STAMP)
 	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
-	$(BIN)/python benchmarks/real_model.py --core 0
+	$(BIN)/python benchmarks/real_model.py --core 0 --record
 
 clean:
 	rm -rf runs site .pytest_cache .ruff_cache

@@ -1,7 +1,13 @@
-"""Shared pieces of the benchmark scripts: core pinning, the cached doubling base and rewards.
+"""Shared pieces of the benchmark scripts: core pinning, the cached doubling base and rewards,
+and the record of every run.
 
 Every script pins itself (and each contender subprocess) to one core with ``taskset`` and
 runs torch with one intra-op thread, so contenders see the same hardware.
+
+Every run a script measures becomes one row (:func:`record`): with ``--record`` it is appended to
+``benchmarks/results/<benchmark>.jsonl``, the committed record that ``benchmarks/render.py`` turns
+into the tables of the docs; without it, to ``--out/results.jsonl``, a scratch file under the
+ignored ``runs/``, so a smoke run never lands in the record.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import torch
 
 DEFAULT_OUT = "runs/bench_tutorial"
 RESULTS = "results.jsonl"  # under a script's --out: every run it made, read back by its --report
+RECORD_DIR = Path(__file__).resolve().parent / "results"  # the committed record: <benchmark>.jsonl
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def commit() -> str:
@@ -27,13 +35,25 @@ def commit() -> str:
     (a copy of the tree sent to another machine, whose git history may be missing or stale)."""
     if os.environ.get("RLHFKIT_BENCH_COMMIT"):
         return os.environ["RLHFKIT_BENCH_COMMIT"]
-    root = Path(__file__).resolve().parents[1]
+    return _git("rev-parse", "--short", "HEAD") or "unknown"
+
+
+def dirty() -> bool | None:
+    """Whether the work tree differs from the commit outside ``benchmarks/results/`` (the record
+    itself changes with every run); None without git (``$RLHFKIT_BENCH_COMMIT`` set: unknown)."""
+    if os.environ.get("RLHFKIT_BENCH_COMMIT"):
+        return None
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
+    return None if status is None else bool(status)
+
+
+def _git(*args: str) -> str | None:
+    """``git args`` in the repository, its stripped output; None when git fails."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        found = out.stdout.strip()
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
     except OSError:
-        found = ""
-    return found or "unknown"
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def cpu() -> str:
@@ -56,19 +76,83 @@ def cpu() -> str:
     return name
 
 
-def store_result(out: Path | str, record: dict, at: str | None = None) -> None:
-    """Append one run, with its commit (``at``, taken when the run started; default: now) and
-    its CPU, to ``out/results.jsonl``: runs made apart (another core, another day) are merged by
-    the script's ``--report``."""
-    with open(Path(out) / RESULTS, "a") as f:
-        f.write(json.dumps({**record, "commit": at or commit(), "cpu": cpu()}) + "\n")
+def versions() -> dict[str, str | None]:
+    """The versions of rlhfkit (the imported package's: an editable install's metadata can be
+    stale) and of the libraries a result depends on (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import rlhfkit
+
+    found = {"rlhfkit": rlhfkit.__version__}
+    for name in ("torch", "transformers", "peft", "trl"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
-def stored_results(out: Path | str, match: dict) -> list[dict]:
-    """The runs in ``out/results.jsonl`` whose keys hold the values in ``match``, oldest first. A
-    run given a ``superseded`` key by hand (its reason: the code it measured was replaced) stays in
-    the file and out of the tables."""
-    path = Path(out) / RESULTS
+def allocator(device: str) -> str:
+    """Which allocator served the tensors: on a GPU torch's caching allocator (with its
+    ``PYTORCH_CUDA_ALLOC_CONF``), on a CPU the malloc preloaded in ``LD_PRELOAD`` or glibc's."""
+    if device.startswith("cuda"):
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        return "cuda caching" + (f" ({conf})" if conf else "")
+    preloaded = [Path(p).name for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()]
+    return next((name for name in ("tcmalloc", "jemalloc") if any(name in p for p in preloaded)), "glibc")
+
+
+def device_name(device: str) -> str:
+    """``cpu`` or the GPU's name (``NVIDIA H100 80GB HBM3``)."""
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+
+
+def code_version() -> dict:
+    """The code a run measures: the commit and whether the work tree differed from it."""
+    return {"commit": commit(), "dirty": dirty()}
+
+
+def stamp(device: str = "cpu", dtype: str = "fp32", at: dict | None = None) -> dict:
+    """Where and with what a run was measured: the code (``at``, :func:`code_version` taken when
+    the run started; default now), library versions, machine (CPU model, cores), device, dtype,
+    allocator, torch threads, date."""
+    return {**(at or code_version()), "versions": versions(),
+            "machine": {"cpu": cpu(), "cores": os.cpu_count()}, "device": device_name(device), "dtype": dtype,
+            "allocator": allocator(device), "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+
+
+def add_record_args(ap) -> None:
+    """``--record``: the switch every benchmark that writes rows takes (:func:`record`)."""
+    ap.add_argument("--record", action="store_true",
+                    help="append every run to benchmarks/results/<benchmark>.jsonl, the committed record the docs "
+                         "render (default: --out/results.jsonl, a scratch file)")
+
+
+def results_path(benchmark: str, args) -> Path:
+    """Where a script's runs go: the committed record with ``args.record``, else the scratch file
+    under ``args.out``."""
+    return RECORD_DIR / f"{benchmark}.jsonl" if args.record else Path(args.out) / RESULTS
+
+
+def record(benchmark: str, row: dict, args, device: str = "cpu", dtype: str = "fp32", at: dict | None = None) -> dict:
+    """Append one run to :func:`results_path` and return it as written. ``row`` holds what the
+    script measured and how: ``contender``, ``settings`` (every setting that tells this run from
+    another's), ``seeds``, ``times_s`` (every timed repeat, not a summary), ``peak_mib`` and the
+    benchmark's own metrics; :func:`stamp` adds commit, versions, machine, device, dtype,
+    allocator and threads (a key of ``row`` wins: a worker run under another allocator says so)."""
+    full = {"benchmark": benchmark, **stamp(device, dtype, at), **row}
+    path = results_path(benchmark, args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(full) + "\n")
+    return full
+
+
+def stored_results(path: Path, match: dict) -> list[dict]:
+    """The runs in ``path`` (:func:`results_path`) whose keys hold the values in ``match``, oldest
+    first. A run given a ``superseded`` key by hand (its reason: the code it measured was
+    replaced) stays in the file and out of the tables."""
     rows = map(json.loads, path.read_text().splitlines() if path.exists() else [])
     return [r for r in rows if "superseded" not in r and all(r.get(k) == v for k, v in match.items())]
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_common import proc_status_mib, quiet_hf, reset_peak_rss  # noqa: E402
+from bench_common import add_record_args, proc_status_mib, quiet_hf, record, reset_peak_rss  # noqa: E402
 
 
 def build(layers: int):
@@ -65,14 +65,14 @@ def release_freed_memory() -> None:
         pass
 
 
-def run(model, variant: str, args) -> tuple[float, float, float]:
+def run(model, variant: str, args) -> tuple[list[float], float, float]:
     from rlhfkit.distributed import full_weights
     from rlhfkit.rollout import generate
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(50000, (args.rows, args.prompt), generator=gen)
     u = torch.rand(args.rows, args.new, generator=gen)
-    best, peak, before = float("inf"), 0.0, float("inf")
+    times, peak, before = [], 0.0, float("inf")
     for _ in range(args.repeats):
         release_freed_memory()
         dist.barrier()
@@ -82,10 +82,10 @@ def run(model, variant: str, args) -> tuple[float, float, float]:
         with full_weights(model, per_layer=variant.startswith("per-layer")):
             out = generate(model, ids, torch.ones_like(ids), args.new, eos_token_id=50256, pad_token_id=50256,
                            uniforms=u, lean=variant.endswith("lean"))
-        best = min(best, time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
         peak = max(peak, proc_status_mib("VmHWM"))
         assert out.response_ids.shape == (args.rows, args.new), out.response_ids.shape
-    return best, peak, before
+    return times, peak, before  # every repeat's seconds, the largest peak, the smallest resident set before
 
 
 def main() -> None:
@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="runs/fsdp_gather", help="where rows go without --record")
+    add_record_args(ap)
     args = ap.parse_args()
     if "RANK" not in os.environ:
         sys.exit("launch with torchrun: torchrun --nproc_per_node 2 benchmarks/fsdp_gather.py")
@@ -108,13 +110,21 @@ def main() -> None:
         result = run(model, variant, args)
         both = [None] * world
         dist.all_gather_object(both, result)
-        rows.append((variant, *(max(r[i] for r in both) for i in range(3))))
+        # the slowest process's seconds in each repeat, the largest peak, the largest resident set before
+        times = [max(r[0][i] for r in both) for i in range(args.repeats)]
+        rows.append((variant, times, max(r[1] for r in both), max(r[2] for r in both)))
     if rank == 0:
         print(f"\nGeneration under FSDP2, {world} processes (one thread each), GPT-2 shape with {args.layers} layers "
               f"(width 768, vocabulary 50257), {args.rows} rows x ({args.prompt} prompt + {args.new} new) tokens; "
               f"best of {args.repeats}; slowest process, largest peak")
         print(f"{'variant':<20}{'seconds':>9}{'tokens/s':>10}{'RSS before':>13}{'peak RSS':>12}")
-        for variant, seconds, peak, before in rows:
+        for variant, times, peak, before in rows:
+            seconds = min(times)
+            record("fsdp_gather", {"contender": variant, "settings": {"layers": args.layers, "rows": args.rows,
+                                   "prompt_tokens": args.prompt, "new_tokens": args.new, "processes": world},
+                                   "seeds": [1], "times_s": times, "tokens_per_call": args.rows * args.new,
+                                   "peak_mib": peak, "before_mib": before}, args,
+                   "cuda" if torch.cuda.is_available() else "cpu")
             print(f"{variant:<20}{seconds:>9.2f}{args.rows * args.new / seconds:>10.0f}{before:>9.0f} MiB"
                   f"{peak:>8.0f} MiB")
     dist.destroy_process_group()

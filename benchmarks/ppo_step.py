@@ -46,7 +46,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import DEFAULT_OUT, PhaseClock, peak_rss_mib, pinned_cmd, prepare, quiet_hf, worker_setup  # noqa: E402
+from bench_common import (  # noqa: E402
+    DEFAULT_OUT,
+    PhaseClock,
+    add_record_args,
+    code_version,
+    peak_rss_mib,
+    pinned_cmd,
+    prepare,
+    quiet_hf,
+    record,
+    versions,
+    worker_setup,
+)
 
 RESULT = "RESULT "
 ROWS = {
@@ -85,8 +97,8 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
                            ppo=ppo, reward=reward)
     train_rl(cfg, paths["base"])
     rows = read_jsonl(out / "metrics.jsonl")[args.warmup:]
-    return median_phases([{"rollout": r["time/rollout_s"], "experience": r["time/experience_s"],
-                           "update": r["time/update_s"]} for r in rows])
+    return [{"rollout": r["time/rollout_s"], "experience": r["time/experience_s"], "update": r["time/update_s"]}
+            for r in rows]
 
 
 # --------------------------------------------------------------------------- TRL
@@ -112,7 +124,7 @@ def run_trl_grpo(paths: dict, args) -> dict:
                           processing_class=tok)
     clock_grpo_trainer(trainer, clock)
     trainer.train()
-    return median_phases(clock.rows[args.warmup:])
+    return clock.rows[args.warmup:]
 
 
 def run_trl_ppo(paths: dict, args) -> dict:
@@ -162,7 +174,7 @@ def run_trl_ppo(paths: dict, args) -> dict:
     trainer = PPOTrainer(args=config, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=dataset, callbacks=[Clock()])
     trainer.train()
-    return median_phases(clock.rows[args.warmup:])
+    return clock.rows[args.warmup:]
 
 
 # --------------------------------------------------------------------------- driver
@@ -171,9 +183,13 @@ def run_trl_ppo(paths: dict, args) -> dict:
 def worker(args) -> None:
     paths = worker_setup(args)
     runs = {"trl_grpo": run_trl_grpo, "trl_ppo": run_trl_ppo}
-    phases = runs[args.worker](paths, args) if args.worker in runs else run_rlhfkit(args.worker, paths, args)
+    steps = runs[args.worker](paths, args) if args.worker in runs else run_rlhfkit(args.worker, paths, args)
+    phases = median_phases(steps)
     phases["total"] = phases["rollout"] + phases["experience"] + phases["update"]
-    print(RESULT + json.dumps({"phases": phases, "peak_rss_mib": peak_rss_mib()}), flush=True)
+    times = [s["rollout"] + s["experience"] + s["update"] for s in steps]  # every measured step
+    # this process's libraries: TRL's PPOTrainer runs under another Python
+    print(RESULT + json.dumps({"phases": phases, "times_s": times, "peak_rss_mib": peak_rss_mib(),
+                               "versions": versions()}), flush=True)
 
 
 def main() -> None:
@@ -189,6 +205,7 @@ def main() -> None:
     ap.add_argument("--trl112-python", default=".venv-trl112/bin/python",
                     help="a Python with trl==1.12.* and rlhfkit installed, for TRL's PPOTrainer")
     ap.add_argument("--worker", choices=[r for rows in ROWS.values() for r in rows], help=argparse.SUPPRESS)
+    add_record_args(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -216,12 +233,18 @@ def main() -> None:
                              "--clock", args.clock)
             cmd[cmd.index(sys.executable)] = python
             env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
+            at = code_version()  # the code the worker imports now
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
             if proc.returncode or not lines:
                 print(f"{NAMES[kind]} failed (exit {proc.returncode}); skipped:\n{proc.stderr[-3000:]}")
                 continue
-            results[kind] = json.loads(lines[-1][len(RESULT):])
+            results[kind] = res = json.loads(lines[-1][len(RESULT):])
+            settings = {"algo": algo, "schedule": SCHEDULE[kind], "steps": args.steps, "warmup": args.warmup,
+                        "clock": args.clock, "completions": 64, "max_new_tokens": 8}
+            record("ppo_step", {"contender": kind, "settings": settings, "seeds": [args.seed], "times_s": res["times_s"],
+                                "phase_median_s": res["phases"], "peak_mib": res["peak_rss_mib"],
+                                "versions": res["versions"], "threads": 1}, args, at=at)
             print(f"  {NAMES[kind]}: {results[kind]['phases']['total'] * 1e3:.1f} ms/step", flush=True)
     unit = "CPU milliseconds" if args.clock == "cpu" else "milliseconds"
     print(f"\nOne RL step of 64 completions (<= 8 tokens), tiny doubling GPT-2, one core (taskset -c {args.core}), "

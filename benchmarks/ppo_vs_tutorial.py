@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import pin_to_core, prepare  # noqa: E402
+from bench_common import add_record_args, code_version, peak_rss_mib, pin_to_core, prepare, record  # noqa: E402
 
 
 def run_rlhfkit(base: str, rm: str, out: Path, seed: int, target: float, max_steps: int) -> dict:
@@ -138,8 +138,10 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--baseline-budget", type=float, default=900.0, help="max training seconds for the baseline")
     ap.add_argument("--eval-every", type=int, default=5)
+    add_record_args(ap)
     args = ap.parse_args()
     pin_to_core(0)
+    at = code_version()  # the code measured, whatever is checked out when the run ends
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -152,6 +154,14 @@ def main() -> None:
     print("tutorial design ...", flush=True)
     theirs = run_tutorial_design(base, rm, args.seed, args.target, args.baseline_budget, args.eval_every)
     rows = [ours, theirs]
+    for contender, r in (("rlhfkit_ppo", ours), ("tutorial_design", theirs)):
+        record("ppo_vs_tutorial", {"contender": contender, "settings": {"target": args.target,
+                                                                        "eval_every": args.eval_every,
+                                                                        "baseline_budget_s": args.baseline_budget},
+                                   "seeds": [args.seed], "times_s": [r["train_s"]], "rollouts": r["steps"],
+                                   "reached": r["reached"], "final_exact": r["final_exact"],
+                                   "peak_mib": peak_rss_mib(), "peak_of": "the process, both contenders"},
+               args, at=at)
     cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
     print(f"\nPPO time to exact_acc >= {args.target} (greedy, 512 held-out prompts); 1 core pinned "
           f"(nproc sees {cpu}), torch threads {torch.get_num_threads()}, seed {args.seed}")

@@ -79,7 +79,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import pin_to_core, pinned_cmd, quiet_hf, store_result, stored_results  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_record_args,
+    code_version,
+    pin_to_core,
+    pinned_cmd,
+    quiet_hf,
+    record,
+    results_path,
+    stored_results,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "real_model"
@@ -295,6 +304,7 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
                      "--target", str(args.target), "--trl-lr", str(args.trl_lr), "--paths", json.dumps(paths),
                      "--override", *args.override)
     env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
+    at = code_version()  # the code the worker imports now
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
@@ -302,9 +312,10 @@ def run_one(contender: str, seed: int, paths: dict, args) -> dict:
         print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n")
         raise SystemExit(f"{contender} seed {seed} failed (exit {proc.returncode})")
     res = {**json.loads(lines[-1][len(RESULT):]), "seed": seed, "core": args.core}
-    store_result(args.out, {"contender": contender, "steps_max": args.steps, "target": args.target,
-                            "eval_every": args.eval_every, **({"overrides": args.override} if args.override else {}),
-                            **res})  # every run kept: --report merges runs made apart
+    record("real_model", {"contender": contender, "steps_max": args.steps, "target": args.target,
+                          "eval_every": args.eval_every, **({"overrides": args.override} if args.override else {}),
+                          "seeds": [seed], "times_s": [res["train_s"]], "peak_mib": res["peak_rss_mib"], "threads": 1,
+                          **res}, args, at=at)  # every run kept: --report merges runs made apart
     ph = res["phase_s"]
     held = "/".join(f"{res['last'][k]:.2f}" for k in REWARDS) if res["last"] else "-"
     print(f"  {CONTENDERS[contender]:<24} seed {seed}: {res['steps']:>3} steps{'' if res['reached'] else '*'} "
@@ -318,13 +329,13 @@ def stored_runs(args, contenders) -> dict[str, list[dict]]:
     """The runs in --out's results.jsonl made with this --steps/--target/--eval-every (the last one of
     each contender and seed), for contenders and seeds run apart, e.g. one seed per core."""
     found: dict[tuple[str, int], dict] = {}
-    for row in stored_results(args.out, {"steps_max": args.steps, "target": args.target, "eval_every": args.eval_every}):
+    for row in stored_results(results_path("real_model", args), {"steps_max": args.steps, "target": args.target, "eval_every": args.eval_every}):
         if row.get("overrides", []) == args.override:  # the defaults and each variant apart
             found[row["contender"], row["seed"]] = row
     results = {c: [found[c, s] for s in args.seeds if (c, s) in found] for c in contenders}
     missing = [f"{c} seed {s}" for c in contenders for s in args.seeds if (c, s) not in found]
     if missing:
-        print(f"not in {args.out}/results.jsonl: {', '.join(missing)}")
+        print(f"not in {results_path('real_model', args)}: {', '.join(missing)}")
     return {c: rows for c, rows in results.items() if rows}
 
 
@@ -409,7 +420,9 @@ def main() -> None:
                     help="dotted rlhfkit keys (ppo.kl_coef=0) for the rlhfkit contenders: a variant, stored and "
                          "reported apart from the defaults")
     ap.add_argument("--report", action="store_true",
-                    help="run nothing: print the table from the runs stored in --out/results.jsonl")
+                    help="run nothing: print the table from the runs stored in --out/results.jsonl (with --record: "
+                         "from the record)")
+    add_record_args(ap)
     ap.add_argument("--worker", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--paths", help=argparse.SUPPRESS)

@@ -166,7 +166,8 @@ ones, ``--runs`` times (default 3). Per phase: seconds and the phase's peak resi
 (``VmHWM`` after resetting it through ``/proc/self/clear_refs`` at each phase boundary);
 ``loaded`` is the resident set when the first step starts. A run's figure is the median of its
 measured steps (peaks: their maximum); the table gives the median over runs and the min-max
-over runs. Every run is appended to ``--out/results.jsonl`` with its commit; the table reads
+over runs. Every run is appended to ``--out/results.jsonl`` (with ``--record``, to the committed
+``benchmarks/results/real_step.jsonl``) with its commit and machine; the table reads
 every stored run of the same setting (size, layers, workload, steps, warm-up, seed), run numbers
 go on from the stored ones (so the order keeps alternating across calls: three calls with
 ``--runs 1`` make one ``--runs 3``), and ``--report`` prints the table without running
@@ -200,13 +201,15 @@ import torch  # noqa: E402
 
 from bench_common import (  # noqa: E402
     PhaseClock,
+    add_record_args,
     clock_grpo_trainer,
-    commit,
+    code_version,
     marked,
     pin_to_core,
     pinned_cmd,
     quiet_hf,
-    store_result,
+    record,
+    results_path,
     stored_results,
 )
 from rlhfkit import malloc  # noqa: E402
@@ -716,7 +719,7 @@ def summarise(result: dict) -> dict:
     sec = {k: statistics.median(s["seconds"][k] for s in steps) for k in PHASES}
     sec["total"] = statistics.median(sum(s["seconds"][k] for k in PHASES) for s in steps)
     peak = {k: max(s["peak_mib"][k] for s in steps) for k in PHASES}
-    return {"seconds": sec, "peak_mib": peak, "loaded_mib": result["loaded_mib"],
+    return {"seconds": sec, "times_s": [sum(s["seconds"][k] for k in PHASES) for s in steps], "peak_mib": peak, "loaded_mib": result["loaded_mib"],
             "peak_rss_mib": max(result["loaded_mib"], *peak.values()), "completion_tokens": result["completion_tokens"],
             "huge_mib": result.get("huge_mib"), **({"gpu": result["gpu"]} if "gpu" in result else {})}
 
@@ -736,7 +739,7 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
     env.pop("RLHFKIT_TRITON", None)  # the graph's decode attention: Triton's where it runs, unless the row says
     if row_spec(row)["torchattn"]:
         env["RLHFKIT_TRITON"] = "0"
-    at = commit()  # the code the worker imports now, whatever is checked out when it ends
+    at = code_version()  # the code the worker imports now, whatever is checked out when it ends
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
@@ -744,7 +747,10 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
         print(f"  {row_name(row, args.device)}, run {run}: failed (exit {proc.returncode}); skipped:\n{proc.stderr[-3000:]}", flush=True)
         return None
     res = summarise(json.loads(lines[-1][len(RESULT):]))
-    store_result(args.out, {"row": row, "run": run, **setting, **res}, at)  # every run kept: --report reads them back
+    spec = row_spec(row)
+    allocator = {"allocator": spec["malloc"]} if spec["malloc"] else {}  # the worker's, not this process's
+    record("real_step", {"row": row, "contender": row, "run": run, **setting, "seeds": [args.seed], **res, **allocator,
+                         "threads": 1}, args, args.device, "bf16" if spec["bf16"] else "fp32", at)  # --report reads them back
     lengths = res["completion_tokens"]
     short = "" if lengths and min(lengths) == setting["workload"]["new_tokens"] else f" (completion tokens {lengths}!)"
     huge = f", {res['huge_mib']:.0f} MiB of it on huge pages at the end" if res["huge_mib"] else ""
@@ -755,9 +761,9 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
 
 
 def stored(args, setting: dict) -> dict[str, list[dict]]:
-    """The runs in --out/results.jsonl made with this setting, by row."""
+    """The stored runs (``bench_common.results_path``) made with this setting, by row."""
     found: dict[str, list[dict]] = {}
-    for rec in stored_results(args.out, setting):
+    for rec in stored_results(results_path("real_step", args), setting):
         found.setdefault(rec["row"], []).append(rec)
     return found
 
@@ -772,7 +778,7 @@ def print_table(results: dict[str, list[dict]], setting: dict, args) -> None:
     wl = setting["workload"]
     runs = sorted({len(v) for v in results.values()})
     commits = sorted({r["commit"] for v in results.values() for r in v})
-    cpus = sorted({r.get("cpu", "not recorded") for v in results.values() for r in v})
+    cpus = sorted({r["machine"]["cpu"] if "machine" in r else r.get("cpu", "not recorded") for v in results.values() for r in v})
     gpu = setting.get("device") == "cuda"
     name = lambda row: row_name(row, "cuda" if gpu else "cpu")  # noqa: E731
     where = (f"each row alone on the GPU ({', '.join(sorted({r.get('gpu', '?') for v in results.values() for r in v}))}),"
@@ -846,7 +852,9 @@ def main() -> None:
                     help="where every row runs (cuda: one GPU; the _compact rows are CPU-only)")
     ap.add_argument("--shape-from", help="smollm2-init: the directory whose config and tokenizer the model takes")
     ap.add_argument("--out", default=DEFAULT_OUT)
-    ap.add_argument("--report", action="store_true", help="run nothing: print the table from --out/results.jsonl")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: print the table from --out/results.jsonl (with --record: from the record)")
+    add_record_args(ap)
     ap.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     ap.add_argument("--wl", help=argparse.SUPPRESS)
     ap.add_argument("--paths", help=argparse.SUPPRESS)

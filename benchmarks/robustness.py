@@ -35,7 +35,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import DEFAULT_OUT, pinned_cmd, prepare, quiet_hf, worker_setup  # noqa: E402
+from bench_common import (  # noqa: E402
+    DEFAULT_OUT,
+    add_record_args,
+    code_version,
+    peak_rss_mib,
+    pinned_cmd,
+    prepare,
+    quiet_hf,
+    record,
+    worker_setup,
+)
 
 ALGOS = ("ppo", "grpo", "rloo", "reinforce")
 GUARD_KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop", "guard/reward_tradeoff")  # rlhfkit.watch.KEYS
@@ -81,7 +91,7 @@ def run_cell(algo: str, reward: str, seed: int, paths: dict, args) -> dict:
 def worker(args) -> None:
     paths = worker_setup(args)
     res = run_cell(args.algo, args.reward, args.seed, paths, args)
-    print(RESULT + json.dumps(res), flush=True)
+    print(RESULT + json.dumps({**res, "peak_mib": peak_rss_mib()}), flush=True)
 
 
 def main() -> None:
@@ -100,6 +110,7 @@ def main() -> None:
     ap.add_argument("--reward", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--clock", default="wall", help=argparse.SUPPRESS)
+    add_record_args(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -114,6 +125,7 @@ def main() -> None:
                                  str(seed), "--out", args.out, "--steps", str(args.steps), "--eval-every",
                                  str(args.eval_every), "--core", str(args.core), "--override", *args.override)
                 env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
+                at = code_version()  # the code the worker imports now
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
                 if proc.returncode or not lines:
@@ -121,6 +133,11 @@ def main() -> None:
                     raise SystemExit(f"{algo} / {reward} / seed {seed} failed (exit {proc.returncode})")
                 res = {"algo": algo, "reward": reward, "seed": seed, **json.loads(lines[-1][len(RESULT):])}
                 results.append(res)
+                settings = {"reward": reward, "steps": args.steps, "eval_every": args.eval_every,
+                            "overrides": args.override}
+                record("robustness", {"contender": algo, "settings": settings, "seeds": [seed],
+                                      "times_s": [res["train_s"]] if res["train_s"] is not None else [],
+                                      "threads": 1, **res}, args, at=at)
                 print(f"  {algo:<10} {reward:<11} seed {seed}: to {TARGET}: {res['steps']} steps "
                       f"{res['train_s'] and round(res['train_s'], 2)} s; final {res['final_exact']:.3f} "
                       f"(best {res['best_exact']:.3f}), peak KL {res['peak_kl']:.2f} ({res['peak_kl_token']:.2f}/token), "

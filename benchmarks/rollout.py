@@ -23,6 +23,12 @@ the device's peak (``--peak-tflops``, by default 989 for H100/H200 bf16 dense).
     python benchmarks/rollout.py                                   # tiny + gpt2-small on CPU
     python benchmarks/rollout.py --models gpt2-small --batch 32 --new-tokens 128
     python benchmarks/rollout.py --device cuda --dtype bf16 --models qwen-0.5b gpt2-small
+    python benchmarks/rollout.py --models tiny --clock cpu --record   # into benchmarks/results/rollout.jsonl
+
+``--clock cpu`` times the process's CPU seconds instead of wall seconds (CPU runs: one pinned
+thread), which other jobs on a shared machine disturb much less.
+
+Every (model, runner) of a run is one row with every call's seconds (``bench_common.record``).
 """
 
 from __future__ import annotations
@@ -37,7 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import DEFAULT_OUT, peak_rss_mib, pin_to_core, prepare, quiet_hf  # noqa: E402
+from bench_common import (  # noqa: E402
+    DEFAULT_OUT,
+    add_record_args,
+    peak_rss_mib,
+    pin_to_core,
+    prepare,
+    quiet_hf,
+    record,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -102,14 +116,14 @@ def flops_per_token(model, context: float) -> float:
     return 2 * n + 4 * layers * context * width
 
 
-def timed(fn, device) -> float:
+def timed(fn, device, clock=time.perf_counter) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
@@ -139,14 +153,15 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.repeats):
         for k, fn in runs.items():
-            times[k].append(timed(fn, device))
+            times[k].append(timed(fn, device, time.process_time if args.clock == "cpu" else time.perf_counter))
     tokens = batch * new
     context = ids.shape[1] + new / 2
     fpt = flops_per_token(model, context)
     rows = []
     for k, ts in times.items():
         sec = min(ts) if args.stat == "best" else statistics.median(ts)
-        row = {"model": name, "runner": k, "batch": batch, "new": new, "s": sec, "tok_s": tokens / sec}
+        row = {"model": name, "runner": k, "batch": batch, "new": new, "s": sec, "tok_s": tokens / sec, "times_s": ts,
+               "prompt_tokens": ids.shape[1]}
         if device.type == "cuda":
             row["mfu"] = row["tok_s"] * fpt / (args.peak_tflops * 1e12)
         rows.append(row)
@@ -172,10 +187,16 @@ def main() -> None:
     ap.add_argument("--stat", choices=["best", "median"], default="best",
                     help="best of the repeats (least disturbed by other jobs, as timeit) or their median")
     ap.add_argument("--core", type=int, default=0)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="'cpu' times this process's CPU seconds (one thread, pinned: for a machine shared with other "
+                         "jobs; CPU runs only)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: by GPU name)")
     ap.add_argument("--out", default=DEFAULT_OUT)
+    add_record_args(ap)
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.clock == "cpu" and device.type != "cpu":
+        ap.error("--clock cpu times CPU runs only: a GPU's work is not this process's CPU time")
     if device.type == "cpu":
         pin_to_core(args.core)
     quiet_hf()
@@ -190,7 +211,7 @@ def main() -> None:
         rows += bench_model(name, args, device, DTYPES[args.dtype])
     where = (f"one CPU core (taskset -c {args.core}), {torch.get_num_threads()} torch thread" if device.type == "cpu"
              else torch.cuda.get_device_name(device))
-    print(f"\nRollout throughput, sampling at temperature 1, KV cache, {args.dtype}, {where}; "
+    print(f"\nRollout throughput, sampling at temperature 1, KV cache, {args.dtype}, {where}, {args.clock} clock; "
           f"{args.stat} of {args.repeats} calls each; torch {torch.__version__}")
     mfu = device.type == "cuda"
     print(f"{'model':<12}{'runner':<24}{'batch x new':>12}{'s/call':>9}{'tokens/s':>11}{'vs generate':>13}"
@@ -198,8 +219,15 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:<12}{r['runner']:<24}{str(r['batch']) + ' x ' + str(r['new']):>12}{r['s']:>9.4f}"
               f"{r['tok_s']:>11.0f}{r['vs_hf']:>12.2f}x" + (f"{r['mfu'] * 100:>7.2f}%" if mfu else ""))
-    peak = (f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB CUDA" if mfu else f"{peak_rss_mib():.0f} MiB RSS")
-    print(f"peak memory of the process: {peak}")
+    peak_mib = torch.cuda.max_memory_allocated(device) / 2**20 if mfu else peak_rss_mib()
+    print(f"peak memory of the process: {peak_mib:.0f} MiB {'CUDA' if mfu else 'RSS'}")
+    for r in rows:
+        settings = {"model": r["model"], "batch": r["batch"], "new_tokens": r["new"], "prompt_tokens": r["prompt_tokens"],
+                    "temperature": 1.0, "kv_cache": True, "warmup_calls": 1, "clock": args.clock}
+        record("rollout", {"contender": r["runner"], "settings": settings, "seeds": [0], "times_s": r["times_s"],
+                           "tokens_per_call": r["batch"] * r["new"], "peak_mib": peak_mib,
+                           "peak_of": "the process, all runners" + (" (CUDA allocated)" if mfu else " (resident set)")},
+               args, args.device, args.dtype)
 
 
 if __name__ == "__main__":

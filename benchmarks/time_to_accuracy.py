@@ -16,7 +16,7 @@ and logging fall outside, to TRL's favour), and runs the same greedy evaluation
 steps per rollout, and is evaluated once all of them have run. The table gives rollouts to
 the target and seconds per rollout apart, median and min-max over the seeds: the first is
 what the configuration buys, the second what a rollout's work costs (the implementation, and
-arithmetic one library skips: benchmarks/README.md).
+arithmetic one library skips: docs/benchmarks.md).
 
 Contenders (rlhfkit's from a small sweep on seeds 10-12, never on the reported seeds 0-2;
 steps to 0.99 with the exact reward):
@@ -76,7 +76,7 @@ Reward (``--reward``):
                 the script checks that both give the same numbers before it starts. It checks
                 the character set, not the digits: only the KL term keeps the doubling right,
                 and a weak one lets the policy game it (TRL GRPO at beta 0.1 stayed below 0.5
-                exact for 300 rollouts; benchmarks/README.md).
+                exact for 300 rollouts; benchmarks/archive/SUMMARY.md, typed by hand).
 
 ``--clock cpu`` replaces wall seconds by each process's CPU seconds (for all contenders alike),
 which other jobs on a shared machine disturb much less.
@@ -88,7 +88,8 @@ Needs TRL (``pip install -e .[bench]``); without it the TRL contenders are skipp
     python benchmarks/time_to_accuracy.py --seeds 0 --contenders trl_grpo --trl-lr 1e-3
     python benchmarks/time_to_accuracy.py --seeds 10 11 --contenders trl_schedule --trl-override beta=0
 
-The last results, with commit, machine and spread, are in benchmarks/README.md.
+``--record`` appends every (contender, seed) to ``benchmarks/results/time_to_accuracy.jsonl``;
+``benchmarks/render.py`` renders the table of the docs from it.
 """
 
 from __future__ import annotations
@@ -111,10 +112,14 @@ from bench_common import (  # noqa: E402
     TRL_GRPO_BETA,
     TRL_GRPO_LR,
     ClassifierReward,
+    add_record_args,
+    code_version,
     exact_reward_with_ids,
+    peak_rss_mib,
     pinned_cmd,
     prepare,
     quiet_hf,
+    record,
     trl_grpo_config,
     worker_setup,
 )
@@ -190,7 +195,7 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
     return {"steps": reached["steps"] if reached else res["steps"],
             "train_s": reached["train_s"] if reached else res["seconds"],
             "reached": reached is not None, "final_exact": res["final"].get("eval/exact_acc"),
-            "settings": " ".join(f"{k}={getattr(cfg.ppo, k)}" for k in SHOWN_RLHFKIT)}
+            "settings": {k: getattr(cfg.ppo, k) for k in SHOWN_RLHFKIT}}
 
 
 # --------------------------------------------------------------------------- TRL
@@ -279,7 +284,7 @@ def run_trl_grpo(kind: str, paths: dict, args) -> dict:
     return {"steps": reached["step"] if reached else trainer.state.global_step // per_rollout,
             "train_s": reached["train_s"] if reached else state["train_s"],
             "reached": reached is not None, "final_exact": state["exact"],
-            "settings": " ".join(f"{k}={getattr(getattr(config, k), 'value', getattr(config, k))}" for k in SHOWN_TRL)}
+            "settings": {k: getattr(getattr(config, k), "value", getattr(config, k)) for k in SHOWN_TRL}}
 
 
 # --------------------------------------------------------------------------- driver
@@ -311,7 +316,7 @@ def worker(args) -> None:
         res = run_trl_grpo(args.worker, paths, args)
     else:
         res = run_rlhfkit(args.worker.removeprefix("rlhfkit_"), paths, args)
-    print(RESULT + json.dumps(res), flush=True)
+    print(RESULT + json.dumps({**res, "peak_mib": peak_rss_mib()}), flush=True)
 
 
 def trl_available() -> str | None:
@@ -344,6 +349,7 @@ def main() -> None:
     ap.add_argument("--grpo-override", nargs="*", default=[], help="dotted overrides for rlhfkit GRPO")
     ap.add_argument("--worker", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    add_record_args(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -371,6 +377,7 @@ def main() -> None:
                              "--clock", args.clock, "--trl-override", *args.trl_override,
                              "--ppo-override", *args.ppo_override, "--grpo-override", *args.grpo_override)
             env = {**os.environ, "RLHFKIT_BENCH_PINNED": "1", "OMP_NUM_THREADS": "1"}
+            at = code_version()  # the code the worker imports now
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
             if proc.returncode or not lines:
@@ -378,9 +385,23 @@ def main() -> None:
                 raise SystemExit(f"{c} seed {seed} failed (exit {proc.returncode})")
             res = json.loads(lines[-1][len(RESULT):])
             results[c].append({"seed": seed, **res})
+            record_run(c, seed, res, args, at)
             print(f"  {CONTENDERS[c]:<22} seed {seed}: {res['steps']:>4} steps {res['train_s']:7.2f} s "
                   f"reached={res['reached']} exact={res['final_exact']}", flush=True)
     report(results, args)
+
+
+def record_run(contender: str, seed: int, res: dict, args, at: str) -> None:
+    """One (contender, seed) as a row of the record: its settings and this run's options, the
+    training seconds to the target (or to --max-steps) and the rollouts it took."""
+    options = {"target": args.target, "eval_every": args.eval_every, "max_steps": args.max_steps,
+               "batch_size": args.batch_size, "reward": args.reward, "clock": args.clock,
+               "overrides": args.trl_override if contender in TRL_CONTENDERS
+               else args.ppo_override if contender == "rlhfkit_ppo" else args.grpo_override}
+    record("time_to_accuracy", {"contender": contender, "settings": {**res["settings"], **options}, "seeds": [seed],
+                                "times_s": [res["train_s"]], "rollouts": res["steps"], "reached": res["reached"],
+                                "final_exact": res["final_exact"], "peak_mib": res["peak_mib"], "threads": 1},
+           args, at=at)
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -404,7 +425,7 @@ def report(results: dict[str, list[dict]], args) -> None:
         print(f"{CONTENDERS[c]:<22}{per_seed:>20}{spread([r['steps'] for r in rows], 'g'):>16}"
               f"{spread(per_step, '.3f'):>22}{spread([r['train_s'] for r in rows], '.1f'):>22}")
     for c, rows in results.items():
-        print(f"  {CONTENDERS[c]}: {rows[0]['settings']}")
+        print(f"  {CONTENDERS[c]}: {' '.join(f'{k}={v}' for k, v in rows[0]['settings'].items())}")
     if any(not r["reached"] for rows in results.values() for r in rows):
         print("* did not reach the target within --max-steps (its rollouts and time are lower bounds)")
     for base in TRL_CONTENDERS:

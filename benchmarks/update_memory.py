@@ -71,7 +71,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import pin_to_core, pinned_cmd, proc_status_mib, quiet_hf, reset_peak_rss  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_record_args,
+    pin_to_core,
+    pinned_cmd,
+    proc_status_mib,
+    quiet_hf,
+    record,
+    reset_peak_rss,
+)
 
 RESULT = "RESULT "
 VOCAB = 151936
@@ -140,6 +148,8 @@ def main() -> None:
     ap.add_argument("--entropy-coef", type=float, nargs="+", default=[0.0, 0.01])
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--worker", choices=["full", "chunked"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="runs/update_memory", help="where rows go without --record")
+    add_record_args(ap)
     args = ap.parse_args()
     if args.worker:
         args.entropy_coef = args.entropy_coef[0]
@@ -156,7 +166,12 @@ def main() -> None:
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
             if proc.returncode or not lines:
                 sys.exit(f"{variant} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-            rows.append((variant, coef, json.loads(lines[-1][len(RESULT):])))
+            rows.append((variant, coef, res := json.loads(lines[-1][len(RESULT):])))
+            settings = {"layers": args.layers, "rows": args.rows, "prompt_tokens": args.prompt,
+                        "response_tokens": args.response, "entropy_coef": coef, "lora_r": 8, "vocab": VOCAB}
+            record("update_memory", {"contender": variant, "settings": settings, "seeds": [0], "times_s": [res["seconds"]],
+                                     "peak_mib": res["peak"], "before_mib": res["before"], "peak_reset": res["reset"],
+                                     "threads": 1}, args)
             print(f"  {variant}, entropy_coef {coef}: done", flush=True)
     print(f"\nOne PPO policy update (forward + loss + backward), Qwen2.5-0.5B shape with {args.layers} layers, "
           f"vocabulary {VOCAB}, LoRA r 8, float32, CPU, one core; minibatch {args.rows} x ({args.prompt} prompt + "

@@ -22,7 +22,8 @@ set is higher (the heap's own pages).
     python benchmarks/update_peak.py --device cuda --size smollm2-init --shape-from DIR --workload short \\
         --rows rlhfkit_grpo_graph_ckpt_offload
 
-Recorded results are in ``RESULTS.md`` ("What the update holds at its peak").
+Results typed by hand before the record existed are in ``archive/RESULTS.md`` ("What the update
+holds at its peak"); not regenerable.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import real_step as rs  # noqa: E402
-from bench_common import commit, cpu, pin_to_core  # noqa: E402
+from bench_common import add_record_args, commit, cpu, pin_to_core, record  # noqa: E402
 
 
 def live_at_peak(prof, device: str):
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--core", type=int, help="pin to this core (CPU)")
     ap.add_argument("--top", type=int, default=25, help="groups of live tensors to list")
     ap.add_argument("--out", default="runs/update_peak")
+    add_record_args(ap)
     args = ap.parse_args()
     if args.core is not None:
         pin_to_core(args.core)
@@ -140,8 +142,12 @@ def main() -> None:
     print(f"\n{'MiB each':>9} {'count':>6} {'MiB':>8}  category          made by")
     for (nbytes, cat, made_by), n in sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])[: args.top]:
         print(f"{nbytes / mib:9.2f} {n:6d} {nbytes * n / mib:8.1f}  {cat:16s}  {made_by}")
-    print(json.dumps({"row": args.rows, "peak_mib": peak / mib, "phase_peak_mib": result["steps"][-1]["peak_mib"]["update"],
-                      "by_category_mib": {c: b / mib for c, b in by_cat.items()}, "running": running}))
+    found = {"row": args.rows, "peak_mib": peak / mib, "phase_peak_mib": result["steps"][-1]["peak_mib"]["update"],
+             "by_category_mib": {c: b / mib for c, b in by_cat.items()}, "running": running}
+    print(json.dumps(found))
+    settings = {"size": args.size, "layers": args.layers, "workload": wl}
+    record("update_peak", {"contender": args.rows, "settings": settings, "seeds": [args.seed],
+                           "times_s": [sum(s["seconds"].values()) for s in result["steps"]], **found}, args, args.device)
 
 
 if __name__ == "__main__":

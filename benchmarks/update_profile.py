@@ -46,7 +46,7 @@ from rlhfkit import core, gemm, lean
 from rlhfkit.models import UPDATE_LOGITS, position_ids_from_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import commit, cpu, pin_to_core  # noqa: E402
+from bench_common import add_record_args, commit, cpu, peak_rss_mib, pin_to_core, record  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
@@ -182,6 +182,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measured rounds after one warm-up round")
     ap.add_argument("--core", type=int, help="pin the process to this core")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/update_profile", help="where rows go without --record")
+    add_record_args(ap)
     args = ap.parse_args()
     if args.core is not None:
         pin_to_core(args.core)
@@ -198,6 +200,11 @@ def main() -> None:
         for name, t in this.items():
             if r:
                 times[name].append(t)
+    settings = {"prompts": args.prompts, "group": args.group, "prompt_tokens": args.prompt_len, "new_tokens": args.new,
+                "model": args.model or "smollm2-135m shape, random", "products": "oneDNN" if gemm.enabled() else "MKL"}
+    for name, ts in times.items():
+        record("update_profile", {"contender": name, "settings": settings, "seeds": [args.seed], "times_s": ts,
+                                  "peak_mib": peak_rss_mib()}, args)
     med = {k: statistics.median(v) for k, v in times.items()}
     flop = {"body products": parts.body_flop(), "attention": parts.attention_flop(), "head": parts.head_flop()}
     med["the rest"] = med["update"] - med["body products"] - med["attention"] - med["head"]
