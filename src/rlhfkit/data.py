@@ -363,6 +363,25 @@ def load_records(source) -> list[dict]:
     return [rec for _, rec in _records(source, allow_empty=True)]
 
 
+def write_jsonl(source, path: str | os.PathLike) -> str:
+    """Write ``source``'s records (a list of dicts or a ``datasets.Dataset``) to the JSONL file
+    ``path``, so a run given in-memory data reads, and records, a file; returns the path."""
+    lines = []
+    for where, rec in _records(source):
+        try:
+            lines.append(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+        except (TypeError, ValueError) as e:
+            raise DataError(f"{where}: cannot be written as JSON ({e}); give its fields as strings, numbers, "
+                            "booleans, None, lists or dicts") from None
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"  # each process of a launch writes its own, then renames
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
+    return path
+
+
 # --------------------------------------------------------------------------- field checks
 
 

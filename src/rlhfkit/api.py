@@ -1,0 +1,193 @@
+"""The Python surface: one function per command, each running what ``rlhfkit COMMAND`` runs.
+
+Every function takes ``config`` (a YAML file's path, a ``{section: {key: value}}`` mapping, a
+:class:`~rlhfkit.Config`, or None for the command's defaults) and ``overrides`` (a mapping of
+dotted keys or of sections to values, callables included), and the shortcuts ``model``
+(``model.name``), ``data`` and ``eval_data`` (``data.path`` and ``data.eval_path``: a path, a
+``datasets.Dataset`` or a list of dicts) and ``reward_funcs`` (``reward.function``: a callable,
+a ``'module:name'`` string, or a list of them). In-memory data is written to ``data.jsonl`` /
+``eval_data.jsonl`` in ``run.out_dir`` and read from there, so ``config.yaml`` names a file a
+later run (or the command line) can read again.
+
+Each returns the run's summary, the dict ``rlhfkit COMMAND`` prints:
+
+- training commands (``ppo``, ``grpo``, ``rloo``, ``reinforce``, ``dpo``, ``sft``,
+  ``reward_model``, ``pretrain``): ``path`` (the saved model's directory), ``seconds``, and
+  their own: ``steps``, ``reached`` (the stop metric reached) and ``final`` (the last ``eval/*``
+  values) for RL and DPO; ``examples``, ``final_loss`` and ``eval_loss`` for SFT; the per-step
+  curves are in ``run.out_dir``'s ``metrics.jsonl``;
+- ``evaluate``: the ``eval/*`` scores written to ``eval.json``;
+- ``demo``: ``summary.json``'s content.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .cli import resolve_config
+from .config import ALGO_DEFAULTS, Config, ConfigError
+
+ConfigSource = Config | Mapping[str, Any] | str | os.PathLike | None
+DataSource = str | os.PathLike | Sequence[Mapping[str, Any]] | Any | None  # Any: a datasets.Dataset
+RewardFuncs = str | Callable[..., Any] | Sequence[str | Callable[..., Any]] | None
+
+
+def ppo(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
+        eval_data: DataSource = None, reward_funcs: RewardFuncs = None,
+        overrides: Mapping[str, Any] | None = None) -> dict:
+    """PPO with a critic (``rlhfkit ppo``) on ``data``'s prompts, scored by ``reward.name`` and/or
+    ``reward_funcs``."""
+    return run("ppo", config, model=model, data=data, eval_data=eval_data, reward_funcs=reward_funcs,
+               overrides=overrides)
+
+
+def grpo(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
+         eval_data: DataSource = None, reward_funcs: RewardFuncs = None,
+         overrides: Mapping[str, Any] | None = None) -> dict:
+    """GRPO (``rlhfkit grpo``): group-relative advantages, no critic."""
+    return run("grpo", config, model=model, data=data, eval_data=eval_data, reward_funcs=reward_funcs,
+               overrides=overrides)
+
+
+def rloo(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
+         eval_data: DataSource = None, reward_funcs: RewardFuncs = None,
+         overrides: Mapping[str, Any] | None = None) -> dict:
+    """RLOO (``rlhfkit rloo``): a leave-one-out baseline over each prompt's samples, no critic."""
+    return run("rloo", config, model=model, data=data, eval_data=eval_data, reward_funcs=reward_funcs,
+               overrides=overrides)
+
+
+def reinforce(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
+              eval_data: DataSource = None, reward_funcs: RewardFuncs = None,
+              overrides: Mapping[str, Any] | None = None) -> dict:
+    """REINFORCE with a batch-mean baseline (``rlhfkit reinforce``)."""
+    return run("reinforce", config, model=model, data=data, eval_data=eval_data, reward_funcs=reward_funcs,
+               overrides=overrides)
+
+
+def dpo(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
+        eval_data: DataSource = None, overrides: Mapping[str, Any] | None = None) -> dict:
+    """DPO on ``data``'s preference pairs (``rlhfkit dpo``)."""
+    return run("dpo", config, model=model, data=data, eval_data=eval_data, overrides=overrides)
+
+
+def sft(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
+        eval_data: DataSource = None, overrides: Mapping[str, Any] | None = None) -> dict:
+    """Supervised fine-tuning on ``data``'s demonstrations (``rlhfkit sft``)."""
+    return run("sft", config, model=model, data=data, eval_data=eval_data, overrides=overrides)
+
+
+def reward_model(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
+                 eval_data: DataSource = None, overrides: Mapping[str, Any] | None = None) -> dict:
+    """A reward model trained on ``data``'s preference pairs (``rlhfkit rm``)."""
+    return run("rm", config, model=model, data=data, eval_data=eval_data, overrides=overrides)
+
+
+def pretrain(config: ConfigSource = None, *, overrides: Mapping[str, Any] | None = None) -> dict:
+    """Pretrain a tiny GPT-2 on the built-in task's text (``rlhfkit pretrain``)."""
+    return run("pretrain", config, overrides=overrides)
+
+
+def evaluate(path: str | os.PathLike, config: ConfigSource = None, *, data: DataSource = None,
+             reward_funcs: RewardFuncs = None, overrides: Mapping[str, Any] | None = None) -> dict:
+    """Evaluate the policy at ``path`` (``rlhfkit eval PATH``): on ``data``'s prompts scored by
+    the rewards, or, without data, on the built-in task's held-out prompts."""
+    return run("eval", config, data=data, reward_funcs=reward_funcs, overrides=overrides, path=os.fspath(path))
+
+
+def demo(config: ConfigSource = None, *, overrides: Mapping[str, Any] | None = None) -> dict:
+    """Pretrain, reward model, RL and evaluation on the built-in task (``rlhfkit demo``)."""
+    return run("demo", config, overrides=overrides)
+
+
+def run(command: str, config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
+        eval_data: DataSource = None, reward_funcs: RewardFuncs = None,
+        overrides: Mapping[str, Any] | None = None, path: str | None = None) -> dict:
+    """``rlhfkit COMMAND`` (its name on the command line, e.g. ``'rm'``, ``'eval'``) from Python."""
+    given = dict(overrides or {})
+    if model is not None:
+        given["model.name"] = model
+    if reward_funcs is not None:
+        one = isinstance(reward_funcs, str) or callable(reward_funcs)
+        given["reward.function"] = reward_funcs if one else list(reward_funcs)
+    cfg = resolve_config(command, config, given)
+    return run_command(command, _with_data(cfg, data, eval_data), path)
+
+
+def _with_data(cfg: Config, data: DataSource, eval_data: DataSource) -> Config:
+    """``cfg`` reading ``data`` and ``eval_data``: a path as it is, in-memory records from the JSONL
+    file they are written to in ``run.out_dir``."""
+    from .data import write_jsonl
+
+    paths = {}
+    for key, source, name in (("path", data, "data.jsonl"), ("eval_path", eval_data, "eval_data.jsonl")):
+        if isinstance(source, (str, os.PathLike)):
+            paths[key] = os.fspath(source)
+        elif source is not None:
+            paths[key] = write_jsonl(source, Path(cfg.run.out_dir) / name)
+    return cfg.replace(data=paths) if paths else cfg
+
+
+def check_data(command: str, cfg: Config) -> None:
+    """The records of data.path (and data.eval_path) read and checked before torch is imported
+    (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
+    kind = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts",
+            **dict.fromkeys(ALGO_DEFAULTS, "prompts")}.get(command)
+    if kind is None:
+        return
+    from .data import precheck
+
+    for path in (cfg.data.path, cfg.data.eval_path if command != "eval" else ""):
+        if path:
+            precheck(kind, path)
+
+
+def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
+    """Run a command on its resolved config (the heavy imports happen here); its summary.
+    ``path``: the policy ``eval`` evaluates."""
+    check_data(command, cfg)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    if command == "demo":
+        from .demo import run_demo
+
+        return run_demo(cfg)
+    if command == "pretrain":
+        from .trainers.pretrain import pretrain as run_pretrain
+
+        return run_pretrain(cfg)
+    if command == "rm":
+        from .trainers.reward import train_reward_model
+
+        return train_reward_model(cfg)
+    if command in ALGO_DEFAULTS:
+        from .trainers.rl import train_rl
+
+        return train_rl(cfg)
+    if command == "sft":
+        from .trainers.sft import train_sft
+
+        return train_sft(cfg)
+    if command == "dpo":
+        from .trainers.dpo import train_dpo
+
+        return train_dpo(cfg)
+    if command == "eval":
+        return _evaluate(path, cfg)
+    raise ValueError(f"no Python function runs 'rlhfkit {command}'")
+
+
+def _evaluate(path: str, cfg: Config) -> dict:
+    from .evaluate import evaluate_files, evaluate_path
+    from .models import policy_dir
+
+    if cfg.data.path:
+        return evaluate_files(path, cfg)
+    if cfg.eval.baseline:
+        raise ConfigError("eval.baseline compares completions of the prompts in data.path: set data.path=FILE "
+                          "and reward.function=module:name (or reward.name=REWARD_MODEL_DIR)")
+    return evaluate_path(policy_dir(path), cfg)
