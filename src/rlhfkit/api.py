@@ -27,8 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli import resolve_config
-from .config import ALGO_DEFAULTS, Config, ConfigError
+from .cli import resolve_config, run_command
+from .config import Config
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike | None
 DataSource = str | os.PathLike | Sequence[Mapping[str, Any]] | Any | None  # Any: a datasets.Dataset
@@ -129,65 +129,3 @@ def _with_data(cfg: Config, data: DataSource, eval_data: DataSource) -> Config:
         elif source is not None:
             paths[key] = write_jsonl(source, Path(cfg.run.out_dir) / name)
     return cfg.replace(data=paths) if paths else cfg
-
-
-def check_data(command: str, cfg: Config) -> None:
-    """The records of data.path (and data.eval_path) read and checked before torch is imported
-    (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
-    kind = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts",
-            **dict.fromkeys(ALGO_DEFAULTS, "prompts")}.get(command)
-    if kind is None:
-        return
-    from .data import precheck
-
-    for path in (cfg.data.path, cfg.data.eval_path if command != "eval" else ""):
-        if path:
-            precheck(kind, path)
-
-
-def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
-    """Run a command on its resolved config (the heavy imports happen here); its summary.
-    ``path``: the policy ``eval`` evaluates."""
-    check_data(command, cfg)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
-    if command == "demo":
-        from .demo import run_demo
-
-        return run_demo(cfg)
-    if command == "pretrain":
-        from .trainers.pretrain import pretrain as run_pretrain
-
-        return run_pretrain(cfg)
-    if command == "rm":
-        from .trainers.reward import train_reward_model
-
-        return train_reward_model(cfg)
-    if command in ALGO_DEFAULTS:
-        from .trainers.rl import train_rl
-
-        return train_rl(cfg)
-    if command == "sft":
-        from .trainers.sft import train_sft
-
-        return train_sft(cfg)
-    if command == "dpo":
-        from .trainers.dpo import train_dpo
-
-        return train_dpo(cfg)
-    if command == "eval":
-        return _evaluate(path, cfg)
-    raise ValueError(f"no Python function runs 'rlhfkit {command}'")
-
-
-def _evaluate(path: str, cfg: Config) -> dict:
-    from .evaluate import evaluate_files, evaluate_path
-    from .models import policy_dir
-
-    if cfg.data.path:
-        return evaluate_files(path, cfg)
-    if cfg.eval.baseline:
-        raise ConfigError("eval.baseline compares completions of the prompts in data.path: set data.path=FILE "
-                          "and reward.function=module:name (or reward.name=REWARD_MODEL_DIR)")
-    return evaluate_path(policy_dir(path), cfg)

@@ -1,8 +1,8 @@
 """Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them).
 
-Each command runs what its Python function runs (``rlhfkit.grpo(...)``, ``rlhfkit.sft(...)``,
+Each command runs what its Python function runs (``rlhfkit.grpo(...)``, ``rlhfkit.sft(...)``:
 rlhfkit.api): the same config resolution (:func:`resolve_config`) and the same run
-(``rlhfkit.api.run_command``); the command line adds its printing and error lines.
+(:func:`run_command`); the command line adds its printing and its one-line errors.
 """
 
 from __future__ import annotations
@@ -294,9 +294,71 @@ def _preload_malloc(args, cfg: Config) -> None:
         malloc.restart_with(name, args.command, args.argv)
 
 
+def _check_data(command: str, cfg: Config) -> None:
+    """The records of data.path (and data.eval_path) read and checked before torch is imported
+    (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
+    kind = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts",
+            **dict.fromkeys(ALGO_DEFAULTS, "prompts")}.get(command)
+    if kind is None:
+        return
+    from .data import precheck
+
+    for path in (cfg.data.path, cfg.data.eval_path if command != "eval" else ""):
+        if path:
+            precheck(kind, path)
+
+
+def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
+    """Run a command on its resolved config (the heavy imports happen here) and return its summary;
+    ``path``: the policy ``eval`` evaluates. The command line and rlhfkit.api both run this."""
+    _check_data(command, cfg)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    if command == "demo":
+        from .demo import run_demo
+
+        return run_demo(cfg)
+    if command == "pretrain":
+        from .trainers.pretrain import pretrain as run_pretrain
+
+        return run_pretrain(cfg)
+    if command == "rm":
+        from .trainers.reward import train_reward_model
+
+        return train_reward_model(cfg)
+    if command in ALGO_DEFAULTS:
+        from .trainers.rl import train_rl
+
+        return train_rl(cfg)
+    if command == "sft":
+        from .trainers.sft import train_sft
+
+        return train_sft(cfg)
+    if command == "dpo":
+        from .trainers.dpo import train_dpo
+
+        return train_dpo(cfg)
+    if command == "eval":
+        return _evaluate(path, cfg)
+    raise ValueError(f"no Python function runs 'rlhfkit {command}'")
+
+
+def _evaluate(path: str, cfg: Config) -> dict:
+    from .evaluate import evaluate_files, evaluate_path
+    from .models import policy_dir
+
+    if cfg.data.path:
+        return evaluate_files(path, cfg)
+    if cfg.eval.baseline:
+        raise ConfigError("eval.baseline compares completions of the prompts in data.path: set data.path=FILE "
+                          "and reward.function=module:name (or reward.name=REWARD_MODEL_DIR)")
+    return evaluate_path(policy_dir(path), cfg)
+
+
 def _run(args, cfg: Config) -> None:
-    """Run the command on the resolved config (rlhfkit.api.run_command: the route Python calls
-    take too) and print its summary."""
+    """Run the command on the resolved config (:func:`run_command`, which rlhfkit.api calls too)
+    and print its summary."""
     if args.command == "chat":
         from transformers.utils import logging as hf_logging
 
@@ -310,8 +372,6 @@ def _run(args, cfg: Config) -> None:
     elif args.command == "gridworld":
         _gridworld(cfg)
     else:
-        from .api import run_command
-
         result = run_command(args.command, cfg, getattr(args, "path", None))
         if args.command == "eval" and cfg.data.path:
             _print_eval(result, cfg)
