@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli import resolve_config, run_command
+from .cli import DATA_KIND, resolve_config, run_command
 from .config import Config
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike | None
@@ -114,18 +114,20 @@ def run(command: str, config: ConfigSource = None, *, model: str | None = None, 
         one = isinstance(reward_funcs, str) or callable(reward_funcs)
         given["reward.function"] = reward_funcs if one else list(reward_funcs)
     cfg = resolve_config(command, config, given)
-    return run_command(command, _with_data(cfg, data, eval_data), path)
+    return run_command(command, _with_data(command, cfg, data, eval_data), path)
 
 
-def _with_data(cfg: Config, data: DataSource, eval_data: DataSource) -> Config:
-    """``cfg`` reading ``data`` and ``eval_data``: a path as it is, in-memory records from the JSONL
-    file they are written to in ``run.out_dir``."""
-    from .data import write_jsonl
+def _with_data(command: str, cfg: Config, data: DataSource, eval_data: DataSource) -> Config:
+    """``cfg`` reading ``data`` and ``eval_data``: a path as it is, in-memory records (checked
+    first, so an error names their place in the list) from the JSONL file they are written to in
+    ``run.out_dir``."""
+    from .data import precheck, write_jsonl
 
     paths = {}
     for key, source, name in (("path", data, "data.jsonl"), ("eval_path", eval_data, "eval_data.jsonl")):
         if isinstance(source, (str, os.PathLike)):
             paths[key] = os.fspath(source)
         elif source is not None:
+            precheck(DATA_KIND[command], source)
             paths[key] = write_jsonl(source, Path(cfg.run.out_dir) / name)
     return cfg.replace(data=paths) if paths else cfg

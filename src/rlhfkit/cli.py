@@ -171,6 +171,9 @@ def resolve_config(command: str, config: Config | Mapping | str | os.PathLike | 
     callables and lists included."""
     from .tasks import get_task
 
+    if config is not None and not isinstance(config, (Config, Mapping, str, os.PathLike)):
+        raise ConfigError(f"config must be a YAML file's path, a mapping of sections or a Config, got "
+                          f"{type(config).__name__}")
     strings = () if isinstance(overrides, Mapping) else tuple(overrides)
     given = _sections(overrides) if isinstance(overrides, Mapping) else {}
     path = config if isinstance(config, (str, os.PathLike)) else None
@@ -180,7 +183,7 @@ def resolve_config(command: str, config: Config | Mapping | str | os.PathLike | 
         if isinstance(config, Config):
             base = config.replace(ppo={"algo": command}) if command in ALGO_DEFAULTS else config
         else:
-            base = _defaults(command, task_defaults).replace(**_sections(config or {}))
+            base = _defaults(command, task_defaults).replace(**_sections(config if isinstance(config, Mapping) else {}))
         return load_config(path, strings, base=base, prefer=prefer).replace(**given)
 
     cfg = build({})
@@ -294,11 +297,14 @@ def _preload_malloc(args, cfg: Config) -> None:
         malloc.restart_with(name, args.command, args.argv)
 
 
+# what each command reads from data.path: rlhfkit.data.precheck's kinds
+DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **dict.fromkeys(ALGO_DEFAULTS, "prompts")}
+
+
 def _check_data(command: str, cfg: Config) -> None:
     """The records of data.path (and data.eval_path) read and checked before torch is imported
     (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
-    kind = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts",
-            **dict.fromkeys(ALGO_DEFAULTS, "prompts")}.get(command)
+    kind = DATA_KIND.get(command)
     if kind is None:
         return
     from .data import precheck

@@ -340,12 +340,13 @@ PRECHECK_BYTES = 64 * 2**20  # larger files are read once, by the trainer
 
 
 def precheck(kind: str, source) -> None:
-    """Read and check a local data file's records as ``kind`` (``'prompts'``, ``'pairs'`` or
-    ``'sft'``) without a tokenizer, hence without torch: what only the chat template can check
-    (conversational records, from the first one on) and the token lengths are left to the full
-    load. Parquet, directories, hub ids and files over ``PRECHECK_BYTES`` are left to it too."""
-    if not isinstance(source, str) or not os.path.isfile(source) or source.endswith(".parquet") \
-            or os.path.getsize(source) > PRECHECK_BYTES:
+    """Read and check a local data file's records, or in-memory records (a list of dicts, a
+    ``datasets.Dataset``), as ``kind`` (``'prompts'``, ``'pairs'`` or ``'sft'``) without a
+    tokenizer, hence without torch: what only the chat template can check (conversational
+    records, from the first one on) and the token lengths are left to the full load. Parquet,
+    directories, hub ids and files over ``PRECHECK_BYTES`` are left to it too."""
+    if isinstance(source, (str, os.PathLike)) and (not os.path.isfile(source) or os.fspath(source).endswith(
+            ".parquet") or os.path.getsize(source) > PRECHECK_BYTES):
         return
     loader = {"prompts": load_prompts, "pairs": load_preferences, "sft": load_sft}[kind]
     try:
