@@ -121,6 +121,16 @@ def test_in_memory_records_are_checked_with_their_place(tmp_path):
                     overrides={"run.out_dir": tmp_path / "run"})
 
 
+def test_an_earlier_runs_data_file_stays_when_the_run_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "data.jsonl").write_text('{"prompt": "earlier"}\n')
+    with pytest.raises(ConfigError, match="holds an earlier run"):
+        rlhfkit.grpo(data=[{"prompt": "new"}], overrides={"run.out_dir": out})
+    assert (out / "data.jsonl").read_text() == '{"prompt": "earlier"}\n'
+
+
 def test_the_public_names_import_and_the_commands_without_torch():
     from rlhfkit import Config, Environment, ToolEnvironment, dpo, grpo, ppo, sft  # noqa: F401
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli import DATA_KIND, resolve_config, run_command
+from .cli import DATA_KIND, RESUMABLE, resolve_config, run_command
 from .config import Config
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike | None
@@ -122,12 +122,15 @@ def _with_data(command: str, cfg: Config, data: DataSource, eval_data: DataSourc
     first, so an error names their place in the list) from the JSONL file they are written to in
     ``run.out_dir``."""
     from .data import precheck, write_jsonl
+    from .utils import check_out_dir
 
     paths = {}
     for key, source, name in (("path", data, "data.jsonl"), ("eval_path", eval_data, "eval_data.jsonl")):
         if isinstance(source, (str, os.PathLike)):
             paths[key] = os.fspath(source)
         elif source is not None:
+            if command in RESUMABLE:  # an earlier run's data file stays when the run is refused
+                check_out_dir(cfg)
             precheck(DATA_KIND[command], source)
             paths[key] = write_jsonl(source, Path(cfg.run.out_dir) / name)
     return cfg.replace(data=paths) if paths else cfg
