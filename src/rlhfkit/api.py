@@ -14,9 +14,11 @@ Each returns the run's summary, the dict ``rlhfkit COMMAND`` prints:
 - training commands (``ppo``, ``grpo``, ``rloo``, ``reinforce``, ``dpo``, ``sft``,
   ``reward_model``, ``pretrain``): ``path`` (the saved model's directory), ``seconds``, and
   their own: ``steps``, ``reached`` (the stop metric reached) and ``final`` (the last ``eval/*``
-  values) for RL and DPO; ``examples``, ``final_loss`` and ``eval_loss`` for SFT; the per-step
-  curves are in ``run.out_dir``'s ``metrics.jsonl``;
-- ``evaluate``: the ``eval/*`` scores written to ``eval.json``;
+  values) for RL and DPO, with ``saved_step`` (the step whose policy was saved) for RL;
+  ``examples``, ``final_loss`` and ``eval_loss`` for SFT; the held-out accuracy for the reward
+  model and the pretrained policy. The per-step values are in ``run.out_dir``'s
+  ``metrics.jsonl``;
+- ``evaluate``: the scores it writes to ``eval.json``;
 - ``demo``: ``summary.json``'s content.
 """
 

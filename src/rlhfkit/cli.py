@@ -326,9 +326,9 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
 
         return run_demo(cfg)
     if command == "pretrain":
-        from .trainers.pretrain import pretrain as run_pretrain
+        from .trainers.pretrain import pretrain
 
-        return run_pretrain(cfg)
+        return pretrain(cfg)
     if command == "rm":
         from .trainers.reward import train_reward_model
 
