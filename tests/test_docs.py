@@ -189,13 +189,17 @@ def test_the_shown_environments_play_an_episode():
     assert scope["multiply"](3, 4) == 12
 
 
-def test_the_api_pages_example_config_is_one_grpo_runs():
+def test_the_api_pages_example_is_one_grpo_runs():
     block = _blocks((ROOT / "docs/reference/api.md").read_text(encoding="utf-8"), ("python",))[0]
     scope: dict = {}
     exec(block.split("summary = ")[0], scope)  # everything but the training run itself
-    cfg = scope["cfg"]
-    assert (cfg.ppo.algo, cfg.ppo.steps, cfg.ppo.kl_coef) == ("grpo", 20, config.ALGO_DEFAULTS["grpo"]["kl_coef"])
+    assert "rlhfkit.grpo(data=prompts, reward_funcs=[exact_answer], overrides=settings)" in block
+    reward = scope["exact_answer"]
+    cfg = cli.resolve_config("grpo", None, {**scope["settings"], "reward.function": [reward]})
+    assert (cfg.ppo.algo, cfg.ppo.steps, cfg.ppo.kl_coef) == ("grpo", 20, config.algo_defaults("grpo", lora=True)["kl_coef"])
     check_rl_config(cfg, cfg.model.name)
+    prompts = scope["prompts"]
+    assert reward([p["prompt"] for p in prompts], [" 4", "5"], answer=[p["answer"] for p in prompts]) == [1.0, 0.0]
 
 
 def test_design_page_names_every_module_of_the_layer_map():

@@ -26,7 +26,7 @@ LAYERS = [
     ("trainers", {"trainers.pretrain", "trainers.sft", "trainers.reward", "trainers.dpo", "trainers.rl",
                   "tasks.gridworld"}),
     # tasks.gridcat: the grid world (a trainers-layer module) as an environment
-    ("front ends", {"demo", "chat", "report", "fetch", "cli", "__main__", "tasks.gridcat"}),
+    ("front ends", {"demo", "chat", "report", "fetch", "cli", "api", "__main__", "tasks.gridcat"}),
 ]
 NO_SIBLINGS = {"trainers"}
 LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}

@@ -1,7 +1,8 @@
 """Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them).
 
-Each command is a thin wrapper over a Python function that a notebook can call the same
-way (``rlhfkit.demo.run_demo(cfg)``, ``rlhfkit.trainers.rl.train_rl(cfg)`` ...).
+Each command runs what its Python function runs (``rlhfkit.grpo(...)``, ``rlhfkit.sft(...)``:
+rlhfkit.api): the same config resolution (:func:`resolve_config`) and the same run
+(:func:`run_command`); the command line adds its printing and its one-line errors.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from .config import ALGO_DEFAULTS, Config, ConfigError, dump_config, load_config
 
@@ -156,19 +159,58 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args) -> Config:
-    """Defaults <- the task's defaults <- the command's algorithm defaults <- file <- overrides."""
+def resolve_config(command: str, config: Config | Mapping | str | os.PathLike | None = None,
+                   overrides: Sequence[str] | Mapping[str, Any] = ()) -> Config:
+    """The config ``rlhfkit COMMAND`` runs: the defaults <- the task's defaults <- the command's
+    algorithm defaults <- ``config`` <- ``overrides``.
+
+    ``config``: a YAML file's path (``--config``), a ``{section: {key: value}}`` mapping laid over
+    the defaults, or a ``Config``, used as it is (an RL command sets its ``ppo.algo``).
+    ``overrides``: ``'section.key=value'`` strings as on the command line, or a mapping of dotted
+    keys (``{"ppo.steps": 10}``) or of sections (``{"ppo": {"steps": 10}}``) to Python values,
+    callables and lists included."""
     from .tasks import get_task
 
+    if config is not None and not isinstance(config, (Config, Mapping, str, os.PathLike)):
+        raise ConfigError(f"config must be a YAML file's path, a mapping of sections or a Config, got "
+                          f"{type(config).__name__}")
+    strings = () if isinstance(overrides, Mapping) else tuple(overrides)
+    given = _sections(overrides) if isinstance(overrides, Mapping) else {}
+    path = config if isinstance(config, (str, os.PathLike)) else None
+    prefer = [e.partition(".")[0] for e in COMMAND_SECTIONS[command]]
+
     def build(task_defaults: dict) -> Config:
-        overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else []),
-                     *([f"run.task={args.task}"] if args.command == "export-task" else [])]
-        sections = [e.partition(".")[0] for e in COMMAND_SECTIONS[args.command]]
-        return load_config(args.config, overrides, base=_defaults(args.command, task_defaults), prefer=sections)
+        if isinstance(config, Config):
+            base = config.replace(ppo={"algo": command}) if command in ALGO_DEFAULTS else config
+        else:
+            base = _defaults(command, task_defaults).replace(**_sections(config if isinstance(config, Mapping) else {}))
+        return load_config(path, strings, base=base, prefer=prefer).replace(**given)
 
     cfg = build({})
     task_defaults = getattr(get_task(cfg.run.task), "CONFIG_DEFAULTS", {})
-    return build(task_defaults) if task_defaults else cfg
+    return build(task_defaults) if task_defaults and not isinstance(config, Config) else cfg
+
+
+def _sections(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"ppo.steps": 3, "run": {"seed": 1}}`` -> ``{"ppo": {"steps": 3}, "run": {"seed": 1}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        sec, _, name = str(key).partition(".")
+        if name:
+            out.setdefault(sec, {})[name] = value
+        elif isinstance(value, Mapping):
+            out.setdefault(sec, {}).update(value)
+        else:
+            raise ConfigError(f"config key '{key}' has no section: keys are written section.key (e.g. ppo.steps), "
+                              "or given as a section mapping {'ppo': {'steps': ...}}")
+    return out
+
+
+def _config(args) -> Config:
+    """Defaults <- the task's defaults <- the command's algorithm defaults <- file <- overrides."""
+    overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else []),
+                 *([f"run.task={args.task}"] if args.command == "export-task" else [])]
+    return resolve_config(args.command, args.config, overrides)
 
 
 def _emit(result) -> None:
@@ -229,7 +271,6 @@ def _main(args) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
-        _check_data(args.command, cfg)
         _run(args, cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
         if debug:
@@ -256,11 +297,14 @@ def _preload_malloc(args, cfg: Config) -> None:
         malloc.restart_with(name, args.command, args.argv)
 
 
+# what each command reads from data.path: rlhfkit.data.precheck's kinds
+DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **dict.fromkeys(ALGO_DEFAULTS, "prompts")}
+
+
 def _check_data(command: str, cfg: Config) -> None:
     """The records of data.path (and data.eval_path) read and checked before torch is imported
     (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
-    kind = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts",
-            **dict.fromkeys(ALGO_DEFAULTS, "prompts")}.get(command)
+    kind = DATA_KIND.get(command)
     if kind is None:
         return
     from .data import precheck
@@ -270,62 +314,81 @@ def _check_data(command: str, cfg: Config) -> None:
             precheck(kind, path)
 
 
-def _run(args, cfg: Config) -> None:
-    """Run the command on the resolved config (the heavy imports happen here)."""
+def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
+    """Run a command on its resolved config (the heavy imports happen here) and return its summary;
+    ``path``: the policy ``eval`` evaluates. The command line and rlhfkit.api both run this."""
+    _check_data(command, cfg)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
-    if args.command == "demo":
+    if command == "demo":
         from .demo import run_demo
 
-        run_demo(cfg)
-    elif args.command == "pretrain":
+        return run_demo(cfg)
+    if command == "pretrain":
         from .trainers.pretrain import pretrain
 
-        _emit(pretrain(cfg))
-    elif args.command == "rm":
+        return pretrain(cfg)
+    if command == "rm":
         from .trainers.reward import train_reward_model
 
-        _emit(train_reward_model(cfg))
-    elif args.command in ALGO_DEFAULTS:
+        return train_reward_model(cfg)
+    if command in ALGO_DEFAULTS:
         from .trainers.rl import train_rl
 
-        _emit(train_rl(cfg))
-    elif args.command == "sft":
+        return train_rl(cfg)
+    if command == "sft":
         from .trainers.sft import train_sft
 
-        _emit(train_sft(cfg))
-    elif args.command == "dpo":
+        return train_sft(cfg)
+    if command == "dpo":
         from .trainers.dpo import train_dpo
 
-        _emit(train_dpo(cfg))
-    elif args.command == "eval":
-        _eval(args.path, cfg)
-    elif args.command == "chat":
+        return train_dpo(cfg)
+    if command == "eval":
+        return _evaluate(path, cfg)
+    raise ValueError(f"no Python function runs 'rlhfkit {command}'")
+
+
+def _evaluate(path: str, cfg: Config) -> dict:
+    from .evaluate import evaluate_files, evaluate_path
+    from .models import policy_dir
+
+    if cfg.data.path:
+        return evaluate_files(path, cfg)
+    if cfg.eval.baseline:
+        raise ConfigError("eval.baseline compares completions of the prompts in data.path: set data.path=FILE "
+                          "and reward.function=module:name (or reward.name=REWARD_MODEL_DIR)")
+    return evaluate_path(policy_dir(path), cfg)
+
+
+def _run(args, cfg: Config) -> None:
+    """Run the command on the resolved config (:func:`run_command`, which rlhfkit.api calls too)
+    and print its summary."""
+    if args.command == "chat":
+        from transformers.utils import logging as hf_logging
+
         from .chat import run_chat
         from .models import policy_dir
 
+        hf_logging.disable_progress_bar()  # per-file load bars would drown the conversation
         run_chat(policy_dir(args.path), cfg)
     elif args.command == "export-task":
         _export_task(args.dir, cfg)
     elif args.command == "gridworld":
         _gridworld(cfg)
+    else:
+        result = run_command(args.command, cfg, getattr(args, "path", None))
+        if args.command == "eval" and cfg.data.path:
+            _print_eval(result, cfg)
+        elif args.command != "demo":  # the demo prints its own stages
+            _emit(result)
 
 
-def _eval(path: str, cfg: Config) -> None:
-    """``rlhfkit eval``: on data.path's prompts scored by the configured rewards (a short summary
-    printed), or, without data.path, on the built-in task's held-out prompts by its verifier."""
-    from .evaluate import evaluate_files, evaluate_path
-    from .models import policy_dir
+def _print_eval(res: dict, cfg: Config) -> None:
+    """``rlhfkit eval`` on data.path's prompts: a short summary of the scores."""
     from .utils import is_main_process
 
-    if not cfg.data.path:
-        if cfg.eval.baseline:
-            raise ConfigError("eval.baseline compares completions of the prompts in data.path: set data.path=FILE "
-                              "and reward.function=module:name (or reward.name=REWARD_MODEL_DIR)")
-        _emit(evaluate_path(policy_dir(path), cfg))
-        return
-    res = evaluate_files(path, cfg)
     if not is_main_process():
         return
 

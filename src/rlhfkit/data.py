@@ -340,12 +340,13 @@ PRECHECK_BYTES = 64 * 2**20  # larger files are read once, by the trainer
 
 
 def precheck(kind: str, source) -> None:
-    """Read and check a local data file's records as ``kind`` (``'prompts'``, ``'pairs'`` or
-    ``'sft'``) without a tokenizer, hence without torch: what only the chat template can check
-    (conversational records, from the first one on) and the token lengths are left to the full
-    load. Parquet, directories, hub ids and files over ``PRECHECK_BYTES`` are left to it too."""
-    if not isinstance(source, str) or not os.path.isfile(source) or source.endswith(".parquet") \
-            or os.path.getsize(source) > PRECHECK_BYTES:
+    """Read and check a local data file's records, or in-memory records (a list of dicts, a
+    ``datasets.Dataset``), as ``kind`` (``'prompts'``, ``'pairs'`` or ``'sft'``) without a
+    tokenizer, hence without torch: what only the chat template can check (conversational
+    records, from the first one on) and the token lengths are left to the full load. Parquet,
+    directories, hub ids and files over ``PRECHECK_BYTES`` are left to it too."""
+    if isinstance(source, (str, os.PathLike)) and (not os.path.isfile(source) or os.fspath(source).endswith(
+            ".parquet") or os.path.getsize(source) > PRECHECK_BYTES):
         return
     loader = {"prompts": load_prompts, "pairs": load_preferences, "sft": load_sft}[kind]
     try:
@@ -361,6 +362,25 @@ def load_records(source) -> list[dict]:
     raises ``DataError`` naming the file and the line.
     """
     return [rec for _, rec in _records(source, allow_empty=True)]
+
+
+def write_jsonl(source, path: str | os.PathLike) -> str:
+    """Write ``source``'s records (a list of dicts or a ``datasets.Dataset``) to the JSONL file
+    ``path``, so a run given in-memory data reads, and records, a file; returns the path."""
+    lines = []
+    for where, rec in _records(source):
+        try:
+            lines.append(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+        except (TypeError, ValueError) as e:
+            raise DataError(f"{where}: cannot be written as JSON ({e}); give its fields as strings, numbers, "
+                            "booleans, None, lists or dicts") from None
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"  # each process of a launch writes its own, then renames
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
+    return path
 
 
 # --------------------------------------------------------------------------- field checks
