@@ -84,7 +84,7 @@ def task_rewards(task, with_knows: bool = False):
     return TaskRewards(TASKS_FILE, names, weights, task.new_tokens)
 
 
-def rlhfkit_cell(algo: str, task, paths: dict, args, with_knows: bool = False) -> dict:
+def rlhfkit_cell(algo: str, task, paths: dict, args) -> dict:
     """``rlhfkit <algo>``'s LoRA defaults on the task (``real_model.rlhfkit_config``; an
     environment task plays its episodes through ``env.class`` and stops on ``eval/reward``, the
     held-out solved share)."""
@@ -94,7 +94,7 @@ def rlhfkit_cell(algo: str, task, paths: dict, args, with_knows: bool = False) -
     from rlhfkit.utils import read_jsonl
 
     out = Path(args.out)
-    cfg = rlhfkit_config(algo, paths, out, args.seed, args, task_rewards(task, with_knows))
+    cfg = rlhfkit_config(algo, paths, out, args.seed, args, task_rewards(task))
     if task.env is not None:
         cfg = cfg.replace(env={"cls": task.env}, ppo={"stop_metric": "eval/reward"})
     res = train_rl(cfg)
@@ -103,22 +103,40 @@ def rlhfkit_cell(algo: str, task, paths: dict, args, with_knows: bool = False) -
     evals += [{"step": i + 1, **{k: v for k, v in r.items() if k.startswith("eval/")}} for i, r in enumerate(rows)
               if any(k.startswith("eval/") for k in r)]
     if task.env is None:
-        names = task_rewards(task, with_knows).names
         for e in evals:
-            e.update(target=e[f"eval/reward/{names[0]}"], shaping=e[f"eval/reward/{names[1]}"],
-                     **({"knows": e[f"eval/reward/{names[2]}"]} if len(names) > 2 else {}))
+            e.update(target=e[f"eval/reward/{task.rewards[0]}"], shaping=e[f"eval/reward/{task.rewards[1]}"])
     else:  # held-out episodes score the target alone; their shaping was kept aside, one entry an episode
         n = len(read_jsonl(paths["held"]))
         shaping = real_tasks.HELD_SHAPING
+        assert len(shaping) == n * len(evals), "every evaluation plays each held-out record once"
         for i, e in enumerate(evals):
             e.update(target=e["eval/reward"], shaping=sum(shaping[i * n:(i + 1) * n]) / n)
     timed = [r for r in rows if "time/rollout_s" in r]
-    return {"evals": [{k: e[k] for k in ("step", "target", "shaping", "knows") if k in e} for e in evals],
+    return {"evals": [{k: e[k] for k in ("step", "target", "shaping")} for e in evals],
             "s_per_step": statistics.mean(sum(r[f"time/{p}_s"] for p in ("rollout", "experience", "update"))
                                           for r in timed),
             "guard_tradeoff": any(r.get("guard/reward_tradeoff") for r in rows),
             "steps_run": len(rows), "reached": res["reached"] is not None,
             "settings": dataclasses.asdict(cfg.ppo) | {"model": dataclasses.asdict(cfg.model)}}
+
+
+def base_rates(task, paths: dict, args) -> dict:
+    """The base model's held-out target, shaping and known-answer rates, by the evaluation
+    rlhfkit's RL loop runs (``real_model.held_out_evaluator``); an environment task's from the
+    evaluation before one rlhfkit grpo step (its episodes need the loop)."""
+    if task.env is not None:
+        return rlhfkit_cell("grpo", task, paths, args)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from real_model import held_out_evaluator
+
+    rewards = task_rewards(task, with_knows=True)
+    ev = held_out_evaluator(paths, args, rewards)(AutoModelForCausalLM.from_pretrained(paths["model"],
+                                                                                       dtype=torch.float32))
+    names = dict(zip(("target", "shaping", "knows"), rewards.names))
+    return {"evals": [{"step": 0, **{k: ev[name] for k, name in names.items()}}], "s_per_step": None,
+            "guard_tradeoff": None, "steps_run": 0, "reached": False, "settings": {}}
 
 
 def trl_cell(kind: str, task, paths: dict, args) -> dict:
@@ -144,8 +162,8 @@ def worker(args) -> None:
     paths = {"model": fetch_model("smollm2-135m-instruct")["dir"],
              **real_tasks.write(Path(args.out) / "data", task)}
     args.target = task.target
-    if args.worker == "base":  # the base model's held-out rates: the evaluation before one step
-        res = rlhfkit_cell("grpo", task, paths, args, with_knows=True)
+    if args.worker == "base":
+        res = base_rates(task, paths, args)
     elif args.worker.startswith("trl"):
         res = trl_cell(args.worker, task, paths, args)
     else:
@@ -224,7 +242,7 @@ def run_cell(cell: dict, args) -> dict:
           f"{row['steps_to_target'] if row['steps_to_target'] is not None else '-':>3} steps to "
           f"{cell['target']:g}, held-out target/shaping {evals[0]['target']:.2f}/{evals[0]['shaping']:.2f} -> "
           f"{row['final_target']:.2f}/{row['final_shaping']:.2f}{' GAMED' if row['gamed'] else ''}, "
-          f"{row['s_per_step']:.1f} s/step, peak {row['peak_rss_mib']:.0f} MiB", flush=True)
+          f"{row['s_per_step'] or 0:.1f} s/step, peak {row['peak_rss_mib']:.0f} MiB", flush=True)
     return row
 
 
