@@ -15,7 +15,7 @@ split. Each cell appends one row to --results (the commit, date, CPU, device, dt
 versions, the contender and every setting, the task, the seed, steps to the target or null, the
 final held-out target and shaping means at every evaluation, whether the shaping term was gamed
 (:func:`gamed`) and, for rlhfkit, whether its tradeoff guard fired, seconds per step and the peak
-resident set). A cell already in the file is skipped, so the matrix runs in pieces (several
+resident set, the cell's CPU seconds). A cell already in the file is skipped, so the matrix runs in pieces (several
 invocations, one per core, or one a day) and ``--report`` renders the table from the file.
 
 Seeds: the reported seeds are 0 1 2 (the default --seeds); seeds 100 101 102 are for tuning
@@ -168,7 +168,9 @@ def worker(args) -> None:
         res = trl_cell(args.worker, task, paths, args)
     else:
         res = rlhfkit_cell(args.worker.removeprefix("rlhfkit_"), task, paths, args)
-    res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    res["peak_rss_mib"] = use.ru_maxrss / 1024
+    res["cpu_s"] = use.ru_utime + use.ru_stime  # the whole cell's CPU seconds: on a shared core, wall seconds stretch
     print(RESULT + json.dumps(res), flush=True)
 
 
@@ -323,7 +325,8 @@ def main() -> None:
     todo = [c for c in planned_cells(args) if cell_key(c) not in done]
     print(f"{len(todo)} cells to run ({args.results})", flush=True)
     for cell in todo:
-        run_cell(cell, args)
+        if cell_key(cell) not in {cell_key(r) for r in read_rows(Path(args.results))}:  # another core may have run it
+            run_cell(cell, args)
     report(args)
 
 
