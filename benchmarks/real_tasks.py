@@ -19,6 +19,10 @@ guess       guess a number from 1 to 20 in 5 turns    the secret found          
 calculator  "What is 347 * 29?" with a calculator     the product alone                 0.2 a tool call that ran (calls only)
 ==========  ========================================  ================================  =====================================
 
+A run stops once the held-out verifier reaches the task's ``target`` rate: 0.5, but 0.4 for
+``capital`` and ``number`` (the base model gives the right answer, in any form, to about half of
+them) and 0.75 for ``yesno`` (where "No." to everything scores 0.5).
+
 ``guess`` and ``calculator`` are multi-turn environments (``rlhfkit.envs.Environment``; the
 calculator one of ``examples/real_model/calculator``). Their held-out episodes (records with
 ``held: true``) return the target alone, so the run's held-out ``eval/reward`` is the solved
