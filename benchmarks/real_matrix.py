@@ -262,32 +262,31 @@ def run_base(args) -> None:
 
 def report(args) -> None:
     """The table: steps to the target per seed (``-`` not reached, ``g`` gamed), and per
-    contender the tasks passed (reached in at most --steps steps on at least 2 of 3 seeds)."""
+    contender the tasks passed: reached in at most --steps steps, ungamed, on at least two
+    thirds of the seeds it runs (2 of 3; ``rloo`` and ``reinforce`` 1 of 1)."""
     import real_tasks
 
     rows = {cell_key(r): r for r in read_rows(Path(args.results)) if r["contender"] != "base"}
     base = {r["task"]: r for r in read_rows(Path(args.results)) if r["contender"] == "base"}
+    planned = planned_cells(args)
     print(f"SmolLM2-135M-Instruct + LoRA r 16, 16 completions a step, at most {args.steps} steps, held-out target "
           f"evaluated every {args.eval_every}; seeds {' '.join(map(str, args.seeds))}; {args.results}")
     print(f"{'task':<11}{'target':>7}{'base':>6}  " + "".join(f"{c:<20}" for c in args.contenders))
     passed = dict.fromkeys(args.contenders, 0)
     for name in args.tasks:
-        task = real_tasks.TASKS[name]
         cells = []
         for c in args.contenders:
-            found = [rows.get(cell_key({"contender": c, "task": name, "seed": s, "steps_max": args.steps,
-                                        "eval_every": args.eval_every, "target": task.target,
-                                        "overrides": args.override})) for s in args.seeds]
+            found = [rows.get(cell_key(cell)) for cell in planned if cell["contender"] == c and cell["task"] == name]
             marks = ["." if r is None else f"{r['steps_to_target'] or '-'}{'g' if r['gamed'] else ''}" for r in found]
             reached = sum(r is not None and r["steps_to_target"] is not None and not r["gamed"] for r in found)
-            passed[c] += reached >= 2
-            cells.append("/".join(marks))
+            passed[c] += bool(found) and 3 * reached >= 2 * len(found)
+            cells.append("/".join(marks) or "n/a")
         b = base.get(name)
-        print(f"{name:<11}{task.target:>7g}{b['evals'][0]['target'] if b else float('nan'):>6.2f}  "
+        print(f"{name:<11}{real_tasks.TASKS[name].target:>7g}{b['evals'][0]['target'] if b else float('nan'):>6.2f}  "
               + "".join(f"{x:<20}" for x in cells))
     print(f"{'passed':<26}" + "".join(f"{passed[c]:<20}" for c in args.contenders))
-    print("cells: steps to the target on each seed ('-' not reached, 'g' the shaping term gamed, '.' not run); "
-          "passed: tasks reached on at least 2 seeds without gaming")
+    print("cells: steps to the target on each seed run ('-' not reached, 'g' the shaping term gamed, '.' not run yet, "
+          "n/a: not a cell of the matrix); base: the base model's held-out target rate")
 
 
 def main() -> None:

@@ -111,3 +111,25 @@ def test_steps_to_target_is_the_first_evaluation_after_training():
              {"step": 15, "target": 0.7}]
     assert real_matrix.steps_to_target(evals, 0.5) == 10
     assert real_matrix.steps_to_target(evals, 0.8) is None
+
+
+def test_report_counts_a_task_passed_on_two_seeds_of_three_ungamed(tmp_path, capsys):
+    import argparse
+    import json
+
+    args = argparse.Namespace(results=str(tmp_path / "r.jsonl"), steps=60, eval_every=5, seeds=[0, 1, 2],
+                              tasks=["capital"], contenders=["rlhfkit_grpo", "rlhfkit_ppo", "rlhfkit_rloo"],
+                              every_seed=False, override=[])
+    runs = {"rlhfkit_grpo": [(10, False), (None, False), (20, False)],  # 2 of 3: passed
+            "rlhfkit_ppo": [(10, True), (15, False), (None, False)],  # one reached by gaming: 1 of 3
+            "rlhfkit_rloo": [(30, False)]}  # its one seed
+    with open(args.results, "w") as f:
+        for c, seeds in runs.items():
+            for seed, (steps, was_gamed) in enumerate(seeds):
+                f.write(json.dumps({"contender": c, "task": "capital", "seed": seed, "steps_max": 60, "eval_every": 5,
+                                    "target": rt.TASKS["capital"].target, "overrides": [],
+                                    "steps_to_target": steps, "gamed": was_gamed}) + "\n")
+    real_matrix.report(args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[3:] == ["10/-/20", "10g/15/-", "30"]
+    assert lines[3].split() == ["passed", "1", "0", "1"]
