@@ -65,7 +65,6 @@ core; ``--steps 2 --seeds 0 --eval-every 1`` checks that every contender runs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -106,10 +105,10 @@ class TaskRewards:
         return ",".join(f"{self.file}:{name}" for name in self.names)
 
     def functions(self) -> list:
-        spec = importlib.util.spec_from_file_location(f"rewards_{self.file.stem}", self.file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return [getattr(module, name) for name in self.names]
+        """The callables, loaded as ``reward.function`` loads them."""
+        from rlhfkit.rewards import load_reward_function
+
+        return [load_reward_function(f"{self.file}:{name}") for name in self.names]
 
 
 CITIES = TaskRewards(EXAMPLE / "rewards.py", REWARDS, (1.0, 1.0, 1.0))
