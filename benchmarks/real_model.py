@@ -65,7 +65,6 @@ core; ``--steps 2 --seeds 0 --eval-every 1`` checks that every contender runs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -73,6 +72,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,6 +98,29 @@ DEFAULT_OUT = "runs/bench_real_model"
 BATCH, NEW_TOKENS, LORA_R = 16, 16, 16
 REWARDS = ("exact", "contains", "brevity")
 PHASES = ("rollout", "experience", "update")
+
+
+@dataclass(frozen=True)
+class TaskRewards:
+    """A task's reward functions (names in the Python file ``file``, the 0/1 verifier first:
+    it is the held-out target), their weights and the completion length."""
+
+    file: Path
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+    new_tokens: int = NEW_TOKENS
+
+    def spec(self) -> str:
+        return ",".join(f"{self.file}:{name}" for name in self.names)
+
+    def functions(self) -> list:
+        """The callables, loaded as ``reward.function`` loads them."""
+        from rlhfkit.rewards import load_reward_function
+
+        return [load_reward_function(f"{self.file}:{name}") for name in self.names]
+
+
+CITIES = TaskRewards(EXAMPLE / "rewards.py", REWARDS, (1.0, 1.0, 1.0))
 CONTENDERS = {
     "rlhfkit_grpo": "rlhfkit GRPO",
     "rlhfkit_ppo": "rlhfkit PPO",
@@ -109,32 +132,31 @@ CONTENDERS = {
 # --------------------------------------------------------------------------- settings
 
 
-def rlhfkit_config(algo: str, paths: dict, out: Path, seed: int, args):
+def rlhfkit_config(algo: str, paths: dict, out: Path, seed: int, args, task: TaskRewards = CITIES):
     """``rlhfkit <algo>``'s defaults on the task: only the task's sizes, the files, LoRA r 16 and
     the benchmark's bookkeeping (evaluation, stopping, one thread, no samples) are set; the
     algorithm's keys come from its defaults for a LoRA policy (config.LORA_DEFAULTS), then
     ``--override`` (a variant of the defaults, stored and reported apart from them)."""
     from rlhfkit.config import Config, load_config
 
-    spec = ",".join(f"{EXAMPLE / 'rewards.py'}:{name}" for name in REWARDS)
     cfg = Config().replace(
         run={"out_dir": str(out), "seed": seed, "progress": False, "threads": 1, "overwrite": True,
              "tensorboard": False},
         model={"name": paths["model"], "lora_r": LORA_R},
         data={"path": paths["train"], "eval_path": paths["held"]},
-        reward={"function": spec, "weights": "1,1,1"},
-        ppo={"algo": algo, "batch_size": BATCH, "max_new_tokens": NEW_TOKENS, "steps": args.steps,
+        reward={"function": task.spec(), "weights": ",".join(f"{w:g}" for w in task.weights)},
+        ppo={"algo": algo, "batch_size": BATCH, "max_new_tokens": task.new_tokens, "steps": args.steps,
              "eval_every": args.eval_every, "stop_at": args.target, "stop_metric": "eval/accuracy",
              "samples_per_log": 0, "trajectories_every": 0},
     )
     return load_config(None, args.override, base=cfg) if args.override else cfg
 
 
-def trl_settings(kind: str, args) -> dict:
+def trl_settings(kind: str, args, task: TaskRewards = CITIES) -> dict:
     """GRPOConfig keyword arguments of a TRL contender (see the module docstring)."""
     from rlhfkit.config import Config
 
-    common = {"max_completion_length": NEW_TOKENS, "bf16": False, "gradient_checkpointing": False, "use_cpu": True,
+    common = {"max_completion_length": task.new_tokens, "bf16": False, "gradient_checkpointing": False, "use_cpu": True,
               "gradient_accumulation_steps": 1}
     if kind == "trl_defaults":
         return {**common, "per_device_train_batch_size": BATCH, "learning_rate": args.trl_lr}
@@ -178,21 +200,14 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
 # --------------------------------------------------------------------------- TRL
 
 
-def example_rewards():
-    spec = importlib.util.spec_from_file_location("real_model_rewards", EXAMPLE / "rewards.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return [getattr(module, name) for name in REWARDS]
-
-
-def held_out_evaluator(paths: dict, args):
+def held_out_evaluator(paths: dict, args, task: TaskRewards = CITIES):
     """rlhfkit's own held-out evaluation (the function its RL loop calls), for a TRL model."""
     from rlhfkit.evaluate import evaluate_rewards
     from rlhfkit.models import load_tokenizer
     from rlhfkit.prompts import prompt_data
     from rlhfkit.rewards import build_reward
 
-    cfg = rlhfkit_config("grpo", paths, Path(args.out) / "unused", args.seed, args)
+    cfg = rlhfkit_config("grpo", paths, Path(args.out) / "unused", args.seed, args, task)
     tok = load_tokenizer(paths["model"])
     records = prompt_data(cfg, tok, None).eval_records
     reward = build_reward(cfg, tok, torch.device("cpu"))
@@ -201,14 +216,16 @@ def held_out_evaluator(paths: dict, args):
         was_training = model.training
         model.eval()
         ev = evaluate_rewards(model, tok, records, reward, torch.device("cpu"), batch_size=cfg.eval.batch_size,
-                              max_new_tokens=NEW_TOKENS)
+                              max_new_tokens=task.new_tokens)
         model.train(was_training)
-        return {k: ev[f"eval/reward/{k}"] for k in REWARDS}
+        return {k: ev[f"eval/reward/{k}"] for k in task.names}
 
     return evaluate
 
 
-def run_trl(kind: str, paths: dict, args) -> dict:
+def run_trl(kind: str, paths: dict, args, task: TaskRewards = CITIES) -> dict:
+    """One TRL run to the held-out target (``task``'s verifier at ``args.target``); its
+    evaluations are returned too (``evals``: the step and each reward's held-out mean)."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -218,7 +235,7 @@ def run_trl(kind: str, paths: dict, args) -> dict:
     from rlhfkit.utils import read_jsonl
 
     torch.manual_seed(args.seed)
-    settings = trl_settings(kind, args)
+    settings = trl_settings(kind, args, task)
     per_rollout = settings.get("steps_per_generation", 1) * settings.get("num_iterations", 1)  # optimizer steps
     config = GRPOConfig(output_dir=str(Path(args.out) / f"{kind}_{args.seed}"), max_steps=args.steps * per_rollout,
                         seed=args.seed, logging_steps=10**6, log_level="error", report_to="none",
@@ -228,10 +245,10 @@ def run_trl(kind: str, paths: dict, args) -> dict:
                       target_modules=mc.lora_target_modules, task_type="CAUSAL_LM")
     tok = AutoTokenizer.from_pretrained(paths["model"])
     model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
-    evaluate = held_out_evaluator(paths, args)
+    evaluate = held_out_evaluator(paths, args, task)
     base = evaluate(model)
     state = {"rollout": 0.0, "experience": 0.0, "update": 0.0, "rollouts": 0, "t0": 0.0, "inner0": 0.0,
-             "reached": None, "last": {}}
+             "reached": None, "last": {}, "evals": [{"step": 0, **base}]}
 
     def timed(fn, phase):
         def wrapper(*a, **kw):
@@ -252,14 +269,15 @@ def run_trl(kind: str, paths: dict, args) -> dict:
             done = s.global_step // per_rollout  # rollouts whose every optimizer step has run
             if s.global_step % per_rollout == 0 and (done % args.eval_every == 0 or done == args.steps):
                 state["last"] = evaluate(kw["model"])  # not timed
+                state["evals"].append({"step": done, **state["last"]})
                 print(f"{kind} seed {args.seed} step {done}: {state['last']}", file=sys.stderr, flush=True)
-                if state["last"]["exact"] >= args.target:
+                if state["last"][task.names[0]] >= args.target:
                     state["reached"] = done
                     control.should_training_stop = True
             return control
 
     dataset = Dataset.from_list(read_jsonl(paths["train"]))
-    trainer = GRPOTrainer(model=model, reward_funcs=example_rewards(), args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=task.functions(), args=config, train_dataset=dataset,
                           processing_class=tok, peft_config=lora, callbacks=[TimeAndEvaluate()])
     trainer._generate = timed(trainer._generate, "rollout")
     trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "experience")
@@ -267,7 +285,8 @@ def run_trl(kind: str, paths: dict, args) -> dict:
     n = max(1, state["rollouts"])
     train_s = state["rollout"] + state["experience"] + state["update"]
     return {"steps": state["reached"] or state["rollouts"], "reached": state["reached"] is not None,
-            "train_s": train_s, "phase_s": {k: state[k] / n for k in PHASES}, "base": base, "last": state["last"]}
+            "train_s": train_s, "phase_s": {k: state[k] / n for k in PHASES}, "base": base, "last": state["last"],
+            "evals": state["evals"]}
 
 
 # --------------------------------------------------------------------------- driver
