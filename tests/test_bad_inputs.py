@@ -505,6 +505,24 @@ def _(env):
     assert all(local_path_reason(p) for p in ("./m", "../m", "~/m", "/abs/m", "a/b/c", "m/"))
 
 
+@case("lora_target_module_the_model_does_not_have")
+def _(env):
+    # peft wraps the names it finds and silently drops the others: every command that builds an
+    # adapter (policy, reward model, critic) stops instead, listing the names the model has
+    bad = ["model.lora_r=2", "model.lora_target_modules=c_attn,c_atn"]
+    reward = "reward.function=rlhfkit.tasks.doubling:exact_reward"
+    needles = ("model.lora_target_modules names c_atn", "which this model does not have",
+               "name some of c_attn, c_fc, c_proj, ", "wpe, wte, or use 'all-linear'")  # lm_head but in rm
+    for argv in (["sft"], ["rm"], ["dpo"], ["grpo", reward], ["ppo", reward, "value.lora=true"]):
+        cli_error(env, [argv[0], f"model.name={env.models.policy}", *bad, *argv[1:]], *needles)
+    # a LoRA critic (value.lora) goes through the same check; its scalar head is never a target
+    from rlhfkit.models import add_lora
+
+    critic = build_tiny_scalar_model(doubling.make_tokenizer(), 1, n_layer=1, n_head=2, n_embd=16)
+    api_error(ValueError, lambda: add_lora(critic, 2, 4.0, target_modules="c_attn,c_atn", trainable_head=True),
+              "names c_atn", "name some of c_attn, c_fc, c_proj, wpe, wte, or use")
+
+
 @case("reward_model_path_missing")
 def _(env):
     cli_error(env, ["ppo", f"model.name={env.models.policy}", f"reward.name={env.tmp / 'no_rm'}"], "no_rm",
