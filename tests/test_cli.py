@@ -171,7 +171,7 @@ def test_ppo_with_a_reward_function_alone_starts_the_critic_from_the_policy(tiny
 
     common = [f"model.name={tiny_models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
               "run.progress=false", "ppo.steps=2", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
-              "ppo.eval_every=0", "ppo.stop_at=0"]
+              "ppo.eval_every=0", "ppo.stop_at=0", "ppo.critic_warmup_steps=1"]
     # the defaults: a value head on the policy, saved beside it
     assert main(["ppo", *common, f"run.out_dir={tmp_path / 'head'}"]) == 0, capsys.readouterr().err
     assert (tmp_path / "head" / "value_head.safetensors").exists() and not (tmp_path / "head" / "value_model").exists()

@@ -369,7 +369,24 @@ def check_rl_config(cfg: Config, policy_path: str | None) -> int:
     if pc.samples_per_prompt < 1 or pc.batch_size % pc.samples_per_prompt:
         raise ValueError(f"ppo.samples_per_prompt ({pc.samples_per_prompt}) must be >= 1 and divide ppo.batch_size "
                          f"({pc.batch_size})")
+    check_critic_warmup(pc)
     return completions_per_prompt(pc)
+
+
+def check_critic_warmup(pc: PPOConfig) -> None:
+    """ppo (the algorithm with a critic): refuse a critic warm-up as long as the run, which would
+    save the policy it started from, and warn when it takes more than half of the steps. Steps
+    count from the start of the run, a resumed one's too, so the check holds at a resume."""
+    warm, steps = pc.critic_warmup_steps, pc.steps
+    if pc.algo != "ppo" or not warm:
+        return
+    if warm >= steps:
+        raise ValueError(f"ppo.critic_warmup_steps={warm} covers every one of ppo.steps={steps}: the policy would "
+                         f"never be updated; set ppo.critic_warmup_steps below {steps} (0: no warm-up) or raise "
+                         "ppo.steps")
+    if 2 * warm > steps:
+        warnings.warn(f"ppo.critic_warmup_steps={warm} of ppo.steps={steps}: the policy is updated on the last "
+                      f"{steps - warm} step(s) only", UserWarning, stacklevel=2)
 
 
 def make_optimizer(ac: ActorCritic, pc: PPOConfig) -> torch.optim.Optimizer:
