@@ -416,7 +416,7 @@ def test_overlong_penalty_lands_in_the_scores_after_the_missing_eos_penalty():
     scorer = SimpleNamespace(score=lambda roll, records: (raw, {}))
     lengths = torch.tensor([2, 4, 5])
     roll = SimpleNamespace(response_mask=(torch.arange(5)[None, :] < lengths[:, None]).long(),
-                           finished=torch.tensor([True, True, False]), turn_rewards=None)
+                           finished=torch.tensor([True, True, False]), turn_rewards=None, turn_lengths=None)
     pc = dataclasses.replace(Config().ppo, normalize_reward=False, max_new_tokens=5, missing_eos_penalty=0.25,
                              overlong_buffer=2, overlong_penalty=1.5)
     _, score, _ = final_scores(scorer, roll, pc, None, Shard())

@@ -722,14 +722,15 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: 
     (down to ``-penalty`` at ``max_len``); ``-penalty`` beyond.
 
     Args:
-        lengths: ``[B]`` response lengths in tokens (EOS included).
+        lengths: ``[B]`` response lengths in tokens (EOS included), or any shape of them (an
+            episode's turns: ``[B, R]``, 0 where no turn ends, which is below the ramp).
         max_len: the longest response allowed (``L_max``). buffer: ``L_cache`` >= 1.
     Returns:
-        ``[B]`` penalties (<= 0), to add to the scores.
+        penalties (<= 0) of the shape of ``lengths``, to add to the scores.
     """
     if buffer < 1:
         raise ValueError(f"the over-long penalty needs buffer >= 1, got {buffer}")
-    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0) / buffer  # [B]
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0) / buffer  # shape of lengths
     return -penalty * over.clamp(max=1.0)
 
 

@@ -330,6 +330,16 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
     return {k: torch.cat(v) if v[0] is not None else None for k, v in parts.items()}  # [B, R] each
 
 
+def overlong_scores(roll: Rollout, pc: PPOConfig) -> torch.Tensor:
+    """``[B]`` DAPO's over-long penalties (``ppo.overlong_buffer``): of each response's length; in a
+    multi-turn episode the sum of its turns' own, each turn being a response of at most
+    ``max_new_tokens`` (one turn: the response's, bit for bit)."""
+    if roll.turn_lengths is None:
+        return overlong_penalty(roll.response_mask.sum(-1), pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty)
+    # [B, R] -> [B]: a column without a turn's end has length 0, below the ramp, penalty 0
+    return overlong_penalty(roll.turn_lengths, pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty).sum(-1)
+
+
 def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: RunningMoments | None,
                  shard: Shard, records=None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(raw_score [B], score [B], {source: [B]})``: the reward's weighted total plus an
@@ -344,8 +354,7 @@ def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: Run
                          f"{raw_score.numel()} responses: check the reward model's weights (reward.name) or function")
     score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
     if pc.overlong_buffer:
-        score = score + overlong_penalty(roll.response_mask.sum(-1), pc.max_new_tokens, pc.overlong_buffer,
-                                         pc.overlong_penalty)  # [B]
+        score = score + overlong_scores(roll, pc)  # [B]
     if reward_stats is not None:
         reward_stats.update(shard.gather_rows(score))
         score = (score - reward_stats.mean) / (reward_stats.std + 1e-8)
@@ -428,8 +437,7 @@ def make_experience(
         **sampling,
     }
     if pc.overlong_buffer:  # the mean over-long penalty added to the scores
-        stats["objective/overlong_penalty"] = overlong_penalty(rmask.sum(-1), pc.max_new_tokens, pc.overlong_buffer,
-                                                               pc.overlong_penalty).mean()
+        stats["objective/overlong_penalty"] = overlong_scores(roll, pc).mean()
     if zero_std is not None:  # TRL's name; groups of 1 have no such share, and it is not logged
         stats["frac_reward_zero_std"] = shard.apply_rows(lambda z: z.mean(), zero_std.float())  # global batch
     if keep is not None:
