@@ -666,6 +666,37 @@ def reward_cli(env, fn: str, *needles):
                      "reward function test_bad_inputs:" + fn, *needles)
 
 
+def no_extra_arguments(prompts, completions):
+    return [0.0] * len(completions)
+
+
+def needs_solution(completions, solution, **columns):
+    return [0.0] * len(completions)
+
+
+@case("reward_function_that_cannot_take_its_arguments")
+def _(env):
+    # checked before any model loads: the missing model directory is never reached
+    data = write(env.tmp / "p.jsonl", [{"prompt": "数字:12x2=", "answer": "24"}])
+    for fn, needle in (("no_extra_arguments", "got an unexpected keyword argument 'completion_ids'"),
+                       ("needs_solution", "missing a required argument: 'solution'")):
+        cli_error(env, ["grpo", f"model.name={env.tmp / 'no_model'}", f"reward.function=test_bad_inputs:{fn}",
+                        f"data.path={data}", "ppo.max_new_tokens=4"],
+                  f"reward function test_bad_inputs:{fn} cannot take the arguments",
+                  "the data's columns (answer)", needle, "take **kwargs")
+    # the built-in task's columns: number and charset
+    cli_error(env, ["grpo", f"model.name={env.tmp / 'no_model'}", "reward.function=test_bad_inputs:needs_solution"],
+              "the data's columns (number, charset)", "missing a required argument: 'solution'")
+    # from Python too, before the models load
+    from rlhfkit.config import Config
+    from rlhfkit.rewards import RewardError
+    from rlhfkit.trainers.rl import train_rl
+
+    cfg = Config().replace(model={"name": str(env.tmp / "no_model")}, reward={"function": no_extra_arguments},
+                           ppo={"algo": "grpo"}, run={"out_dir": str(env.tmp / "api")})
+    api_error(RewardError, lambda: train_rl(cfg), "test_bad_inputs:no_extra_arguments cannot take the arguments")
+
+
 @case("reward_function_wrong_length")
 def _(env):
     reward_cli(env, "short_reward", "returned 7 scores", "for 8 completions", "one per completion")

@@ -226,7 +226,7 @@ def _main(args) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
-        _check_data(args.command, cfg)
+        _check_inputs(args.command, cfg)
         _run(args, cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
         if debug:
@@ -253,18 +253,23 @@ def _preload_malloc(args, cfg: Config) -> None:
         malloc.restart_with(name, args.command, args.argv)
 
 
-def _check_data(command: str, cfg: Config) -> None:
+def _check_inputs(command: str, cfg: Config) -> None:
     """The records of data.path (and data.eval_path) read and checked before torch is imported
-    (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
+    (seconds): a malformed record is answered at once (rlhfkit.data.precheck); for the commands
+    that read prompts, the reward functions and env.class too (rlhfkit.callables.check_before_loading)."""
     kind = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts",
             **dict.fromkeys(ALGO_DEFAULTS, "prompts")}.get(command)
     if kind is None:
         return
+    from .callables import check_before_loading
     from .data import precheck
 
-    for path in (cfg.data.path, cfg.data.eval_path if command != "eval" else ""):
-        if path:
-            precheck(kind, path)
+    if command in ALGO_DEFAULTS or (command == "eval" and cfg.data.path):
+        check_before_loading(cfg)  # data.path's records among its checks
+    elif cfg.data.path:
+        precheck(kind, cfg.data.path)
+    if cfg.data.eval_path and command != "eval":
+        precheck(kind, cfg.data.eval_path)
 
 
 def _run(args, cfg: Config) -> None:

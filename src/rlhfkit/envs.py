@@ -44,7 +44,6 @@ ends the episode before it. ``finished`` says whether the last turn ended with E
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import numbers
@@ -54,12 +53,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.utils import get_json_schema
 
-from .rewards import function_name, load_reward_function
+from .callables import EnvError, env_name, environment_factory
 from .rollout import Rollout
-
-
-class EnvError(ValueError):
-    """An environment failed or returned something unusable; the message names it."""
 
 
 class Environment:
@@ -83,28 +78,6 @@ class Environment:
         the next message (a dict with ``role`` and ``content``, or a string: a user message;
         None only when done), the turn's reward (None: 0) and whether the episode is over."""
         raise NotImplementedError
-
-
-def env_name(env) -> str:
-    """``module:Name``, or ``path/to/file.py:Name`` for a class of a file named by its path."""
-    return function_name(env if isinstance(env, type) else type(env))
-
-
-def environment_factory(spec) -> Callable[[], Environment]:
-    """What ``env.class`` names -> a function making a fresh environment per episode: a class
-    (``'module:Name'``, ``'path/to/file.py:Name'`` or the class) is called with no arguments,
-    an instance is deep-copied."""
-    if isinstance(spec, str):
-        spec = load_reward_function(spec, key="env.class", noun="Name")  # loaded as reward functions are
-    if isinstance(spec, type):
-        if not (callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None))):
-            raise EnvError(f"env.class={env_name(spec)} has no reset and step methods: subclass "
-                           "rlhfkit.envs.Environment")
-        return spec
-    if callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None)):
-        return lambda: copy.deepcopy(spec)
-    raise EnvError(f"env.class={spec!r} is neither an environment class nor an instance: subclass "
-                   "rlhfkit.envs.Environment")
 
 
 def limits(env: Environment, max_turns: int, max_tokens: int, context: int | None) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import torch
 
+from .callables import check_before_loading
 from .core import kl_from_logits, masked_sum
 from .distributed import Shard
 from .models import context_window, load_policy, load_tokenizer, policy_dir, policy_forward, same_tokenizer
@@ -283,6 +284,7 @@ def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
     if not max_new_tokens:
         raise ValueError("set eval.max_new_tokens (or ppo.max_new_tokens) with data.path: the longest completion "
                          "to decode")
+    check_before_loading(cfg)
     baseline = baseline if baseline is not None else cfg.eval.baseline
     path, baseline = policy_dir(path), policy_dir(baseline) if baseline else None
     device = resolve_device(cfg.run.device)

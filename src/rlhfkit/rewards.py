@@ -30,17 +30,21 @@ configured sources (``reward.name``, ``reward.function``, ``reward.weights``).
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .config import CALLABLE_PLACEHOLDER, Config
+from .callables import (
+    RewardError,
+    function_name,
+    load_reward_function,
+    named_weights,
+    source_name,
+    split_specs,
+)
+from .config import Config
 from .models import (
     disable_dropout,
     freeze,
@@ -53,11 +57,6 @@ from .models import (
 from .prompts import PromptRecord
 from .rollout import Rollout, response_rows
 from .tasks import get_task
-
-
-class RewardError(ValueError):
-    """A reward source failed or returned something unusable; the message names it."""
-
 
 Source = Callable[[Rollout, Sequence[PromptRecord] | None], torch.Tensor]
 
@@ -162,17 +161,6 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_
     return Reward([(name, 1.0, score)], [classifier])
 
 
-USER_FILE_MODULE = "_rlhfkit_user_"  # prefix of the modules of reward files named by their path
-
-
-def function_name(fn) -> str:
-    """``module:qualname``, or ``path/to/file.py:qualname`` for a function of a file named by its path."""
-    module = getattr(fn, "__module__", None) or "?"
-    if module.startswith(USER_FILE_MODULE):
-        module = getattr(sys.modules.get(module), "__file__", module)
-    return module + ":" + getattr(fn, "__qualname__", repr(fn))
-
-
 def completion_texts(roll: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:
     """Each row's response token ids (the EOS included when emitted) and its text with the
     special tokens removed: what a reward function receives as ``completion_ids`` and ``completions``."""
@@ -204,7 +192,7 @@ def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None 
     give it a low score.
     """
     full = function_name(fn)
-    short = name or getattr(fn, "__name__", "function")
+    short = name or source_name(fn)
 
     def score(roll: Rollout, records=None) -> torch.Tensor:
         kwargs = call_arguments(roll, tokenizer, records)
@@ -237,75 +225,6 @@ def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
                           f"completions, e.g. {out[bad[0]].item()} for {completions[bad[0]]!r}: give every "
                           "completion a finite score (a low one if it cannot be judged)")
     return out
-
-
-def load_reward_function(spec: str | Callable, key: str = "reward.function",
-                         noun: str = "function") -> Callable[..., list[float]]:
-    """``'package.module:name'`` or ``'path/to/file.py:name'`` -> the callable (a callable is
-    returned as it is). A module is looked for where Python looks, then in the current
-    directory (where a user's ``myreward.py`` sits; the ``rlhfkit`` command does not put the
-    current directory on ``sys.path``); ``name`` may be qualified (``'module:Class.method'``).
-    ``key``, ``noun``: the config key and the kind of object the errors name (environments load
-    their class the same way)."""
-    if callable(spec):
-        return spec
-    if spec == CALLABLE_PLACEHOLDER:
-        raise ValueError(f"{key}={spec!r}: the run this config comes from was given a Python callable with no "
-                         "importable name (a lambda, something defined in __main__); pass it again from Python "
-                         f"or name an importable one as 'package.module:{noun}'")
-    module, _, name = spec.rpartition(":")  # the last colon: a Windows path has one of its own
-    if not module or not name:
-        raise ValueError(f"{key}={spec!r} must look like 'package.module:{noun}' or 'path/to/file.py:{noun}'")
-    try:
-        fn = _import_file(module) if module.endswith(".py") else _import_module(module)
-        for part in name.split("."):  # a qualified name: 'module:Class.method'
-            fn = getattr(fn, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{key}={spec!r} cannot be loaded: {e}; name a Python file "
-                         f"('path/to/file.py:{noun}') or a module that is installed, on PYTHONPATH or in the "
-                         "current directory, and that defines that name") from None
-    if not callable(fn):
-        raise ValueError(f"{key}={spec!r} is not callable")
-    return fn
-
-
-def _import_module(module: str):
-    """``importlib.import_module``, falling back on the current directory for a module found there."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        top = module.split(".")[0]
-        here = Path.cwd()
-        if e.name != top or not ((here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file()):
-            raise
-        if str(here) not in sys.path:
-            sys.path.append(str(here))  # appended: an installed module of the same name still wins
-        importlib.invalidate_caches()
-        return importlib.import_module(module)
-
-
-def _import_file(path: str):
-    """The module of a ``.py`` file, imported once per resolved path (its directory is put on
-    ``sys.path`` too, so it can import the modules beside it)."""
-    import importlib.util
-
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise ImportError(f"no such file {path}")
-    name = f"{USER_FILE_MODULE}{file.stem}_{zlib.crc32(str(file).encode()):08x}"
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(file.parent) not in sys.path:
-        sys.path.append(str(file.parent))
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before running it: a dataclass or pickle in it looks itself up there
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 def other_tokenizer(path: str, tok, trust_remote_code: bool = False):
@@ -346,15 +265,6 @@ def model_source(cfg: Config, tok, device) -> Reward:
     return classifier_scorer(rm, tok, task.label_of_prompt, rm_tok)
 
 
-def split_specs(spec) -> list:
-    """``'a:f, b:g'`` -> ``['a:f', 'b:g']``; a callable or a list of them passes through."""
-    if callable(spec):
-        return [spec]
-    if isinstance(spec, (list, tuple)):
-        return list(spec)
-    return [s.strip() for s in str(spec).split(",") if s.strip()]
-
-
 def build_reward(cfg: Config, tok, device) -> Reward:
     """The configured reward: the model at ``reward.name`` and/or the functions at
     ``reward.function`` (comma-separated), weighted by ``reward.weights`` (one per source, the
@@ -367,19 +277,5 @@ def build_reward(cfg: Config, tok, device) -> Reward:
         sources, models = source.sources, source.models
     for spec in split_specs(rc.function):
         sources += function_scorer(load_reward_function(spec), tok).sources
-    weights = [float(w) for w in str(rc.weights).split(",") if w.strip()] if rc.weights else [1.0] * len(sources)
-    if len(weights) != len(sources):
-        names = ", ".join(n for n, _, _ in sources)
-        raise ValueError(f"reward.weights={rc.weights!r} gives {len(weights)} weight(s) for {len(sources)} reward "
-                         f"source(s) ({names}): give one per source, the reward model first")
-    seen: dict[str, int] = {}
-    named = []
-    for (name, _, fn), w in zip(sources, weights):
-        seen[name] = seen.get(name, 0) + 1
-        named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", w, fn))
-    accuracy = tuple(a.strip() for a in str(cfg.eval.accuracy_reward).split(",") if a.strip())
-    unknown = [a for a in accuracy if a not in {n for n, _, _ in named}]
-    if unknown:
-        raise ValueError(f"eval.accuracy_reward={cfg.eval.accuracy_reward!r} names no reward source "
-                         f"({', '.join(unknown)}); the sources are: {', '.join(n for n, _, _ in named)}")
-    return Reward(named, models, accuracy)
+    names, weights, accuracy = named_weights([name for name, _, _ in sources], cfg)
+    return Reward([(name, w, fn) for name, w, (_, _, fn) in zip(names, weights, sources)], models, accuracy)

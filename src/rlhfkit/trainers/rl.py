@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from .. import kernels
+from ..callables import check_before_loading
 from ..checkpoint import fault_point, latest_checkpoint
 from ..config import Config, PPOConfig
 from ..core import (
@@ -582,6 +583,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     policy_path = policy_path or cfg.model.name
     cfg = cfg.replace(reward={"name": reward_path}) if reward_path else cfg
     repeats, pc = check_rl_config(cfg, policy_path), cfg.ppo
+    check_before_loading(cfg)
     run = Run(cfg, pc.algo, pc.steps)
     refuse_untested_engines(run.accelerator, cfg)
     shard = run.shard
