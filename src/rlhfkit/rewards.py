@@ -17,7 +17,9 @@ records it was sampled from) to a ``[B]`` score:
   ``ppo.stop`` stays in both, being tokens the policy sampled); ``finished``: True where the
   response ended with EOS or a stop string, False where ``max_new_tokens`` cut it; ``columns``: every
   other field of the prompt's record, one list entry per completion (repeated for the
-  samples of a group). It returns one finite number per completion. A function whose scores
+  samples of a group). It returns one finite number per completion, or None for a completion it
+  does not score (TRL's convention: the total is the weighted sum of the functions that score it;
+  one that none scores has no score, see :meth:`Reward.score`). A function whose scores
   are 0 or 1 (a verifier) says so with the attribute ``fn.binary = True``: the held-out
   ``eval/accuracy`` comes from such declared sources (or from ``eval.accuracy_reward``), never
   from the values one batch happened to take, and a declared source that returns anything
@@ -31,6 +33,7 @@ configured sources (``reward.name``, ``reward.function``, ``reward.weights``).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -75,12 +78,23 @@ class Reward:
     0/1 (:meth:`binary`)."""
 
     def score(self, roll: Rollout, records: Sequence[PromptRecord] | None = None):
+        """``(total [B], {name: [B]})``. A reward function's None (NaN in its part) means it does
+        not score that completion, as in TRL: the total is the weighted sum of the parts that do,
+        and NaN where none does -- such a completion has no score (one warning says so). Any other
+        non-finite score stops the run with the source's name."""
         if not self.sources:  # an environment's rewards alone
             return torch.zeros(roll.response_ids.shape[0], device=roll.response_ids.device), {}
         parts = {name: fn(roll, records).float() for name, _, fn in self.sources}  # [B] each
+        for name, _, fn in self.sources:
+            if not getattr(fn, "skips", False):
+                check_finite(name, parts[name])
         for name in self.declared_binary():
             check_binary(name, parts[name], name in self.accuracy)
-        total = sum(w * parts[name] for name, w, _ in self.sources)
+        total = sum(w * parts[name].nan_to_num(0.0) for name, w, _ in self.sources)  # [B]: NaN only where None
+        unscored = torch.stack([p.isnan() for p in parts.values()]).all(0)  # [B]: no source scored it
+        if bool(unscored.any()):
+            warnings.warn(UNSCORED_WARNING, RuntimeWarning, stacklevel=2)
+            total = torch.where(unscored, torch.nan, total)
         return total, parts
 
     def declared_binary(self) -> list[str]:
@@ -103,9 +117,24 @@ class Reward:
 Scorer = Reward  # the name the experience pass uses
 
 
+UNSCORED_WARNING = ("every reward function returned None for some completions: they have no score, so they are left "
+                    "out of the group and batch baselines and of the logged reward means, and their advantage is 0 "
+                    "(TRL's rule); give them a score in one function if they should count")
+
+
+def check_finite(name: str, scores: torch.Tensor) -> None:
+    """RewardError when a source that always scores (a reward model) gave non-finite ``scores [B]``:
+    a NaN would reach every advantage of the batch."""
+    bad = ~torch.isfinite(scores)
+    if bool(bad.any()):
+        raise RewardError(f"reward source {name} gave non-finite scores to {int(bad.sum())} of {scores.numel()} "
+                          "responses: check the reward model's weights (reward.name)")
+
+
 def check_binary(name: str, scores: torch.Tensor, by_config: bool = False) -> None:
-    """RewardError when a source declared 0/1 gave ``scores`` ``[B]`` other than 0 or 1."""
-    bad = (scores != 0) & (scores != 1)
+    """RewardError when a source declared 0/1 gave ``scores`` ``[B]`` other than 0 or 1 (or None:
+    NaN, not scored)."""
+    bad = (scores != 0) & (scores != 1) & ~scores.isnan()
     if bool(bad.any()):
         how = "named by eval.accuracy_reward" if by_config else "declared binary (binary = True)"
         raise RewardError(f"reward source {name} is {how} but returned {scores[bad][0].item():g} for "
@@ -185,11 +214,12 @@ def call_arguments(roll: Rollout, tokenizer, records: Sequence[PromptRecord] | N
 def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None = None) -> Reward:
     """Score = ``fn(prompts=, completions=, completion_ids=, finished=, **columns)``.
 
-    Policy for a failure: stop with a :class:`RewardError` naming the function -- it raised,
-    returned None or not one number per completion, or any NaN/inf. Nothing is skipped or
-    patched up: a NaN score would reach the advantages of the whole batch, and a silently
-    dropped row would bias the baseline. A function that cannot judge a completion should
-    give it a low score.
+    It returns one number per completion, or None for a completion it does not score (TRL's
+    convention, for a function that applies to some prompts only): NaN in its ``[B]`` scores, which
+    :meth:`Reward.score` leaves out of the total. Policy for a failure: stop with a
+    :class:`RewardError` naming the function -- it raised, returned None instead of a list or not one
+    entry per completion, or a NaN/inf (a NaN returned is an error, not a None: it is a bug in the
+    function more often than a choice).
     """
     full = function_name(fn)
     short = name or source_name(fn)
@@ -204,15 +234,19 @@ def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None 
         return _as_scores(values, n, full, kwargs["completions"]).to(roll.response_ids.device)
 
     score.binary = bool(getattr(fn, "binary", False))  # a 0/1 declaration travels with the source
+    score.skips = True  # may return None for a completion: NaN in its scores, not an error
     return Reward([(short, 1.0, score)])
 
 
 def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
-    fix = f"return a list of {n} floats, one per completion, in order"
+    """``[n]`` float32 scores from what a reward function returned; NaN where it gave None."""
+    fix = f"return a list of {n} floats (or None for a completion it does not score), one per completion, in order"
     if values is None:
         raise RewardError(f"reward function {name} returned None: {fix}")
     try:
-        out = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values), dtype=torch.float32)
+        items = values if isinstance(values, torch.Tensor) else list(values)
+        skipped = [] if isinstance(items, torch.Tensor) else [i for i, v in enumerate(items) if v is None]
+        out = torch.as_tensor([0.0 if v is None else v for v in items] if skipped else items, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError):
         raise RewardError(f"reward function {name} returned {type(values).__name__} {str(values)[:60]!r}, "
                           f"not numbers: {fix}") from None
@@ -223,7 +257,8 @@ def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
     if bad:
         raise RewardError(f"reward function {name} returned {len(bad)} non-finite score(s) (NaN/inf) for {n} "
                           f"completions, e.g. {out[bad[0]].item()} for {completions[bad[0]]!r}: give every "
-                          "completion a finite score (a low one if it cannot be judged)")
+                          "completion a finite score, or None for one it does not score")
+    out[skipped] = torch.nan
     return out
 
 

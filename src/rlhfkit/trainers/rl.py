@@ -457,7 +457,8 @@ def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward:
             for i in range(0, len(data.eval_records), cfg.eval.batch_size):
                 chunk = data.eval_records[i : i + cfg.eval.batch_size]
                 roll, _ = rollout(run, ac, train_ac, tok, chunk, None, cfg.eval.max_new_tokens or max_new_tokens, env)
-                returns += reward.score(roll, chunk)[0].add(roll.turn_rewards.sum(-1)).tolist()
+                # a reward function's None scores nothing here: the episode's return scores it (final_scores)
+                returns += reward.score(roll, chunk)[0].nan_to_num(0.0).add(roll.turn_rewards.sum(-1)).tolist()
         return {"eval/reward": sum(returns) / len(returns)}
     if data.task is None and not data.eval_records:
         return {}  # before the block: no gathered weights, no master-weight copies for nothing
