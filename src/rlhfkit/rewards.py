@@ -90,7 +90,7 @@ class Reward:
                 check_finite(name, parts[name])
         for name in self.declared_binary():
             check_binary(name, parts[name], name in self.accuracy)
-        total = sum(w * parts[name].nan_to_num(0.0) for name, w, _ in self.sources)  # [B]: NaN only where None
+        total = sum(w * parts[name].nan_to_num(0.0) for name, w, _ in self.sources)  # [B]: a None adds 0 (nansum)
         unscored = torch.stack([p.isnan() for p in parts.values()]).all(0)  # [B]: no source scored it
         if bool(unscored.any()):
             warnings.warn(UNSCORED_WARNING, RuntimeWarning, stacklevel=2)
