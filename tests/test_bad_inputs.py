@@ -505,6 +505,24 @@ def _(env):
     assert all(local_path_reason(p) for p in ("./m", "../m", "~/m", "/abs/m", "a/b/c", "m/"))
 
 
+@case("lora_target_module_the_model_does_not_have")
+def _(env):
+    # peft wraps the names it finds and silently drops the others: every command that builds an
+    # adapter (policy, reward model, critic) stops instead, listing the names the model has
+    bad = ["model.lora_r=2", "model.lora_target_modules=c_attn,c_atn"]
+    reward = "reward.function=rlhfkit.tasks.doubling:exact_reward"
+    needles = ("model.lora_target_modules names c_atn", "which this model does not have",
+               "name some of c_attn, c_fc, c_proj, ", "wpe, wte, or use 'all-linear'")  # lm_head but in rm
+    for argv in (["sft"], ["rm"], ["dpo"], ["grpo", reward], ["ppo", reward, "value.lora=true"]):
+        cli_error(env, [argv[0], f"model.name={env.models.policy}", *bad, *argv[1:]], *needles)
+    # a LoRA critic (value.lora) goes through the same check; its scalar head is never a target
+    from rlhfkit.models import add_lora
+
+    critic = build_tiny_scalar_model(doubling.make_tokenizer(), 1, n_layer=1, n_head=2, n_embd=16)
+    api_error(ValueError, lambda: add_lora(critic, 2, 4.0, target_modules="c_attn,c_atn", trainable_head=True),
+              "names c_atn", "name some of c_attn, c_fc, c_proj, wpe, wte, or use")
+
+
 @case("reward_model_path_missing")
 def _(env):
     cli_error(env, ["ppo", f"model.name={env.models.policy}", f"reward.name={env.tmp / 'no_rm'}"], "no_rm",
@@ -646,6 +664,37 @@ def reward_cli(env, fn: str, *needles):
     return cli_error(env, ["grpo", f"model.name={env.models.policy}", f"reward.function=test_bad_inputs:{fn}",
                            "ppo.batch_size=8", "ppo.group_size=4", "ppo.max_new_tokens=3"],
                      "reward function test_bad_inputs:" + fn, *needles)
+
+
+def no_extra_arguments(prompts, completions):
+    return [0.0] * len(completions)
+
+
+def needs_solution(completions, solution, **columns):
+    return [0.0] * len(completions)
+
+
+@case("reward_function_that_cannot_take_its_arguments")
+def _(env):
+    # checked before any model loads: the missing model directory is never reached
+    data = write(env.tmp / "p.jsonl", [{"prompt": "数字:12x2=", "answer": "24"}])
+    for fn, needle in (("no_extra_arguments", "got an unexpected keyword argument 'completion_ids'"),
+                       ("needs_solution", "missing a required argument: 'solution'")):
+        cli_error(env, ["grpo", f"model.name={env.tmp / 'no_model'}", f"reward.function=test_bad_inputs:{fn}",
+                        f"data.path={data}", "ppo.max_new_tokens=4"],
+                  f"reward function test_bad_inputs:{fn} cannot take the arguments",
+                  "the data's columns (answer)", needle, "take **kwargs")
+    # the built-in task's columns: number and charset
+    cli_error(env, ["grpo", f"model.name={env.tmp / 'no_model'}", "reward.function=test_bad_inputs:needs_solution"],
+              "the data's columns (number, charset)", "missing a required argument: 'solution'")
+    # from Python too, before the models load
+    from rlhfkit.config import Config
+    from rlhfkit.rewards import RewardError
+    from rlhfkit.trainers.rl import train_rl
+
+    cfg = Config().replace(model={"name": str(env.tmp / "no_model")}, reward={"function": no_extra_arguments},
+                           ppo={"algo": "grpo"}, run={"out_dir": str(env.tmp / "api")})
+    api_error(RewardError, lambda: train_rl(cfg), "test_bad_inputs:no_extra_arguments cannot take the arguments")
 
 
 @case("reward_function_wrong_length")

@@ -130,8 +130,8 @@ def test_cities_demo_pipeline_runs_every_algorithm(tmp_path, capsys):
 
     out = tmp_path / "cities"
     assert main(["demo", "run.task=cities", f"run.out_dir={out}", "run.progress=false", "model.n_layer=1",
-                 "model.n_embd=32", "pretrain.steps=20", "reward.steps=5", "ppo.steps=2", "ppo.batch_size=16",
-                 "ppo.minibatch_size=16", "ppo.group_size=4", "dpo.steps=2", "dpo.num_pairs=64",
+                 "model.n_embd=32", "pretrain.steps=20", "reward.steps=5", "ppo.steps=2", "ppo.critic_warmup_steps=1",
+                 "ppo.batch_size=16", "ppo.minibatch_size=16", "ppo.group_size=4", "dpo.steps=2", "dpo.num_pairs=64",
                  "eval.batch_size=130"]) == 0
     import json
 

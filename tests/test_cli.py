@@ -172,7 +172,7 @@ def test_ppo_with_a_reward_function_alone_starts_the_critic_from_the_policy(tiny
 
     common = [f"model.name={tiny_models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
               "run.progress=false", "ppo.steps=2", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
-              "ppo.eval_every=0", "ppo.stop_at=0"]
+              "ppo.eval_every=0", "ppo.stop_at=0", "ppo.critic_warmup_steps=1"]
     # the defaults: a value head on the policy, saved beside it
     assert main(["ppo", *common, f"run.out_dir={tmp_path / 'head'}"]) == 0, capsys.readouterr().err
     assert (tmp_path / "head" / "value_head.safetensors").exists() and not (tmp_path / "head" / "value_model").exists()
@@ -239,6 +239,49 @@ def test_a_bad_record_is_answered_before_torch_is_imported(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "heavy: []" in done.stdout
+
+
+def test_bad_prompt_records_rewards_and_environments_are_answered_before_torch_is_imported(tmp_path):
+    """Every record's messages (a conversational first record used to stop the check), the reward
+    functions (they load, take the call's arguments, fit reward.weights and eval.accuracy_reward)
+    and env.class, checked before torch and any model: the model directory does not even exist."""
+    ok = {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps(ok) + "\n")
+    bad.write_text(json.dumps(ok) + "\n" + json.dumps({"prompt": [{"content": "3+3?"}], "answer": "6"}) + "\n")
+    fns = tmp_path / "fns.py"
+    fns.write_text("def score(completions, **kw):\n    return [0.0] * len(completions)\n\n"
+                   "def two_args(prompts, completions):\n    return [0.0] * len(completions)\n")
+    grpo = ["grpo", f"model.name={tmp_path / 'no_model'}", f"data.path={good}", "ppo.max_new_tokens=8"]
+    cases = [
+        ([*grpo[:2], f"data.path={bad}", f"reward.function={fns}:score"], "bad.jsonl:2: field 'prompt', message 0: "
+                                                                          "missing 'role'"),
+        ([*grpo, f"reward.function={fns}:two_args"], "got an unexpected keyword argument 'completion_ids'"),
+        ([*grpo, f"reward.function={fns}:nope"], "has no attribute 'nope'"),
+        ([*grpo, f"reward.function={fns}:score", "reward.weights=1,2"], "gives 2 weight(s) for 1 reward source"),
+        ([*grpo, f"reward.function={fns}:score", "eval.accuracy_reward=exact"], "names no reward source (exact)"),
+        ([*grpo, f"env.class={fns}:Game"], "env.class="),
+        (["eval", str(tmp_path / "no_model"), f"data.path={good}", f"reward.function={fns}:two_args",
+          "eval.max_new_tokens=8"], "got an unexpected keyword argument 'completion_ids'"),
+    ]
+    run_cli(*cases[1][0])  # warm the file cache: the timing below is the command's own
+    t0 = time.perf_counter()
+    done = run_cli(*cases[1][0])
+    seconds = time.perf_counter() - t0
+    assert done.returncode == 2 and cases[1][1] in done.stderr, done.stderr
+    assert seconds < 2.0, f"a reward function's error took {seconds:.2f} s"  # ~8 s after torch and the model
+    code = ("import sys\nfrom rlhfkit.cli import main\n"
+            f"for argv, needle in {cases!r}:\n"
+            "    assert main([*argv, 'run.out_dir=" + str(tmp_path / "out") + "']) == 2, argv\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate', 'datasets') if m in sys.modules)\n"
+            "print('heavy:', heavy)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "heavy: []" in done.stdout
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == len(cases)
+    for line, (_, needle) in zip(errors, cases):
+        assert needle in line, (needle, line)
 
 
 @pytest.fixture

@@ -390,6 +390,24 @@ def test_group_advantages_match_a_per_group_loop():
         group_advantages(scores, 5)
 
 
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_an_unscored_completion_is_left_out_of_its_group_as_if_it_were_not_there(scale):
+    """NaN: a completion no reward scored (TRL: nanmean / nanstd over the scored ones). Its group's
+    scored rows get the advantages of a group without it; its own advantage is NaN (zeroed by the
+    caller); a group with one scored completion has no spread (zero-std) and a NaN std."""
+    from rlhfkit.core import group_advantages, rloo_advantages, zero_std_groups
+
+    nan = float("nan")
+    scores = torch.tensor([1.0, nan, 3.0, 5.0, 2.0, 7.0, nan, nan], dtype=torch.float64)
+    for fn in (group_advantages, rloo_advantages):
+        got = fn(scores, 4, scale)
+        close(got[[0, 2, 3]], fn(torch.tensor([1.0, 3.0, 5.0], dtype=torch.float64), 3, scale), tol=1e-12)
+        close(got[[4, 5]], fn(torch.tensor([2.0, 7.0], dtype=torch.float64), 2, scale), tol=1e-12)
+        assert got[[1, 6, 7]].isnan().all()
+    assert zero_std_groups(torch.tensor([1.0, nan, 1.0, nan, 2.0, nan, nan, nan]), 4).tolist() == [True, True]
+    assert zero_std_groups(torch.tensor([nan, nan, nan, nan, 1.0, 2.0, nan, nan]), 4).tolist() == [True, False]
+
+
 def test_zero_std_groups_hand_computed():
     from rlhfkit.core import group_advantages, rloo_advantages, zero_std_groups
 

@@ -7,6 +7,7 @@ exactly zero gradient; a broken environment stops the run with one line naming i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -20,7 +21,7 @@ from rlhfkit.envs import EnvError, Environment, EpisodeMaker, observation_tokens
 from rlhfkit.experience import Experience
 from rlhfkit.models import load_policy, load_tokenizer, token_logprobs
 from rlhfkit.prompts import PromptRecord
-from rlhfkit.rollout import generate
+from rlhfkit.rollout import Rollout, generate
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers.rl import minibatch_loss, train_rl
 
@@ -52,7 +53,8 @@ def run_metrics(out) -> list[dict]:
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_a_one_turn_environment_is_bit_for_bit_the_single_turn_run(tiny_models, tiny_config, tmp_path, no_plots,
                                                                    algo):
-    common = {"model": {"name": tiny_models.policy}, "ppo": {"algo": algo, "steps": 1}}
+    # the over-long penalty on (max_new_tokens 4): the episode's one turn is the response
+    common = {"model": {"name": tiny_models.policy}, "ppo": {"algo": algo, "steps": 1, "overlong_buffer": 2}}
     single = tiny_config(tmp_path / "single", reward={"function": length_reward}, **common)
     episode = tiny_config(tmp_path / "env", env={"cls": OneTurn}, **common)
     train_rl(single)
@@ -168,6 +170,70 @@ def test_gae_skips_observation_columns():
     a1 = -1.0 + 0.9 * -0.2 - 0.3 + 0.72 * 2.2
     assert abs(float(adv[0, 2]) - a1) < 1e-6
     assert abs(float(adv[0, 0]) - (0.5 + 0.9 * 0.3 - 0.1 + 0.72 * a1)) < 1e-6
+
+
+class Silent(Environment):
+    """Model turns answered with an empty observation (no token in plain text): nothing in the
+    response mask separates the turns."""
+
+    max_turns, max_tokens = 3, 32
+
+    def step(self, text):
+        return "", 0.0, False
+
+
+def scripted_turns(tok, lengths: list[list[int]]):
+    """``sample`` for :func:`play` whose turn ``k`` in episode ``i`` is ``lengths[k][i]`` digit tokens,
+    the last an EOS."""
+    digit = tok("1", add_special_tokens=False)["input_ids"][0]
+
+    def sample(turn, ids, mask, rows, n):
+        cut = [min(lengths[turn][i], n) for i in rows]
+        resp = torch.tensor([[digit] * (L - 1) + [tok.eos_token_id] + [tok.pad_token_id] * (n - L) for L in cut])
+        resp_mask = (torch.arange(n)[None, :] < torch.tensor(cut)[:, None]).long()  # [b, n]
+        zeros = torch.zeros(len(rows), n)
+        return Rollout(prompt_ids=ids, prompt_mask=mask, response_ids=resp, response_mask=resp_mask,
+                       logprobs=zeros, finished=torch.ones(len(rows), dtype=torch.bool), entropy=zeros)
+
+    return sample
+
+
+@pytest.mark.parametrize("env, lengths, penalty", [
+    (Echo, [2, 2], [0.0]),  # two turns of 2 <= 4 - 2 tokens: none cut, none near the limit
+    (Echo, [3, 4, 1], [-2.25]),  # -1.5 * ((3 - 2) / 2 + min(1, (4 - 2) / 2) + 0) = -1.5 * 1.5
+    (Silent, [2, 2, 2], [0.0]),  # turns back to back in the mask, each its own response
+])
+def test_the_overlong_penalty_of_an_episode_sums_its_turns_own(tiny_models, env, lengths, penalty):
+    """ppo.overlong_buffer in a multi-turn episode: DAPO's penalty of each turn (a response of at most
+    ppo.max_new_tokens=4; buffer 2, penalty 1.5), summed, not that of the episode's model tokens."""
+    from types import SimpleNamespace
+
+    from rlhfkit.distributed import Shard
+    from rlhfkit.experience import final_scores
+
+    tok = load_tokenizer(tiny_models.policy)
+    maker = EpisodeMaker(EnvConfig(cls=env, max_turns=len(lengths)), doubling.N_POSITIONS)
+    roll = play([maker(PromptRecord(doubling.prompt_text(12, None)), tok)], scripted_turns(tok, [[n] for n in lengths]),
+                tok, 4, torch.device("cpu"))
+    assert int(roll.response_mask.sum()) == sum(lengths)
+    pc = PPOConfig(max_new_tokens=4, overlong_buffer=2, overlong_penalty=1.5, normalize_reward=False)
+    scorer = SimpleNamespace(score=lambda roll, records: (torch.zeros(1), {}))
+    _, score, _ = final_scores(scorer, roll, pc, None, Shard())
+    assert score.tolist() == [p + r for p, r in zip(penalty, roll.turn_rewards.sum(-1).tolist())]
+
+
+def test_the_overlong_penalty_of_a_one_turn_episode_is_the_single_turn_one(tiny_models):
+    from rlhfkit.experience import overlong_scores
+
+    tok = load_tokenizer(tiny_models.policy)
+    maker = EpisodeMaker(EnvConfig(cls=OneTurn), doubling.N_POSITIONS)
+    records = [PromptRecord(doubling.prompt_text(n, None)) for n in (3, 41, 7, 512)]
+    roll = play([maker(r, tok) for r in records], scripted_turns(tok, [[1, 3, 5, 6]]), tok, 6, torch.device("cpu"))
+    pc = PPOConfig(max_new_tokens=6, overlong_buffer=3)
+    single = dataclasses.replace(roll, turn_lengths=None)  # read as a single turn's rollout
+    assert roll.response_mask.sum(-1).tolist() == [1, 3, 5, 6]  # off the ramp, on it, at its end
+    assert torch.equal(overlong_scores(roll, pc), overlong_scores(single, pc))
+    assert torch.equal(overlong_scores(roll, pc), torch.tensor([0.0, 0.0, -2 / 3, -1.0]))  # (5 - 3) / 3
 
 
 def test_an_observation_brings_the_separator_the_model_did_not_sample():

@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
 # that never import one another (what they share lives in trainers.common).
 LAYERS = [
     ("base", {"core", "config", "utils", "kernels", "triton_decode", "gemm", "offload", "malloc", "precision"}),
-    ("infrastructure", {"distributed", "checkpoint", "data", "prompts", "tasks", "tasks.doubling",
+    ("infrastructure", {"distributed", "checkpoint", "data", "callables", "prompts", "tasks", "tasks.doubling",
                         "tasks.cities", "tasks.export"}),
     ("models", {"lean", "models"}),
     ("generation and scoring", {"rollout", "evaluate", "rewards", "experience", "trajectories", "plots",

@@ -176,6 +176,31 @@ def test_critic_warmup_leaves_policy_untouched(value_model):
     assert any(not torch.equal(a, b) for a, b in zip(critic_before, ac.critic_parameters()))
 
 
+def test_a_critic_warm_up_as_long_as_the_run_is_refused_and_a_long_one_trains_its_last_steps(tiny_models, tmp_path,
+                                                                                             capsys, no_plots):
+    """ppo.critic_warmup_steps (3 by default) >= ppo.steps would save the starting policy: the command
+    stops before loading anything; 3 of 4 steps warns and the policy does change."""
+    from safetensors.torch import load_file
+
+    from rlhfkit.cli import main
+
+    args = ["ppo", f"model.name={tiny_models.policy}", "reward.function=rlhfkit.tasks.doubling:format_reward",
+            "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4", "ppo.eval_every=0", "ppo.stop_at=0",
+            "run.progress=false"]
+    assert main([*args, "ppo.steps=2", f"run.out_dir={tmp_path / 'all'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rlhfkit ppo: error: ppo.critic_warmup_steps=3 covers every one of ppo.steps=2: the policy would "
+                   "never be updated; set ppo.critic_warmup_steps below 2 (0: no warm-up) or raise ppo.steps"]
+    assert not (tmp_path / "all").exists()
+    assert main(["grpo", *args[1:], "ppo.steps=2", "ppo.group_size=4", f"run.out_dir={tmp_path / 'grpo'}"]) == 0
+    with pytest.warns(UserWarning, match=r"ppo.critic_warmup_steps=3 of ppo.steps=4: the policy is updated on the "
+                                         r"last 1 step\(s\) only"):
+        assert main([*args, "ppo.steps=4", f"run.out_dir={tmp_path / 'most'}"]) == 0
+    start = load_file(f"{tiny_models.policy}/model.safetensors")
+    trained = load_file(tmp_path / "most" / "policy" / "model.safetensors")
+    assert max(float((trained[k] - start[k]).abs().max()) for k in start) > 0
+
+
 def _one_step(overrides: dict, value_model: str = "separate"):
     ac, ref, rm = _setup(value_model)
     pc = Config().replace(ppo=overrides).ppo
@@ -391,7 +416,7 @@ def test_overlong_penalty_lands_in_the_scores_after_the_missing_eos_penalty():
     scorer = SimpleNamespace(score=lambda roll, records: (raw, {}))
     lengths = torch.tensor([2, 4, 5])
     roll = SimpleNamespace(response_mask=(torch.arange(5)[None, :] < lengths[:, None]).long(),
-                           finished=torch.tensor([True, True, False]), turn_rewards=None)
+                           finished=torch.tensor([True, True, False]), turn_rewards=None, turn_lengths=None)
     pc = dataclasses.replace(Config().ppo, normalize_reward=False, max_new_tokens=5, missing_eos_penalty=0.25,
                              overlong_buffer=2, overlong_penalty=1.5)
     _, score, _ = final_scores(scorer, roll, pc, None, Shard())

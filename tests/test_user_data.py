@@ -441,3 +441,103 @@ def test_a_stop_metric_the_run_does_not_log_stops_before_training(tiny_models, t
     assert not out.exists()  # nothing trained, nothing written
     assert main([*argv[:3], *argv[4:], "ppo.stop_metric=eval/reward"]) == 2  # no held-out prompts at all
     assert "has no held-out prompts to evaluate" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- None: a function that does not score a completion
+
+# per row of two groups of 4 completions: what each function returns (None: it does not score that one)
+MATH = [1.0, None, 3.0, None, 0.0, 0.0, None, None]
+CODE = [None, 2.0, None, None, 1.0, None, None, None]
+
+
+def math_score(prompts, completions, **columns):
+    return MATH[: len(completions)]
+
+
+def code_score(prompts, completions, **columns):
+    return CODE[: len(completions)]
+
+
+def none_experience(algo: str, scale: str = "none"):
+    """An ``algo`` experience of 8 completions scored by math_score (weight 1) and code_score
+    (weight 2), advantages scaled as ``scale`` says; ``(exp, stats)``."""
+    import dataclasses
+
+    from rlhfkit.config import Config
+    from rlhfkit.experience import ActorCritic, make_experience
+    from rlhfkit.models import build_tiny_policy, freeze
+
+    tok = doubling.make_tokenizer()
+    policy, ref = build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16), freeze(build_tiny_policy(tok, 0, n_layer=1,
+                                                                                                      n_head=2, n_embd=16))
+    enc = tok([doubling.prompt_text(n, None) for n in (12, 12, 12, 12, 7, 7, 7, 7)], padding=True, return_tensors="pt")
+    roll = generate(policy, enc["input_ids"], enc["attention_mask"], 4, tok.eos_token_id, tok.pad_token_id,
+                    generator=torch.Generator().manual_seed(0))
+    reward = Reward([*function_scorer(math_score, tok).sources,
+                     *[(n, 2.0, f) for n, _, f in function_scorer(code_score, tok).sources]])
+    pc = dataclasses.replace(Config().replace(ppo={"algo": algo}).ppo, group_size=4, batch_size=8, scale_rewards=scale)
+    return make_experience(ActorCritic(policy), ref, reward, roll, pc, kl_coef=pc.kl_coef)
+
+
+def test_a_none_leaves_the_function_out_of_the_sample_and_a_sample_none_scores_gets_advantage_zero():
+    """TRL's convention (GRPOTrainer: NaN for None, nansum of the weighted scores; a completion every
+    function skips is unscorable: out of the group mean and std, advantage 0). Totals by hand:
+    [1, 2*2, 3, -, 0 + 2*1, 0, -, -]; groups [1, 4, 3, -] and [2, 0, -, -]."""
+    with pytest.warns(RuntimeWarning, match="every reward function returned None for some completions"):
+        exp, stats = none_experience("grpo", "group")
+    adv = exp.advantages[:, 0]  # [B]: the same on every token of a row
+    mean0, std0 = 8 / 3, (((1 - 8 / 3) ** 2 + (4 - 8 / 3) ** 2 + (3 - 8 / 3) ** 2) / 2) ** 0.5
+    want = torch.tensor([(1 - mean0) / (std0 + 1e-4), (4 - mean0) / (std0 + 1e-4), (3 - mean0) / (std0 + 1e-4), 0.0,
+                         1 / (2**0.5 + 1e-4), -1 / (2**0.5 + 1e-4), 0.0, 0.0])
+    torch.testing.assert_close(adv, want)
+    # the logged means: over the completions each function scored, the total over the scored ones
+    assert stats["reward/math_score"] == pytest.approx((1 + 3 + 0 + 0) / 4)
+    assert stats["reward/code_score"] == pytest.approx((2 + 1) / 2)
+    assert stats["objective/score"] == pytest.approx((1 + 4 + 3 + 2 + 0) / 5)
+    assert exp.score.tolist() == [1.0, 4.0, 3.0, 0.0, 2.0, 0.0, 0.0, 0.0]  # written as 0 where none scored
+    # the batch's std: of the scored totals [1, 4, 3, 2, 0], sqrt(10 / 4)
+    batch, _ = none_experience("grpo", "batch")
+    centred = torch.tensor([1 - mean0, 4 - mean0, 3 - mean0, 0.0, 1.0, -1.0, 0.0, 0.0])
+    torch.testing.assert_close(batch.advantages[:, 0], centred / (2.5**0.5 + 1e-4))
+    # rloo: the scored others' mean (row 0: 1 - (4 + 3) / 2); reinforce: the batch's scored mean
+    rloo, _ = none_experience("rloo")
+    torch.testing.assert_close(rloo.advantages[:, 0], torch.tensor([-2.5, 2.0, 0.5, 0.0, 2.0, -2.0, 0.0, 0.0]))
+    reinforce, _ = none_experience("reinforce")
+    torch.testing.assert_close(reinforce.advantages[:, 0], torch.tensor([-1.0, 2.0, 1.0, 0.0, 0.0, -2.0, 0.0, 0.0]))
+
+
+def test_a_completion_no_function_scores_stops_ppo_and_a_nan_stays_an_error():
+    with pytest.raises(RewardError, match=r"every reward function returned None for 3 of 8 completions: ppo's critic"):
+        none_experience("ppo")
+    tok = doubling.make_tokenizer()
+    roll = generate(build_tiny_policy_for_scores(tok), *prompt_batch(tok), 2, tok.eos_token_id, tok.pad_token_id)
+    nan = function_scorer(lambda completions, **kw: [float("nan")] + [0.0] * (len(completions) - 1), tok)
+    with pytest.raises(RewardError, match=r"returned 1 non-finite score\(s\)"):
+        nan(roll)
+
+
+def build_tiny_policy_for_scores(tok):
+    from rlhfkit.models import build_tiny_policy
+
+    return build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16)
+
+
+def prompt_batch(tok):
+    enc = tok([doubling.prompt_text(n, None) for n in (12, 7)], padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def test_held_out_means_leave_out_the_completions_a_function_does_not_score():
+    from rlhfkit.evaluate import ScoredCompletions, reward_means, win_rate
+
+    nan = float("nan")
+    scored = ScoredCompletions(["a", "b", "c", "d"], [True] * 4, torch.tensor([1.0, 1.0, 0.0, nan], dtype=torch.float64),
+                               {"math": torch.tensor([1.0, nan, 0.0, nan], dtype=torch.float64),
+                                "code": torch.tensor([nan, 1.0, nan, nan], dtype=torch.float64)}, ["math", "code"])
+    # accuracy: over the completions some 0/1 source judged (3), correct where each that judged gave 1 (2)
+    out = reward_means(scored)
+    assert {k: v for k, v in out.items() if "reward_std" not in k} == {
+        "eval/reward": 2 / 3, "eval/reward/math": 0.5, "eval/reward/code": 1.0, "eval/accuracy": 2 / 3}
+    # each source's spread over the completions it scored: math's 1 and 0 (sample std sqrt(0.5)), code's one 1
+    assert out["eval/reward_std/math"] == pytest.approx(0.5**0.5) and out["eval/reward_std/code"] == 0.0
+    assert win_rate(torch.tensor([1.0, nan, 2.0]), torch.tensor([0.0, 1.0, 2.0])) == 0.75  # the middle left out

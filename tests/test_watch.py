@@ -219,7 +219,7 @@ def test_the_evaluation_logs_each_source_spread_over_the_prompts():
     scores = {"fact": torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64),
               "rm": torch.tensor([0.5, -1.0, 2.0, 0.3], dtype=torch.float64)}
     scored = ScoredCompletions(["a"] * 4, [True] * 4, scores["fact"] + scores["rm"], scores)
-    out = reward_means(scored, 4)
+    out = reward_means(scored)
     # the sample standard deviation: fact, mean 0.75, squares sum 3 * 0.0625 + 0.5625 = 0.75, / 3
     assert out["eval/reward_std/fact"] == pytest.approx(0.5)
     assert out["eval/reward_std/rm"] == pytest.approx(float(scores["rm"].std()))

@@ -301,23 +301,28 @@ def _preload_malloc(args, cfg: Config) -> None:
 DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **dict.fromkeys(ALGO_DEFAULTS, "prompts")}
 
 
-def _check_data(command: str, cfg: Config) -> None:
+def _check_inputs(command: str, cfg: Config) -> None:
     """The records of data.path (and data.eval_path) read and checked before torch is imported
-    (seconds): a malformed record is answered at once (rlhfkit.data.precheck)."""
+    (seconds): a malformed record is answered at once (rlhfkit.data.precheck); for the commands
+    that read prompts, the reward functions and env.class too (rlhfkit.callables.check_before_loading)."""
     kind = DATA_KIND.get(command)
     if kind is None:
         return
+    from .callables import check_before_loading
     from .data import precheck
 
-    for path in (cfg.data.path, cfg.data.eval_path if command != "eval" else ""):
-        if path:
-            precheck(kind, path)
+    if command in ALGO_DEFAULTS or (command == "eval" and cfg.data.path):
+        check_before_loading(cfg)  # data.path's records among its checks
+    elif cfg.data.path:
+        precheck(kind, cfg.data.path)
+    if cfg.data.eval_path and command != "eval":
+        precheck(kind, cfg.data.eval_path)
 
 
 def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
     """Run a command on its resolved config (the heavy imports happen here) and return its summary;
     ``path``: the policy ``eval`` evaluates. The command line and rlhfkit.api both run this."""
-    _check_data(command, cfg)
+    _check_inputs(command, cfg)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own

@@ -604,7 +604,10 @@ class PPOConfig(Section):
     max_new_tokens - overlong_buffer tokens (EOS included) loses overlong_penalty * (its length -
     that) / overlong_buffer from its score, all of overlong_penalty at max_new_tokens; added
     after missing_eos_penalty, before normalisation and clipping (TRL: the reward function
-    get_soft_overlong_punishment, weight 1)."""
+    get_soft_overlong_punishment, weight 1). In a multi-turn episode (env.class) each model turn is
+    such a response, max_new_tokens being a turn's limit, and the episode loses the sum of its
+    turns' penalties: DAPO penalises each generated response, and an episode's return sums its
+    turns' rewards as it sums the environment's."""
     overlong_penalty: float = 1.0
     """The over-long penalty at max_new_tokens (DAPO: 1, in the reward's units)."""
     filter_zero_std_groups: bool = False

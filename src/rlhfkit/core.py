@@ -598,6 +598,26 @@ def gae(
     return advantages, returns
 
 
+# A NaN score is a completion that no reward scored (every reward function returned None): the
+# baselines below leave it out of each mean and std, as TRL does, and give it a NaN advantage, which
+# the caller turns into 0. Without a NaN they are the plain reductions, bit for bit.
+
+
+def _mean(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The mean over the entries of ``x`` that are not NaN (over ``dim``, or all of them)."""
+    kw = {} if dim is None else {"dim": dim, "keepdim": keepdim}
+    return x.nanmean(**kw) if bool(x.isnan().any()) else x.mean(**kw)
+
+
+def _std(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The unbiased std over the entries of ``x`` that are not NaN (NaN for fewer than two)."""
+    kw = {} if dim is None else {"dim": dim, "keepdim": keepdim}
+    if not bool(x.isnan().any()):
+        return x.std(**kw)
+    centred = x - (x.nanmean() if dim is None else x.nanmean(dim, keepdim=True))
+    return (centred.square().nansum(**kw) / ((~x.isnan()).sum(**kw) - 1)).sqrt()
+
+
 def scale_advantages(centred: torch.Tensor, scores: torch.Tensor, group_size: int, scale: str | bool,
                      eps: float = 1e-4) -> torch.Tensor:
     """Scale baseline-centred scores ``[B]`` by a standard deviation:
@@ -615,17 +635,18 @@ def scale_advantages(centred: torch.Tensor, scores: torch.Tensor, group_size: in
       so the two can be far apart; for reinforce (one batch-mean baseline) they are equal;
     * ``"none"`` (or False): nothing -- advantages in the reward's units (Dr. GRPO).
 
-    ``eps`` keeps a group (or batch) of equal scores at 0 instead of 0/0.
+    ``eps`` keeps a group (or batch) of equal scores at 0 instead of 0/0. NaN entries (completions
+    no reward scored) are left out of each mean and std.
     """
     scale = ("group" if scale else "none") if isinstance(scale, bool) else scale
     if scale == "none":
         return centred
     if scale == "batch":
-        return centred / (scores.std() + eps)
+        return centred / (_std(scores) + eps)
     if scale == "advantages":
-        return (centred - centred.mean()) / (centred.std() + eps)
+        return (centred - _mean(centred)) / (_std(centred) + eps)
     if scale == "group":
-        std = scores.view(-1, group_size).std(-1, keepdim=True)  # [B/G, 1]
+        std = _std(scores.view(-1, group_size), -1, keepdim=True)  # [B/G, 1]
         return (centred.view(-1, group_size) / (std + eps)).reshape(-1)
     raise ValueError(f"scale must be 'group', 'batch', 'advantages' or 'none', got {scale!r}")
 
@@ -643,13 +664,14 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = 
     (:func:`scale_advantages`; the paper's is the group's).
 
     Args:
-        scores: ``[B]`` with ``B = n_prompts * G``, grouped contiguously.
+        scores: ``[B]`` with ``B = n_prompts * G``, grouped contiguously; NaN: no reward scored it
+            (left out of its group's mean and std; its advantage NaN).
     Returns:
         ``[B]`` advantages (0 for a group whose scores are all equal).
     """
     _check_groups(scores, group_size)
     grouped = scores.view(-1, group_size)  # [B/G, G]
-    centred = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1)  # [B]
+    centred = (grouped - _mean(grouped, -1, keepdim=True)).reshape(-1)  # [B]
     return scale_advantages(centred, scores, group_size, scale, eps)
 
 
@@ -659,12 +681,15 @@ def zero_std_groups(scores: torch.Tensor, group_size: int, rtol: float = 1e-6) -
     Rows ``[g*G, (g+1)*G)`` are group ``g``. It is zero-std when
     ``max_g(s) - min_g(s) <= rtol * max(1, max_g |s|)``: equal up to float rounding, so a
     weighted sum of equal parts counts as equal. Such a group's mean-centred advantages
-    (GRPO, RLOO) are all 0: it carries no policy-gradient signal.
+    (GRPO, RLOO) are all 0: it carries no policy-gradient signal. NaN scores (no reward scored
+    them) are left out: a group with at most one scored completion is zero-std too.
     """
     _check_groups(scores, group_size)
     grouped = scores.view(-1, group_size)  # [B/G, G]
-    spread = grouped.max(-1).values - grouped.min(-1).values  # [B/G]
-    return spread <= rtol * grouped.abs().max(-1).values.clamp(min=1.0)
+    unscored = grouped.isnan()  # [B/G, G]
+    spread = grouped.masked_fill(unscored, -math.inf).max(-1).values \
+        - grouped.masked_fill(unscored, math.inf).min(-1).values  # [B/G]; -inf for a group none scored
+    return spread <= rtol * grouped.masked_fill(unscored, 0.0).abs().max(-1).values.clamp(min=1.0)
 
 
 def group_mean_se(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -691,13 +716,19 @@ def rloo_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = "
     (:func:`scale_advantages`; the paper divides by nothing).
 
     Args:
-        scores: ``[B]`` grouped contiguously in groups of ``G``.
+        scores: ``[B]`` grouped contiguously in groups of ``G``; NaN: no reward scored it (left out
+            of the others' mean, whose count it lowers; its advantage NaN, and a completion whose
+            group has no other scored one gets NaN too, as in TRL).
     Returns:
         ``[B]`` advantages.
     """
     _check_groups(scores, group_size)
     grouped = scores.view(-1, group_size)  # [B/G, G]
-    baseline = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)  # mean of the others
+    if bool(grouped.isnan().any()):
+        scored = (~grouped.isnan()).sum(-1, keepdim=True)  # [B/G, 1]
+        baseline = (grouped.nansum(-1, keepdim=True) - grouped) / (scored - 1)  # mean of the scored others
+    else:
+        baseline = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)  # mean of the others
     return scale_advantages((grouped - baseline).reshape(-1), scores, group_size, scale, eps)
 
 
@@ -706,7 +737,7 @@ def reinforce_advantages(scores: torch.Tensor, scale: str | bool = "none", eps: 
     batch's std with ``scale="batch"`` (there are no groups; :func:`scale_advantages`)."""
     if scale in ("group", True):
         raise ValueError("reinforce has no groups to scale by: scale must be 'batch' or 'none'")
-    return scale_advantages(scores - scores.mean(), scores, 1, scale, eps)
+    return scale_advantages(scores - _mean(scores), scores, 1, scale, eps)
 
 
 # --------------------------------------------------------------------------- losses
@@ -739,14 +770,15 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: 
     (down to ``-penalty`` at ``max_len``); ``-penalty`` beyond.
 
     Args:
-        lengths: ``[B]`` response lengths in tokens (EOS included).
+        lengths: ``[B]`` response lengths in tokens (EOS included), or any shape of them (an
+            episode's turns: ``[B, R]``, 0 where no turn ends, which is below the ramp).
         max_len: the longest response allowed (``L_max``). buffer: ``L_cache`` >= 1.
     Returns:
-        ``[B]`` penalties (<= 0), to add to the scores.
+        penalties (<= 0) of the shape of ``lengths``, to add to the scores.
     """
     if buffer < 1:
         raise ValueError(f"the over-long penalty needs buffer >= 1, got {buffer}")
-    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0) / buffer  # [B]
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0) / buffer  # shape of lengths
     return -penalty * over.clamp(max=1.0)
 
 

@@ -102,8 +102,9 @@ class DataError(ValueError):
     and what was expected."""
 
 
-class _NeedsTokenizer(DataError):
-    """A conversational record met without a tokenizer to render it."""
+# the "tokenizer" of precheck: conversational records rendered as plain ``role: content`` lines, so
+# every record's fields and messages are checked; the chat template's own rendering is left to the load
+UNRENDERED = object()
 
 
 class Limit(NamedTuple):
@@ -339,20 +340,18 @@ def _records(source, allow_empty: bool = False, split: str | None = None) -> lis
 PRECHECK_BYTES = 64 * 2**20  # larger files are read once, by the trainer
 
 
-def precheck(kind: str, source) -> None:
+def precheck(kind: str, source) -> list | None:
     """Read and check a local data file's records, or in-memory records (a list of dicts, a
     ``datasets.Dataset``), as ``kind`` (``'prompts'``, ``'pairs'`` or ``'sft'``) without a
-    tokenizer, hence without torch: what only the chat template can check (conversational
-    records, from the first one on) and the token lengths are left to the full load. Parquet,
-    directories, hub ids and files over ``PRECHECK_BYTES`` are left to it too."""
+    tokenizer, hence without torch: every record's fields and messages (roles, contents); what only
+    the chat template can check (its rendering) and the token lengths are left to the full load.
+    Returns the examples, their texts unrendered (None: the source is left to the full load:
+    Parquet, directories, hub ids and files over ``PRECHECK_BYTES``)."""
     if isinstance(source, (str, os.PathLike)) and (not os.path.isfile(source) or os.fspath(source).endswith(
             ".parquet") or os.path.getsize(source) > PRECHECK_BYTES):
-        return
+        return None
     loader = {"prompts": load_prompts, "pairs": load_preferences, "sft": load_sft}[kind]
-    try:
-        loader(source)
-    except _NeedsTokenizer:
-        pass
+    return loader(source, UNRENDERED)
 
 
 def load_records(source) -> list[dict]:
@@ -454,8 +453,10 @@ class _Renderer:
 
     def _apply(self, messages, generation: bool, where: str, key: str) -> str:
         tok = self.tokenizer
+        if tok is UNRENDERED:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         if tok is None:
-            raise _NeedsTokenizer(
+            raise DataError(
                 f"{where}: field {key!r} is conversational (a list of messages) but no tokenizer was given; "
                 "pass tokenizer=... (one with a chat template) to render it"
             )

@@ -33,7 +33,7 @@ from .tasks import get_task
 from .trainers.dpo import train_dpo
 from .trainers.pretrain import pretrain
 from .trainers.reward import train_reward_model
-from .trainers.rl import train_rl
+from .trainers.rl import check_critic_warmup, train_rl
 from .utils import check_out_dir, clear_run_files, lock_run_dir, resolve_device
 
 METRICS = ("format_acc", "exact_acc", "answer_acc")
@@ -80,6 +80,8 @@ def run_demo(cfg: Config) -> dict:
     """Run every stage; returns (and writes) ``summary.json``."""
     t_start = time.perf_counter()
     algos = parse_algos(cfg.demo.algos)
+    if "ppo" in algos:  # before the pretraining, not after it
+        check_critic_warmup(cfg.replace(ppo={"algo": "ppo"}).ppo)
     task = get_task(cfg.run.task)
     out = Path(cfg.run.out_dir)
     start_demo_dir(cfg)

@@ -35,7 +35,8 @@ after the model's turn (its EOS included).
 The rollout is response-aligned as a single turn's (:class:`~rlhfkit.rollout.Rollout`): the
 response region holds the model's turns and the observations between them; ``response_mask``
 is 1 on the model's tokens only (gradient, KL, values, entropy), ``attend`` on every token,
-``turn_rewards`` holds each turn's reward on that turn's last token. An episode ends when the
+``turn_rewards`` holds each turn's reward and ``turn_lengths`` its length on that turn's last
+token. An episode ends when the
 environment says done, after ``max_turns`` model turns, or when ``max_tokens`` (prompt,
 turns and observations) are reached: a turn is cut there, an observation that would not fit
 ends the episode before it. ``finished`` says whether the last turn ended with EOS.
@@ -43,7 +44,6 @@ ends the episode before it. ``finished`` says whether the last turn ended with E
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import numbers
@@ -53,12 +53,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.utils import get_json_schema
 
-from .rewards import function_name, load_reward_function
+from .callables import EnvError, env_name, environment_factory
 from .rollout import Rollout
-
-
-class EnvError(ValueError):
-    """An environment failed or returned something unusable; the message names it."""
 
 
 class Environment:
@@ -82,28 +78,6 @@ class Environment:
         the next message (a dict with ``role`` and ``content``, or a string: a user message;
         None only when done), the turn's reward (None: 0) and whether the episode is over."""
         raise NotImplementedError
-
-
-def env_name(env) -> str:
-    """``module:Name``, or ``path/to/file.py:Name`` for a class of a file named by its path."""
-    return function_name(env if isinstance(env, type) else type(env))
-
-
-def environment_factory(spec) -> Callable[[], Environment]:
-    """What ``env.class`` names -> a function making a fresh environment per episode: a class
-    (``'module:Name'``, ``'path/to/file.py:Name'`` or the class) is called with no arguments,
-    an instance is deep-copied."""
-    if isinstance(spec, str):
-        spec = load_reward_function(spec, key="env.class", noun="Name")  # loaded as reward functions are
-    if isinstance(spec, type):
-        if not (callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None))):
-            raise EnvError(f"env.class={env_name(spec)} has no reset and step methods: subclass "
-                           "rlhfkit.envs.Environment")
-        return spec
-    if callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None)):
-        return lambda: copy.deepcopy(spec)
-    raise EnvError(f"env.class={spec!r} is neither an environment class nor an instance: subclass "
-                   "rlhfkit.envs.Environment")
 
 
 def limits(env: Environment, max_turns: int, max_tokens: int, context: int | None) -> tuple[int, int]:
@@ -279,6 +253,7 @@ class Episode:
                            f"max_tokens={max_tokens} leaves no room for a turn: shorten it or raise max_tokens")
         self.model, self.logprobs, self.entropy, self.values, self.kept = [], [], [], [], []
         self.rewards: dict[int, float] = {}  # response column -> reward of the turn ending there
+        self.lengths: dict[int, int] = {}  # response column -> length of the model's turn ending there
         self.turns, self.done, self.finished = 0, False, False
         self.env_done = False  # the environment ended the episode (not a limit)
 
@@ -297,6 +272,7 @@ class Episode:
         text = tok.decode(tokens, skip_special_tokens=True)
         obs, reward, done = checked_step(self.env, text)
         self.rewards[len(self.model) - 1] = reward
+        self.lengths[len(self.model) - 1] = len(tokens)
         self.messages.append({"role": "assistant", "content": text})
         self.env_done = done
         if done or self.turns >= self.max_turns or self.room <= 0:
@@ -364,10 +340,13 @@ def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, devi
     response = [e.ids[e.prompt_len :] for e in episodes]
     attend = _right_pad([[1] * len(r) for r in response], 0, torch.long, device)  # [B, R]
     response_mask = _right_pad([e.model for e in episodes], 0, torch.long, device)  # [B, R]
-    rewards = [[0.0] * len(r) for r in response]
-    for row, e in zip(rewards, episodes):
-        for col, r in e.rewards.items():
-            row[col] = r
+
+    def at_turn_ends(name, dtype):  # [B, R]: each turn's value on its last token, 0 elsewhere
+        rows = [[0] * len(r) for r in response]
+        for row, e in zip(rows, episodes):
+            for col, v in getattr(e, name).items():
+                row[col] = v
+        return _right_pad(rows, 0, dtype, device)
 
     def floats(name):
         return _right_pad([getattr(e, name) for e in episodes], 0.0, torch.float32, device)  # [B, R]
@@ -378,7 +357,7 @@ def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, devi
                    values=floats("values") if any_values else None, forward_logprobs=forward_logprobs,
                    kept_logmass=floats("kept") if any_kept else None,
                    attend=None if torch.equal(attend, response_mask) else attend,
-                   turn_rewards=_right_pad(rewards, 0.0, torch.float32, device))
+                   turn_rewards=at_turn_ends("rewards", torch.float32), turn_lengths=at_turn_ends("lengths", torch.long))
 
 
 def episode_stats(episodes: list[Episode], roll: Rollout) -> dict[str, float]:

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import torch
 
+from .callables import check_before_loading
 from .core import kl_from_logits, masked_sum
 from .distributed import Shard
 from .models import context_window, load_policy, load_tokenizer, policy_dir, policy_forward, same_tokenizer
@@ -151,31 +152,41 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
                              reward.accuracy_sources(), torch.cat(kls) if reference is not None else None)
 
 
-def reward_means(scored: ScoredCompletions, n: int, shard: Shard | None = None, device=None) -> dict[str, float]:
+def reward_means(scored: ScoredCompletions, shard: Shard | None = None, device=None) -> dict[str, float]:
     """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>``
     (the sample standard deviation of the source's scores over the prompts: the noise model of
     guard/reward_tradeoff) and, when sources are declared
     0/1 (``scored.accuracy``: ``eval.accuracy_reward`` or ``fn.binary = True``), ``eval/accuracy``
-    (the share of completions that every such source scores 1), over ``n`` completions:
-    ``scored`` holds this process's share of them (summed over ``shard``). Which sources are 0/1
+    (the share of completions that every such source scores 1): ``scored`` holds this process's
+    share of the completions (summed over ``shard``). Which sources are 0/1
     is declared, never inferred from the scores: a 0/1/2 reward that gave only 1s on this batch
-    gives no accuracy."""
+    gives no accuracy. A completion a reward function returned None for (NaN) is left out of that
+    source's mean, one no source scored out of ``eval/reward``, and the accuracy is over the
+    completions some declared source scored, correct where every one that scored it gave 1."""
     shard = shard or Shard()
     names = list(scored.scores)
     by_source = torch.stack([scored.scores[name] for name in names]) if names else torch.zeros(0, len(scored.total))
-    correct = torch.zeros(1, dtype=torch.float64)
-    if scored.accuracy:  # [S_acc, n_local] -> completions every declared source scores 1
-        correct = (by_source[[names.index(a) for a in scored.accuracy]] == 1).all(0).double().sum()[None]
-    # summed over every process: the total, each source, each source's squares, the correct ones
-    sums = torch.cat([scored.total.sum()[None], by_source.sum(1), by_source.square().sum(1), correct])
-    sums = shard.sum(sums.to(device)).cpu() if shard.distributed else sums
-    means, squares = sums[1 : 1 + len(names)] / n, sums[1 + len(names) : 1 + 2 * len(names)]
-    variances = ((squares - n * means.square()) / max(n - 1, 1)).clamp(min=0.0)  # [S]
-    out = {"eval/reward": float(sums[0] / n)}
-    out.update({f"eval/reward/{name}": float(m) for name, m in zip(names, means)})
+    values = torch.cat([scored.total[None], by_source]).double()  # [1 + S, n_local]
+    judged = correct = torch.zeros(len(scored.total), dtype=torch.bool)  # [n_local]
+    if scored.accuracy:  # [S_acc, n_local] -> completions every declared source that scored them scores 1
+        acc = by_source[[names.index(a) for a in scored.accuracy]]
+        judged = ~acc.isnan().all(0)
+        correct = judged & ((acc == 1) | acc.isnan()).all(0)
+    filled = values.nan_to_num(0.0)
+    sums = torch.cat([filled.sum(1), correct.double().sum()[None]])  # [2 + S]
+    squares = filled[1:].square().sum(1)  # [S]
+    counts = torch.cat([(~values.isnan()).double().sum(1), judged.double().sum()[None]])  # [2 + S]
+    totals = torch.cat([sums, squares, counts])  # summed over every process
+    totals = shard.sum(totals.to(device)).cpu() if shard.distributed else totals
+    sums, squares, counts = totals.split([len(sums), len(squares), len(counts)])
+    means = sums / counts
+    scored_n = counts[1 : 1 + len(names)]  # [S] completions each source scored
+    variances = ((squares - scored_n * means[1 : 1 + len(names)].square()) / (scored_n - 1).clamp(min=1)).clamp(min=0.0)
+    means = means.tolist()
+    out = {"eval/reward": means[0], **{f"eval/reward/{name}": means[1 + j] for j, name in enumerate(names)}}
     out.update({f"eval/reward_std/{name}": float(v.sqrt()) for name, v in zip(names, variances)})
     if scored.accuracy:
-        out["eval/accuracy"] = float(sums[-1] / n)
+        out["eval/accuracy"] = means[-1]
     return out
 
 
@@ -193,14 +204,16 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
     lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
     scored = complete_and_score(policy, tokenizer, records[lo:hi], reward, device, batch_size, max_new_tokens,
                                 greedy, temperature, seed, top_k, top_p, stop)
-    return reward_means(scored, n, shard, device)
+    return reward_means(scored, shard, device)
 
 
 def win_rate(model: torch.Tensor, baseline: torch.Tensor) -> float:
     """The share of prompts on which ``model``'s score beats ``baseline``'s (``[n]`` each); a tie
-    counts half, so a model scored against itself has exactly 0.5."""
+    counts half, so a model scored against itself has exactly 0.5. Prompts where either has no
+    score (NaN: no reward scored it) are left out."""
+    both = ~(model.isnan() | baseline.isnan())
     wins = (model > baseline).double() + 0.5 * (model == baseline).double()
-    return float(wins.mean())
+    return float(wins[both].mean())
 
 
 @dataclass
@@ -247,6 +260,11 @@ def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _C
     return _Completed(path, tok, records, reward, scored, limit)
 
 
+def _score(x: torch.Tensor) -> float | None:
+    """A score as JSON writes it: None (null) for NaN, a completion the reward did not score."""
+    return None if bool(x.isnan()) else float(x)
+
+
 def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
     """One JSONL row per prompt: the prompt, its other columns, each policy's completion, whether it
     ended with EOS, each reward source's score and the total."""
@@ -258,8 +276,8 @@ def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
                 continue
             sc = done.scored
             row.update({f"{prefix}completion": sc.completions[i], f"{prefix}finished": sc.finished[i],
-                        f"{prefix}scores": {k: float(v[i]) for k, v in sc.scores.items()},
-                        f"{prefix}reward": float(sc.total[i])})
+                        f"{prefix}scores": {k: _score(v[i]) for k, v in sc.scores.items()},
+                        f"{prefix}reward": _score(sc.total[i])})
             if sc.kl is not None:
                 row[f"{prefix}kl_to_baseline"] = float(sc.kl[i])
         rows.append(row)
@@ -289,6 +307,7 @@ def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
     if not max_new_tokens:
         raise ValueError("set eval.max_new_tokens (or ppo.max_new_tokens) with data.path: the longest completion "
                          "to decode")
+    check_before_loading(cfg)
     baseline = baseline if baseline is not None else cfg.eval.baseline
     path, baseline = policy_dir(path), policy_dir(baseline) if baseline else None
     device = resolve_device(cfg.run.device)
@@ -298,9 +317,9 @@ def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
         if baseline else None
     n = len(model.records)
     result = {"path": path, "data": str(cfg.data.path), "prompts": n, "max_new_tokens": max_new_tokens,
-              "greedy": cfg.eval.greedy, **reward_means(model.scored, n)}
+              "greedy": cfg.eval.greedy, **reward_means(model.scored)}
     if base is not None:
-        result["baseline"] = {"path": baseline, **reward_means(base.scored, n)}
+        result["baseline"] = {"path": baseline, **reward_means(base.scored)}
         result["win_rate"] = win_rate(model.scored.total, base.scored.total)
         result["win_rates"] = {name: win_rate(model.scored.scores[name], base.scored.scores[name])
                                for name in model.scored.scores}

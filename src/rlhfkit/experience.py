@@ -35,7 +35,7 @@ from .core import (
 from .distributed import Shard
 from .models import ValueHead, policy_forward, token_logprobs, token_values, unwrap
 from .precision import compute_weights
-from .rewards import Scorer
+from .rewards import RewardError, Scorer
 from .rollout import Rollout
 from .utils import to_float
 from .watch import HackingWatch, SignalWatch
@@ -105,6 +105,8 @@ class RunningMoments:
         self.count, self.mean, self.m2 = 0, 0.0, 0.0
 
     def update(self, x: torch.Tensor) -> None:
+        if not x.numel():  # no scored row this step
+            return
         n, mean = x.numel(), x.float().mean().item()
         m2 = ((x.float() - mean) ** 2).sum().item()
         delta, total = mean - self.mean, self.count + n
@@ -331,24 +333,33 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
     return {k: torch.cat(v) if v[0] is not None else None for k, v in parts.items()}  # [B, R] each
 
 
+def overlong_scores(roll: Rollout, pc: PPOConfig) -> torch.Tensor:
+    """``[B]`` DAPO's over-long penalties (``ppo.overlong_buffer``): of each response's length; in a
+    multi-turn episode the sum of its turns' own, each turn being a response of at most
+    ``max_new_tokens`` (one turn: the response's, bit for bit)."""
+    if roll.turn_lengths is None:
+        return overlong_penalty(roll.response_mask.sum(-1), pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty)
+    # [B, R] -> [B]: a column without a turn's end has length 0, below the ramp, penalty 0
+    return overlong_penalty(roll.turn_lengths, pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty).sum(-1)
+
+
 def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: RunningMoments | None,
                  shard: Shard, records=None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(raw_score [B], score [B], {source: [B]})``: the reward's weighted total plus an
     environment's per-turn rewards (the episode return), then the missing-EOS penalty, the
     over-long penalty (``ppo.overlong_buffer``) and the running normalisation
-    (``ppo.normalize_reward``, over every process's rows); and each source's own scores."""
+    (``ppo.normalize_reward``, over every process's scored rows); and each source's own scores.
+    NaN marks a response no reward scored (:meth:`~rlhfkit.rewards.Reward.score`); with an
+    environment its return scores every episode."""
     raw_score, parts = scorer.score(roll, records)  # [B]
     if roll.turn_rewards is not None:
-        raw_score = raw_score + roll.turn_rewards.sum(-1)  # [B]
-    if not bool(torch.isfinite(raw_score).all()):  # a NaN here would reach every advantage of the batch
-        raise ValueError(f"the reward gave non-finite scores to {int((~torch.isfinite(raw_score)).sum())} of "
-                         f"{raw_score.numel()} responses: check the reward model's weights (reward.name) or function")
+        raw_score = raw_score.nan_to_num(0.0) + roll.turn_rewards.sum(-1)  # [B]
     score = raw_score - pc.missing_eos_penalty * (~roll.finished).float()
     if pc.overlong_buffer:
-        score = score + overlong_penalty(roll.response_mask.sum(-1), pc.max_new_tokens, pc.overlong_buffer,
-                                         pc.overlong_penalty)  # [B]
+        score = score + overlong_scores(roll, pc)  # [B]
     if reward_stats is not None:
-        reward_stats.update(shard.gather_rows(score))
+        rows = shard.gather_rows(score)
+        reward_stats.update(rows[~rows.isnan()])
         score = (score - reward_stats.mean) / (reward_stats.std + 1e-8)
     return raw_score, score, parts
 
@@ -379,6 +390,11 @@ def make_experience(
     valid = rmask.bool()
     reuse = reuse_rollout(roll, ac, pc)
     raw_score, score, parts = final_scores(scorer, roll, pc, reward_stats, shard, records)
+    unscored = raw_score.isnan()  # [B]: no reward scored it (every function returned None)
+    if pc.algo == "ppo" and bool(unscored.any()):
+        raise RewardError(f"every reward function returned None for {int(unscored.sum())} of {len(unscored)} "
+                          "completions: ppo's critic needs a return for each; give them a score in one function, or "
+                          "use grpo, rloo or reinforce, where such a completion has advantage 0 (TRL's rule)")
     beta = 0.0 if pc.kl_in_loss else kl_coef
     zero_std = zero_std_rows(score, pc)  # [B] or None
     keep = loss_rows(zero_std, roll.finished, pc)  # [B] or None
@@ -405,8 +421,11 @@ def make_experience(
             advantages = shard.apply_rows(masked_whiten, advantages, rmask)
     else:
         seq_adv = shard.apply_rows(lambda s: sequence_advantages(s, pc), rewards.sum(-1))  # [B]: score - beta*KL
+        seq_adv = seq_adv.nan_to_num(0.0)  # an unscored row's (NaN, out of the baselines): 0, as in TRL
         advantages = torch.where(valid, seq_adv[:, None].expand_as(rewards), 0.0)  # [B, R]
         old_values = returns = torch.zeros_like(rewards)
+        # an unscored row is written with score 0 (samples, trajectories) and counts so in rlhf_reward
+        score, rewards = score.nan_to_num(0.0), rewards.nan_to_num(0.0)
     sampling = {}
     if roll.kept_logmass is not None:  # top-k / top-p: the tokens came from q = pi / Z
         sampling["rollout/kept_mass"] = shard.apply_rows(masked_mean, roll.kept_logmass.exp(), rmask)
@@ -416,7 +435,7 @@ def make_experience(
         advantages = advantages * weights  # [B, R]
         sampling["policy/sampling_weight"] = shard.apply_rows(masked_mean, weights, rmask)
     stats = {
-        "objective/score": raw_score.mean(),
+        "objective/score": raw_score.nanmean(),  # over the scored rows
         **({} if deferred else policy_stats(old_logprobs, ref_logprobs, f["entropy"], None if reuse else roll.logprobs,
                                             rmask, score, rewards, pc, kl_coef, shard)),
         "objective/kl_coef": kl_coef,
@@ -428,12 +447,11 @@ def make_experience(
                                                  roll.finished.float()),
         # cut at max_new_tokens: 1 - eos_rate, a row ends without EOS or a stop string only there
         "response/truncated_rate": (~roll.finished).float().mean(),
-        **{f"reward/{name}": s.mean() for name, s in parts.items()},
+        **{f"reward/{name}": s.nanmean() for name, s in parts.items()},  # over the rows each scored
         **sampling,
     }
     if pc.overlong_buffer:  # the mean over-long penalty added to the scores
-        stats["objective/overlong_penalty"] = overlong_penalty(rmask.sum(-1), pc.max_new_tokens, pc.overlong_buffer,
-                                                               pc.overlong_penalty).mean()
+        stats["objective/overlong_penalty"] = overlong_scores(roll, pc).mean()
     if zero_std is not None:  # TRL's name; groups of 1 have no such share, and it is not logged
         stats["frac_reward_zero_std"] = shard.apply_rows(lambda z: z.mean(), zero_std.float())  # global batch
     if keep is not None:

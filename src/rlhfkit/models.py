@@ -347,6 +347,27 @@ def lora_targets(spec: str) -> str | list[str]:
     return spec if spec == "all-linear" else [m.strip() for m in spec.split(",") if m.strip()]
 
 
+# the layer types a LoRA adapter can wrap (peft's own list is longer; these are the ones a causal LM has)
+LORA_LAYERS = (nn.Linear, nn.Embedding, Conv1D)
+SCALAR_HEADS = ("score", "classifier")  # a scalar head is trained in full, never through an adapter
+
+
+def check_lora_targets(model: nn.Module, targets: str | list[str]) -> None:
+    """ValueError naming the names of ``targets`` (a list, as :func:`lora_targets` gives) that match
+    no module of ``model`` -- peft wraps the ones it finds and silently drops the rest -- with the
+    model's names an adapter can wrap. A name matches a module whose qualified name is it or
+    ends with ``.`` + it, as peft matches."""
+    if isinstance(targets, str):  # 'all-linear': peft finds the layers itself
+        return
+    names = [name for name, _ in model.named_modules()]
+    unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, LORA_LAYERS)} - set(SCALAR_HEADS))
+        raise ValueError(f"model.lora_target_modules names {', '.join(unknown)}, which this model does not have: "
+                         f"name some of {', '.join(leaves)}, or use 'all-linear'")
+
+
 def add_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.0,
              target_modules: str = "all-linear", trainable_head: bool = False) -> nn.Module:
     """Wrap ``model`` with a fresh LoRA adapter (peft): base weights frozen, ``B = 0`` so the
@@ -355,9 +376,10 @@ def add_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.0,
     from peft import LoraConfig, get_peft_model
 
     targets = lora_targets(target_modules)
-    heads = ["score", "classifier"]  # a scalar head is trained in full, never through an adapter
+    heads = list(SCALAR_HEADS)
     if isinstance(targets, list) and set(heads) & set(targets):
         raise ValueError("model.lora_target_modules must not name the scalar head (score / classifier)")
+    check_lora_targets(model, targets)
     # GPT-2's Conv1D layers store their weight transposed (fan_in x fan_out): peft must be told (the
     # saved adapter_config.json then says so too), or it warns on every run and sets the flag itself,
     # layer by layer -- as it still does, silenced below, for a Linear layer targeted beside them

@@ -17,7 +17,9 @@ records it was sampled from) to a ``[B]`` score:
   ``ppo.stop`` stays in both, being tokens the policy sampled); ``finished``: True where the
   response ended with EOS or a stop string, False where ``max_new_tokens`` cut it; ``columns``: every
   other field of the prompt's record, one list entry per completion (repeated for the
-  samples of a group). It returns one finite number per completion. A function whose scores
+  samples of a group). It returns one finite number per completion, or None for a completion it
+  does not score (TRL's convention: the total is the weighted sum of the functions that score it;
+  one that none scores has no score, see :meth:`Reward.score`). A function whose scores
   are 0 or 1 (a verifier) says so with the attribute ``fn.binary = True``: the held-out
   ``eval/accuracy`` comes from such declared sources (or from ``eval.accuracy_reward``), never
   from the values one batch happened to take, and a declared source that returns anything
@@ -30,17 +32,22 @@ configured sources (``reward.name``, ``reward.function``, ``reward.weights``).
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-import zlib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .config import CALLABLE_PLACEHOLDER, Config
+from .callables import (
+    RewardError,
+    function_name,
+    load_reward_function,
+    named_weights,
+    source_name,
+    split_specs,
+)
+from .config import Config
 from .models import (
     disable_dropout,
     freeze,
@@ -53,11 +60,6 @@ from .models import (
 from .prompts import PromptRecord
 from .rollout import Rollout, response_rows
 from .tasks import get_task
-
-
-class RewardError(ValueError):
-    """A reward source failed or returned something unusable; the message names it."""
-
 
 Source = Callable[[Rollout, Sequence[PromptRecord] | None], torch.Tensor]
 
@@ -76,12 +78,23 @@ class Reward:
     0/1 (:meth:`binary`)."""
 
     def score(self, roll: Rollout, records: Sequence[PromptRecord] | None = None):
+        """``(total [B], {name: [B]})``. A reward function's None (NaN in its part) means it does
+        not score that completion, as in TRL: the total is the weighted sum of the parts that do,
+        and NaN where none does -- such a completion has no score (one warning says so). Any other
+        non-finite score stops the run with the source's name."""
         if not self.sources:  # an environment's rewards alone
             return torch.zeros(roll.response_ids.shape[0], device=roll.response_ids.device), {}
         parts = {name: fn(roll, records).float() for name, _, fn in self.sources}  # [B] each
+        for name, _, fn in self.sources:
+            if not getattr(fn, "skips", False):
+                check_finite(name, parts[name])
         for name in self.declared_binary():
             check_binary(name, parts[name], name in self.accuracy)
-        total = sum(w * parts[name] for name, w, _ in self.sources)
+        total = sum(w * parts[name].nan_to_num(0.0) for name, w, _ in self.sources)  # [B]: a None adds 0 (nansum)
+        unscored = torch.stack([p.isnan() for p in parts.values()]).all(0)  # [B]: no source scored it
+        if bool(unscored.any()):
+            warnings.warn(UNSCORED_WARNING, RuntimeWarning, stacklevel=2)
+            total = torch.where(unscored, torch.nan, total)
         return total, parts
 
     def declared_binary(self) -> list[str]:
@@ -104,9 +117,24 @@ class Reward:
 Scorer = Reward  # the name the experience pass uses
 
 
+UNSCORED_WARNING = ("every reward function returned None for some completions: they have no score, so they are left "
+                    "out of the group and batch baselines and of the logged reward means, and their advantage is 0 "
+                    "(TRL's rule); give them a score in one function if they should count")
+
+
+def check_finite(name: str, scores: torch.Tensor) -> None:
+    """RewardError when a source that always scores (a reward model) gave non-finite ``scores [B]``:
+    a NaN would reach every advantage of the batch."""
+    bad = ~torch.isfinite(scores)
+    if bool(bad.any()):
+        raise RewardError(f"reward source {name} gave non-finite scores to {int(bad.sum())} of {scores.numel()} "
+                          "responses: check the reward model's weights (reward.name)")
+
+
 def check_binary(name: str, scores: torch.Tensor, by_config: bool = False) -> None:
-    """RewardError when a source declared 0/1 gave ``scores`` ``[B]`` other than 0 or 1."""
-    bad = (scores != 0) & (scores != 1)
+    """RewardError when a source declared 0/1 gave ``scores`` ``[B]`` other than 0 or 1 (or None:
+    NaN, not scored)."""
+    bad = (scores != 0) & (scores != 1) & ~scores.isnan()
     if bool(bad.any()):
         how = "named by eval.accuracy_reward" if by_config else "declared binary (binary = True)"
         raise RewardError(f"reward source {name} is {how} but returned {scores[bad][0].item():g} for "
@@ -162,17 +190,6 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_
     return Reward([(name, 1.0, score)], [classifier])
 
 
-USER_FILE_MODULE = "_rlhfkit_user_"  # prefix of the modules of reward files named by their path
-
-
-def function_name(fn) -> str:
-    """``module:qualname``, or ``path/to/file.py:qualname`` for a function of a file named by its path."""
-    module = getattr(fn, "__module__", None) or "?"
-    if module.startswith(USER_FILE_MODULE):
-        module = getattr(sys.modules.get(module), "__file__", module)
-    return module + ":" + getattr(fn, "__qualname__", repr(fn))
-
-
 def completion_texts(roll: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:
     """Each row's response token ids (the EOS included when emitted) and its text with the
     special tokens removed: what a reward function receives as ``completion_ids`` and ``completions``."""
@@ -197,14 +214,15 @@ def call_arguments(roll: Rollout, tokenizer, records: Sequence[PromptRecord] | N
 def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None = None) -> Reward:
     """Score = ``fn(prompts=, completions=, completion_ids=, finished=, **columns)``.
 
-    Policy for a failure: stop with a :class:`RewardError` naming the function -- it raised,
-    returned None or not one number per completion, or any NaN/inf. Nothing is skipped or
-    patched up: a NaN score would reach the advantages of the whole batch, and a silently
-    dropped row would bias the baseline. A function that cannot judge a completion should
-    give it a low score.
+    It returns one number per completion, or None for a completion it does not score (TRL's
+    convention, for a function that applies to some prompts only): NaN in its ``[B]`` scores, which
+    :meth:`Reward.score` leaves out of the total. Policy for a failure: stop with a
+    :class:`RewardError` naming the function -- it raised, returned None instead of a list or not one
+    entry per completion, or a NaN/inf (a NaN returned is an error, not a None: it is a bug in the
+    function more often than a choice).
     """
     full = function_name(fn)
-    short = name or getattr(fn, "__name__", "function")
+    short = name or source_name(fn)
 
     def score(roll: Rollout, records=None) -> torch.Tensor:
         kwargs = call_arguments(roll, tokenizer, records)
@@ -216,15 +234,19 @@ def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None 
         return _as_scores(values, n, full, kwargs["completions"]).to(roll.response_ids.device)
 
     score.binary = bool(getattr(fn, "binary", False))  # a 0/1 declaration travels with the source
+    score.skips = True  # may return None for a completion: NaN in its scores, not an error
     return Reward([(short, 1.0, score)])
 
 
 def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
-    fix = f"return a list of {n} floats, one per completion, in order"
+    """``[n]`` float32 scores from what a reward function returned; NaN where it gave None."""
+    fix = f"return a list of {n} floats (or None for a completion it does not score), one per completion, in order"
     if values is None:
         raise RewardError(f"reward function {name} returned None: {fix}")
     try:
-        out = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values), dtype=torch.float32)
+        items = values if isinstance(values, torch.Tensor) else list(values)
+        skipped = [] if isinstance(items, torch.Tensor) else [i for i, v in enumerate(items) if v is None]
+        out = torch.as_tensor([0.0 if v is None else v for v in items] if skipped else items, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError):
         raise RewardError(f"reward function {name} returned {type(values).__name__} {str(values)[:60]!r}, "
                           f"not numbers: {fix}") from None
@@ -235,77 +257,9 @@ def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
     if bad:
         raise RewardError(f"reward function {name} returned {len(bad)} non-finite score(s) (NaN/inf) for {n} "
                           f"completions, e.g. {out[bad[0]].item()} for {completions[bad[0]]!r}: give every "
-                          "completion a finite score (a low one if it cannot be judged)")
+                          "completion a finite score, or None for one it does not score")
+    out[skipped] = torch.nan
     return out
-
-
-def load_reward_function(spec: str | Callable, key: str = "reward.function",
-                         noun: str = "function") -> Callable[..., list[float]]:
-    """``'package.module:name'`` or ``'path/to/file.py:name'`` -> the callable (a callable is
-    returned as it is). A module is looked for where Python looks, then in the current
-    directory (where a user's ``myreward.py`` sits; the ``rlhfkit`` command does not put the
-    current directory on ``sys.path``); ``name`` may be qualified (``'module:Class.method'``).
-    ``key``, ``noun``: the config key and the kind of object the errors name (environments load
-    their class the same way)."""
-    if callable(spec):
-        return spec
-    if spec == CALLABLE_PLACEHOLDER:
-        raise ValueError(f"{key}={spec!r}: the run this config comes from was given a Python callable with no "
-                         "importable name (a lambda, something defined in __main__); pass it again from Python "
-                         f"or name an importable one as 'package.module:{noun}'")
-    module, _, name = spec.rpartition(":")  # the last colon: a Windows path has one of its own
-    if not module or not name:
-        raise ValueError(f"{key}={spec!r} must look like 'package.module:{noun}' or 'path/to/file.py:{noun}'")
-    try:
-        fn = _import_file(module) if module.endswith(".py") else _import_module(module)
-        for part in name.split("."):  # a qualified name: 'module:Class.method'
-            fn = getattr(fn, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{key}={spec!r} cannot be loaded: {e}; name a Python file "
-                         f"('path/to/file.py:{noun}') or a module that is installed, on PYTHONPATH or in the "
-                         "current directory, and that defines that name") from None
-    if not callable(fn):
-        raise ValueError(f"{key}={spec!r} is not callable")
-    return fn
-
-
-def _import_module(module: str):
-    """``importlib.import_module``, falling back on the current directory for a module found there."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        top = module.split(".")[0]
-        here = Path.cwd()
-        if e.name != top or not ((here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file()):
-            raise
-        if str(here) not in sys.path:
-            sys.path.append(str(here))  # appended: an installed module of the same name still wins
-        importlib.invalidate_caches()
-        return importlib.import_module(module)
-
-
-def _import_file(path: str):
-    """The module of a ``.py`` file, imported once per resolved path (its directory is put on
-    ``sys.path`` too, so it can import the modules beside it)."""
-    import importlib.util
-
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise ImportError(f"no such file {path}")
-    name = f"{USER_FILE_MODULE}{file.stem}_{zlib.crc32(str(file).encode()):08x}"
-    if name in sys.modules:
-        return sys.modules[name]
-    if str(file.parent) not in sys.path:
-        sys.path.append(str(file.parent))
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before running it: a dataclass or pickle in it looks itself up there
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 def other_tokenizer(path: str, tok, trust_remote_code: bool = False):
@@ -346,15 +300,6 @@ def model_source(cfg: Config, tok, device) -> Reward:
     return classifier_scorer(rm, tok, task.label_of_prompt, rm_tok)
 
 
-def split_specs(spec) -> list:
-    """``'a:f, b:g'`` -> ``['a:f', 'b:g']``; a callable or a list of them passes through."""
-    if callable(spec):
-        return [spec]
-    if isinstance(spec, (list, tuple)):
-        return list(spec)
-    return [s.strip() for s in str(spec).split(",") if s.strip()]
-
-
 def build_reward(cfg: Config, tok, device) -> Reward:
     """The configured reward: the model at ``reward.name`` and/or the functions at
     ``reward.function`` (comma-separated), weighted by ``reward.weights`` (one per source, the
@@ -367,19 +312,5 @@ def build_reward(cfg: Config, tok, device) -> Reward:
         sources, models = source.sources, source.models
     for spec in split_specs(rc.function):
         sources += function_scorer(load_reward_function(spec), tok).sources
-    weights = [float(w) for w in str(rc.weights).split(",") if w.strip()] if rc.weights else [1.0] * len(sources)
-    if len(weights) != len(sources):
-        names = ", ".join(n for n, _, _ in sources)
-        raise ValueError(f"reward.weights={rc.weights!r} gives {len(weights)} weight(s) for {len(sources)} reward "
-                         f"source(s) ({names}): give one per source, the reward model first")
-    seen: dict[str, int] = {}
-    named = []
-    for (name, _, fn), w in zip(sources, weights):
-        seen[name] = seen.get(name, 0) + 1
-        named.append((name if seen[name] == 1 else f"{name}_{seen[name]}", w, fn))
-    accuracy = tuple(a.strip() for a in str(cfg.eval.accuracy_reward).split(",") if a.strip())
-    unknown = [a for a in accuracy if a not in {n for n, _, _ in named}]
-    if unknown:
-        raise ValueError(f"eval.accuracy_reward={cfg.eval.accuracy_reward!r} names no reward source "
-                         f"({', '.join(unknown)}); the sources are: {', '.join(n for n, _, _ in named)}")
-    return Reward(named, models, accuracy)
+    names, weights, accuracy = named_weights([name for name, _, _ in sources], cfg)
+    return Reward([(name, w, fn) for name, w, (_, _, fn) in zip(names, weights, sources)], models, accuracy)

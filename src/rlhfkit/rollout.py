@@ -59,6 +59,9 @@ class Rollout:
                          equal to ``response_mask`` (one turn).
         turn_rewards:    ``[B, R]`` an environment's per-turn rewards, each on the last token of the
                          model's turn it rewards (0 elsewhere); None without an environment.
+        turn_lengths:    ``[B, R]`` long, each model turn's length in tokens on its last token (0
+                         elsewhere): the turns of an episode, which ``response_mask`` alone does not
+                         separate where an observation renders to no token; None without an environment.
     """
 
     prompt_ids: torch.Tensor
@@ -73,6 +76,7 @@ class Rollout:
     kept_logmass: torch.Tensor | None = None
     attend: torch.Tensor | None = None
     turn_rewards: torch.Tensor | None = None
+    turn_lengths: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from .. import kernels
+from ..callables import check_before_loading
 from ..checkpoint import fault_point, latest_checkpoint
 from ..config import Config, PPOConfig
 from ..core import (
@@ -369,7 +370,24 @@ def check_rl_config(cfg: Config, policy_path: str | None) -> int:
     if pc.samples_per_prompt < 1 or pc.batch_size % pc.samples_per_prompt:
         raise ValueError(f"ppo.samples_per_prompt ({pc.samples_per_prompt}) must be >= 1 and divide ppo.batch_size "
                          f"({pc.batch_size})")
+    check_critic_warmup(pc)
     return completions_per_prompt(pc)
+
+
+def check_critic_warmup(pc: PPOConfig) -> None:
+    """ppo (the algorithm with a critic): refuse a critic warm-up as long as the run, which would
+    save the policy it started from, and warn when it takes more than half of the steps. Steps
+    count from the start of the run, a resumed one's too, so the check holds at a resume."""
+    warm, steps = pc.critic_warmup_steps, pc.steps
+    if pc.algo != "ppo" or not warm:
+        return
+    if warm >= steps:
+        raise ValueError(f"ppo.critic_warmup_steps={warm} covers every one of ppo.steps={steps}: the policy would "
+                         f"never be updated; set ppo.critic_warmup_steps below {steps} (0: no warm-up) or raise "
+                         "ppo.steps")
+    if 2 * warm > steps:
+        warnings.warn(f"ppo.critic_warmup_steps={warm} of ppo.steps={steps}: the policy is updated on the last "
+                      f"{steps - warm} step(s) only", UserWarning, stacklevel=2)
 
 
 def make_optimizer(ac: ActorCritic, pc: PPOConfig) -> torch.optim.Optimizer:
@@ -439,7 +457,8 @@ def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward:
             for i in range(0, len(data.eval_records), cfg.eval.batch_size):
                 chunk = data.eval_records[i : i + cfg.eval.batch_size]
                 roll, _ = rollout(run, ac, train_ac, tok, chunk, None, cfg.eval.max_new_tokens or max_new_tokens, env)
-                returns += reward.score(roll, chunk)[0].add(roll.turn_rewards.sum(-1)).tolist()
+                # a reward function's None scores nothing here: the episode's return scores it (final_scores)
+                returns += reward.score(roll, chunk)[0].nan_to_num(0.0).add(roll.turn_rewards.sum(-1)).tolist()
         return {"eval/reward": sum(returns) / len(returns)}
     if data.task is None and not data.eval_records:
         return {}  # before the block: no gathered weights, no master-weight copies for nothing
@@ -565,6 +584,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     policy_path = policy_path or cfg.model.name
     cfg = cfg.replace(reward={"name": reward_path}) if reward_path else cfg
     repeats, pc = check_rl_config(cfg, policy_path), cfg.ppo
+    check_before_loading(cfg)
     run = Run(cfg, pc.algo, pc.steps)
     refuse_untested_engines(run.accelerator, cfg)
     shard = run.shard

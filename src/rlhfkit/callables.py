@@ -1,0 +1,219 @@
+"""Python objects a config names by import path -- reward functions (``reward.function``) and
+environment classes (``env.class``) -- loaded and checked without torch: the command line runs
+:func:`check_before_loading` before it imports torch and loads a model (seconds), so a misspelt
+name, a function that cannot take the arguments it is called with or reward weights that do not fit
+the sources are answered at once; :mod:`rlhfkit.rewards` and :mod:`rlhfkit.envs` use them.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import sys
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .config import CALLABLE_PLACEHOLDER, Config
+from .data import precheck
+from .tasks import get_task
+
+
+class RewardError(ValueError):
+    """A reward source failed or returned something unusable; the message names it."""
+
+
+USER_FILE_MODULE = "_rlhfkit_user_"  # prefix of the modules of reward files named by their path
+
+
+def function_name(fn) -> str:
+    """``module:qualname``, or ``path/to/file.py:qualname`` for a function of a file named by its path."""
+    module = getattr(fn, "__module__", None) or "?"
+    if module.startswith(USER_FILE_MODULE):
+        module = getattr(sys.modules.get(module), "__file__", module)
+    return module + ":" + getattr(fn, "__qualname__", repr(fn))
+
+
+def load_reward_function(spec: str | Callable, key: str = "reward.function",
+                         noun: str = "function") -> Callable[..., list[float]]:
+    """``'package.module:name'`` or ``'path/to/file.py:name'`` -> the callable (a callable is
+    returned as it is). A module is looked for where Python looks, then in the current
+    directory (where a user's ``myreward.py`` sits; the ``rlhfkit`` command does not put the
+    current directory on ``sys.path``); ``name`` may be qualified (``'module:Class.method'``).
+    ``key``, ``noun``: the config key and the kind of object the errors name (environments load
+    their class the same way)."""
+    if callable(spec):
+        return spec
+    if spec == CALLABLE_PLACEHOLDER:
+        raise ValueError(f"{key}={spec!r}: the run this config comes from was given a Python callable with no "
+                         "importable name (a lambda, something defined in __main__); pass it again from Python "
+                         f"or name an importable one as 'package.module:{noun}'")
+    module, _, name = spec.rpartition(":")  # the last colon: a Windows path has one of its own
+    if not module or not name:
+        raise ValueError(f"{key}={spec!r} must look like 'package.module:{noun}' or 'path/to/file.py:{noun}'")
+    try:
+        fn = _import_file(module) if module.endswith(".py") else _import_module(module)
+        for part in name.split("."):  # a qualified name: 'module:Class.method'
+            fn = getattr(fn, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{key}={spec!r} cannot be loaded: {e}; name a Python file "
+                         f"('path/to/file.py:{noun}') or a module that is installed, on PYTHONPATH or in the "
+                         "current directory, and that defines that name") from None
+    if not callable(fn):
+        raise ValueError(f"{key}={spec!r} is not callable")
+    return fn
+
+
+def _import_module(module: str):
+    """``importlib.import_module``, falling back on the current directory for a module found there."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        top = module.split(".")[0]
+        here = Path.cwd()
+        if e.name != top or not ((here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file()):
+            raise
+        if str(here) not in sys.path:
+            sys.path.append(str(here))  # appended: an installed module of the same name still wins
+        importlib.invalidate_caches()
+        return importlib.import_module(module)
+
+
+def _import_file(path: str):
+    """The module of a ``.py`` file, imported once per resolved path (its directory is put on
+    ``sys.path`` too, so it can import the modules beside it)."""
+    import importlib.util
+
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ImportError(f"no such file {path}")
+    name = f"{USER_FILE_MODULE}{file.stem}_{zlib.crc32(str(file).encode()):08x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: a dataclass or pickle in it looks itself up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def split_specs(spec) -> list:
+    """``'a:f, b:g'`` -> ``['a:f', 'b:g']``; a callable or a list of them passes through."""
+    if callable(spec):
+        return [spec]
+    if isinstance(spec, (list, tuple)):
+        return list(spec)
+    return [s.strip() for s in str(spec).split(",") if s.strip()]
+
+
+CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "finished")  # every call's, beside the columns
+
+
+def check_call(fn: Callable, columns: Sequence[str] | None) -> None:
+    """RewardError naming ``fn`` when it cannot be called as :func:`function_scorer` calls it: with
+    the keywords of ``CALL_ARGUMENTS`` and one per column of the prompt records (``columns``; None:
+    not known before the data is loaded, so a parameter without a default is taken for one). A
+    callable without a readable signature (a builtin) is left to its first call."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    given = columns if columns is not None else \
+        [p.name for p in sig.parameters.values() if p.default is p.empty and p.kind in named]
+    try:
+        sig.bind(**dict.fromkeys([*CALL_ARGUMENTS, *given]))
+    except TypeError as e:
+        listed = "not known yet" if columns is None else ", ".join(columns) or "none"
+        raise RewardError(f"reward function {function_name(fn)} cannot take the arguments it is called with, "
+                          f"{', '.join(CALL_ARGUMENTS)} and the data's columns ({listed}): {e}; take **kwargs "
+                          "for those it does not read") from None
+
+
+def source_name(fn: Callable) -> str:
+    """The name a reward function's scores are logged under (``reward/<name>``)."""
+    return getattr(fn, "__name__", "function")
+
+
+def named_weights(names: list[str], cfg: Config) -> tuple[list[str], list[float], tuple[str, ...]]:
+    """``(names, weights, accuracy)`` of the reward sources called ``names`` (the model first): each
+    name made unique (``_2``, ``_3`` ... on repeats), ``reward.weights`` (empty: all 1) and the
+    sources ``eval.accuracy_reward`` names; ValueError when the weights are not one per source or
+    an accuracy source is not one of them."""
+    rc = cfg.reward
+    weights = [float(w) for w in str(rc.weights).split(",") if w.strip()] if rc.weights else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"reward.weights={rc.weights!r} gives {len(weights)} weight(s) for {len(names)} reward "
+                         f"source(s) ({', '.join(names)}): give one per source, the reward model first")
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    accuracy = tuple(a.strip() for a in str(cfg.eval.accuracy_reward).split(",") if a.strip())
+    unknown = [a for a in accuracy if a not in unique]
+    if unknown:
+        raise ValueError(f"eval.accuracy_reward={cfg.eval.accuracy_reward!r} names no reward source "
+                         f"({', '.join(unknown)}); the sources are: {', '.join(unique)}")
+    return unique, weights, accuracy
+
+
+def check_reward_config(cfg: Config, columns: Sequence[str] | None) -> None:
+    """The reward's configuration checked before any model is loaded: every ``reward.function``
+    loads and takes the arguments it is called with (:func:`check_call`; ``columns``: the prompt
+    records' columns, None when not known yet), and ``reward.weights`` and ``eval.accuracy_reward``
+    fit the sources (:func:`named_weights`)."""
+    fns = [load_reward_function(spec) for spec in split_specs(cfg.reward.function)]
+    for fn in fns:
+        check_call(fn, columns)
+    named_weights([*(["reward_model"] if cfg.reward.name else []), *map(source_name, fns)], cfg)
+
+
+class EnvError(ValueError):
+    """An environment failed or returned something unusable; the message names it."""
+
+
+def env_name(env) -> str:
+    """``module:Name``, or ``path/to/file.py:Name`` for a class of a file named by its path."""
+    return function_name(env if isinstance(env, type) else type(env))
+
+
+def environment_factory(spec) -> Callable[[], object]:
+    """What ``env.class`` names -> a function making a fresh environment per episode: a class
+    (``'module:Name'``, ``'path/to/file.py:Name'`` or the class) is called with no arguments,
+    an instance is deep-copied."""
+    if isinstance(spec, str):
+        spec = load_reward_function(spec, key="env.class", noun="Name")  # loaded as reward functions are
+    if isinstance(spec, type):
+        if not (callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None))):
+            raise EnvError(f"env.class={env_name(spec)} has no reset and step methods: subclass "
+                           "rlhfkit.envs.Environment")
+        return spec
+    if callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None)):
+        return lambda: copy.deepcopy(spec)
+    raise EnvError(f"env.class={spec!r} is neither an environment class nor an instance: subclass "
+                   "rlhfkit.envs.Environment")
+
+
+def check_before_loading(cfg: Config) -> None:
+    """What a command reading prompts can check before torch and the models load: a local
+    ``data.path`` file's records (:func:`rlhfkit.data.precheck`: fields, roles, contents), the reward
+    (:func:`check_reward_config`, with the records' columns: the file's, or the built-in task's)
+    and ``env.class`` (:func:`environment_factory`). What needs the tokenizer (chat templates,
+    lengths) or a model (its context, LoRA targets, the rewards' values) is checked once they load."""
+    if cfg.data.path:
+        examples = precheck("prompts", cfg.data.path)
+        columns = None if examples is None else list(examples[0].meta)  # None: a hub dataset, a directory ...
+    else:
+        task = get_task(cfg.run.task)
+        columns = list(task.columns(task.eval_prompts()[0]))
+    check_reward_config(cfg, columns)
+    if cfg.env.cls:
+        environment_factory(cfg.env.cls)
