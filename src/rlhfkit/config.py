@@ -233,6 +233,8 @@ class ModelConfig(Section):
     attention_dropout, resid_pdrop ... too): they compare the sampler's forward with the update's,
     whose ratio must be exactly 1. The other commands turn the checkpoint's own dropout off too."""
     lora_target_modules: str = "all-linear"
+    """Comma-separated module names the adapter wraps (e.g. 'q_proj,v_proj'), or 'all-linear'
+    (every linear layer except the output head)."""
     regime: Literal["auto", "scratch", "pretrained"] = "auto"
     """What the trained model starts from, which picks the learning rates left unset (sft.lr,
     sft.warmup_steps, dpo.lr, reward.lr, ppo.lr, ppo.value_lr; config.REGIME_DEFAULTS): 'scratch'
@@ -241,8 +243,6 @@ class ModelConfig(Section):
     the model's config.json carries the mark rlhfkit writes into the models it builds from
     scratch (and which their fine-tuned copies keep), else 'pretrained'. The rates chosen are
     printed at the start of the run."""
-    """Comma-separated module names the adapter wraps (e.g. 'q_proj,v_proj'), or 'all-linear'
-    (every linear layer except the output head)."""
 
     def __post_init__(self):
         super().__post_init__()
