@@ -111,11 +111,16 @@ REGIME_NAMES = {"scratch": "trained from scratch", "pretrained": "pretrained che
                 "lora": "pretrained checkpoint (LoRA)"}
 
 
+def key_value(cfg: Config, key: str) -> Any:
+    """The value of the dotted ``key`` (``'sft.lr'``) in ``cfg``."""
+    sec, name = key.split(".")
+    return getattr(getattr(cfg, sec), name)
+
+
 def regime_value(cfg: Config, key: str, regime: str) -> Any:
     """The dotted ``key`` of REGIME_DEFAULTS: the config's own value, or when it is unset (None)
     the value ``regime`` gives it."""
-    sec, name = key.split(".")
-    value = getattr(getattr(cfg, sec), name)
+    value = key_value(cfg, key)
     return REGIME_DEFAULTS[regime][key] if value is None else value
 
 

@@ -404,7 +404,7 @@ class _Draw:
         self.shaping = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
         # the compiled sampler draws from the full tempered distribution only
         self.shaped = not greedy and (top_k > 0 or top_p < 1.0 or min_p > 0.0 or repetition_penalty != 1.0)
-        self.seen = seen if self.shaped and repetition_penalty != 1.0 else None  # [B, V]: tokens in the context
+        self.seen = seen  # [B, V] the tokens in each row's context, for the repetition penalty (else None)
         self.sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos[0])
                         if not greedy and not self.shaped and device.type == "cpu" and kernels.sampler_usable(B, V)
                         else None)

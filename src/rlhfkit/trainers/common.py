@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import Checkpointer, loop_state, restore_loop_state
-from ..config import REGIME_NAMES, Config, regime_value
+from ..config import REGIME_NAMES, Config, key_value, regime_value
 from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
 from ..models import from_scratch, save_policy
 from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run, start_run_dir
@@ -224,6 +224,7 @@ class Run:
         self.log_: MetricsLogger | None = None
         self.bar = None
         self._saved: dict[str, Any] = {}
+        self._rates = ""  # the learning rates' line (learning_rates), printed when the run starts
         self._t0 = time.perf_counter()
 
     @property
@@ -249,6 +250,8 @@ class Run:
         The same objects are written by :meth:`checkpoint`."""
         self.shard.wait()  # every process has checked run.out_dir (Run()) before the main one writes
         start_run_dir(self.cfg)
+        if self._rates and self.is_main:
+            print(self._rates, file=sys.stderr)
         self._saved = {"modules": modules, "optimizers": optimizers, "schedulers": schedulers, "data": data,
                        "generator": generator}
         resumed = self.ckpt.restore(modules, optimizers, schedulers, steps=self.total) or {}
@@ -276,15 +279,14 @@ class Run:
     def learning_rates(self, model, *keys: str) -> dict[str, Any]:
         """``{key: value}`` for the dotted ``keys`` of config.REGIME_DEFAULTS when training ``model``:
         the config's own value, or where it is unset the one of the model's regime
-        (:func:`training_regime`). The main process prints them once, e.g. ``learning rates:
-        pretrained checkpoint (LoRA) -> sft.lr 0.0002, sft.warmup_steps 0``; a value the config
-        sets is marked ``(set)``."""
+        (:func:`training_regime`). The main process prints them when the run starts
+        (:meth:`restore`), e.g. ``learning rates: pretrained checkpoint (LoRA) -> sft.lr 0.0002,
+        sft.warmup_steps 0``; a value the config sets is marked ``(set)``."""
         regime = training_regime(self.cfg, model)
         values = {key: regime_value(self.cfg, key, regime) for key in keys}
-        if self.is_main:
-            given = {key for key in keys if getattr(getattr(self.cfg, key.split(".")[0]), key.split(".")[1]) is not None}
-            shown = ", ".join(f"{key} {value:g}{' (set)' if key in given else ''}" for key, value in values.items())
-            print(f"learning rates: {REGIME_NAMES[regime]} -> {shown}", file=sys.stderr)
+        shown = ", ".join(f"{key} {value:g}{'' if key_value(self.cfg, key) is None else ' (set)'}"
+                          for key, value in values.items())
+        self._rates = f"learning rates: {REGIME_NAMES[regime]} -> {shown}"
         return values
 
     def log_due(self, step: int, force: bool = False) -> bool:
