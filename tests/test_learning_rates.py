@@ -101,7 +101,7 @@ def test_log_every_writes_every_nth_step_and_every_evaluation(tiny_config, tiny_
                           ppo={"algo": "grpo", "steps": 7, "eval_every": 2},
                           run={"out_dir": str(tmp_path / name), "progress": False, "checkpoint_every": 2,
                                "log_every": log_every})
-        train_rl(cfg)
+        assert train_rl(cfg)["steps"] == 7  # the steps run, not the rows written
         return _rows(tmp_path / name)
 
     every, sparse = run("every", 0), run("sparse", 3)

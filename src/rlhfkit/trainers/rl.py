@@ -740,5 +740,5 @@ def finish_rl(run: Run, ac: ActorCritic, tok, st: RLState) -> dict:
         plot_ppo(history, run.out)
     run.shard.wait()
     final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
-    return {"path": str(policy_dir), "seconds": st.train_s, "steps": len(history), "reached": st.reached,
+    return {"path": str(policy_dir), "seconds": st.train_s, "steps": history[-1]["step"] + 1, "reached": st.reached,
             "final": final}
