@@ -154,19 +154,20 @@ def rlhfkit_config(algo: str, paths: dict, out: Path, seed: int, args, task: Tas
 
 def trl_settings(kind: str, args, task: TaskRewards = CITIES) -> dict:
     """GRPOConfig keyword arguments of a TRL contender (see the module docstring)."""
-    from rlhfkit.config import Config
+    from rlhfkit.config import Config, regime_value
 
     common = {"max_completion_length": task.new_tokens, "bf16": False, "gradient_checkpointing": False, "use_cpu": True,
               "gradient_accumulation_steps": 1}
     if kind == "trl_defaults":
         return {**common, "per_device_train_batch_size": BATCH, "learning_rate": args.trl_lr}
-    pc = rlhfkit_config("grpo", {"model": "", "train": "", "held": ""}, Path("."), 0, args).ppo
+    cfg = rlhfkit_config("grpo", {"model": "", "train": "", "held": ""}, Path("."), 0, args)
+    pc, lr = cfg.ppo, regime_value(cfg, "ppo.lr", "lora")  # the real chat model through LoRA
     minibatch = min(pc.minibatch_size, pc.batch_size)
     assert pc.algo == "grpo" and pc.kl_in_loss and pc.kl_estimator == "k3" and pc.loss_type == "token_mean"
     assert Config().model.lora_alpha == 16.0 and not pc.top_k and pc.top_p == 1.0
     return {**common, "num_generations": pc.group_size, "per_device_train_batch_size": minibatch,
             "steps_per_generation": pc.batch_size // minibatch, "num_iterations": pc.ppo_epochs,
-            "learning_rate": pc.lr, "lr_scheduler_type": pc.lr_schedule, "beta": pc.kl_coef,
+            "learning_rate": lr, "lr_scheduler_type": pc.lr_schedule, "beta": pc.kl_coef,
             "scale_rewards": pc.scale_rewards, "loss_type": "bnpo", "epsilon": pc.clip_range,
             "use_bias_correction_kl": False,  # TRL's default weights k3 by the ratio (rlhfkit's k2 gradient)
             "temperature": pc.temperature, "max_grad_norm": pc.max_grad_norm}
@@ -360,15 +361,19 @@ def stored_runs(args, contenders) -> dict[str, list[dict]]:
 
 def settings_table(args, contenders) -> None:
     """What each contender computes, side by side: the arithmetic that differs."""
+    from rlhfkit.config import regime_value
+
     def ours(algo):
-        pc = rlhfkit_config(algo, {"model": "", "train": "", "held": ""}, Path("."), 0, args).ppo  # as the runs
+        cfg = rlhfkit_config(algo, {"model": "", "train": "", "held": ""}, Path("."), 0, args)  # as the runs
+        pc = cfg.ppo
         mb = min(pc.minibatch_size, pc.batch_size)
         kl = f"{pc.kl_estimator} {pc.kl_coef:g} in the {'loss' if pc.kl_in_loss else 'reward'}" if pc.kl_coef else "none (beta 0)"
         if pc.forward_kl_coef:
             kl += f", k3 {pc.forward_kl_coef:g} in the loss"
         group = f"{pc.group_size}" if algo == "grpo" else "1 (critic, GAE)"
         scale = pc.scale_rewards if algo == "grpo" else "running normalisation"
-        lr = f"{pc.lr:g} {pc.lr_schedule}" + (f" (critic {pc.value_lr:g})" if algo == "ppo" else "")
+        rates = {key: regime_value(cfg, key, "lora") for key in ("ppo.lr", "ppo.value_lr")}  # LoRA on the real model
+        lr = f"{rates['ppo.lr']:g} {pc.lr_schedule}" + (f" (critic {rates['ppo.value_lr']:g})" if algo == "ppo" else "")
         return [group, f"{pc.ppo_epochs} x {BATCH // mb}", lr, kl, scale, pc.loss_type]
 
     def trl(kind):

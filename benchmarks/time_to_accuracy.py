@@ -210,7 +210,7 @@ def trl_on_rlhfkit_schedule(args) -> dict:
     ``use_bias_correction_kl=False``), reward scaling, clip range, gradient clip and
     temperature, and loss 'bnpo': TRL's token mean over one optimizer step's rows (no gradient
     accumulation here), which is rlhfkit's ``token_mean``."""
-    from rlhfkit.config import PPOConfig
+    from rlhfkit.config import Config, PPOConfig, regime_value
 
     pc = PPOConfig(algo="grpo", batch_size=args.batch_size)
     assert pc.kl_in_loss and pc.kl_estimator == "k3" and pc.loss_type == "token_mean"
@@ -219,7 +219,8 @@ def trl_on_rlhfkit_schedule(args) -> dict:
     assert pc.scale_rewards in ("group", "batch", "none")
     return {"num_generations": pc.group_size, "per_device_train_batch_size": pc.minibatch_size,
             "steps_per_generation": pc.batch_size // pc.minibatch_size, "num_iterations": pc.ppo_epochs,
-            "learning_rate": pc.lr, "lr_scheduler_type": pc.lr_schedule, "beta": pc.kl_coef,
+            "learning_rate": regime_value(Config(ppo=pc), "ppo.lr", "scratch"),  # the doubling task's model
+            "lr_scheduler_type": pc.lr_schedule, "beta": pc.kl_coef,
             "scale_rewards": pc.scale_rewards, "loss_type": "bnpo", "epsilon": pc.clip_range,
             "max_grad_norm": pc.max_grad_norm, "temperature": pc.temperature, "use_bias_correction_kl": False}
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import rlhfkit.rewards
 from hf_helpers import chat_tokenizer
-from rlhfkit.config import Config
+from rlhfkit.config import Config, regime_value
 from rlhfkit.experience import make_experience
 from rlhfkit.models import build_tiny, eval_mode, is_lora, policy_with_reference
 from rlhfkit.rollout import generate
@@ -111,7 +111,9 @@ def rl_steps(cfg: Config, ac, ref, scorer, tok, steps: int, lr: float | None = N
     learning rate ``lr`` when given: the config refuses 0); yields ``(experience stats,
     per-minibatch stats)`` of each step."""
     pc = cfg.ppo
-    opt = make_optimizer(ac, pc)
+    # the learning rates train_rl gives these models, which rlhfkit built from scratch
+    opt = make_optimizer(ac, dataclasses.replace(pc, lr=regime_value(cfg, "ppo.lr", "scratch"),
+                                                 value_lr=regime_value(cfg, "ppo.value_lr", "scratch")))
     for group in opt.param_groups if lr is not None else []:
         group["lr"] = lr
     texts = [t for t in PROMPTS for _ in range(pc.group_size)]

@@ -1,11 +1,14 @@
-"""Generation settings of the RL sampler: top-k, top-p (nucleus) and stop strings.
+"""Generation settings of the RL sampler: top-k, top-p (nucleus), min-p, the repetition penalty
+and stop strings.
 
 * top-k = 1 is greedy decoding; top-k draws only among the k most likely tokens of an
   independent forward; top-p only from the smallest nucleus (against a plain-Python nucleus);
+* the distribution drawn from with a repetition penalty and min-p is the one transformers' own
+  logits processors give, and a rollout records log pi - log q of each drawn token against them;
 * the log-probs and entropies reported stay those of the full tempered distribution, so the
   training forward recomputes them (gap <= 1e-5) and the first PPO ratio is 1;
 * a stop string ends a row at the token that completes it, the rest masked, the row finished;
-* with top-k / top-p the compiled CPU sampler steps aside; a row samples the same tokens
+* with top-k / top-p / min-p / a repetition penalty the compiled CPU sampler steps aside; a row samples the same tokens
   whichever processes share the batch; the RL loop and its evaluation get the settings.
 """
 
@@ -35,7 +38,7 @@ from rlhfkit.models import (
     policy_forward,
 )
 from rlhfkit.rewards import reward_model_scorer
-from rlhfkit.rollout import decode_responses, generate, truncate_logprobs
+from rlhfkit.rollout import decode_responses, generate, sampler_logprobs, seen_tokens, truncate_logprobs
 from rlhfkit.tasks.doubling import make_tokenizer
 from rlhfkit.trainers.rl import ppo_update
 from test_sampling import FixedLogits
@@ -290,7 +293,8 @@ def test_top_k_and_top_p_step_the_compiled_sampler_aside(monkeypatch):
     monkeypatch.setattr(kernels, "sampler_usable", lambda B, V: True)
     monkeypatch.setattr(kernels, "Sampler", spy)
     ids, mask = prompts(4)
-    for settings in ({"top_k": 3}, {"top_p": 0.9}, {"top_k": 3, "top_p": 0.9}):
+    for settings in ({"top_k": 3}, {"top_p": 0.9}, {"top_k": 3, "top_p": 0.9}, {"min_p": 0.1},
+                     {"repetition_penalty": 1.2}):
         generate(POLICY, ids, mask, 4, EOS, PAD, **settings)
     assert made == []
     with pytest.raises(AssertionError, match="cannot truncate"):  # and without them it is what runs
@@ -335,10 +339,93 @@ def test_the_rl_loop_and_its_evaluation_use_the_settings(tiny_config, tiny_model
     monkeypatch.setattr(rlhfkit.trainers.rl, "generate", spy("rollout", rlhfkit.trainers.rl.generate))
     monkeypatch.setattr(rlhfkit.evaluate, "generate", spy("eval", rlhfkit.evaluate.generate))
     cfg = tiny_config(tmp_path / "ppo", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
-                      ppo={"top_k": 5, "top_p": 0.9, "stop": ["0", "〇"], "max_new_tokens": 6})
+                      ppo={"top_k": 5, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3, "stop": ["0", "〇"],
+                           "max_new_tokens": 6})
     train_rl(cfg)
     assert calls["rollout"] and calls["eval"]
     for kw in calls["rollout"]:
-        assert (kw["top_k"], kw["top_p"], kw["stop"], kw["tokenizer"] is not None) == (5, 0.9, ("0", "〇"), True)
+        assert (kw["top_k"], kw["top_p"], kw["min_p"], kw["repetition_penalty"], kw["stop"],
+                kw["tokenizer"] is not None) == (5, 0.9, 0.05, 1.3, ("0", "〇"), True)
     for kw in calls["eval"]:
         assert kw["greedy"] and kw["stop"] == ("0", "〇") and kw["tokenizer"] is not None
+
+
+# --------------------------------------------------------------------------- min-p, repetition penalty
+
+
+def transformers_draw(logits: torch.Tensor, context: torch.Tensor, temperature: float, penalty: float, top_k: int,
+                      top_p: float, min_p: float) -> torch.Tensor:
+    """The probabilities ``[B, V]`` transformers' ``generate(do_sample=True)`` draws from, after its
+    logits processors in its own order: the repetition penalty over ``context [B, T]`` (the ids
+    already in each row), then the temperature, top-k, top-p and min-p warpers."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    chain = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(temperature)]
+                                + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+                                + ([MinPLogitsWarper(min_p)] if min_p else []))
+    return torch.softmax(chain(context, logits.clone()), -1)
+
+
+@pytest.mark.parametrize("temperature, penalty, top_k, top_p, min_p",
+                         [(1.0, 1.3, 0, 1.0, 0.0), (0.7, 1.0, 0, 1.0, 0.1), (0.8, 1.5, 0, 1.0, 0.05),
+                          (1.2, 0.8, 20, 0.9, 0.02), (1.0, 2.0, 0, 1.0, 1.0)])
+def test_the_shaped_draw_is_transformers_logits_processors(temperature, penalty, top_k, top_p, min_p):
+    """On the same logits and context, the distribution rlhfkit draws from equals the one
+    transformers' RepetitionPenaltyLogitsProcessor and MinPLogitsWarper (with the temperature,
+    top-k and top-p warpers) leave: the same kept tokens, the same probabilities."""
+    gen = torch.Generator().manual_seed(0)
+    B, V, T = 6, 50, 12
+    logits = 3 * torch.randn(B, V, generator=gen)  # [B, V], positive and negative logits
+    context = torch.randint(0, V, (B, T), generator=gen)  # [B, T], with repeats
+    logp = torch.log_softmax(logits / temperature, -1)  # the policy's own tempered distribution
+    ours = torch.softmax(sampler_logprobs(logits, logp, temperature, seen_tokens(context, torch.ones_like(context), V),
+                                          penalty, top_k, top_p, min_p), -1)
+    theirs = transformers_draw(logits, context, temperature, penalty, top_k, top_p, min_p)
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    assert (theirs > 0).sum() < B * V or penalty != 1.0  # each case shapes the draw
+
+
+def test_left_padding_is_not_a_repeat():
+    ids, mask = prompts(3)
+    seen = seen_tokens(ids, mask, len(TOK))  # [B, V]
+    for row in range(3):
+        assert set(seen[row].nonzero().flatten().tolist()) == set(ids[row][mask[row].bool()].tolist())
+    assert not seen[0, PAD]  # row 0 is left-padded, and its prompt holds no padding token
+
+
+def test_a_rollout_draws_from_the_shaped_distribution_and_records_pi_over_q():
+    """generate with a repetition penalty and min-p, checked token by token against an independent
+    forward through transformers' processors (the context: the row's prompt and its response so
+    far): every drawn token is in the processors' support, the log-probs are the policy's own
+    tempered ones (pi, which the training forward recomputes) and kept_logmass is log pi - log q."""
+    T, penalty, min_p = 0.8, 1.4, 0.05
+    B, R = 16, 8
+    ids, mask = prompts(B)
+    roll = generate(POLICY, ids, mask, R, EOS, PAD, T, uniforms=uniforms(B, R, seed=5), repetition_penalty=penalty,
+                    min_p=min_p)
+    with torch.no_grad():
+        logits, _ = policy_forward(POLICY, roll.input_ids, roll.attention_mask, ids.shape[1])  # [B, R, V]
+    pi = torch.log_softmax(logits / T, -1).gather(-1, roll.response_ids[..., None]).squeeze(-1)  # [B, R]
+    valid = roll.response_mask.bool()
+    assert (pi - roll.logprobs)[valid].abs().max() <= 1e-5
+    repeats = 0
+    for i in range(B):
+        prompt = ids[i][mask[i].bool()]
+        for t in range(int(valid[i].sum())):
+            context = torch.cat([prompt, roll.response_ids[i, :t]])[None]  # [1, P_i + t]
+            q = transformers_draw(logits[i, t][None], context, T, penalty, 0, 1.0, min_p)[0]  # [V]
+            tok = int(roll.response_ids[i, t])
+            assert q[tok] > 0, (i, t)
+            assert float(roll.kept_logmass[i, t]) == pytest.approx(float(pi[i, t] - q[tok].log()), abs=1e-4)
+            repeats += tok in context
+    assert repeats > 0  # the penalty was at work on some drawn tokens
+    assert (roll.kept_logmass[valid] != 0).any()

@@ -178,7 +178,9 @@ def test_cli_reports_a_diverged_run_with_exit_code_1(tiny_models, tmp_path, monk
                      "dpo.num_pairs=16", "dpo.batch_size=4", "run.max_bad_updates=2"])
     assert code == 1
     err = capsys.readouterr().err
-    assert err.startswith("rlhfkit dpo: error: dpo: 2 optimizer updates in a row") and "Traceback" not in err
+    # after the line naming the learning rates, the error, on one line
+    assert err.splitlines()[-1].startswith("rlhfkit dpo: error: dpo: 2 optimizer updates in a row")
+    assert err.startswith("learning rates: ") and len(err.splitlines()) == 2 and "Traceback" not in err
 
 
 def test_metrics_logger_reads_back_only_its_own_rows(tmp_path):

@@ -30,6 +30,7 @@ from rlhfkit.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 EXAMPLE = Path(__file__).parents[1] / "examples" / "real_model"
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +67,22 @@ def test_grpo_with_lora_teaches_the_real_model_the_format_and_keeps_the_facts(mo
     assert base["baseline/eval/reward/exact"] == 0.0 and base["objective/kl_coef"] == 0.0  # the LoRA default
     assert last["eval/accuracy"] == last["eval/reward/exact"] >= 0.5  # exact is declared 0/1
     assert last["eval/reward/contains"] >= base["baseline/eval/reward/contains"]
+
+
+@pytest.mark.parametrize("scenario", ["sft", "dpo"])
+def test_the_commands_defaults_keep_a_pretrained_models_general_answers(model_dir, tmp_path, scenario):
+    """benchmarks/pretrained_defaults.py's scenarios with the command's defaults: 10 steps of SFT on
+    24 chat records answered with one word, or 10 steps of DPO on 8 pairs preferring a one-word
+    answer. Afterwards the model still names Paris as the capital of France and writes a sentence
+    when asked for one (at the toy rates it answered "Blue" and "Red", or nothing)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import pretrained_defaults as scenarios
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    data = scenarios.write_data(tmp_path / "data")
+    assert main(scenarios.scenario_args(scenario, model_dir, data, tmp_path / scenario)) == 0
+    capital, sea = scenarios.greedy_answers(tmp_path / scenario / "policy", scenarios.PROMPTS[:2])
+    print(f"\n{scenario}: {capital!r} / {sea!r}", file=sys.stderr)
+    assert "Paris" in capital
+    assert len(sea.split()) >= 5

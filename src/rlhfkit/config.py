@@ -95,6 +95,42 @@ LORA_DEFAULTS: dict[str, dict[str, Any]] = {**{algo: {"kl_coef": 0.0} for algo i
 # sequence-level ratio then weighs every sequence alike, as GSPO's objective does
 PER_SEQUENCE_LOSSES = ("grpo", "sapo")
 
+# The learning rates by what the trained model starts from (model.regime), for the keys left
+# unset (None); resolved where the model is loaded (rlhfkit.trainers.common.Run.learning_rates).
+# 'scratch': random weights trained by rlhfkit (the built-in tasks' tiny models): the rates their
+# learning tests and benchmarks were tuned at. 'pretrained': a checkpoint trained elsewhere,
+# fine-tuned in full: TRL's defaults (SFT 2e-5 without warm-up, DPO and GRPO 1e-6); at the
+# scratch rates ten steps of SFT or DPO on one-word answers left SmolLM2-135M-Instruct answering
+# every question with one word (benchmarks/pretrained_defaults.py). The reward model's rate (TRL:
+# 1e-4) and the critic's, ten times the actor's as from scratch (TRL: the actor's), are rlhfkit's
+# choices. 'lora': a pretrained checkpoint through a LoRA adapter (model.lora_r > 0): ten times
+# the full rates (TRL's rule for adapters), but for RL, which keeps the rates measured on the real
+# chat model with LoRA (README, "Learning on it"; tests/test_real_learning.py holds them).
+REGIME_DEFAULTS: dict[str, dict[str, float | int]] = {
+    "scratch": {"sft.lr": 1e-3, "sft.warmup_steps": 20, "dpo.lr": 1e-3, "reward.lr": 1e-3, "ppo.lr": 3e-4,
+                "ppo.value_lr": 3e-3},
+    "pretrained": {"sft.lr": 2e-5, "sft.warmup_steps": 0, "dpo.lr": 1e-6, "reward.lr": 1e-5, "ppo.lr": 1e-6,
+                   "ppo.value_lr": 1e-5},
+    "lora": {"sft.lr": 2e-4, "sft.warmup_steps": 0, "dpo.lr": 1e-5, "reward.lr": 1e-4, "ppo.lr": 3e-4,
+             "ppo.value_lr": 3e-3},
+}
+# how the start of a run names each regime
+REGIME_NAMES = {"scratch": "trained from scratch", "pretrained": "pretrained checkpoint",
+                "lora": "pretrained checkpoint (LoRA)"}
+
+
+def key_value(cfg: Config, key: str) -> Any:
+    """The value of the dotted ``key`` (``'sft.lr'``) in ``cfg``."""
+    sec, name = key.split(".")
+    return getattr(getattr(cfg, sec), name)
+
+
+def regime_value(cfg: Config, key: str, regime: str) -> Any:
+    """The dotted ``key`` of REGIME_DEFAULTS: the config's own value, or when it is unset (None)
+    the value ``regime`` gives it."""
+    value = key_value(cfg, key)
+    return REGIME_DEFAULTS[regime][key] if value is None else value
+
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and says how to fix it."""
@@ -145,6 +181,11 @@ class RunConfig(Section):
     max_bad_updates: int = 5
     """An optimizer update whose loss or gradient norm is NaN/inf is skipped (warning, counted in
     guard/skipped_updates); this many skipped in a row stop the run with an error."""
+    log_every: int = 0
+    """Write a metrics row (metrics.jsonl, TensorBoard, trackers, the progress line) every this many
+    optimizer steps, and after the last step and every evaluation; 0 = the command's own interval
+    (every step for ppo, grpo, rloo, reinforce and dpo, 10 for sft and rm, 20 for pretrain).
+    Evaluations and checkpoints keep their own schedules."""
     tensorboard: bool = True
     """Write every logged metric as TensorBoard events under OUT_DIR/tb/ too (tensorboardX);
     view with ``tensorboard --logdir OUT_DIR``."""
@@ -207,6 +248,14 @@ class ModelConfig(Section):
     lora_target_modules: str = "all-linear"
     """Comma-separated module names the adapter wraps (e.g. 'q_proj,v_proj'), or 'all-linear'
     (every linear layer except the output head)."""
+    regime: Literal["auto", "scratch", "pretrained"] = "auto"
+    """What the trained model starts from, which picks the learning rates left unset (sft.lr,
+    sft.warmup_steps, dpo.lr, reward.lr, ppo.lr, ppo.value_lr; config.REGIME_DEFAULTS): 'scratch'
+    (random weights trained by rlhfkit: the built-in tasks' tiny models), 'pretrained' (a
+    checkpoint trained elsewhere; with model.lora_r > 0 the LoRA rates), or 'auto': 'scratch' when
+    the model's config.json carries the mark rlhfkit writes into the models it builds from
+    scratch (and which their fine-tuned copies keep), else 'pretrained'. The rates chosen are
+    printed at the start of the run."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -270,8 +319,9 @@ class RewardConfig(Section):
     """Optimizer steps of Bradley-Terry training."""
     batch_size: int = 64
     """Preference pairs per step."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
+    lr: float | None = None
+    """AdamW learning rate. Unset: by model.regime (config.REGIME_DEFAULTS): 1e-3 from scratch,
+    1e-5 for a pretrained checkpoint, 1e-4 with LoRA."""
     margin: float = 0.0
     """Required gap r_chosen - r_rejected in the loss (0 for plain Bradley-Terry)."""
     center_coef: float = 0.01
@@ -365,17 +415,26 @@ class PPOConfig(Section):
     'epoch' draws a new partition for every epoch; 'rollout' draws one per rollout and keeps it
     (and its order) for every epoch, as TRL's GRPOTrainer does with num_iterations > 1 (TRL
     shuffles rows, not groups)."""
-    lr: float = 3e-4
-    """Actor learning rate (AdamW)."""
-    value_lr: float = 3e-3
-    """Critic learning rate (value head or value model)."""
-    lr_schedule: Literal["constant", "linear"] = "constant"
-    """How both learning rates move over ppo.steps: constant, or linear decay from lr at step 0 to
-    0 after the last step (TRL's default scheduler). Set at every step from the step number alone,
-    so a resumed run continues on the same line. PPO on the doubling task (150 steps, raw scores,
+    lr: float | None = None
+    """Actor learning rate (AdamW). Unset: by model.regime (config.REGIME_DEFAULTS): 3e-4 from
+    scratch and with LoRA, 1e-6 for a pretrained checkpoint trained in full (TRL's GRPO default)."""
+    value_lr: float | None = None
+    """Critic learning rate (value head or value model). Unset: ten times the actor's default of
+    model.regime: 3e-3 from scratch and with LoRA, 1e-5 for a pretrained checkpoint in full."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How both learning rates move over ppo.steps after the warm-up (ppo.warmup_steps): constant,
+    linear decay to 0 after the last step (TRL's default scheduler), or cosine decay to 0
+    ((1 + cos(pi f)) / 2, f the share of the steps after the warm-up gone by). Set at every step
+    from the step number alone (logged as policy/lr), so a resumed run continues on the same
+    curve. PPO on the doubling task (150 steps, raw scores,
     tuning seeds 33-56; 33-44 on the verifier): linear cut the late dips on the Bradley-Terry reward (mean held-out exact
     over steps 75-150: 0.994 against 0.989) but slowed the exact verifier (median 85 steps to 0.95
     against 70; 2 of 12 runs stalled below 0.95 as the rate fell), so constant stays the default."""
+    warmup_steps: int = 0
+    """Linear warm-up of both learning rates over the first this many steps (step k at (k + 1) /
+    warmup_steps of the rate), before ppo.lr_schedule; 0 = none."""
+    warmup_ratio: float = 0.0
+    """The warm-up as a share of ppo.steps (rounded up), in [0, 1]; instead of ppo.warmup_steps."""
     max_new_tokens: int | None = None
     """Longest response sampled (None: the built-in task's longest answer; required with data.path)."""
     temperature: float = 1.0
@@ -393,6 +452,18 @@ class PPOConfig(Section):
     top_p: float = 1.0
     """Nucleus sampling: draw from the smallest set of most likely tokens holding top_p of the
     probability (after top_k), in (0, 1]; 1.0 = off. Log-probs and correction as for top_k."""
+    min_p: float = 0.0
+    """Draw only from tokens whose probability is at least min_p times the most likely token's
+    (transformers' MinPLogitsWarper, on the tempered distribution), in [0, 1]; 0 = off.
+    Log-probs and correction as for top_k."""
+    repetition_penalty: float = 1.0
+    """Sample from logits in which every token already in the prompt or the response so far has
+    its logit divided by this when positive, multiplied when negative (transformers'
+    RepetitionPenaltyLogitsProcessor, before the temperature); 1.0 = off, > 1 discourages
+    repeats. As for top_k, the log-probs PPO uses stay those of the policy's own tempered
+    distribution, which the training forward recomputes (the first ratio is 1): the samples are
+    off-policy, rollout/kept_mass averages pi / q over the sampled tokens (q: the sampler's
+    distribution) and ppo.sampling_correction reweighs by it. Greedy decoding ignores it."""
     sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
                                  "sequence_mask"] = "none"
     """With top_k / top_p: weigh each token's policy loss by the importance weight pi_old / q of
@@ -718,6 +789,9 @@ class PPOConfig(Section):
                           f"{self.loss_type} sums the sequence's ratio over its tokens, so each sequence weighs as "
                           "much as it is long, not GSPO's per-sequence objective; GSPO's setup is "
                           "ppo.loss_type=grpo", UserWarning, stacklevel=1)  # this line's: shown once per message
+        if self.warmup_steps and self.warmup_ratio:
+            raise ConfigError(f"ppo.warmup_steps={self.warmup_steps} and ppo.warmup_ratio={self.warmup_ratio} both set "
+                              "the warm-up: set one of them (the other to 0)")
         if self.kl_in_loss and self.kl_estimator == "k1":
             raise ConfigError("ppo.kl_in_loss=true with ppo.kl_estimator=k1: k1 = log pi - log ref has a zero expected "
                               "gradient (E_pi[grad log pi] = 0), so as a loss term it is only noise; use "
@@ -761,10 +835,13 @@ class SFTConfig(Section):
     """Optimizer steps."""
     batch_size: int = 32
     """Rows per step."""
-    lr: float = 1e-3
-    """Peak AdamW learning rate (linear warm-up, cosine decay)."""
-    warmup_steps: int = 20
-    """Linear warm-up steps."""
+    lr: float | None = None
+    """Peak AdamW learning rate (linear warm-up, cosine decay to a tenth). Unset: by model.regime
+    (config.REGIME_DEFAULTS): 1e-3 from scratch, 2e-5 for a pretrained checkpoint (TRL's SFT
+    default), 2e-4 with LoRA."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps. Unset: by model.regime: 20 from scratch, none for a pretrained
+    checkpoint (TRL's default: a fine-tuning run is often shorter than a warm-up)."""
     eval_every: int = 0
     """Held-out loss (eval/loss, the mean token NLL over data.eval_path or the data.eval_fraction
     share of data.path) every N steps and at the end (0 = only at the end)."""
@@ -784,8 +861,9 @@ class DPOConfig(Section):
     """Optimizer steps (upper bound; stops early at stop_at_format)."""
     batch_size: int = 64
     """Preference pairs per step."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
+    lr: float | None = None
+    """AdamW learning rate. Unset: by model.regime (config.REGIME_DEFAULTS): 1e-3 from scratch,
+    1e-6 for a pretrained checkpoint (TRL's DPO default), 1e-5 with LoRA."""
     num_pairs: int = 4096
     """Size of the fixed preference set generated by the built-in task (reference log-probs are
     computed once for it); with data.path every pair of the file is used."""
@@ -1348,7 +1426,7 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # load/replace so a zero batch or a negative rate stops the run before any work, with its key.
 RANGES: dict[str, tuple[float | None, float | None]] = {
     "run.threads": (0, None), "run.max_bad_updates": (1, None), "run.checkpoint_every": (0, None),
-    "run.keep_checkpoints": (1, None),
+    "run.keep_checkpoints": (1, None), "run.log_every": (0, None),
     "model.n_layer": (1, None), "model.n_head": (1, None), "model.n_embd": (1, None),
     "pretrain.steps": (1, None), "pretrain.batch_size": (1, None), "pretrain.lr": (0, None),
     "pretrain.warmup_steps": (0, None), "pretrain.weight_decay": (0, None),
@@ -1358,6 +1436,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ppo.group_size": (2, None), "ppo.steps": (1, None), "ppo.batch_size": (1, None),
     "ppo.minibatch_size": (1, None), "ppo.ppo_epochs": (1, None), "ppo.lr": (0, None), "ppo.value_lr": (0, None),
     "ppo.max_new_tokens": (1, None), "ppo.temperature": (0, None), "ppo.top_k": (0, None), "ppo.top_p": (0, 1),
+    "ppo.min_p": (0, 1), "ppo.repetition_penalty": (0, None), "ppo.warmup_steps": (0, None), "ppo.warmup_ratio": (0, 1),
     "ppo.sampling_correction_cap": (1, None),
     "ppo.kl_coef": (0, None), "ppo.forward_kl_coef": (0, None),
     "ppo.kl_target": (0, None), "ppo.kl_horizon": (1, None), "ppo.gamma": (0, 1), "ppo.lam": (0, 1),
@@ -1383,6 +1462,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
 }
 # rates, scales and coefficients that must be strictly positive (0 would train nothing or divide by 0)
 POSITIVE = {"pretrain.lr", "reward.lr", "ppo.lr", "ppo.value_lr", "ppo.temperature", "ppo.top_p", "ppo.kl_target",
+            "ppo.repetition_penalty",
             "ppo.clip_range", "ppo.epsilon_high", "ppo.sapo_temperature_pos", "ppo.sapo_temperature_neg", "ppo.value_clip_range", "ppo.score_clip", "ppo.max_grad_norm", "sft.lr", "dpo.beta",
             "dpo.lr", "gridworld.lr", "gridworld.clip_range", "gridworld.reward_scale"}
 

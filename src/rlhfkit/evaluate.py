@@ -16,7 +16,7 @@ from .distributed import Shard
 from .models import context_window, load_policy, load_tokenizer, policy_dir, policy_forward, same_tokenizer
 from .prompts import file_records, prompt_limit, prompt_tensors
 from .rewards import build_reward, completion_texts
-from .rollout import Rollout, decode_responses, eos_token_ids, generate, tokenize_prompts
+from .rollout import Rollout, decode_responses, eos_token_ids, generate, sampling_settings, tokenize_prompts
 from .tasks import doubling, get_task
 from .utils import resolve_device, write_jsonl
 
@@ -119,10 +119,11 @@ def completion_kl(policy, reference, roll: Rollout) -> torch.Tensor:
 @torch.no_grad()
 def complete_and_score(policy, tokenizer, records: list, reward, device, batch_size: int = 512,
                        max_new_tokens: int = 64, greedy: bool = True, temperature: float = 1.0,
-                       seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                       seed: int = 0, shaping: dict | None = None,
                        stop: Sequence[str] = (), reference=None) -> ScoredCompletions:
-    """Complete every record's prompt (greedy, or sampled with a generator seeded by ``seed``,
-    ``top_k`` and ``top_p``; ``stop`` strings end a completion either way) and score the
+    """Complete every record's prompt (greedy, or sampled with a generator seeded by ``seed`` from
+    the distribution ``shaping`` shapes: :func:`rlhfkit.rollout.sampling_settings`; ``stop``
+    strings end a completion either way) and score the
     completions by ``reward`` (a :class:`rlhfkit.rewards.Reward`), batch by batch; with a
     ``reference`` policy (same tokenizer), each completion's :func:`completion_kl` to it too."""
     names = list(reward.weights)
@@ -137,8 +138,8 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
         chunk = records[i : i + batch_size]
         ids, mask = prompt_tensors(tokenizer, chunk, device)
         roll = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-                        temperature, greedy=greedy, generator=gen, top_k=top_k, top_p=top_p, stop=stop,
-                        tokenizer=tokenizer)
+                        temperature, greedy=greedy, generator=gen, stop=stop, tokenizer=tokenizer,
+                        **(shaping or {}))
         total, scores = reward.score(roll, chunk)
         if reference is not None:
             kls.append(completion_kl(policy, reference, roll).double().cpu())
@@ -192,7 +193,7 @@ def reward_means(scored: ScoredCompletions, shard: Shard | None = None, device=N
 
 def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Shard | None = None,
                      batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
-                     temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                     temperature: float = 1.0, seed: int = 0, shaping: dict | None = None,
                      stop: Sequence[str] = ()) -> dict[str, float]:
     """Completions of held-out prompt records (:func:`complete_and_score`) scored by the training
     reward: ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>``
@@ -203,7 +204,7 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
     n = len(records)
     lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
     scored = complete_and_score(policy, tokenizer, records[lo:hi], reward, device, batch_size, max_new_tokens,
-                                greedy, temperature, seed, top_k, top_p, stop)
+                                greedy, temperature, seed, shaping, stop)
     return reward_means(scored, shard, device)
 
 
@@ -256,7 +257,7 @@ def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _C
     ec = cfg.eval
     ref = reference.policy if reference is not None and same_tokenizer(tok, reference.tokenizer) else None
     scored = complete_and_score(policy, tok, records, reward, device, ec.batch_size, max_new_tokens, ec.greedy,
-                                cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop, ref)
+                                cfg.ppo.temperature, cfg.run.seed, sampling_settings(cfg.ppo), cfg.ppo.stop, ref)
     return _Completed(path, tok, records, reward, scored, limit)
 
 

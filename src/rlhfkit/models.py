@@ -47,6 +47,16 @@ from .core import (
 from .distributed import is_sharded
 from .precision import keep_master_weights
 
+# The mark a config carries (and config.json after save_pretrained) when rlhfkit built the model
+# from random weights: model.regime=auto then picks the learning rates for training from scratch
+# (config.REGIME_DEFAULTS); copies fine-tuned from such a model keep it.
+SCRATCH_MARK = "rlhfkit_from_scratch"
+
+
+def from_scratch(model) -> bool:
+    """Whether ``model`` (or the model under a peft wrapper) carries :data:`SCRATCH_MARK`."""
+    return bool(getattr(getattr(unwrap(model), "config", None), SCRATCH_MARK, False))
+
 
 def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int = 64, n_positions: int = 32) -> GPT2Config:
     """A GPT-2 config sized for the toy tasks, dropout off (RL needs deterministic forwards).
@@ -69,6 +79,7 @@ def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int =
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **{SCRATCH_MARK: True},
     )
 
 
@@ -106,7 +117,8 @@ def tiny_config(arch: str, tokenizer, hidden: int = 32, layers: int = 2, heads: 
     from transformers import AutoConfig
 
     common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, num_labels=num_labels)
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, num_labels=num_labels,
+                  **{SCRATCH_MARK: True})
     if arch == "gpt2":
         return AutoConfig.for_model("gpt2", n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions,
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)

@@ -4,14 +4,15 @@ A lean decode loop instead of ``model.generate``: one prefill, then one cached f
 token -- for GPT-2 and Llama/Qwen2 models through :mod:`rlhfkit.lean` (a pre-allocated KV
 cache written in place, a functional forward with no per-step mask building), for any other
 causal LM through its own forward with a ``DynamicCache``. Sampling happens on the device (on a
-CPU, one compiled call per step: :class:`rlhfkit.kernels.Sampler`), optionally from the top-k /
-nucleus (top-p) truncation of the tempered distribution; rows that emitted EOS or completed a stop
-string keep being fed (a batch moves in lockstep) but their later tokens are padding and masked;
-the loop ends as soon as every row has finished. It also returns the log-prob of every sampled
-token under the policy's tempered distribution (the full one, also with top-k / top-p), which PPO
-compares against its own recomputation (``policy/logprob_gap``) -- or, when the sampler ran the
-training forward's own arithmetic (``Rollout.forward_logprobs``), uses in place of a second
-forward pass.
+CPU, one compiled call per step: :class:`rlhfkit.kernels.Sampler`), optionally from a shaped
+distribution, as transformers' logits processors shape it: repeats penalised, then the top-k /
+nucleus (top-p) / min-p truncation of the tempered distribution. Rows that emitted EOS or
+completed a stop string keep being fed (a batch moves in lockstep) but their later tokens are
+padding and masked; the loop ends as soon as every row has finished. It also returns the
+log-prob of every sampled token under the policy's tempered distribution (the full one, also
+when the draw was shaped), which PPO compares against its own recomputation
+(``policy/logprob_gap``) -- or, when the sampler ran the training forward's own arithmetic
+(``Rollout.forward_logprobs``), uses in place of a second forward pass.
 """
 
 from __future__ import annotations
@@ -50,9 +51,13 @@ class Rollout:
                          as the training forward -- :mod:`rlhfkit.lean` in float32 -- so they
                          equal a recomputation up to rounding (~1e-6) and PPO may use them as
                          the old log-probs instead of running the policy again.
-        kept_logmass:    ``[B, R]`` log Z, the log of the probability that top-k / top-p kept at
-                         each step (0 where masked); None without truncation. The token was drawn
-                         from q = pi / Z on the kept set, so log q = logprobs - kept_logmass.
+        kept_logmass:    ``[B, R]`` log pi - log q of each drawn token, q the distribution the
+                         sampler drew it from (0 where masked); None when the draw was pi itself.
+                         With truncation alone (top-k / top-p / min-p) q = pi / Z on the kept
+                         set and this is log Z, the log of the probability kept; with a
+                         repetition penalty it varies by token, its mean over draws still
+                         estimating the probability of q's support. Either way log q =
+                         logprobs - kept_logmass.
         attend:          ``[B, R]`` 1 on every token of the row's response region that the model
                          reads -- its own and, in a multi-turn episode (:mod:`rlhfkit.envs`), the
                          observations between its turns, which ``response_mask`` leaves out; None:
@@ -119,6 +124,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return out
 
 
+def sampling_settings(pc) -> dict:
+    """How the ``ppo`` section (``pc``) shapes the sampler's distribution, as :func:`generate`'s
+    keyword arguments: top_k, top_p, min_p, repetition_penalty."""
+    return {"top_k": pc.top_k, "top_p": pc.top_p, "min_p": pc.min_p, "repetition_penalty": pc.repetition_penalty}
+
+
 def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     enc = tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
@@ -141,15 +152,27 @@ def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None,
     return torch.searchsorted(cdf, point).squeeze(-1).clamp_(max=logp.shape[-1] - 1)  # [B]
 
 
-def truncate_logprobs(logp: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """``logp [B, V]`` with every token outside the top-k / nucleus set to ``-inf`` (the rest
-    unchanged: :func:`sample_tokens` renormalises by scaling to the total).
+def truncate_logprobs(logp: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """``logp [B, V]`` with every token outside the top-k / nucleus / min-p set to ``-inf`` (the
+    rest unchanged: :func:`sample_tokens` renormalises by scaling to the total).
 
     ``top_k > 0`` keeps the ``top_k`` most likely tokens; ``top_p < 1`` then keeps the smallest
     set of most likely tokens whose probability -- renormalised over what top-k kept -- reaches
     ``top_p``. Tokens tied with the last kept one are kept too, so the set does not depend on
-    how a sort orders ties. Each row on its own: a row's set depends on its logits only.
+    how a sort orders ties. ``min_p > 0`` then drops the tokens less likely than ``min_p`` times
+    the most likely one (transformers' ``MinPLogitsWarper``, last as in its order). Each row on
+    its own: a row's set depends on its logits only.
     """
+    if top_k > 0 or top_p < 1.0:
+        logp = _top_k_top_p(logp, top_k, top_p)
+    if min_p > 0.0:
+        probs = logp.exp()  # [B, V]
+        logp = logp.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return logp
+
+
+def _top_k_top_p(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """:func:`truncate_logprobs` without min-p."""
     V = logp.shape[-1]
     if 0 < top_k < V:
         top = logp.topk(top_k, -1).values  # [B, k], descending
@@ -162,6 +185,35 @@ def truncate_logprobs(logp: torch.Tensor, top_k: int = 0, top_p: float = 1.0) ->
         n = (mass_before < top_p).sum(-1, keepdim=True)  # >= 1: the first token has 0 before it
     cutoff = top.gather(-1, n - 1)  # [B, 1] the least likely kept token's log-prob
     return logp.masked_fill(logp < cutoff, float("-inf"))
+
+
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``logits [B, V]`` with each token of ``seen [B, V]`` (bool: already in the row's prompt or
+    response) penalised: a positive logit divided by ``penalty``, a negative one multiplied by it
+    (transformers' ``RepetitionPenaltyLogitsProcessor``; > 1 makes a repeat less likely)."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, V: int) -> torch.Tensor:
+    """``[B, V]`` bool: True for every token that occurs among a row's prompt tokens (mask 1; left
+    padding does not count)."""
+    counts = torch.zeros((prompt_ids.shape[0], V), dtype=torch.int32, device=prompt_ids.device)
+    return counts.scatter_add_(1, prompt_ids, prompt_mask.to(torch.int32)) > 0
+
+
+def sampler_logprobs(logits: torch.Tensor, logp: torch.Tensor, temperature: float = 1.0, seen: torch.Tensor | None = None,
+                     repetition_penalty: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     min_p: float = 0.0) -> torch.Tensor:
+    """The log-probabilities ``[B, V]`` of the distribution the sampler draws from, unnormalised
+    (``-inf`` outside the kept set): the raw ``logits [B, V]`` with repeats penalised
+    (:func:`penalize_repeats`, tokens ``seen``), divided by ``temperature``, then truncated by
+    top-k, top-p and min-p (:func:`truncate_logprobs`) -- transformers' order of its logits
+    processors and warpers. ``logp`` is the policy's own tempered log-softmax of ``logits``,
+    used as it is when nothing is penalised."""
+    if repetition_penalty != 1.0:
+        logp = torch.log_softmax(penalize_repeats(logits, seen, repetition_penalty) / temperature, -1)
+    return truncate_logprobs(logp, top_k, top_p, min_p)
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
@@ -333,25 +385,32 @@ class _Draw:
     still going, and the log-probs and entropies of the (tempered) distributions sampled from.
 
     On a CPU the sampling step is one compiled call (:class:`rlhfkit.kernels.Sampler`, same
-    arithmetic) unless top-k / top-p truncate the draw. Otherwise per step only what sampling
-    needs; masks, padding and trimming happen once at the end. While the per-step distributions
-    are small (a small vocabulary) they are kept and reduced to log-probs and entropies in one
-    go; with a large one each is reduced as it comes. With top-k / top-p the token is drawn from
-    the truncated distribution but the log-prob and entropy kept are the full one's.
+    arithmetic) unless the sampler's distribution is shaped (top-k, top-p, min-p, a repetition
+    penalty: :func:`sampler_logprobs`), which the compiled call does not do; that is decided once,
+    here. Otherwise per step only what sampling needs; masks, padding and trimming happen once at
+    the end. While the per-step distributions are small (a small vocabulary) they are kept and
+    reduced to log-probs and entropies in one go; with a large one each is reduced as it comes.
+    With a shaped draw the token is drawn from the shaped distribution q but the log-prob and
+    entropy kept are the policy's full tempered one's (pi), and each step keeps log pi - log q
+    of the drawn token (``kept_logmass``).
     """
 
     def __init__(self, B: int, V: int, max_new_tokens: int, temperature: float, greedy: bool,
                  eos_token_id: int | Sequence[int], uniforms: torch.Tensor | None, device, top_k: int = 0,
-                 top_p: float = 1.0, stop: _StopStrings | None = None):
+                 top_p: float = 1.0, stop: _StopStrings | None = None, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, seen: torch.Tensor | None = None):
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.temperature, self.greedy = temperature, greedy
         self.eos = torch.tensor(eos, dtype=torch.long, device=device)  # [E]: any of them ends a row
         # the compiled sampler ends rows at the first EOS id; the others are checked after its call
         self.more_eos = self.eos[1:] if len(eos) > 1 else None
-        self.uniforms, self.top_k, self.top_p, self.stop = uniforms, top_k, top_p, stop
-        self.truncate = not greedy and (top_k > 0 or top_p < 1.0)  # the compiled sampler draws from the full one
+        self.uniforms, self.stop = uniforms, stop
+        self.shaping = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
+        # the compiled sampler draws from the full tempered distribution only
+        self.shaped = not greedy and (top_k > 0 or top_p < 1.0 or min_p > 0.0 or repetition_penalty != 1.0)
+        self.seen = seen  # [B, V] the tokens in each row's context, for the repetition penalty (else None)
         self.sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos[0])
-                        if not greedy and not self.truncate and device.type == "cpu" and kernels.sampler_usable(B, V)
+                        if not greedy and not self.shaped and device.type == "cpu" and kernels.sampler_usable(B, V)
                         else None)
         if self.sampler is not None:
             self.uniforms = uniforms.float()
@@ -383,16 +442,24 @@ class _Draw:
 
     def _pick(self, t: int, logits: torch.Tensor) -> torch.Tensor:
         """The PyTorch path's tokens ``[B]`` of step ``t``; keeps the full tempered log-probs."""
+        raw = logits
         if self.temperature != 1.0:
             logits = logits / self.temperature
         logp_all = torch.log_softmax(logits, -1)  # [B, V]
         if self.greedy:
             tok = logits.argmax(-1)  # [B]
+        elif not self.shaped:
+            tok = sample_tokens(logp_all, u=self.uniforms[:, t])  # [B]
         else:
-            logp_draw = truncate_logprobs(logp_all, self.top_k, self.top_p) if self.truncate else logp_all
+            logp_draw = sampler_logprobs(raw, logp_all, self.temperature, self.seen, **self.shaping)  # [B, V]
             tok = sample_tokens(logp_draw, u=self.uniforms[:, t])  # [B]
-            if self.truncate:
-                self.kept.append(torch.logsumexp(logp_draw, -1))  # [B] log of the kept mass
+            # log pi - log q of the drawn token (q = exp(logp_draw) renormalised): with truncation
+            # alone exactly log Z, the log of the probability kept
+            drawn = tok[:, None]
+            self.kept.append(logp_all.gather(-1, drawn).squeeze(-1) - logp_draw.gather(-1, drawn).squeeze(-1)
+                             + torch.logsumexp(logp_draw, -1))  # [B]
+            if self.seen is not None:
+                self.seen.scatter_(1, drawn, True)  # a repeat from now on
         self.tokens.append(tok)
         if self.keep:
             self.logps.append(logp_all)
@@ -402,7 +469,8 @@ class _Draw:
         return tok
 
     def kept_logmass(self, R: int) -> torch.Tensor | None:
-        """``[B, R]`` log of the probability top-k / top-p kept at each step; None without them."""
+        """``[B, R]`` log pi - log q of each drawn token (the log of the probability kept, with
+        truncation alone); None when the draw was not shaped."""
         return torch.stack(self.kept[:R], 1) if self.kept else None
 
     def result(self, steps: int) -> tuple[torch.Tensor, ...]:
@@ -449,6 +517,8 @@ def generate(
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     stop: Sequence[str] = (),
     tokenizer=None,
     graph: bool = False,
@@ -478,6 +548,12 @@ def generate(
             full tempered distribution -- the policy PPO optimises and recomputes -- so the
             samples are slightly off-policy for it, as with vLLM or TRL when the loss uses the
             full logits; the first PPO ratio is still exactly 1.
+        min_p: then keep only the tokens at least ``min_p`` times as likely as the most likely
+            one (0: all); log-probs as for top-k.
+        repetition_penalty: before the temperature, divide the positive logits (multiply the
+            negative ones) of every token already in the row's prompt or response by it (1.0:
+            off; :func:`penalize_repeats`); log-probs as for top-k. ``Rollout.kept_logmass``
+            then holds log pi - log q of each drawn token (q: the distribution drawn from).
         stop: strings that end a response, like EOS, when its decoded new text contains one;
             the token completing it is the row's last valid token and the row is ``finished``.
         tokenizer: decodes the responses for ``stop`` (needed only with it).
@@ -489,8 +565,9 @@ def generate(
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
-    if top_k < 0 or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
+    if top_k < 0 or not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or repetition_penalty <= 0:
+        raise ValueError(f"top_k must be >= 0, top_p in (0, 1], min_p in [0, 1] and repetition_penalty > 0, got "
+                         f"top_k={top_k}, top_p={top_p}, min_p={min_p}, repetition_penalty={repetition_penalty}")
     if any(not s for s in stop) or (stop and tokenizer is None):
         raise ValueError("stop strings must be non-empty and need the tokenizer to decode responses")
     B, device = prompt_ids.shape[0], prompt_ids.device
@@ -500,8 +577,10 @@ def generate(
     forward_logprobs = fwd.lean and logits.dtype == torch.float32
     if uniforms is None and not greedy:  # one draw per row and step, all at once
         uniforms = torch.rand((B, max_new_tokens), generator=generator, device=device)
-    draw = _Draw(B, logits.shape[-1], max_new_tokens, temperature, greedy, eos_token_id, uniforms, device,
-                 top_k, top_p, _StopStrings(tokenizer, stop, B) if stop else None)
+    V = logits.shape[-1]
+    seen = seen_tokens(prompt_ids, prompt_mask, V) if repetition_penalty != 1.0 and not greedy else None  # [B, V]
+    draw = _Draw(B, V, max_new_tokens, temperature, greedy, eos_token_id, uniforms, device, top_k, top_p,
+                 _StopStrings(tokenizer, stop, B) if stop else None, min_p, repetition_penalty, seen)
     values = [] if value_head is not None and fwd.lean else None
     for t in range(max_new_tokens):
         if values is not None:

@@ -16,6 +16,7 @@ A trainer's own code is its arithmetic; :class:`Run` holds the rest, the same in
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import time
@@ -28,9 +29,9 @@ from typing import Any
 import torch
 
 from ..checkpoint import Checkpointer, loop_state, restore_loop_state
-from ..config import Config
+from ..config import REGIME_NAMES, Config, key_value, regime_value
 from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
-from ..models import save_policy
+from ..models import from_scratch, save_policy
 from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run, start_run_dir
 
 
@@ -54,16 +55,32 @@ def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:
             return
 
 
+def lr_scale(step: int, total: int, warmup: int = 0, schedule: str = "cosine", floor: float = 0.0) -> float:
+    """The learning rate of (0-based) optimizer step ``step`` of ``total``, as a share of the peak:
+    a linear warm-up over the first ``warmup`` steps (``(step + 1) / warmup``), then ``schedule``
+    from 1 at the warm-up's end towards ``floor`` at step ``total``: 'constant' (1), 'linear'
+    (``1 - f``) or 'cosine' (``(1 + cos(pi f)) / 2``), ``f`` the share of the steps after the
+    warm-up gone by. A function of the step alone: a resumed run continues on the same curve."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[schedule]
+    return floor + (1 - floor) * decay
+
+
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
-    """Linear warm-up then cosine decay to ``floor`` of the peak."""
+    """Linear warm-up then cosine decay to ``floor`` of the peak (:func:`lr_scale`), for ``LambdaLR``."""
+    return functools.partial(lr_scale, total=total, warmup=warmup, schedule="cosine", floor=floor)
 
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = (step - warmup) / max(1, total - warmup)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
-    return f
+def training_regime(cfg: Config, model) -> str:
+    """What ``model`` is trained as (config.REGIME_DEFAULTS): 'scratch', 'pretrained', or 'lora' (a
+    pretrained checkpoint through a LoRA adapter, model.lora_r > 0). model.regime, where 'auto'
+    reads the mark rlhfkit leaves on the models it builds from scratch (models.from_scratch)."""
+    regime = cfg.model.regime
+    if regime == "auto":
+        regime = "scratch" if from_scratch(model) else "pretrained"
+    return "lora" if regime == "pretrained" and cfg.model.lora_r else regime
 
 
 @dataclass
@@ -189,8 +206,9 @@ class Run:
     Only the main process writes files; every process runs the same calls.
     """
 
-    def __init__(self, cfg: Config, name: str, steps: int, find_unused_parameters: bool = False):
+    def __init__(self, cfg: Config, name: str, steps: int, find_unused_parameters: bool = False, log_every: int = 1):
         self.cfg, self.name, self.total = cfg, name, steps
+        self.log_every = cfg.run.log_every or log_every  # run.log_every, else the command's own interval
         # nothing is written yet: restore() starts the directory once the models and data loaded
         self.out: Path = setup_run(cfg, write=False)
         self.accelerator = make_accelerator(cfg, find_unused_parameters=find_unused_parameters)
@@ -206,6 +224,7 @@ class Run:
         self.log_: MetricsLogger | None = None
         self.bar = None
         self._saved: dict[str, Any] = {}
+        self._rates = ""  # the learning rates' line (learning_rates), printed when the run starts
         self._t0 = time.perf_counter()
 
     @property
@@ -231,6 +250,8 @@ class Run:
         The same objects are written by :meth:`checkpoint`."""
         self.shard.wait()  # every process has checked run.out_dir (Run()) before the main one writes
         start_run_dir(self.cfg)
+        if self._rates and self.is_main:
+            print(self._rates, file=sys.stderr)
         self._saved = {"modules": modules, "optimizers": optimizers, "schedulers": schedulers, "data": data,
                        "generator": generator}
         resumed = self.ckpt.restore(modules, optimizers, schedulers, steps=self.total) or {}
@@ -255,8 +276,29 @@ class Run:
         """Wall seconds since the start, a resumed run's earlier ones included."""
         return time.perf_counter() - self._t0
 
-    def log(self, step: int, row: dict, **postfix: str) -> dict:
-        """One metrics row (``guard/skipped_updates`` added); ``postfix`` goes to the progress line."""
+    def learning_rates(self, model, *keys: str) -> dict[str, Any]:
+        """``{key: value}`` for the dotted ``keys`` of config.REGIME_DEFAULTS when training ``model``:
+        the config's own value, or where it is unset the one of the model's regime
+        (:func:`training_regime`). The main process prints them when the run starts
+        (:meth:`restore`), e.g. ``learning rates: pretrained checkpoint (LoRA) -> sft.lr 0.0002,
+        sft.warmup_steps 0``; a value the config sets is marked ``(set)``."""
+        regime = training_regime(self.cfg, model)
+        values = {key: regime_value(self.cfg, key, regime) for key in keys}
+        shown = ", ".join(f"{key} {value:g}{'' if key_value(self.cfg, key) is None else ' (set)'}"
+                          for key, value in values.items())
+        self._rates = f"learning rates: {REGIME_NAMES[regime]} -> {shown}"
+        return values
+
+    def log_due(self, step: int, force: bool = False) -> bool:
+        """Is a metrics row due after ``step``: every ``log_every`` steps from the first, the last
+        step, and whenever ``force`` (a step that evaluated)?"""
+        return force or step % self.log_every == 0 or step >= self.total - 1
+
+    def log(self, step: int, row: dict, force: bool = False, **postfix: str) -> dict | None:
+        """One metrics row (``guard/skipped_updates`` added) when one is due (:meth:`log_due`; None
+        otherwise); ``postfix`` goes to the progress line."""
+        if not self.log_due(step, force):
+            return None
         row = self.log_.log(step, {**row, "guard/skipped_updates": self.guard.skipped})
         if postfix and self.bar is not None:
             self.bar.set_postfix(**postfix)

@@ -135,13 +135,14 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     ref_cache = pair_logprobs(ref, pairs.train, shard, device, chunk) if dc.precompute_ref else None  # every epoch
     held_ref = pair_logprobs(ref, pairs.held, shard, device, chunk) if pairs.held is not None else None
     params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=dc.lr, weight_decay=0.0)
+    lr = run.learning_rates(policy, "dpo.lr")["dpo.lr"]  # by model.regime where unset
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     train_policy, opt = run.prepare(policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
     params = [p for p in policy.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
     engine = run.engine(train_policy)
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)
-    train_s, pos, reached = 0.0, 0, None
+    train_s, pos, reached, last_row = 0.0, 0, None, {}
     resumed = run.restore({"policy": policy}, {"optimizer": opt}, generator=gen)
     if resumed:  # the epoch's order and the position in it, too
         order, pos, train_s = torch.tensor(resumed["order"]), resumed["pos"], resumed["train_s"]
@@ -158,13 +159,15 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
         if run.guard.ok(loss, row["dpo/grad_norm"]):
             opt.step()
         train_s += time.perf_counter() - t0
-        if (dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1:
+        evaluated = bool(dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1
+        if evaluated:
             with full_weights(train_policy):
                 row.update(evaluate(cfg, pairs, policy, tok, held_ref, shard, device))
             if dc.stop_at_format and row["eval/format_acc"] >= dc.stop_at_format:
                 reached = {"step": step, "steps": step + 1, "train_s": train_s}
         row["time/train_s"] = train_s
-        last_row = run.log(step, row, loss=f"{row['dpo/loss']:.3f}", acc=f"{row['dpo/accuracy']:.2f}")
+        last_row = run.log(step, row, force=evaluated, loss=f"{row['dpo/loss']:.3f}",
+                           acc=f"{row['dpo/accuracy']:.2f}") or last_row
         if reached:
             break
         run.checkpoint(step, order=order.tolist(), pos=pos, train_s=train_s)

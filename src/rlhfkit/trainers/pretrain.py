@@ -19,7 +19,7 @@ from .common import Run, lr_lambda
 def pretrain(cfg: Config) -> dict:
     """Train the base policy; saves it (HF format) to ``<out_dir>/policy``. Returns a summary."""
     pc = cfg.pretrain
-    run = Run(cfg, "pretrain", pc.steps)
+    run = Run(cfg, "pretrain", pc.steps, log_every=20)
     task = get_task(cfg.run.task)
     tok = task.make_tokenizer()
     model = build_tiny_policy(tok, cfg.run.seed, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
@@ -36,10 +36,11 @@ def pretrain(cfg: Config) -> dict:
         run.accelerator.backward(loss)
         if run.guard.ok(loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
             opt.step()
+        lr = sched.get_last_lr()[0]  # this step's rate, before the scheduler moves on
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 20 == 0 or step == pc.steps - 1:
-            run.log(step, {"train/loss": loss, "train/lr": sched.get_last_lr()[0]}, loss=f"{loss.item():.4f}")
+        if run.log_due(step):
+            run.log(step, {"train/loss": loss, "train/lr": lr}, loss=f"{loss.item():.4f}")
         run.checkpoint(step)
     seconds = run.seconds
     ev = evaluate_task(task, model, tok, run.device, cfg.eval.batch_size, cfg.eval.max_new_tokens)

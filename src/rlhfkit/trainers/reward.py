@@ -154,7 +154,8 @@ def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 1)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
+    lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     train_logits, opt = run.prepare(ModuleForward(model, sequence_logits), opt,
                                     micro_batch=max(1, rc.batch_size // shard.world))
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
@@ -178,7 +179,7 @@ def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float
         if run.guard.ok(loss, engine.clip(params, 1.0)):
             opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == rc.steps - 1:
+        if run.log_due(step):
             row = shard.mean(mean_stats([stats]))
             run.log(step, row, acc=f"{row['rm/accuracy']:.2f}")
         run.checkpoint(step)
@@ -244,7 +245,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
     if rc.kind == "classifier" and not hasattr(task, "LABELS"):
         raise ValueError(f"reward.kind=classifier needs a task with labels; task {cfg.run.task!r} has none "
                          "(use reward.kind=pairwise)")
-    run = Run(cfg, "reward classifier" if rc.kind == "classifier" else "reward model", rc.steps)
+    run = Run(cfg, "reward classifier" if rc.kind == "classifier" else "reward model", rc.steps, log_every=10)
     model, tok = build_reward_model(cfg, task, policy_path or cfg.model.name, run.device)
     if rc.kind == "classifier":
         ev = train_label_classifier(cfg, run, model, tok)
@@ -273,7 +274,8 @@ def train_pairwise(cfg: Config, run: Run, model, tok) -> dict[str, float]:
     """Bradley-Terry training on preference pairs; the held-out pairs' stats and the seconds."""
     rc, shard = cfg.reward, run.shard
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=rc.lr, weight_decay=0.0)
+    lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     # the scalar readout as the module's forward, so DDP sees it (and syncs its gradients)
     train_scores, opt = run.prepare(ModuleForward(model, sequence_scores), opt,
                                     micro_batch=max(1, rc.batch_size // shard.world))
@@ -290,7 +292,7 @@ def train_pairwise(cfg: Config, run: Run, model, tok) -> dict[str, float]:
         if run.guard.ok(loss, grad_norm):
             opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == rc.steps - 1:
+        if run.log_due(step):
             row = shard.mean(mean_stats([stats]))  # means over pairs: exact over processes
             run.log(step, {**row, "rm/grad_norm": grad_norm}, acc=f"{row['rm/accuracy']:.2f}",
                     delta=f"{row['rm/delta']:.2f}")

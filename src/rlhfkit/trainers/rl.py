@@ -76,7 +76,7 @@ from ..offload import HostMoments, offload_frozen
 from ..precision import compute_weights, keep_master_weights
 from ..prompts import PromptData, prompt_data, prompt_tensors
 from ..rewards import Reward, build_reward, other_tokenizer
-from ..rollout import Rollout, decode_responses, eos_token_ids, generate
+from ..rollout import Rollout, decode_responses, eos_token_ids, generate, sampling_settings
 from ..tasks import get_task
 from ..trajectories import TrajectoryWriter
 from ..utils import (
@@ -88,7 +88,7 @@ from ..utils import (
     release_free_memory,
     tensors_off_heap,
 )
-from .common import Engine, Run
+from .common import Engine, Run, lr_scale
 
 
 def surrogate_options(pc: PPOConfig) -> SurrogateOptions:
@@ -399,9 +399,10 @@ def make_optimizer(ac: ActorCritic, pc: PPOConfig) -> torch.optim.Optimizer:
 
 
 def set_lr(optimizer, pc: PPOConfig, step: int) -> float:
-    """Learning rates for ``step`` under ``ppo.lr_schedule`` (the groups of :func:`make_optimizer`);
-    returns the actor's."""
-    scale = 1.0 if pc.lr_schedule == "constant" else 1.0 - step / pc.steps
+    """Learning rates for ``step`` after ``ppo.warmup_steps`` (or ``ppo.warmup_ratio`` of the steps)
+    under ``ppo.lr_schedule`` (the groups of :func:`make_optimizer`); returns the actor's."""
+    warmup = pc.warmup_steps or math.ceil(pc.warmup_ratio * pc.steps)
+    scale = lr_scale(step, pc.steps, warmup, pc.lr_schedule)
     for group, lr in zip(optimizer.param_groups, (pc.lr, pc.value_lr)):
         group["lr"] = lr * scale
     return pc.lr * scale
@@ -425,7 +426,7 @@ def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_
             return generate(ac.policy, ids, mask, n, eos_token_ids(ac.policy, tok), tok.pad_token_id,
                             pc.temperature, greedy=step is None, uniforms=u,
                             value_head=ac.value_head if pc.reuse_rollout_logprobs and step is not None else None,
-                            top_k=pc.top_k, top_p=pc.top_p, stop=pc.stop, tokenizer=tok, graph=pc.cuda_graph)
+                            stop=pc.stop, tokenizer=tok, graph=pc.cuda_graph, **sampling_settings(pc))
 
     return sample
 
@@ -469,7 +470,7 @@ def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward:
             return {"eval/format_acc": ev["format_acc"], "eval/exact_acc": ev["exact_acc"]}
         return evaluate_rewards(ac.policy, tok, data.eval_records, reward, run.device, run.shard,
                                 cfg.eval.batch_size, cfg.eval.max_new_tokens or max_new_tokens, cfg.eval.greedy,
-                                cfg.ppo.temperature, cfg.run.seed, cfg.ppo.top_k, cfg.ppo.top_p, cfg.ppo.stop)
+                                cfg.ppo.temperature, cfg.run.seed, sampling_settings(cfg.ppo), cfg.ppo.stop)
 
 
 # what an empty ppo.stop_metric means: the first of these that the run's evaluation logs
@@ -591,6 +592,10 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
     local_pc = dataclasses.replace(pc, minibatch_size=shard.local_size(pc.minibatch_size, "ppo.minibatch_size"))
     ac, ref, scorer, tok = build_models(cfg, policy_path, run.device)
+    # the learning rates left unset by model.regime (the critic's only when there is one)
+    rates = run.learning_rates(ac.policy, "ppo.lr", *(["ppo.value_lr"] if ac.has_critic else []))
+    pc, local_pc = (dataclasses.replace(c, lr=rates["ppo.lr"], value_lr=rates.get("ppo.value_lr"))
+                    for c in (pc, local_pc))
     if run.device.type == "cpu":
         kernels.available()  # compile the CPU kernels (first use only) now, not inside the first timed step
     optimizer = make_optimizer(ac, pc)
@@ -674,7 +679,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         write_samples(samples, step, records, exp, tok, pc.samples_per_log)
         # step 5. evaluate: greedy completions of the held-out prompts
         last = step == pc.steps - 1
-        if (pc.eval_every and (step + 1) % pc.eval_every == 0) or last:
+        evaluated = bool(pc.eval_every and (step + 1) % pc.eval_every == 0) or last
+        if evaluated:
             if moments is not None:  # the evaluation's rollouts need the moments no more than the step's
                 moments.to_host()
             stats.update(evaluate(run, ac, train_ac, tok, data, scorer, max_new_tokens, env))
@@ -687,7 +693,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         st.signals.check(step, stats, max_new_tokens)  # most groups without reward variance, most cut: one warning each
         trajectories.maybe_write(step, last or st.reached is not None, exp, tok, pc, stats["objective/kl_coef"])
         metric = {st.stop_metric.rsplit("/", 1)[-1]: f"{shown:.3f}"} if st.stop_metric else {}
-        run.log(step, stats, score=f"{stats['objective/score']:.2f}", kl=f"{stats['objective/kl']:.3f}", **metric)
+        run.log(step, stats, force=evaluated or st.reached is not None, score=f"{stats['objective/score']:.2f}",
+                kl=f"{stats['objective/kl']:.3f}", **metric)
         if st.reached is not None:
             break
         # step 6. checkpoint
@@ -753,5 +760,5 @@ def finish_rl(run: Run, ac: ActorCritic, tok, st: RLState) -> dict:
         plot_ppo(history, run.out)
     run.shard.wait()
     final = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
-    return {"path": str(policy_dir), "seconds": st.train_s, "steps": len(history), "reached": st.reached,
+    return {"path": str(policy_dir), "seconds": st.train_s, "steps": history[-1]["step"] + 1, "reached": st.reached,
             "final": final}

@@ -33,7 +33,7 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     if not policy_path:
         raise ValueError("SFT needs a model to start from: set model.name=PATH (and data.path=FILE.jsonl, "
                          "or nothing to use the task's demonstrations)")
-    run = Run(cfg, "sft", sc.steps)
+    run = Run(cfg, "sft", sc.steps, log_every=10)
     shard, device = run.shard, run.device
     tok = load_tokenizer(policy_path, cfg.model.trust_remote_code, need_pad=False)  # rows pad with EOS if none
     model, _ = policy_with_reference(policy_path, cfg.model, device, reference=False)
@@ -43,11 +43,12 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     eval_enc = encode_demonstrations(cfg, tok, held, False, context) if held else None  # as the examples come
     n = enc["input_ids"].shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=sc.lr, weight_decay=0.0)
+    rates = run.learning_rates(model, "sft.lr", "sft.warmup_steps")  # by model.regime where unset
+    opt = torch.optim.AdamW(params, lr=rates["sft.lr"], weight_decay=0.0)
     train_model, opt = run.prepare(model, opt, micro_batch=max(1, sc.batch_size // shard.world))  # DDP
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
     engine = run.engine(train_model)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(sc.warmup_steps, sc.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(rates["sft.warmup_steps"], sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
     run.restore({"model": model}, {"optimizer": opt}, {"scheduler": sched}, generator=gen)
     eval_loss, chunk = None, sc.micro_batch_size or max(1, sc.batch_size // shard.world)
@@ -62,16 +63,17 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
         grad_norm = engine.clip(params, 1.0)
         if run.guard.ok(loss, grad_norm):
             opt.step()
+        lr = sched.get_last_lr()[0]  # this step's rate, before the scheduler moves on
         sched.step()
         opt.zero_grad(set_to_none=True)
         last = step == sc.steps - 1
         evaluate = eval_enc is not None and (last or (sc.eval_every and (step + 1) % sc.eval_every == 0))
-        if step % 10 == 0 or last or evaluate:
-            row = {**shard.mean({"sft/loss": loss.item()}), "sft/grad_norm": grad_norm, "sft/lr": sched.get_last_lr()[0]}
+        if run.log_due(step, evaluate):
+            row = {**shard.mean({"sft/loss": loss.item()}), "sft/grad_norm": grad_norm, "sft/lr": lr}
             if evaluate:
                 with full_weights(train_model):
                     row["eval/loss"] = eval_loss = heldout_loss(model, eval_enc, shard, device, chunk)
-            run.log(step, row, loss=f"{row['sft/loss']:.4f}")
+            run.log(step, row, force=evaluate, loss=f"{row['sft/loss']:.4f}")
         run.checkpoint(step)
     run.close()
     save_dir = run.save_model(model, tok, "policy", adapter="policy_adapter")  # LoRA: merged in policy/
