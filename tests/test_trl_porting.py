@@ -57,7 +57,7 @@ def test_every_trl_name_maps_to_a_real_key_and_the_asked_ones_are_there():
     ("ppo.max_prompt_length=64", "TRL's max_prompt_length is data.max_prompt_length here: "),
     ("ppo.per_device_train_batch_size=4", "TRL's per_device_train_batch_size is ppo.micro_batch_size here: "),
     ("ppo.lr_scheduler_type=linear", "TRL's lr_scheduler_type is ppo.lr_schedule here: "),
-    ("ppo.warmup_ratio=0.1", "TRL's warmup_ratio has no rlhfkit key: "),
+    ("dpo.warmup_ratio=0.1", "TRL's warmup_ratio has no rlhfkit key: "),
     ("dpo.learning_rate=1e-6", "TRL's learning_rate is dpo.lr here: "),
     ("sft.warmup_ratio=0.1", "TRL's warmup_ratio is sft.warmup_steps here: "),
     ("sft.packing=true", "TRL's packing is data.packing here: "),

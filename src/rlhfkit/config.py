@@ -1086,12 +1086,12 @@ KEY_ALIASES = {"env.class": "env.cls"}
 # docs/ppo_walkthrough.md, section 10, shows every row.
 TRL_KEYS: dict[str, dict[str, tuple[str, str]]] = {
     "ppo": {
-        "learning_rate": ("ppo.lr", "the actor's AdamW rate, the critic's is ppo.value_lr; TRL's default 1e-6, "
-                                    "rlhfkit's 3e-4 (set for the built-in tasks' tiny models)"),
-        "lr_scheduler_type": ("ppo.lr_schedule", "TRL's default 'linear' decays the rate to 0 over the run, "
-                                                 "rlhfkit's default is 'constant' (for ppo.lr and ppo.value_lr)"),
-        "warmup_ratio": ("", "the RL commands have no learning-rate warm-up; TRL has none by default either "
-                             "(transformers 5 reads a warmup_steps below 1 as this share of the steps)"),
+        "learning_rate": ("ppo.lr", "the actor's AdamW rate, the critic's is ppo.value_lr; unset, it follows "
+                                    "model.regime: TRL's 1e-6 for a pretrained model, 3e-4 with LoRA or from scratch"),
+        "lr_scheduler_type": ("ppo.lr_schedule", "'constant', 'linear' or 'cosine'; TRL's default 'linear' decays "
+                                                 "the rate to 0 over the run, rlhfkit's default is 'constant'"),
+        "warmup_ratio": ("ppo.warmup_ratio", "the same share of the steps (or ppo.warmup_steps); none by default "
+                                             "on both sides"),
         "num_generations": ("ppo.group_size", "completions per prompt for grpo and rloo, TRL's default 8, "
                                               "rlhfkit's 4; ppo.batch_size counts completions"),
         "generation_batch_size": ("ppo.batch_size", "completions per rollout"),
@@ -1143,8 +1143,8 @@ TRL_KEYS: dict[str, dict[str, tuple[str, str]]] = {
                                              "first"),
     },
     "dpo": {
-        "learning_rate": ("dpo.lr", "constant; TRL's default 1e-6 decays linearly to 0, rlhfkit's 1e-3 is set "
-                                    "for the built-in tasks' tiny models"),
+        "learning_rate": ("dpo.lr", "constant; TRL's default 1e-6 decays linearly to 0; unset, dpo.lr follows "
+                                    "model.regime: 1e-6 for a pretrained model, 1e-5 with LoRA, 1e-3 from scratch"),
         "lr_scheduler_type": ("", "dpo.lr is constant; TRL decays it linearly to 0 by default"),
         "warmup_ratio": ("", "dpo has no learning-rate warm-up; TRL has none by default either"),
         "beta": ("dpo.beta", "the same, 0.1 by default"),
@@ -1162,7 +1162,8 @@ TRL_KEYS: dict[str, dict[str, tuple[str, str]]] = {
     },
     "sft": {
         "learning_rate": ("sft.lr", "the peak of a linear warm-up and a cosine decay to 10% of it; TRL's default "
-                                    "2e-5 decays linearly to 0"),
+                                    "2e-5 decays linearly to 0; unset, sft.lr follows model.regime (2e-5 for a "
+                                    "pretrained model)"),
         "lr_scheduler_type": ("", "sft warms up linearly (sft.warmup_steps) and decays by a cosine to 10% of "
                                   "sft.lr; TRL decays linearly to 0 by default"),
         "warmup_ratio": ("sft.warmup_steps", "steps, not a share: warmup_ratio x sft.steps"),
