@@ -119,6 +119,7 @@ def test_a_lora_adapter_trained_on_a_relative_base_loads_from_any_directory(tiny
     monkeypatch.chdir(train)
     assert main(["sft", "model.name=base", "model.lora_r=4", "run.out_dir=run", "run.progress=false",
                  "sft.steps=1", "sft.batch_size=2"]) == 0
+    capsys.readouterr()  # the SFT run's own lines
     adapter = train / "run" / "policy_adapter"
     saved = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert saved == str((train / "base").resolve())  # the base as an absolute path, not 'base'

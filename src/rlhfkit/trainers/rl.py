@@ -492,7 +492,8 @@ def choose_stop_metric(pc: PPOConfig, baseline: dict[str, float]) -> str:
             raise ValueError("ppo.stop_metric=eval/accuracy, but no reward source is declared 0/1, so it is never "
                              "logged: mark the verifier (fn.binary = True) or name it in eval.accuracy_reward")
         raise ValueError(f"ppo.stop_metric={pc.stop_metric!r} is not logged by this run's evaluation, which logs "
-                         f"{', '.join(baseline)}: name one of those (or leave ppo.stop_metric empty)")
+                         f"{', '.join(k for k in baseline if not k.startswith('eval/reward_std/'))}: name one of "
+                         "those (or leave ppo.stop_metric empty)")
     found = next((k for k in DEFAULT_STOP_METRICS if k in baseline), "")
     if not found and pc.stop_at:
         warnings.warn(f"no held-out prompts to evaluate, so ppo.stop_at={pc.stop_at} cannot stop the run: set "
