@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from rlhfkit import gemm  # noqa: E402
+from rlhfkit.accel import gemm  # noqa: E402
 
 SHAPES = {"q, o (576 x 576)": (576, 576), "k, v (192 x 576)": (192, 576), "gate, up (1536 x 576)": (1536, 576),
           "down (576 x 1536)": (576, 1536), "head (49152 x 576)": (49152, 576)}

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rlhfkit import gemm, kernels, lean
+from rlhfkit import lean
+from rlhfkit.accel import gemm, kernels
 from rlhfkit.models import position_ids_from_mask
 from rlhfkit.rollout import _FixedStep
 
@@ -72,7 +73,7 @@ def attention(kind: str):
     try:
         import triton  # noqa: F401
 
-        from rlhfkit import triton_decode
+        from rlhfkit.accel import triton_decode
     except ImportError as e:
         raise SystemExit(f"--attention triton needs Triton (CUDA builds of PyTorch bring it): {e}") from None
 

@@ -209,7 +209,7 @@ from bench_common import (  # noqa: E402
     store_result,
     stored_results,
 )
-from rlhfkit import malloc  # noqa: E402
+from rlhfkit.accel import malloc  # noqa: E402
 
 RESULT = "RESULT "
 DEFAULT_OUT = "runs/bench_real"
@@ -556,7 +556,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
 
     s = row_spec(row)
     if s["mkl"] or s["onednn"]:  # MKL: as PyTorch's own ops (and TRL) compute them; oneDNN: on any CPU
-        from rlhfkit import gemm
+        from rlhfkit.accel import gemm
 
         os.environ["RLHFKIT_ONEDNN"] = "1" if s["onednn"] else "0"
         gemm.reset()

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import rlhfkit.models as models
 import rlhfkit.trainers.rl as rl
-from rlhfkit import kernels
+from rlhfkit.accel import kernels
 from rlhfkit.config import Config, PPOConfig
 from rlhfkit.core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits
 from rlhfkit.experience import ActorCritic, Experience, make_experience

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import test_lean
-from rlhfkit import gemm, lean
+from rlhfkit import lean
+from rlhfkit.accel import gemm
 from rlhfkit.core import chunked_token_logprobs, position_ids_from_mask
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="this PyTorch build has no oneDNN linear")
@@ -115,7 +116,7 @@ AVX2 = frozenset({"avx2"})
     ("GenuineIntel", AVX512, None, False), ("GenuineIntel", AVX512, "auto", False),  # MKL's own kernels
     ("GenuineIntel", AVX512, "1", True), ("AuthenticAMD", AVX2, "1", True), ("AuthenticAMD", AVX512, "0", False)])
 def test_the_cpu_picks_the_library_unless_the_environment_does(monkeypatch, vendor, flags, setting, expected):
-    from rlhfkit import kernels
+    from rlhfkit.accel import kernels
 
     monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(gemm, "cpu_flags", lambda: flags)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_helpers import bpe_tokenizer
-from rlhfkit import kernels
+from rlhfkit.accel import kernels
 from rlhfkit.config import Config
 from rlhfkit.core import entropy_from_logits, logprobs_from_logits
 from rlhfkit.distributed import Shard, rollout_uniforms

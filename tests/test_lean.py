@@ -88,7 +88,7 @@ def loss_grads(model, hiddens, valid) -> list[dict[str, torch.Tensor]]:
 def force_blocks(monkeypatch):
     """Route every boolean-mask attention of a forward to ``kernels.block_attention`` (one
     thread, no size floor), in blocks of 3 queries so that a tiny batch spans several."""
-    from rlhfkit import gemm, kernels
+    from rlhfkit.accel import gemm, kernels
 
     if not kernels.available():
         pytest.skip("no C compiler: the blocked attention needs the compiled kernels")
@@ -372,7 +372,7 @@ def test_bfloat16_decode_kernel_is_as_close_to_float32_as_pytorchs_attention(mon
     attention (:func:`rlhfkit.kernels.decode_attention_bf16`), reading each group's prompt from
     its first row (``KVCache.shared``). Against the same weights in float32, its hidden states
     are as close as those of PyTorch's attention on the same bfloat16 cache."""
-    from rlhfkit import kernels
+    from rlhfkit.accel import kernels
 
     if DEV.type != "cpu" or not kernels._avx512_bf16() or not kernels.available():
         pytest.skip("the bfloat16 decode kernel runs on CPUs with AVX-512 BF16")
@@ -622,7 +622,7 @@ def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monke
 
     if band is not None:
         monkeypatch.setattr(rollout._FixedStep, "BAND", band)
-    from rlhfkit import triton_decode
+    from rlhfkit.accel import triton_decode
 
     if attention == "triton":
         pytest.importorskip("triton")  # a dev dependency on Linux; Triton has no other platforms' wheels
@@ -736,7 +736,7 @@ def test_pytorch_attention_keeps_one_additive_mask_per_forward_and_queries_witho
     where it kept one per layer and stream. On a CPU q and k are rotated apart, so the queries
     attention keeps are not a view holding the keys' rows too. The values and gradients are the
     other tests' (this forward against the model's own)."""
-    from rlhfkit import kernels
+    from rlhfkit.accel import kernels
 
     monkeypatch.setattr(kernels, "worth_it", lambda *a: False)  # PyTorch's attention at every size
     monkeypatch.setattr(kernels, "block_usable", lambda *a: False)

@@ -213,7 +213,8 @@ def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, mo
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rlhfkit import gemm, lean
+    from rlhfkit import lean
+from rlhfkit.accel import gemm
 
     if not gemm.packing():
         pytest.skip("no oneDNN bfloat16 products on this CPU")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")  # a dev dependency on Linux; Triton has no other platforms' wheels
 
-from rlhfkit import triton_decode  # noqa: E402
+from rlhfkit.accel import triton_decode  # noqa: E402
 
 DEV = torch.device(os.environ.get("RLHFKIT_TEST_DEVICE", "cpu"))
 

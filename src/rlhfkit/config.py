@@ -417,7 +417,7 @@ class PPOConfig(Section):
     graphs holding 821 MiB more, and the 135M one 1.1 s against 1.9 s. Where Triton imports (a
     CUDA build of torch brings it) the graphed step's attention is rlhfkit.triton_decode's
     kernel instead: it reads the step's column from device memory and only the columns written
-    so far, so one graph serves the whole rollout (RLHFKIT_TRITON=0 keeps PyTorch's attention
+    so far, so one graph serves the whole rollout (accel.enabled=off keeps PyTorch's attention
     and the bands). On another H200 at commit a4196b5 the 12-layer step took 1.9 s with it
     against 2.6 s with the bands, peaking 867 MiB lower; with model.gradient_checkpointing and
     ppo.offload too, 2.1 s at 3597 MiB, 0.42x the step of TRL there at 0.76x the memory of TRL
@@ -855,6 +855,12 @@ class EnvConfig(Section):
 
 
 @dataclass(frozen=True)
+class AccelConfig(Section):
+    enabled: Literal["auto", "on", "off"] = field(default_factory=lambda: os.environ.get("RLHFKIT_ACCEL") or "auto")
+    """Faster implementations of the core's operations (rlhfkit.accel): 'auto' where they pay on this machine, 'on' wherever they run, 'off' plain PyTorch only (default: $RLHFKIT_ACCEL, else 'auto')."""
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -870,6 +876,7 @@ class Config:
     gridworld: GridworldConfig = field(default_factory=GridworldConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    accel: AccelConfig = field(default_factory=AccelConfig)
 
     def __post_init__(self):
         # a LoRA policy's defaults (LORA_DEFAULTS) for the algorithm keys the ppo section left unset

@@ -31,7 +31,6 @@ import warnings
 import torch
 from safetensors.torch import save_file
 
-from .. import kernels
 from ..checkpoint import fault_point, latest_checkpoint
 from ..config import Config, PPOConfig
 from ..core import (
@@ -571,8 +570,6 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     shard.local_size(pc.batch_size, "ppo.batch_size", repeats)  # whole groups on every process
     local_pc = dataclasses.replace(pc, minibatch_size=shard.local_size(pc.minibatch_size, "ppo.minibatch_size"))
     ac, ref, scorer, tok = build_models(cfg, policy_path, run.device)
-    if run.device.type == "cpu":
-        kernels.available()  # compile the CPU kernels (first use only) now, not inside the first timed step
     optimizer = make_optimizer(ac, pc)
     # DDP under accelerate launch (ac itself otherwise); generation and the experience pass use ac
     train_ac, optimizer = run.prepare(ac, optimizer, micro_batch=local_pc.minibatch_size)

@@ -31,9 +31,9 @@ Together they took the tiny rollout from 2.35x to ~3.3x ``transformers``' ``gene
 The C file is compiled on first use with the system's C compiler (``$CC`` or ``cc``; ~0.5 s)
 into ``$RLHFKIT_CACHE/kernels`` (default ``~/.cache/rlhfkit``), under a name that hashes the
 source, the compiler and its flags (AVX2 when ATen itself uses it), and loaded with
-:mod:`ctypes`: no Python headers, no build step at install. Without a compiler, or with
-``RLHFKIT_KERNELS=0``, :func:`available` is False and every caller uses PyTorch's ops; results
-agree to rounding (~1e-7), as ``tests/test_kernels.py`` checks.
+:mod:`ctypes`: no Python headers, no build step at install. Without a compiler :func:`available`
+is False and :mod:`rlhfkit.ops` keeps PyTorch's ops; results agree to rounding (~1e-7), as
+``tests/test_accel.py`` checks.
 
 Callers use them for float32 CPU tensors when the work is small enough (:func:`worth_it`;
 a decode step at any size on one thread) or, for :func:`block_attention`, large enough
@@ -121,9 +121,6 @@ def _load():
     if _lib is None:
         with _lock:
             if _lib is None:
-                if os.environ.get("RLHFKIT_KERNELS", "1") == "0":
-                    _lib = False
-                    return _lib
                 try:
                     _lib = _typed(ctypes.CDLL(str(_build())))
                 except OSError as err:  # no compiler, a failed build, an unwritable cache, an unloadable library
@@ -332,7 +329,7 @@ def _avx512_bf16() -> bool:
     ``/proc/cpuinfo`` costs about 30 us, and every layer of a decode step asks)."""
     global _AVX512_BF16
     if _AVX512_BF16 is None:
-        from rlhfkit import gemm
+        from . import gemm
 
         _AVX512_BF16 = {"avx512_bf16", "avx512bw"} <= gemm.cpu_flags()
     return _AVX512_BF16
@@ -397,7 +394,7 @@ def block_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     scores a key head (``H / Hkv x Tq x Tk``: never the batch size, so a micro-batch computes
     its rows as the whole batch would), oneDNN's products in use (:func:`rlhfkit.gemm.enabled`)
     and the compiled kernels available."""
-    from rlhfkit import gemm
+    from . import gemm
 
     H, Tq = q.shape[1], q.shape[2]
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -448,7 +445,7 @@ def _block_inputs(q, k, v, mask):
 
 
 def _block_forward(q, k, v, mask, scale):
-    from rlhfkit import gemm
+    from . import gemm
 
     lib = _required()
     k, v, mask = _block_inputs(q, k, v, mask)
@@ -488,7 +485,7 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gout):
-        from rlhfkit import gemm
+        from . import gemm
 
         q, k, v, mask, out, lse = ctx.saved_tensors
         lib = _required()
