@@ -122,6 +122,7 @@ REFERENCE: dict[str, Callable] = {
 _impl: dict[str, Callable] = dict(REFERENCE)
 _chosen: dict[str, str] = {}  # name -> what computes it, for the names accel took
 _mode: str | None = None  # the last configured mode
+_said: str | None = None  # the last summary printed
 
 
 # --------------------------------------------------------------------------- the registry
@@ -161,23 +162,24 @@ def configure(accel) -> dict[str, str]:
     ``enabled`` value. ``off``: every reference, and nothing of :mod:`rlhfkit.accel` imported;
     ``auto``: what :mod:`rlhfkit.accel` measured to pay on this machine; ``on``: everything it
     has that runs here. Prints :func:`summary` when the choice changes; returns :func:`chosen`."""
-    global _mode
+    global _mode, _said
     mode = getattr(accel, "enabled", accel)
     if mode not in MODES:
         raise ValueError(f"accel.enabled must be one of {', '.join(MODES)}, not {mode!r}")
     old = [name for name in OLD_SWITCHES if name in os.environ]
     if old:
         warnings.warn(f"{', '.join(old)} no longer read: set accel.enabled=auto|on|off instead", stacklevel=2)
-    if mode != _mode:
-        _impl.clear()
-        _impl.update(REFERENCE)
-        _chosen.clear()
-        if mode != "off":
-            from . import accel as hardware  # the one place the core reaches the accel package
+    _impl.clear()
+    _impl.update(REFERENCE)
+    _chosen.clear()
+    _mode = mode
+    if mode != "off":
+        from . import accel as hardware  # the one place the core reaches the accel package
 
-            hardware.install(force=mode == "on")
-        _mode = mode
-        print(summary(), file=sys.stderr)
+        hardware.install(force=mode == "on")
+    if summary() != _said:
+        _said = summary()
+        print(_said, file=sys.stderr)
     return chosen()
 
 
