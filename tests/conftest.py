@@ -78,6 +78,14 @@ def accel_on():
     ops.configure(os.environ["RLHFKIT_ACCEL"])
 
 
+@pytest.fixture
+def accel_off():
+    """Every operation on its reference for one test, whatever ``--accel`` chose for the suite."""
+    ops.configure("off")
+    yield
+    ops.configure(os.environ["RLHFKIT_ACCEL"])
+
+
 def pytest_collection_modifyitems(config, items):
     """Move the longest files to the front (stable: every other file, and every test within a
     file, keeps its order); every worker collects the same order, as xdist requires."""
