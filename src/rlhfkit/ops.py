@@ -176,7 +176,7 @@ def configure(accel) -> dict[str, str]:
     if mode != "off":
         from . import accel as hardware  # the one place the core reaches the accel package
 
-        hardware.install(force=mode == "on")
+        hardware.install(register, reference, force=mode == "on")
     if summary() != _said:
         _said = summary()
         print(_said, file=sys.stderr)

@@ -9,16 +9,17 @@ thread counts and size thresholds are read here only.
 * :mod:`.malloc`: the command line restarted under tcmalloc or jemalloc (``run.malloc``).
 
 :func:`install` registers what runs on this machine (:mod:`.registry`: each implementation
-takes the inputs it was measured to pay on and hands any other to the reference). Importing
-this package imports nothing (``run.malloc`` reads :mod:`.malloc` before torch loads).
+takes the inputs it was measured to pay on and hands any other to the reference). This package
+imports nothing of the core, and importing it imports nothing at all (``run.malloc`` reads
+:mod:`.malloc` before torch loads).
 Measurements: ``benchmarks/ACCEL_EVIDENCE.md`` and ``benchmarks/RESULTS.md``.
 """
 from __future__ import annotations
 
 
-def install(force: bool = False) -> dict[str, str]:
-    """Register into :mod:`rlhfkit.ops` every faster implementation that runs here
-    (:func:`.registry.install`); returns ``{name: label}``."""
+def install(register, reference, force: bool = False) -> None:
+    """Call ``register(name, fn, label)`` for every faster implementation that runs here
+    (:func:`.registry.install`); ``reference(name)``: the plain one each hands other inputs to."""
     from .registry import install as register_all
 
-    return register_all(force)
+    register_all(register, reference, force)

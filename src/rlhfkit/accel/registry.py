@@ -1,34 +1,39 @@
 """The accel package's implementations of :mod:`rlhfkit.ops`' names, each taking the inputs it
-was measured to pay on and handing any other to the reference, and :func:`install`."""
+was measured to pay on and handing any other to the reference (``ref``, bound by :func:`install`:
+this package imports nothing of the core)."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from .. import ops
 from . import gemm, kernels, triton_decode
 
 LINEAR_OPS = ("linear", "add_linear", "mm", "mm_out", "grad_weight", "addmm_")
 
 
-def install(force: bool = False) -> dict[str, str]:
-    """Register into :mod:`rlhfkit.ops` every faster implementation that runs here. ``force``
+def install(register: Callable, reference: Callable, force: bool = False) -> None:
+    """Call ``register(name, fn, label)`` for every faster implementation that runs here, ``fn``
+    bound to ``reference(name)``, the plain one it hands other inputs to. ``force``
     (``accel.enabled=on``): oneDNN's float32 products on any CPU that has them, not only where
-    they were measured faster (AMD with AVX-512). Returns ``{name: label}``."""
+    they were measured faster (AMD with AVX-512)."""
     gemm.configure(force)
     if gemm.enabled():
         for name in LINEAR_OPS:
-            ops.register(name, getattr(gemm, name), "onednn")
+            register(name, getattr(gemm, name), "onednn")
     if gemm.packing():
-        ops.register("pack", pack, "onednn")
-        ops.register("packable", gemm.packable, "onednn")
+        register("pack", pack, "onednn")
+        register("packable", gemm.packable, "onednn")
     if kernels.available():
-        for name, fn in C_KERNELS.items():
-            ops.register(name, fn, "c-kernels")
+        for name, fn in C_OPERATIONS.items():
+            register(name, partial(fn, reference(name)), "c-kernels")
+        for name, fn in C_SHORTCUTS.items():
+            register(name, fn, "c-kernels")
         if gemm.enabled():
-            ops.register("causal_attention", causal_attention, "c-kernels+onednn")
+            register("causal_attention", causal_attention, "c-kernels+onednn")
     if triton_decode.importable():
-        ops.register("graphed_decode_attention", graphed_decode_attention, "triton")
-    return ops.chosen()
+        register("graphed_decode_attention", graphed_decode_attention, "triton")
 
 
 def pack(weight: torch.Tensor, rows: int | None = None, keep: bool = True):
@@ -39,37 +44,37 @@ def _f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return kernels.gelu_tanh(x) if _f32_cpu(x) else ops.reference("gelu_tanh")(x)
+def gelu_tanh(ref, x: torch.Tensor) -> torch.Tensor:
+    return kernels.gelu_tanh(x) if _f32_cpu(x) else ref(x)
 
 
-def gelu_tanh_gate(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_tanh_gate(ref, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not _f32_cpu(x):
-        return ops.reference("gelu_tanh_gate")(x)
+        return ref(x)
     s = torch.empty_like(x)
     return kernels.gelu_tanh(x, gate=s), s  # both in one pass
 
 
-def gelu_tanh_backward(x: torch.Tensor, gate: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_backward(ref, x: torch.Tensor, gate: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if _f32_cpu(x, gate) and grad.dtype == torch.float32:
         return kernels.gelu_tanh_backward(x, gate, grad)
-    return ops.reference("gelu_tanh_backward")(x, gate, grad)
+    return ref(x, gate, grad)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return kernels.swiglu(gate, up) if _f32_cpu(gate, up) else ops.reference("swiglu")(gate, up)
+def swiglu(ref, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return kernels.swiglu(gate, up) if _f32_cpu(gate, up) else ref(gate, up)
 
 
-def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad_act: torch.Tensor, want_act: bool):
+def swiglu_backward(ref, gate: torch.Tensor, up: torch.Tensor, grad_act: torch.Tensor, want_act: bool):
     if _f32_cpu(gate, up):
         return kernels.swiglu_backward(gate, up, grad_act, want_act)
-    return ops.reference("swiglu_backward")(gate, up, grad_act, want_act)
+    return ref(gate, up, grad_act, want_act)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(ref, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if kernels.rms_norm_bf16_usable(x, weight):
         return kernels.rms_norm_bf16(x, weight, eps)
-    return ops.reference("rms_norm")(x, weight, eps)
+    return ref(x, weight, eps)
 
 
 def attention(q, k, v, bias, scale: float, shared=None):
@@ -105,8 +110,11 @@ def sampler(B: int, R: int, V: int, temperature: float, eos: int):
     return kernels.Sampler(B, R, V, temperature, eos) if kernels.sampler_usable(B, V) else None
 
 
-C_KERNELS = {
+C_OPERATIONS = {  # each handed its reference
     "gelu_tanh": gelu_tanh, "gelu_tanh_gate": gelu_tanh_gate, "gelu_tanh_backward": gelu_tanh_backward,
-    "swiglu": swiglu, "swiglu_backward": swiglu_backward, "rms_norm": rms_norm, "attention": attention,
-    "decode_attention": decode_attention, "head_lse": head_lse, "head_grad": head_grad, "sampler": sampler,
+    "swiglu": swiglu, "swiglu_backward": swiglu_backward, "rms_norm": rms_norm,
+}
+C_SHORTCUTS = {  # None where they do not take the inputs
+    "attention": attention, "decode_attention": decode_attention, "head_lse": head_lse, "head_grad": head_grad,
+    "sampler": sampler,
 }
