@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from rlhfkit import ops
+from rlhfkit.cli import main
+from rlhfkit.config import Config, ConfigError, load_config
 from rlhfkit.rollout import _entropy, sample_tokens
+from rlhfkit.utils import read_jsonl
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -344,3 +347,29 @@ def test_core_imports_only_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.stdout.strip() == "['rlhfkit', 'rlhfkit.core', 'rlhfkit.ops']"
+
+
+def test_accel_enabled_from_the_command_line_and_the_environment(monkeypatch):
+    """A bare on / off (YAML's booleans) is the mode; $RLHFKIT_ACCEL is the default, else auto."""
+    assert load_config(overrides=["accel.enabled=on"]).accel.enabled == "on"
+    assert load_config(overrides=["accel.enabled=off"]).accel.enabled == "off"
+    monkeypatch.delenv("RLHFKIT_ACCEL")
+    assert Config().accel.enabled == "auto"
+    monkeypatch.setenv("RLHFKIT_ACCEL", "fast")
+    with pytest.raises(ConfigError, match="config key 'accel.enabled' must be one of"):
+        Config()
+
+
+def test_a_run_with_acceleration_on_chooses_once_and_says_so(tiny_models, tmp_path, capsys):
+    """``rlhfkit grpo accel.enabled=on``: trains, and prints the one line of what computes what
+    once (the command and the trainer's set-up both configure, with the same result)."""
+    try:
+        assert main(["grpo", f"model.name={tiny_models.policy}", f"reward.name={tiny_models.reward}",
+                     f"run.out_dir={tmp_path}", "run.progress=false", "ppo.steps=2", "ppo.batch_size=8",
+                     "ppo.minibatch_size=4", "ppo.max_new_tokens=4", "ppo.eval_every=0", "ppo.group_size=4",
+                     "model.n_layer=1", "accel.enabled=on"]) == 0
+    finally:
+        ops.configure(os.environ["RLHFKIT_ACCEL"])
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("accel (")]
+    assert len(said) == 2 and said[0].startswith("accel (on): ") and said[1].startswith("accel (off): ")
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2

@@ -859,6 +859,11 @@ class AccelConfig(Section):
     enabled: Literal["auto", "on", "off"] = field(default_factory=lambda: os.environ.get("RLHFKIT_ACCEL") or "auto")
     """Faster implementations of the core's operations (rlhfkit.accel): 'auto' where they pay on this machine, 'on' wherever they run, 'off' plain PyTorch only (default: $RLHFKIT_ACCEL, else 'auto')."""
 
+    def __post_init__(self):
+        if isinstance(self.enabled, bool):  # YAML reads a bare on / off as a boolean
+            object.__setattr__(self, "enabled", "on" if self.enabled else "off")
+        super().__post_init__()
+
 
 @dataclass(frozen=True)
 class Config:
