@@ -80,7 +80,7 @@ def main() -> None:
     if args.bf16:
         return bf16_table(args.rounds)
     if not gemm.available():
-        sys.exit("oneDNN's linear is not available in this PyTorch build (or RLHFKIT_ONEDNN=0)")
+        sys.exit("oneDNN's linear is not available in this PyTorch build")
     onednn = gemm._onednn
     print(f"torch {torch.__version__}, one thread; GFLOP/s MKL -> oneDNN (ratio), rows x weight [N, K]")
     for name, (N, K) in SHAPES.items():
