@@ -22,16 +22,9 @@ import platform
 import torch
 import torch.nn.functional as F
 
-# weights (N x K) below which products stay on MKL: oneDNN's set-up costs about 10 us a call,
-# more than a small weight's whole product over a few rows. One thread, 30 layers' weights
-# cycled, oneDNN's time over MKL's (2-core AMD EPYC Zen 5, commit f630175):
-#   64 x 256 or 128 x 128: 4.5x at 1 row, 1.9x at 16, 0.9x at 64, 0.45x at 512 to 4088
-#   192 x 576 (SmolLM2's key and value projections): 2.1x at 1 row, 1.1x at 4, 0.73x at 16,
-#   0.55x at 64, 0.42x at 4088
-# (on a Zen 4 EPYC, 1.4x at 192 x 576 and 4 rows; from 576 x 576 as fast or faster at 1 to 2048
-# rows: benchmarks/cpu_gemm.py). The limit sits between the tiny models' largest weights
-# (128 x 512 = 65536 and below), whose rollouts run a few rows, and a real model's smallest
-# projections, whose training and rollouts run hundreds to thousands.
+# weights (N x K) below which products stay on MKL: oneDNN's set-up (about 10 us a call) costs more
+# than a small weight's product over a few rows; the limit sits between the tiny models' largest
+# weights and a real model's smallest projections (benchmarks/ACCEL_EVIDENCE.md)
 MIN_WEIGHT = 100_000
 _available: bool | None = None
 _enabled: bool | None = None
@@ -93,22 +86,9 @@ def enabled() -> bool:
     """Whether products take oneDNN's path here: :func:`available`, and, unless forced
     (:func:`configure`), an x86 CPU that is not Intel's and has AVX-512 (``avx512f``).
 
-    On the AMD EPYCs MKL, PyTorch's default, ran at about the same rate with AVX-512 (Zen 5) as
-    without it (Zen 3), as AVX2 code would; oneDNN uses AVX-512 wherever the CPU has it. So on an
-    AMD EPYC with AVX-512 oneDNN is faster, and on Intel's CPUs (MKL's own kernels) or without
-    AVX-512 MKL is (the tables above; one thread, SmolLM2's shapes, ``benchmarks/cpu_gemm.py``):
-
-    - Zen 4 and Zen 5 EPYCs (AVX-512): oneDNN 1.02-1.6x and about 2x MKL's rate;
-    - a 2-core Intel Xeon (CPU family 6, model 207, AVX-512 and AMX; commit cf65421): oneDNN
-      took 1.05-1.45x MKL's time for the forward and input-gradient products from 64 rows up
-      and 1.1-2.2x for the weight gradient (medians of 11 interleaved rounds); another (model 167,
-      AVX-512 and AMX; commit 6001c10): oneDNN's rate 0.85-1.05x MKL's for the forward, 0.64-0.91x
-      for the input gradient, 0.57-0.89x for the weight gradient (7 rounds);
-    - a 2-core Zen 3 EPYC (CPU family 25, model 1, AVX2 and no AVX-512; commit b302278):
-      oneDNN's forward rate 0.81-0.95x MKL's, the input gradient 0.75-0.93x, the weight gradient
-      0.61-0.92x (7 interleaved rounds).
-
-    Elsewhere (no flags to read, another architecture) PyTorch's default stays: not measured."""
+    MKL runs AVX2 code on AMD's CPUs, oneDNN AVX-512 wherever the CPU has it; on Intel's CPUs MKL
+    runs its own kernels and was as fast or faster (benchmarks/ACCEL_EVIDENCE.md). Elsewhere (no
+    flags to read, another architecture) PyTorch's default stays: not measured."""
     global _enabled
     if _enabled is None:
         _enabled = available() and (_force or (cpu_vendor() != "GenuineIntel" and "avx512f" in cpu_flags()))
@@ -211,13 +191,10 @@ class _AddLinear(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- packed bfloat16 weights
 #
-# A bfloat16 ``F.linear`` on a CPU with AVX-512 BF16 runs oneDNN's matmul, which converts the
-# weight into its blocked layout at every call. Over a decode step's few rows that conversion
-# is a third of the product: one thread of an Intel Xeon (family 6, model 207, AMX), 64 rows,
-# SmolLM2's [1536, 576] 0.25 -> 0.16 ms, [576, 576] 0.10 -> 0.06 ms, the [49152, 576] head
-# 10.7 -> 5.5 ms; from 512 rows up the two are within noise (or the packed one slower). A weight
-# packed once for a generation call (:class:`Packed`) computes the same numbers bit for bit:
-# the same kernel, without the conversion (:func:`packing` checks that here before it is used).
+# A bfloat16 ``F.linear`` on a CPU with AVX-512 BF16 converts the weight into oneDNN's blocked
+# layout at every call, a third of a decode step's product; a weight packed once for a generation
+# call (:class:`Packed`) computes the same numbers bit for bit without it (:func:`packing` checks
+# that here before it is used; benchmarks/ACCEL_EVIDENCE.md).
 _packing: bool | None = None
 
 
