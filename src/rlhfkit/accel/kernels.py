@@ -376,7 +376,7 @@ def block_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """Whether :func:`block_attention` should compute ``q [B, H, Tq, D]`` over ``k, v [B, Hkv, Tk, D]``
     under the boolean ``mask``: float32 on a CPU, one thread, at least ``MIN_BLOCK_SCORES``
     scores a key head (``H / Hkv x Tq x Tk``: never the batch size, so a micro-batch computes
-    its rows as the whole batch would), oneDNN's products in use (:func:`rlhfkit.gemm.enabled`)
+    its rows as the whole batch would), oneDNN's products in use (:func:`rlhfkit.accel.gemm.enabled`)
     and the compiled kernels available."""
     from . import gemm
 
