@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from rlhfkit import gemm  # noqa: E402
+from rlhfkit.accel import gemm  # noqa: E402
 
 SHAPES = {"q, o (576 x 576)": (576, 576), "k, v (192 x 576)": (192, 576), "gate, up (1536 x 576)": (1536, 576),
           "down (576 x 1536)": (576, 1536), "head (49152 x 576)": (49152, 576)}
@@ -80,7 +80,7 @@ def main() -> None:
     if args.bf16:
         return bf16_table(args.rounds)
     if not gemm.available():
-        sys.exit("oneDNN's linear is not available in this PyTorch build (or RLHFKIT_ONEDNN=0)")
+        sys.exit("oneDNN's linear is not available in this PyTorch build")
     onednn = gemm._onednn
     print(f"torch {torch.__version__}, one thread; GFLOP/s MKL -> oneDNN (ratio), rows x weight [N, K]")
     for name, (N, K) in SHAPES.items():

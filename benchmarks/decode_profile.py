@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rlhfkit import gemm, kernels, lean
+from rlhfkit import lean, ops
+from rlhfkit.accel import gemm, kernels
 from rlhfkit.models import position_ids_from_mask
 from rlhfkit.rollout import _FixedStep
 
@@ -72,7 +73,7 @@ def attention(kind: str):
     try:
         import triton  # noqa: F401
 
-        from rlhfkit import triton_decode
+        from rlhfkit.accel import triton_decode
     except ImportError as e:
         raise SystemExit(f"--attention triton needs Triton (CUDA builds of PyTorch bring it): {e}") from None
 
@@ -150,8 +151,6 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True  # as real_step.py runs both libraries
     if "triton" in args.attention and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--attention triton runs on CUDA (or on a CPU under TRITON_INTERPRET=1, slowly)")
-    if "triton" in args.attention and device.type == "cpu":  # let the decode's attention reach SDPA
-        lean.kernels.usable = lean.kernels.worth_it = lambda *a, **k: False
     hows = args.how or (["eager", "fixed", "graph"] if device.type == "cuda" else ["eager", "fixed"])
     for name in args.workload:
         wl = WORKLOADS[name]
@@ -162,7 +161,10 @@ def main() -> None:
         for attend in args.attention:
             # the fixed and graph steps choose their attention themselves (rollout._FixedStep):
             # with triton the library's kernel over the written columns, with sdpa PyTorch's over bands
-            os.environ["RLHFKIT_TRITON"] = "1" if attend == "triton" else "0"
+            ops.configure("auto" if attend == "triton" else "off")
+            if attend == "triton" and device.type == "cpu":  # let the decode's attention reach SDPA
+                for op in ("attention", "decode_attention"):
+                    ops.register(op, ops.reference(op), "reference")
             for how in hows:
                 # warm-up: kernels, allocator, graph capture
                 loop(model, wl, how, device, min(8, args.steps or wl["new"]), attend=attend)

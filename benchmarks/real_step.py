@@ -57,7 +57,7 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            its attention the Triton kernel of ``rlhfkit.triton_decode`` where Triton
                            imports; ``rlhfkit_grpo_graph_torchattn`` and
                            ``rlhfkit_grpo_graph_ckpt_offload_torchattn`` keep PyTorch's attention
-                           over bands of columns (``RLHFKIT_TRITON=0``), as before that kernel
+                           over bands of columns (``accel.enabled=off``), as before that kernel
     rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update's
                            shared-prompt forward keeps each layer's input only and runs the layer
                            again in the backward; rollout and reference as in the first row
@@ -82,12 +82,11 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            (``libtcmalloc-minimal4``), ``trl_grpo_compact_jemalloc`` and
                            ``trl_grpo_compact_ckpt_tcmalloc`` TRL's rows on them. CPU only, not in
                            the default rows
-    rlhfkit_grpo_mkl       the first row with ``RLHFKIT_ONEDNN=0``: every float32 product on MKL
-                           (PyTorch's ``F.linear`` / ``mm``, as TRL's run) instead of oneDNN
-                           (``rlhfkit.gemm``; CPU only, not in the default rows). On an Intel
-                           CPU or one without AVX-512 this is the first row: rlhfkit keeps MKL
-                           there by default
-    rlhfkit_grpo_onednn    the first row with ``RLHFKIT_ONEDNN=1``: oneDNN's products (and the
+    rlhfkit_grpo_mkl       the first row with ``accel.enabled=off``: every operation on its
+                           PyTorch reference, so every float32 product on MKL (``F.linear`` /
+                           ``mm``, as TRL's run) and no compiled kernel either (CPU only, not in
+                           the default rows)
+    rlhfkit_grpo_onednn    the first row with ``accel.enabled=on``: oneDNN's products (and the
                            blocked attention) whatever the CPU; on an AMD one with AVX-512 this is the
                            first row
     trl_grpo               trl 1.16 GRPOTrainer: ``per_device_train_batch_size=MICRO``,
@@ -212,7 +211,7 @@ from bench_common import (  # noqa: E402
     results_path,
     stored_results,
 )
-from rlhfkit import malloc  # noqa: E402
+from rlhfkit.accel import malloc  # noqa: E402
 
 RESULT = "RESULT "
 DEFAULT_OUT = "runs/bench_real"
@@ -558,11 +557,9 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     from rlhfkit.config import ALGO_DEFAULTS, Config
 
     s = row_spec(row)
-    if s["mkl"] or s["onednn"]:  # MKL: as PyTorch's own ops (and TRL) compute them; oneDNN: on any CPU
-        from rlhfkit import gemm
-
-        os.environ["RLHFKIT_ONEDNN"] = "1" if s["onednn"] else "0"
-        gemm.reset()
+    # on: oneDNN's products on any CPU; off: PyTorch's own ops (as TRL computes them), and PyTorch's
+    # attention in a CUDA graph's decode step
+    accel = "on" if s["onednn"] else "off" if s["mkl"] or s["torchattn"] else "auto"
     B = wl["groups"] * wl["group_size"]
     out = Path(args.out) / f"step_{args.size}_{args.layers}l_{row}"
     shutil.rmtree(out, ignore_errors=True)
@@ -582,6 +579,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
         run={"out_dir": str(out), "seed": args.seed, "progress": False, "threads": 1, "checkpoint_every": 0,
              "tensorboard": False, "device": args.device},
         model=model, ppo=ppo, value={"lora": s["lora"]}, reward={"function": "real_step:letter_share"},
+        accel={"enabled": accel},
         data={"path": paths["prompts"], "max_prompt_length": wl["prompt_tokens"]})
     clock = PhaseClock(cuda=args.device == "cuda")
     rl.rollout = marked(rl.rollout, clock, "rollout", start=True)
@@ -736,9 +734,6 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     if row_spec(row)["malloc"]:
         env["LD_PRELOAD"] = malloc.resolve(row_spec(row)["malloc"])  # as ``run.malloc`` preloads it
-    env.pop("RLHFKIT_TRITON", None)  # the graph's decode attention: Triton's where it runs, unless the row says
-    if row_spec(row)["torchattn"]:
-        env["RLHFKIT_TRITON"] = "0"
     at = code_version()  # the code the worker imports now, whatever is checked out when it ends
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rlhfkit import core, gemm, lean
+from rlhfkit import core, lean
+from rlhfkit.accel import gemm
 from rlhfkit.models import UPDATE_LOGITS, position_ids_from_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -11,11 +11,18 @@ import os
 if os.environ.get("RLHFKIT_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every test, and every command a test starts (a subprocess inherits the variable), runs the
+# plain PyTorch reference of each operation: accel.enabled defaults to $RLHFKIT_ACCEL. Run the
+# suite with `--accel on` (or `auto`) to run it with the accelerated operations instead;
+# tests/test_accel.py checks each of them against its reference whatever this says.
+os.environ.setdefault("RLHFKIT_ACCEL", "off")
+
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch
 
+from rlhfkit import ops
 from rlhfkit.config import Config
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
 from rlhfkit.tasks import doubling
@@ -47,6 +54,36 @@ _share_cores_among_xdist_workers()
 # resume file started last and ran alone at the end (570 s of wall time for 860 s of tests).
 # Collected first, the two largest start at once, one per worker, and the rest fills in behind.
 LONGEST_FIRST = ("test_resume.py", "test_e2e.py", "test_distributed.py")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--accel", choices=ops.MODES, default=None,
+                     help="accel.enabled for every test and command the tests run (default: $RLHFKIT_ACCEL, "
+                          "which conftest.py sets to off)")
+
+
+def pytest_configure(config):
+    """The suite's accel.enabled, chosen once at the start (ops.configure: the public call a run makes)."""
+    if config.getoption("accel"):
+        os.environ["RLHFKIT_ACCEL"] = config.getoption("accel")
+    ops.configure(os.environ["RLHFKIT_ACCEL"])
+
+
+@pytest.fixture
+def accel_on():
+    """The accelerated operations that run on this machine registered for one test (``accel.enabled=on``),
+    and the suite's choice back afterwards."""
+    ops.configure("on")
+    yield ops.chosen()
+    ops.configure(os.environ["RLHFKIT_ACCEL"])
+
+
+@pytest.fixture
+def accel_off():
+    """Every operation on its reference for one test, whatever ``--accel`` chose for the suite."""
+    ops.configure("off")
+    yield
+    ops.configure(os.environ["RLHFKIT_ACCEL"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 import rlhfkit.models as models
 import rlhfkit.trainers.rl as rl
-from rlhfkit import kernels
+from rlhfkit import ops
+from rlhfkit.accel import kernels
 from rlhfkit.config import Config, PPOConfig
 from rlhfkit.core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits
 from rlhfkit.experience import ActorCritic, Experience, make_experience
@@ -121,7 +122,7 @@ def test_half_precision_computes_the_softmax_in_float32():
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler: the bfloat16 head runs PyTorch's route")
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
 @pytest.mark.parametrize("V", [13, 1003])
-def test_bfloat16_head_read_as_bfloat16_equals_the_float32_route(monkeypatch, temperature, V):
+def test_bfloat16_head_read_as_bfloat16_equals_the_float32_route(monkeypatch, accel_on, temperature, V):
     """A bfloat16 head's chunks go to the compiled kernels (no float32 copy of the logits), and
     give what PyTorch's route gives, which converts each chunk first: the log-probs and the loss
     to float32 rounding, every gradient (its logits' gradient rounded to bfloat16 once on both
@@ -148,7 +149,7 @@ def test_bfloat16_head_read_as_bfloat16_equals_the_float32_route(monkeypatch, te
 
     ours = run()
     assert calls and all(d == torch.bfloat16 for d in calls)
-    monkeypatch.setattr(kernels, "head_usable", lambda z: False)
+    ops.configure("off")  # PyTorch's route (accel_on puts the suite's choice back)
     ref = run()
     for x, y in zip(ours[:3], ref[:3]):
         assert x.dtype == torch.float32

@@ -294,7 +294,7 @@ def preload_lib(tmp_path):
 
 
 def test_run_malloc_restarts_the_command_line_once_with_the_library_preloaded(preload_lib):
-    from rlhfkit import malloc
+    from rlhfkit.accel import malloc
 
     assert not malloc.loaded(preload_lib)
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RLHFKIT_MALLOC_RESTARTED")}
@@ -306,7 +306,7 @@ def test_run_malloc_restarts_the_command_line_once_with_the_library_preloaded(pr
 
 
 def test_run_malloc_errors_name_the_fix(preload_lib, monkeypatch, capsys):
-    from rlhfkit import malloc
+    from rlhfkit.accel import malloc
 
     done = run_cli("grpo", "run.malloc=tcmallocc", "--print-config")
     assert done.returncode == 2

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hf_helpers import bpe_tokenizer
-from rlhfkit import kernels
+from rlhfkit.accel import kernels
 from rlhfkit.config import Config
 from rlhfkit.core import entropy_from_logits, logprobs_from_logits
 from rlhfkit.distributed import Shard, rollout_uniforms
@@ -187,7 +187,9 @@ def test_logprobs_are_the_full_tempered_distributions_and_the_first_ratio_is_one
                              {"params": ac.critic_parameters(), "lr": 1e-2}])
     first, *rest = ppo_update(ac, opt, exp, pc, pc.kl_coef, logprob_gap=reuse)
     assert abs(first["policy/ratio_mean"].item() - 1.0) < 1e-6
-    assert first["policy/approx_kl"].item() < 1e-10
+    # reused: the decode steps' log-probs, equal to the training forward's to float32 rounding
+    # (PyTorch's attention over a growing cache against over the whole sequence)
+    assert first["policy/approx_kl"].item() < (1e-8 if reuse else 1e-10)
     assert first["policy/clipfrac"].item() == 0.0
     if reuse:
         assert first["policy/logprob_gap"].item() <= 1e-5
@@ -212,10 +214,10 @@ def pick_stops(texts: list[str], n: int, length: int, avoid: str) -> list[str]:
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled-sampler", "pytorch-sampler"])
-def test_stop_strings_end_a_row_at_the_token_that_completes_them(compiled, monkeypatch):
+def test_stop_strings_end_a_row_at_the_token_that_completes_them(compiled, request):
     if compiled and not kernels.available():
         pytest.skip("no C compiler for the compiled sampler")
-    monkeypatch.setattr(kernels, "sampler_usable", lambda B, V: compiled)
+    request.getfixturevalue("accel_on" if compiled else "accel_off")
     B, R = 32, 12
     ids, mask = prompts(B)
     u = uniforms(B, R, seed=3)
@@ -283,14 +285,15 @@ def test_stop_strings_need_a_tokenizer_and_text():
 # --------------------------------------------------------------------------- paths and processes
 
 
-def test_top_k_and_top_p_step_the_compiled_sampler_aside(monkeypatch):
+def test_top_k_and_top_p_step_the_compiled_sampler_aside(monkeypatch, accel_on):
     made = []
 
     def spy(*args):
         made.append(args)
         raise AssertionError("the compiled sampler cannot truncate")
 
-    monkeypatch.setattr(kernels, "sampler_usable", lambda B, V: True)
+    if accel_on.get("sampler") != "c-kernels":
+        pytest.skip("no C compiler for the compiled sampler")
     monkeypatch.setattr(kernels, "Sampler", spy)
     ids, mask = prompts(4)
     for settings in ({"top_k": 3}, {"top_p": 0.9}, {"top_k": 3, "top_p": 0.9}, {"min_p": 0.1},

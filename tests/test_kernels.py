@@ -1,4 +1,5 @@
-"""rlhfkit.kernels (the compiled CPU attention, tanh-GELU and sampling step) against PyTorch.
+"""rlhfkit.accel.kernels (the compiled CPU attention, tanh-GELU and sampling step) against PyTorch,
+beyond the one case of each in test_accel.py.
 
 Each kernel replaces a handful of PyTorch ops on the CPU hot paths, so each is checked against
 those ops (in float64 where rounding could hide a bug): attention against
@@ -19,7 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhfkit import kernels
+from rlhfkit import ops
+from rlhfkit.accel import kernels
 from rlhfkit.models import build_tiny_policy
 from rlhfkit.rollout import _entropy, generate, sample_tokens
 from rlhfkit.tasks import doubling
@@ -329,7 +331,7 @@ def test_sampler_matches_the_pytorch_path(V, temperature):
 
 
 @needs_cc
-def test_generate_same_with_and_without_kernels(monkeypatch):
+def test_generate_same_with_and_without_kernels(accel_on):
     """The lean rollout (compiled attention, GELU and sampler) and the PyTorch fallback agree."""
     tok = doubling.make_tokenizer()
     model = build_tiny_policy(tok, 0, n_layer=2, n_head=2, n_embd=32).eval()
@@ -340,10 +342,9 @@ def test_generate_same_with_and_without_kernels(monkeypatch):
         return generate(model, enc["input_ids"], enc["attention_mask"], 6, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id, uniforms=u, temperature=0.9)
 
-    assert kernels.available()
+    assert accel_on["sampler"] == "c-kernels"
     fast = run()
-    monkeypatch.setattr(kernels, "_lib", False)  # as without a compiler
-    assert not kernels.available()
+    ops.configure("off")  # PyTorch's ops, as without a compiler
     slow = run()
     assert torch.equal(fast.response_ids, slow.response_ids)
     torch.testing.assert_close(fast.logprobs, slow.logprobs, atol=2e-6, rtol=1e-6)
@@ -355,7 +356,7 @@ def test_generate_same_with_and_without_kernels(monkeypatch):
 def test_no_compiler_falls_back_and_builds_are_cached(tmp_path):
     """Without a compiler the library says so once and uses PyTorch; with one, a build is made
     once per cache directory and reused by later processes."""
-    code = "from rlhfkit import kernels; print(kernels.available())"
+    code = "from rlhfkit.accel import kernels; print(kernels.available())"
     env = {**os.environ, "RLHFKIT_CACHE": str(tmp_path), "CC": "/nonexistent/cc"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False" and "unavailable" in done.stderr
@@ -437,14 +438,13 @@ def test_grouped_decode_is_separate_rows_bit_for_bit(H, Hkv, D):
 
 
 @needs_cc
-@pytest.mark.parametrize("B,H,Hkv,Tq,Tk,D,block", [
-    (3, 6, 2, 300, 340, 64, 128),  # responses after a prompt: three blocks, the last one short
-    (2, 4, 2, 37, 37, 16, 8),  # a whole causal sequence, keys in every block a multiple of 8 plus a tail
-    (2, 3, 3, 21, 45, 12, 5),  # head_dim not a multiple of 8, one head a key head
-    (1, 8, 1, 9, 9, 32, 4),  # eight heads over one key head
+@pytest.mark.parametrize("B,H,Hkv,Tq,Tk,D", [
+    (3, 6, 2, 300, 340, 64),  # responses after a prompt: three blocks, the last one short
+    (2, 4, 2, 133, 133, 16),  # a whole causal sequence, keys in every block a multiple of 8 plus a tail
+    (2, 3, 3, 131, 155, 12),  # head_dim not a multiple of 8, one head a key head
+    (1, 8, 1, 9, 9, 32),  # eight heads over one key head, one short block
 ])
-def test_block_attention_matches_reference(B, H, Hkv, Tq, Tk, D, block, monkeypatch):
-    monkeypatch.setattr(kernels, "QUERY_BLOCK", block)
+def test_block_attention_matches_reference(B, H, Hkv, Tq, Tk, D):
     gen = torch.Generator().manual_seed(Tq)
     q = torch.randn(B, H, Tq, D, generator=gen).requires_grad_()
     k = torch.randn(B, Hkv, Tk, D, generator=gen).requires_grad_()
@@ -465,12 +465,9 @@ def test_block_attention_matches_reference(B, H, Hkv, Tq, Tk, D, block, monkeypa
 
 
 @needs_cc
-def test_block_attention_routing_never_depends_on_the_batch_size(monkeypatch):
-    from rlhfkit import gemm
-
-    if not gemm.available():
+def test_block_attention_routing_never_depends_on_the_batch_size(accel_on):
+    if "linear" not in accel_on:  # accel.enabled=on: oneDNN's products whatever the CPU's vendor
         pytest.skip("this PyTorch build has no oneDNN linear: the blocked attention's products")
-    monkeypatch.setattr(gemm, "_enabled", True)  # whatever the CPU's vendor
     q, kv = torch.empty(1, 9, 511, 64), torch.empty(1, 3, 575, 64)
     mask = torch.ones(1, 511, 575, dtype=torch.bool)
     threads = torch.get_num_threads()

@@ -16,7 +16,9 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
 # Bottom to top. A module may import its own layer or a lower one; "trainers" are entry points
 # that never import one another (what they share lives in trainers.common).
 LAYERS = [
-    ("base", {"core", "config", "utils", "kernels", "triton_decode", "gemm", "offload", "malloc", "precision"}),
+    # the hardware-specific implementations rlhfkit.ops installs (rlhfkit.accel): they import no core module
+    ("accel", {"accel", "accel.registry", "accel.kernels", "accel.gemm", "accel.triton_decode", "accel.malloc"}),
+    ("base", {"core", "ops", "config", "utils", "offload", "precision"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "callables", "prompts", "tasks", "tasks.doubling",
                         "tasks.cities", "tasks.export"}),
     ("models", {"lean", "models"}),
@@ -30,7 +32,7 @@ LAYERS = [
 ]
 NO_SIBLINGS = {"trainers"}
 LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
-PACKAGES = {"": None, "trainers": None}  # __init__ files: namespaces, no code to layer
+PACKAGES = {"": None, "trainers": None}  # __init__ files: namespaces, no code to layer (accel's is a layer's)
 
 
 def module_name(path: Path) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rlhfkit import lean
+from rlhfkit import lean, ops
 from rlhfkit.models import build_tiny_policy, position_ids_from_mask
 from rlhfkit.rollout import generate, sample_tokens
 from rlhfkit.tasks import doubling
@@ -85,38 +85,14 @@ def loss_grads(model, hiddens, valid) -> list[dict[str, torch.Tensor]]:
     return grads
 
 
-def force_blocks(monkeypatch):
-    """Route every boolean-mask attention of a forward to ``kernels.block_attention`` (one
-    thread, no size floor), in blocks of 3 queries so that a tiny batch spans several."""
-    from rlhfkit import gemm, kernels
-
-    if not kernels.available():
-        pytest.skip("no C compiler: the blocked attention needs the compiled kernels")
-    if not gemm.available():
-        pytest.skip("this PyTorch build has no oneDNN linear: the blocked attention's products")
-    monkeypatch.setattr(gemm, "_enabled", True)  # whatever the CPU's vendor
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setattr(kernels, "MIN_BLOCK_SCORES", 0)
-    monkeypatch.setattr(kernels, "QUERY_BLOCK", 3)
-    calls = []
-    real = kernels.block_attention
-    monkeypatch.setattr(kernels, "block_attention", lambda *a: calls.append(1) or real(*a))
-    return calls, threads
-
-
-@pytest.mark.parametrize("attention", ["default", "blocks"])
+@pytest.mark.parametrize("accel", ["reference", "accelerated"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_hidden_states_and_grads_match_transformers(name, attention, monkeypatch):
-    if attention == "blocks":
-        calls, threads = force_blocks(monkeypatch)  # threads restored below
-    try:
-        _hidden_states_and_grads_match_transformers(name)
-    finally:
-        if attention == "blocks":
-            torch.set_num_threads(threads)
-    if attention == "blocks":
-        assert calls  # the blocked attention ran
+def test_hidden_states_and_grads_match_transformers(name, accel, request):
+    """The lean forward against the model's own, on the references and with every accelerated
+    operation that runs here (accel.enabled=on)."""
+    if accel == "accelerated":
+        request.getfixturevalue("accel_on")
+    _hidden_states_and_grads_match_transformers(name)
 
 
 def _hidden_states_and_grads_match_transformers(name):
@@ -367,12 +343,12 @@ def test_repeated_prompts_share_one_prefill():
     torch.testing.assert_close(hidden[:3], alone.expand(3, -1), atol=1e-5, rtol=0)
 
 
-def test_bfloat16_decode_kernel_is_as_close_to_float32_as_pytorchs_attention(monkeypatch):
+def test_bfloat16_decode_kernel_is_as_close_to_float32_as_pytorchs_attention(monkeypatch, accel_on):
     """A bfloat16 model's decode steps on one thread of a CPU with AVX-512 BF16 take the compiled
-    attention (:func:`rlhfkit.kernels.decode_attention_bf16`), reading each group's prompt from
+    attention (:func:`rlhfkit.accel.kernels.decode_attention_bf16`), reading each group's prompt from
     its first row (``KVCache.shared``). Against the same weights in float32, its hidden states
     are as close as those of PyTorch's attention on the same bfloat16 cache."""
-    from rlhfkit import kernels
+    from rlhfkit.accel import kernels
 
     if DEV.type != "cpu" or not kernels._avx512_bf16() or not kernels.available():
         pytest.skip("the bfloat16 decode kernel runs on CPUs with AVX-512 BF16")
@@ -425,25 +401,22 @@ def test_repeated_rows_finds_runs_of_one_prompt():
     assert lean.repeated_rows(ids[:1], mask[:1]) is None
 
 
-@pytest.mark.parametrize("flat", [None, False, True, "blocks"],
-                         ids=["device_default", "two_streams", "flat", "blocked_attention"])
+@pytest.mark.parametrize("flat", [None, False, True, "accel"],
+                         ids=["device_default", "two_streams", "flat", "accelerated"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch):
     """Rows that repeat a prompt (shuffled, as in a GRPO minibatch) run it once: same logits
     and the same gradients as running every row in full -- with the device's choice of two
     streams or one flat sequence (flat on a GPU, and on a CPU at these small sizes:
-    ``lean.flat_on_cpu``), with each of the two forced, and with the shared path's attention
-    in blocks (the full forward keeps PyTorch's)."""
+    ``lean.flat_on_cpu``), with each of the two forced, and with the shared path on every
+    accelerated operation that runs here (the full forward on the references)."""
     from rlhfkit.models import policy_forward
 
-    if flat == "blocks":
-        threads = torch.get_num_threads()
+    if flat == "accel":
         try:
-            forced = []  # the live list of blocked-attention calls, once force_blocks has run
-            _shared_prompt_forward_matches(name, policy_forward, lambda: forced.append(force_blocks(monkeypatch)[0]))
-            assert forced[0]  # the shared path's attention ran in blocks
+            _shared_prompt_forward_matches(name, policy_forward, lambda: ops.configure("on"))
         finally:
-            torch.set_num_threads(threads)
+            ops.configure(os.environ["RLHFKIT_ACCEL"])
         return
 
     if flat is not None:
@@ -451,26 +424,6 @@ def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch)
                             functools.partial(lean.response_hidden_states, flat=flat))
 
     _shared_prompt_forward_matches(name, policy_forward)
-
-
-def test_cpu_takes_the_flat_layout_for_small_steps_only(monkeypatch):
-    """On a CPU, shared prompts run as one flat sequence when the step's tokens x width is at most
-    ``lean.FLAT_CPU_ELEMENTS`` (operations' fixed costs dominate there), as two sequences above it
-    (the layout the real-size tables measured); a GPU always takes the flat one."""
-    if DEV.type != "cpu":
-        pytest.skip("the CPU's choice")
-    model = MODELS["llama"]()
-    seq, seq_mask, pos, P, _ = grouped_batch()
-    shared = lean.shared_prompts(seq, seq_mask, P)
-    taken, real = [], lean._shared_flat
-    monkeypatch.setattr(lean, "_shared_flat", lambda *a: taken.append(True) or real(*a))
-    tokens = 4 * P + 12 * (seq.shape[1] - 1 - P)  # the distinct prompts, then the response columns run
-    with torch.no_grad():
-        for bound, flat in ((tokens * 32, True), (tokens * 32 - 1, False)):  # width 32
-            monkeypatch.setattr(lean, "FLAT_CPU_ELEMENTS", bound)
-            taken.clear()
-            lean.response_hidden_states(model, seq, seq_mask, pos, P, *shared)
-            assert taken == ([True] if flat else [])
 
 
 def classifier(name: str):
@@ -610,7 +563,7 @@ def test_checkpointing_keeps_values_and_gradients_and_drops_activations(name, pa
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 @pytest.mark.parametrize("band", [None, 4])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monkeypatch):
+def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monkeypatch, request):
     """``generate(graph=True)``: the decode step with fixed shapes (attention over the cache up to
     the end of the current band of columns, unwritten columns masked; on CUDA replayed as a CUDA
     graph per band) samples the same tokens with the same log-probs as the step over a cache that
@@ -622,13 +575,11 @@ def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monke
 
     if band is not None:
         monkeypatch.setattr(rollout._FixedStep, "BAND", band)
-    from rlhfkit import triton_decode
+    from rlhfkit.accel import triton_decode
 
     if attention == "triton":
         pytest.importorskip("triton")  # a dev dependency on Linux; Triton has no other platforms' wheels
-        monkeypatch.delenv("RLHFKIT_TRITON", raising=False)  # on a CPU conftest.py turned the interpreter on
-    else:
-        monkeypatch.setenv("RLHFKIT_TRITON", "0")
+        request.getfixturevalue("accel_on")  # on a CPU conftest.py turned the interpreter on
     kernel_calls = []
     kernel = triton_decode.attention
     monkeypatch.setattr(triton_decode, "attention", lambda *a: kernel_calls.append(a[4]) or kernel(*a))
@@ -728,7 +679,7 @@ def test_training_layers_keep_fewer_activations_for_the_same_gradients(name, pat
 
 
 @pytest.mark.parametrize("path", ["full", "two_streams", "flat"])
-def test_pytorch_attention_keeps_one_additive_mask_per_forward_and_queries_without_keys(path, monkeypatch):
+def test_pytorch_attention_keeps_one_additive_mask_per_forward_and_queries_without_keys(path, accel_off):
     """Attention routed to PyTorch's (``F.scaled_dot_product_attention``) gets each boolean mask
     of a forward as one additive mask made once (``lean._additive``), not one conversion per
     layer kept for the backward: a 4-layer model keeps one mask (full forward) or three (the
@@ -736,11 +687,7 @@ def test_pytorch_attention_keeps_one_additive_mask_per_forward_and_queries_witho
     where it kept one per layer and stream. On a CPU q and k are rotated apart, so the queries
     attention keeps are not a view holding the keys' rows too. The values and gradients are the
     other tests' (this forward against the model's own)."""
-    from rlhfkit import kernels
-
-    monkeypatch.setattr(kernels, "worth_it", lambda *a: False)  # PyTorch's attention at every size
-    monkeypatch.setattr(kernels, "block_usable", lambda *a: False)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # accel.enabled=off: PyTorch's attention at every size
     cfg = LlamaConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
     model = scramble(LlamaForCausalLM(cfg), 2).train()

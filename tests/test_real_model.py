@@ -209,11 +209,13 @@ def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, mo
     """What a bfloat16 LoRA run samples on a CPU, at the defaults: groups of a prompt (shared in
     the prefill, whose 12 prompts' rows are more than ``lean.STACK_ROWS``, so its layers run
     apart), decode steps with packed weights and stacked q/k/v and gate/up. The same tokens and
-    log-probs as with nothing packed or stacked, bit for bit."""
+    log-probs as with nothing packed or stacked, bit for bit (packing registered alone, every
+    other name on its reference)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rlhfkit import gemm, lean
+    from rlhfkit import lean, ops
+    from rlhfkit.accel import gemm, registry
 
     if not gemm.packing():
         pytest.skip("no oneDNN bfloat16 products on this CPU")
@@ -239,12 +241,18 @@ def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, mo
             return generate(model, ids, mask, steps, eos_token_ids(model, smol.tok), smol.tok.pad_token_id,
                             generator=torch.Generator().manual_seed(0))
 
-    ours = sample()
-    assert len(stacked) >= 2 * 30 * (steps - 1)  # q/k/v and gate/up stacked in every layer of every decode step
-    monkeypatch.setattr(lean, "PACK_STEPS", 10**9)  # nothing packed or stacked
-    stacked.clear()
-    plain = sample()
-    assert not stacked
+    ops.configure("off")
+    try:
+        ops.register("pack", registry.pack, "onednn")
+        ops.register("packable", gemm.packable, "onednn")
+        ours = sample()
+        assert len(stacked) >= 2 * 30 * (steps - 1)  # q/k/v and gate/up stacked in every layer of every decode step
+        ops.configure("off")  # nothing packed or stacked
+        stacked.clear()
+        plain = sample()
+        assert not stacked
+    finally:
+        ops.configure(os.environ["RLHFKIT_ACCEL"])
     assert torch.equal(ours.response_ids, plain.response_ids)
     assert torch.equal(ours.logprobs, plain.logprobs)
 

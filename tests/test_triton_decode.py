@@ -1,4 +1,4 @@
-"""The Triton decode attention (rlhfkit.triton_decode) against PyTorch's attention.
+"""The Triton decode attention (rlhfkit.accel.triton_decode) against PyTorch's attention.
 
 On a CPU the kernel runs under Triton's interpreter (tests/conftest.py turns it on before
 anything imports Triton); ``RLHFKIT_TEST_DEVICE=cuda`` runs the compiled kernel on a GPU.
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")  # a dev dependency on Linux; Triton has no other platforms' wheels
 
-from rlhfkit import triton_decode  # noqa: E402
+from rlhfkit.accel import triton_decode  # noqa: E402
 
 DEV = torch.device(os.environ.get("RLHFKIT_TEST_DEVICE", "cpu"))
 
@@ -42,11 +42,9 @@ def test_matches_pytorch_over_the_written_columns(H, Hkv, T, t):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
 
 
-def test_usable_only_where_it_can_run(monkeypatch):
-    """Power-of-two head sizes, whole groups of query heads, and ``RLHFKIT_TRITON=0`` turns it off."""
+def test_usable_only_where_it_can_run():
+    """Power-of-two head sizes and whole groups of query heads (``accel.enabled=off`` never asks)."""
     kv = torch.zeros(1, 2, 2, 8, 16, device=DEV)
     assert triton_decode.usable(kv, 4)
     assert not triton_decode.usable(kv, 3)  # query heads not a multiple of the key heads
     assert not triton_decode.usable(torch.zeros(1, 2, 2, 8, 24, device=DEV), 2)  # head size 24
-    monkeypatch.setenv("RLHFKIT_TRITON", "0")
-    assert not triton_decode.usable(kv, 4)

@@ -10,7 +10,7 @@ __version__ = "0.2.0"
 
 _CONFIG = ("Config", "ConfigError", "load_config", "RunConfig", "ModelConfig", "PretrainConfig", "RewardConfig",
            "ValueConfig", "ChatConfig", "PPOConfig", "DataConfig", "SFTConfig", "DPOConfig", "EvalConfig",
-           "DemoConfig", "GridworldConfig", "EnvConfig")
+           "DemoConfig", "GridworldConfig", "EnvConfig", "AccelConfig")
 _COMMANDS = ("ppo", "grpo", "rloo", "reinforce", "dpo", "sft", "reward_model", "pretrain", "evaluate", "demo")
 # public name -> the module that defines it
 _WHERE = {**dict.fromkeys(_CONFIG, "config"), **dict.fromkeys(_COMMANDS, "api"),

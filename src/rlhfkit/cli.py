@@ -48,18 +48,18 @@ DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm"
                "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat",
                "export-task": "runs/export"}
 # the config sections (or single keys) each command reads, listed by `rlhfkit CMD --help`
-RL_SECTIONS = ("run", "model", "reward", "ppo", "value", "data", "eval", "env")
+RL_SECTIONS = ("run", "model", "reward", "ppo", "value", "data", "eval", "env", "accel")
 COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
-    "demo": ("run", "model", "pretrain", "reward", "ppo", "value", "dpo", "data", "eval", "demo"),
-    "pretrain": ("run", "model", "pretrain", "eval"),
-    "rm": ("run", "model", "reward", "data"),
+    "demo": ("run", "model", "pretrain", "reward", "ppo", "value", "dpo", "data", "eval", "demo", "accel"),
+    "pretrain": ("run", "model", "pretrain", "eval", "accel"),
+    "rm": ("run", "model", "reward", "data", "accel"),
     **dict.fromkeys(ALGO_DEFAULTS, RL_SECTIONS),
-    "dpo": ("run", "model", "dpo", "data", "eval", "reward.hard_negatives"),
-    "sft": ("run", "model", "data", "sft"),
-    "eval": ("run", "model", "eval", "data", "reward", "ppo.max_new_tokens"),
+    "dpo": ("run", "model", "dpo", "data", "eval", "reward.hard_negatives", "accel"),
+    "sft": ("run", "model", "data", "sft", "accel"),
+    "eval": ("run", "model", "eval", "data", "reward", "ppo.max_new_tokens", "accel"),
     "export-task": ("run.seed", "dpo.num_pairs", "reward.eval_pairs", "pretrain.steps", "pretrain.batch_size"),
-    "chat": ("run", "model", "chat"),
-    "gridworld": ("run", "gridworld"),
+    "chat": ("run", "model", "chat", "accel"),
+    "gridworld": ("run", "gridworld", "accel"),
 }
 _PACKAGE_DIR = Path(__file__).resolve().parent
 DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLHFKIT_DEBUG=1)"
@@ -288,11 +288,11 @@ def _main(args) -> int:
 
 
 def _preload_malloc(args, cfg: Config) -> None:
-    """run.malloc: restart the command line with that malloc preloaded (rlhfkit.malloc), before
+    """run.malloc: restart the command line with that malloc preloaded (rlhfkit.accel.malloc), before
     torch is imported. Called as a function (``main([...])``) it cannot restart its caller."""
     name = cfg.run.malloc if "run" in COMMAND_SECTIONS.get(args.command, ()) else ""
     if name:
-        from . import malloc
+        from .accel import malloc
 
         malloc.restart_with(name, args.command, args.argv)
 
@@ -326,6 +326,10 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
+    if "accel" in COMMAND_SECTIONS[command]:
+        from . import ops
+
+        ops.configure(cfg.accel)  # once, before any model runs (the trainers' setup_run again: no change)
     if command == "demo":
         from .demo import run_demo
 

@@ -167,7 +167,7 @@ class RunConfig(Section):
     """The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc' or 'jemalloc'
     (the system's shared library, e.g. Debian's libtcmalloc-minimal4), or a path to a malloc
     library. The command line restarts itself once with it in LD_PRELOAD, before torch loads
-    (``rlhfkit.malloc``). tcmalloc keeps a CPU update's resident set near the tensors alive,
+    (``rlhfkit.accel.malloc``). tcmalloc keeps a CPU update's resident set near the tensors alive,
     where glibc's heap keeps freed holes: on SmolLM2-135M's GRPO step with 512-token completions
     (2-core Intel Xeon, commit 72461bf, benchmarks/RESULTS.md) the peak went from 8018 to 6117 MiB
     and the step took 0.96x the time, in a pair of runs side by side; jemalloc reached 5988 MiB
@@ -498,9 +498,9 @@ class PPOConfig(Section):
     2.4 s on 512, where reading all 576 columns at every token cost more than the launches saved.
     With the bands (the same H200, commit a0c876e) the 12-layer step took 2.2 s either way, the
     graphs holding 821 MiB more, and the 135M one 1.1 s against 1.9 s. Where Triton imports (a
-    CUDA build of torch brings it) the graphed step's attention is rlhfkit.triton_decode's
+    CUDA build of torch brings it) the graphed step's attention is rlhfkit.accel.triton_decode's
     kernel instead: it reads the step's column from device memory and only the columns written
-    so far, so one graph serves the whole rollout (RLHFKIT_TRITON=0 keeps PyTorch's attention
+    so far, so one graph serves the whole rollout (accel.enabled=off keeps PyTorch's attention
     and the bands). On another H200 at commit a4196b5 the 12-layer step took 1.9 s with it
     against 2.6 s with the bands, peaking 867 MiB lower; with model.gradient_checkpointing and
     ppo.offload too, 2.1 s at 3597 MiB, 0.42x the step of TRL there at 0.76x the memory of TRL
@@ -972,6 +972,17 @@ class EnvConfig(Section):
 
 
 @dataclass(frozen=True)
+class AccelConfig(Section):
+    enabled: Literal["auto", "on", "off"] = field(default_factory=lambda: os.environ.get("RLHFKIT_ACCEL") or "auto")
+    """Faster implementations of the core's operations (rlhfkit.accel): 'auto' where they pay on this machine, 'on' wherever they run, 'off' plain PyTorch only (default: $RLHFKIT_ACCEL, else 'auto')."""
+
+    def __post_init__(self):
+        if isinstance(self.enabled, bool):  # YAML reads a bare on / off as a boolean
+            object.__setattr__(self, "enabled", "on" if self.enabled else "off")
+        super().__post_init__()
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -987,6 +998,7 @@ class Config:
     gridworld: GridworldConfig = field(default_factory=GridworldConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    accel: AccelConfig = field(default_factory=AccelConfig)
 
     def __post_init__(self):
         # the algorithm keys the ppo section left unset take this policy's values (LORA_DEFAULTS with LoRA)

@@ -1,5 +1,5 @@
-"""Core math of RLHF: pure functions over tensors, importing only torch (and :mod:`rlhfkit.gemm`,
-which picks a CPU matrix-product library).
+"""Core math of RLHF: pure functions over tensors, importing only torch (and :mod:`rlhfkit.ops`,
+torch only too, through which the LM head's products and its fused bfloat16 shortcut may run faster).
 
 Shape letters, fixed once for the whole package:
     B  batch            T  full sequence (prompt + response)
@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import gemm, kernels
+from . import ops
 
 __all__ = [
     "logprobs_from_logits",
@@ -115,7 +115,7 @@ def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                  temperature: float) -> torch.Tensor:
     """``[n, V]`` logits of one chunk as the LM head computes them (in its dtype), divided by the
     temperature in that dtype too: the numbers the full-logits path sees, before any upcast."""
-    logits = gemm.linear(hidden, weight, bias)  # [n, V]; oneDNN on a CPU in float32
+    logits = ops.linear(hidden, weight, bias)  # [n, V]
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -139,8 +139,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)  # [N], kept for the backward: it need not sum each row again
         for s in range(0, hidden.shape[0], chunk_rows):
             z = _head_logits(hidden[s : s + chunk_rows], weight, bias, temperature)  # [n, V]
-            if not with_entropy and kernels.head_usable(z):  # bfloat16 read as it is: no float32 copy
-                lse[s : s + chunk_rows], picked = kernels.head_lse_bf16(z, targets[s : s + chunk_rows])
+            fused = None if with_entropy else ops.head_lse(z, targets[s : s + chunk_rows])  # read as it is
+            if fused is not None:
+                lse[s : s + chunk_rows], picked = fused
                 logp[s : s + chunk_rows] = picked - lse[s : s + chunk_rows]
                 continue
             z = z.to(torch.promote_types(z.dtype, torch.float32))
@@ -167,9 +168,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk_rows):
             h = hidden[s : s + ctx.chunk_rows]  # [n, H]
             z = _head_logits(h, weight, bias, ctx.temperature)
-            if grad_ent is None and grad_logp is not None and kernels.head_usable(z):  # bfloat16 in and out
-                g = kernels.head_grad_bf16(z, lse[s : s + ctx.chunk_rows], grad_logp[s : s + ctx.chunk_rows]
-                                           / ctx.temperature, targets[s : s + ctx.chunk_rows])  # d(z / T) / dz inside
+            g = None
+            if grad_ent is None and grad_logp is not None:  # the fused head's gradient, in z's dtype
+                g = ops.head_grad(z, lse[s : s + ctx.chunk_rows], grad_logp[s : s + ctx.chunk_rows] / ctx.temperature,
+                                  targets[s : s + ctx.chunk_rows])  # d(z / T) / dz inside
+            if g is not None:
                 grad_w = _head_grads(g, h, weight, 1.0, grad_h, grad_w, need_w, grad_b, s, acc)
                 continue
             g = _logit_grad(z.to(torch.promote_types(z.dtype, torch.float32)), lse[s : s + ctx.chunk_rows, None],
@@ -207,9 +210,10 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             e = min(N, s + chunk_rows)
             h, t = hidden[s:e], targets[s:e, None]  # [n, H], [n, 1]
             z = _head_logits(h, weight, bias, temperature)  # [n, V]
-            bf16 = not with_entropy and kernels.head_usable(z)  # read as it is: no float32 copy, one pass each way
+            fused = None if with_entropy else ops.head_lse(z, t.squeeze(1))  # read as it is, one pass each way
+            bf16 = fused is not None
             if bf16:
-                lse, picked = kernels.head_lse_bf16(z, t.squeeze(1))
+                lse, picked = fused
             else:
                 z = z.to(torch.promote_types(z.dtype, torch.float32))
                 picked = z.gather(-1, t).squeeze(-1)  # [n]
@@ -230,7 +234,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             loss += part.detach().to(dtype)
             g_lp = torch.zeros_like(lp) if grads[0] is None else grads[0]  # [n]
             if bf16:  # d(z / T) / dz folded into the coefficient: one rounding to bfloat16
-                g = kernels.head_grad_bf16(z, lse, g_lp / temperature, t.squeeze(1))
+                g = ops.head_grad(z, lse, g_lp / temperature, t.squeeze(1))
             elif with_entropy:
                 g_ent = torch.zeros_like(lp) if grads[1] is None else grads[1]
                 g = _logit_grad(z, lse[:, None], t.squeeze(1), g_lp, g_ent)  # [n, V]
@@ -305,7 +309,7 @@ def _head_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, temperat
         g = g.div_(temperature)  # d(z / T) / dz
     g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
     if grad_h is not None and grad_h.dtype == g.dtype:
-        gemm.mm_out(g, weight, grad_h[s : s + g.shape[0]])  # rows of grad_h: contiguous
+        ops.mm_out(g, weight, grad_h[s : s + g.shape[0]])  # rows of grad_h: contiguous
     elif grad_h is not None:
         grad_h[s : s + g.shape[0]] = g @ weight
     if need_w:

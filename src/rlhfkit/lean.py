@@ -12,9 +12,8 @@ parameters (no copies, so autograd and the optimizer see the usual ``nn.Paramete
   mask built once, the parameters gathered once per rollout, prompts that repeat (GRPO's
   groups) run once, and on a GPU q/k/v and gate/up each as one matmul.
 
-On a CPU in float32, attention over short contexts and the tanh-GELU (forward and backward)
-go to :mod:`rlhfkit.kernels` (compiled loops; PyTorch's ops without a C compiler): at a small
-model's sizes PyTorch spends more on setting up those ops than on their arithmetic.
+Products, activations, the norm and attention go through :mod:`rlhfkit.ops`, whose names run
+plain PyTorch unless the run's ``accel.enabled`` registered faster ones (:mod:`rlhfkit.accel`).
 
 In a float32 training forward each layer keeps less for its backward than autograd would:
 the norms' inputs, not their outputs (:class:`_NormLinears`), and the MLP's input projections,
@@ -35,7 +34,6 @@ the full and the shared-prompt forwards checkpoint each layer themselves.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -44,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import gemm, kernels
+from . import ops
 from .distributed import is_sharded
 
 _LLAMA_LIKE = ("llama", "qwen2")
@@ -145,7 +143,7 @@ class _Unmerged:
 
     weight: torch.Tensor
     loras: tuple[tuple[torch.Tensor, torch.Tensor, float], ...]
-    pack: bool = False  # the stacked weight packed for oneDNN (gemm.Packed) where it can be
+    pack: bool = False  # the stacked weight packed (ops.pack) where it can be
     stacked: list = field(default_factory=list, compare=False)  # ([W; A_1; ...], bias, [bias; 0]) once made
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -160,7 +158,7 @@ class _Unmerged:
             if not self.stacked or self.stacked[1] is not bias:
                 rank = sum(a.shape[0] for a, _, _ in self.loras)
                 w = torch.cat([self.weight, *(a for a, _, _ in self.loras)])
-                self.stacked[:] = [gemm.Packed(w, STACK_ROWS, keep=False) if self.pack and gemm.packable(w) else w, bias,
+                self.stacked[:] = [ops.pack(w, STACK_ROWS, keep=False) if self.pack else w, bias,
                                    None if bias is None else torch.cat([bias, bias.new_zeros(rank)])]
             n = self.weight.shape[0]
             yt = _linear(x2, self.stacked[0], self.stacked[2])  # [rows, out + sum r]: x W^T + bias, then each x A^T
@@ -181,7 +179,7 @@ class _Unmerged:
 # generation call, and the call it saves (~20 us) matters beside a small weight's product (216 us
 # for SmolLM2's [1536, 576] at 64 rows), not beside a 7B model's (and CUDA graphs replay a GPU's)
 STACK_ROWS, STACK_MAX_WEIGHT = 256, 1 << 22
-# a generation call of at least PACK_STEPS decode steps packs its bfloat16 weights (gemm.Packed):
+# a generation call of at least PACK_STEPS decode steps packs its bfloat16 weights (ops.pack):
 # SmolLM2's 30 layers and head took 0.11 s to pack and a 64-row step 13 ms less (Xeon, model
 # 207). A weight that is not copied for the call anyway (plain weights, the head) is packed
 # beside the live one: only up to STACK_MAX_WEIGHT elements, the head up to PACK_MAX_HEAD
@@ -189,42 +187,41 @@ STACK_ROWS, STACK_MAX_WEIGHT = 256, 1 << 22
 PACK_STEPS, PACK_MAX_HEAD = 16, 1 << 25
 
 
-def decode_packed(weight: torch.Tensor, limit: int = STACK_MAX_WEIGHT) -> torch.Tensor | gemm.Packed:
+def decode_packed(weight: torch.Tensor, limit: int = STACK_MAX_WEIGHT):
     """``weight`` packed for a generation call's decode steps beside the live one (a copy for
     the call: only up to ``limit`` elements), or ``weight`` itself where it cannot be packed."""
-    return gemm.Packed(weight, STACK_ROWS) if weight.numel() <= limit and gemm.packable(weight) else weight
+    return ops.pack(weight, STACK_ROWS) if weight.numel() <= limit else weight
 
 
 def packs(input_ids: torch.Tensor, max_new_tokens: int) -> bool:
     """Whether a generation call over ``input_ids`` packs its bfloat16 weights (on a CPU, and only
-    where :func:`rlhfkit.gemm.packing` works; a float32 weight is never packed)."""
+    where :func:`rlhfkit.ops.pack` packs; a float32 weight is never packed)."""
     return input_ids.device.type == "cpu" and input_ids.shape[0] <= STACK_ROWS and max_new_tokens >= PACK_STEPS
 
 
 def _linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`rlhfkit.gemm.linear`, or the product of an :class:`_Unmerged` layer, of
+    """:func:`rlhfkit.ops.linear`, or the product of an :class:`_Unmerged` layer, of
     :class:`_StackedLoRAs` or of a packed weight."""
-    return gemm.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
+    return ops.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
 
 
-def _add_linear(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor | _Unmerged | gemm.Packed,
-                b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`rlhfkit.gemm.add_linear`, or the residual plus an :class:`_Unmerged` layer's or a
-    packed weight's product."""
+def _add_linear(res: torch.Tensor, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rlhfkit.ops.add_linear`, or the residual plus an :class:`_Unmerged` layer's or a
+    packed weight's product (:func:`rlhfkit.ops.pack`)."""
     if isinstance(w, _Unmerged):
         return res + w(x, b).view(res.shape)
-    if isinstance(w, gemm.Packed):
+    if not isinstance(w, torch.Tensor):
         return w.add(res, x, b)
-    return gemm.add_linear(res, x, w, b)
+    return ops.add_linear(res, x, w, b)
 
 
-def _weight(m: nn.Module, pack: bool = False) -> tuple[torch.Tensor | _Unmerged | gemm.Packed, torch.Tensor | None]:
+def _weight(m: nn.Module, pack: bool = False) -> tuple[torch.Tensor | _Unmerged, torch.Tensor | None]:
     """``(weight, bias)`` of a linear layer as it computes now. For a LoRA layer the base weight
     plus :func:`lora_delta` of each active adapter, built out of place: the same function as peft's ``base(x) + B(A(x)) * scaling``
     up to rounding, and the update's gradient reaches A and B through it (the frozen base
     weight gets none). Adapters in another dtype than the base weight (float32 on a half-precision
     base) stay apart: an :class:`_Unmerged` weight. ``pack``: a generation call's weights, whose
-    decode steps' products take a bfloat16 weight packed once (:class:`rlhfkit.gemm.Packed`)."""
+    decode steps' products take a bfloat16 weight packed once (:func:`rlhfkit.ops.pack`)."""
     if not _adapted(m):
         return (decode_packed(m.weight) if pack else m.weight), m.bias
     weight, active = m.base_layer.weight, _active_loras(m)
@@ -275,10 +272,6 @@ def supported(model: nn.Module) -> bool:
 # --------------------------------------------------------------------------- pieces
 
 
-_C1 = 2.0 * math.sqrt(2.0 / math.pi)
-_C3 = 0.044715 * _C1
-
-
 class _GeluTanhCPU(torch.autograd.Function):
     """``gelu(x, approximate='tanh')`` as ``x * sigmoid(c1 x + c3 x^3)`` (the identity
     ``(1 + tanh z) / 2 = sigmoid(2z)``): this CPU build's ``tanh`` is ~3.5x slower than its
@@ -287,41 +280,20 @@ class _GeluTanhCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        if x.dtype == torch.float32 and x.is_contiguous() and kernels.available():
-            s = torch.empty_like(x)
-            out = kernels.gelu_tanh(x, gate=s)  # both in one pass
-        else:
-            s = _gelu_gate(x)
-            out = x * s
+        out, s = ops.gelu_tanh_gate(x)
         ctx.save_for_backward(x, s)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, s = ctx.saved_tensors
-        if x.dtype == grad.dtype == torch.float32 and x.is_contiguous() and s.is_contiguous() and kernels.available():
-            return kernels.gelu_tanh_backward(x, s, grad)  # the lines below in one pass
-        # d/dx [x s(z)] = s + s (1 - s) x dz/dx,  x dz/dx = c1 x + 3 c3 x^3
-        xdz = torch.addcmul(_c1(x), x, x, value=3 * _C3).mul_(x)
-        return torch.addcmul(s, s, s, value=-1.0).mul_(xdz).add_(s).mul_(grad)  # (s - s^2) xdz + s
-
-
-_C1_TENSORS = {dtype: torch.tensor(_C1, dtype=dtype) for dtype in (torch.float32, torch.float64)}
-
-
-def _c1(x: torch.Tensor) -> torch.Tensor:
-    return _C1_TENSORS[x.dtype]  # a 0-dim CPU tensor (made once): addcmul's broadcast addend
+        return ops.gelu_tanh_backward(x, s, grad)
 
 
 def _gelu_by_gate(x: torch.Tensor) -> bool:
     """Whether the sigmoid-gate form below applies: a CPU tensor of a dtype with a constant in
-    ``_C1_TENSORS`` (a CPU scalar cannot be ``addcmul``'s addend for a CUDA tensor)."""
-    return x.device.type == "cpu" and x.dtype in _C1_TENSORS
-
-
-def _gelu_gate(x: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(c1 x + c3 x^3)`` in three kernels (addcmul gives c1 + c3 x^2 in one)."""
-    return torch.addcmul(_c1(x), x, x, value=_C3).mul_(x).sigmoid_()
+    :func:`rlhfkit.ops.c1` (a CPU scalar cannot be ``addcmul``'s addend for a CUDA tensor)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -329,9 +301,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if torch.is_grad_enabled() and x.requires_grad:
         return _GeluTanhCPU.apply(x)
-    if x.dtype == torch.float32 and x.is_contiguous() and kernels.available():
-        return kernels.gelu_tanh(x)  # one pass
-    return _gelu_gate(x).mul_(x)  # no graph to keep: the gate's memory is reused
+    return ops.gelu_tanh(x)  # no graph to keep: the gate's memory is reused
 
 
 def _gpt2_act(mlp: nn.Module):
@@ -350,10 +320,8 @@ def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tens
         # rounds once where the formula rounds the normalised rows and their product with the weight
         # apart (one bfloat16 update micro-batch of reasoning: 18 against 25 ms a norm, forward and
         # backward); on a CPU in bfloat16 the compiled one, whose backward is one pass a row where
-        # PyTorch's is about ten (3.3 against 17.6 ms at [4088, 576], forward and backward: kernels.rms_norm_bf16)
-        if kernels.rms_norm_bf16_usable(x, weight):
-            return kernels.rms_norm_bf16(x, weight, eps)
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
+        # PyTorch's is about ten (3.3 against 17.6 ms at [4088, 576], forward and backward)
+        return ops.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -396,7 +364,7 @@ class _NormLinears(torch.autograd.Function):
         weights, biases = linears[0::2], linears[1::2]
         ctx.save_for_backward(x, norm_weight, norm_bias, rstd, mean, *weights)
         ctx.conv1d, ctx.biased = conv1d, [b is not None for b in biases]
-        return tuple(gemm.linear(h, w.t() if conv1d else w, b) for w, b in zip(weights, biases))
+        return tuple(ops.linear(h, w.t() if conv1d else w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -409,12 +377,12 @@ class _NormLinears(torch.autograd.Function):
             if g is None:
                 continue
             if need[5 + 2 * i]:
-                out[2 * i] = gemm.grad_weight(h, g, w) if ctx.conv1d else gemm.grad_weight(g, h, w)
+                out[2 * i] = ops.grad_weight(h, g, w) if ctx.conv1d else ops.grad_weight(g, h, w)
             if need[6 + 2 * i] and ctx.biased[i]:
                 out[2 * i + 1] = g.sum(0)
             if any(need[:3]):
                 wt = w.t() if ctx.conv1d else w
-                grad_h = gemm.mm(g, wt) if grad_h is None else gemm.addmm_(grad_h, g, wt)
+                grad_h = ops.mm(g, wt) if grad_h is None else ops.addmm_(grad_h, g, wt)
         grad_x = grad_nw = grad_nb = None
         if grad_h is not None:
             grad_nw = (grad_h * xhat).sum(0) if need[1] else None
@@ -432,35 +400,24 @@ class _SwiGLUDown(torch.autograd.Function):
     """``x + F.linear(silu(gate) * up, weight, bias)``: a Llama MLP's tail and its residual,
     keeping ``gate`` and ``up`` only. Autograd would also keep ``silu(gate)`` and the product (the
     down projection's input): two of the layer's widest tensors, about a third of its saved
-    activations. The backward computes them again (one pass with the compiled kernel,
-    :func:`rlhfkit.kernels.swiglu_backward`, on a CPU in float32).
+    activations. The backward computes them again (:func:`rlhfkit.ops.swiglu_backward`).
 
     ``x [N, C]``, ``gate, up [N, I]``, ``weight [C, I]``."""
 
     @staticmethod
     def forward(ctx, x, gate, up, weight, bias):
-        if _swiglu_compiled(gate, up):
-            act = kernels.swiglu(gate, up)
-        else:
-            act = F.silu(gate).mul_(up)
+        act = ops.swiglu(gate, up)
         ctx.save_for_backward(gate, up, weight)
         ctx.biased = bias is not None
-        return gemm.add_linear(x, act, weight, bias)
+        return ops.add_linear(x, act, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up, weight = ctx.saved_tensors
         need_x, need_gate, need_up, need_w, need_b = ctx.needs_input_grad
-        grad_act = gemm.mm(grad, weight)  # [N, I]
-        if _swiglu_compiled(gate, up):
-            act, grad_gate, grad_up = kernels.swiglu_backward(gate, up, grad_act, need_w)
-        else:
-            s = torch.sigmoid(gate)
-            silu = gate * s
-            act = silu * up if need_w else None
-            grad_up = grad_act * silu
-            grad_gate = grad_act.mul_(up).mul_(s.mul_(1 + gate * (1 - s)))  # d silu / dg = s (1 + g (1 - s))
-        grad_w = gemm.grad_weight(grad, act, weight) if need_w else None
+        grad_act = ops.mm(grad, weight)  # [N, I]
+        act, grad_gate, grad_up = ops.swiglu_backward(gate, up, grad_act, need_w)
+        grad_w = ops.grad_weight(grad, act, weight) if need_w else None
         grad_b = grad.sum(0) if need_b and ctx.biased else None
         return grad if need_x else None, grad_gate, grad_up, grad_w, grad_b
 
@@ -469,49 +426,32 @@ class _GeluDown(torch.autograd.Function):
     """``x + addmm(bias, gelu_tanh(f), weight)``: GPT-2's MLP tail (``Conv1D`` weight ``[I, C]``)
     and its residual, keeping ``f`` (the MLP's input projection) only. Autograd would also keep
     the GELU's gate and its output (the down projection's input), two tensors as wide as ``f``;
-    the backward computes them again (:func:`rlhfkit.kernels.gelu_tanh` on a CPU in float32)."""
+    the backward computes them again (:func:`rlhfkit.ops.gelu_tanh_gate`)."""
 
     @staticmethod
     def forward(ctx, x, f, weight, bias):
-        if _gelu_compiled(f):
-            m = kernels.gelu_tanh(f)
-        elif _gelu_by_gate(f):
-            m = _gelu_gate(f).mul_(f)
+        if _gelu_by_gate(f):
+            m = ops.gelu_tanh(f)
         else:  # a GPU (one fused kernel), or a dtype the gate has no constant for
             m = F.gelu(f, approximate="tanh")
         ctx.save_for_backward(f, weight)
         ctx.biased = bias is not None
-        return gemm.add_linear(x, m, weight.t(), bias)
+        return ops.add_linear(x, m, weight.t(), bias)
 
     @staticmethod
     def backward(ctx, grad):
         f, weight = ctx.saved_tensors
         need_x, need_f, need_w, need_b = ctx.needs_input_grad
-        grad_m = gemm.mm(grad, weight.t())  # [N, I]
-        if _gelu_compiled(f):
-            s = torch.empty_like(f)
-            m = kernels.gelu_tanh(f, gate=s)
-            grad_f = kernels.gelu_tanh_backward(f, s, grad_m)
-        elif _gelu_by_gate(f):
-            s = _gelu_gate(f)
-            m = f * s
-            xdz = torch.addcmul(_c1(f), f, f, value=3 * _C3).mul_(f)  # as _GeluTanhCPU.backward
-            grad_f = torch.addcmul(s, s, s, value=-1.0).mul_(xdz).add_(s).mul_(grad_m)
+        grad_m = ops.mm(grad, weight.t())  # [N, I]
+        if _gelu_by_gate(f):
+            m, s = ops.gelu_tanh_gate(f)
+            grad_f = ops.gelu_tanh_backward(f, s, grad_m)
         else:
             m = F.gelu(f, approximate="tanh") if need_w else None
             grad_f = torch.ops.aten.gelu_backward(grad_m, f, approximate="tanh")
-        grad_w = gemm.grad_weight(m, grad, weight) if need_w else None
+        grad_w = ops.grad_weight(m, grad, weight) if need_w else None
         grad_b = grad.sum(0) if need_b and ctx.biased else None
         return grad if need_x else None, grad_f, grad_w, grad_b
-
-
-def _gelu_compiled(f: torch.Tensor) -> bool:
-    return f.device.type == "cpu" and f.dtype == torch.float32 and f.is_contiguous() and kernels.available()
-
-
-def _swiglu_compiled(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    return (gate.device.type == "cpu" and gate.dtype == up.dtype == torch.float32 and gate.is_contiguous()
-            and up.is_contiguous() and kernels.available())
 
 
 def _lean_training(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -539,23 +479,20 @@ def _attend(q, k, v, mask, scale, groups: int, additive: dict | None = None,
     """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
     boolean (True = may attend) or additive. Every mask here is causal with the queries at the
     last ``Tq`` of the ``Tk`` positions (a forward, a prompt, the responses after a shared
-    prompt, a decode step). Small float32 CPU work goes to the compiled kernel, larger work on
-    one thread under a boolean mask to the blocked one (:mod:`rlhfkit.kernels`, each with its own
-    backward under autograd), the rest to PyTorch's.
+    prompt, a decode step). :func:`rlhfkit.ops.causal_attention` (a boolean mask) and
+    :func:`rlhfkit.ops.attention` may take it; otherwise PyTorch's.
 
     ``additive``: a dict that lives as long as one forward through the layers; a boolean mask
     the other two routes need as an additive one is converted once into it and reused by
-    every layer (:func:`_additive`). ``shared``: a decode step's :attr:`KVCache.shared`, for the
-    bfloat16 decode kernel (:func:`rlhfkit.kernels.decode_attention_bf16`), which then reads each
-    group's prompt once."""
-    if mask.dtype == torch.bool and mask.shape[2] == q.shape[2] and kernels.block_usable(q, k, v, mask):
-        return kernels.block_attention(q, k, v, mask[:, 0], scale)
+    every layer (:func:`_additive`). ``shared``: a decode step's :attr:`KVCache.shared`, with
+    which a faster decode attention reads each group's prompt once."""
+    if mask.dtype == torch.bool and mask.shape[2] == q.shape[2]:
+        if (out := ops.causal_attention(q, k, v, mask[:, 0], scale)) is not None:
+            return out
     if mask.dtype == torch.bool:
         mask = _additive(mask, q.dtype, {} if additive is None else additive)
-    if q.shape[2] == 1 and kernels.decode_bf16_usable(q, k, v, mask):
-        return kernels.decode_attention_bf16(q, k, v, mask, scale, shared)
-    if kernels.worth_it(q, k, v):
-        return kernels.attention(q, k, v, mask[:, 0], scale)  # [B, H, Tq, D], a view of [B, Tq, H, D]
+    if (out := ops.attention(q, k, v, mask, scale, shared)) is not None:
+        return out
     if _fold_heads(q, k, groups):
         B, H, Tq, D = q.shape
         folded = _folded_mask(mask, groups, Tq, {} if additive is None else additive)
@@ -628,7 +565,7 @@ class _StackedLoRAs:
     SmolLM2's logits too). Two calls where the layers apart make two each:
     on SmolLM2's decode steps (64 rows, r 16, one thread of an Intel Xeon, model 207) 30
     layers' adapted products took 48-55 ms against 56-64 ms a step. The stacked weight is packed
-    (:class:`rlhfkit.gemm.Packed`) and only the packed copy kept."""
+    (:func:`rlhfkit.ops.pack`) and only the packed copy kept."""
 
     def __init__(self, layers: list[_Unmerged], biases: list[torch.Tensor | None]):
         self.apart = list(zip(layers, biases))
@@ -637,7 +574,7 @@ class _StackedLoRAs:
         A = [a for u in layers for a, _, _ in u.loras]
         stacked = torch.cat([*weights, *A])
         self.n, rank = sum(w.shape[0] for w in weights), sum(a.shape[0] for a in A)
-        self.weight = gemm.Packed(stacked, STACK_ROWS, keep=False)
+        self.weight = ops.pack(stacked, STACK_ROWS, keep=False)
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)] + [stacked.new_zeros(rank)])
         self.B = stacked.new_zeros((self.n, rank))  # block-diagonal
@@ -654,7 +591,7 @@ class _StackedLoRAs:
         on weights it can pack (bfloat16 on a CPU with oneDNN's: where it was measured and
         checked bit for bit; a float16 base keeps the layers apart)."""
         return (all(isinstance(u, _Unmerged) and len(u.loras) == 1 and u.loras[0][0].dtype == u.weight.dtype
-                    and gemm.packable(u.weight) for u, _ in pairs)
+                    and ops.packable(u.weight) for u, _ in pairs)
                 and len({u.loras[0][2] for u, _ in pairs}) == 1
                 and sum(u.weight.numel() for u, _ in pairs) <= STACK_MAX_WEIGHT)
 
@@ -742,7 +679,7 @@ class _Arch:
                 qkv, = _NormLinears.apply(x.reshape(B * T, C), layer[0], layer[1], self.eps, True, layer[2], layer[3])
             else:
                 h = F.layer_norm(x, (C,), layer[0], layer[1], self.eps)
-                qkv = gemm.linear(h.view(B * T, C), layer[2].t(), layer[3])
+                qkv = ops.linear(h.view(B * T, C), layer[2].t(), layer[3])
             q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             return q, k, v
         D, H, Hkv = self.head_dim, self.n_heads, self.kv_heads
@@ -775,13 +712,13 @@ class _Arch:
         ``x [B, T, H]``'s token order."""
         B, T, C = x.shape
         if self.gpt2:
-            x = gemm.add_linear(x, a, layer[4].t(), layer[5])
+            x = ops.add_linear(x, a, layer[4].t(), layer[5])
             if layer[12] is _gelu_tanh and _lean_training(x, layer[6]):  # fewer activations kept
                 f, = _NormLinears.apply(x.view(B * T, C), layer[6], layer[7], self.eps, True, layer[8], layer[9])
                 return _GeluDown.apply(x.view(B * T, C), f, layer[10], layer[11]).view(B, T, C)
             h = F.layer_norm(x, (C,), layer[6], layer[7], self.eps).view(B * T, C)
-            m = layer[12](gemm.linear(h, layer[8].t(), layer[9]))
-            return gemm.add_linear(x, m, layer[10].t(), layer[11])
+            m = layer[12](ops.linear(h, layer[8].t(), layer[9]))
+            return ops.add_linear(x, m, layer[10].t(), layer[11])
         x = _add_linear(x, a, *layer[2])
         if len(layer[4]) == 2 and layer[7] and _lean_training(x, layer[3][0]):  # fewer activations kept
             gate, up = _NormLinears.apply(x.view(B * T, C), layer[3][0], None, layer[3][1], False,
@@ -988,7 +925,7 @@ class KVCache:
     key mask ``[B, T_max]`` (0 attend, -inf padding; cheaper than a boolean one in CPU
     attention), the number of filled columns and the gathered parameters. For GPT-2 on a CPU in
     float32, ``bound`` holds per layer a ``qkv [B, 3C]`` and an ``out [B, C]`` buffer and the
-    compiled attention bound to them and to the cache (:func:`rlhfkit.kernels.decode_attention`)."""
+    attention bound to them and to the cache where one is registered (:func:`rlhfkit.ops.decode_attention`)."""
 
     kv: list[torch.Tensor]
     key_bias: torch.Tensor
@@ -1030,7 +967,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     """
     # fusing q/k/v and gate/up saves kernel launches on a GPU; on a CPU the copy of the weights
     # (fresh memory, page faults) costs more than the matmuls it merges
-    # on a CPU, bfloat16 weights packed once for the decode steps (gemm.Packed): the packing (about
+    # on a CPU, bfloat16 weights packed once for the decode steps (ops.pack): the packing (about
     # 0.1 s for SmolLM2 and its head) pays for itself within a few steps
     arch = _Arch(model, fuse=input_ids.device.type == "cuda", pack=packs(input_ids, max_new_tokens))
     rows = None
@@ -1060,18 +997,19 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     cache = KVCache(kv, key_bias, P, arch)
     if rows is not None:  # each row's prompt columns are a copy of its run's first row's
         cache.shared = (first.index_select(0, rows).contiguous(), P)
-    if arch.gpt2 and kernels.usable(kv[0], B * arch.n_heads * T_max * arch.head_dim, T_max, arch.head_dim, 1):
-        cache.bound = [_bind_decode(cache, t) for t in kv]
+    if arch.gpt2 and (first := _bind_decode(cache, kv[0]))[2] is not None:
+        cache.bound = [first] + [_bind_decode(cache, t) for t in kv[1:]]
     return hidden, cache
 
 
 def _bind_decode(cache: KVCache, kv: torch.Tensor):
     """``(qkv [B, 3C], out [B, C], step)`` for one GPT-2 layer: the step's projections are written
     into ``qkv``; ``step(t)`` puts its key and value into cache column ``t`` and attends with its
-    query over columns ``0 .. t``, writing ``out`` (heads side by side)."""
+    query over columns ``0 .. t``, writing ``out`` (heads side by side); ``step`` None where no
+    bound attention is registered (:func:`rlhfkit.ops.decode_attention`)."""
     B, _, H, _, D = kv.shape
     qkv, out = kv.new_empty((B, 3 * H * D)), kv.new_empty((B, H * D))
-    step = kernels.decode_attention(qkv.view(B, 3, H, D), kv, cache.key_bias, out.view(B, H, D), cache.arch.scale)
+    step = ops.decode_attention(qkv.view(B, 3, H, D), kv, cache.key_bias, out.view(B, H, D), cache.arch.scale)
     return qkv, out, step
 
 
@@ -1098,7 +1036,7 @@ def _decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, colum
             span: int, mask: torch.Tensor | None, bound: list | None, one_query=None) -> torch.Tensor:
     """The step of :func:`decode_step` and :func:`static_decode_step`: this step's keys and values
     go in at ``column``, attention reads cache columns ``0 .. span-1`` under ``mask [B, 1, 1, span]``
-    (GPT-2 with ``bound``: the compiled kernels, which take the column and mask themselves;
+    (GPT-2 with ``bound``: attention bound to the cache, which takes the column and mask itself;
     ``one_query(q [B, H, 1, D], kv) -> [B, H, 1, D]``: an attention that finds the columns itself)."""
     arch = cache.arch
     if arch.gpt2:
@@ -1130,20 +1068,19 @@ def static_shapes(cache: KVCache) -> bool:
 
 @torch.no_grad()
 def static_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, t: torch.Tensor,
-                       columns: torch.Tensor, triton: bool = False) -> torch.Tensor:
+                       columns: torch.Tensor, attend=None) -> torch.Tensor:
     """:func:`decode_step` with every shape and address fixed, so that a CUDA graph can replay
     it: the step's column is the tensor ``t [1]`` rather than ``cache.length``, the keys and
     values go in with ``index_copy_``, and attention runs over a fixed span of columns
     (``columns [S]``: ``arange(S)``, S <= T_max, S > t) with those after ``t`` masked, instead of
-    a slice that grows. ``triton``: attention is :func:`rlhfkit.triton_decode.attention`, which
-    reads ``t`` itself and only columns ``0 .. t`` (``columns`` is then not read). Equal to
-    :func:`decode_step` up to rounding; it does not advance ``cache.length``."""
-    if triton:
-        from . import triton_decode
-
+    a slice that grows. ``attend``: an attention ``attend(q, k, v, bias, t, scale)`` that reads
+    ``t`` itself and only columns ``0 .. t`` (:func:`rlhfkit.ops.graphed_decode_attention`;
+    ``columns`` is then not read). Equal to :func:`decode_step` up to rounding; it does not
+    advance ``cache.length``."""
+    if attend is not None:
         bias, scale = cache.key_bias, cache.arch.scale
         return _decode(cache, tokens, positions, t, 0, None, None,
-                       lambda q, kv: triton_decode.attention(q, kv[:, 0], kv[:, 1], bias, t, scale))
+                       lambda q, kv: attend(q, kv[:, 0], kv[:, 1], bias, t, scale))
     span = columns.shape[0]
     bias = cache.key_bias[:, :span].masked_fill(columns > t, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
     return _decode(cache, tokens, positions, t, span, bias, None)

@@ -3,8 +3,8 @@
 A lean decode loop instead of ``model.generate``: one prefill, then one cached forward per
 token -- for GPT-2 and Llama/Qwen2 models through :mod:`rlhfkit.lean` (a pre-allocated KV
 cache written in place, a functional forward with no per-step mask building), for any other
-causal LM through its own forward with a ``DynamicCache``. Sampling happens on the device (on a
-CPU, one compiled call per step: :class:`rlhfkit.kernels.Sampler`), optionally from a shaped
+causal LM through its own forward with a ``DynamicCache``. Sampling happens on the device (where
+registered, one call per step: :func:`rlhfkit.ops.sampler`), optionally from a shaped
 distribution, as transformers' logits processors shape it: repeats penalised, then the top-k /
 nucleus (top-p) / min-p truncation of the tempered distribution. Rows that emitted EOS or
 completed a stop string keep being fed (a batch moves in lockstep) but their later tokens are
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from . import gemm, kernels
 from . import lean as lean_lm
+from . import ops
 from .core import position_ids_from_mask
 
 
@@ -245,10 +245,10 @@ class _Forward:
                 w = head.weight
                 if lean_lm.packs(prompt_ids, max_new_tokens):  # packed once for the steps where it can be
                     w = lean_lm.decode_packed(w, lean_lm.PACK_MAX_HEAD)
-                if isinstance(w, gemm.Packed):
+                if not isinstance(w, torch.Tensor):  # packed (ops.pack)
                     head = lambda h, w=w, b=head.bias: w(h, b)  # noqa: E731
                 else:
-                    head = lambda h, w=w, b=head.bias: gemm.linear(h, w, b)  # noqa: E731
+                    head = lambda h, w=w, b=head.bias: ops.linear(h, w, b)  # noqa: E731
             self.head = head
             self.hidden, self.cache = lean_lm.prefill(model, prompt_ids, mask, positions, max_new_tokens)
             self.logits = head(self.hidden)  # [B, V]
@@ -288,7 +288,8 @@ class _FixedStep:
     captured when the decode reaches the band and dropped when it leaves it (bands only grow; the
     next graph shares its memory pool): attention over the whole pre-allocated cache at every
     token cost more than the launches saved on long completions (512 new tokens of a 12-layer
-    model on an H200). Where Triton runs (:mod:`rlhfkit.triton_decode`) attention is its kernel,
+    model on an H200). Where a graphed attention is registered (:func:`rlhfkit.ops.graphed_decode_attention`:
+    Triton's) attention is its kernel,
     which reads the step's column from device memory and only the columns written so far: then
     one band spans the whole cache and one graph serves the rollout. On a CPU (no graphs) the
     same steps run as written, which is how the tests check them (the Triton kernel under its
@@ -298,12 +299,11 @@ class _FixedStep:
     BAND = 64  # columns per band, at least; at most 16 bands (captures) per rollout
 
     def __init__(self, cache, head, cuda: bool):
-        from . import triton_decode
-
         B, T = cache.key_bias.shape
         dev = cache.key_bias.device
         self.cache, self.head, self.cuda, self.T = cache, head, cuda, T
-        self.triton = triton_decode.usable(cache.kv[0], cache.arch.n_heads)
+        self.attend = ops.graphed_decode_attention(cache.kv[0], cache.arch.n_heads)
+        self.triton = self.attend is not None
         self.band = T if self.triton else max(self.BAND, -(-T // 16))
         self.span, self.graph, self.out = 0, None, None  # the current band's end, graph and outputs
         self.tok = torch.zeros(B, dtype=torch.long, device=dev)
@@ -315,7 +315,7 @@ class _FixedStep:
 
     @torch.no_grad()
     def _run(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = lean_lm.static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns[:span], self.triton)
+        hidden = lean_lm.static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns[:span], self.attend)
         return hidden, self.head(hidden)
 
     def _capture(self, span: int) -> None:
@@ -384,8 +384,7 @@ class _Draw:
     """Picks each step's tokens and keeps what the rollout returns: the tokens, which rows are
     still going, and the log-probs and entropies of the (tempered) distributions sampled from.
 
-    On a CPU the sampling step is one compiled call (:class:`rlhfkit.kernels.Sampler`, same
-    arithmetic) unless the sampler's distribution is shaped (top-k, top-p, min-p, a repetition
+    The sampling step may be one call (:func:`rlhfkit.ops.sampler`, same arithmetic) unless the sampler's distribution is shaped (top-k, top-p, min-p, a repetition
     penalty: :func:`sampler_logprobs`), which the compiled call does not do; that is decided once,
     here. Otherwise per step only what sampling needs; masks, padding and trimming happen once at
     the end. While the per-step distributions are small (a small vocabulary) they are kept and
@@ -409,9 +408,8 @@ class _Draw:
         # the compiled sampler draws from the full tempered distribution only
         self.shaped = not greedy and (top_k > 0 or top_p < 1.0 or min_p > 0.0 or repetition_penalty != 1.0)
         self.seen = seen  # [B, V] the tokens in each row's context, for the repetition penalty (else None)
-        self.sampler = (kernels.Sampler(B, max_new_tokens, V, temperature, eos[0])
-                        if not greedy and not self.shaped and device.type == "cpu" and kernels.sampler_usable(B, V)
-                        else None)
+        self.sampler = (ops.sampler(B, max_new_tokens, V, temperature, eos[0])
+                        if not greedy and not self.shaped and device.type == "cpu" else None)
         if self.sampler is not None:
             self.uniforms = uniforms.float()
         # checking "all rows finished" reads a flag back from the device; on GPUs do it every few steps

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from tqdm.autonotebook import tqdm as _notebook_or_std_tqdm
 from tqdm.std import tqdm as _std_tqdm
 
+from . import ops
 from .config import Config, ConfigError, save_config
 
 
@@ -389,14 +390,16 @@ def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> 
 
 
 def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
-    """Seed, set threads and check ``run.out_dir`` (:func:`check_out_dir`); with ``write``, also
-    start the run directory (:func:`start_run_dir`), else the caller does once its inputs are
+    """Seed, set threads, choose the accelerated operations (:func:`rlhfkit.ops.configure`) and
+    check ``run.out_dir`` (:func:`check_out_dir`); with ``write``, also start the run directory
+    (:func:`start_run_dir`), else the caller does once its inputs are
     loaded, so a bad data file or model leaves no directory behind. Every process of a
     distributed launch uses the same seed. Off a terminal, or with ``run.progress=false``, the
     model loading bars are turned off too."""
     seed_everything(cfg.run.seed)
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
+    ops.configure(cfg.accel)  # which operations run faster than their reference (and any compile) now
     if not cfg.run.progress or not _is_tty(sys.stderr):
         quiet_hub_progress()
     check_out_dir(cfg, resumable)

@@ -31,7 +31,6 @@ import warnings
 import torch
 from safetensors.torch import save_file
 
-from .. import kernels
 from ..callables import check_before_loading
 from ..checkpoint import fault_point, latest_checkpoint
 from ..config import Config, PPOConfig
@@ -597,8 +596,6 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     rates = run.learning_rates(ac.policy, "ppo.lr", *(["ppo.value_lr"] if ac.has_critic else []))
     pc, local_pc = (dataclasses.replace(c, lr=rates["ppo.lr"], value_lr=rates.get("ppo.value_lr"))
                     for c in (pc, local_pc))
-    if run.device.type == "cpu":
-        kernels.available()  # compile the CPU kernels (first use only) now, not inside the first timed step
     optimizer = make_optimizer(ac, pc)
     # DDP under accelerate launch (ac itself otherwise); generation and the experience pass use ac
     train_ac, optimizer = run.prepare(ac, optimizer, micro_batch=local_pc.minibatch_size)

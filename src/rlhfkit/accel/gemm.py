@@ -1,103 +1,34 @@
-"""Float32 linear layers on a CPU through oneDNN instead of MKL (by default on non-Intel CPUs with AVX-512).
+"""Float32 linear layers on a CPU through oneDNN instead of MKL, and bfloat16 weights packed for decode steps.
 
-PyTorch's CPU build computes a float32 ``F.linear`` / ``mm`` / ``addmm`` with MKL's sgemm. It
-also ships oneDNN, whose inner-product primitive ``torch.compile``'s CPU backend calls as
-``mkldnn::_linear_pointwise``. One thread, ``y = x @ W.T`` in GFLOP/s, MKL -> oneDNN, each
-layer's weight a different tensor as in a forward (``benchmarks/cpu_gemm.py``; torch 2.13.0,
-MKL 2024.2, oneDNN 3.12):
+PyTorch computes a float32 ``F.linear`` / ``mm`` / ``addmm`` on a CPU with MKL's sgemm; it also
+ships oneDNN, whose inner product ``torch.compile``'s CPU backend calls. On AMD CPUs with
+AVX-512 oneDNN's products ran up to about 2x MKL's rate; on Intel's CPUs and on CPUs without
+AVX-512 MKL was as fast or faster (``benchmarks/ACCEL_EVIDENCE.md``), so :func:`enabled` says
+yes only on the former, unless ``accel.enabled=on`` forces it (:func:`configure`).
 
-=======================  ==========  ==========  ==========  ==========
-2-core AMD EPYC, Zen 4   64 rows     341 rows    1024 rows   2048 rows
-(commit 9387e3c)
-=======================  ==========  ==========  ==========  ==========
-576 x 576 (q, o)         69 -> 78    92 -> 95    91 -> 93    90 -> 100
-1536 x 576 (gate, up)    69 -> 75    75 -> 90    77 -> 96    82 -> 99
-576 x 1536 (down)        77 -> 82    80 -> 94    81 -> 101   84 -> 100
-49152 x 576 (the head)   52 -> 83    67 -> 82
-=======================  ==========  ==========  ==========  ==========
-
-=======================  ==========  ==========  ==========  ==========
-2-core AMD EPYC, Zen 5   64 rows     341 rows    1024 rows   2048 rows
-(CPU family 26, 4833982)
-=======================  ==========  ==========  ==========  ==========
-576 x 576 (q, o)         94 -> 181   110 -> 230  101 -> 231  106 -> 238
-1536 x 576 (gate, up)    88 -> 177   102 -> 220  107 -> 229  108 -> 238
-576 x 1536 (down)        93 -> 187   108 -> 227  112 -> 236  109 -> 242
-49152 x 576 (the head)   77 -> 184   84 -> 170
-=======================  ==========  ==========  ==========  ==========
-
-=======================  ==========  ==========  ==========  ==========
-2-core Intel Xeon        64 rows     341 rows    1024 rows   2048 rows
-(family 6, model 207,
-d8a2c52, the other core busy)
-=======================  ==========  ==========  ==========  ==========
-576 x 576 (q, o)         67 -> 57    89 -> 82    145 -> 128  120 -> 124
-1536 x 576 (gate, up)    80 -> 79    115 -> 104  130 -> 116  130 -> 120
-576 x 1536 (down)        92 -> 91    121 -> 132  125 -> 113  110 -> 101
-49152 x 576 (the head)   96 -> 108   81 -> 74
-=======================  ==========  ==========  ==========  ==========
-
-=======================  ==========  ==========  ==========  ==========
-2-core AMD EPYC, Zen 3   64 rows     341 rows    1024 rows   2048 rows
-(CPU family 25, model 1,
-no AVX-512; b302278)
-=======================  ==========  ==========  ==========  ==========
-576 x 576 (q, o)         74 -> 67    91 -> 81    94 -> 86    92 -> 86
-1536 x 576 (gate, up)    73 -> 69    87 -> 81    96 -> 87    94 -> 87
-576 x 1536 (down)        75 -> 72    91 -> 84    93 -> 80    93 -> 85
-49152 x 576 (the head)   61 -> 73    71 -> 72
-=======================  ==========  ==========  ==========  ==========
-
-On the Zen 5 machine MKL stays near 105-115 GFLOP/s, about half of what oneDNN reaches there,
-and the same holds for the backward's products: the input gradient ``g @ W`` 1.8-2.3x faster
-on oneDNN, the weight gradient ``g.T @ x`` 1.7-2.1x (on the Zen 4 machine the weight gradient
-was about as fast in either library). On the Intel machine MKL runs its own kernels: per pass,
-oneDNN's forward rate was 0.83-1.03x MKL's (1.11x only for the head at 64 rows), the input
-gradient 0.67-0.91x, the weight gradient 0.5-0.88x, so there rlhfkit keeps MKL (:func:`enabled`).
-On the Zen 3 machine, which has no AVX-512, MKL runs at 71-96 GFLOP/s (77-112 on the Zen 5
-one) and oneDNN slower: forward 0.81-0.95x MKL's rate but for the head (1.19x at 64 rows,
-1.01x at 341 and 512), the input gradient 0.75-0.93x, the weight gradient 0.61-0.92x; so MKL
-there too.
-
-Both accumulate in float32 (no reduced-precision arithmetic); results differ by rounding
-(about 1e-6 of the output's size), and each library's rows do not depend on how many rows are
-in the call (but for a single row, where both take a matrix-vector path). A call costs oneDNN
-about 12 us more to set up, so small weights stay on MKL (:data:`MIN_WEIGHT`). Which library
-computes a product depends on the weight only, never on the number of rows, so a batch split
-into micro-batches or over processes computes each row as the whole batch does; a weight
-gradient, a sum over rows, is split into partial sums by any such split in either library.
+Both libraries accumulate in float32; results differ by rounding. Which library computes a
+product depends on the weight only (at least :data:`MIN_WEIGHT` elements: oneDNN's set-up costs
+more than a small weight's product), never on the number of rows, so a batch split into
+micro-batches or over processes computes each row as the whole batch does.
 
 :func:`linear`, :func:`add_linear`, :func:`mm`, :func:`mm_out`, :func:`addmm_` and
-:func:`grad_weight` take oneDNN's path for float32 CPU tensors; where autograd records a graph
-through them, :class:`_AddLinear` gives the product its backward. Callers: the rollout's
-forwards and head, the reference and reward forwards, the training layers of
-:mod:`rlhfkit.lean` (forward, input and weight gradients) and the chunked log-prob head (its
-forward and input gradient; its weight gradient, summed chunk by chunk into one ``[V, H]``
-tensor, stays on ``addmm_`` in place, where oneDNN would need a ``[V, H]`` temporary a chunk).
-Anything else, an Intel CPU or one without AVX-512 (unless ``RLHFKIT_ONEDNN=1``; :func:`enabled`),
-``RLHFKIT_ONEDNN=0``, or a PyTorch built without oneDNN, uses PyTorch's own op.
+:func:`grad_weight` are registered as :mod:`rlhfkit.ops`' names of the same names; where
+autograd records a graph through them, :class:`_AddLinear` gives the product its backward.
 """
 from __future__ import annotations
 
-import os
 import platform
 
 import torch
 import torch.nn.functional as F
 
-# weights (N x K) below which products stay on MKL: oneDNN's set-up costs about 10 us a call,
-# more than a small weight's whole product over a few rows. One thread, 30 layers' weights
-# cycled, oneDNN's time over MKL's (2-core AMD EPYC Zen 5, commit f630175):
-#   64 x 256 or 128 x 128: 4.5x at 1 row, 1.9x at 16, 0.9x at 64, 0.45x at 512 to 4088
-#   192 x 576 (SmolLM2's key and value projections): 2.1x at 1 row, 1.1x at 4, 0.73x at 16,
-#   0.55x at 64, 0.42x at 4088
-# (on a Zen 4 EPYC, 1.4x at 192 x 576 and 4 rows; from 576 x 576 as fast or faster at 1 to 2048
-# rows: benchmarks/cpu_gemm.py). The limit sits between the tiny models' largest weights
-# (128 x 512 = 65536 and below), whose rollouts run a few rows, and a real model's smallest
-# projections, whose training and rollouts run hundreds to thousands.
+# weights (N x K) below which products stay on MKL: oneDNN's set-up (about 10 us a call) costs more
+# than a small weight's product over a few rows; the limit sits between the tiny models' largest
+# weights and a real model's smallest projections (benchmarks/ACCEL_EVIDENCE.md)
 MIN_WEIGHT = 100_000
 _available: bool | None = None
 _enabled: bool | None = None
+_force = False
 
 
 def _cpuinfo(field: str) -> str | None:
@@ -128,19 +59,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset((_cpuinfo("flags") or "").split())
 
 
-def reset() -> None:
-    """Read ``RLHFKIT_ONEDNN`` again on the next product (after changing it in this process)."""
-    global _available, _enabled, _packing
+def configure(force: bool = False) -> None:
+    """``force``: oneDNN's products wherever they run, not only where they were measured faster
+    (``accel.enabled=on``); every check is made again at the next product."""
+    global _available, _enabled, _packing, _force
     _available = _enabled = _packing = None
+    _force = force
 
 
 def available() -> bool:
-    """Whether oneDNN's linear runs here (PyTorch built with it, ``RLHFKIT_ONEDNN`` not ``0``);
-    checked once with a small product against ``F.linear``."""
+    """Whether oneDNN's linear runs here (PyTorch built with it); checked once with a small
+    product against ``F.linear``."""
     global _available
     if _available is None:
         _available = False
-        if os.environ.get("RLHFKIT_ONEDNN", "auto") != "0" and torch.backends.mkldnn.is_available():
+        if torch.backends.mkldnn.is_available():
             try:
                 x, w = torch.randn(3, 5), torch.randn(4, 5)
                 _available = bool(torch.allclose(_onednn(x, w, None), F.linear(x, w), atol=1e-5))
@@ -150,30 +83,15 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """Whether products take oneDNN's path here: :func:`available`, and, unless
-    ``RLHFKIT_ONEDNN=1``, an x86 CPU that is not Intel's and has AVX-512 (``avx512f``).
+    """Whether products take oneDNN's path here: :func:`available`, and, unless forced
+    (:func:`configure`), an x86 CPU that is not Intel's and has AVX-512 (``avx512f``).
 
-    On the AMD EPYCs MKL, PyTorch's default, ran at about the same rate with AVX-512 (Zen 5) as
-    without it (Zen 3), as AVX2 code would; oneDNN uses AVX-512 wherever the CPU has it. So on an
-    AMD EPYC with AVX-512 oneDNN is faster, and on Intel's CPUs (MKL's own kernels) or without
-    AVX-512 MKL is (the tables above; one thread, SmolLM2's shapes, ``benchmarks/cpu_gemm.py``):
-
-    - Zen 4 and Zen 5 EPYCs (AVX-512): oneDNN 1.02-1.6x and about 2x MKL's rate;
-    - a 2-core Intel Xeon (CPU family 6, model 207, AVX-512 and AMX; commit cf65421): oneDNN
-      took 1.05-1.45x MKL's time for the forward and input-gradient products from 64 rows up
-      and 1.1-2.2x for the weight gradient (medians of 11 interleaved rounds); another (model 167,
-      AVX-512 and AMX; commit 6001c10): oneDNN's rate 0.85-1.05x MKL's for the forward, 0.64-0.91x
-      for the input gradient, 0.57-0.89x for the weight gradient (7 rounds);
-    - a 2-core Zen 3 EPYC (CPU family 25, model 1, AVX2 and no AVX-512; commit b302278):
-      oneDNN's forward rate 0.81-0.95x MKL's, the input gradient 0.75-0.93x, the weight gradient
-      0.61-0.92x (7 interleaved rounds).
-
-    Elsewhere (no flags to read, another architecture) PyTorch's default stays: not measured.
-    ``RLHFKIT_ONEDNN=0`` turns oneDNN off everywhere, ``1`` on everywhere."""
+    MKL runs AVX2 code on AMD's CPUs, oneDNN AVX-512 wherever the CPU has it; on Intel's CPUs MKL
+    runs its own kernels and was as fast or faster (benchmarks/ACCEL_EVIDENCE.md). Elsewhere (no
+    flags to read, another architecture) PyTorch's default stays: not measured."""
     global _enabled
     if _enabled is None:
-        mode = os.environ.get("RLHFKIT_ONEDNN", "auto")
-        _enabled = available() and (mode == "1" or (cpu_vendor() != "GenuineIntel" and "avx512f" in cpu_flags()))
+        _enabled = available() and (_force or (cpu_vendor() != "GenuineIntel" and "avx512f" in cpu_flags()))
     return _enabled
 
 
@@ -273,24 +191,21 @@ class _AddLinear(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- packed bfloat16 weights
 #
-# A bfloat16 ``F.linear`` on a CPU with AVX-512 BF16 runs oneDNN's matmul, which converts the
-# weight into its blocked layout at every call. Over a decode step's few rows that conversion
-# is a third of the product: one thread of an Intel Xeon (family 6, model 207, AMX), 64 rows,
-# SmolLM2's [1536, 576] 0.25 -> 0.16 ms, [576, 576] 0.10 -> 0.06 ms, the [49152, 576] head
-# 10.7 -> 5.5 ms; from 512 rows up the two are within noise (or the packed one slower). A weight
-# packed once for a generation call (:class:`Packed`) computes the same numbers bit for bit:
-# the same kernel, without the conversion (:func:`packing` checks that here before it is used).
+# A bfloat16 ``F.linear`` on a CPU with AVX-512 BF16 converts the weight into oneDNN's blocked
+# layout at every call, a third of a decode step's product; a weight packed once for a generation
+# call (:class:`Packed`) computes the same numbers bit for bit without it (:func:`packing` checks
+# that here before it is used; benchmarks/ACCEL_EVIDENCE.md).
 _packing: bool | None = None
 
 
 def packing() -> bool:
     """Whether bfloat16 weights can be packed here: oneDNN with bfloat16 support (PyTorch's own
-    bf16 products then run on it), ``RLHFKIT_ONEDNN`` not ``0``, and a packed product, with a
+    bf16 products then run on it), and a packed product, with a
     bias and with a residual, equal bit for bit to ``F.linear`` / ``addmm`` (checked once)."""
     global _packing
     if _packing is None:
         _packing = False
-        if os.environ.get("RLHFKIT_ONEDNN", "auto") != "0" and torch.backends.mkldnn.is_available():
+        if torch.backends.mkldnn.is_available():
             try:
                 if torch.ops.mkldnn._is_mkldnn_bf16_supported():
                     g = torch.Generator().manual_seed(0)

@@ -10,13 +10,14 @@ together, in float32 throughout (a decode step is bound by memory, not arithmeti
 values are read in place from the lean cache (``[B, 2, Hkv, T, D]``) through their strides, the
 additive key mask ``[B, T]`` likewise.
 
-Used when Triton imports and the cache is on CUDA; ``RLHFKIT_TRITON=0`` keeps PyTorch's
-attention. On a CPU Triton's interpreter runs it (``TRITON_INTERPRET=1``), which is how the
+Used when Triton imports and the cache is on CUDA (``accel.enabled=off`` keeps PyTorch's
+attention). On a CPU Triton's interpreter runs it (``TRITON_INTERPRET=1``), which is how the
 tests check it against PyTorch's attention.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
@@ -29,9 +30,7 @@ def _interpreting() -> bool:
 def usable(kv: torch.Tensor, heads: int) -> bool:
     """Whether the kernel can run a decode step over the cache tensor ``kv [B, 2, Hkv, T, D]``
     with ``heads`` query heads: Triton imports, the cache is on CUDA (on a CPU: under Triton's
-    interpreter), the head size is a power of two and ``RLHFKIT_TRITON`` is not ``0``."""
-    if os.environ.get("RLHFKIT_TRITON") == "0":
-        return False
+    interpreter) and the head size is a power of two."""
     D, Hkv = kv.shape[-1], kv.shape[2]
     if D & (D - 1) or heads % Hkv or kv.stride(-1) != 1:
         return False
@@ -42,6 +41,11 @@ def usable(kv: torch.Tensor, heads: int) -> bool:
     except ImportError:
         return False
     return True
+
+
+def importable() -> bool:
+    """Whether Triton is installed here (a CUDA build of torch on Linux brings it); found, not imported."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache

@@ -31,9 +31,9 @@ Together they took the tiny rollout from 2.35x to ~3.3x ``transformers``' ``gene
 The C file is compiled on first use with the system's C compiler (``$CC`` or ``cc``; ~0.5 s)
 into ``$RLHFKIT_CACHE/kernels`` (default ``~/.cache/rlhfkit``), under a name that hashes the
 source, the compiler and its flags (AVX2 when ATen itself uses it), and loaded with
-:mod:`ctypes`: no Python headers, no build step at install. Without a compiler, or with
-``RLHFKIT_KERNELS=0``, :func:`available` is False and every caller uses PyTorch's ops; results
-agree to rounding (~1e-7), as ``tests/test_kernels.py`` checks.
+:mod:`ctypes`: no Python headers, no build step at install. Without a compiler :func:`available`
+is False and :mod:`rlhfkit.ops` keeps PyTorch's ops; results agree to rounding (~1e-7), as
+``tests/test_accel.py`` checks.
 
 Callers use them for float32 CPU tensors when the work is small enough (:func:`worth_it`;
 a decode step at any size on one thread) or, for :func:`block_attention`, large enough
@@ -63,13 +63,8 @@ _lib = None  # the loaded library, False once loading failed
 _lock = threading.Lock()
 
 # Work (B x H x Tq x Tk x head_dim) above which PyTorch's attention, blocked and threaded, is as
-# fast or faster. Measured on this project's 2-core machine: on one thread the kernel is 0.3-0.8x
-# PyTorch's time up to ~2^24 (16 x 12 heads x 32 x 32 x 64: 0.83x; 64 x 64 queries and keys:
-# 1.1x); on two threads up to ~2^21 (16 x 12 x 1 x 96 x 64: 0.84x; 8 x 14 x 1 x 512 x 64: 1.4x).
-# A decode step (one query a row) reuses no key across queries, so PyTorch's blocking gains
-# nothing there: on one thread the kernel takes 0.4-0.6x its time at every size measured (up to
-# 2^26: 64 rows x 12 heads x 1024 keys x 64, or 16 x 32 heads x 2048 keys x 128, at commit
-# b03b757 on a 2-core AMD EPYC Zen 5) and has no work limit.
+# fast or faster, on one thread and on several; a decode step (one query a row) has no limit on
+# one thread (benchmarks/ACCEL_EVIDENCE.md)
 SMALL_ONE_THREAD, SMALL_THREADED = 1 << 24, 1 << 21
 MAX_KEYS, MAX_HEAD_DIM = 16384, 512  # as csrc/cpu_kernels.c (one query's scores live on its stack)
 
@@ -121,9 +116,6 @@ def _load():
     if _lib is None:
         with _lock:
             if _lib is None:
-                if os.environ.get("RLHFKIT_KERNELS", "1") == "0":
-                    _lib = False
-                    return _lib
                 try:
                     _lib = _typed(ctypes.CDLL(str(_build())))
                 except OSError as err:  # no compiler, a failed build, an unwritable cache, an unloadable library
@@ -332,7 +324,7 @@ def _avx512_bf16() -> bool:
     ``/proc/cpuinfo`` costs about 30 us, and every layer of a decode step asks)."""
     global _AVX512_BF16
     if _AVX512_BF16 is None:
-        from rlhfkit import gemm
+        from . import gemm
 
         _AVX512_BF16 = {"avx512_bf16", "avx512bw"} <= gemm.cpu_flags()
     return _AVX512_BF16
@@ -350,10 +342,8 @@ def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bia
     ``rows[b]``'s (rows that share a prompt, as :func:`rlhfkit.lean.prefill` copies them) and are
     read there: one copy a group leaves memory.
 
-    One thread of an Intel Xeon (CPU family 6, model 207) at SmolLM2's shapes (64 rows, 9 heads
-    over 3, head_dim 64, 30 layers' caches in turn), per layer against PyTorch's: 1.60 against
-    2.07 ms at 320 keys, 2.85 against 3.65 ms at 576 (commit f31bba6's base, 3 rounds; without
-    ``shared``); the reasoning rollout's decode loop 129.7 against 147.0 ms a step."""
+    PyTorch's attention read the cache at about half of what one core streams
+    (benchmarks/ACCEL_EVIDENCE.md)."""
     lib = _required()
     B, H, _, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -377,17 +367,8 @@ def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bia
 
 QUERY_BLOCK = 128  # queries of a head a block: their scores for 576 keys, 3 heads at once, ~0.9 MB
 # Scores a key head (heads reading it x queries x keys) from which the blocks beat PyTorch's
-# attention, forward and backward, on one thread (2-core AMD EPYC Zen 5, commit 852d624; time
-# over PyTorch's, forward / backward): 3 heads x 511 queries x 575 keys 0.43 / 0.44; 3 x 128 x 128
-# 0.78 / 0.78; 3 x 63 x 191 0.79 / 0.89; below, the Python around each block's three calls
-# costs more than it saves: 3 x 64 x 64 1.39 / 1.48, 1 x 63 x 191 (GPT-2's heads) 1.31 / 1.14.
-# On a 2-core Intel Xeon (CPU family 6, model 207; commit cf65421), where oneDNN's products
-# are slower than MKL's (rlhfkit.gemm.enabled), forward + backward at 8 rows x 3 x 511 x 575
-# took 1.27x PyTorch's time on oneDNN's products and 0.94x on MKL's (medians of 8 interleaved
-# rounds): no gain worth a second path, so the blocks run only where oneDNN's products do. On a
-# 2-core Zen 3 EPYC (CPU family 25, model 1, no AVX-512; commit b302278), where oneDNN's products
-# are slower too, an update micro-batch's attention took 9.00 s in blocks on oneDNN against 9.59 s
-# in PyTorch's (benchmarks/update_profile.py, 2 rounds each): 0.94x again.
+# attention on one thread (below it the Python around each block costs more than it saves); the
+# blocks run only where oneDNN's products do, slower elsewhere (benchmarks/ACCEL_EVIDENCE.md)
 MIN_BLOCK_SCORES = 1 << 15
 
 
@@ -395,9 +376,9 @@ def block_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """Whether :func:`block_attention` should compute ``q [B, H, Tq, D]`` over ``k, v [B, Hkv, Tk, D]``
     under the boolean ``mask``: float32 on a CPU, one thread, at least ``MIN_BLOCK_SCORES``
     scores a key head (``H / Hkv x Tq x Tk``: never the batch size, so a micro-batch computes
-    its rows as the whole batch would), oneDNN's products in use (:func:`rlhfkit.gemm.enabled`)
+    its rows as the whole batch would), oneDNN's products in use (:func:`rlhfkit.accel.gemm.enabled`)
     and the compiled kernels available."""
-    from rlhfkit import gemm
+    from . import gemm
 
     H, Tq = q.shape[1], q.shape[2]
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -419,10 +400,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     one oneDNN product with the keys the block can see (the causal bound: later keys are never
     multiplied), a compiled masked softmax, and one product with the values. The backward
     computes the probabilities again from each query's log-sum-exp (flash attention's
-    recompute), so only that is kept. On one thread of a Zen 5 AMD EPYC at the real model's
-    reasoning shapes (8 rows x 9 heads over 3, 511 queries after a 64-token prompt, head_dim 64),
-    PyTorch's CPU flash attention computes every key of every query block, causal or not, at
-    about 90 GFLOP/s (``benchmarks/RESULTS.md``)."""
+    recompute), so only that is kept. PyTorch's CPU flash attention computes every key of
+    every query block, causal or not (benchmarks/ACCEL_EVIDENCE.md)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _BlockAttention.apply(q, k, v, mask, scale)
     return _block_forward(q, k, v, mask, scale)[0]
@@ -448,7 +427,7 @@ def _block_inputs(q, k, v, mask):
 
 
 def _block_forward(q, k, v, mask, scale):
-    from rlhfkit import gemm
+    from . import gemm
 
     lib = _required()
     k, v, mask = _block_inputs(q, k, v, mask)
@@ -488,7 +467,7 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gout):
-        from rlhfkit import gemm
+        from . import gemm
 
         q, k, v, mask, out, lse = ctx.saved_tensors
         lib = _required()
@@ -613,11 +592,8 @@ class Sampler:
 
 def head_usable(z: torch.Tensor) -> bool:
     """Whether :func:`head_lse_bf16` / :func:`head_grad_bf16` take the logits ``z``: bfloat16
-    ``[n, V]`` on a CPU with contiguous rows, and the compiled kernels available. On one thread of
-    a 2-core Intel Xeon (family 6, model 207; the other core busy), a chunk of 341 x 49,152 (the
-    reasoning update's at SmolLM2's vocabulary) took 12.8 ms for its logsumexps against 37 ms
-    converting it to float32 and reducing in PyTorch's ops, and 16 ms for the logits' gradient
-    against 48 ms."""
+    ``[n, V]`` on a CPU with contiguous rows, and the compiled kernels available. PyTorch's route converts
+    each chunk to float32 first and runs five passes over it (benchmarks/ACCEL_EVIDENCE.md)."""
     return z.dtype == torch.bfloat16 and z.device.type == "cpu" and z.dim() == 2 and z.stride(1) == 1 and available()
 
 
@@ -661,9 +637,8 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """``F.rms_norm(x, x.shape[-1:], weight, eps)`` for bfloat16 CPU tensors
     (:func:`rms_norm_bf16_usable`): each row's statistics and product in float32, rounded once,
     one pass a row; differentiable in ``x`` and ``weight`` (one pass a row again, saving only
-    each row's ``rstd`` beside ``x``). One thread of an Intel Xeon (CPU family 6, model 207), a
-    ``[4088, 576]`` norm of SmolLM2's reasoning update, against ``F.rms_norm``: forward 1.47
-    against 4.80 ms, backward 1.87 against 12.79 ms (best of 5, at commit b13d59d)."""
+    each row's ``rstd`` beside ``x``). PyTorch's bfloat16
+    backward is about ten element-wise passes (benchmarks/ACCEL_EVIDENCE.md)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormBF16.apply(x, weight, eps)
     return _rms_norm_forward(x, weight, eps)[0]

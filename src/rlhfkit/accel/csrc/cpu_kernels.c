@@ -4,7 +4,7 @@
  * the blocked causal attention, the sampling step of a rollout, a bfloat16 LM head's
  * logsumexp and logits' gradient (read and written as bfloat16, computed in float32), and a
  * bfloat16 decode step's attention and RMS norm (the attention on AVX-512 BF16, in functions
- * compiled for it alone). Called through ctypes from rlhfkit/kernels.py,
+ * compiled for it alone). Called through ctypes from rlhfkit/accel/kernels.py,
  * which compiles this file on first use and falls back to PyTorch when it cannot.
  *
  * At a small model's sizes PyTorch's CPU kernels spend more on set-up than on arithmetic:
@@ -471,7 +471,7 @@ int rlhfkit_decode_attend(const float *qkv, float *kv, const float *bias, float 
 
 /* ------------------------------------------------------------------------------ blocked attention
  *
- * The element-wise steps of rlhfkit.kernels.block_attention, which computes attention for a
+ * The element-wise steps of rlhfkit.accel.kernels.block_attention, which computes attention for a
  * block of m queries of G heads (rows head-major: row r is head r / m, query r % m) as two
  * matrix products on oneDNN with these in between. s [rows, n] holds q . k over the block's
  * first n keys; mask (bytes, nonzero = may attend) holds query i's row at mask + i * ms, every

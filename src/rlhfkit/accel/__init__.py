@@ -1,0 +1,25 @@
+"""Faster implementations of the core's named operations (:mod:`rlhfkit.ops`) for particular
+hardware, and the decisions of where they pay: the CPU's vendor and flags, a C compiler,
+thread counts and size thresholds are read here only.
+
+* :mod:`.kernels` (+ ``csrc/``): compiled C loops for a CPU: attention, GELU, SwiGLU, the
+  sampling step, a bfloat16 LM head, RMS norm and decode attention;
+* :mod:`.gemm`: float32 products through oneDNN, and bfloat16 weights packed for decode steps;
+* :mod:`.triton_decode`: the decode attention of a CUDA-graphed rollout step;
+* :mod:`.malloc`: the command line restarted under tcmalloc or jemalloc (``run.malloc``).
+
+:func:`install` registers what runs on this machine (:mod:`.registry`: each implementation
+takes the inputs it was measured to pay on and hands any other to the reference). This package
+imports nothing of the core, and importing it imports nothing at all (``run.malloc`` reads
+:mod:`.malloc` before torch loads).
+Measurements: ``benchmarks/ACCEL_EVIDENCE.md`` and ``benchmarks/RESULTS.md``.
+"""
+from __future__ import annotations
+
+
+def install(register, reference, force: bool = False) -> None:
+    """Call ``register(name, fn, label)`` for every faster implementation that runs here
+    (:func:`.registry.install`); ``reference(name)``: the plain one each hands other inputs to."""
+    from .registry import install as register_all
+
+    register_all(register, reference, force)
