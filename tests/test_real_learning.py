@@ -67,6 +67,9 @@ def test_grpo_with_lora_teaches_the_real_model_the_format_and_keeps_the_facts(mo
     assert base["baseline/eval/reward/exact"] == 0.0 and base["objective/kl_coef"] == 0.0  # the LoRA default
     assert last["eval/accuracy"] == last["eval/reward/exact"] >= 0.5  # exact is declared 0/1
     assert last["eval/reward/contains"] >= base["baseline/eval/reward/contains"]
+    # the held-out metric rose, answers turned into one word far from the chatty base: no guard may cry wolf
+    flagged = sorted({k for r in rows for k, v in r.items() if k.startswith("guard/") and v})
+    assert not flagged, f"guards flagged on a run whose held-out exact rose: {flagged}"
 
 
 @pytest.mark.parametrize("scenario", ["sft", "dpo"])

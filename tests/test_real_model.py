@@ -365,5 +365,6 @@ def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path, no_plots):
         lines = iter(["What is the capital of France? Answer in one word.", "/quit"])
         written: list[str] = []
         assert run_chat(path, cfg, lambda prompt, lines=lines: next(lines), written.append) == 1
-        print(f"chat answer of {path}: {written[1]!r}", file=sys.stderr)
-        assert written[1] == want if want else (written[1].strip() and "<|" not in written[1])
+        answer = written[2]  # after the greeting and the list of commands
+        print(f"chat answer of {path}: {answer!r}", file=sys.stderr)
+        assert answer == want if want else (answer.strip() and "<|" not in answer)
