@@ -33,34 +33,18 @@ import yaml
 # (null sets it back to unset).
 ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward", "forward_kl_coef")
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
-    # PPO normalises scores with running statistics: its KL penalty sits in the reward beside the
-    # score, so beta = 0.2 pulls as hard on a reward of any scale. With raw scores, 3 of 12 runs on
-    # the label classifier (logits of a few units) ended below 0.95 held-out exact, on tuning seeds
-    # 33-44; normalised, 0 of 24 (seeds 33-56), 0 of 24 on the Bradley-Terry reward model and 1 of
-    # 24 on the exact verifier (0 raw). benchmarks/README-0.1.0-measurements.md, "Defaults that hold".
-    # Beside k1 in the reward (whose policy gradient is the reverse KL(pi || ref)'s, which charges
-    # nothing for an answer no longer sampled) a k3 loss term of weight 0.1 pulls on the forward
-    # KL(ref || pi): at lr 6e-4 on the exact verifier 3 of 36 runs stalled at 0.66 held-out exact
-    # without it (the digits prompts answered in another set), 0 of 36 with it, in as many
-    # rollouts (median 70 against 72.5); on tuning seeds 21-32 at the default lr, final exact
-    # below 0.95 in 0 of 36 runs on the three rewards against 1 of 36, at a lower peak KL. GRPO's
-    # k3 term alone (kl_in_loss, beta 0.3) held on the verifier but drifted on the learned rewards
-    # (10 of 24 runs below 0.95).
+    # PPO normalises scores with running statistics, so its KL penalty in the reward (k1, beta
+    # 0.2) pulls as hard on a reward of any scale; the k3 loss term of weight 0.1 beside it pulls
+    # on the forward KL(ref || pi), which the reverse KL leaves free for answers no longer sampled.
+    # Both held the toy tasks' three rewards (exact verifier, Bradley-Terry model, label
+    # classifier) better than either alone: benchmarks/archive/code-evidence.md.
     "ppo": {"algo": "ppo", "normalize_reward": True, "kl_in_loss": False, "kl_estimator": "k1", "kl_coef": 0.2,
             "group_size": 8, "forward_kl_coef": 0.1},
-    # The critic-free commands share one recipe, chosen on the doubling task across three rewards
-    # (the exact verifier, a Bradley-Terry reward model, a label classifier; tuning seeds 10-14,
-    # benchmarks/robustness.py; benchmarks/README-0.1.0-measurements.md, "Defaults that hold"):
-    # k3 as a loss term with beta 0.3, and scores divided by the batch's std (scale_rewards=batch,
-    # the config's default). GRPO dividing by each group's std with beta 0.05 (the earlier
-    # defaults) collapsed on both learned rewards (held-out exact 0.03 and 0.09 at step 100,
-    # per-sequence KL 17 and 25 nats); batch scaling at beta 0.05 still drifted (0.41-0.96).
-    # Final held-out exact below 0.95 after 150 steps, batch scaling: beta 0.2 in 3 of 24 runs,
-    # 0.3 in 1 of 12, 0.5 in 3 of 12; at beta 0.2, k1 in the reward and k2 in the loss in 4 of 12
-    # each. The misses are late drifts of runs that had reached 0.97-1.00.
-    # Groups of 4 (16 prompts per batch of 64): GRPO on the verifier 90-100 steps to 0.99 against
-    # 150-190 with groups of 8; RLOO on the classifier 70-115 steps to 0.95 against 90-140, and a
-    # final exact of 0.977-0.996 against 0.955-0.990 (seeds 12-14).
+    # The critic-free commands share one recipe, chosen on the doubling task across its three
+    # rewards (benchmarks/robustness.py): k3 as a loss term with beta 0.3, scores divided by the
+    # batch's std (scale_rewards=batch), groups of 4. GRPO's per-group std with a small beta
+    # collapsed on the learned rewards; groups of 4 reached the target in fewer steps than 8.
+    # The runs behind each choice: benchmarks/archive/code-evidence.md.
     "grpo": {"algo": "grpo", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
              "group_size": 4, "forward_kl_coef": 0.0},
     "rloo": {"algo": "rloo", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
@@ -70,19 +54,11 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
                   "kl_coef": 0.3, "group_size": 8, "forward_kl_coef": 0.0},
 }
 # A LoRA policy (model.lora_r > 0) takes these instead, for the keys of ALGO_KEYS left unset.
-# On a pretrained chat model (SmolLM2-135M-Instruct, LoRA r 16, 16 completions a step, three
-# weighted rewards: exact, contains the answer, brevity; benchmarks/README-0.1.0-measurements.md) the critic-free
-# recipe's KL term is what keeps the answer's format from changing: held-out exact stayed 0.00 for
-# 60 steps at beta 0.3 (the city-country task) and for 23 at beta 0.05 with k1 in the reward (the
-# capital-city task), 0.03 at step 29 at beta 0.05 as k3 in the loss; with beta 0 the same recipe
-# reached 0.78 by step 29 on the cities and 0.44 by step 29 on the capitals (whose base names
-# the right capital in 0.56 of its answers). A LoRA policy is itself held near the base by its
-# rank, and its reference is the base with the adapter off; without the KL term the capitals' held-out
-# "contains the capital" dipped from 0.56 to 0.44 at step 29 and was back at 0.62 by step 39 (exact
-# 0.62), and guard/reward_tradeoff and guard/kl_high say when a run drifts. PPO keeps its KL in
-# the reward.
-# PPO with LoRA keeps k1 0.2 in the reward without the forward-KL loss term, as it was measured
-# on the real chat model.
+# The critic-free commands drop the KL term: on a pretrained chat model it held the answer's
+# format still, while the LoRA rank already keeps the policy near its base (the reference is the
+# base with the adapter off), and guard/reward_tradeoff and guard/kl_high say when a run drifts.
+# PPO keeps k1 0.2 in the reward without the forward-KL loss term, as measured on the chat model.
+# The runs: benchmarks/archive/code-evidence.md.
 LORA_DEFAULTS: dict[str, dict[str, Any]] = {**{algo: {"kl_coef": 0.0} for algo in ("grpo", "rloo", "reinforce")},
                                             "ppo": {"forward_kl_coef": 0.0}}
 # k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
@@ -99,13 +75,11 @@ PER_SEQUENCE_LOSSES = ("grpo", "sapo")
 # unset (None); resolved where the model is loaded (rlhfkit.trainers.common.Run.learning_rates).
 # 'scratch': random weights trained by rlhfkit (the built-in tasks' tiny models): the rates their
 # learning tests and benchmarks were tuned at. 'pretrained': a checkpoint trained elsewhere,
-# fine-tuned in full: TRL's defaults (SFT 2e-5 without warm-up, DPO and GRPO 1e-6); at the
-# scratch rates ten steps of SFT or DPO on one-word answers left SmolLM2-135M-Instruct answering
-# every question with one word (benchmarks/pretrained_defaults.py). The reward model's rate (TRL:
-# 1e-4) and the critic's, ten times the actor's as from scratch (TRL: the actor's), are rlhfkit's
-# choices. 'lora': a pretrained checkpoint through a LoRA adapter (model.lora_r > 0): ten times
-# the full rates (TRL's rule for adapters), but for RL, which keeps the rates measured on the real
-# chat model with LoRA (README, "Learning on it"; tests/test_real_learning.py holds them).
+# fine-tuned in full: TRL's defaults (SFT 2e-5 without warm-up, DPO and GRPO 1e-6), since the
+# scratch rates wrecked a chat model in a few steps (benchmarks/pretrained_defaults.py). The reward
+# model's rate (TRL: 1e-4) and the critic's, ten times the actor's (TRL: the actor's), are
+# rlhfkit's choices. 'lora': ten times the full rates (TRL's rule for adapters), but for RL, which
+# keeps the rates measured on the real chat model with LoRA (tests/test_real_learning.py).
 REGIME_DEFAULTS: dict[str, dict[str, float | int]] = {
     "scratch": {"sft.lr": 1e-3, "sft.warmup_steps": 20, "dpo.lr": 1e-3, "reward.lr": 1e-3, "ppo.lr": 3e-4,
                 "ppo.value_lr": 3e-3},
@@ -167,12 +141,9 @@ class RunConfig(Section):
     """The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc' or 'jemalloc'
     (the system's shared library, e.g. Debian's libtcmalloc-minimal4), or a path to a malloc
     library. The command line restarts itself once with it in LD_PRELOAD, before torch loads
-    (``rlhfkit.malloc``). tcmalloc keeps a CPU update's resident set near the tensors alive,
-    where glibc's heap keeps freed holes: on SmolLM2-135M's GRPO step with 512-token completions
-    (2-core Intel Xeon, commit 72461bf, benchmarks/RESULTS.md) the peak went from 8018 to 6117 MiB
-    and the step took 0.96x the time, in a pair of runs side by side; jemalloc reached 5988 MiB
-    but took 1.11x. Off by default: it needs a system library; recommended for CPU training
-    where that library is installed. A GPU's memory is not malloc's."""
+    (``rlhfkit.malloc``). tcmalloc and jemalloc keep a CPU update's resident set near the tensors
+    alive, where glibc's heap keeps freed holes. Off by default: it needs a system library; a
+    GPU's memory is not malloc's. Measurements: benchmarks/archive/code-evidence.md."""
     progress: bool = True
     """Show progress bars."""
     task: Literal["doubling", "cities"] = "doubling"
@@ -405,8 +376,8 @@ class PPOConfig(Section):
     batch_size: int = 64
     """Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for grpo/rloo)."""
     minibatch_size: int = 32
-    """Sequences per optimizer step. On the doubling task 32 beat 16 on 3/3 seeds: 40-55 steps
-    to 0.99 instead of 55-75, and half the optimizer steps per rollout."""
+    """Sequences per optimizer step; 32 reached the doubling task's target in fewer rollouts than
+    16, with half the optimizer steps per rollout."""
     ppo_epochs: int = 2
     """Passes over each rollout (TRL's num_iterations, whose default is 1: with TRL's defaults a
     rollout is one optimizer step, here ppo_epochs x batch_size / minibatch_size, 4 by default)."""
@@ -426,10 +397,8 @@ class PPOConfig(Section):
     linear decay to 0 after the last step (TRL's default scheduler), or cosine decay to 0
     ((1 + cos(pi f)) / 2, f the share of the steps after the warm-up gone by). Set at every step
     from the step number alone (logged as policy/lr), so a resumed run continues on the same
-    curve. PPO on the doubling task (150 steps, raw scores,
-    tuning seeds 33-56; 33-44 on the verifier): linear cut the late dips on the Bradley-Terry reward (mean held-out exact
-    over steps 75-150: 0.994 against 0.989) but slowed the exact verifier (median 85 steps to 0.95
-    against 70; 2 of 12 runs stalled below 0.95 as the rate fell), so constant stays the default."""
+    curve. Constant by default: on the doubling task linear decay smoothed the learned reward's
+    late dips but slowed the exact verifier (benchmarks/archive/code-evidence.md)."""
     warmup_steps: int = 0
     """Linear warm-up of both learning rates over the first this many steps (step k at (k + 1) /
     warmup_steps of the rate), before ppo.lr_schedule; 0 = none."""
@@ -492,21 +461,11 @@ class PPOConfig(Section):
     cache up to the end of the current band of columns (at least 64; a graph per band, made when
     the decode reaches it) with the unwritten columns masked: the same tokens and log-probs up to
     rounding (tests check them against the usual decode, on a CPU where the same fixed-shape steps
-    run without a graph). Measured on an H200 at commit 43d0b07, when the step still read the
-    whole cache (benchmarks/RESULTS.md, real_step.py's rlhfkit_grpo_graph row): a 30-layer 135M
-    model's step 0.9 s instead of 1.5 s on 64 new tokens, but a 12-layer one's 2.7 s instead of
-    2.4 s on 512, where reading all 576 columns at every token cost more than the launches saved.
-    With the bands (the same H200, commit a0c876e) the 12-layer step took 2.2 s either way, the
-    graphs holding 821 MiB more, and the 135M one 1.1 s against 1.9 s. Where Triton imports (a
-    CUDA build of torch brings it) the graphed step's attention is rlhfkit.triton_decode's
-    kernel instead: it reads the step's column from device memory and only the columns written
-    so far, so one graph serves the whole rollout (RLHFKIT_TRITON=0 keeps PyTorch's attention
-    and the bands). On another H200 at commit a4196b5 the 12-layer step took 1.9 s with it
-    against 2.6 s with the bands, peaking 867 MiB lower; with model.gradient_checkpointing and
-    ppo.offload too, 2.1 s at 3597 MiB, 0.42x the step of TRL there at 0.76x the memory of TRL
-    at its default checkpointing. Off by default: measured to pay where launches dominate (small
-    layers, short completions); on long completions the usual step was not timed beside it on
-    that machine (on the earlier ones it matched the banded graph)."""
+    run without a graph). Where Triton imports (a CUDA build of torch brings it) the graphed
+    step's attention is rlhfkit.triton_decode's kernel instead, which reads only the columns
+    written so far, so one graph serves the whole rollout (RLHFKIT_TRITON=0 keeps PyTorch's
+    attention and the bands). Off by default: it pays where launches dominate (small layers, short
+    completions). Measurements: benchmarks/archive/code-evidence.md."""
     offload: bool = False
     """Keep in host memory what a phase of the step does not read: AdamW's moments outside the
     update (they leave before the rollout and before a held-out evaluation; checkpoints are
@@ -518,22 +477,14 @@ class PPOConfig(Section):
     reference's weights less. The same arithmetic (copies come back bit for bit); the cost is the
     transfers, per step the moments once each way and the frozen weights once to the device
     (pinned host memory on CUDA). One process or DDP; FSDP and DeepSpeed shard these already.
-    Nothing to gain on a CPU, where the copies still run. Measured on an H200 (commit a0c876e,
-    with model.gradient_checkpointing, benchmarks/RESULTS.md): GPT-2 small's step on 512-token
-    completions peaked at 3472 MiB, 2.4 s a step (without offload, at commit 43d0b07: 4903 MiB,
-    2.3 s)."""
+    Nothing to gain on a CPU, where the copies still run (benchmarks/archive/code-evidence.md)."""
     update_off_heap: bool = False
     """CPU with glibc (Linux): during the update, map every tensor of 1 MiB or more on its own
     and hand it back to the system when freed (``rlhfkit.utils.tensors_off_heap``), instead of
     carving it out of glibc's heap, where what a micro-batch frees between tensors still alive
     stays resident as holes. The update's peak resident set is then the tensors alive; the cost
-    is the page faults of mapping them afresh at every allocation. The same arithmetic. Measured
-    on SmolLM2-135M's GRPO step with 512-token completions (2-core Intel Xeon, commit d2cceda,
-    benchmarks/RESULTS.md): peak 6101 against 8255 MiB, the update 387.6 against 320.4 s (1.21x)
-    in a pair of runs at the same time. Off by default for that time; with transparent huge
-    pages for PyTorch's tensors (``THP_MEM_ALLOC_ENABLE=1`` in the environment, read before
-    PyTorch's first allocation) the update took 1.07-1.11x in two more pairs, at the same peak.
-    Nothing changes on a GPU."""
+    is the page faults of mapping them afresh at every allocation (a slower update: off by
+    default). The same arithmetic; nothing changes on a GPU (benchmarks/archive/code-evidence.md)."""
     reuse_rollout_logprobs: bool = True
     """Use the sampler's log-probs (and a shared value head's values and the entropies) as the
     experience pass's instead of running the policy again -- only when the sampler computed them
@@ -547,8 +498,7 @@ class PPOConfig(Section):
     """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator; TRL's beta, whose GRPO
     default is 0 with full fine-tuning too). Unset: 0.2 for ppo, 0.3 for grpo, rloo and reinforce
     (config.ALGO_DEFAULTS); 0 for grpo, rloo and reinforce with a LoRA policy (model.lora_r > 0;
-    config.LORA_DEFAULTS: on a pretrained chat model beta 0.3 held the answer's format still for
-    60 steps). TRL's GRPO weighs its k3 term by the ratio (see kl_estimator); TRL's RLOO: 0.05, k1
+    config.LORA_DEFAULTS: on a pretrained chat model it held the answer's format still). TRL's GRPO weighs its k3 term by the ratio (see kl_estimator); TRL's RLOO: 0.05, k1
     summed over the response in the reward. PPO's per-token KL weight is 0.05 in TRL, 0.01 in
     OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here; ppo adds a k3 loss term beside
     it (forward_kl_coef, 0.1): set both to 0 for no KL term at all."""
@@ -572,10 +522,8 @@ class PPOConfig(Section):
     kl_in_loss: bool = None  # type: ignore[assignment]
     """Put the KL penalty in the loss (beta * token-mean of kl_estimator, GRPO style) instead of
     the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator. Unset:
-    false for ppo, true for grpo, rloo and reinforce. For ppo, true with k3 (kl_coef 0.3) held on
-    the doubling task's verifier but drifted on its learned rewards (10 of 24 runs below 0.95
-    held-out exact, against 1 with k1 in the reward); ppo's default keeps k1 in the reward and adds
-    a smaller k3 loss term beside it (forward_kl_coef)."""
+    false for ppo, true for grpo, rloo and reinforce. ppo keeps k1 in the reward and adds a smaller
+    k3 loss term beside it (forward_kl_coef): k3 alone drifted on the toy tasks' learned rewards."""
     forward_kl_coef: float = None  # type: ignore[assignment]
     """With the KL in the reward (kl_in_loss=false), the weight of a second KL term: k3 in the loss
     (forward_kl_coef * its token mean), whose gradient is the forward KL(ref || pi)'s at each
@@ -583,9 +531,8 @@ class PPOConfig(Section):
     answer the policy no longer samples; this term grows as the policy drops mass the reference
     keeps. Not used with kl_in_loss=true (the KL is a loss term already: kl_estimator, kl_coef).
     Unset: 0.1 for ppo, 0 for ppo with a LoRA policy (not measured there) and for grpo, rloo and
-    reinforce. On the doubling task's verifier at lr 6e-4 it removed PPO's stalls (3 of 36 runs
-    at 0.66 without it, none with it) and held on the learned rewards (docs/algorithms/ppo.md,
-    "Why the defaults are what they are")."""
+    reinforce. It removed PPO's stalls on the doubling task's verifier and held on the learned
+    rewards (docs/algorithms/ppo.md, "Why the defaults are what they are")."""
     adaptive_kl: bool = False
     """Adapt beta with the proportional controller towards kl_target."""
     kl_target: float = 0.5
@@ -653,12 +600,8 @@ class PPOConfig(Section):
     """'shared' (unset: the default): a value head on the actor, whose values come from the
     policy's own forward; 'separate' (unset: when value.name, value.lora or ppo.value_init,
     which configure it, is set): a value model of its own (backbone + scalar head). The shared
-    head against a separate critic started from the reward model: on the doubling tutorial's
-    classifier reward 0.65x the seconds per rollout and 0.77x the seconds to 0.99 held-out exact
-    (tuning seeds 21-32); it held on the robustness matrix's 27 runs (seeds 0-2 and 33-38, three
-    rewards; benchmarks/FINDINGS.md); on the real chat model with LoRA, 0.58x the seconds a step,
-    half the memory, and held-out exact 0.5 sooner on 2 of 3 seeds
-    (benchmarks/README-0.1.0-measurements.md, "Learning on the real chat model").
+    head is the default for its fewer seconds a step and less memory, at the same learning on the
+    toy tasks and the real chat model (benchmarks/archive/code-evidence.md).
     A separate critic is what TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat use."""
     value_init: Literal["reward", "policy"] | None = None
     """A separate value model's start: the reward model ('reward', the meaning of unset: when
@@ -667,9 +610,8 @@ class PPOConfig(Section):
     when ppo.value_model is unset; beside ppo.value_model=shared it does nothing."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that never emit EOS (0 = off; TRL's PPOTrainer
-    has the same option, off by default). On the doubling task's three rewards no default run
-    lost its EOS (benchmarks/robustness.py), so it stays off; the hacking watch flags a fall
-    of the EOS rate (guard_eos)."""
+    has the same option, off by default): no default run on the toy tasks lost its EOS, and the
+    hacking watch flags a fall of the EOS rate (guard_eos)."""
     overlong_buffer: int = 0
     """DAPO's soft over-long punishment (0 = off; DAPO: 4096 of 20480): a response longer than
     max_new_tokens - overlong_buffer tokens (EOS included) loses overlong_penalty * (its length -
