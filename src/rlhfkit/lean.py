@@ -343,9 +343,8 @@ def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tens
     weight, eps = params
     if x.dtype == weight.dtype:  # the formula below as one fused kernel each way; in half precision it
         # rounds once where the formula rounds the normalised rows and their product with the weight
-        # apart (one bfloat16 update micro-batch of reasoning: 18 against 25 ms a norm, forward and
-        # backward); on a CPU in bfloat16 the compiled one, whose backward is one pass a row where
-        # PyTorch's is about ten (3.3 against 17.6 ms at [4088, 576], forward and backward: kernels.rms_norm_bf16)
+        # apart, and is faster; on a CPU in bfloat16 the compiled one (kernels.rms_norm_bf16), whose
+        # backward is one pass a row where PyTorch's is about ten (benchmarks/archive/code-evidence.md)
         if kernels.rms_norm_bf16_usable(x, weight):
             return kernels.rms_norm_bf16(x, weight, eps)
         return F.rms_norm(x, x.shape[-1:], weight, eps)
