@@ -409,15 +409,10 @@ class PPOConfig(Section):
     temperature: float = 1.0
     """Sampling temperature (log-probs are taken under the same temperature)."""
     top_k: int = 0
-    """Sample each token from the top_k most likely ones only (0 = off). The log-probs PPO uses stay
-    those of the full tempered distribution (the policy optimised, what the training forward
-    recomputes), so the first ratio is still 1, but the samples come from the truncated
-    distribution q = pi / Z (Z: the kept probability, logged as rollout/kept_mass) and are off-policy:
-    every estimate over them (the policy gradient, objective/kl) weighs the kept tokens by 1/Z and
-    never sees the others. ppo.sampling_correction reweighs the policy loss by pi/q; a warning
-    comes once when most of the probability is dropped. (TRL with vLLM records the sampler's own
-    log-probs and corrects by default; without a correction, as here by default, neither does.)
-    The held-out evaluation's greedy decoding ignores it."""
+    """Sample each token from the top_k most likely ones only (0 = off; greedy evaluation ignores
+    it). The samples are then off-policy: PPO's log-probs stay the full tempered policy's, the kept
+    mass is logged as rollout/kept_mass, and ppo.sampling_correction reweighs by pi / q (TRL with
+    vLLM corrects by default; without vLLM, as here by default, it does not)."""
     top_p: float = 1.0
     """Nucleus sampling: draw from the smallest set of most likely tokens holding top_p of the
     probability (after top_k), in (0, 1]; 1.0 = off. Log-probs and correction as for top_k."""
@@ -426,13 +421,9 @@ class PPOConfig(Section):
     (transformers' MinPLogitsWarper, on the tempered distribution), in [0, 1]; 0 = off.
     Log-probs and correction as for top_k."""
     repetition_penalty: float = 1.0
-    """Sample from logits in which every token already in the prompt or the response so far has
-    its logit divided by this when positive, multiplied when negative (transformers'
-    RepetitionPenaltyLogitsProcessor, before the temperature); 1.0 = off, > 1 discourages
-    repeats. As for top_k, the log-probs PPO uses stay those of the policy's own tempered
-    distribution, which the training forward recomputes (the first ratio is 1): the samples are
-    off-policy, rollout/kept_mass averages pi / q over the sampled tokens (q: the sampler's
-    distribution) and ppo.sampling_correction reweighs by it. Greedy decoding ignores it."""
+    """Divide the logit of every token already in the prompt or response by this when positive,
+    multiply when negative (transformers' RepetitionPenaltyLogitsProcessor, before the
+    temperature); 1.0 = off, > 1 discourages repeats. Off-policy samples, as for top_k."""
     sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
                                  "sequence_mask"] = "none"
     """With top_k / top_p: weigh each token's policy loss by the importance weight pi_old / q of
@@ -454,46 +445,22 @@ class PPOConfig(Section):
     missing_eos_penalty; counted in response/eos_rate). The held-out evaluation uses them too.
     Empty = none."""
     cuda_graph: bool = False
-    """Replay each decode step of the rollout as a CUDA graph (on CUDA, on rlhfkit's lean forward:
-    GPT-2, Llama, Qwen2 with a rotary table that does not change with the length). At a small
-    model's size a GPU decode step is hundreds of kernel launches that cost more than their
-    arithmetic, and a replay issues them at once. The step has fixed shapes: attention reads the
-    cache up to the end of the current band of columns (at least 64; a graph per band, made when
-    the decode reaches it) with the unwritten columns masked: the same tokens and log-probs up to
-    rounding (tests check them against the usual decode, on a CPU where the same fixed-shape steps
-    run without a graph). Where Triton imports (a CUDA build of torch brings it) the graphed
-    step's attention is rlhfkit.triton_decode's kernel instead, which reads only the columns
-    written so far, so one graph serves the whole rollout (RLHFKIT_TRITON=0 keeps PyTorch's
-    attention and the bands). Off by default: it pays where launches dominate (small layers, short
-    completions). Measurements: benchmarks/archive/code-evidence.md."""
+    """Replay each decode step of the rollout as a CUDA graph (CUDA, rlhfkit's lean forward: GPT-2,
+    Llama, Qwen2): fewer kernel launches, the same tokens and log-probs up to rounding; with
+    Triton one graph serves the whole rollout (RLHFKIT_TRITON=0: a graph per band of cache
+    columns). Off by default: it pays where launches dominate (small layers, short completions)."""
     offload: bool = False
-    """Keep in host memory what a phase of the step does not read: AdamW's moments outside the
-    update (they leave before the rollout and before a held-out evaluation; checkpoints are
-    written from the host copies), the reference and reward models' weights outside the
-    experience pass and the held-out evaluation (their device copy is made for those and freed
-    after). The
-    rollout, whose KV cache is the peak with long completions, then holds the policy alone beside
-    its cache: in full fine-tuning about three times the trained weights less, and the update the
-    reference's weights less. The same arithmetic (copies come back bit for bit); the cost is the
-    transfers, per step the moments once each way and the frozen weights once to the device
-    (pinned host memory on CUDA). One process or DDP; FSDP and DeepSpeed shard these already.
-    Nothing to gain on a CPU, where the copies still run (benchmarks/archive/code-evidence.md)."""
+    """Keep in host memory what a phase of the step does not read (AdamW's moments outside the
+    update, the reference and reward models outside the experience pass and evaluation): a lower
+    GPU peak for the transfers' time, the same arithmetic. One process or DDP; no gain on a CPU."""
     update_off_heap: bool = False
-    """CPU with glibc (Linux): during the update, map every tensor of 1 MiB or more on its own
-    and hand it back to the system when freed (``rlhfkit.utils.tensors_off_heap``), instead of
-    carving it out of glibc's heap, where what a micro-batch frees between tensors still alive
-    stays resident as holes. The update's peak resident set is then the tensors alive; the cost
-    is the page faults of mapping them afresh at every allocation (a slower update: off by
-    default). The same arithmetic; nothing changes on a GPU (benchmarks/archive/code-evidence.md)."""
+    """CPU with glibc (Linux): during the update, give every tensor of 1 MiB or more its own mapping,
+    returned to the system when freed (``rlhfkit.utils.tensors_off_heap``): a lower peak resident
+    set for page faults at every allocation, the same arithmetic. Off by default for that time."""
     reuse_rollout_logprobs: bool = True
-    """Use the sampler's log-probs (and a shared value head's values and the entropies) as the
-    experience pass's instead of running the policy again -- only when the sampler computed them
-    alike (rlhfkit's lean forward in float32: equal up to rounding, ~1e-6). Otherwise, and when
-    False, the policy is run again; ``policy/logprob_gap`` reports the largest difference either
-    way (with reuse, on the first minibatch of the update, before any optimizer step). With one
-    update a rollout (``ppo_epochs`` 1, one minibatch) and the KL a loss term, the update's own
-    forward gives them instead of a policy forward of their own
-    (:func:`rlhfkit.experience.defer_old_logprobs`)."""
+    """Take the experience pass's log-probs (and a shared head's values, the entropies) from the
+    sampler where it computed them alike (the lean forward in float32, equal up to ~1e-6) instead
+    of running the policy again; ``policy/logprob_gap`` reports the largest difference either way."""
     kl_coef: float = None  # type: ignore[assignment]
     """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator; TRL's beta, whose GRPO
     default is 0 with full fine-tuning too). Unset: 0.2 for ppo, 0.3 for grpo, rloo and reinforce
@@ -597,12 +564,9 @@ class PPOConfig(Section):
     max_grad_norm: float = 1.0
     """Gradient-norm clip, per model."""
     value_model: Literal["separate", "shared"] | None = None
-    """'shared' (unset: the default): a value head on the actor, whose values come from the
-    policy's own forward; 'separate' (unset: when value.name, value.lora or ppo.value_init,
-    which configure it, is set): a value model of its own (backbone + scalar head). The shared
-    head is the default for its fewer seconds a step and less memory, at the same learning on the
-    toy tasks and the real chat model (benchmarks/archive/code-evidence.md).
-    A separate critic is what TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat use."""
+    """'shared' (unset: the default; fewer seconds a step and less memory at the same learning): a
+    value head on the actor; 'separate' (unset: when value.name, value.lora or ppo.value_init is
+    set): a value model of its own, as TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat use."""
     value_init: Literal["reward", "policy"] | None = None
     """A separate value model's start: the reward model ('reward', the meaning of unset: when
     reward.name is set; with reward functions alone, the policy) or the policy backbone
