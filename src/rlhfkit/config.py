@@ -138,12 +138,9 @@ class RunConfig(Section):
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
     malloc: str = ""
-    """The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc' or 'jemalloc'
-    (the system's shared library, e.g. Debian's libtcmalloc-minimal4), or a path to a malloc
-    library. The command line restarts itself once with it in LD_PRELOAD, before torch loads
-    (``rlhfkit.malloc``). tcmalloc and jemalloc keep a CPU update's resident set near the tensors
-    alive, where glibc's heap keeps freed holes. Off by default: it needs a system library; a
-    GPU's memory is not malloc's. Measurements: benchmarks/archive/code-evidence.md."""
+    """The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc' or 'jemalloc' (a
+    system library, e.g. Debian's libtcmalloc-minimal4) or a path; preloaded by restarting the
+    command once (``rlhfkit.malloc``). Both keep a CPU update's resident set lower than glibc's."""
     progress: bool = True
     """Show progress bars."""
     task: Literal["doubling", "cities"] = "doubling"
@@ -196,12 +193,9 @@ class ModelConfig(Section):
     AdamW's updates exact; use bfloat16 with LoRA on a GPU for large models, or with
     model.master_weights=true to fine-tune every weight in bfloat16 arithmetic."""
     master_weights: bool = False
-    """Full fine-tuning in bfloat16 arithmetic on float32 weights (ppo, grpo, rloo, reinforce,
-    sft, dpo): with model.dtype=bfloat16 the trained models (policy, value model) keep float32
-    parameters -- AdamW's updates, the gradients and the saved model stay float32 -- and their
-    forward and backward passes run on bfloat16 copies (rlhfkit.precision); the frozen ones
-    (reference, reward model) are loaded in bfloat16. The full fine-tuning counterpart of
-    TRL's bf16=True; with LoRA the adapter is float32 already (leave this off)."""
+    """With model.dtype=bfloat16, full fine-tuning in bfloat16 arithmetic on float32 weights: the
+    trained models' parameters, gradients and AdamW stay float32, their passes run on bfloat16
+    copies (rlhfkit.precision). The full fine-tuning counterpart of TRL's bf16=True; off with LoRA."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of the trained models (less memory, ~30% more
     compute); rollouts run in eval mode, so the KV cache still works."""
@@ -211,22 +205,15 @@ class ModelConfig(Section):
     lora_alpha: float = 16.0
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input, for sft, dpo and rm: one forward per loss term, so it is plain
-    regularisation there. The RL commands (ppo, grpo, rloo, reinforce) set it to 0, with every
-    other dropout of every role (policy, reference, critic, reward model; the checkpoint's own
-    attention_dropout, resid_pdrop ... too): they compare the sampler's forward with the update's,
-    whose ratio must be exactly 1. The other commands turn the checkpoint's own dropout off too."""
+    """Dropout on the LoRA input for sft, dpo and rm (every command turns the checkpoint's own off);
+    the RL commands set it to 0 too: their sampler's and update's forwards must give a ratio of 1."""
     lora_target_modules: str = "all-linear"
     """Comma-separated module names the adapter wraps (e.g. 'q_proj,v_proj'), or 'all-linear'
     (every linear layer except the output head)."""
     regime: Literal["auto", "scratch", "pretrained"] = "auto"
-    """What the trained model starts from, which picks the learning rates left unset (sft.lr,
-    sft.warmup_steps, dpo.lr, reward.lr, ppo.lr, ppo.value_lr; config.REGIME_DEFAULTS): 'scratch'
-    (random weights trained by rlhfkit: the built-in tasks' tiny models), 'pretrained' (a
-    checkpoint trained elsewhere; with model.lora_r > 0 the LoRA rates), or 'auto': 'scratch' when
-    the model's config.json carries the mark rlhfkit writes into the models it builds from
-    scratch (and which their fine-tuned copies keep), else 'pretrained'. The rates chosen are
-    printed at the start of the run."""
+    """What the trained model starts from, which picks the learning rates left unset
+    (config.REGIME_DEFAULTS; printed at the start): 'scratch', 'pretrained' (with model.lora_r > 0
+    the LoRA rates) or 'auto': 'scratch' when config.json carries rlhfkit's from-scratch mark."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -393,12 +380,9 @@ class PPOConfig(Section):
     """Critic learning rate (value head or value model). Unset: ten times the actor's default of
     model.regime: 3e-3 from scratch and with LoRA, 1e-5 for a pretrained checkpoint in full."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """How both learning rates move over ppo.steps after the warm-up (ppo.warmup_steps): constant,
-    linear decay to 0 after the last step (TRL's default scheduler), or cosine decay to 0
-    ((1 + cos(pi f)) / 2, f the share of the steps after the warm-up gone by). Set at every step
-    from the step number alone (logged as policy/lr), so a resumed run continues on the same
-    curve. Constant by default: on the doubling task linear decay smoothed the learned reward's
-    late dips but slowed the exact verifier (benchmarks/archive/code-evidence.md)."""
+    """Both learning rates over ppo.steps after the warm-up: constant (the default: linear decay
+    slowed the doubling task's verifier), linear decay to 0 (TRL's default) or cosine to 0
+    ((1 + cos(pi f)) / 2, f the share of those steps gone by); set from the step number alone."""
     warmup_steps: int = 0
     """Linear warm-up of both learning rates over the first this many steps (step k at (k + 1) /
     warmup_steps of the rate), before ppo.lr_schedule; 0 = none."""
@@ -492,14 +476,9 @@ class PPOConfig(Section):
     false for ppo, true for grpo, rloo and reinforce. ppo keeps k1 in the reward and adds a smaller
     k3 loss term beside it (forward_kl_coef): k3 alone drifted on the toy tasks' learned rewards."""
     forward_kl_coef: float = None  # type: ignore[assignment]
-    """With the KL in the reward (kl_in_loss=false), the weight of a second KL term: k3 in the loss
-    (forward_kl_coef * its token mean), whose gradient is the forward KL(ref || pi)'s at each
-    sampled token's state. k1 in the reward pulls on the reverse KL, which charges nothing for an
-    answer the policy no longer samples; this term grows as the policy drops mass the reference
-    keeps. Not used with kl_in_loss=true (the KL is a loss term already: kl_estimator, kl_coef).
-    Unset: 0.1 for ppo, 0 for ppo with a LoRA policy (not measured there) and for grpo, rloo and
-    reinforce. It removed PPO's stalls on the doubling task's verifier and held on the learned
-    rewards (docs/algorithms/ppo.md, "Why the defaults are what they are")."""
+    """With the KL in the reward (kl_in_loss=false), the weight of a k3 loss term beside it, which
+    pulls on the forward KL(ref || pi) that k1's reverse KL leaves free for answers no longer
+    sampled. Unset: 0.1 for ppo (it removed PPO's stalls on the doubling task), else 0."""
     adaptive_kl: bool = False
     """Adapt beta with the proportional controller towards kl_target."""
     kl_target: float = 0.5
