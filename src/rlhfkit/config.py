@@ -600,18 +600,13 @@ class PPOConfig(Section):
     evaluation before step 0 (logged as baseline/eval/* in step 0's row) must produce it, else
     the run stops there with the metrics it does log."""
     keep_best: bool = False
-    """Save the policy (and critic) of the best evaluation on the stop metric instead of the last
-    step's (TRL: load_best_model_at_end): a CPU copy of the trainable weights (a LoRA adapter
-    only) is kept whenever an evaluation after a step beats every earlier one, and put back
-    before the final save; the summary's saved_step names the step. Over the evaluations since
-    the start or the last --resume. False: the last step's policy is saved."""
+    """Save the policy (and critic) of the best evaluation on the stop metric since the start or the
+    last --resume, not the last step's (TRL: load_best_model_at_end); a CPU copy of the trainable
+    weights is kept for it, and the summary's saved_step names the step."""
     guard_kl: float = 1.5
-    """Reward-hacking watch: flag (guard/kl_high, one warning) steps where the KL to the reference,
-    per response token (objective/kl / response/length) and averaged over the last 5 steps,
-    exceeds this many nats while the held-out ppo.stop_metric has fallen below its best beyond
-    the evaluations' noise (0 = off). A high KL alone is no alarm: one-word answers move far from
-    a chatty reference, most of all per token, while the held-out metric rises. Off, with one
-    warning at the start, when the run does not log ppo.stop_metric. See rlhfkit.watch."""
+    """Reward-hacking watch: flag (guard/kl_high) steps whose KL per response token, averaged over
+    the last 5 steps, exceeds this many nats while ppo.stop_metric has fallen below its best beyond
+    its noise; a high KL alone is no alarm (0 = off; off with a warning without the metric)."""
     guard_eos: float = 0.5
     """Flag (guard/eos_collapse) steps where the EOS rate, averaged over the last 5 steps, falls
     below this share of its mean over the first 10 steps, by more than 4.5 standard errors over
@@ -763,9 +758,8 @@ class DPOConfig(Section):
     nll_coef: float = 1.0
     """Weight of the chosen answers' per-token NLL added to the preference loss (RPO); the default
     loss is DPO + NLL, TRL's loss_type=["sigmoid", "sft"] (TRL's default adds none); 0 = plain
-    DPO, TRL's default. On the doubling pairs plain DPO separates the pairs by pushing rejected
-    answers down and never moves greedy format accuracy off ~0.33; with 1.0 it reaches 0.99 in
-    ~150 steps."""
+    DPO, TRL's default. Plain DPO separated the doubling pairs without moving greedy accuracy;
+    the NLL term is what made it learn the answers."""
     disable_dropout: bool = True
     """Turn every dropout off, the LoRA adapter's (model.lora_dropout) included, as TRL's
     disable_dropout=True; False keeps the adapter's dropout (the models' own stays off)."""
