@@ -556,23 +556,16 @@ class PPOConfig(Section):
     has the same option, off by default): no default run on the toy tasks lost its EOS, and the
     hacking watch flags a fall of the EOS rate (guard_eos)."""
     overlong_buffer: int = 0
-    """DAPO's soft over-long punishment (0 = off; DAPO: 4096 of 20480): a response longer than
-    max_new_tokens - overlong_buffer tokens (EOS included) loses overlong_penalty * (its length -
-    that) / overlong_buffer from its score, all of overlong_penalty at max_new_tokens; added
-    after missing_eos_penalty, before normalisation and clipping (TRL: the reward function
-    get_soft_overlong_punishment, weight 1). In a multi-turn episode (env.class) each model turn is
-    such a response, max_new_tokens being a turn's limit, and the episode loses the sum of its
-    turns' penalties: DAPO penalises each generated response, and an episode's return sums its
-    turns' rewards as it sums the environment's."""
+    """DAPO's soft over-long punishment (0 = off; DAPO: 4096 of 20480; TRL's
+    get_soft_overlong_punishment): a response of L > max_new_tokens - overlong_buffer tokens (EOS
+    included) loses overlong_penalty * (L - that) / overlong_buffer, after missing_eos_penalty and
+    before normalisation and clipping; a multi-turn episode loses the sum over its model turns."""
     overlong_penalty: float = 1.0
     """The over-long penalty at max_new_tokens (DAPO: 1, in the reward's units)."""
     filter_zero_std_groups: bool = False
-    """grpo, rloo: leave the groups whose scores are all equal (logged: frac_reward_zero_std) out of
-    the update -- DAPO's dynamic filtering, without its resampling. Their advantages are 0
-    already (with the KL in the reward, kl_in_loss=false, only the KL penalty's); what changes
-    is the token mean: the policy loss, the KL term and the entropy bonus
-    average over the kept rows' tokens only, and each minibatch holds ppo.minibatch_size kept rows
-    (fewer optimizer steps when many groups are left out, none when all are). One process only."""
+    """grpo, rloo: leave groups whose scores are all equal (logged: frac_reward_zero_std) out of the
+    update, DAPO's dynamic filtering without resampling: the token means run over the kept rows and
+    each minibatch holds ppo.minibatch_size kept rows (fewer optimizer steps). One process only."""
     mask_truncated_completions: bool = False
     """Leave completions cut at max_new_tokens (no EOS or stop string; logged:
     response/truncated_rate) out of the update -- policy, KL, entropy and value losses -- TRL's
