@@ -454,22 +454,13 @@ class PPOConfig(Section):
     OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here; ppo adds a k3 loss term beside
     it (forward_kl_coef, 0.1): set both to 0 for no KL term at all."""
     kl_estimator: Literal["k1", "k2", "k3"] = None  # type: ignore[assignment]
-    """Per-token KL estimator from the sampled token's log-probs, with log r = log ref - log pi:
-    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As values (objective/kl) k1 and k3 are
-    unbiased for KL(pi || ref), k2 is biased. What each pulls on depends on kl_in_loss (exact
-    expected gradients, checked by tests/test_kl_gradients.py):
-    in the reward the estimate is a constant (no gradient through it); the policy gradient makes of it
-      k1: the gradient of the reverse KL(pi || ref) of whole responses, exactly (the default);
-      k2: a biased gradient, no KL's;
-      k3: the reverse KL's gradient minus the forward KL's at each token: near ref they cancel;
-    as a loss term (kl_in_loss=true) its gradient is
-      k1: zero in expectation (E_pi[grad log pi] = 0), only noise: refused;
-      k2: the reverse KL(pi || ref)'s gradient at each sampled token's state;
-      k3: the FORWARD KL(ref || pi)'s gradient at each sampled token's state (grpo/rloo/reinforce).
-    Unset: k1 for ppo, k3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS). TRL's GRPO puts k3
-    in the loss times the importance ratio by default (use_bias_correction_kl=True): the ratio is 1
-    on-policy but keeps its gradient, and ratio x k3 has k2's gradient, the reverse KL's; port it
-    as k2 (the same gradient, k2's values in objective/kl), use_bias_correction_kl=False as k3."""
+    """Per-token KL estimator, with log r = log ref - log pi:
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. In the reward k1 pulls on the reverse
+    KL(pi || ref); as a loss term (kl_in_loss) k2 pulls on the reverse KL, k3 on the FORWARD
+    KL(ref || pi), k1 on nothing (refused): the table in docs/ppo_walkthrough.md, section 6
+    (tests/test_kl_gradients.py). Unset: k1 for ppo, k3 for grpo, rloo and reinforce. TRL's GRPO
+    default (k3 times the ratio, use_bias_correction_kl=True) has k2's gradient: port it as k2;
+    use_bias_correction_kl=False as k3."""
     kl_in_loss: bool = None  # type: ignore[assignment]
     """Put the KL penalty in the loss (beta * token-mean of kl_estimator, GRPO style) instead of
     the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator. Unset:
