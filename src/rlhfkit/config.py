@@ -350,14 +350,11 @@ class PPOConfig(Section):
     experience and update."""
     scale_rewards: Literal["group", "batch", "advantages", "none"] = "batch"
     """grpo, rloo, reinforce: divide the baseline-centred scores by the std of the prompt's group
-    ('group': GRPO's paper and TRL's GRPO default; true reads as this), by the std of the whole
-    batch's raw scores ('batch', the default here: TRL's GRPO scale_rewards='batch'), re-centre
-    them on their batch mean and divide by their own std ('advantages': TRL's RLOO
-    normalize_advantages=True; with groups it is not 'batch', e.g. 1.0 against 1.32 on one
-    example), or by nothing ('none': Dr. GRPO, RLOO's paper, TRL's RLOO default; false reads as
-    this). See rlhfkit.core.scale_advantages;
-    reinforce has no groups. TRL's GRPO divides by the group's std by default, OpenRLHF's too;
-    all add a small epsilon to an unbiased std, as here."""
+    ('group' or true: GRPO's paper, TRL's and OpenRLHF's GRPO default), of the batch's raw scores
+    ('batch', the default here: TRL's GRPO scale_rewards='batch'), re-centre them and divide by
+    their own std ('advantages': TRL's RLOO normalize_advantages=True, not 'batch' with groups),
+    or by nothing ('none' or false: Dr. GRPO, RLOO's paper, TRL's RLOO default); the std unbiased,
+    plus a small epsilon, as in TRL (rlhfkit.core.scale_advantages). reinforce has no groups."""
     steps: int = 200
     """Rollout + update iterations (upper bound; see stop_at)."""
     batch_size: int = 64
