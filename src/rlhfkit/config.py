@@ -33,34 +33,18 @@ import yaml
 # (null sets it back to unset).
 ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward", "forward_kl_coef")
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
-    # PPO normalises scores with running statistics: its KL penalty sits in the reward beside the
-    # score, so beta = 0.2 pulls as hard on a reward of any scale. With raw scores, 3 of 12 runs on
-    # the label classifier (logits of a few units) ended below 0.95 held-out exact, on tuning seeds
-    # 33-44; normalised, 0 of 24 (seeds 33-56), 0 of 24 on the Bradley-Terry reward model and 1 of
-    # 24 on the exact verifier (0 raw). benchmarks/README-0.1.0-measurements.md, "Defaults that hold".
-    # Beside k1 in the reward (whose policy gradient is the reverse KL(pi || ref)'s, which charges
-    # nothing for an answer no longer sampled) a k3 loss term of weight 0.1 pulls on the forward
-    # KL(ref || pi): at lr 6e-4 on the exact verifier 3 of 36 runs stalled at 0.66 held-out exact
-    # without it (the digits prompts answered in another set), 0 of 36 with it, in as many
-    # rollouts (median 70 against 72.5); on tuning seeds 21-32 at the default lr, final exact
-    # below 0.95 in 0 of 36 runs on the three rewards against 1 of 36, at a lower peak KL. GRPO's
-    # k3 term alone (kl_in_loss, beta 0.3) held on the verifier but drifted on the learned rewards
-    # (10 of 24 runs below 0.95).
+    # PPO normalises scores with running statistics, so its KL penalty in the reward (k1, beta
+    # 0.2) pulls as hard on a reward of any scale; the k3 loss term of weight 0.1 beside it pulls
+    # on the forward KL(ref || pi), which the reverse KL leaves free for answers no longer sampled.
+    # Both held the toy tasks' three rewards (exact verifier, Bradley-Terry model, label
+    # classifier) better than either alone: benchmarks/archive/code-evidence.md.
     "ppo": {"algo": "ppo", "normalize_reward": True, "kl_in_loss": False, "kl_estimator": "k1", "kl_coef": 0.2,
             "group_size": 8, "forward_kl_coef": 0.1},
-    # The critic-free commands share one recipe, chosen on the doubling task across three rewards
-    # (the exact verifier, a Bradley-Terry reward model, a label classifier; tuning seeds 10-14,
-    # benchmarks/robustness.py; benchmarks/README-0.1.0-measurements.md, "Defaults that hold"):
-    # k3 as a loss term with beta 0.3, and scores divided by the batch's std (scale_rewards=batch,
-    # the config's default). GRPO dividing by each group's std with beta 0.05 (the earlier
-    # defaults) collapsed on both learned rewards (held-out exact 0.03 and 0.09 at step 100,
-    # per-sequence KL 17 and 25 nats); batch scaling at beta 0.05 still drifted (0.41-0.96).
-    # Final held-out exact below 0.95 after 150 steps, batch scaling: beta 0.2 in 3 of 24 runs,
-    # 0.3 in 1 of 12, 0.5 in 3 of 12; at beta 0.2, k1 in the reward and k2 in the loss in 4 of 12
-    # each. The misses are late drifts of runs that had reached 0.97-1.00.
-    # Groups of 4 (16 prompts per batch of 64): GRPO on the verifier 90-100 steps to 0.99 against
-    # 150-190 with groups of 8; RLOO on the classifier 70-115 steps to 0.95 against 90-140, and a
-    # final exact of 0.977-0.996 against 0.955-0.990 (seeds 12-14).
+    # The critic-free commands share one recipe, chosen on the doubling task across its three
+    # rewards (benchmarks/robustness.py): k3 as a loss term with beta 0.3, scores divided by the
+    # batch's std (scale_rewards=batch), groups of 4. GRPO's per-group std with a small beta
+    # collapsed on the learned rewards; groups of 4 reached the target in fewer steps than 8.
+    # The runs behind each choice: benchmarks/archive/code-evidence.md.
     "grpo": {"algo": "grpo", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
              "group_size": 4, "forward_kl_coef": 0.0},
     "rloo": {"algo": "rloo", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
@@ -70,19 +54,11 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
                   "kl_coef": 0.3, "group_size": 8, "forward_kl_coef": 0.0},
 }
 # A LoRA policy (model.lora_r > 0) takes these instead, for the keys of ALGO_KEYS left unset.
-# On a pretrained chat model (SmolLM2-135M-Instruct, LoRA r 16, 16 completions a step, three
-# weighted rewards: exact, contains the answer, brevity; benchmarks/README-0.1.0-measurements.md) the critic-free
-# recipe's KL term is what keeps the answer's format from changing: held-out exact stayed 0.00 for
-# 60 steps at beta 0.3 (the city-country task) and for 23 at beta 0.05 with k1 in the reward (the
-# capital-city task), 0.03 at step 29 at beta 0.05 as k3 in the loss; with beta 0 the same recipe
-# reached 0.78 by step 29 on the cities and 0.44 by step 29 on the capitals (whose base names
-# the right capital in 0.56 of its answers). A LoRA policy is itself held near the base by its
-# rank, and its reference is the base with the adapter off; without the KL term the capitals' held-out
-# "contains the capital" dipped from 0.56 to 0.44 at step 29 and was back at 0.62 by step 39 (exact
-# 0.62), and guard/reward_tradeoff and guard/kl_high say when a run drifts. PPO keeps its KL in
-# the reward.
-# PPO with LoRA keeps k1 0.2 in the reward without the forward-KL loss term, as it was measured
-# on the real chat model.
+# The critic-free commands drop the KL term: on a pretrained chat model it held the answer's
+# format still, while the LoRA rank already keeps the policy near its base (the reference is the
+# base with the adapter off), and guard/reward_tradeoff and guard/kl_high say when a run drifts.
+# PPO keeps k1 0.2 in the reward without the forward-KL loss term, as measured on the chat model.
+# The runs: benchmarks/archive/code-evidence.md.
 LORA_DEFAULTS: dict[str, dict[str, Any]] = {**{algo: {"kl_coef": 0.0} for algo in ("grpo", "rloo", "reinforce")},
                                             "ppo": {"forward_kl_coef": 0.0}}
 # k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
@@ -99,13 +75,11 @@ PER_SEQUENCE_LOSSES = ("grpo", "sapo")
 # unset (None); resolved where the model is loaded (rlhfkit.trainers.common.Run.learning_rates).
 # 'scratch': random weights trained by rlhfkit (the built-in tasks' tiny models): the rates their
 # learning tests and benchmarks were tuned at. 'pretrained': a checkpoint trained elsewhere,
-# fine-tuned in full: TRL's defaults (SFT 2e-5 without warm-up, DPO and GRPO 1e-6); at the
-# scratch rates ten steps of SFT or DPO on one-word answers left SmolLM2-135M-Instruct answering
-# every question with one word (benchmarks/pretrained_defaults.py). The reward model's rate (TRL:
-# 1e-4) and the critic's, ten times the actor's as from scratch (TRL: the actor's), are rlhfkit's
-# choices. 'lora': a pretrained checkpoint through a LoRA adapter (model.lora_r > 0): ten times
-# the full rates (TRL's rule for adapters), but for RL, which keeps the rates measured on the real
-# chat model with LoRA (README, "Learning on it"; tests/test_real_learning.py holds them).
+# fine-tuned in full: TRL's defaults (SFT 2e-5 without warm-up, DPO and GRPO 1e-6), since the
+# scratch rates wrecked a chat model in a few steps (benchmarks/pretrained_defaults.py). The reward
+# model's rate (TRL: 1e-4) and the critic's, ten times the actor's (TRL: the actor's), are
+# rlhfkit's choices. 'lora': ten times the full rates (TRL's rule for adapters), but for RL, which
+# keeps the rates measured on the real chat model with LoRA (tests/test_real_learning.py).
 REGIME_DEFAULTS: dict[str, dict[str, float | int]] = {
     "scratch": {"sft.lr": 1e-3, "sft.warmup_steps": 20, "dpo.lr": 1e-3, "reward.lr": 1e-3, "ppo.lr": 3e-4,
                 "ppo.value_lr": 3e-3},
@@ -164,15 +138,9 @@ class RunConfig(Section):
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
     malloc: str = ""
-    """The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc' or 'jemalloc'
-    (the system's shared library, e.g. Debian's libtcmalloc-minimal4), or a path to a malloc
-    library. The command line restarts itself once with it in LD_PRELOAD, before torch loads
-    (``rlhfkit.accel.malloc``). tcmalloc keeps a CPU update's resident set near the tensors alive,
-    where glibc's heap keeps freed holes: on SmolLM2-135M's GRPO step with 512-token completions
-    (2-core Intel Xeon, commit 72461bf, benchmarks/RESULTS.md) the peak went from 8018 to 6117 MiB
-    and the step took 0.96x the time, in a pair of runs side by side; jemalloc reached 5988 MiB
-    but took 1.11x. Off by default: it needs a system library; recommended for CPU training
-    where that library is installed. A GPU's memory is not malloc's."""
+    """The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc' or 'jemalloc' (a
+    system library, e.g. Debian's libtcmalloc-minimal4) or a path; preloaded by restarting the
+    command once (``rlhfkit.accel.malloc``). Both keep a CPU update's resident set lower than glibc's."""
     progress: bool = True
     """Show progress bars."""
     task: Literal["doubling", "cities"] = "doubling"
@@ -225,12 +193,9 @@ class ModelConfig(Section):
     AdamW's updates exact; use bfloat16 with LoRA on a GPU for large models, or with
     model.master_weights=true to fine-tune every weight in bfloat16 arithmetic."""
     master_weights: bool = False
-    """Full fine-tuning in bfloat16 arithmetic on float32 weights (ppo, grpo, rloo, reinforce,
-    sft, dpo): with model.dtype=bfloat16 the trained models (policy, value model) keep float32
-    parameters -- AdamW's updates, the gradients and the saved model stay float32 -- and their
-    forward and backward passes run on bfloat16 copies (rlhfkit.precision); the frozen ones
-    (reference, reward model) are loaded in bfloat16. The full fine-tuning counterpart of
-    TRL's bf16=True; with LoRA the adapter is float32 already (leave this off)."""
+    """With model.dtype=bfloat16, full fine-tuning in bfloat16 arithmetic on float32 weights: the
+    trained models' parameters, gradients and AdamW stay float32, their passes run on bfloat16
+    copies (rlhfkit.precision). The full fine-tuning counterpart of TRL's bf16=True; off with LoRA."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of the trained models (less memory, ~30% more
     compute); rollouts run in eval mode, so the KV cache still works."""
@@ -240,22 +205,15 @@ class ModelConfig(Section):
     lora_alpha: float = 16.0
     """LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input, for sft, dpo and rm: one forward per loss term, so it is plain
-    regularisation there. The RL commands (ppo, grpo, rloo, reinforce) set it to 0, with every
-    other dropout of every role (policy, reference, critic, reward model; the checkpoint's own
-    attention_dropout, resid_pdrop ... too): they compare the sampler's forward with the update's,
-    whose ratio must be exactly 1. The other commands turn the checkpoint's own dropout off too."""
+    """Dropout on the LoRA input for sft, dpo and rm (every command turns the checkpoint's own off);
+    the RL commands set it to 0 too: their sampler's and update's forwards must give a ratio of 1."""
     lora_target_modules: str = "all-linear"
     """Comma-separated module names the adapter wraps (e.g. 'q_proj,v_proj'), or 'all-linear'
     (every linear layer except the output head)."""
     regime: Literal["auto", "scratch", "pretrained"] = "auto"
-    """What the trained model starts from, which picks the learning rates left unset (sft.lr,
-    sft.warmup_steps, dpo.lr, reward.lr, ppo.lr, ppo.value_lr; config.REGIME_DEFAULTS): 'scratch'
-    (random weights trained by rlhfkit: the built-in tasks' tiny models), 'pretrained' (a
-    checkpoint trained elsewhere; with model.lora_r > 0 the LoRA rates), or 'auto': 'scratch' when
-    the model's config.json carries the mark rlhfkit writes into the models it builds from
-    scratch (and which their fine-tuned copies keep), else 'pretrained'. The rates chosen are
-    printed at the start of the run."""
+    """What the trained model starts from, which picks the learning rates left unset
+    (config.REGIME_DEFAULTS; printed at the start): 'scratch', 'pretrained' (with model.lora_r > 0
+    the LoRA rates) or 'auto': 'scratch' when config.json carries rlhfkit's from-scratch mark."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -392,21 +350,18 @@ class PPOConfig(Section):
     experience and update."""
     scale_rewards: Literal["group", "batch", "advantages", "none"] = "batch"
     """grpo, rloo, reinforce: divide the baseline-centred scores by the std of the prompt's group
-    ('group': GRPO's paper and TRL's GRPO default; true reads as this), by the std of the whole
-    batch's raw scores ('batch', the default here: TRL's GRPO scale_rewards='batch'), re-centre
-    them on their batch mean and divide by their own std ('advantages': TRL's RLOO
-    normalize_advantages=True; with groups it is not 'batch', e.g. 1.0 against 1.32 on one
-    example), or by nothing ('none': Dr. GRPO, RLOO's paper, TRL's RLOO default; false reads as
-    this). See rlhfkit.core.scale_advantages;
-    reinforce has no groups. TRL's GRPO divides by the group's std by default, OpenRLHF's too;
-    all add a small epsilon to an unbiased std, as here."""
+    ('group' or true: GRPO's paper, TRL's and OpenRLHF's GRPO default), of the batch's raw scores
+    ('batch', the default here: TRL's GRPO scale_rewards='batch'), re-centre them and divide by
+    their own std ('advantages': TRL's RLOO normalize_advantages=True, not 'batch' with groups),
+    or by nothing ('none' or false: Dr. GRPO, RLOO's paper, TRL's RLOO default); the std unbiased,
+    plus a small epsilon, as in TRL (rlhfkit.core.scale_advantages). reinforce has no groups."""
     steps: int = 200
     """Rollout + update iterations (upper bound; see stop_at)."""
     batch_size: int = 64
     """Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for grpo/rloo)."""
     minibatch_size: int = 32
-    """Sequences per optimizer step. On the doubling task 32 beat 16 on 3/3 seeds: 40-55 steps
-    to 0.99 instead of 55-75, and half the optimizer steps per rollout."""
+    """Sequences per optimizer step; 32 reached the doubling task's target in fewer rollouts than
+    16, with half the optimizer steps per rollout."""
     ppo_epochs: int = 2
     """Passes over each rollout (TRL's num_iterations, whose default is 1: with TRL's defaults a
     rollout is one optimizer step, here ppo_epochs x batch_size / minibatch_size, 4 by default)."""
@@ -422,14 +377,9 @@ class PPOConfig(Section):
     """Critic learning rate (value head or value model). Unset: ten times the actor's default of
     model.regime: 3e-3 from scratch and with LoRA, 1e-5 for a pretrained checkpoint in full."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """How both learning rates move over ppo.steps after the warm-up (ppo.warmup_steps): constant,
-    linear decay to 0 after the last step (TRL's default scheduler), or cosine decay to 0
-    ((1 + cos(pi f)) / 2, f the share of the steps after the warm-up gone by). Set at every step
-    from the step number alone (logged as policy/lr), so a resumed run continues on the same
-    curve. PPO on the doubling task (150 steps, raw scores,
-    tuning seeds 33-56; 33-44 on the verifier): linear cut the late dips on the Bradley-Terry reward (mean held-out exact
-    over steps 75-150: 0.994 against 0.989) but slowed the exact verifier (median 85 steps to 0.95
-    against 70; 2 of 12 runs stalled below 0.95 as the rate fell), so constant stays the default."""
+    """Both learning rates over ppo.steps after the warm-up: constant (the default: linear decay
+    slowed the doubling task's verifier), linear decay to 0 (TRL's default) or cosine to 0
+    ((1 + cos(pi f)) / 2, f the share of those steps gone by); set from the step number alone."""
     warmup_steps: int = 0
     """Linear warm-up of both learning rates over the first this many steps (step k at (k + 1) /
     warmup_steps of the rate), before ppo.lr_schedule; 0 = none."""
@@ -440,15 +390,10 @@ class PPOConfig(Section):
     temperature: float = 1.0
     """Sampling temperature (log-probs are taken under the same temperature)."""
     top_k: int = 0
-    """Sample each token from the top_k most likely ones only (0 = off). The log-probs PPO uses stay
-    those of the full tempered distribution (the policy optimised, what the training forward
-    recomputes), so the first ratio is still 1, but the samples come from the truncated
-    distribution q = pi / Z (Z: the kept probability, logged as rollout/kept_mass) and are off-policy:
-    every estimate over them (the policy gradient, objective/kl) weighs the kept tokens by 1/Z and
-    never sees the others. ppo.sampling_correction reweighs the policy loss by pi/q; a warning
-    comes once when most of the probability is dropped. (TRL with vLLM records the sampler's own
-    log-probs and corrects by default; without a correction, as here by default, neither does.)
-    The held-out evaluation's greedy decoding ignores it."""
+    """Sample each token from the top_k most likely ones only (0 = off; greedy evaluation ignores
+    it). The samples are then off-policy: PPO's log-probs stay the full tempered policy's, the kept
+    mass is logged as rollout/kept_mass, and ppo.sampling_correction reweighs by pi / q (TRL with
+    vLLM corrects by default; without vLLM, as here by default, it does not)."""
     top_p: float = 1.0
     """Nucleus sampling: draw from the smallest set of most likely tokens holding top_p of the
     probability (after top_k), in (0, 1]; 1.0 = off. Log-probs and correction as for top_k."""
@@ -457,13 +402,9 @@ class PPOConfig(Section):
     (transformers' MinPLogitsWarper, on the tempered distribution), in [0, 1]; 0 = off.
     Log-probs and correction as for top_k."""
     repetition_penalty: float = 1.0
-    """Sample from logits in which every token already in the prompt or the response so far has
-    its logit divided by this when positive, multiplied when negative (transformers'
-    RepetitionPenaltyLogitsProcessor, before the temperature); 1.0 = off, > 1 discourages
-    repeats. As for top_k, the log-probs PPO uses stay those of the policy's own tempered
-    distribution, which the training forward recomputes (the first ratio is 1): the samples are
-    off-policy, rollout/kept_mass averages pi / q over the sampled tokens (q: the sampler's
-    distribution) and ppo.sampling_correction reweighs by it. Greedy decoding ignores it."""
+    """Divide the logit of every token already in the prompt or response by this when positive,
+    multiply when negative (transformers' RepetitionPenaltyLogitsProcessor, before the
+    temperature); 1.0 = off, > 1 discourages repeats. Off-policy samples, as for top_k."""
     sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
                                  "sequence_mask"] = "none"
     """With top_k / top_p: weigh each token's policy loss by the importance weight pi_old / q of
@@ -485,107 +426,47 @@ class PPOConfig(Section):
     missing_eos_penalty; counted in response/eos_rate). The held-out evaluation uses them too.
     Empty = none."""
     cuda_graph: bool = False
-    """Replay each decode step of the rollout as a CUDA graph (on CUDA, on rlhfkit's lean forward:
-    GPT-2, Llama, Qwen2 with a rotary table that does not change with the length). At a small
-    model's size a GPU decode step is hundreds of kernel launches that cost more than their
-    arithmetic, and a replay issues them at once. The step has fixed shapes: attention reads the
-    cache up to the end of the current band of columns (at least 64; a graph per band, made when
-    the decode reaches it) with the unwritten columns masked: the same tokens and log-probs up to
-    rounding (tests check them against the usual decode, on a CPU where the same fixed-shape steps
-    run without a graph). Measured on an H200 at commit 43d0b07, when the step still read the
-    whole cache (benchmarks/RESULTS.md, real_step.py's rlhfkit_grpo_graph row): a 30-layer 135M
-    model's step 0.9 s instead of 1.5 s on 64 new tokens, but a 12-layer one's 2.7 s instead of
-    2.4 s on 512, where reading all 576 columns at every token cost more than the launches saved.
-    With the bands (the same H200, commit a0c876e) the 12-layer step took 2.2 s either way, the
-    graphs holding 821 MiB more, and the 135M one 1.1 s against 1.9 s. Where Triton imports (a
-    CUDA build of torch brings it) the graphed step's attention is rlhfkit.accel.triton_decode's
-    kernel instead: it reads the step's column from device memory and only the columns written
-    so far, so one graph serves the whole rollout (accel.enabled=off keeps PyTorch's attention
-    and the bands). On another H200 at commit a4196b5 the 12-layer step took 1.9 s with it
-    against 2.6 s with the bands, peaking 867 MiB lower; with model.gradient_checkpointing and
-    ppo.offload too, 2.1 s at 3597 MiB, 0.42x the step of TRL there at 0.76x the memory of TRL
-    at its default checkpointing. Off by default: measured to pay where launches dominate (small
-    layers, short completions); on long completions the usual step was not timed beside it on
-    that machine (on the earlier ones it matched the banded graph)."""
+    """Replay each decode step of the rollout as a CUDA graph (CUDA, rlhfkit's lean forward: GPT-2,
+    Llama, Qwen2): fewer kernel launches, the same tokens and log-probs up to rounding; with
+    Triton one graph serves the whole rollout (accel.enabled=off: a graph per band
+    of cache columns). Off by default: it pays where launches dominate (small layers, short completions)."""
     offload: bool = False
-    """Keep in host memory what a phase of the step does not read: AdamW's moments outside the
-    update (they leave before the rollout and before a held-out evaluation; checkpoints are
-    written from the host copies), the reference and reward models' weights outside the
-    experience pass and the held-out evaluation (their device copy is made for those and freed
-    after). The
-    rollout, whose KV cache is the peak with long completions, then holds the policy alone beside
-    its cache: in full fine-tuning about three times the trained weights less, and the update the
-    reference's weights less. The same arithmetic (copies come back bit for bit); the cost is the
-    transfers, per step the moments once each way and the frozen weights once to the device
-    (pinned host memory on CUDA). One process or DDP; FSDP and DeepSpeed shard these already.
-    Nothing to gain on a CPU, where the copies still run. Measured on an H200 (commit a0c876e,
-    with model.gradient_checkpointing, benchmarks/RESULTS.md): GPT-2 small's step on 512-token
-    completions peaked at 3472 MiB, 2.4 s a step (without offload, at commit 43d0b07: 4903 MiB,
-    2.3 s)."""
+    """Keep in host memory what a phase of the step does not read (AdamW's moments outside the
+    update, the reference and reward models outside the experience pass and evaluation): a lower
+    GPU peak for the transfers' time, the same arithmetic. One process or DDP; no gain on a CPU."""
     update_off_heap: bool = False
-    """CPU with glibc (Linux): during the update, map every tensor of 1 MiB or more on its own
-    and hand it back to the system when freed (``rlhfkit.utils.tensors_off_heap``), instead of
-    carving it out of glibc's heap, where what a micro-batch frees between tensors still alive
-    stays resident as holes. The update's peak resident set is then the tensors alive; the cost
-    is the page faults of mapping them afresh at every allocation. The same arithmetic. Measured
-    on SmolLM2-135M's GRPO step with 512-token completions (2-core Intel Xeon, commit d2cceda,
-    benchmarks/RESULTS.md): peak 6101 against 8255 MiB, the update 387.6 against 320.4 s (1.21x)
-    in a pair of runs at the same time. Off by default for that time; with transparent huge
-    pages for PyTorch's tensors (``THP_MEM_ALLOC_ENABLE=1`` in the environment, read before
-    PyTorch's first allocation) the update took 1.07-1.11x in two more pairs, at the same peak.
-    Nothing changes on a GPU."""
+    """CPU with glibc (Linux): during the update, give every tensor of 1 MiB or more its own mapping,
+    returned to the system when freed (``rlhfkit.utils.tensors_off_heap``): a lower peak resident
+    set for page faults at every allocation, the same arithmetic. Off by default for that time."""
     reuse_rollout_logprobs: bool = True
-    """Use the sampler's log-probs (and a shared value head's values and the entropies) as the
-    experience pass's instead of running the policy again -- only when the sampler computed them
-    alike (rlhfkit's lean forward in float32: equal up to rounding, ~1e-6). Otherwise, and when
-    False, the policy is run again; ``policy/logprob_gap`` reports the largest difference either
-    way (with reuse, on the first minibatch of the update, before any optimizer step). With one
-    update a rollout (``ppo_epochs`` 1, one minibatch) and the KL a loss term, the update's own
-    forward gives them instead of a policy forward of their own
-    (:func:`rlhfkit.experience.defer_old_logprobs`)."""
+    """Take the experience pass's log-probs (and a shared head's values, the entropies) from the
+    sampler where it computed them alike (the lean forward in float32, equal up to ~1e-6) instead
+    of running the policy again; ``policy/logprob_gap`` reports the largest difference either way."""
     kl_coef: float = None  # type: ignore[assignment]
     """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator; TRL's beta, whose GRPO
     default is 0 with full fine-tuning too). Unset: 0.2 for ppo, 0.3 for grpo, rloo and reinforce
     (config.ALGO_DEFAULTS); 0 for grpo, rloo and reinforce with a LoRA policy (model.lora_r > 0;
-    config.LORA_DEFAULTS: on a pretrained chat model beta 0.3 held the answer's format still for
-    60 steps). TRL's GRPO weighs its k3 term by the ratio (see kl_estimator); TRL's RLOO: 0.05, k1
+    config.LORA_DEFAULTS: on a pretrained chat model it held the answer's format still). TRL's GRPO weighs its k3 term by the ratio (see kl_estimator); TRL's RLOO: 0.05, k1
     summed over the response in the reward. PPO's per-token KL weight is 0.05 in TRL, 0.01 in
     OpenRLHF, 0.1 in DeepSpeed-Chat, all k1 in the reward as here; ppo adds a k3 loss term beside
     it (forward_kl_coef, 0.1): set both to 0 for no KL term at all."""
     kl_estimator: Literal["k1", "k2", "k3"] = None  # type: ignore[assignment]
-    """Per-token KL estimator from the sampled token's log-probs, with log r = log ref - log pi:
-    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. As values (objective/kl) k1 and k3 are
-    unbiased for KL(pi || ref), k2 is biased. What each pulls on depends on kl_in_loss (exact
-    expected gradients, checked by tests/test_kl_gradients.py):
-    in the reward the estimate is a constant (no gradient through it); the policy gradient makes of it
-      k1: the gradient of the reverse KL(pi || ref) of whole responses, exactly (the default);
-      k2: a biased gradient, no KL's;
-      k3: the reverse KL's gradient minus the forward KL's at each token: near ref they cancel;
-    as a loss term (kl_in_loss=true) its gradient is
-      k1: zero in expectation (E_pi[grad log pi] = 0), only noise: refused;
-      k2: the reverse KL(pi || ref)'s gradient at each sampled token's state;
-      k3: the FORWARD KL(ref || pi)'s gradient at each sampled token's state (grpo/rloo/reinforce).
-    Unset: k1 for ppo, k3 for grpo, rloo and reinforce (config.ALGO_DEFAULTS). TRL's GRPO puts k3
-    in the loss times the importance ratio by default (use_bias_correction_kl=True): the ratio is 1
-    on-policy but keeps its gradient, and ratio x k3 has k2's gradient, the reverse KL's; port it
-    as k2 (the same gradient, k2's values in objective/kl), use_bias_correction_kl=False as k3."""
+    """Per-token KL estimator, with log r = log ref - log pi:
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r. In the reward k1 pulls on the reverse
+    KL(pi || ref); as a loss term (kl_in_loss) k2 pulls on the reverse KL, k3 on the FORWARD
+    KL(ref || pi), k1 on nothing (refused): the table in docs/ppo_walkthrough.md, section 6
+    (tests/test_kl_gradients.py). Unset: k1 for ppo, k3 for grpo, rloo and reinforce. TRL's GRPO
+    default (k3 times the ratio, use_bias_correction_kl=True) has k2's gradient: port it as k2;
+    use_bias_correction_kl=False as k3."""
     kl_in_loss: bool = None  # type: ignore[assignment]
     """Put the KL penalty in the loss (beta * token-mean of kl_estimator, GRPO style) instead of
     the reward; needs kl_estimator k2 (reverse KL) or k3 (forward KL), see kl_estimator. Unset:
-    false for ppo, true for grpo, rloo and reinforce. For ppo, true with k3 (kl_coef 0.3) held on
-    the doubling task's verifier but drifted on its learned rewards (10 of 24 runs below 0.95
-    held-out exact, against 1 with k1 in the reward); ppo's default keeps k1 in the reward and adds
-    a smaller k3 loss term beside it (forward_kl_coef)."""
+    false for ppo, true for grpo, rloo and reinforce. ppo keeps k1 in the reward and adds a smaller
+    k3 loss term beside it (forward_kl_coef): k3 alone drifted on the toy tasks' learned rewards."""
     forward_kl_coef: float = None  # type: ignore[assignment]
-    """With the KL in the reward (kl_in_loss=false), the weight of a second KL term: k3 in the loss
-    (forward_kl_coef * its token mean), whose gradient is the forward KL(ref || pi)'s at each
-    sampled token's state. k1 in the reward pulls on the reverse KL, which charges nothing for an
-    answer the policy no longer samples; this term grows as the policy drops mass the reference
-    keeps. Not used with kl_in_loss=true (the KL is a loss term already: kl_estimator, kl_coef).
-    Unset: 0.1 for ppo, 0 for ppo with a LoRA policy (not measured there) and for grpo, rloo and
-    reinforce. On the doubling task's verifier at lr 6e-4 it removed PPO's stalls (3 of 36 runs
-    at 0.66 without it, none with it) and held on the learned rewards (docs/algorithms/ppo.md,
-    "Why the defaults are what they are")."""
+    """With the KL in the reward (kl_in_loss=false), the weight of a k3 loss term beside it, which
+    pulls on the forward KL(ref || pi) that k1's reverse KL leaves free for answers no longer
+    sampled. Unset: 0.1 for ppo (it removed PPO's stalls on the doubling task), else 0."""
     adaptive_kl: bool = False
     """Adapt beta with the proportional controller towards kl_target."""
     kl_target: float = 0.5
@@ -650,16 +531,9 @@ class PPOConfig(Section):
     max_grad_norm: float = 1.0
     """Gradient-norm clip, per model."""
     value_model: Literal["separate", "shared"] | None = None
-    """'shared' (unset: the default): a value head on the actor, whose values come from the
-    policy's own forward; 'separate' (unset: when value.name, value.lora or ppo.value_init,
-    which configure it, is set): a value model of its own (backbone + scalar head). The shared
-    head against a separate critic started from the reward model: on the doubling tutorial's
-    classifier reward 0.65x the seconds per rollout and 0.77x the seconds to 0.99 held-out exact
-    (tuning seeds 21-32); it held on the robustness matrix's 27 runs (seeds 0-2 and 33-38, three
-    rewards; benchmarks/FINDINGS.md); on the real chat model with LoRA, 0.58x the seconds a step,
-    half the memory, and held-out exact 0.5 sooner on 2 of 3 seeds
-    (benchmarks/README-0.1.0-measurements.md, "Learning on the real chat model").
-    A separate critic is what TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat use."""
+    """'shared' (unset: the default; fewer seconds a step and less memory at the same learning): a
+    value head on the actor; 'separate' (unset: when value.name, value.lora or ppo.value_init is
+    set): a value model of its own, as TRL's PPOTrainer, OpenRLHF and DeepSpeed-Chat use."""
     value_init: Literal["reward", "policy"] | None = None
     """A separate value model's start: the reward model ('reward', the meaning of unset: when
     reward.name is set; with reward functions alone, the policy) or the policy backbone
@@ -667,27 +541,19 @@ class PPOConfig(Section):
     when ppo.value_model is unset; beside ppo.value_model=shared it does nothing."""
     missing_eos_penalty: float = 0.0
     """Subtracted from the score of responses that never emit EOS (0 = off; TRL's PPOTrainer
-    has the same option, off by default). On the doubling task's three rewards no default run
-    lost its EOS (benchmarks/robustness.py), so it stays off; the hacking watch flags a fall
-    of the EOS rate (guard_eos)."""
+    has the same option, off by default): no default run on the toy tasks lost its EOS, and the
+    hacking watch flags a fall of the EOS rate (guard_eos)."""
     overlong_buffer: int = 0
-    """DAPO's soft over-long punishment (0 = off; DAPO: 4096 of 20480): a response longer than
-    max_new_tokens - overlong_buffer tokens (EOS included) loses overlong_penalty * (its length -
-    that) / overlong_buffer from its score, all of overlong_penalty at max_new_tokens; added
-    after missing_eos_penalty, before normalisation and clipping (TRL: the reward function
-    get_soft_overlong_punishment, weight 1). In a multi-turn episode (env.class) each model turn is
-    such a response, max_new_tokens being a turn's limit, and the episode loses the sum of its
-    turns' penalties: DAPO penalises each generated response, and an episode's return sums its
-    turns' rewards as it sums the environment's."""
+    """DAPO's soft over-long punishment (0 = off; DAPO: 4096 of 20480; TRL's
+    get_soft_overlong_punishment): a response of L > max_new_tokens - overlong_buffer tokens (EOS
+    included) loses overlong_penalty * (L - that) / overlong_buffer, after missing_eos_penalty and
+    before normalisation and clipping; a multi-turn episode loses the sum over its model turns."""
     overlong_penalty: float = 1.0
     """The over-long penalty at max_new_tokens (DAPO: 1, in the reward's units)."""
     filter_zero_std_groups: bool = False
-    """grpo, rloo: leave the groups whose scores are all equal (logged: frac_reward_zero_std) out of
-    the update -- DAPO's dynamic filtering, without its resampling. Their advantages are 0
-    already (with the KL in the reward, kl_in_loss=false, only the KL penalty's); what changes
-    is the token mean: the policy loss, the KL term and the entropy bonus
-    average over the kept rows' tokens only, and each minibatch holds ppo.minibatch_size kept rows
-    (fewer optimizer steps when many groups are left out, none when all are). One process only."""
+    """grpo, rloo: leave groups whose scores are all equal (logged: frac_reward_zero_std) out of the
+    update, DAPO's dynamic filtering without resampling: the token means run over the kept rows and
+    each minibatch holds ppo.minibatch_size kept rows (fewer optimizer steps). One process only."""
     mask_truncated_completions: bool = False
     """Leave completions cut at max_new_tokens (no EOS or stop string; logged:
     response/truncated_rate) out of the update -- policy, KL, entropy and value losses -- TRL's
@@ -715,18 +581,13 @@ class PPOConfig(Section):
     evaluation before step 0 (logged as baseline/eval/* in step 0's row) must produce it, else
     the run stops there with the metrics it does log."""
     keep_best: bool = False
-    """Save the policy (and critic) of the best evaluation on the stop metric instead of the last
-    step's (TRL: load_best_model_at_end): a CPU copy of the trainable weights (a LoRA adapter
-    only) is kept whenever an evaluation after a step beats every earlier one, and put back
-    before the final save; the summary's saved_step names the step. Over the evaluations since
-    the start or the last --resume. False: the last step's policy is saved."""
+    """Save the policy (and critic) of the best evaluation on the stop metric since the start or the
+    last --resume, not the last step's (TRL: load_best_model_at_end); a CPU copy of the trainable
+    weights is kept for it, and the summary's saved_step names the step."""
     guard_kl: float = 1.5
-    """Reward-hacking watch: flag (guard/kl_high, one warning) steps where the KL to the reference,
-    per response token (objective/kl / response/length) and averaged over the last 5 steps,
-    exceeds this many nats while the held-out ppo.stop_metric has fallen below its best beyond
-    the evaluations' noise (0 = off). A high KL alone is no alarm: one-word answers move far from
-    a chatty reference, most of all per token, while the held-out metric rises. Off, with one
-    warning at the start, when the run does not log ppo.stop_metric. See rlhfkit.watch."""
+    """Reward-hacking watch: flag (guard/kl_high) steps whose KL per response token, averaged over
+    the last 5 steps, exceeds this many nats while ppo.stop_metric has fallen below its best beyond
+    its noise; a high KL alone is no alarm (0 = off; off with a warning without the metric)."""
     guard_eos: float = 0.5
     """Flag (guard/eos_collapse) steps where the EOS rate, averaged over the last 5 steps, falls
     below this share of its mean over the first 10 steps, by more than 4.5 standard errors over
@@ -878,9 +739,8 @@ class DPOConfig(Section):
     nll_coef: float = 1.0
     """Weight of the chosen answers' per-token NLL added to the preference loss (RPO); the default
     loss is DPO + NLL, TRL's loss_type=["sigmoid", "sft"] (TRL's default adds none); 0 = plain
-    DPO, TRL's default. On the doubling pairs plain DPO separates the pairs by pushing rejected
-    answers down and never moves greedy format accuracy off ~0.33; with 1.0 it reaches 0.99 in
-    ~150 steps."""
+    DPO, TRL's default. Plain DPO separated the doubling pairs without moving greedy accuracy;
+    the NLL term is what made it learn the answers."""
     disable_dropout: bool = True
     """Turn every dropout off, the LoRA adapter's (model.lora_dropout) included, as TRL's
     disable_dropout=True; False keeps the adapter's dropout (the models' own stays off)."""

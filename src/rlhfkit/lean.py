@@ -18,11 +18,8 @@ plain PyTorch unless the run's ``accel.enabled`` registered faster ones (:mod:`r
 In a float32 training forward each layer keeps less for its backward than autograd would:
 the norms' inputs, not their outputs (:class:`_NormLinears`), and the MLP's input projections,
 not the activation's intermediates and output (:class:`_SwiGLUDown`, :class:`_GeluDown`); the
-backward rebuilds them with a few element-wise passes, the matrix products unchanged. On
-SmolLM2-135M with a micro-batch of 16 rows (4 prompts of 128 tokens shared by 16 completions
-of 64) that is ~1 GiB less at the same time (at commit 3777dbe on a 2-core Intel Xeon, one
-thread: peak 3768 -> 2756 MiB, 10.0 -> 9.8 s a forward and backward); on GPT-2 small (12
-layers) 3067 -> 2587 MiB.
+backward rebuilds them with a few element-wise passes, the matrix products unchanged: less
+memory at about the same time (benchmarks/archive/code-evidence.md).
 
 Differences from the reference implementations are rounding only: GPT-2's ``gelu_new`` is
 computed as ``x * sigmoid(2z)`` (equal to ``x * (1 + tanh z) / 2``; on this CPU build tanh
@@ -133,13 +130,12 @@ class _Unmerged:
     float32 through the cast), and ``y + scaling * (x A^T) B^T`` is one ``addmm`` that accumulates
     in float32 and rounds once, where autocast rounds the adapter's output, its scaling and the
     sum apart. Folding the adapter into a half-precision weight instead would round its small
-    entries away. On one thread of an AMX Xeon a gate/up adapter (4088 rows, r 16) took 3.8 ms
-    this way against 40 ms with its products in float32 (the input, the base product and the
-    sum converted each way), the base product itself 14 ms; the hidden states and the adapters'
-    gradients stay as close to float32's as peft's under autocast, within 2.5x of peft's
-    float32-adapter forward's error (``tests/test_lean.py``). Stands where a weight tensor stands in a layer's tuple; only
-    :func:`_linear` and :func:`_add_linear` apply it (the half-precision forward never takes the
-    float32-only :class:`_NormLinears` / :class:`_SwiGLUDown`)."""
+    entries away. Much faster than the adapters' products in float32, and the hidden states and
+    the adapters' gradients stay as close to float32's as peft's under autocast
+    (``tests/test_lean.py``; timings: benchmarks/archive/code-evidence.md). Stands where a weight
+    tensor stands in a layer's tuple; only :func:`_linear` and :func:`_add_linear` apply it (the
+    half-precision forward never takes the float32-only :class:`_NormLinears` /
+    :class:`_SwiGLUDown`)."""
 
     weight: torch.Tensor
     loras: tuple[tuple[torch.Tensor, torch.Tensor, float], ...]
@@ -153,8 +149,7 @@ class _Unmerged:
             # a decode step's few rows: the base product and each x A^T as one product over the
             # weight with the A's stacked under it, made once a generation call (the adapters are
             # cast once a call too, by _weight): one call a layer fewer, each of which cost more
-            # to dispatch than its [64, r] product. SmolLM2's reasoning decode loop (64 rows, r 16,
-            # one thread of an Intel Xeon, model 207): 122.6-124.7 against 128.6-139.5 ms a step
+            # to dispatch than its [64, r] product (benchmarks/archive/code-evidence.md)
             if not self.stacked or self.stacked[1] is not bias:
                 rank = sum(a.shape[0] for a, _, _ in self.loras)
                 w = torch.cat([self.weight, *(a for a, _, _ in self.loras)])
@@ -180,10 +175,10 @@ class _Unmerged:
 # for SmolLM2's [1536, 576] at 64 rows), not beside a 7B model's (and CUDA graphs replay a GPU's)
 STACK_ROWS, STACK_MAX_WEIGHT = 256, 1 << 22
 # a generation call of at least PACK_STEPS decode steps packs its bfloat16 weights (ops.pack):
-# SmolLM2's 30 layers and head took 0.11 s to pack and a 64-row step 13 ms less (Xeon, model
-# 207). A weight that is not copied for the call anyway (plain weights, the head) is packed
-# beside the live one: only up to STACK_MAX_WEIGHT elements, the head up to PACK_MAX_HEAD
-# (SmolLM2's has 28M, 56 MB in bfloat16), so a large model's generation does not hold a second copy
+# packing costs once a call and saves on every decode step (benchmarks/archive/code-evidence.md).
+# A weight that is not copied for the call anyway (plain weights, the head) is packed beside the
+# live one: only up to STACK_MAX_WEIGHT elements, the head up to PACK_MAX_HEAD (SmolLM2's has 28M,
+# 56 MB in bfloat16), so a large model's generation does not hold a second copy
 PACK_STEPS, PACK_MAX_HEAD = 16, 1 << 25
 
 
@@ -318,9 +313,8 @@ def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tens
     weight, eps = params
     if x.dtype == weight.dtype:  # the formula below as one fused kernel each way; in half precision it
         # rounds once where the formula rounds the normalised rows and their product with the weight
-        # apart (one bfloat16 update micro-batch of reasoning: 18 against 25 ms a norm, forward and
-        # backward); on a CPU in bfloat16 the compiled one, whose backward is one pass a row where
-        # PyTorch's is about ten (3.3 against 17.6 ms at [4088, 576], forward and backward)
+        # apart, and is faster; on a CPU in bfloat16 an accelerated one where registered, whose
+        # backward is one pass a row where PyTorch's is about ten (benchmarks/archive/code-evidence.md)
         return ops.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -504,14 +498,11 @@ def _attend(q, k, v, mask, scale, groups: int, additive: dict | None = None,
 def _fold_heads(q: torch.Tensor, k: torch.Tensor, groups: int) -> bool:
     """Whether grouped heads should run as one head of ``groups x Tq`` queries a key head: a
     half-precision CPU forward that autograd records, with several queries a row. PyTorch's CPU
-    flash attention handles ``enable_gqa`` by head, and its bfloat16 backward pays per head: one
-    layer of SmolLM2's reasoning update (8 rows x 9 heads over 3, 511 queries after a 64-token
-    prompt, 575 keys) took 0.131-0.140 s backward with grouped heads against 0.091-0.097 s folded,
-    forward 0.024-0.028 s either way (one thread of an Intel Xeon, CPU family 6, model 207, at
-    commit f31bba6; 0.075 against 0.050 s on two threads; float16 0.174 against 0.125 s). Each
-    query's output is the same bit for bit (its keys and mask do not change); the keys' and
-    values' gradients differ by the order of the sums. Float32 gained nothing (0.102 against
-    0.103 s backward) and no-grad forwards gain nothing either: those keep the grouped call."""
+    flash attention handles ``enable_gqa`` by head, and its bfloat16 backward pays per head, so
+    folding makes the backward faster at the same forward. Each query's output is the same bit
+    for bit (its keys and mask do not change); the keys' and values' gradients differ by the
+    order of the sums. Float32 and no-grad forwards gain nothing: those keep the grouped call
+    (timings: benchmarks/archive/code-evidence.md)."""
     return (groups > 1 and q.shape[2] > 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
 
@@ -562,9 +553,8 @@ class _StackedLoRAs:
     decode step's rows (at most ``STACK_ROWS``; more rows take the layers apart). Each output
     column sums what :class:`_Unmerged`'s stacked product sums, the block-diagonal product adding
     exact zeros for the other layers' ranks: the same numbers bit for bit (``tests/test_gemm.py``;
-    SmolLM2's logits too). Two calls where the layers apart make two each:
-    on SmolLM2's decode steps (64 rows, r 16, one thread of an Intel Xeon, model 207) 30
-    layers' adapted products took 48-55 ms against 56-64 ms a step. The stacked weight is packed
+    SmolLM2's logits too). Two calls where the layers apart make two each, which is faster on a
+    CPU's decode steps (benchmarks/archive/code-evidence.md). The stacked weight is packed
     (:func:`rlhfkit.ops.pack`) and only the packed copy kept."""
 
     def __init__(self, layers: list[_Unmerged], biases: list[torch.Tensor | None]):
@@ -797,14 +787,9 @@ def shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
 
 
 # On a CPU the flat layout is taken up to this many token-wise elements (tokens run x width).
-# ``benchmarks/shared_prompt_ops.py``, 2 layers, one update forward + backward, flat / two
-# sequences, at commit aee3631 on a 2-core Intel Xeon (model 167, the other core busy): 4 x 4
-# rows of 16 + 8 tokens (147K elements at GPT-2's width) 0.77x, (Llama, 576 wide) 0.83x; 8 x 4
-# of 32 + 16 (590K, 442K) 0.95x, 0.96x; 8 x 4 of 64 + 32 (1.2M, 885K) 0.98x, 1.00x; 16 x 4 of
-# 128 + 64 (4.7M, 3.5M) 0.98x, 1.08x. The doubling task's 64-wide model (about 20K elements a
-# minibatch) runs its GRPO update in 0.89x the time flat. The bound sits below the real model's
-# update micro-batches (SmolLM2-135M, ``real_step.py``'s ``short``: 4 prompts of 128 + 16 x 63
-# tokens x 576 = 875K), which keep the two sequences their measured tables used.
+# The flat layout was faster for small token-wise sizes and no faster near the real model's update
+# micro-batches (``benchmarks/shared_prompt_ops.py``), which keep the two sequences; the bound sits
+# between them (the table: benchmarks/archive/code-evidence.md).
 FLAT_CPU_ELEMENTS = 1 << 19
 
 

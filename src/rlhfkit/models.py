@@ -344,7 +344,7 @@ def _set_training(model: nn.Module, mode: bool) -> None:
     """``model.train(mode)``. transformers' ``train`` also moves the model's hub kernels
     (``use_kernels``, on by default where the ``kernels`` package is installed) between their
     inference and training modes, registering the kernel mapping and kernelizing the model again at
-    each switch: two switches a rollout took the doubling task's sampling from 7.6 to 6.5 ms. A
+    each switch, a cost beside a small model's sampling (benchmarks/archive/code-evidence.md). A
     model on the lean path never runs its layers' own forward, so there only the flags change."""
     if lean.supported(model):
         for m in model.modules():

@@ -15,8 +15,7 @@ norms in float32, with their casts).
 The copies are made once a block: once a generation call, once a minibatch of the update (its
 micro-batches' forwards and backwards share them), and once an experience pass that runs the
 policy (none where the update's forward gives the old log-probs and the pass runs only the
-bfloat16 reference). On SmolLM2-135M a block's copies took 0.19 s (one core of a 2-core Intel
-Xeon, family 6 model 207, at commit c0d2ceb), against GRPO steps of 30-240 s there.
+bfloat16 reference): a small cost beside a step's (benchmarks/archive/code-evidence.md).
 """
 
 from __future__ import annotations

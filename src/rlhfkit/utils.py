@@ -57,10 +57,10 @@ def release_free_memory() -> None:
     nothing elsewhere). PyTorch's CPU tensors below glibc's mmap threshold (tens of MiB) live
     on that heap, and what one phase of an RL step frees there stays resident: the holes
     between tensors still in use are never returned, so the next phase's peak resident set
-    starts from the last one's. Called between the phases: tens of milliseconds (66 ms for 1.8
-    GiB of holes on a 2-core Intel Xeon), and the pages are faulted in again where the next
-    phase reuses them. After every micro-batch too it would cap the update's peak lower, but
-    that re-faulting cost about 10% of the update's time (``benchmarks/RESULTS.md``)."""
+    starts from the last one's. Called between the phases: tens of milliseconds, and the pages
+    are faulted in again where the next phase reuses them. After every micro-batch too it would
+    cap the update's peak lower, but the re-faulting would cost a noticeable share of the update's
+    time (benchmarks/archive/code-evidence.md)."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -82,11 +82,10 @@ def tensors_off_heap(enabled: bool = True, threshold: int = UPDATE_MMAP_THRESHOL
     update's activations (a few MiB to tens of MiB each) are carved out of its heap. The heap
     never moves a block, so what a micro-batch frees between blocks still in use stays resident
     as holes the next sizes do not fit, and the update's peak resident set grows by them. Off
-    the heap, the resident set is the tensors alive: the peak of SmolLM2-135M's GRPO step with
-    512-token completions went from 8031-8255 to 6018-6148 MiB (``benchmarks/RESULTS.md``).
-    The cost is the page faults: each such tensor's pages are mapped, zeroed by the kernel and
-    faulted in again at every allocation instead of reused (the update took 1.21x its time
-    there, 1.07-1.11x on huge pages), so the RL loop uses this only with ``ppo.update_off_heap``.
+    the heap, the resident set is the tensors alive, a much lower peak. The cost is the page
+    faults: each such tensor's pages are mapped, zeroed by the kernel and faulted in again at
+    every allocation instead of reused, a slower update, so the RL loop uses this only with
+    ``ppo.update_off_heap`` (measurements: benchmarks/archive/code-evidence.md).
 
     On leaving, the threshold is set to 32 MiB, the value glibc's dynamic threshold reaches in
     any process that frees a tensor that large, and stays fixed there (a threshold set once
@@ -121,8 +120,7 @@ def gradient_buffer(params, enabled: bool = True):
     is a separate heap block placed among the activations' holes during the first
     micro-batch's backward; alive until the optimizer step, they keep the next micro-batches
     from packing their activations where those holes were, and the heap, and the resident
-    set, grows (the update's peak on SmolLM2-135M's GRPO step with 512-token completions went
-    from 9062 to 8165 MiB with the buffer, ``benchmarks/RESULTS.md``). Only plain CPU tensors
+    set, grows (the buffer lowers the update's peak: benchmarks/archive/code-evidence.md). Only plain CPU tensors
     take part: FSDP's sharded parameters and GPU tensors (whose caching allocator reuses freed
     blocks itself) keep their own gradients, and so do all of them when ``enabled`` is false
     (engines that own the gradients: FSDP, DeepSpeed) or when they hold fewer than

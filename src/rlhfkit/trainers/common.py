@@ -108,8 +108,8 @@ class Engine:
         would only be ``loss.backward()`` and the inner optimizer's calls here: no accelerator, or one with no
         DeepSpeed / Megatron / XLA, no loss scaler and no accumulation of its own. Its ``backward``
         and ``step`` probe the file system for an optional package on every call (``is_lomo_available``);
-        going around them took the doubling task's GRPO update to 0.97x (~0.15 ms a call, 60
-        alternating runs on one captured rollout)."""
+        going around them saves a few percent of a small model's update
+        (benchmarks/archive/code-evidence.md)."""
         acc = self.accelerator
         return acc is None or (acc.distributed_type not in ("DEEPSPEED", "MEGATRON_LM", "XLA") and acc.scaler is None
                                and acc.gradient_accumulation_steps == 1)
@@ -138,8 +138,8 @@ class Engine:
     def zero_grad(self, optimizer) -> None:
         """``optimizer.zero_grad(set_to_none=True)``, around accelerate's wrapper where it adds
         nothing: the wrapper reads the inner ``zero_grad``'s signature (``inspect.signature``) on
-        every call. With the clipped parameters listed once an update, this took the doubling
-        task's GRPO update to 0.98x (34.9 against 35.6 ms, alternating on one captured rollout)."""
+        every call; going around it saves a little of a small model's update
+        (benchmarks/archive/code-evidence.md)."""
         self._inner(optimizer).zero_grad(set_to_none=True)
 
     def clip(self, parameters, max_norm: float) -> torch.Tensor:
