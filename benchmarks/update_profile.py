@@ -10,13 +10,13 @@ the update runs (each group's prompt once, ``rlhfkit.lean.response_hidden_states
 
 - ``update``: the whole thing, ``lean.response_hidden_states`` then the LM head with the loss
   inside (``core.chunked_token_loss``), backward, gradients dropped;
-- ``body products``: every linear layer's three products as bare calls of ``rlhfkit.gemm``
+- ``body products``: every linear layer's three products as bare calls of ``rlhfkit.accel.gemm``
   (forward ``x @ W.T``, input gradient ``g @ W``, weight gradient ``g.T @ x``) on the same
   number of rows, each layer's weights their own tensors: what the layers would cost if nothing
-  else ran (oneDNN on non-Intel CPUs with AVX-512, MKL elsewhere, as ``rlhfkit.gemm.enabled`` picks);
+  else ran (oneDNN on non-Intel CPUs with AVX-512, MKL elsewhere, as ``rlhfkit.accel.gemm.enabled`` picks);
 - ``attention``: the causal attention of both streams of every layer, forward and backward,
   through ``lean._attend`` (the routing the update takes: PyTorch's attention, or where oneDNN's
-  products are in use the blocked kernel of ``rlhfkit.kernels``); its FLOP count is every query against every
+  products are in use the blocked kernel of ``rlhfkit.accel.kernels``); its FLOP count is every query against every
   key it is handed, masked or not;
 - ``head``: ``core.chunked_token_loss`` on hidden states of the update's shape, forward and
   backward (logits once per chunk, the hidden states' and the weight's gradients);
