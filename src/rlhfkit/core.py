@@ -1159,7 +1159,9 @@ def ipo_loss(
         chosen_tokens, rejected_tokens: ``[B]`` response lengths, or None (sums).
     Returns:
         ``(loss, stats)`` with the keys of :func:`dpo_loss`; the implicit rewards are
-        ``beta * (log pi - log ref)`` of the log-probs the loss uses (means or sums), as in TRL.
+        ``beta * (log pi - log ref)`` of the log-probs the loss uses (means or sums). TRL logs its
+        ``rewards/*`` from the summed log-ratios even under ``loss_type="ipo"``, so with means the
+        two libraries' logged rewards differ (the loss is the same).
     """
     if (chosen_tokens is None) != (rejected_tokens is None):
         raise ValueError("give both chosen_tokens and rejected_tokens, or neither")
