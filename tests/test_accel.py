@@ -1,4 +1,5 @@
-"""Every accelerated implementation of a name in rlhfkit.ops against its reference.
+"""Every accelerated implementation of a name in rlhfkit.ops (and of its accelerated forward's
+operations, rlhfkit.accel.primitives) against its reference.
 
 ``accel.enabled=on`` registers whatever rlhfkit.accel has that runs on this machine; each
 name it took is checked here against the plain PyTorch reference (values, gradients where it
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhfkit import ops
+from rlhfkit.accel import primitives
 from rlhfkit.cli import main
 from rlhfkit.config import Config, ConfigError, load_config
 from rlhfkit.rollout import _entropy, sample_tokens
@@ -129,7 +131,7 @@ def check_gelu_tanh_gate(impl, ref, dtype):
 
 def check_gelu_tanh_backward(impl, ref, dtype):
     x, grad = _randn(37, 64) * 3, _randn(37, 64, seed=1)
-    _, s = ops.reference("gelu_tanh_gate")(x)
+    _, s = primitives.reference("gelu_tanh_gate")(x)
     _close(impl(x, s, grad), ref(x, s, grad.clone()), atol=1e-6)
 
 
@@ -287,6 +289,52 @@ def check_packable(impl, ref, dtype):
     assert impl(_randn(8, 4, dtype=dtype)) and not impl(_randn(8, 4)) and not ref(_randn(8, 4, dtype=dtype))
 
 
+# --------------------------------------------------------------------------- the forward (against transformers')
+
+def _tiny_llama():
+    from rlhfkit.models import build_tiny
+    from rlhfkit.tasks import doubling
+
+    tok = doubling.make_tokenizer()
+    model = build_tiny("llama", tok, seed=3).eval()
+    ids = torch.randint(4, len(tok), (4, 9), generator=_gen(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    ids[2:] = ids[:2]  # rows 2, 3 repeat rows 0, 1: shared prompts
+    mask[2:] = mask[:2]
+    return model, ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def check_runs_forward(impl, ref, dtype):
+    model = _tiny_llama()[0]
+    assert impl(model) is True and ref(model) is None
+
+
+def check_hidden_states(impl, ref, dtype):
+    model, ids, mask, pos = _tiny_llama()
+    assert ref(model, ids, mask, pos) is None
+    want = model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    _close(impl(model, ids, mask, pos)[mask.bool()], want[mask.bool()], atol=1e-5)
+
+
+def check_response_hidden_states(impl, ref, dtype):
+    model, ids, mask, pos = _tiny_llama()
+    assert ref(model, ids, mask, pos, 5) is None
+    want = model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    _close(impl(model, ids, mask, pos, 5), want[:, 4:-1], atol=1e-5)
+    _close(impl(model, ids, mask, pos, 5, True), want[:, 4:], atol=1e-5)
+
+
+def check_decoder(impl, ref, dtype):
+    model, ids, mask, pos = _tiny_llama()
+    assert ref(model, ids[:, :5], mask[:, :5], pos[:, :5], 4) is None
+    dec = impl(model, ids[:, :5], mask[:, :5], pos[:, :5], 4)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    _close(dec.logits, logits[:, 4], atol=1e-5)
+    for t in range(5, 9):
+        _close(dec.step(ids[:, t], pos[:, t]), logits[:, t], atol=1e-5)
+
+
 CLAIMS = {  # name: (its check, the dtypes its accelerated implementation takes)
     "linear": (check_linear, [F32]), "add_linear": (check_add_linear, [F32]), "mm": (check_mm, [F32]),
     "mm_out": (check_mm_out, [F32]), "grad_weight": (check_grad_weight, [F32]), "addmm_": (check_addmm_, [F32]),
@@ -298,11 +346,18 @@ CLAIMS = {  # name: (its check, the dtypes its accelerated implementation takes)
     "graphed_decode_attention": (check_graphed_decode_attention, [F32]),
     "head_lse": (check_head_lse, [BF16]), "head_grad": (check_head_grad, [BF16]), "sampler": (check_sampler, [F32]),
     "pack": (check_pack, [BF16]), "packable": (check_packable, [BF16]),
+    "runs_forward": (check_runs_forward, [F32]), "hidden_states": (check_hidden_states, [F32]),
+    "response_hidden_states": (check_response_hidden_states, [F32]), "decoder": (check_decoder, [F32]),
 }
 
 
+def _table(name: str):
+    """Where ``name`` is registered: the core's names (rlhfkit.ops) or the forward's (``linear``: both)."""
+    return ops if name in ops.REFERENCE else primitives
+
+
 def test_every_name_has_a_check():
-    assert set(CLAIMS) == set(ops.REFERENCE)
+    assert set(CLAIMS) == set(ops.REFERENCE) | set(primitives.REFERENCE)
 
 
 @pytest.mark.parametrize("name, dtype", [(name, dtype) for name, (_, dtypes) in CLAIMS.items() for dtype in dtypes],
@@ -311,7 +366,7 @@ def test_accelerated_equals_reference(name, dtype, accel_on):
     if name not in accel_on:
         pytest.skip(f"nothing in rlhfkit.accel computes {name} on this machine (a C compiler, oneDNN or Triton missing)")
     check, _ = CLAIMS[name]
-    check(ops.get(name), ops.reference(name), dtype)
+    check(_table(name).get(name), _table(name).reference(name), dtype)
 
 
 def test_other_inputs_go_to_the_reference(accel_on):
@@ -319,8 +374,8 @@ def test_other_inputs_go_to_the_reference(accel_on):
     x, gate = _randn(7, 12, dtype=torch.float64), _randn(7, 12, dtype=torch.float64, seed=1)
     for name, args in (("gelu_tanh", (x,)), ("swiglu", (gate, x)), ("linear", (x, gate)),
                        ("rms_norm", (x, gate[0], 1e-6))):
-        assert torch.equal(ops.get(name)(*args), ops.reference(name)(*args)), name
-    assert ops.get("attention")(x[None, None], x[None, None], x[None, None], torch.zeros(1, 1, 7, 7,
+        assert torch.equal(_table(name).get(name)(*args), _table(name).reference(name)(*args)), name
+    assert primitives.get("attention")(x[None, None], x[None, None], x[None, None], torch.zeros(1, 1, 7, 7,
                                                                                      dtype=torch.float64), 1.0) is None
 
 

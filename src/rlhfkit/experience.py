@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from . import lean
 from .config import PPOConfig
 from .core import (
     explained_variance,
@@ -207,9 +206,23 @@ def loss_rows(zero_std: torch.Tensor | None, finished: torch.Tensor, pc: PPOConf
 EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chunk
 
 
+def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Runs of identical consecutive ``[B, P]`` prompt rows (how GRPO lays out a group):
+    ``(first [U], rows [B])``, the first row of each run and the run of each row; None when no
+    row repeats the one before it."""
+    if input_ids.shape[0] < 2:
+        return None
+    same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(1)  # [B-1]
+    if not bool(same.any()):
+        return None
+    rows = torch.cat([same.new_zeros(1), ~same]).long().cumsum(0)  # [B]: run of each row
+    first = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(1)  # [U] first row of each run
+    return first, rows
+
+
 def row_chunks(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, size: int) -> list[torch.Tensor]:
     """Row indices ``[b]`` in consecutive chunks of at most ``size`` rows that never cut a run of
-    identical prompt rows (a GRPO group, :func:`rlhfkit.lean.repeated_rows`) in two unless the
+    identical prompt rows (a GRPO group, :func:`repeated_rows`) in two unless the
     run alone is longer than ``size``: the shared-prompt forward of each chunk then runs every
     group's prompt once, as the rollout's prefill and the update do. Without such runs, plain
     ``size``-row chunks.
@@ -217,7 +230,7 @@ def row_chunks(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, size: int) -
     With groups of 8 and ``size`` 10 the chunks are 8 rows each, not 10 + 10 + ... (which would
     run 13 prompts for 8 groups); with groups of 8 and ``size`` 3, 3 + 3 + 2 rows a group."""
     B, device = prompt_ids.shape[0], prompt_ids.device
-    runs = lean.repeated_rows(prompt_ids, prompt_mask) if size < B else None
+    runs = repeated_rows(prompt_ids, prompt_mask) if size < B else None
     if runs is None:
         return list(torch.arange(B, device=device).split(size))
     ends = [*runs[0].tolist()[1:], B]  # where each run stops

@@ -36,7 +36,7 @@ from transformers import (
 )
 from transformers.pytorch_utils import Conv1D
 
-from . import lean
+from . import ops
 from .core import (
     chunked_token_logprobs,
     chunked_token_loss,
@@ -318,9 +318,8 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> PreTrainedModel:
     """Activation checkpointing in the non-reentrant form (works with frozen embeddings and LoRA).
 
     Layers drop their KV cache while checkpointing in train mode, so sampling must run in
-    :func:`eval_mode` (rollouts do). Models on rlhfkit's lean forward (GPT-2, Llama, Qwen2) read
-    the same switch and checkpoint each of their layers there (:func:`rlhfkit.lean.hidden_states`,
-    shared prompts included)."""
+    :func:`eval_mode` (rollouts do). An accelerated forward (:func:`rlhfkit.ops.hidden_states`)
+    reads the same switch."""
     base = unwrap(model)
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -343,10 +342,10 @@ def eval_mode(model: nn.Module):
 def _set_training(model: nn.Module, mode: bool) -> None:
     """``model.train(mode)``. transformers' ``train`` also moves the model's hub kernels
     (``use_kernels``, on by default where the ``kernels`` package is installed) between their
-    inference and training modes, registering the kernel mapping and kernelizing the model again at
-    each switch, a cost beside a small model's sampling (benchmarks/archive/code-evidence.md). A
-    model on the lean path never runs its layers' own forward, so there only the flags change."""
-    if lean.supported(model):
+    inference and training modes, kernelizing the model again at each switch, a cost beside a
+    small model's sampling. A model an accelerated forward computes (:func:`rlhfkit.ops.runs_forward`)
+    never runs its layers' own forward, so there only the flags change."""
+    if ops.runs_forward(model):
         for m in model.modules():
             m.training = mode
     else:
@@ -472,6 +471,16 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model.merge_and_unload() if is_lora(model) else model
 
 
+def lora_delta(m: nn.Module, adapter: str, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``scaling * B @ A`` of one adapter of a peft LoRA layer, in its base weight's layout
+    (transposed for ``fan_in_fan_out`` layers such as GPT-2's Conv1D, ``[in, out]``); ``a``,
+    ``b``: those weights from elsewhere (a gathered state dict) instead of the layer's own."""
+    a = m.lora_A[adapter].weight if a is None else a
+    b = m.lora_B[adapter].weight if b is None else b
+    delta = (b @ a) * m.scaling[adapter]  # [out, in]
+    return delta.T if getattr(m, "fan_in_fan_out", False) else delta
+
+
 def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
     """The plain model's weights from a LoRA model's full ``state_dict`` (peft's key names, e.g.
     gathered from FSDP shards): every adapted layer's ``W + scaling * B @ A`` (transposed for
@@ -487,7 +496,7 @@ def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
         merged = weight.float()
         for adapter in mod.active_adapters:
             a, b = sd.pop(f"{name}.lora_A.{adapter}.weight"), sd.pop(f"{name}.lora_B.{adapter}.weight")
-            merged = merged + lean.lora_delta(mod, adapter, a.float(), b.float())
+            merged = merged + lora_delta(mod, adapter, a.float(), b.float())
         sd[f"{name}.weight"] = merged.to(weight.dtype)
         if f"{name}.base_layer.bias" in sd:
             sd[f"{name}.bias"] = sd.pop(f"{name}.base_layer.bias")
@@ -634,34 +643,31 @@ def scalar_head(model: PreTrainedModel) -> nn.Module:
     )
 
 
-def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None,
-            use_lean: bool | None = None) -> torch.Tensor:
-    """Last hidden states ``[B, T, H]``; ``use_lean``: the caller's :func:`lean.supported` answer, if it has one."""
+def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    """Last hidden states ``[B, T, H]``: the model's own forward, or an accelerated one
+    (:func:`rlhfkit.ops.hidden_states`)."""
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
-    if lean.supported(model) if use_lean is None else use_lean:  # GPT-2 / Llama / Qwen2: less overhead
-        return lean.hidden_states(model, input_ids, attention_mask, position_ids)
-    out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    return out.last_hidden_state  # [B, T, H]
+    hidden = ops.hidden_states(model, input_ids, attention_mask, position_ids)
+    if hidden is None:
+        out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        hidden = out.last_hidden_state
+    return hidden  # [B, T, H]
 
 
 def response_hidden(model: PreTrainedModel, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
     """Hidden states at the columns that predict the response tokens, ``[B, R, H]``.
 
-    When prompts repeat across rows (GRPO / RLOO groups) and the model takes the lean path,
-    each distinct prompt is computed once (:func:`rlhfkit.lean.response_hidden_states`). The
-    last column is not run: its state predicts no token and, the attention being causal, no
-    other column reads it (one of the R response columns fewer to run).
+    The last column is not run: its state predicts no token and, the attention being causal, no
+    other column reads it. An accelerated forward may run each prompt repeated across rows (GRPO /
+    RLOO groups) once (:func:`rlhfkit.ops.response_hidden_states`).
     """
     positions = position_ids_from_mask(attention_mask)
-    use_lean = lean.supported(model)
-    if use_lean:
-        shared = lean.shared_prompts(input_ids, attention_mask, prompt_len)
-        if shared is not None:
-            return lean.response_hidden_states(model, input_ids, attention_mask, positions, prompt_len, *shared)
+    hidden = ops.response_hidden_states(model, input_ids, attention_mask, positions, prompt_len)
+    if hidden is not None:
+        return hidden
     T_in = input_ids.shape[1] - 1  # >= prompt_len: at least one response column
-    return _hidden(model, input_ids[:, :T_in], attention_mask[:, :T_in], positions[:, :T_in],
-                   use_lean)[:, prompt_len - 1 :]
+    return _hidden(model, input_ids[:, :T_in], attention_mask[:, :T_in], positions[:, :T_in])[:, prompt_len - 1 :]
 
 
 def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
@@ -676,21 +682,19 @@ def sequence_logits(model: PreTrainedModel, input_ids, attention_mask, position_
 
     Works for left and right padding: the last attended column is found from the mask.
     ``prompt_len``: the rows are ``[prompt (P) | response]`` with left-padded prompts (a
-    rollout); when prompts repeat across rows (GRPO / RLOO groups) and the model takes the lean
-    path, each distinct prompt is then run once, as in the policy's forwards
-    (:func:`rlhfkit.lean.response_hidden_states`; equal up to rounding).
+    rollout), whose repeated prompts an accelerated forward may run once, as in the policy's
+    forwards (:func:`rlhfkit.ops.response_hidden_states`; equal up to rounding).
     """
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (cols * attention_mask.long()).argmax(-1)  # [B]
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    shared = None
-    if prompt_len is not None and 0 < prompt_len < input_ids.shape[1] and lean.supported(model):
-        shared = lean.shared_prompts(input_ids, attention_mask, prompt_len)
-    if shared is not None and bool((last >= prompt_len - 1).all()):
-        hidden = lean.response_hidden_states(model, input_ids, attention_mask, position_ids, prompt_len, *shared,
-                                             through_last=True)  # [B, T - P + 1, H]: columns P-1 .. T-1
+    hidden = None
+    if prompt_len is not None and 0 < prompt_len < input_ids.shape[1] and bool((last >= prompt_len - 1).all()):
+        hidden = ops.response_hidden_states(model, input_ids, attention_mask, position_ids, prompt_len,
+                                            through_last=True)  # [B, T - P + 1, H]: columns P-1 .. T-1
+    if hidden is not None:
         pooled = hidden[rows, last - (prompt_len - 1)]  # [B, H]
     else:
         pooled = _hidden(model, input_ids, attention_mask, position_ids)[rows, last]  # [B, H]

@@ -1,11 +1,11 @@
 """The operations the core calls where a faster implementation may stand in, each by name with
 its reference in plain PyTorch (the code a reader reads).
 
-Two kinds of names. An *operation* (``linear``, ``gelu_tanh``, ``rms_norm`` ...) computes its
-result; its reference is the PyTorch op. A *shortcut* (``attention``, ``head_lse``,
-``sampler`` ...) is a fused path the caller may take: its reference returns None and the
-caller's own PyTorch code runs; a faster one returns the result, or None for inputs it does not
-take.
+Two kinds of names. An *operation* (``linear``, ``mm_out``) computes its result; its reference
+is the PyTorch op. A *shortcut* (``head_lse``, ``sampler``, ``hidden_states``, ``decoder`` ...)
+is a fused path the caller may take: its reference returns None and the caller's own PyTorch
+code runs (for the forwards: the model's own ``transformers`` forward); a faster one returns the
+result, or None for inputs it does not take.
 
 By default every name runs its reference. :func:`configure` (once per run, from
 ``accel.enabled``) lets :mod:`rlhfkit.accel` :func:`register` what runs faster on this machine
@@ -14,7 +14,6 @@ its reference. Imports only torch.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import warnings
@@ -26,83 +25,15 @@ import torch.nn.functional as F
 MODES = ("auto", "on", "off")
 OLD_SWITCHES = ("RLHFKIT_KERNELS", "RLHFKIT_ONEDNN", "RLHFKIT_TRITON")
 
-# --------------------------------------------------------------------------- references: linear layers
+# --------------------------------------------------------------------------- references
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, b)
 
 
-def _add_linear(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    if b is not None:
-        return res + F.linear(x, w, b).view(res.shape)
-    return torch.addmm(res.reshape(-1, w.shape[0]), x.reshape(-1, x.shape[-1]), w.t()).view(res.shape)
-
-
-def _mm(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return F.linear(a, m.t())
-
-
 def _mm_out(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, m, out=out)
-
-
-def _grad_weight(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return a.t() @ b
-
-
-def _addmm_(out: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return out.addmm_(a, m)
-
-
-# --------------------------------------------------------------------------- references: activations, norm
-
-C1 = 2.0 * math.sqrt(2.0 / math.pi)
-C3 = 0.044715 * C1
-_C1_TENSORS = {dtype: torch.tensor(C1, dtype=dtype) for dtype in (torch.float32, torch.float64)}
-
-
-def c1(x: torch.Tensor) -> torch.Tensor:
-    """``C1`` as a 0-dim CPU tensor of ``x``'s dtype (made once): ``addcmul``'s broadcast addend."""
-    return _C1_TENSORS[x.dtype]
-
-
-def gelu_gate(x: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(c1 x + c3 x^3)`` in three kernels (addcmul gives c1 + c3 x^2 in one): the tanh-GELU
-    is ``x`` times it (``(1 + tanh z) / 2 = sigmoid(2z)``; a CPU tensor of float32 or float64)."""
-    return torch.addcmul(c1(x), x, x, value=C3).mul_(x).sigmoid_()
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return gelu_gate(x).mul_(x)
-
-
-def _gelu_tanh_gate(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s = gelu_gate(x)
-    return x * s, s
-
-
-def _gelu_tanh_backward(x: torch.Tensor, s: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    # d/dx [x s(z)] = s + s (1 - s) x dz/dx,  x dz/dx = c1 x + 3 c3 x^3
-    xdz = torch.addcmul(c1(x), x, x, value=3 * C3).mul_(x)
-    return torch.addcmul(s, s, s, value=-1.0).mul_(xdz).add_(s).mul_(grad)  # (s - s^2) xdz + s
-
-
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate).mul_(up)
-
-
-def _swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad_act: torch.Tensor, want_act: bool):
-    s = torch.sigmoid(gate)
-    silu = gate * s
-    act = silu * up if want_act else None
-    grad_up = grad_act * silu
-    grad_gate = grad_act.mul_(up).mul_(s.mul_(1 + gate * (1 - s)))  # d silu / dg = s (1 + g (1 - s))
-    return act, grad_gate, grad_up
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 def _none(*args, **kwargs) -> None:
@@ -111,13 +42,10 @@ def _none(*args, **kwargs) -> None:
 
 
 REFERENCE: dict[str, Callable] = {
-    "linear": _linear, "add_linear": _add_linear, "mm": _mm, "mm_out": _mm_out, "grad_weight": _grad_weight,
-    "addmm_": _addmm_, "gelu_tanh": _gelu_tanh, "gelu_tanh_gate": _gelu_tanh_gate,
-    "gelu_tanh_backward": _gelu_tanh_backward, "swiglu": _swiglu, "swiglu_backward": _swiglu_backward,
-    "rms_norm": _rms_norm, "pack": lambda weight, rows=None, keep=True: weight, "packable": lambda weight: False,
+    "linear": _linear, "mm_out": _mm_out,
     # shortcuts
-    "attention": _none, "causal_attention": _none, "decode_attention": _none, "graphed_decode_attention": _none,
-    "head_lse": _none, "head_grad": _none, "sampler": _none,
+    "head_lse": _none, "head_grad": _none, "sampler": _none, "runs_forward": _none, "hidden_states": _none,
+    "response_hidden_states": _none, "decoder": _none,
 }
 _impl: dict[str, Callable] = dict(REFERENCE)
 _chosen: dict[str, str] = {}  # name -> what computes it, for the names accel took
@@ -146,7 +74,8 @@ def reference(name: str) -> Callable:
 
 
 def chosen() -> dict[str, str]:
-    """``{name: label}`` of the names an accelerated implementation computes now."""
+    """``{name: label}`` of the names an accelerated implementation computes now (with the
+    operations of :mod:`rlhfkit.accel`'s forward that it took)."""
     return dict(_chosen)
 
 
@@ -176,7 +105,7 @@ def configure(accel) -> dict[str, str]:
     if mode != "off":
         from . import accel as hardware  # the one place the core reaches the accel package
 
-        hardware.install(register, reference, force=mode == "on")
+        _chosen.update(hardware.install(register, reference, force=mode == "on"))  # + the forward's own names
     if summary() != _said:
         _said = summary()
         print(_said, file=sys.stderr)
@@ -191,98 +120,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return _impl["linear"](x, w, b)
 
 
-def add_linear(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``res + F.linear(x, w, b)``, shaped as ``res``; without a bias one ``addmm``, the residual
-    as its accumulator."""
-    return _impl["add_linear"](res, x, w, b)
-
-
-def mm(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``a @ m`` for ``a [M, K]``, ``m [K, N]``."""
-    return _impl["mm"](a, m)
-
-
 def mm_out(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = a @ m`` (``out [M, N]`` written, e.g. a block of rows of a bigger tensor)."""
     return _impl["mm_out"](a, m, out)
-
-
-def grad_weight(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``a.T @ b``, the gradient of ``weight`` (``g.T @ x`` for ``x @ w.T``; ``x.T @ g`` for GPT-2's ``x @ w``)."""
-    return _impl["grad_weight"](a, b, weight)
-
-
-def addmm_(out: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``out += a @ m`` in place (no graph recorded)."""
-    return _impl["addmm_"](out, a, m)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """``gelu(x, approximate="tanh")`` as ``x * gelu_gate(x)``, no graph (a CPU float tensor)."""
-    return _impl["gelu_tanh"](x)
-
-
-def gelu_tanh_gate(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gelu_tanh(x), gelu_gate(x))``: the output and the gate its backward reads."""
-    return _impl["gelu_tanh_gate"](x)
-
-
-def gelu_tanh_backward(x: torch.Tensor, gate: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` times the derivative of :func:`gelu_tanh` at ``x``, from its ``gate``."""
-    return _impl["gelu_tanh_backward"](x, gate, grad)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (a Llama MLP's activation), no graph."""
-    return _impl["swiglu"](gate, up)
-
-
-def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad_act: torch.Tensor, want_act: bool):
-    """``(act or None, d_gate, d_up)``: :func:`swiglu`'s gradients given ``grad_act`` (which may
-    be overwritten), and with ``want_act`` the activation again."""
-    return _impl["swiglu_backward"](gate, up, grad_act, want_act)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x, x.shape[-1:], weight, eps)``, differentiable."""
-    return _impl["rms_norm"](x, weight, eps)
-
-
-def pack(weight: torch.Tensor, rows: int | None = None, keep: bool = True):
-    """``weight``, or a copy packed for a generation call's no-grad products over at most ``rows``
-    rows (callable as ``F.linear``'s weight, with ``.add(res, x, b)``); ``keep=False``: only the
-    packed copy is kept."""
-    return _impl["pack"](weight, rows, keep)
-
-
-def packable(weight: torch.Tensor) -> bool:
-    """Whether :func:`pack` packs ``weight``."""
-    return _impl["packable"](weight)
-
-
-def attention(q, k, v, bias, scale: float, shared=None) -> torch.Tensor | None:
-    """Shortcut: ``F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
-    enable_gqa=True)`` for ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, an additive ``bias [B, 1,
-    Tq|1, Tk]``; ``shared``: a decode step's rows that share their prompt's keys. None: not taken."""
-    return _impl["attention"](q, k, v, bias, scale, shared)
-
-
-def causal_attention(q, k, v, mask, scale: float) -> torch.Tensor | None:
-    """Shortcut: :func:`attention` under a causal boolean ``mask [B, Tq, Tk]`` (True: may attend),
-    the queries at the last ``Tq`` positions. None: not taken."""
-    return _impl["causal_attention"](q, k, v, mask, scale)
-
-
-def decode_attention(qkv, kv, bias, out, scale: float):
-    """Shortcut: a decode step's attention bound to fixed buffers, ``step(t)`` (GPT-2's layout:
-    ``qkv [B, 3, H, D]``, cache ``kv [B, 2, H, T, D]``, key ``bias [B, T]``, ``out [B, H, D]``). None: not taken."""
-    return _impl["decode_attention"](qkv, kv, bias, out, scale)
-
-
-def graphed_decode_attention(kv, heads: int):
-    """Shortcut: for a CUDA-graphed decode step over the cache ``kv [B, 2, Hkv, T, D]``, an attention
-    ``fn(q, k, v, bias, t, scale)`` that reads the step's column ``t`` from device memory. None: not taken."""
-    return _impl["graphed_decode_attention"](kv, heads)
 
 
 def head_lse(z: torch.Tensor, targets: torch.Tensor):
@@ -301,3 +141,31 @@ def sampler(B: int, R: int, V: int, temperature: float, eos: int):
     """Shortcut: a sampling step in one call (``step(t, logits, u)``, as :class:`rlhfkit.rollout._Draw`
     samples without truncation, with per-row uniforms) for float32 CPU logits. None: not taken."""
     return _impl["sampler"](B, R, V, temperature, eos)
+
+
+def runs_forward(model) -> bool | None:
+    """Shortcut: True when an accelerated forward computes ``model`` (its layers' own forward
+    never runs). None: not taken."""
+    return _impl["runs_forward"](model)
+
+
+def hidden_states(model, input_ids, attention_mask, position_ids) -> torch.Tensor | None:
+    """Shortcut: the last hidden states ``[B, T, H]`` (after the final norm) of a causal LM or
+    scalar-head model, as ``model.base_model(...).last_hidden_state``. None: not taken."""
+    return _impl["hidden_states"](model, input_ids, attention_mask, position_ids)
+
+
+def response_hidden_states(model, input_ids, attention_mask, position_ids, prompt_len: int,
+                           through_last: bool = False) -> torch.Tensor | None:
+    """Shortcut: the hidden states at columns ``P-1 .. T-2`` ``[B, R, H]`` (``through_last``: ``P-1
+    .. T-1``, ``[B, R+1, H]``) of ``[prompt (P) | response]`` rows, each prompt repeated across
+    rows (a GRPO group) run once. None: not taken."""
+    return _impl["response_hidden_states"](model, input_ids, attention_mask, position_ids, prompt_len, through_last)
+
+
+def decoder(model, prompt_ids, prompt_mask, position_ids, max_new_tokens: int, graph: bool = False):
+    """Shortcut: a generation's forward from its prefill, an object with ``logits [B, V]`` and
+    ``hidden [B, H]`` of the prompts' last position and ``step(tokens [B], positions [B]) ->
+    logits [B, V]`` (``hidden`` updated), as the model's own cached forward computes them;
+    ``graph``: fixed shapes, replayed as CUDA graphs on a GPU. None: not taken."""
+    return _impl["decoder"](model, prompt_ids, prompt_mask, position_ids, max_new_tokens, graph)

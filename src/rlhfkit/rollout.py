@@ -1,9 +1,8 @@
 """Batched generation with a KV cache from left-padded prompts.
 
-A lean decode loop instead of ``model.generate``: one prefill, then one cached forward per
-token -- for GPT-2 and Llama/Qwen2 models through :mod:`rlhfkit.lean` (a pre-allocated KV
-cache written in place, a functional forward with no per-step mask building), for any other
-causal LM through its own forward with a ``DynamicCache``. Sampling happens on the device (where
+A plain decode loop instead of ``model.generate``: one prefill, then one cached forward per
+token, through the model's own forward with a ``DynamicCache`` (or, where registered, an
+accelerated one: :func:`rlhfkit.ops.decoder`). Sampling happens on the device (where
 registered, one call per step: :func:`rlhfkit.ops.sampler`), optionally from a shaped
 distribution, as transformers' logits processors shape it: repeats penalised, then the top-k /
 nucleus (top-p) / min-p truncation of the tempered distribution. Rows that emitted EOS or
@@ -24,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from . import lean as lean_lm
 from . import ops
 from .core import position_ids_from_mask
 
@@ -46,9 +44,9 @@ class Rollout:
                          (False: cut off at ``max_new_tokens``).
         entropy:         ``[B, R]`` entropy of each full tempered distribution (0 where masked).
         values:          ``[B, R]`` ``value_head`` of the state before each token, when asked for
-                         and the lean path ran (else None).
+                         and the accelerated forward ran (else None).
         forward_logprobs: True when ``logprobs`` (and ``values``) came from the same arithmetic
-                         as the training forward -- :mod:`rlhfkit.lean` in float32 -- so they
+                         as the training forward -- the accelerated forward in float32 -- so they
                          equal a recomputation up to rounding (~1e-6) and PPO may use them as
                          the old log-probs instead of running the policy again.
         kept_logmass:    ``[B, R]`` log pi - log q of each drawn token, q the distribution the
@@ -222,133 +220,53 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
 
 
+def _base(model):
+    """The model under a peft wrapper; any other model."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
 def _takes_logits_to_keep(model) -> bool:
     """Whether the model's forward (under a peft wrapper: the base model's) has ``logits_to_keep``."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return "logits_to_keep" in inspect.signature(_base(model).forward).parameters
 
 
 class _Forward:
-    """The model's next-token logits one step at a time: the lean path (:mod:`rlhfkit.lean`,
-    pre-allocated cache, functional forward) or the model's own forward with a DynamicCache."""
+    """The model's next-token logits one step at a time: its own forward with a ``DynamicCache``,
+    or an accelerated one (:func:`rlhfkit.ops.decoder`), which also gives the hidden states."""
 
-    def __init__(self, model, prompt_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, lean: bool,
+    def __init__(self, model, prompt_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, fast: bool,
                  graph: bool = False):
-        self.model, self.mask, self.lean = model, mask, lean
+        self.model, self.mask = model, mask
         positions = position_ids_from_mask(mask)  # [B, P]
         self.next_pos = positions[:, -1] + 1  # [B]
-        self.hidden = None
-        self.fixed = None
-        if lean:
-            head = model.get_output_embeddings()
-            if type(head) is torch.nn.Linear:  # skip the module call's hooks machinery: it runs per token
-                w = head.weight
-                if lean_lm.packs(prompt_ids, max_new_tokens):  # packed once for the steps where it can be
-                    w = lean_lm.decode_packed(w, lean_lm.PACK_MAX_HEAD)
-                if not isinstance(w, torch.Tensor):  # packed (ops.pack)
-                    head = lambda h, w=w, b=head.bias: w(h, b)  # noqa: E731
-                else:
-                    head = lambda h, w=w, b=head.bias: ops.linear(h, w, b)  # noqa: E731
-            self.head = head
-            self.hidden, self.cache = lean_lm.prefill(model, prompt_ids, mask, positions, max_new_tokens)
-            self.logits = head(self.hidden)  # [B, V]
-            if graph and lean_lm.static_shapes(self.cache):
-                self.fixed = _FixedStep(self.cache, head, prompt_ids.device.type == "cuda")
-        else:
-            self.cache = DynamicCache()
-            # the prefill needs the last position's logits only: [B, P, V] of a big vocabulary is GiBs
-            keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-            out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                        use_cache=True, **keep)
-            self.cache, self.logits = out.past_key_values, out.logits[:, -1]
+        self.fast = ops.decoder(model, prompt_ids, mask, positions, max_new_tokens, graph) if fast else None
+        if self.fast is not None:
+            self.logits = self.fast.logits  # [B, V]
+            return
+        self.cache = DynamicCache(config=_base(model).config)  # its layers as the model's (sliding windows ...)
+        # the prefill needs the last position's logits only: [B, P, V] of a big vocabulary is GiBs
+        keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                    use_cache=True, **keep)
+        self.logits = out.logits[:, -1]
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """The last position's hidden state ``[B, H]`` (accelerated forward only, else None)."""
+        return None if self.fast is None else self.fast.hidden
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Feed ``tok [B]``; the logits ``[B, V]`` of the next position."""
-        if self.fixed is not None:
-            self.hidden, logits = self.fixed(tok, self.next_pos)
-        elif self.lean:
-            self.hidden = lean_lm.decode_step(self.cache, tok, self.next_pos)
-            logits = self.head(self.hidden)
+        if self.fast is not None:
+            logits = self.fast.step(tok, self.next_pos)
         else:
             B = tok.shape[0]
             self.mask = torch.cat([self.mask, torch.ones((B, 1), dtype=self.mask.dtype, device=tok.device)], 1)
             out = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
                              past_key_values=self.cache, use_cache=True)
-            self.cache, logits = out.past_key_values, out.logits[:, -1]
+            logits = out.logits[:, -1]
         self.next_pos = self.next_pos + 1
         return logits
-
-
-class _FixedStep:
-    """The lean decode step with fixed shapes and buffers (:func:`rlhfkit.lean.static_decode_step`),
-    on CUDA captured as CUDA graphs and replayed for every token: at a small model's size a step is
-    hundreds of kernel launches, each costing more than its arithmetic, and a replay launches them
-    all at once. Attention reads the cache up to the end of the current band of ``band`` columns
-    (the written ones and fewer than ``band`` unwritten ones, masked), one graph per band,
-    captured when the decode reaches the band and dropped when it leaves it (bands only grow; the
-    next graph shares its memory pool): attention over the whole pre-allocated cache at every
-    token cost more than the launches saved on long completions (512 new tokens of a 12-layer
-    model on an H200). Where a graphed attention is registered (:func:`rlhfkit.ops.graphed_decode_attention`:
-    Triton's) attention is its kernel,
-    which reads the step's column from device memory and only the columns written so far: then
-    one band spans the whole cache and one graph serves the rollout. On a CPU (no graphs) the
-    same steps run as written, which is how the tests check them (the Triton kernel under its
-    interpreter). The outputs are a graph's own buffers, rewritten by its next replay, so they
-    are copied out."""
-
-    BAND = 64  # columns per band, at least; at most 16 bands (captures) per rollout
-
-    def __init__(self, cache, head, cuda: bool):
-        B, T = cache.key_bias.shape
-        dev = cache.key_bias.device
-        self.cache, self.head, self.cuda, self.T = cache, head, cuda, T
-        self.attend = ops.graphed_decode_attention(cache.kv[0], cache.arch.n_heads)
-        self.triton = self.attend is not None
-        self.band = T if self.triton else max(self.BAND, -(-T // 16))
-        self.span, self.graph, self.out = 0, None, None  # the current band's end, graph and outputs
-        self.tok = torch.zeros(B, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(B, dtype=torch.long, device=dev)
-        self.t = torch.zeros(1, dtype=torch.long, device=dev)
-        self.columns = torch.arange(T, device=dev)
-        for kv in cache.kv:  # attention weighs the unwritten columns by 0, and 0 * NaN would not be 0
-            kv[:, :, :, cache.length:].zero_()
-
-    @torch.no_grad()
-    def _run(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = lean_lm.static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns[:span], self.attend)
-        return hidden, self.head(hidden)
-
-    def _capture(self, span: int) -> None:
-        """The graph of the step over columns ``0 .. span-1`` in place of the last band's; its
-        warm-up runs the current step (writing this step's cache column, which the first replay
-        writes again)."""
-        dev = self.t.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # CUDA's libraries set themselves up outside the capture
-            self._run(span)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # the last band's graph is never replayed again: the new one may take its pool's free memory
-        with torch.cuda.graph(graph, pool=self.graph.pool() if self.graph is not None else None):
-            out = self._run(span)
-        self.graph, self.out, self.span = graph, out, span
-
-    def __call__(self, tok: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hidden [B, H], logits [B, V])`` after feeding ``tok`` at ``pos``; advances the cache."""
-        self.tok.copy_(tok)
-        self.pos.copy_(pos)
-        self.t.fill_(self.cache.length)
-        span = min(self.T, (self.cache.length // self.band + 1) * self.band)
-        if not self.cuda:
-            hidden, logits = self._run(span)
-        else:
-            if span != self.span:
-                self._capture(span)
-            self.graph.replay()
-            hidden, logits = (x.clone() for x in self.out)
-        self.cache.length += 1
-        return hidden, logits
 
 
 class _StopStrings:
@@ -536,10 +454,10 @@ def generate(
             then the inverse CDF of its distribution at ``uniforms[i, t]`` (instead of a draw
             from ``generator``), so each row's sample depends on its own draws only and a
             batch split across processes samples exactly what one process would.
-        lean: use :mod:`rlhfkit.lean` (pre-allocated KV cache, functional forward) when the
-            architecture is supported; False always runs the model's own forward.
+        lean: take the accelerated forward where one is registered for the model
+            (:func:`rlhfkit.ops.decoder`); False always runs the model's own forward.
         value_head: optional ``[B, H] -> [B]`` map (a shared value head) applied to the last
-            hidden state before each sampled token, giving ``Rollout.values`` on the lean path.
+            hidden state before each sampled token, giving ``Rollout.values`` on the accelerated forward.
         top_k, top_p: draw from the ``top_k`` most likely tokens (0: all) and then from the
             smallest nucleus holding ``top_p`` of their probability (1.0: all), renormalised
             (:func:`truncate_logprobs`). The log-probs and entropies returned stay those of the
@@ -555,11 +473,8 @@ def generate(
         stop: strings that end a response, like EOS, when its decoded new text contains one;
             the token completing it is the row's last valid token and the row is ``finished``.
         tokenizer: decodes the responses for ``stop`` (needed only with it).
-        graph: on the lean path, decode with fixed shapes and, on CUDA, replay each step as a
-            CUDA graph (:class:`_FixedStep`); a model whose rotary tables change with the length
-            decodes as usual. Attention then spans the cache up to the end of a band of columns
-            (the columns not yet written masked), or with Triton reads the written columns
-            only; the same result up to rounding.
+        graph: on the accelerated forward, decode with fixed shapes and, on CUDA, replay each
+            step as a CUDA graph (``ppo.cuda_graph``); the same result up to rounding.
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
@@ -569,17 +484,17 @@ def generate(
     if any(not s for s in stop) or (stop and tokenizer is None):
         raise ValueError("stop strings must be non-empty and need the tokenizer to decode responses")
     B, device = prompt_ids.shape[0], prompt_ids.device
-    fwd = _Forward(model, prompt_ids, prompt_mask.long(), max_new_tokens, lean and lean_lm.supported(model), graph)
+    fwd = _Forward(model, prompt_ids, prompt_mask.long(), max_new_tokens, lean, graph)
     logits = fwd.logits  # [B, V]
     # the sampler's log-probs stand in for a training forward only when they are computed alike
-    forward_logprobs = fwd.lean and logits.dtype == torch.float32
+    forward_logprobs = fwd.fast is not None and logits.dtype == torch.float32
     if uniforms is None and not greedy:  # one draw per row and step, all at once
         uniforms = torch.rand((B, max_new_tokens), generator=generator, device=device)
     V = logits.shape[-1]
     seen = seen_tokens(prompt_ids, prompt_mask, V) if repetition_penalty != 1.0 and not greedy else None  # [B, V]
     draw = _Draw(B, V, max_new_tokens, temperature, greedy, eos_token_id, uniforms, device, top_k, top_p,
                  _StopStrings(tokenizer, stop, B) if stop else None, min_p, repetition_penalty, seen)
-    values = [] if value_head is not None and fwd.lean else None
+    values = [] if value_head is not None and fwd.fast is not None else None
     for t in range(max_new_tokens):
         if values is not None:
             values.append(value_head(fwd.hidden))  # [B]: the state that samples token t

@@ -2,6 +2,8 @@
 hardware, and the decisions of where they pay: the CPU's vendor and flags, a C compiler,
 thread counts and size thresholds are read here only.
 
+* :mod:`.forward`: GPT-2's and Llama/Qwen2's forward and KV-cache decode run straight from the
+  model's parameters, over :mod:`.primitives`' named operations;
 * :mod:`.kernels` (+ ``csrc/``): compiled C loops for a CPU: attention, GELU, SwiGLU, the
   sampling step, a bfloat16 LM head, RMS norm and decode attention;
 * :mod:`.gemm`: float32 products through oneDNN, and bfloat16 weights packed for decode steps;
@@ -17,9 +19,10 @@ Measurements: ``benchmarks/ACCEL_EVIDENCE.md`` and ``benchmarks/RESULTS.md``.
 from __future__ import annotations
 
 
-def install(register, reference, force: bool = False) -> None:
+def install(register, reference, force: bool = False) -> dict[str, str]:
     """Call ``register(name, fn, label)`` for every faster implementation that runs here
-    (:func:`.registry.install`); ``reference(name)``: the plain one each hands other inputs to."""
+    (:func:`.registry.install`); ``reference(name)``: the plain one each hands other inputs to.
+    Returns ``{name: label}`` of the forward's own operations it took (:mod:`.primitives`)."""
     from .registry import install as register_all
 
-    register_all(register, reference, force)
+    return register_all(register, reference, force)

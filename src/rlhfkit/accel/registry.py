@@ -1,6 +1,6 @@
-"""The accel package's implementations of :mod:`rlhfkit.ops`' names, each taking the inputs it
-was measured to pay on and handing any other to the reference (``ref``, bound by :func:`install`:
-this package imports nothing of the core)."""
+"""The accel package's implementations of :mod:`rlhfkit.ops`' names and of its own forward's
+(:mod:`.primitives`), each taking the inputs it was measured to pay on and handing any other to
+the reference (``ref``, bound by :func:`install`: this package imports nothing of the core)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,32 +8,42 @@ from functools import partial
 
 import torch
 
-from . import gemm, kernels, triton_decode
+from . import forward, gemm, kernels, primitives, triton_decode
 
-LINEAR_OPS = ("linear", "add_linear", "mm", "mm_out", "grad_weight", "addmm_")
+LINEAR_OPS = ("linear", "add_linear", "mm", "grad_weight", "addmm_")  # the forward's; the core's: linear, mm_out
 
 
-def install(register: Callable, reference: Callable, force: bool = False) -> None:
-    """Call ``register(name, fn, label)`` for every faster implementation that runs here, ``fn``
-    bound to ``reference(name)``, the plain one it hands other inputs to. ``force``
-    (``accel.enabled=on``): oneDNN's float32 products on any CPU that has them, not only where
-    they were measured faster (AMD with AVX-512)."""
+def install(register: Callable, reference: Callable, force: bool = False) -> dict[str, str]:
+    """Call ``register(name, fn, label)`` for every faster implementation of a core name that runs
+    here, ``fn`` bound to ``reference(name)``, the plain one it hands other inputs to, and register
+    the forward's own operations (:mod:`.primitives`) likewise; returns those as ``{name: label}``.
+    ``force`` (``accel.enabled=on``): oneDNN's float32 products on any CPU that has them, not only
+    where they were measured faster (AMD with AVX-512)."""
+    primitives.reset()
+    inner = primitives.register
+    for name, fn in forward.SHORTCUTS.items():  # plain PyTorch: faster than the models' own forward everywhere
+        register(name, fn, "lean-forward")
     gemm.configure(force)
     if gemm.enabled():
+        register("linear", gemm.linear, "onednn")
+        register("mm_out", gemm.mm_out, "onednn")
         for name in LINEAR_OPS:
-            register(name, getattr(gemm, name), "onednn")
+            inner(name, getattr(gemm, name), "onednn")
     if gemm.packing():
-        register("pack", pack, "onednn")
-        register("packable", gemm.packable, "onednn")
+        inner("pack", pack, "onednn")
+        inner("packable", gemm.packable, "onednn")
     if kernels.available():
         for name, fn in C_OPERATIONS.items():
-            register(name, partial(fn, reference(name)), "c-kernels")
+            inner(name, partial(fn, primitives.reference(name)), "c-kernels")
         for name, fn in C_SHORTCUTS.items():
+            inner(name, fn, "c-kernels")
+        for name, fn in C_CORE_SHORTCUTS.items():
             register(name, fn, "c-kernels")
         if gemm.enabled():
-            register("causal_attention", causal_attention, "c-kernels+onednn")
+            inner("causal_attention", causal_attention, "c-kernels+onednn")
     if triton_decode.importable():
-        register("graphed_decode_attention", graphed_decode_attention, "triton")
+        inner("graphed_decode_attention", graphed_decode_attention, "triton")
+    return primitives.chosen()
 
 
 def pack(weight: torch.Tensor, rows: int | None = None, keep: bool = True):
@@ -114,7 +124,5 @@ C_OPERATIONS = {  # each handed its reference
     "gelu_tanh": gelu_tanh, "gelu_tanh_gate": gelu_tanh_gate, "gelu_tanh_backward": gelu_tanh_backward,
     "swiglu": swiglu, "swiglu_backward": swiglu_backward, "rms_norm": rms_norm,
 }
-C_SHORTCUTS = {  # None where they do not take the inputs
-    "attention": attention, "decode_attention": decode_attention, "head_lse": head_lse, "head_grad": head_grad,
-    "sampler": sampler,
-}
+C_SHORTCUTS = {"attention": attention, "decode_attention": decode_attention}  # None where they do not take the inputs
+C_CORE_SHORTCUTS = {"head_lse": head_lse, "head_grad": head_grad, "sampler": sampler}

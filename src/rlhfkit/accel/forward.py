@@ -1,33 +1,22 @@
-"""A lean functional forward for the common decoder families: GPT-2 and Llama/Qwen2.
+"""The accelerated forward of GPT-2 and Llama/Qwen2 models: the computation of the model's own
+``transformers`` forward run straight from its parameters (no copies: autograd and the
+optimizer see the usual ``nn.Parameter``s), without the generality (cache classes, mask
+factories, hooks) that costs more than the arithmetic at the sizes RLHF on a CPU deals with.
 
-Hugging Face's modelling code is general (cache classes, mask factories, hooks, many
-attention back-ends); at the sizes RLHF on a CPU deals with, that generality costs more
-than the arithmetic. This module runs the *same* computation straight from a model's own
-parameters (no copies, so autograd and the optimizer see the usual ``nn.Parameter``s):
+It stands behind :mod:`rlhfkit.ops`' forward shortcuts (:func:`runs_forward`,
+:func:`hidden_states`, :func:`response_hidden_states`, :func:`decoder`; registered by
+:mod:`.registry`), each answering None for a model it does not compute (:func:`supported`),
+which then runs its own forward:
 
-* :func:`hidden_states` -- the full-sequence forward (left or right padding, with grad),
-  used by :mod:`rlhfkit.models` for every policy, reference, value and reward forward;
-* :func:`prefill` / :func:`decode_step` -- generation with a pre-allocated KV cache (one
-  ``[B, kv_heads, T_max, head_dim]`` tensor per layer, written in place), an additive key
-  mask built once, the parameters gathered once per rollout, prompts that repeat (GRPO's
-  groups) run once, and on a GPU q/k/v and gate/up each as one matmul.
+* :func:`hidden_states` -- the full-sequence forward (left or right padding, with grad);
+* :func:`response_hidden_states` -- the same with each prompt repeated across rows run once;
+* :func:`prefill` / :func:`decode_step` -- generation with a pre-allocated KV cache.
 
-Products, activations, the norm and attention go through :mod:`rlhfkit.ops`, whose names run
-plain PyTorch unless the run's ``accel.enabled`` registered faster ones (:mod:`rlhfkit.accel`).
-
-In a float32 training forward each layer keeps less for its backward than autograd would:
-the norms' inputs, not their outputs (:class:`_NormLinears`), and the MLP's input projections,
-not the activation's intermediates and output (:class:`_SwiGLUDown`, :class:`_GeluDown`); the
-backward rebuilds them with a few element-wise passes, the matrix products unchanged: less
-memory at about the same time (benchmarks/archive/code-evidence.md).
-
-Differences from the reference implementations are rounding only: GPT-2's ``gelu_new`` is
-computed as ``x * sigmoid(2z)`` (equal to ``x * (1 + tanh z) / 2``; on this CPU build tanh
-is 3.5x slower than sigmoid). Tests compare hidden states, gradients and generations with
-``transformers`` to 1e-5. :func:`supported` says whether a model can take this path;
-callers fall back to the model's own forward otherwise (other architectures, adapters but plain LoRA,
-quantised layers, active dropout, sliding windows ...). Under a model's gradient checkpointing
-the full and the shared-prompt forwards checkpoint each layer themselves.
+Products, activations, the norm and attention go through :mod:`.primitives`. A float32
+training forward keeps fewer activations for its backward (:class:`_NormLinears`,
+:class:`_SwiGLUDown`, :class:`_GeluDown`). Differences from ``transformers`` are rounding only;
+``tests/test_lean.py`` compares hidden states, gradients and generations to 1e-5. Why each
+choice pays: ``benchmarks/archive/code-evidence.md``.
 """
 from __future__ import annotations
 
@@ -39,8 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import ops
-from .distributed import is_sharded
+from . import primitives as prim
 
 _LLAMA_LIKE = ("llama", "qwen2")
 
@@ -76,10 +64,15 @@ def _adapted(m: nn.Module) -> bool:
     return hasattr(m, "base_layer")
 
 
+def _sharded(t: torch.Tensor) -> bool:
+    """FSDP2's sharded tensors (DTensors): what ``rlhfkit.distributed.is_sharded`` tests."""
+    return type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "full_tensor")
+
+
 def _plain(*modules: nn.Module) -> bool:
     """No module is a peft tuner layer and no parameter of theirs (their own, not their
     children's) is sharded (FSDP2's DTensor)."""
-    return not any(_adapted(m) or any(is_sharded(p) for p in m._parameters.values()) for m in modules)
+    return not any(_adapted(m) or any(_sharded(p) for p in m._parameters.values()) for m in modules)
 
 
 def _active_loras(m: nn.Module) -> list[str]:
@@ -111,13 +104,10 @@ def _plain_linear(m: nn.Module, kind: str) -> bool:
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def lora_delta(m: nn.Module, adapter: str, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``scaling * B @ A`` of one adapter of a peft LoRA layer, in its base weight's layout
-    (transposed for ``fan_in_fan_out`` layers such as GPT-2's Conv1D, ``[in, out]``); ``a``,
-    ``b``: those weights from elsewhere (a gathered state dict) instead of the layer's own."""
-    a = m.lora_A[adapter].weight if a is None else a
-    b = m.lora_B[adapter].weight if b is None else b
-    delta = (b @ a) * m.scaling[adapter]  # [out, in]
+def _lora_delta(m: nn.Module, adapter: str) -> torch.Tensor:
+    """``scaling * B @ A`` of one adapter of a peft LoRA layer in its base weight's layout
+    (as ``rlhfkit.models.lora_delta``)."""
+    delta = (m.lora_B[adapter].weight @ m.lora_A[adapter].weight) * m.scaling[adapter]  # [out, in]
     return delta.T if getattr(m, "fan_in_fan_out", False) else delta
 
 
@@ -139,7 +129,7 @@ class _Unmerged:
 
     weight: torch.Tensor
     loras: tuple[tuple[torch.Tensor, torch.Tensor, float], ...]
-    pack: bool = False  # the stacked weight packed (ops.pack) where it can be
+    pack: bool = False  # the stacked weight packed (prim.pack) where it can be
     stacked: list = field(default_factory=list, compare=False)  # ([W; A_1; ...], bias, [bias; 0]) once made
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -153,7 +143,7 @@ class _Unmerged:
             if not self.stacked or self.stacked[1] is not bias:
                 rank = sum(a.shape[0] for a, _, _ in self.loras)
                 w = torch.cat([self.weight, *(a for a, _, _ in self.loras)])
-                self.stacked[:] = [ops.pack(w, STACK_ROWS, keep=False) if self.pack else w, bias,
+                self.stacked[:] = [prim.pack(w, STACK_ROWS, keep=False) if self.pack else w, bias,
                                    None if bias is None else torch.cat([bias, bias.new_zeros(rank)])]
             n = self.weight.shape[0]
             yt = _linear(x2, self.stacked[0], self.stacked[2])  # [rows, out + sum r]: x W^T + bias, then each x A^T
@@ -174,7 +164,7 @@ class _Unmerged:
 # generation call, and the call it saves (~20 us) matters beside a small weight's product (216 us
 # for SmolLM2's [1536, 576] at 64 rows), not beside a 7B model's (and CUDA graphs replay a GPU's)
 STACK_ROWS, STACK_MAX_WEIGHT = 256, 1 << 22
-# a generation call of at least PACK_STEPS decode steps packs its bfloat16 weights (ops.pack):
+# a generation call of at least PACK_STEPS decode steps packs its bfloat16 weights (prim.pack):
 # packing costs once a call and saves on every decode step (benchmarks/archive/code-evidence.md).
 # A weight that is not copied for the call anyway (plain weights, the head) is packed beside the
 # live one: only up to STACK_MAX_WEIGHT elements, the head up to PACK_MAX_HEAD (SmolLM2's has 28M,
@@ -185,38 +175,38 @@ PACK_STEPS, PACK_MAX_HEAD = 16, 1 << 25
 def decode_packed(weight: torch.Tensor, limit: int = STACK_MAX_WEIGHT):
     """``weight`` packed for a generation call's decode steps beside the live one (a copy for
     the call: only up to ``limit`` elements), or ``weight`` itself where it cannot be packed."""
-    return ops.pack(weight, STACK_ROWS) if weight.numel() <= limit else weight
+    return prim.pack(weight, STACK_ROWS) if weight.numel() <= limit else weight
 
 
 def packs(input_ids: torch.Tensor, max_new_tokens: int) -> bool:
     """Whether a generation call over ``input_ids`` packs its bfloat16 weights (on a CPU, and only
-    where :func:`rlhfkit.ops.pack` packs; a float32 weight is never packed)."""
+    where :func:`.primitives.pack` packs; a float32 weight is never packed)."""
     return input_ids.device.type == "cpu" and input_ids.shape[0] <= STACK_ROWS and max_new_tokens >= PACK_STEPS
 
 
 def _linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`rlhfkit.ops.linear`, or the product of an :class:`_Unmerged` layer, of
+    """:func:`.primitives.linear`, or the product of an :class:`_Unmerged` layer, of
     :class:`_StackedLoRAs` or of a packed weight."""
-    return ops.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
+    return prim.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x, b)
 
 
 def _add_linear(res: torch.Tensor, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`rlhfkit.ops.add_linear`, or the residual plus an :class:`_Unmerged` layer's or a
-    packed weight's product (:func:`rlhfkit.ops.pack`)."""
+    """:func:`.primitives.add_linear`, or the residual plus an :class:`_Unmerged` layer's or a
+    packed weight's product (:func:`.primitives.pack`)."""
     if isinstance(w, _Unmerged):
         return res + w(x, b).view(res.shape)
     if not isinstance(w, torch.Tensor):
         return w.add(res, x, b)
-    return ops.add_linear(res, x, w, b)
+    return prim.add_linear(res, x, w, b)
 
 
 def _weight(m: nn.Module, pack: bool = False) -> tuple[torch.Tensor | _Unmerged, torch.Tensor | None]:
     """``(weight, bias)`` of a linear layer as it computes now. For a LoRA layer the base weight
-    plus :func:`lora_delta` of each active adapter, built out of place: the same function as peft's ``base(x) + B(A(x)) * scaling``
+    plus :func:`_lora_delta` of each active adapter, built out of place: the same function as peft's ``base(x) + B(A(x)) * scaling``
     up to rounding, and the update's gradient reaches A and B through it (the frozen base
     weight gets none). Adapters in another dtype than the base weight (float32 on a half-precision
     base) stay apart: an :class:`_Unmerged` weight. ``pack``: a generation call's weights, whose
-    decode steps' products take a bfloat16 weight packed once (:func:`rlhfkit.ops.pack`)."""
+    decode steps' products take a bfloat16 weight packed once (:func:`.primitives.pack`)."""
     if not _adapted(m):
         return (decode_packed(m.weight) if pack else m.weight), m.bias
     weight, active = m.base_layer.weight, _active_loras(m)
@@ -226,7 +216,7 @@ def _weight(m: nn.Module, pack: bool = False) -> tuple[torch.Tensor | _Unmerged,
             loras = tuple((a.to(weight.dtype), b.to(weight.dtype), s) for a, b, s in loras)
         return _Unmerged(weight, loras, pack), m.base_layer.bias
     for adapter in active:
-        weight = weight + lora_delta(m, adapter)
+        weight = weight + _lora_delta(m, adapter)
     return weight, m.base_layer.bias
 
 
@@ -275,19 +265,19 @@ class _GeluTanhCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        out, s = ops.gelu_tanh_gate(x)
+        out, s = prim.gelu_tanh_gate(x)
         ctx.save_for_backward(x, s)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, s = ctx.saved_tensors
-        return ops.gelu_tanh_backward(x, s, grad)
+        return prim.gelu_tanh_backward(x, s, grad)
 
 
 def _gelu_by_gate(x: torch.Tensor) -> bool:
     """Whether the sigmoid-gate form below applies: a CPU tensor of a dtype with a constant in
-    :func:`rlhfkit.ops.c1` (a CPU scalar cannot be ``addcmul``'s addend for a CUDA tensor)."""
+    :func:`.primitives.c1` (a CPU scalar cannot be ``addcmul``'s addend for a CUDA tensor)."""
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
 
 
@@ -296,7 +286,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if torch.is_grad_enabled() and x.requires_grad:
         return _GeluTanhCPU.apply(x)
-    return ops.gelu_tanh(x)  # no graph to keep: the gate's memory is reused
+    return prim.gelu_tanh(x)  # no graph to keep: the gate's memory is reused
 
 
 def _gpt2_act(mlp: nn.Module):
@@ -315,7 +305,7 @@ def _rms_norm(params: tuple[torch.Tensor, float], x: torch.Tensor) -> torch.Tens
         # rounds once where the formula rounds the normalised rows and their product with the weight
         # apart, and is faster; on a CPU in bfloat16 an accelerated one where registered, whose
         # backward is one pass a row where PyTorch's is about ten (benchmarks/archive/code-evidence.md)
-        return ops.rms_norm(x, weight, eps)
+        return prim.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -358,7 +348,7 @@ class _NormLinears(torch.autograd.Function):
         weights, biases = linears[0::2], linears[1::2]
         ctx.save_for_backward(x, norm_weight, norm_bias, rstd, mean, *weights)
         ctx.conv1d, ctx.biased = conv1d, [b is not None for b in biases]
-        return tuple(ops.linear(h, w.t() if conv1d else w, b) for w, b in zip(weights, biases))
+        return tuple(prim.linear(h, w.t() if conv1d else w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -371,12 +361,12 @@ class _NormLinears(torch.autograd.Function):
             if g is None:
                 continue
             if need[5 + 2 * i]:
-                out[2 * i] = ops.grad_weight(h, g, w) if ctx.conv1d else ops.grad_weight(g, h, w)
+                out[2 * i] = prim.grad_weight(h, g, w) if ctx.conv1d else prim.grad_weight(g, h, w)
             if need[6 + 2 * i] and ctx.biased[i]:
                 out[2 * i + 1] = g.sum(0)
             if any(need[:3]):
                 wt = w.t() if ctx.conv1d else w
-                grad_h = ops.mm(g, wt) if grad_h is None else ops.addmm_(grad_h, g, wt)
+                grad_h = prim.mm(g, wt) if grad_h is None else prim.addmm_(grad_h, g, wt)
         grad_x = grad_nw = grad_nb = None
         if grad_h is not None:
             grad_nw = (grad_h * xhat).sum(0) if need[1] else None
@@ -394,24 +384,24 @@ class _SwiGLUDown(torch.autograd.Function):
     """``x + F.linear(silu(gate) * up, weight, bias)``: a Llama MLP's tail and its residual,
     keeping ``gate`` and ``up`` only. Autograd would also keep ``silu(gate)`` and the product (the
     down projection's input): two of the layer's widest tensors, about a third of its saved
-    activations. The backward computes them again (:func:`rlhfkit.ops.swiglu_backward`).
+    activations. The backward computes them again (:func:`.primitives.swiglu_backward`).
 
     ``x [N, C]``, ``gate, up [N, I]``, ``weight [C, I]``."""
 
     @staticmethod
     def forward(ctx, x, gate, up, weight, bias):
-        act = ops.swiglu(gate, up)
+        act = prim.swiglu(gate, up)
         ctx.save_for_backward(gate, up, weight)
         ctx.biased = bias is not None
-        return ops.add_linear(x, act, weight, bias)
+        return prim.add_linear(x, act, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up, weight = ctx.saved_tensors
         need_x, need_gate, need_up, need_w, need_b = ctx.needs_input_grad
-        grad_act = ops.mm(grad, weight)  # [N, I]
-        act, grad_gate, grad_up = ops.swiglu_backward(gate, up, grad_act, need_w)
-        grad_w = ops.grad_weight(grad, act, weight) if need_w else None
+        grad_act = prim.mm(grad, weight)  # [N, I]
+        act, grad_gate, grad_up = prim.swiglu_backward(gate, up, grad_act, need_w)
+        grad_w = prim.grad_weight(grad, act, weight) if need_w else None
         grad_b = grad.sum(0) if need_b and ctx.biased else None
         return grad if need_x else None, grad_gate, grad_up, grad_w, grad_b
 
@@ -420,30 +410,30 @@ class _GeluDown(torch.autograd.Function):
     """``x + addmm(bias, gelu_tanh(f), weight)``: GPT-2's MLP tail (``Conv1D`` weight ``[I, C]``)
     and its residual, keeping ``f`` (the MLP's input projection) only. Autograd would also keep
     the GELU's gate and its output (the down projection's input), two tensors as wide as ``f``;
-    the backward computes them again (:func:`rlhfkit.ops.gelu_tanh_gate`)."""
+    the backward computes them again (:func:`.primitives.gelu_tanh_gate`)."""
 
     @staticmethod
     def forward(ctx, x, f, weight, bias):
         if _gelu_by_gate(f):
-            m = ops.gelu_tanh(f)
+            m = prim.gelu_tanh(f)
         else:  # a GPU (one fused kernel), or a dtype the gate has no constant for
             m = F.gelu(f, approximate="tanh")
         ctx.save_for_backward(f, weight)
         ctx.biased = bias is not None
-        return ops.add_linear(x, m, weight.t(), bias)
+        return prim.add_linear(x, m, weight.t(), bias)
 
     @staticmethod
     def backward(ctx, grad):
         f, weight = ctx.saved_tensors
         need_x, need_f, need_w, need_b = ctx.needs_input_grad
-        grad_m = ops.mm(grad, weight.t())  # [N, I]
+        grad_m = prim.mm(grad, weight.t())  # [N, I]
         if _gelu_by_gate(f):
-            m, s = ops.gelu_tanh_gate(f)
-            grad_f = ops.gelu_tanh_backward(f, s, grad_m)
+            m, s = prim.gelu_tanh_gate(f)
+            grad_f = prim.gelu_tanh_backward(f, s, grad_m)
         else:
             m = F.gelu(f, approximate="tanh") if need_w else None
             grad_f = torch.ops.aten.gelu_backward(grad_m, f, approximate="tanh")
-        grad_w = ops.grad_weight(m, grad, weight) if need_w else None
+        grad_w = prim.grad_weight(m, grad, weight) if need_w else None
         grad_b = grad.sum(0) if need_b and ctx.biased else None
         return grad if need_x else None, grad_f, grad_w, grad_b
 
@@ -473,19 +463,19 @@ def _attend(q, k, v, mask, scale, groups: int, additive: dict | None = None,
     """Masked softmax attention: ``q [B, H, Tq, D]``, ``k, v [B, Hkv, Tk, D]``, ``mask [B, 1, Tq|1, Tk]``
     boolean (True = may attend) or additive. Every mask here is causal with the queries at the
     last ``Tq`` of the ``Tk`` positions (a forward, a prompt, the responses after a shared
-    prompt, a decode step). :func:`rlhfkit.ops.causal_attention` (a boolean mask) and
-    :func:`rlhfkit.ops.attention` may take it; otherwise PyTorch's.
+    prompt, a decode step). :func:`.primitives.causal_attention` (a boolean mask) and
+    :func:`.primitives.attention` may take it; otherwise PyTorch's.
 
     ``additive``: a dict that lives as long as one forward through the layers; a boolean mask
     the other two routes need as an additive one is converted once into it and reused by
     every layer (:func:`_additive`). ``shared``: a decode step's :attr:`KVCache.shared`, with
     which a faster decode attention reads each group's prompt once."""
     if mask.dtype == torch.bool and mask.shape[2] == q.shape[2]:
-        if (out := ops.causal_attention(q, k, v, mask[:, 0], scale)) is not None:
+        if (out := prim.causal_attention(q, k, v, mask[:, 0], scale)) is not None:
             return out
     if mask.dtype == torch.bool:
         mask = _additive(mask, q.dtype, {} if additive is None else additive)
-    if (out := ops.attention(q, k, v, mask, scale, shared)) is not None:
+    if (out := prim.attention(q, k, v, mask, scale, shared)) is not None:
         return out
     if _fold_heads(q, k, groups):
         B, H, Tq, D = q.shape
@@ -555,7 +545,7 @@ class _StackedLoRAs:
     exact zeros for the other layers' ranks: the same numbers bit for bit (``tests/test_gemm.py``;
     SmolLM2's logits too). Two calls where the layers apart make two each, which is faster on a
     CPU's decode steps (benchmarks/archive/code-evidence.md). The stacked weight is packed
-    (:func:`rlhfkit.ops.pack`) and only the packed copy kept."""
+    (:func:`.primitives.pack`) and only the packed copy kept."""
 
     def __init__(self, layers: list[_Unmerged], biases: list[torch.Tensor | None]):
         self.apart = list(zip(layers, biases))
@@ -564,7 +554,7 @@ class _StackedLoRAs:
         A = [a for u in layers for a, _, _ in u.loras]
         stacked = torch.cat([*weights, *A])
         self.n, rank = sum(w.shape[0] for w in weights), sum(a.shape[0] for a in A)
-        self.weight = ops.pack(stacked, STACK_ROWS, keep=False)
+        self.weight = prim.pack(stacked, STACK_ROWS, keep=False)
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)] + [stacked.new_zeros(rank)])
         self.B = stacked.new_zeros((self.n, rank))  # block-diagonal
@@ -581,7 +571,7 @@ class _StackedLoRAs:
         on weights it can pack (bfloat16 on a CPU with oneDNN's: where it was measured and
         checked bit for bit; a float16 base keeps the layers apart)."""
         return (all(isinstance(u, _Unmerged) and len(u.loras) == 1 and u.loras[0][0].dtype == u.weight.dtype
-                    and ops.packable(u.weight) for u, _ in pairs)
+                    and prim.packable(u.weight) for u, _ in pairs)
                 and len({u.loras[0][2] for u, _ in pairs}) == 1
                 and sum(u.weight.numel() for u, _ in pairs) <= STACK_MAX_WEIGHT)
 
@@ -669,7 +659,7 @@ class _Arch:
                 qkv, = _NormLinears.apply(x.reshape(B * T, C), layer[0], layer[1], self.eps, True, layer[2], layer[3])
             else:
                 h = F.layer_norm(x, (C,), layer[0], layer[1], self.eps)
-                qkv = ops.linear(h.view(B * T, C), layer[2].t(), layer[3])
+                qkv = prim.linear(h.view(B * T, C), layer[2].t(), layer[3])
             q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             return q, k, v
         D, H, Hkv = self.head_dim, self.n_heads, self.kv_heads
@@ -702,13 +692,13 @@ class _Arch:
         ``x [B, T, H]``'s token order."""
         B, T, C = x.shape
         if self.gpt2:
-            x = ops.add_linear(x, a, layer[4].t(), layer[5])
+            x = prim.add_linear(x, a, layer[4].t(), layer[5])
             if layer[12] is _gelu_tanh and _lean_training(x, layer[6]):  # fewer activations kept
                 f, = _NormLinears.apply(x.view(B * T, C), layer[6], layer[7], self.eps, True, layer[8], layer[9])
                 return _GeluDown.apply(x.view(B * T, C), f, layer[10], layer[11]).view(B, T, C)
             h = F.layer_norm(x, (C,), layer[6], layer[7], self.eps).view(B * T, C)
-            m = layer[12](ops.linear(h, layer[8].t(), layer[9]))
-            return ops.add_linear(x, m, layer[10].t(), layer[11])
+            m = layer[12](prim.linear(h, layer[8].t(), layer[9]))
+            return prim.add_linear(x, m, layer[10].t(), layer[11])
         x = _add_linear(x, a, *layer[2])
         if len(layer[4]) == 2 and layer[7] and _lean_training(x, layer[3][0]):  # fewer activations kept
             gate, up = _NormLinears.apply(x.view(B * T, C), layer[3][0], None, layer[3][1], False,
@@ -910,7 +900,7 @@ class KVCache:
     key mask ``[B, T_max]`` (0 attend, -inf padding; cheaper than a boolean one in CPU
     attention), the number of filled columns and the gathered parameters. For GPT-2 on a CPU in
     float32, ``bound`` holds per layer a ``qkv [B, 3C]`` and an ``out [B, C]`` buffer and the
-    attention bound to them and to the cache where one is registered (:func:`rlhfkit.ops.decode_attention`)."""
+    attention bound to them and to the cache where one is registered (:func:`.primitives.decode_attention`)."""
 
     kv: list[torch.Tensor]
     key_bias: torch.Tensor
@@ -952,7 +942,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     """
     # fusing q/k/v and gate/up saves kernel launches on a GPU; on a CPU the copy of the weights
     # (fresh memory, page faults) costs more than the matmuls it merges
-    # on a CPU, bfloat16 weights packed once for the decode steps (ops.pack): the packing (about
+    # on a CPU, bfloat16 weights packed once for the decode steps (prim.pack): the packing (about
     # 0.1 s for SmolLM2 and its head) pays for itself within a few steps
     arch = _Arch(model, fuse=input_ids.device.type == "cuda", pack=packs(input_ids, max_new_tokens))
     rows = None
@@ -991,10 +981,10 @@ def _bind_decode(cache: KVCache, kv: torch.Tensor):
     """``(qkv [B, 3C], out [B, C], step)`` for one GPT-2 layer: the step's projections are written
     into ``qkv``; ``step(t)`` puts its key and value into cache column ``t`` and attends with its
     query over columns ``0 .. t``, writing ``out`` (heads side by side); ``step`` None where no
-    bound attention is registered (:func:`rlhfkit.ops.decode_attention`)."""
+    bound attention is registered (:func:`.primitives.decode_attention`)."""
     B, _, H, _, D = kv.shape
     qkv, out = kv.new_empty((B, 3 * H * D)), kv.new_empty((B, H * D))
-    step = ops.decode_attention(qkv.view(B, 3, H, D), kv, cache.key_bias, out.view(B, H, D), cache.arch.scale)
+    step = prim.decode_attention(qkv.view(B, 3, H, D), kv, cache.key_bias, out.view(B, H, D), cache.arch.scale)
     return qkv, out, step
 
 
@@ -1059,7 +1049,7 @@ def static_decode_step(cache: KVCache, tokens: torch.Tensor, positions: torch.Te
     values go in with ``index_copy_``, and attention runs over a fixed span of columns
     (``columns [S]``: ``arange(S)``, S <= T_max, S > t) with those after ``t`` masked, instead of
     a slice that grows. ``attend``: an attention ``attend(q, k, v, bias, t, scale)`` that reads
-    ``t`` itself and only columns ``0 .. t`` (:func:`rlhfkit.ops.graphed_decode_attention`;
+    ``t`` itself and only columns ``0 .. t`` (:func:`.primitives.graphed_decode_attention`;
     ``columns`` is then not read). Equal to :func:`decode_step` up to rounding; it does not
     advance ``cache.length``."""
     if attend is not None:
@@ -1099,3 +1089,135 @@ def _gpt2_decode(cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, 
         x = torch.addmm(pb, a, pw).add_(x)
         x = torch.addmm(mb, act(torch.addmm(fb, torch.layer_norm(x, (C,), ln2w, ln2b, eps), fw)), mw).add_(x)
     return torch.layer_norm(x, (C,), arch.final[0], arch.final[1], eps)
+
+
+# --------------------------------------------------------------------------- the shortcuts
+
+
+class Decoder:
+    """:func:`rlhfkit.ops.decoder` on this forward: the prefill's ``hidden [B, H]`` and ``logits
+    [B, V]``, then ``step(tokens, positions)``; the LM head applied without its module's call
+    (its hooks machinery would run per token), on a bfloat16 weight packed once where it pays;
+    ``graph``: fixed shapes (:class:`FixedStep`), where the rotary tables do not change."""
+
+    def __init__(self, model: nn.Module, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 max_new_tokens: int, graph: bool = False):
+        head = model.get_output_embeddings()
+        if type(head) is nn.Linear:
+            w = head.weight
+            if packs(prompt_ids, max_new_tokens):  # packed once for the steps where it can be
+                w = decode_packed(w, PACK_MAX_HEAD)
+            head = lambda h, w=w, b=head.bias: _linear(h, w, b)  # noqa: E731
+        self.head = head
+        self.hidden, self.cache = prefill(model, prompt_ids, mask, positions, max_new_tokens)
+        self.logits = head(self.hidden)  # [B, V]
+        self.fixed = None
+        if graph and static_shapes(self.cache):
+            self.fixed = FixedStep(self.cache, head, prompt_ids.device.type == "cuda")
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens [B]`` at ``positions [B]``; the next position's logits ``[B, V]``."""
+        if self.fixed is not None:
+            self.hidden, logits = self.fixed(tokens, positions)
+            return logits
+        self.hidden = decode_step(self.cache, tokens, positions)
+        return self.head(self.hidden)
+
+
+def runs_forward(model: nn.Module) -> bool | None:
+    return True if supported(model) else None
+
+
+def full_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       position_ids: torch.Tensor) -> torch.Tensor | None:
+    return hidden_states(model, input_ids, attention_mask, position_ids) if supported(model) else None
+
+
+def shared_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         position_ids: torch.Tensor, prompt_len: int, through_last: bool = False):
+    """:func:`response_hidden_states` where the model is supported and the prompts repeat."""
+    if not supported(model) or (shared := shared_prompts(input_ids, attention_mask, prompt_len)) is None:
+        return None
+    return response_hidden_states(model, input_ids, attention_mask, position_ids, prompt_len, *shared,
+                                  through_last=through_last)
+
+
+def decoder(model: nn.Module, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+            max_new_tokens: int, graph: bool = False) -> Decoder | None:
+    return Decoder(model, prompt_ids, mask, positions, max_new_tokens, graph) if supported(model) else None
+
+
+SHORTCUTS = {"runs_forward": runs_forward, "hidden_states": full_hidden_states,
+             "response_hidden_states": shared_hidden_states, "decoder": decoder}
+
+
+class FixedStep:
+    """The lean decode step with fixed shapes and buffers (:func:`static_decode_step`),
+    on CUDA captured as CUDA graphs and replayed for every token: at a small model's size a step is
+    hundreds of kernel launches, each costing more than its arithmetic, and a replay launches them
+    all at once. Attention reads the cache up to the end of the current band of ``band`` columns
+    (the written ones and fewer than ``band`` unwritten ones, masked), one graph per band,
+    captured when the decode reaches the band and dropped when it leaves it (bands only grow; the
+    next graph shares its memory pool): attention over the whole pre-allocated cache at every
+    token cost more than the launches saved on long completions (512 new tokens of a 12-layer
+    model on an H200). Where a graphed attention is registered (:func:`.primitives.graphed_decode_attention`:
+    Triton's) attention is its kernel,
+    which reads the step's column from device memory and only the columns written so far: then
+    one band spans the whole cache and one graph serves the rollout. On a CPU (no graphs) the
+    same steps run as written, which is how the tests check them (the Triton kernel under its
+    interpreter). The outputs are a graph's own buffers, rewritten by its next replay, so they
+    are copied out."""
+
+    BAND = 64  # columns per band, at least; at most 16 bands (captures) per rollout
+
+    def __init__(self, cache, head, cuda: bool):
+        B, T = cache.key_bias.shape
+        dev = cache.key_bias.device
+        self.cache, self.head, self.cuda, self.T = cache, head, cuda, T
+        self.attend = prim.graphed_decode_attention(cache.kv[0], cache.arch.n_heads)
+        self.triton = self.attend is not None
+        self.band = T if self.triton else max(self.BAND, -(-T // 16))
+        self.span, self.graph, self.out = 0, None, None  # the current band's end, graph and outputs
+        self.tok = torch.zeros(B, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.columns = torch.arange(T, device=dev)
+        for kv in cache.kv:  # attention weighs the unwritten columns by 0, and 0 * NaN would not be 0
+            kv[:, :, :, cache.length:].zero_()
+
+    @torch.no_grad()
+    def _run(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = static_decode_step(self.cache, self.tok, self.pos, self.t, self.columns[:span], self.attend)
+        return hidden, self.head(hidden)
+
+    def _capture(self, span: int) -> None:
+        """The graph of the step over columns ``0 .. span-1`` in place of the last band's; its
+        warm-up runs the current step (writing this step's cache column, which the first replay
+        writes again)."""
+        dev = self.t.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # CUDA's libraries set themselves up outside the capture
+            self._run(span)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # the last band's graph is never replayed again: the new one may take its pool's free memory
+        with torch.cuda.graph(graph, pool=self.graph.pool() if self.graph is not None else None):
+            out = self._run(span)
+        self.graph, self.out, self.span = graph, out, span
+
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden [B, H], logits [B, V])`` after feeding ``tok`` at ``pos``; advances the cache."""
+        self.tok.copy_(tok)
+        self.pos.copy_(pos)
+        self.t.fill_(self.cache.length)
+        span = min(self.T, (self.cache.length // self.band + 1) * self.band)
+        if not self.cuda:
+            hidden, logits = self._run(span)
+        else:
+            if span != self.span:
+                self._capture(span)
+            self.graph.replay()
+            hidden, logits = (x.clone() for x in self.out)
+        self.cache.length += 1
+        return hidden, logits
