@@ -1,12 +1,12 @@
 """Where a rollout's decode step spends its time: wall-clock per token and the profiler's kernels.
 
 The GPU step of ``real_step.py`` is mostly the rollout's decode loop. This script runs that loop
-alone, as the rollout runs it (:func:`rlhfkit.lean.prefill`, then one step per new token), for
+alone, as the rollout runs it (:func:`rlhfkit.accel.forward.prefill`, then one step per new token), for
 the two workloads of ``real_step.py`` and three ways of stepping:
 
-- ``eager``: :func:`rlhfkit.lean.decode_step`, attention over the columns written so far (the
+- ``eager``: :func:`rlhfkit.accel.forward.decode_step`, attention over the columns written so far (the
   default);
-- ``fixed``: :func:`rlhfkit.lean.static_decode_step`, every shape fixed, attention over the whole
+- ``fixed``: :func:`rlhfkit.accel.forward.static_decode_step`, every shape fixed, attention over the whole
   pre-allocated cache with the unwritten columns masked, run as written;
 - ``graph``: the fixed step replayed as a CUDA graph (``ppo.cuda_graph``; CUDA only).
 
@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rlhfkit import lean, ops
+from rlhfkit import ops
+from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm, kernels
 from rlhfkit.models import position_ids_from_mask
 from rlhfkit.rollout import _FixedStep
@@ -65,7 +66,7 @@ def build(shape: str, layers: int | None) -> torch.nn.Module:
 def attention(kind: str):
     """The decode loop's attention: PyTorch's (``sdpa``), or one-query calls sent to the Triton
     kernel of :mod:`rlhfkit.triton_decode` (``triton``) over the span the caller passes;
-    :mod:`rlhfkit.lean` looks the function up at each call, so replacing it here reaches its
+    :mod:`rlhfkit.accel.forward` looks the function up at each call, so replacing it here reaches its
     decode step."""
     if kind == "sdpa":
         yield

@@ -45,11 +45,11 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
     rlhfkit_grpo           ``rlhfkit grpo``'s defaults but one epoch of one minibatch of 64
                            (``ppo.ppo_epochs=1 ppo.minibatch_size=64 ppo.micro_batch_size=MICRO``);
                            each group's prompt runs once in the rollout's prefill, the reference
-                           forward and the update (``rlhfkit.lean.repeated_rows`` /
+                           forward and the update (``rlhfkit.accel.forward.repeated_rows`` /
                            ``shared_prompts``), no gradient checkpointing
     rlhfkit_grpo_unshared  the same with every row's prompt run in full: a benchmark-only switch
-                           in the worker makes ``rlhfkit.lean.repeated_rows`` and
-                           ``rlhfkit.lean.shared_prompts`` return None (what they do when sharing
+                           in the worker makes ``rlhfkit.accel.forward.repeated_rows`` and
+                           ``rlhfkit.accel.forward.shared_prompts`` return None (what they do when sharing
                            does not pay); the positions of TRL's completion-position rows
                            through the head, and through the body but the last column
     rlhfkit_grpo_graph     the first row with ``ppo.cuda_graph=true``: each decode step replayed as
@@ -387,15 +387,17 @@ def unshared_prompts():
     """rlhfkit runs every row's prompt in full: its two detectors of repeated prompts
     (the rollout's prefill, the reference and update forwards) answer None, as they do when
     sharing does not pay. Benchmark-only."""
-    from rlhfkit import lean
+    from rlhfkit import experience
+    from rlhfkit.accel import forward as lean
 
-    saved = lean.repeated_rows, lean.shared_prompts
+    saved = lean.repeated_rows, lean.shared_prompts, experience.repeated_rows
     lean.repeated_rows = lambda *a, **kw: None
     lean.shared_prompts = lambda *a, **kw: None
+    experience.repeated_rows = lean.repeated_rows
     try:
         yield
     finally:
-        lean.repeated_rows, lean.shared_prompts = saved
+        lean.repeated_rows, lean.shared_prompts, experience.repeated_rows = saved
 
 
 @contextlib.contextmanager

@@ -2,13 +2,13 @@
 
 On a GPU at a small model's size a step is bound by kernel launches, not arithmetic, so the
 count of compute operations per forward + backward is what decides whether sharing each
-group's prompt (``rlhfkit.lean.response_hidden_states``) pays there. This script counts them
+group's prompt (``rlhfkit.accel.forward.response_hidden_states``) pays there. This script counts them
 on any device with ``torch.profiler``: top-level ``aten`` operations that are not views or
 allocations (each launches at least one kernel on a GPU), and times them, for three paths:
 ``shared`` (prompts and responses as two streams per layer, the CPU's default above
-``rlhfkit.lean.FLAT_CPU_ELEMENTS``), ``flat`` (one flat sequence through the token-wise
+``rlhfkit.accel.forward.FLAT_CPU_ELEMENTS``), ``flat`` (one flat sequence through the token-wise
 operations, the GPU's default and the CPU's for small steps) and ``unshared`` (every
-row in full, ``rlhfkit.lean.hidden_states``); and the same for one cached decode step of the
+row in full, ``rlhfkit.accel.forward.hidden_states``); and the same for one cached decode step of the
 rollout (``decode``, no grad).
 
     python benchmarks/shared_prompt_ops.py                      # small sizes, both shapes
@@ -28,7 +28,7 @@ from collections import Counter
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rlhfkit import lean
+from rlhfkit.accel import forward as lean
 from rlhfkit.models import position_ids_from_mask
 
 # operations that launch no kernel of their own: views, allocations, dtype/shape queries
@@ -50,7 +50,7 @@ def model(shape: str) -> torch.nn.Module:
 
 
 def decode_ops(shape: str, args) -> None:
-    """Top-level compute operations and time of one cached decode step (:func:`rlhfkit.lean.decode_step`)
+    """Top-level compute operations and time of one cached decode step (:func:`rlhfkit.accel.forward.decode_step`)
     for ``prompts x group`` rows: the rollout's unit of work, bound by launches on a GPU."""
     B, P = args.prompts * args.group, args.prompt_len
     m = model(shape).eval().to(args.device)

@@ -6,7 +6,7 @@ The micro-batch is one of ``real_step.py``'s: by default its ``reasoning`` workl
 shape (30 layers, width 576, 9 heads / 3 key-value heads, MLP 1536, vocabulary 49152, tied
 embeddings), full fine-tuning, float32, one thread. Random weights (the arithmetic does not
 depend on them; ``--model DIR`` loads a fetched model instead). The parts, each with the shapes
-the update runs (each group's prompt once, ``rlhfkit.lean.response_hidden_states``):
+the update runs (each group's prompt once, ``rlhfkit.accel.forward.response_hidden_states``):
 
 - ``update``: the whole thing, ``lean.response_hidden_states`` then the LM head with the loss
   inside (``core.chunked_token_loss``), backward, gradients dropped;
@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rlhfkit import core, lean
+from rlhfkit import core
+from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm
 from rlhfkit.models import UPDATE_LOGITS, position_ids_from_mask
 

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import test_lean
-from rlhfkit import lean, ops
+from rlhfkit import ops
+from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm, registry
 from rlhfkit.core import chunked_token_logprobs
 

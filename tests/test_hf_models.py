@@ -16,7 +16,7 @@ from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from hf_helpers import bpe_tokenizer, chat_tokenizer, save_tiny
-from rlhfkit import lean
+from rlhfkit.accel import forward as lean
 from rlhfkit.cli import main
 from rlhfkit.config import Config
 from rlhfkit.core import logprobs_from_logits
@@ -148,6 +148,19 @@ def test_rl_steps_on_real_architectures(hub, tmp_path, arch, algo):
         assert all(v is not None and math.isfinite(v) for v in row.values())
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     assert saved.config.model_type == arch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_reference_forward_uses_no_deprecated_library_api(hub, tmp_path, arch):
+    """A rollout and an update on the models' own forward (accel.enabled=off, as the suite runs)
+    of every tiny architecture: no DeprecationWarning or FutureWarning from transformers, peft or
+    accelerate, nor from rlhfkit's own calls into them (a warning raised for its caller)."""
+    cfg = tiny_rl_config(tmp_path, model={"name": hub[arch]}, reward={"name": hub["rm"]},
+                         ppo={"algo": "grpo", "steps": 1}, accel={"enabled": "off"})
+    with warnings.catch_warnings():
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("error", category=category, module=r"(transformers|peft|accelerate|rlhfkit)\b")
+        assert train_rl(cfg)["steps"] == 1
 
 
 def test_tokenizers_compare_by_vocabulary_and_specials(hub):
@@ -322,13 +335,14 @@ def test_lora_ppo_run_on_qwen3(hub, tmp_path):
     assert results[0]["examples"] == results[1]["examples"]
 
 
-def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path):
+def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path, accel_on):
     """``model.dtype=bfloat16`` with LoRA, the set-up the config recommends for large models: peft
-    keeps the adapters in float32 beside the bfloat16 base, and so does the lean forward the
-    rollout and the update run (folding an adapter into a bfloat16 weight would round its update
-    away); the adapter trains in float32."""
+    keeps the adapters in float32 beside the bfloat16 base, and so does the accelerated forward
+    the rollout and the update run (folding an adapter into a bfloat16 weight would round its
+    update away); the adapter trains in float32."""
     cfg = tiny_rl_config(tmp_path, model={"name": hub["llama"], "dtype": "bfloat16", "lora_r": 8, "lora_alpha": 16},
-                         reward={"name": hub["rm"]}, ppo={"algo": "grpo", "steps": 3, "lr": 1e-2})
+                         reward={"name": hub["rm"]}, ppo={"algo": "grpo", "steps": 3, "lr": 1e-2},
+                         accel={"enabled": "on"})
     ac, _, _, _ = build_models(cfg, hub["llama"], torch.device("cpu"))
     dtypes = {n.split(".")[-2] if "lora_" in n else "base": p.dtype for n, p in ac.policy.named_parameters()}
     assert dtypes == {"base": torch.bfloat16, "default": torch.float32}
@@ -430,7 +444,7 @@ def test_full_fine_tuning_in_bfloat16_warns(hub, tmp_path):
 def test_master_weights_run_the_bfloat16_models_arithmetic_on_float32_weights(hub, arch):
     """``model.master_weights``: under :func:`~rlhfkit.precision.compute_weights` a float32
     model computes what the same model in bfloat16 computes, bit for bit -- the update's
-    log-probs and entropies (the lean forward for Llama, peft-free transformers for GPT-2) and
+    log-probs and entropies (the models' own forward) and
     every weight's gradient, which reaches the float32 weight unrounded (a bfloat16 value in
     float32) -- and its own float32 parameters are back after the block."""
     from rlhfkit.models import token_logprobs

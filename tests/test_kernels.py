@@ -252,7 +252,7 @@ def test_gelu_tanh():
 def test_gelu_tanh_gradient():
     """The training forward's GELU (forward saving its gate, one-pass backward) against autograd
     through F.gelu in float64."""
-    from rlhfkit.lean import _gelu_tanh
+    from rlhfkit.accel.forward import _gelu_tanh
 
     x = (torch.randn(37, 29, generator=torch.Generator().manual_seed(3)) * 3).requires_grad_()
     w = torch.randn(37, 29, generator=torch.Generator().manual_seed(4))
@@ -270,7 +270,7 @@ def test_swiglu_and_its_gradients():
     """A Llama MLP's ``silu(gate) * up`` and its one-pass backward (which also rebuilds the
     activation) against float64 autograd, saturated ends and a scalar tail included; the
     training layer that uses them (``lean._SwiGLUDown``) gives autograd's gradients through it."""
-    from rlhfkit.lean import _SwiGLUDown
+    from rlhfkit.accel.forward import _SwiGLUDown
 
     gen = torch.Generator().manual_seed(5)
     gate, up, d = (torch.randn(41, 27, generator=gen) * 4 for _ in range(3))  # 1107 = 138 x 8 + 3

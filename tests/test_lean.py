@@ -1,9 +1,10 @@
-"""rlhfkit.lean against transformers: same hidden states, gradients and generations.
+"""rlhfkit.accel.forward against transformers: same hidden states, gradients and generations.
 
-The lean forward replaces the models' own forward in training and rollout for GPT-2 and
-Llama/Qwen2 stacks, so it must agree with ``transformers`` (the independent reference) to
-float rounding, with left padding, grouped-query attention and rotary positions included,
-and must step aside for anything it does not reproduce.
+With acceleration on, the accelerated forward replaces the models' own forward in training and
+rollout for GPT-2 and Llama/Qwen2 stacks, so it must agree with ``transformers`` (the
+independent reference) to float rounding, with left padding, grouped-query attention and
+rotary positions included, and must step aside for anything it does not reproduce. Every test
+here runs with ``accel.enabled=on`` (the rest of the suite runs the models' own forward).
 
 The comparisons run on the CPU; ``RLHFKIT_TEST_DEVICE=cuda pytest tests/test_lean.py`` runs
 them on a GPU (the lean path takes GPU-only branches there: fused q/k/v and gate/up).
@@ -20,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rlhfkit import lean, ops
+from rlhfkit import ops
+from rlhfkit.accel import forward as lean
+from rlhfkit.accel import primitives
 from rlhfkit.models import build_tiny_policy, position_ids_from_mask
 from rlhfkit.rollout import generate, sample_tokens
 from rlhfkit.tasks import doubling
@@ -57,6 +60,12 @@ MODELS = {"gpt2": lambda: scramble(build_tiny_policy(TOK, 1, n_layer=2, n_head=2
           "qwen2": qwen2, "llama": llama}
 
 
+@pytest.fixture(autouse=True)
+def _accelerated(accel_on):
+    """The accelerated forward (and every accelerated operation that runs here) for each test."""
+    yield
+
+
 def batch():
     enc = TOK(TEXTS, padding=True, return_tensors="pt")
     assert (enc["attention_mask"] == 0).any()  # left padding present
@@ -88,10 +97,10 @@ def loss_grads(model, hiddens, valid) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("accel", ["reference", "accelerated"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hidden_states_and_grads_match_transformers(name, accel, request):
-    """The lean forward against the model's own, on the references and with every accelerated
-    operation that runs here (accel.enabled=on)."""
-    if accel == "accelerated":
-        request.getfixturevalue("accel_on")
+    """The lean forward against the model's own, its operations on their references
+    (accel.enabled=off) and with every accelerated one that runs here (accel.enabled=on)."""
+    if accel == "reference":
+        request.getfixturevalue("accel_off")
     _hidden_states_and_grads_match_transformers(name)
 
 
@@ -225,17 +234,18 @@ def test_lora_on_a_half_precision_base_is_as_close_to_float32_as_peft_under_auto
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_half_precision_lora_decode_stacks_the_adapters_under_the_weight(name, monkeypatch):
-    """On a CPU a decode step's few rows compute the base product and each ``x A^T`` of a
-    half-precision LoRA layer as one product over ``[W; A]`` (``lean._Unmerged``, made once a
-    generation call; not for weights above ``STACK_MAX_WEIGHT``), the bias (qwen2's q/k/v) in
-    that product as in ``F.linear``: the same states as the separate products, bit for bit."""
+def test_half_precision_lora_decode_stacks_the_adapters_under_the_weight(name):
+    """On a CPU a decode step's few rows (at most ``STACK_ROWS``) compute the base product and each
+    ``x A^T`` of a half-precision LoRA layer as one product over ``[W; A]`` (``lean._Unmerged``,
+    made once a generation call), the bias (qwen2's q/k/v) in that product as in ``F.linear``;
+    more rows take the separate products: the same states for the same rows."""
     half = bf16_base(lora(name))
     ids, mask = batch()
-    pos = position_ids_from_mask(mask)
+    n = lean.STACK_ROWS // ids.shape[0] + 1  # the batch repeated: more rows than a stacked step takes
     steps = torch.randint(3, len(TOK), (4, ids.shape[0]), generator=torch.Generator().manual_seed(1)).to(DEV)
 
-    def decode():
+    def decode(ids, mask, steps):
+        pos = position_ids_from_mask(mask)
         _, cache = lean.prefill(half, ids, mask, pos, len(steps))
         layer = cache.arch.layers[0]
         return torch.stack([lean.decode_step(cache, t, pos[:, -1] + 1 + i) for i, t in enumerate(steps)]), layer
@@ -243,12 +253,11 @@ def test_half_precision_lora_decode_stacks_the_adapters_under_the_weight(name, m
     def stacks(layer) -> bool:
         return any(isinstance(w, lean._Unmerged) and w.stacked for w in _flat(layer))
 
-    stacked, layer = decode()
+    stacked, layer = decode(ids, mask, steps)
     assert stacks(layer) == (DEV.type == "cpu")  # a GPU keeps its separate products (and its memory)
-    monkeypatch.setattr(lean, "STACK_MAX_WEIGHT", 0)  # weights too large to copy
-    apart, layer = decode()
-    assert not stacks(layer)
-    assert torch.equal(stacked, apart)  # each output column reduces over the same inputs in the same order
+    apart, layer = decode(ids.repeat(n, 1), mask.repeat(n, 1), steps.repeat(1, n))
+    assert ids.shape[0] * n > lean.STACK_ROWS and not stacks(layer)
+    assert torch.equal(apart[:, : ids.shape[0]], stacked)  # each output column reduces over the same inputs alike
 
 
 def bf16_base(model):
@@ -571,15 +580,15 @@ def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monke
     columns the decode crosses several. With the Triton attention (on a CPU under Triton's
     interpreter) one band spans the whole cache, so one graph serves each rollout, and the
     kernel reads the written columns only."""
-    from rlhfkit import rollout
 
     if band is not None:
-        monkeypatch.setattr(rollout._FixedStep, "BAND", band)
+        monkeypatch.setattr(lean.FixedStep, "BAND", band)
     from rlhfkit.accel import triton_decode
 
     if attention == "triton":
         pytest.importorskip("triton")  # a dev dependency on Linux; Triton has no other platforms' wheels
-        request.getfixturevalue("accel_on")  # on a CPU conftest.py turned the interpreter on
+    else:  # PyTorch's attention over the band of columns
+        primitives.register("graphed_decode_attention", primitives.reference("graphed_decode_attention"), "reference")
     kernel_calls = []
     kernel = triton_decode.attention
     monkeypatch.setattr(triton_decode, "attention", lambda *a: kernel_calls.append(a[4]) or kernel(*a))
@@ -604,7 +613,7 @@ def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monke
     if attention == "triton":  # one band: the whole cache
         assert all(span == T for _, span, T in calls)
     else:
-        width = max(band or rollout._FixedStep.BAND, -(-calls[0][2] // 16))
+        width = max(band or lean.FixedStep.BAND, -(-calls[0][2] // 16))
         for t, span, T in calls:  # the written columns and those up to the band's end, no more
             assert t < span <= T and (span == T or span % width == 0) and span - t <= width
         assert (len(set(spans)) > 1) == (band is not None)

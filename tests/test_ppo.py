@@ -282,12 +282,12 @@ def test_row_chunks_end_between_groups():
     assert spans(grouped, padded, 5) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
 
-def test_experience_row_chunks_run_each_group_prompt_once(monkeypatch):
+def test_experience_row_chunks_run_each_group_prompt_once(monkeypatch, accel_on):
     """Chunked experience on GRPO groups: each chunk holds whole groups, so the reference forward
     runs as many prompt passes as with the whole batch (chunks of 5 rows over groups of 4 would
     run 5 instead of 3), and gives the whole batch's numbers."""
     import rlhfkit.experience as rl
-    from rlhfkit import lean
+    from rlhfkit.accel import forward as lean
 
     ac, ref, rm = _setup("separate")
     pc = Config().ppo

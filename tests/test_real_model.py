@@ -163,7 +163,7 @@ def test_the_converted_directory_is_an_ordinary_chat_model(smol):
 def test_lean_forward_and_decode_equal_transformers_on_smollm2(smol):
     from transformers import AutoModelForCausalLM
 
-    from rlhfkit import lean
+    from rlhfkit.accel import forward as lean
     from rlhfkit.core import position_ids_from_mask
 
     torch.manual_seed(0)
@@ -214,7 +214,8 @@ def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, mo
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rlhfkit import lean, ops
+    from rlhfkit import ops
+    from rlhfkit.accel import forward as lean
     from rlhfkit.accel import gemm, registry
 
     if not gemm.packing():
@@ -266,7 +267,7 @@ def test_master_weights_on_smollm2_sample_and_train_as_its_bfloat16_load(smol):
     gradients in float32."""
     from transformers import AutoModelForCausalLM
 
-    from rlhfkit import lean
+    from rlhfkit.accel import forward as lean
     from rlhfkit.distributed import full_weights
     from rlhfkit.models import token_logprobs
     from rlhfkit.precision import compute_weights, keep_master_weights

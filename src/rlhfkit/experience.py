@@ -378,6 +378,45 @@ def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: Run
 
 
 @torch.no_grad()
+def token_rewards(roll: Rollout, score: torch.Tensor, kl: torch.Tensor, beta: float, pc: PPOConfig,
+                  reward_stats: RunningMoments | None) -> torch.Tensor:
+    """Per-token rewards ``[B, R]``: the episode return (``score [B]``) on the last model token, with
+    -beta * ``kl`` on every token (:func:`~rlhfkit.core.shaped_rewards`). With an environment's
+    per-turn rewards (ppo), each on its turn's last token and the rest of the normalised return
+    on the last one, so a one-turn episode's rewards are the single-turn ones bit for bit."""
+    rmask = roll.response_mask
+    if pc.algo != "ppo" or roll.turn_rewards is None:
+        return shaped_rewards(score, kl, rmask, beta, pc.score_clip)
+    scale = 1.0 if reward_stats is None else 1.0 / (reward_stats.std + 1e-8)  # the normalisation's
+    earlier = (roll.turn_rewards * scale).scatter(1, last_token_index(rmask)[:, None], 0.0)  # [B, R]
+    return shaped_rewards(score - earlier.sum(-1), kl, rmask, beta, pc.score_clip) + earlier
+
+
+def correct_sampling(roll: Rollout, old_logprobs: torch.Tensor, advantages: torch.Tensor, pc: PPOConfig,
+                     shard: Shard) -> tuple[torch.Tensor, dict]:
+    """``(advantages, stats)``: with ``ppo.sampling_correction`` the advantages reweighed by pi_old / q
+    (q: the distribution the sampler drew from); the kept probability of a shaped draw."""
+    rmask, stats = roll.response_mask, {}
+    if roll.kept_logmass is not None:  # top-k / top-p: the tokens came from q = pi / Z
+        stats["rollout/kept_mass"] = shard.apply_rows(masked_mean, roll.kept_logmass.exp(), rmask)
+    if pc.sampling_correction != "none":  # a positive factor on the policy loss
+        log_w = old_logprobs - roll.logprobs + (0.0 if roll.kept_logmass is None else roll.kept_logmass)  # [B, R]
+        weights = sampling_correction_weights(log_w, rmask, pc.sampling_correction, pc.sampling_correction_cap)
+        advantages = advantages * weights  # [B, R]
+        stats["policy/sampling_weight"] = shard.apply_rows(masked_mean, weights, rmask)
+    return advantages, stats
+
+
+def response_stats(roll: Rollout, pc: PPOConfig, shard: Shard) -> dict:
+    """Length, EOS rate (and its standard error over prompt groups: a prompt can decide its
+    completions' EOS, ``guard/eos_collapse``) and the share cut at ``max_new_tokens``."""
+    return {"response/length": roll.response_mask.sum(-1).float().mean(),
+            "response/eos_rate": roll.finished.float().mean(),
+            "response/eos_rate_se": shard.apply_rows(lambda f: group_mean_se(f, completions_per_prompt(pc)),
+                                                     roll.finished.float()),
+            "response/truncated_rate": (~roll.finished).float().mean()}  # 1 - eos_rate
+
+
 def make_experience(
     ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
     reward_stats: RunningMoments | None = None, shard: Shard | None = None, records=None,
@@ -418,15 +457,7 @@ def make_experience(
         old_logprobs = torch.zeros_like(ref_logprobs)
     kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
     raw_advantages = None
-    if pc.algo == "ppo" and roll.turn_rewards is not None:
-        # an environment's per-turn rewards on each turn's last token; the rest of the (normalised)
-        # episode return -- the last turn's reward, the reward functions' score, the penalties -- on
-        # the last model token, as a one-turn episode's whole score (bit for bit the single-turn rewards)
-        scale = 1.0 if reward_stats is None else 1.0 / (reward_stats.std + 1e-8)  # the normalisation's
-        earlier = (roll.turn_rewards * scale).scatter(1, last_token_index(rmask)[:, None], 0.0)  # [B, R]
-        rewards = shaped_rewards(score - earlier.sum(-1), kl, rmask, beta, pc.score_clip) + earlier  # [B, R]
-    else:  # the episode return (score) on the last model token
-        rewards = shaped_rewards(score, kl, rmask, beta, pc.score_clip)  # [B, R]
+    rewards = token_rewards(roll, score, kl, beta, pc, reward_stats)  # [B, R]
     if pc.algo == "ppo":
         advantages, returns = gae(rewards, old_values, rmask, pc.gamma, pc.lam)
         raw_advantages = advantages
@@ -439,27 +470,14 @@ def make_experience(
         old_values = returns = torch.zeros_like(rewards)
         # an unscored row is written with score 0 (samples, trajectories) and counts so in rlhf_reward
         score, rewards = score.nan_to_num(0.0), rewards.nan_to_num(0.0)
-    sampling = {}
-    if roll.kept_logmass is not None:  # top-k / top-p: the tokens came from q = pi / Z
-        sampling["rollout/kept_mass"] = shard.apply_rows(masked_mean, roll.kept_logmass.exp(), rmask)
-    if pc.sampling_correction != "none":  # the policy loss reweighed by pi_old / q (a positive factor)
-        log_w = old_logprobs - roll.logprobs + (0.0 if roll.kept_logmass is None else roll.kept_logmass)  # [B, R]
-        weights = sampling_correction_weights(log_w, rmask, pc.sampling_correction, pc.sampling_correction_cap)
-        advantages = advantages * weights  # [B, R]
-        sampling["policy/sampling_weight"] = shard.apply_rows(masked_mean, weights, rmask)
+    advantages, sampling = correct_sampling(roll, old_logprobs, advantages, pc, shard)
     stats = {
         "objective/score": raw_score.nanmean(),  # over the scored rows
         **({} if deferred else policy_stats(old_logprobs, ref_logprobs, f["entropy"], None if reuse else roll.logprobs,
                                             rmask, score, rewards, pc, kl_coef, shard)),
         "objective/kl_coef": kl_coef,
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
-        "response/length": rmask.sum(-1).float().mean(),
-        "response/eos_rate": roll.finished.float().mean(),
-        # its standard error over the prompt groups (a prompt can decide its completions' EOS): guard/eos_collapse
-        "response/eos_rate_se": shard.apply_rows(lambda f: group_mean_se(f, completions_per_prompt(pc)),
-                                                 roll.finished.float()),
-        # cut at max_new_tokens: 1 - eos_rate, a row ends without EOS or a stop string only there
-        "response/truncated_rate": (~roll.finished).float().mean(),
+        **response_stats(roll, pc, shard),
         **{f"reward/{name}": s.nanmean() for name, s in parts.items()},  # over the rows each scored
         **sampling,
     }

@@ -102,6 +102,8 @@ def configure(accel) -> dict[str, str]:
     _impl.update(REFERENCE)
     _chosen.clear()
     _mode = mode
+    if (loaded := sys.modules.get(f"{__package__}.accel.primitives")) is not None:
+        loaded.reset()  # an earlier run's choice for the accelerated forward's operations goes too
     if mode != "off":
         from . import accel as hardware  # the one place the core reaches the accel package
 

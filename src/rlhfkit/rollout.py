@@ -445,34 +445,22 @@ def generate(
         model: a causal LM returning ``.logits`` and accepting ``past_key_values``.
         prompt_ids, prompt_mask: ``[B, P]``, left-padded.
         eos_token_id: the id, or a list of ids (:func:`eos_token_ids`), that end a response.
-        temperature: logits are divided by it before sampling; the returned log-probs are
-            those of the tempered distribution.
-        greedy: argmax decoding (log-probs still reported under the tempered softmax; top-k and
-            top-p change nothing).
+        temperature: logits are divided by it before sampling; log-probs are the tempered ones.
+        greedy: argmax decoding (log-probs still under the tempered softmax).
         generator: optional RNG for sampling, for reproducible rollouts.
-        uniforms: optional ``[B, max_new_tokens]`` draws from U(0, 1); token ``t`` of row ``i`` is
-            then the inverse CDF of its distribution at ``uniforms[i, t]`` (instead of a draw
-            from ``generator``), so each row's sample depends on its own draws only and a
-            batch split across processes samples exactly what one process would.
-        lean: take the accelerated forward where one is registered for the model
-            (:func:`rlhfkit.ops.decoder`); False always runs the model's own forward.
-        value_head: optional ``[B, H] -> [B]`` map (a shared value head) applied to the last
-            hidden state before each sampled token, giving ``Rollout.values`` on the accelerated forward.
-        top_k, top_p: draw from the ``top_k`` most likely tokens (0: all) and then from the
-            smallest nucleus holding ``top_p`` of their probability (1.0: all), renormalised
-            (:func:`truncate_logprobs`). The log-probs and entropies returned stay those of the
-            full tempered distribution -- the policy PPO optimises and recomputes -- so the
-            samples are slightly off-policy for it, as with vLLM or TRL when the loss uses the
-            full logits; the first PPO ratio is still exactly 1.
-        min_p: then keep only the tokens at least ``min_p`` times as likely as the most likely
-            one (0: all); log-probs as for top-k.
-        repetition_penalty: before the temperature, divide the positive logits (multiply the
-            negative ones) of every token already in the row's prompt or response by it (1.0:
-            off; :func:`penalize_repeats`); log-probs as for top-k. ``Rollout.kept_logmass``
-            then holds log pi - log q of each drawn token (q: the distribution drawn from).
-        stop: strings that end a response, like EOS, when its decoded new text contains one;
-            the token completing it is the row's last valid token and the row is ``finished``.
-        tokenizer: decodes the responses for ``stop`` (needed only with it).
+        uniforms: optional ``[B, max_new_tokens]`` draws from U(0, 1), token ``t`` of row ``i`` the
+            inverse CDF at ``uniforms[i, t]``: a batch split across processes samples as one would.
+        lean: take the accelerated forward where one is registered (:func:`rlhfkit.ops.decoder`);
+            False: the model's own forward always.
+        value_head: optional ``[B, H] -> [B]`` map (a shared value head) of the hidden state
+            before each token: ``Rollout.values`` (accelerated forward only).
+        top_k, top_p, min_p, repetition_penalty: shape the distribution drawn from
+            (:func:`sampler_logprobs`: 0 / 1.0 / 0 / 1.0 leave it alone). The log-probs and
+            entropies returned stay the full tempered distribution's, the policy PPO recomputes
+            (its first ratio exactly 1), as vLLM's and TRL's; ``Rollout.kept_logmass`` holds
+            log pi - log q of each drawn token.
+        stop: strings that end a response, like EOS, once its decoded text holds one (the token
+            completing it is the row's last); ``tokenizer`` decodes it (needed only with ``stop``).
         graph: on the accelerated forward, decode with fixed shapes and, on CUDA, replay each
             step as a CUDA graph (``ppo.cuda_graph``); the same result up to rounding.
     """
