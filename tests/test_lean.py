@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from rlhfkit import ops
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import primitives
-from rlhfkit.models import build_tiny_policy, position_ids_from_mask
+from rlhfkit.models import build_tiny, build_tiny_policy, position_ids_from_mask
 from rlhfkit.rollout import generate, sample_tokens
 from rlhfkit.tasks import doubling
 
@@ -104,8 +104,22 @@ def test_hidden_states_and_grads_match_transformers(name, accel, request):
     _hidden_states_and_grads_match_transformers(name)
 
 
+@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+def test_mistral_and_qwen3_match_transformers(name):
+    """Mistral (Llama's layout) and Qwen3 (Llama's plus an RMS norm on each head of q and k)
+    take the accelerated forward: the same hidden states and gradients as their own forward,
+    and the same generations as their own cached decode."""
+    model = scramble(build_tiny(name, TOK, seed=4, hidden=32, heads=4, kv_heads=2), 3)
+    _hidden_states_and_grads_match_transformers(model)
+    ids, mask = batch()
+    a = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, greedy=True)
+    b = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, greedy=True, lean=False)
+    assert a.forward_logprobs and torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
 def _hidden_states_and_grads_match_transformers(name):
-    model = MODELS[name]()
+    model = MODELS[name]() if isinstance(name, str) else name
     assert lean.supported(model)
     ids, mask = batch()
     pos = position_ids_from_mask(mask)

@@ -88,7 +88,7 @@ def resolve_dtype(name: str | torch.dtype | None):
     return DTYPES[name]
 
 
-ARCHS = ("gpt2", "llama", "qwen2", "qwen3")
+ARCHS = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 
 
 def tiny_config(arch: str, tokenizer, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -105,7 +105,7 @@ def tiny_config(arch: str, tokenizer, hidden: int = 32, layers: int = 2, heads: 
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}: choose one of {', '.join(ARCHS)}")
-    extra = {"head_dim": hidden // heads} if arch == "qwen3" else {}
+    extra = {"head_dim": hidden // heads} if arch == "qwen3" else {"sliding_window": None} if arch == "mistral" else {}
     return AutoConfig.for_model(arch, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                                 num_attention_heads=heads, num_key_value_heads=kv_heads,
                                 max_position_embeddings=max_positions, attention_dropout=0.0, **extra, **common)

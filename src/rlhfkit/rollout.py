@@ -225,9 +225,9 @@ def _base(model):
     return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
-def _takes_logits_to_keep(model) -> bool:
-    """Whether the model's forward (under a peft wrapper: the base model's) has ``logits_to_keep``."""
-    return "logits_to_keep" in inspect.signature(_base(model).forward).parameters
+def _forward_takes(model, name: str) -> bool:
+    """Whether the model's forward (under a peft wrapper: the base model's) has the argument ``name``."""
+    return name in inspect.signature(_base(model).forward).parameters
 
 
 class _Forward:
@@ -243,11 +243,13 @@ class _Forward:
         if self.fast is not None:
             self.logits = self.fast.logits  # [B, V]
             return
-        self.cache = DynamicCache(config=_base(model).config)  # its layers as the model's (sliding windows ...)
+        # the cache's layers as the model's (sliding windows ...); ``cache=`` where transformers
+        # names the argument so, the older ``past_key_values=`` elsewhere
+        self.cached = {"cache" if _forward_takes(model, "cache") else "past_key_values":
+                      DynamicCache(config=_base(model).config), "use_cache": True}
         # the prefill needs the last position's logits only: [B, P, V] of a big vocabulary is GiBs
-        keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                    use_cache=True, **keep)
+        keep = {"logits_to_keep": 1} if _forward_takes(model, "logits_to_keep") else {}
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, **self.cached, **keep)
         self.logits = out.logits[:, -1]
 
     @property
@@ -263,7 +265,7 @@ class _Forward:
             B = tok.shape[0]
             self.mask = torch.cat([self.mask, torch.ones((B, 1), dtype=self.mask.dtype, device=tok.device)], 1)
             out = self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
-                             past_key_values=self.cache, use_cache=True)
+                             **self.cached)
             logits = out.logits[:, -1]
         self.next_pos = self.next_pos + 1
         return logits
@@ -442,7 +444,7 @@ def generate(
     """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt.
 
     Args:
-        model: a causal LM returning ``.logits`` and accepting ``past_key_values``.
+        model: a causal LM returning ``.logits`` and taking a ``Cache`` (``cache`` or ``past_key_values``).
         prompt_ids, prompt_mask: ``[B, P]``, left-padded.
         eos_token_id: the id, or a list of ids (:func:`eos_token_ids`), that end a response.
         temperature: logits are divided by it before sampling; log-probs are the tempered ones.

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import primitives as prim
 
-_LLAMA_LIKE = ("llama", "qwen2")
+_LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")  # Qwen3: q and k normed per head
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -243,15 +243,22 @@ def supported(model: nn.Module) -> bool:
             _plain_linear(m, "Conv1D") for ms in layers for m in ms)
     if kind in _LLAMA_LIKE:
         if (not hasattr(base, "rotary_emb") or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
-                or getattr(cfg, "pretraining_tp", 1) != 1 or not len(base.layers)):
+                or getattr(cfg, "pretraining_tp", 1) != 1 or not len(base.layers) or _windowed(cfg)):
             return False
         return _plain(base.embed_tokens, base.norm) and all(
-            not hasattr(b.self_attn, "q_norm") and _plain(b.input_layernorm, b.post_attention_layernorm) and all(
+            hasattr(b.self_attn, "q_norm") == (kind == "qwen3") and _plain(b.input_layernorm, b.post_attention_layernorm)
+            and (kind != "qwen3" or _plain(b.self_attn.q_norm, b.self_attn.k_norm)) and all(
                 _plain_linear(m, "Linear")
                 for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
                           b.self_attn.o_proj, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj))
             for b in base.layers)
     return False
+
+
+def _windowed(cfg) -> bool:
+    """A Mistral config whose sliding window is shorter than its context (Llama's, Qwen's: ``layer_types``)."""
+    window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+    return window is not None and window < cfg.max_position_embeddings
 
 
 # --------------------------------------------------------------------------- pieces
@@ -633,7 +640,8 @@ class _Arch:
                     proj, mlp_in = _fuse(proj, lora=True), _fuse(mlp_in, lora=True)
                 self.layers.append((_norm_params(b.input_layernorm), proj, _weight(a.o_proj, pack),
                                     _norm_params(b.post_attention_layernorm), mlp_in, _weight(m.down_proj, pack), m.act_fn,
-                                    type(m.act_fn).__name__ in ("SiLU", "SiLUActivation")))  # F.silu
+                                    type(m.act_fn).__name__ in ("SiLU", "SiLUActivation"),  # F.silu
+                                    (_norm_params(a.q_norm), _norm_params(a.k_norm)) if hasattr(a, "q_norm") else None))
             self.wte = base.embed_tokens.weight
             self.final = _norm_params(base.norm)
         self.groups = self.n_heads // self.kv_heads
@@ -666,6 +674,8 @@ class _Arch:
         if len(layer[1]) == 1:  # fused: q and k side by side already
             qkv = _linear(_rms_norm(layer[0], x), *layer[1][0]).view(B, T, H + 2 * Hkv, D)
             qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
+            if layer[8] is not None:
+                qk = torch.cat(self.qk_norm(layer, qk[:, :, :H], qk[:, :, H:]), 2)
         else:  # q and k rotated together (one set of kernels; on a GPU the launches are the cost)
             if _lean_training(x, layer[0][0]):  # the normalised rows are not kept for the backward
                 q, k, v = _NormLinears.apply(x.reshape(B * T, C), layer[0][0], None, layer[0][1], False,
@@ -673,14 +683,22 @@ class _Arch:
                 if x.device.type == "cpu":  # rotated apart: attention keeps q for the backward, and a
                     # view of a joint q-and-k tensor would keep k's rows alive with it (on SmolLM2 a
                     # quarter more; the keys it uses are a copy). The same arithmetic element by element.
-                    return (_rope(q.view(B, T, H, D).transpose(1, 2), *rope),
-                            _rope(k.view(B, T, Hkv, D).transpose(1, 2), *rope), v.view(B, T, Hkv, D).transpose(1, 2))
+                    q, k = self.qk_norm(layer, q.view(B, T, H, D), k.view(B, T, Hkv, D))
+                    return (_rope(q.transpose(1, 2), *rope), _rope(k.transpose(1, 2), *rope),
+                            v.view(B, T, Hkv, D).transpose(1, 2))
             else:
                 h = _rms_norm(layer[0], x)
                 q, k, v = (_linear(h, w, b) for w, b in layer[1])
-            qk, v = torch.cat([q.view(B, T, H, D), k.view(B, T, Hkv, D)], 2), v.view(B, T, Hkv, D)
+            qk, v = torch.cat(self.qk_norm(layer, q.view(B, T, H, D), k.view(B, T, Hkv, D)), 2), v.view(B, T, Hkv, D)
         q, k = _rope(qk.transpose(1, 2), *rope).split([H, Hkv], 1)  # [B, H, T, D], [B, Hkv, T, D]
         return q, k, v.transpose(1, 2)
+
+    def qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's RMS norms of each head of ``q [B, T, H, D]`` and ``k [B, T, Hkv, D]``, before the
+        rotation; other models' q and k unchanged."""
+        if layer[8] is None:
+            return q, k
+        return _rms_norm(layer[8][0], q), _rms_norm(layer[8][1], k)
 
     def finish_layer(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Attention output ``[B, H, T, D]`` -> output projection, residual, MLP, residual."""
