@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import test_lean
 from rlhfkit import ops
 from rlhfkit.accel import forward as lean
-from rlhfkit.accel import gemm, registry
+from rlhfkit.accel import gemm, primitives, registry
 from rlhfkit.core import chunked_token_logprobs
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="this PyTorch build has no oneDNN linear")
@@ -251,10 +251,12 @@ def test_generation_packs_bfloat16_weights_and_computes_the_same_tokens(name, ad
 
     ops.configure("off")
     try:
+        for shortcut, fn in lean.SHORTCUTS.items():  # the accelerated forward, its operations on their references
+            ops.register(shortcut, fn, "lean-forward")
         plain = sample(lean.PACK_STEPS)
         assert not made and not packs
-        ops.register("pack", registry.pack, "onednn")
-        ops.register("packable", gemm.packable, "onednn")
+        primitives.register("pack", registry.pack, "onednn")
+        primitives.register("packable", gemm.packable, "onednn")
         packed = sample(lean.PACK_STEPS)
         # each layer's products (with LoRA q, k, v as one and gate, up as one: lean._StackedLoRAs), the head
         assert packs and len({id(p) for p in made}) == len(packs)  # each packed once

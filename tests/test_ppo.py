@@ -108,6 +108,8 @@ def test_first_minibatch_has_ratio_one_and_kl_zero(value_model, reuse, accel, re
     ids, mask = prompts(pc.batch_size // 2, seed=3)
     torch.manual_seed(3)
     roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, value_head=ac.value_head)
+    # the sampler's log-probs are reused where they came from the accelerated forward's arithmetic
+    reuse = reuse and accel == "accelerated"
     assert reuse_rollout(roll, ac, pc) == reuse
     exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
     # actor == reference: every per-token KL is 0, so the reward is only the score, on the last token;
@@ -137,7 +139,7 @@ def test_first_minibatch_has_ratio_one_and_kl_zero(value_model, reuse, accel, re
 
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
-def test_reused_rollout_experience_matches_recomputation(value_model):
+def test_reused_rollout_experience_matches_recomputation(value_model, accel_on):
     """With ppo.reuse_rollout_logprobs the experience pass takes the old log-probs, entropies
     and (shared head) values from the sampler: the same numbers as running the policy again,
     to rounding, so every advantage and return is too."""

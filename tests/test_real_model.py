@@ -160,7 +160,7 @@ def test_the_converted_directory_is_an_ordinary_chat_model(smol):
 
 
 @pytest.mark.slow
-def test_lean_forward_and_decode_equal_transformers_on_smollm2(smol):
+def test_lean_forward_and_decode_equal_transformers_on_smollm2(smol, accel_on):
     from transformers import AutoModelForCausalLM
 
     from rlhfkit.accel import forward as lean
@@ -216,7 +216,7 @@ def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, mo
 
     from rlhfkit import ops
     from rlhfkit.accel import forward as lean
-    from rlhfkit.accel import gemm, registry
+    from rlhfkit.accel import gemm, primitives, registry
 
     if not gemm.packing():
         pytest.skip("no oneDNN bfloat16 products on this CPU")
@@ -242,13 +242,18 @@ def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, mo
             return generate(model, ids, mask, steps, eos_token_ids(model, smol.tok), smol.tok.pad_token_id,
                             generator=torch.Generator().manual_seed(0))
 
-    ops.configure("off")
+    def forward_alone():  # the accelerated forward, its operations on their references
+        ops.configure("off")
+        for shortcut, fn in lean.SHORTCUTS.items():
+            ops.register(shortcut, fn, "lean-forward")
+
     try:
-        ops.register("pack", registry.pack, "onednn")
-        ops.register("packable", gemm.packable, "onednn")
+        forward_alone()
+        primitives.register("pack", registry.pack, "onednn")
+        primitives.register("packable", gemm.packable, "onednn")
         ours = sample()
         assert len(stacked) >= 2 * 30 * (steps - 1)  # q/k/v and gate/up stacked in every layer of every decode step
-        ops.configure("off")  # nothing packed or stacked
+        forward_alone()  # nothing packed or stacked
         stacked.clear()
         plain = sample()
         assert not stacked
@@ -259,7 +264,7 @@ def test_bf16_lora_generation_on_smollm2_is_the_same_packed_and_stacked(smol, mo
 
 
 @pytest.mark.slow
-def test_master_weights_on_smollm2_sample_and_train_as_its_bfloat16_load(smol):
+def test_master_weights_on_smollm2_sample_and_train_as_its_bfloat16_load(smol, accel_on):
     """``model.master_weights`` on the real model: SmolLM2 loaded in float32 and run on bfloat16
     copies (its tied embedding and head one weight, copied once) samples what
     ``from_pretrained(dtype=bfloat16)`` samples, at the rollout's defaults (groups, packed decode),
