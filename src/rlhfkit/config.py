@@ -426,8 +426,8 @@ class PPOConfig(Section):
     missing_eos_penalty; counted in response/eos_rate). The held-out evaluation uses them too.
     Empty = none."""
     cuda_graph: bool = False
-    """Replay each decode step of the rollout as a CUDA graph (CUDA, rlhfkit's lean forward: GPT-2,
-    Llama, Qwen2): fewer kernel launches, the same tokens and log-probs up to rounding; with
+    """Replay each decode step of the rollout as a CUDA graph (CUDA, the accelerated forward:
+    GPT-2, Llama, Qwen2/3, Mistral): fewer kernel launches, the same tokens and log-probs up to rounding; with
     Triton one graph serves the whole rollout (accel.enabled=off: a graph per band
     of cache columns). Off by default: it pays where launches dominate (small layers, short completions)."""
     offload: bool = False
@@ -440,7 +440,7 @@ class PPOConfig(Section):
     set for page faults at every allocation, the same arithmetic. Off by default for that time."""
     reuse_rollout_logprobs: bool = True
     """Take the experience pass's log-probs (and a shared head's values, the entropies) from the
-    sampler where it computed them alike (the lean forward in float32, equal up to ~1e-6) instead
+    sampler where it computed them alike (the accelerated forward in float32, equal up to ~1e-6) instead
     of running the policy again; ``policy/logprob_gap`` reports the largest difference either way."""
     kl_coef: float = None  # type: ignore[assignment]
     """beta: weight of the KL penalty (which KL it pulls on: see kl_estimator; TRL's beta, whose GRPO

@@ -279,7 +279,7 @@ def _full_weights(model, per_layer: bool = False):
     itself a root, and the next training forward fails with "FSDP state has already been
     lazily initialized"). By default every sharded module is gathered once, here, and stays
     gathered through the layers' own forwards until the block ends: one all-gather per module
-    per rollout, and the plain tensors let the lean forward run. ``per_layer``: only the root's
+    per rollout, and the plain tensors let the accelerated forward run. ``per_layer``: only the root's
     own weights (embeddings, final norm, heads) are gathered here and each layer gathers and
     frees its weights around each of its forwards (FSDP's hooks): less memory, one all-gather
     per layer per forward (per generated token)."""

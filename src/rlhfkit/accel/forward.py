@@ -1,7 +1,8 @@
-"""The accelerated forward of GPT-2 and Llama/Qwen2 models: the computation of the model's own
-``transformers`` forward run straight from its parameters (no copies: autograd and the
-optimizer see the usual ``nn.Parameter``s), without the generality (cache classes, mask
-factories, hooks) that costs more than the arithmetic at the sizes RLHF on a CPU deals with.
+"""The accelerated forward of GPT-2 and Llama-like models (Llama, Qwen2, Qwen3, Mistral): the
+computation of the model's own ``transformers`` forward run straight from its parameters (no
+copies: autograd and the optimizer see the usual ``nn.Parameter``s), without the generality
+(cache classes, mask factories, hooks) that costs more than the arithmetic at the sizes RLHF on
+a CPU deals with.
 
 It stands behind :mod:`rlhfkit.ops`' forward shortcuts (:func:`runs_forward`,
 :func:`hidden_states`, :func:`response_hidden_states`, :func:`decoder`; registered by
@@ -222,7 +223,7 @@ def _weight(m: nn.Module, pack: bool = False) -> tuple[torch.Tensor | _Unmerged,
 
 def supported(model: nn.Module) -> bool:
     """True when :func:`hidden_states` / :func:`prefill` reproduce this model's forward: a GPT-2
-    or Llama/Qwen2 stack of plain layers or plain LoRA on its linear layers (peft; no other
+    or Llama-like stack of plain layers or plain LoRA on its linear layers (peft; no other
     adapters, quantised or otherwise replaced layers, no sharded parameters), no active
     dropout, no sliding window. Cheap enough to ask before every forward: the layers' types and
     parameters are looked at directly, and the dropout modules are found once per model."""
