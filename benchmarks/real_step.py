@@ -82,10 +82,10 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            (``libtcmalloc-minimal4``), ``trl_grpo_compact_jemalloc`` and
                            ``trl_grpo_compact_ckpt_tcmalloc`` TRL's rows on them. CPU only, not in
                            the default rows
-    rlhfkit_grpo_mkl       the first row with ``accel.enabled=off``: every operation on its
-                           PyTorch reference, so every float32 product on MKL (``F.linear`` /
-                           ``mm``, as TRL's run) and no compiled kernel either (CPU only, not in
-                           the default rows)
+    rlhfkit_grpo_mkl       the first row with ``accel.enabled=off``: the model's own transformers
+                           forward and every operation on its PyTorch reference, so every float32
+                           product on MKL (``F.linear`` / ``mm``, as TRL's run) and no compiled
+                           kernel either (CPU only, not in the default rows)
     rlhfkit_grpo_onednn    the first row with ``accel.enabled=on``: oneDNN's products (and the
                            blocked attention) whatever the CPU; on an AMD one with AVX-512 this is the
                            first row
@@ -243,7 +243,7 @@ NAMES = {
     "trl_grpo_compact_lora": "TRL, compl. pos., LoRA",
     "rlhfkit_ppo": "rlhfkit PPO",
     "rlhfkit_ppo_lora": "rlhfkit PPO, LoRA",
-    "rlhfkit_grpo_mkl": "rlhfkit GRPO, MKL products",
+    "rlhfkit_grpo_mkl": "rlhfkit GRPO, accel off",
     "rlhfkit_grpo_onednn": "rlhfkit GRPO, oneDNN products",
     "rlhfkit_grpo_keep": "rlhfkit GRPO, freed memory kept",
     "trl_grpo_compact_keep": "TRL, compl. pos., freed memory kept",

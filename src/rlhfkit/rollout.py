@@ -243,10 +243,9 @@ class _Forward:
         if self.fast is not None:
             self.logits = self.fast.logits  # [B, V]
             return
-        # the cache's layers as the model's (sliding windows ...); ``cache=`` where transformers
-        # names the argument so, the older ``past_key_values=`` elsewhere
-        self.cached = {"cache" if _forward_takes(model, "cache") else "past_key_values":
-                      DynamicCache(config=_base(model).config), "use_cache": True}
+        # ``cache=`` where transformers names the argument so, the older ``past_key_values=`` elsewhere
+        self.cached = {"cache" if _forward_takes(model, "cache") else "past_key_values": DynamicCache(),
+                       "use_cache": True}
         # the prefill needs the last position's logits only: [B, P, V] of a big vocabulary is GiBs
         keep = {"logits_to_keep": 1} if _forward_takes(model, "logits_to_keep") else {}
         out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, **self.cached, **keep)
