@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import test_lean
 from rlhfkit import lean, ops
 from rlhfkit.accel import gemm, registry
-from rlhfkit.core import chunked_token_logprobs
+from rlhfkit.logprobs import chunked_token_logprobs
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="this PyTorch build has no oneDNN linear")
 K, N = 320, 400  # a weight [N, K] above gemm.MIN_WEIGHT

@@ -21,7 +21,7 @@ LAYERS = [
     ("base", {"core", "ops", "config", "utils", "offload", "precision"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "callables", "prompts", "tasks", "tasks.doubling",
                         "tasks.cities", "tasks.export"}),
-    ("models", {"lean", "models"}),
+    ("models", {"lean", "logprobs", "models"}),
     ("generation and scoring", {"rollout", "evaluate", "rewards", "experience", "trajectories", "plots",
                                 "watch", "envs", "tools"}),
     ("run scaffolding", {"trainers.common"}),

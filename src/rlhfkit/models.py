@@ -37,14 +37,9 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from . import lean
-from .core import (
-    chunked_token_logprobs,
-    chunked_token_loss,
-    entropy_from_logits,
-    logprobs_from_logits,
-    position_ids_from_mask,
-)
+from .core import entropy_from_logits, logprobs_from_logits, position_ids_from_mask
 from .distributed import is_sharded
+from .logprobs import chunked_token_logprobs, chunked_token_loss
 from .precision import keep_master_weights
 
 # The mark a config carries (and config.json after save_pretrained) when rlhfkit built the model
