@@ -19,7 +19,7 @@ LAYERS = [
     # the hardware-specific implementations rlhfkit.ops installs (rlhfkit.accel): they import no core module
     ("accel", {"accel", "accel.registry", "accel.kernels", "accel.gemm", "accel.triton_decode", "accel.malloc"}),
     ("base", {"core", "core.stats", "core.rewards", "core.advantages", "core.losses", "core.preference", "ops", "config", "utils", "offload", "precision"}),
-    ("infrastructure", {"distributed", "checkpoint", "data", "callables", "prompts", "tasks", "tasks.doubling",
+    ("infrastructure", {"distributed", "checkpoint", "data", "data.records", "data.examples", "data.encode", "callables", "prompts", "tasks", "tasks.doubling",
                         "tasks.cities", "tasks.export"}),
     ("models", {"lean", "logprobs", "models"}),
     ("generation and scoring", {"rollout", "evaluate", "rewards", "experience", "trajectories", "plots",
