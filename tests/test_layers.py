@@ -17,8 +17,8 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
 # that never import one another (what they share lives in trainers.common).
 LAYERS = [
     # the hardware-specific implementations rlhfkit.ops installs (rlhfkit.accel): they import no core module
-    ("accel", {"accel", "accel.registry", "accel.kernels", "accel.gemm", "accel.triton_decode", "accel.malloc"}),
-    ("base", {"core", "core.stats", "core.rewards", "core.advantages", "core.losses", "core.preference", "ops", "config", "utils", "offload", "precision"}),
+    ("accel", {"accel", "accel.registry", "accel.kernels", "accel.gemm", "accel.triton_decode", "accel.malloc", "accel.heap"}),
+    ("base", {"core", "core.stats", "core.rewards", "core.advantages", "core.losses", "core.preference", "ops", "config", "utils", "progress", "offload", "precision"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "data.records", "data.examples", "data.encode", "callables", "prompts", "tasks", "tasks.doubling",
                         "tasks.cities", "tasks.export"}),
     ("models", {"lean", "logprobs", "models"}),
