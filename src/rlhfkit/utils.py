@@ -47,14 +47,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
-    """An ``accelerate.Accelerator`` on the configured device.
-
-    Trainers take their device from it, ``prepare`` the trained models and optimizers and
-    call ``accelerator.backward``: one process by default, DDP / DeepSpeed / FSDP under
-    ``accelerate launch`` (see :mod:`rlhfkit.distributed`). ``find_unused_parameters``: some
-    backward passes leave trained parameters out (a PPO critic warm-up skips the actor),
-    which DDP must be told (it costs a graph traversal per backward).
-    """
+    """An ``accelerate.Accelerator`` on the configured device: one process by default, DDP /
+    DeepSpeed / FSDP under ``accelerate launch`` (:mod:`rlhfkit.distributed`). Tell DDP
+    ``find_unused_parameters`` when a backward leaves trained parameters out (a PPO critic warm-up
+    skips the actor); it costs a graph traversal per backward."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -62,7 +58,7 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
     ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
     if "LOCAL_RANK" in os.environ:
         _destroy_process_group_at_exit()
-    if device.type == "cpu" and _deepspeed_launch():
+    if device.type == "cpu" and _launched_with("DEEPSPEED"):
         # accelerate turns DeepSpeed off for cpu=True (plain DDP would run instead), and with
         # cpu=False and no GPU it picks no backend and counts one process; gloo, chosen here
         # first, gives the processes' true count and ranks to both accelerate and DeepSpeed
@@ -70,7 +66,7 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
 
         PartialState(cpu=False, backend="gloo")
         return Accelerator(cpu=False, kwargs_handlers=[ddp])
-    if device.type == "cpu" and _fsdp_launch():
+    if device.type == "cpu" and _launched_with("FSDP"):
         return _cpu_fsdp_accelerator()
     return Accelerator(cpu=device.type == "cpu", kwargs_handlers=[ddp])
 
@@ -115,14 +111,9 @@ def _cpu_fsdp_accelerator():
     return accelerator
 
 
-def _fsdp_launch() -> bool:
-    """True in a process started by ``accelerate launch`` with an FSDP config."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and "LOCAL_RANK" in os.environ
-
-
-def _deepspeed_launch() -> bool:
-    """True in a process started by ``accelerate launch`` with a DeepSpeed config."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and "LOCAL_RANK" in os.environ
+def _launched_with(engine: str) -> bool:
+    """True in a process started by ``accelerate launch`` with an ``engine`` (FSDP, DEEPSPEED) config."""
+    return os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true" and "LOCAL_RANK" in os.environ
 
 
 def is_main_process() -> bool:
@@ -273,12 +264,10 @@ def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> 
 
 
 def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
-    """Seed, set threads, choose the accelerated operations (:func:`rlhfkit.ops.configure`) and
-    check ``run.out_dir`` (:func:`check_out_dir`); with ``write``, also start the run directory
-    (:func:`start_run_dir`), else the caller does once its inputs are
-    loaded, so a bad data file or model leaves no directory behind. Every process of a
-    distributed launch uses the same seed. Off a terminal, or with ``run.progress=false``, the
-    model loading bars are turned off too."""
+    """Seed (the same in every process), set threads, choose the accelerated operations
+    (:func:`rlhfkit.ops.configure`), quiet the loading bars off a terminal, and check ``run.out_dir``;
+    with ``write`` also start it (:func:`start_run_dir`), else the caller does once its inputs
+    load, so a bad data file or model leaves no directory behind."""
     seed_everything(cfg.run.seed)
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
@@ -477,11 +466,9 @@ class UpdateGuard:
         if guard.ok(loss, norm):
             optimizer.step()
 
-    A skipped update leaves the weights and the optimizer state as they were (the bad gradients
-    are dropped by the next ``zero_grad``); it warns and counts in ``skipped`` (logged as
-    ``guard/skipped_updates``). ``max_bad`` skipped updates in a row raise :class:`TrainingError`:
-    one bad minibatch is noise, a run of them is a diverged model or broken data. One host sync
-    per update (the finiteness check).
+    A skipped update leaves weights and optimizer state as they were, warns, and counts in
+    ``skipped`` (``guard/skipped_updates``); ``max_bad`` in a row raise :class:`TrainingError`: one
+    bad minibatch is noise, a run of them a diverged model or broken data. One host sync an update.
     """
 
     def __init__(self, max_bad: int = 5, where: str = "training"):
