@@ -80,9 +80,7 @@ class _Codec:
         self.tok = tokenizer
         self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
         # Does the tokenizer put BOS in front on its own? Then rows start with it (and keep it).
-        self.adds_bos = self.bos is not None and tokenizer("", add_special_tokens=True)["input_ids"][:1] == [
-            self.bos
-        ]
+        self.adds_bos = self.bos is not None and tokenizer("", add_special_tokens=True)["input_ids"][:1] == [self.bos]
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
 

@@ -292,24 +292,17 @@ def load_sft(source, tokenizer=None, split: str | None = None, turns: str = "all
 
 
 def load_prompts(source, tokenizer=None, split: str | None = None) -> list[PromptExample]:
-    """RL prompts from ``source``: records with ``prompt`` (a string or messages).
-
-    The record's other fields go to ``PromptExample.meta``; reward functions receive each as a
-    keyword argument (a list aligned with the completions). A field present in some records
-    but missing (or null) in others is an error naming the first such record: a reward
-    function would otherwise meet ``None`` mid-run.
-    """
+    """RL prompts: records with ``prompt`` (a string or messages); the other fields go to
+    ``PromptExample.meta``, each a keyword argument of the reward functions. A field missing (or
+    null) in some records but not others is an error: a reward function would meet None mid-run."""
     render = _Renderer(tokenizer)
     out = []
     records = _records(source, split=split)
     columns = {k for _, rec in records for k, v in rec.items() if v is not None} - {"prompt"}
     for where, rec in records:
         prompt = _get(rec, "prompt", where, "a string or a list of messages")
-        text = (
-            render.prompt(_messages(prompt, where, "prompt"), where)
-            if _is_chat(prompt)
+        text = render.prompt(_messages(prompt, where, "prompt"), where) if _is_chat(prompt) \
             else _text(prompt, where, "prompt")
-        )
         missing = sorted(k for k in columns if rec.get(k) is None)
         if missing:
             raise DataError(f"{where}: field {missing[0]!r}: missing here but present in other records; every "
@@ -322,12 +315,10 @@ PRECHECK_BYTES = 64 * 2**20  # larger files are read once, by the trainer
 
 
 def precheck(kind: str, source) -> list | None:
-    """Read and check a local data file's records, or in-memory records (a list of dicts, a
-    ``datasets.Dataset``), as ``kind`` (``'prompts'``, ``'pairs'`` or ``'sft'``) without a
-    tokenizer, hence without torch: every record's fields and messages (roles, contents); what only
-    the chat template can check (its rendering) and the token lengths are left to the full load.
-    Returns the examples, their texts unrendered (None: the source is left to the full load:
-    Parquet, directories, hub ids and files over ``PRECHECK_BYTES``)."""
+    """A local file's or in-memory records checked as ``kind`` (``'prompts'``, ``'pairs'``, ``'sft'``)
+    without a tokenizer, hence before torch loads: fields, roles, contents (the chat template and
+    lengths wait for the full load). The examples, unrendered; None where the source is left to
+    the full load (Parquet, directories, hub ids, files over ``PRECHECK_BYTES``)."""
     if isinstance(source, (str, os.PathLike)) and (not os.path.isfile(source) or os.fspath(source).endswith(
             ".parquet") or os.path.getsize(source) > PRECHECK_BYTES):
         return None

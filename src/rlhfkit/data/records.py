@@ -64,10 +64,8 @@ def _json_records(path: str) -> list[tuple[str, Any]]:
 
 
 def _csv_records(path: str) -> list[tuple[str, Any]]:
-    """A ``.csv`` file with a header row: every cell is read as the string it is, never converted
-    by its content (``007`` stays ``"007"``; a column of digits is not turned into int), so a
-    reward function compares the same values whatever the other rows hold; an empty cell is a
-    missing value (``None``), as ``datasets`` reads it. Records are located as ``path:LINE``."""
+    """A ``.csv`` file with a header row, every cell the string it is (``007`` stays ``"007"``: a
+    reward function sees the same values whatever the other rows hold), an empty one None."""
     import csv
 
     try:
@@ -172,11 +170,7 @@ def _records(source, allow_empty: bool = False, split: str | None = None) -> lis
 
 
 def load_records(source) -> list[dict]:
-    """The raw records of ``source`` (JSONL path, list of dicts, or ``datasets.Dataset``).
-
-    Blank JSONL lines are skipped; a line that is not valid JSON, or not a JSON object,
-    raises ``DataError`` naming the file and the line.
-    """
+    """The raw records of ``source``; DataError names the line that is not a JSON object."""
     return [rec for _, rec in _records(source, allow_empty=True)]
 
 
