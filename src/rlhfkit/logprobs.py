@@ -167,25 +167,16 @@ def chunked_token_loss(
     chunk_rows: int = 1024,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A loss that is a sum over tokens, ``sum_n f_n(logp[n], H[n])``, computed with
-    :func:`chunked_token_logprobs`'s numbers and without computing any logits twice.
+    """A loss that is a sum over tokens, ``sum_n f_n(logp[n], H[n])``, with
+    :func:`chunked_token_logprobs`'s numbers and each chunk's logits built once.
 
-    ``loss_fn(logp, ent, s, e)`` is the loss's part from rows ``s .. e-1`` given their log-probs
-    ``logp [e - s]`` (and entropies, or None): a differentiable scalar that reads no other row.
-    Each chunk's logits ``[n, V]`` are built once; while they are at hand, autograd gives the
-    chunk's ``d part / d logp`` (and ``d part / d H``), which makes the chunk's gradient wrt the
-    logits (``onehot - p``, ``-p (log p + H)``) and, through the head's products, its share of
-    the gradients wrt ``hidden``, ``weight`` and ``bias``. Those are kept until the backward,
-    which only multiplies them by the incoming gradient. Against
-    :func:`chunked_token_logprobs` followed by the same loss, the gradients are the same to
-    rounding, with one ``[n, H] x [H, V]`` product fewer per chunk (the logits are not computed
-    again in the backward) and one exponential pass fewer.
-
-    The summed weight gradient (``[V, H]``) and ``hidden``'s (``[N, H]``) are held from the
-    forward to the backward, where the unfused path allocates them in the backward.
-
-    Returns:
-        ``(loss, logprobs [N], entropy [N] or None)``; only ``loss`` carries a gradient.
+    ``loss_fn(logp, ent, s, e)`` is the differentiable part from rows ``s .. e-1`` given their
+    log-probs ``[e - s]`` (and entropies, or None), reading no other row. While a chunk's logits
+    are at hand, autograd gives ``d part / d logp`` (and ``/ d H``), hence the chunk's share of the
+    gradients wrt ``hidden``, ``weight`` and ``bias``, held (``[N, H]``, ``[V, H]``) until the
+    backward only scales them: the same gradients to rounding as the two-pass path, one head
+    product and one exponential pass fewer per chunk. Returns ``(loss, logprobs [N], entropy [N]
+    or None)``; only ``loss`` carries a gradient.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
@@ -261,31 +252,14 @@ def chunked_token_logprobs(
     chunk_rows: int = 1024,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probability of ``targets`` (and the entropy) under a linear LM head, ``chunk_rows``
-    rows at a time, without ever holding the ``[N, V]`` logits.
-
-    ``z = (hidden @ weight.T + bias) / temperature``; ``logp[n] = z[n, targets[n]] -
-    logsumexp(z[n])`` and ``H[n] = logsumexp(z[n]) - sum_v softmax(z[n])_v z[n, v]``, the
-    numbers :func:`logprobs_from_logits` and :func:`entropy_from_logits` give for the full
-    logits (``lm_head(hidden) / temperature``). The forward keeps its inputs and each row's
-    logsumexp; the backward computes each chunk's logits again and adds the chunk's gradients wrt
-    ``hidden``, ``weight`` and ``bias`` (``dlogp/dz = onehot - p``, ``dH/dz = -p (log p + H)``,
-    both divided by the temperature). Peak memory is a few ``[chunk_rows, V]`` float32 temporaries instead of
-    several ``[N, V]`` ones kept from the forward to the backward.
-
-    The logits are computed in the head's dtype and the softmax in at least float32, as in the
-    full path; gradients come back in the inputs' dtypes (the weight's summed over the chunks
-    in at least float32).
-
-    Args:
-        hidden: ``[N, H]`` last hidden states (rows of every response position, flattened).
-        weight: ``[V, H]`` LM head weight; bias: ``[V]`` or None.
-        targets: ``[N]`` token ids.
-        temperature: the sampling temperature the logits are divided by.
-        chunk_rows: rows of logits computed at once.
-        with_entropy: also return the entropies.
-    Returns:
-        ``(logprobs [N], entropy [N] or None)``, float32 (float64 for float64 inputs).
+    """Log-probs of ``targets [N]`` (and entropies) under a linear LM head, ``chunk_rows`` rows at a
+    time, never holding the ``[N, V]`` logits: with ``z = (hidden [N, H] @ weight.T [H, V] + bias) /
+    temperature``, the numbers :func:`rlhfkit.core.logprobs_from_logits` and
+    :func:`rlhfkit.core.entropy_from_logits` give for the full logits. The forward keeps its inputs
+    and each row's logsumexp; the backward builds each chunk's logits again (``dlogp/dz = onehot -
+    p``, ``dH/dz = -p (log p + H)``, over the temperature), so the peak is a few ``[chunk_rows, V]``
+    temporaries. Logits in the head's dtype, the softmax in at least float32, the weight's gradient
+    summed in at least float32. Returns ``(logprobs [N], entropy [N] or None)``.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
