@@ -10,9 +10,9 @@ gradients wrt the hidden states and the head's weight (full fine-tuning: the hea
   for the update's log-probs), the loss after it. Its CPU path (no Triton: the tiles are folded
   by torch ops) with log-probs only requested (``GRPOTrainer`` also asks for the entropies).
   Its backward computes every tile's logits again.
-- ``rlhfkit_two_pass``: ``core.chunked_token_logprobs``, the loss after it; its backward also
+- ``rlhfkit_two_pass``: ``logprobs.chunked_token_logprobs``, the loss after it; its backward also
   computes every chunk's logits again (each row's logsumexp kept from the forward).
-- ``rlhfkit_fused``: ``core.chunked_token_loss``, the loss inside the head, what rlhfkit's
+- ``rlhfkit_fused``: ``logprobs.chunked_token_loss``, the loss inside the head, what rlhfkit's
   update runs since commit e95660e: each chunk's logits built once, the chunk's gradients
   summed in the forward while they are at hand. One ``[n, H] x [H, V]`` product fewer per chunk.
 
@@ -57,7 +57,7 @@ def rss_mib(field: str) -> float:
 def worker(args) -> None:
     import torch
 
-    from rlhfkit.core import chunked_token_logprobs, chunked_token_loss
+    from rlhfkit.logprobs import chunked_token_logprobs, chunked_token_loss
 
     torch.set_num_threads(1)
     N, H, V = args.rows, args.hidden, args.vocab

@@ -1,6 +1,6 @@
 """Peak memory of one PPO policy update at Qwen2.5-0.5B's shape on CPU: the full ``[b, R, V]``
 logits against the chosen tokens' log-probs computed in chunks (``models.UPDATE_LOGITS``,
-``core.chunked_token_logprobs``).
+``logprobs.chunked_token_logprobs``).
 
 Model: a random-init ``Qwen2ForCausalLM`` with Qwen2.5-0.5B's config (hidden 896, 14 attention
 heads / 2 KV heads, intermediate 4864, vocabulary 151936, tied embeddings, ``--layers`` decoder

@@ -9,7 +9,7 @@ depend on them; ``--model DIR`` loads a fetched model instead). The parts, each 
 the update runs (each group's prompt once, ``rlhfkit.accel.forward.response_hidden_states``):
 
 - ``update``: the whole thing, ``lean.response_hidden_states`` then the LM head with the loss
-  inside (``core.chunked_token_loss``), backward, gradients dropped;
+  inside (``logprobs.chunked_token_loss``), backward, gradients dropped;
 - ``body products``: every linear layer's three products as bare calls of ``rlhfkit.accel.gemm``
   (forward ``x @ W.T``, input gradient ``g @ W``, weight gradient ``g.T @ x``) on the same
   number of rows, each layer's weights their own tensors: what the layers would cost if nothing
@@ -18,7 +18,7 @@ the update runs (each group's prompt once, ``rlhfkit.accel.forward.response_hidd
   through ``lean._attend`` (the routing the update takes: PyTorch's attention, or where oneDNN's
   products are in use the blocked kernel of ``rlhfkit.accel.kernels``); its FLOP count is every query against every
   key it is handed, masked or not;
-- ``head``: ``core.chunked_token_loss`` on hidden states of the update's shape, forward and
+- ``head``: ``logprobs.chunked_token_loss`` on hidden states of the update's shape, forward and
   backward (logits once per chunk, the hidden states' and the weight's gradients);
 - ``the rest``: ``update`` less the three parts: norms, rotary embeddings, the SwiGLU, copies,
   the embedding's gradient, autograd's own work.
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rlhfkit import core
+from rlhfkit import logprobs
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm
 from rlhfkit.models import UPDATE_LOGITS, position_ids_from_mask
@@ -106,7 +106,7 @@ class Parts:
     def update(self) -> None:
         m = self.model
         h = lean.response_hidden_states(m, self.ids, self.mask, self.pos, self.P, self.first, self.rows)
-        loss, _, _ = core.chunked_token_loss(h.flatten(0, 1), m.get_output_embeddings().weight, None, self.targets,
+        loss, _, _ = logprobs.chunked_token_loss(h.flatten(0, 1), m.get_output_embeddings().weight, None, self.targets,
                                              self.loss_fn, 1.0, self.chunk)
         loss.backward()
         m.zero_grad(set_to_none=True)
@@ -166,7 +166,7 @@ class Parts:
     def head(self) -> None:
         h = torch.randn(self.head_rows, self.C, requires_grad=True)
         w = self.model.get_output_embeddings().weight
-        loss, _, _ = core.chunked_token_loss(h, w, None, self.targets, self.loss_fn, 1.0, self.chunk)
+        loss, _, _ = logprobs.chunked_token_loss(h, w, None, self.targets, self.loss_fn, 1.0, self.chunk)
         loss.backward()
         self.model.zero_grad(set_to_none=True)
 

@@ -393,17 +393,6 @@ def test_off_imports_nothing_of_accel_and_old_switches_warn():
     assert done.stderr.strip() == "accel (off): none; reference: " + ", ".join(ops.REFERENCE)
 
 
-def test_core_imports_only_torch():
-    """rlhfkit.core loads torch and the seam it calls (rlhfkit.ops, itself torch only): no other
-    rlhfkit module, no transformers, accelerate or peft."""
-    code = ("import sys, rlhfkit.core\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('rlhfkit', 'transformers', 'accelerate', 'peft')))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert done.stdout.strip() == "['rlhfkit', 'rlhfkit.core', 'rlhfkit.ops']"
-
-
 def test_accel_enabled_from_the_command_line_and_the_environment(monkeypatch):
     """A bare on / off (YAML's booleans) is the mode; $RLHFKIT_ACCEL is the default, else auto."""
     assert load_config(overrides=["accel.enabled=on"]).accel.enabled == "on"

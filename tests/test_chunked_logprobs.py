@@ -1,5 +1,5 @@
 """Log-probs and entropies of the chosen tokens computed chunk by chunk from the LM head
-(``core.chunked_token_logprobs``), as the update does for big vocabularies.
+(``logprobs.chunked_token_logprobs``), as the update does for big vocabularies.
 
 * in float64 the values and the gradients wrt the hidden states, the head's weight and bias equal
   those of ``logprobs_from_logits`` / ``entropy_from_logits`` on the full logits, for chunks of one
@@ -28,8 +28,9 @@ import rlhfkit.trainers.rl as rl
 from rlhfkit import ops
 from rlhfkit.accel import kernels
 from rlhfkit.config import Config, PPOConfig
-from rlhfkit.core import chunked_token_logprobs, entropy_from_logits, logprobs_from_logits
+from rlhfkit.core import entropy_from_logits, logprobs_from_logits
 from rlhfkit.experience import ActorCritic, Experience, make_experience
+from rlhfkit.logprobs import chunked_token_logprobs
 from rlhfkit.models import (
     ValueHead,
     add_lora,
@@ -127,7 +128,7 @@ def test_bfloat16_head_read_as_bfloat16_equals_the_float32_route(monkeypatch, ac
     give what PyTorch's route gives, which converts each chunk first: the log-probs and the loss
     to float32 rounding, every gradient (its logits' gradient rounded to bfloat16 once on both
     routes) to within one bfloat16 rounding. Vocabularies with and without a partial last vector."""
-    from rlhfkit.core import chunked_token_loss
+    from rlhfkit.logprobs import chunked_token_loss
 
     gen = torch.Generator().manual_seed(4)
     hidden = (2 * torch.randn(N, H, generator=gen)).bfloat16().requires_grad_()
@@ -190,7 +191,7 @@ def test_no_rows_give_zero_gradients():
 def test_infinite_logits_as_torch_logsumexp():
     """The forward's logsumexp (computed in the logits' own memory) treats rows with an infinite
     maximum as ``torch.logsumexp`` does: -inf for a row of -inf, +inf where a logit is +inf."""
-    from rlhfkit.core import _logsumexp_
+    from rlhfkit.logprobs import _logsumexp_
 
     z = torch.tensor([[0.5, -1.0, 2.0], [-float("inf")] * 3, [1.0, float("inf"), 0.0], [-float("inf"), 3.0, 1.0]])
     torch.testing.assert_close(_logsumexp_(z.clone()), torch.logsumexp(z, -1), atol=0, rtol=0)
@@ -227,7 +228,7 @@ def test_loss_in_the_head_equals_the_loss_of_the_full_logits(chunk_rows, bias, u
     """``chunked_token_loss``: in float64 the loss, the log-probs (no gradient), the entropies and
     the gradients wrt the hidden states, the head's weight and bias, scaled by the loss's own
     incoming gradient, equal those of the same loss on the full logits' log-probs."""
-    from rlhfkit.core import chunked_token_loss
+    from rlhfkit.logprobs import chunked_token_loss
 
     hidden, weight, b, targets = _inputs(bias)
     params = [p for p in (hidden, weight, b) if p is not None]
@@ -251,7 +252,7 @@ def test_loss_in_the_head_equals_the_loss_of_the_full_logits(chunk_rows, bias, u
 def test_loss_in_the_head_frozen_head_and_no_rows():
     """A frozen head (LoRA) gets no gradient and the hidden states theirs; no rows give a zero
     loss and a zero weight gradient of the head's shape."""
-    from rlhfkit.core import chunked_token_loss
+    from rlhfkit.logprobs import chunked_token_loss
 
     hidden, weight, b, targets = _inputs(bias=True)
     a = torch.ones(N, dtype=torch.float64)

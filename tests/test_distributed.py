@@ -242,7 +242,7 @@ def test_micro_batches_on_two_processes_match_whole_batches_on_one(runs, cmd):
 @pytest.mark.parametrize("cmd", ["ppo", "grpo"])
 def test_loss_inside_the_chunked_head_on_two_processes(runs, cmd):
     """At a real vocabulary the update's policy loss is computed inside the chunked LM head
-    (``core.chunked_token_loss``), each process scaling its rows' share of the global token mean:
+    (``logprobs.chunked_token_loss``), each process scaling its rows' share of the global token mean:
     the commands' defaults on that path (``driver.py``'s ``*_chunked`` runs) must give, on two
     processes, the metrics and weights of one process, and in one process those of the full logits."""
     one, two = runs

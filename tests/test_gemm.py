@@ -16,7 +16,7 @@ import test_lean
 from rlhfkit import ops
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm, primitives, registry
-from rlhfkit.core import chunked_token_logprobs
+from rlhfkit.logprobs import chunked_token_logprobs
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="this PyTorch build has no oneDNN linear")
 K, N = 320, 400  # a weight [N, K] above gemm.MIN_WEIGHT

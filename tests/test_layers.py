@@ -18,11 +18,12 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
 LAYERS = [
     # the hardware-specific implementations rlhfkit.ops installs (rlhfkit.accel): they import no core module
     ("accel", {"accel", "accel.registry", "accel.forward", "accel.primitives", "accel.kernels", "accel.gemm",
-               "accel.triton_decode", "accel.malloc"}),
-    ("base", {"core", "ops", "config", "utils", "offload", "precision"}),
-    ("infrastructure", {"distributed", "checkpoint", "data", "callables", "prompts", "tasks", "tasks.doubling",
-                        "tasks.cities", "tasks.export"}),
-    ("models", {"loading", "models"}),
+               "accel.triton_decode", "accel.malloc", "accel.heap"}),
+    ("base", {"core", "core.stats", "core.rewards", "core.advantages", "core.losses", "core.preference", "ops",
+              "config", "utils", "progress", "offload", "precision"}),
+    ("infrastructure", {"distributed", "checkpoint", "data", "data.records", "data.examples", "data.encode",
+                        "callables", "prompts", "tasks", "tasks.doubling", "tasks.cities", "tasks.export"}),
+    ("models", {"loading", "logprobs", "models"}),
     ("generation and scoring", {"rollout", "evaluate", "rewards", "experience", "trajectories", "plots",
                                 "watch", "envs", "tools"}),
     ("run scaffolding", {"trainers.common"}),

@@ -229,7 +229,7 @@ def _rss_mib() -> float:
 def test_release_free_memory_returns_the_heaps_holes_between_live_tensors():
     """What the RL loop calls between a step's phases: tensors freed between tensors still alive
     stay resident on glibc's heap until ``release_free_memory`` hands their pages back."""
-    from rlhfkit.utils import release_free_memory
+    from rlhfkit.accel.heap import release_free_memory
 
     big = torch.ones(6 * 2**20)  # 24 MiB: mmapped, and freeing it raises glibc's mmap threshold above
     del big  # the 4 MiB tensors below, which then come from the heap as PyTorch's do in a step
@@ -260,13 +260,12 @@ def test_the_rl_loop_releases_free_memory_before_each_phase(tiny_models, tiny_co
     assert calls == phases * 2, calls
 
 
-def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused_ones_none(monkeypatch):
+def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused_ones_none():
     """The update's gradients go to one buffer off the heap: bit for bit the sums autograd makes
     without it, over three micro-batches; a parameter no loss reaches keeps ``.grad`` None (so the
     optimizer skips it, as without the buffer); FSDP and DeepSpeed opt out, and so does a model
-    under ``GRADIENT_BUFFER_MIN`` trained numbers (lowered here to take this small one)."""
-    import rlhfkit.utils as utils
-    from rlhfkit.utils import gradient_buffer
+    under ``GRADIENT_BUFFER_MIN`` trained numbers (``min_numbers=0`` takes this small one)."""
+    from rlhfkit.accel.heap import gradient_buffer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
@@ -274,10 +273,11 @@ def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused
     params = [*model.parameters(), unused]
     xs = [torch.randn(7, 6) for _ in range(3)]
 
-    def grads(buffered: bool, enabled: bool = True):
+    def grads(buffered: bool, enabled: bool = True, min_numbers: int | None = None):
         for p in params:
             p.grad = None
-        with gradient_buffer(params, enabled=enabled) if buffered else contextlib.nullcontext():
+        kw = {} if min_numbers is None else {"min_numbers": min_numbers}
+        with gradient_buffer(params, enabled=enabled, **kw) if buffered else contextlib.nullcontext():
             for x in xs:
                 model(x).square().mean().backward()
         return [None if p.grad is None else p.grad.clone() for p in params], {p.grad.untyped_storage().data_ptr()
@@ -286,12 +286,11 @@ def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused
     plain, plain_storages = grads(False)
     _, too_small = grads(True)
     assert len(too_small) == 4  # 57 numbers: under the bound, autograd's own gradients
-    monkeypatch.setattr(utils, "GRADIENT_BUFFER_MIN", 0)
-    buffered, storages = grads(True)
+    buffered, storages = grads(True, min_numbers=0)
     assert buffered[-1] is None and plain[-1] is None
     assert all(torch.equal(a, b) for a, b in zip(plain[:-1], buffered[:-1]))
     assert len(plain_storages) == 4 and len(storages) == 1  # one block each without the buffer, one in all with it
-    _, opted_out = grads(True, enabled=False)
+    _, opted_out = grads(True, enabled=False, min_numbers=0)
     assert len(opted_out) == 4
     before = [p.grad for p in model.parameters()]
     model(xs[0]).sum().backward()  # after the block: autograd's own accumulation, into the same tensors
@@ -303,7 +302,7 @@ def test_gradient_buffer_sums_the_same_gradients_in_one_buffer_and_leaves_unused
 # heap would decide where the tensors below land.
 _OFF_HEAP_PROBE = """
 import os, torch
-from rlhfkit.utils import tensors_off_heap
+from rlhfkit.accel.heap import tensors_off_heap
 
 def resident_mib():
     with open("/proc/self/statm") as f:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -461,14 +462,15 @@ def _update_with_grad_storages(value_model: str, pc):
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
 def test_update_with_the_gradient_buffer_moves_the_weights_as_autograds_own_gradients_do(value_model, monkeypatch):
-    """``ppo_update`` keeps the CPU gradients in one buffer (``utils.gradient_buffer``); the trained
+    """``ppo_update`` keeps the CPU gradients in one buffer (``accel.heap.gradient_buffer``); the trained
     weights after a whole update (2 epochs x 2 minibatches x 2 micro-batches) are bit for bit
     those of the same update with autograd's own gradients, and every gradient the optimizer
     steps with lives in that one buffer."""
     import rlhfkit.trainers.rl as rl
-    import rlhfkit.utils as utils
+    from rlhfkit.accel import heap
 
-    monkeypatch.setattr(utils, "GRADIENT_BUFFER_MIN", 0)  # this tiny model is under the size that takes it
+    # this tiny model is under the size that takes the buffer: the update's call asks for no floor
+    monkeypatch.setattr(rl, "gradient_buffer", functools.partial(heap.gradient_buffer, min_numbers=0))
     pc = Config().replace(ppo={"batch_size": 16, "minibatch_size": 8, "micro_batch_size": 4, "ppo_epochs": 2}).ppo
     weights, storages = _update_with_grad_storages(value_model, pc)
     monkeypatch.setattr(rl, "gradient_buffer", lambda params, enabled=True: contextlib.nullcontext())
@@ -479,7 +481,7 @@ def test_update_with_the_gradient_buffer_moves_the_weights_as_autograds_own_grad
 
 
 def test_update_off_heap_is_asked_for_and_moves_the_weights_as_the_default_update_does(monkeypatch):
-    """``ppo.update_off_heap`` turns :func:`rlhfkit.utils.tensors_off_heap` on for the update (off
+    """``ppo.update_off_heap`` turns :func:`rlhfkit.accel.heap.tensors_off_heap` on for the update (off
     by default); where the tensors live does not change the arithmetic: bit for bit the same weights."""
     import rlhfkit.trainers.rl as rl
 

@@ -7,8 +7,8 @@ import io
 import pytest
 from tqdm.std import tqdm as std_tqdm
 
-from rlhfkit import utils
-from rlhfkit.utils import PLAIN_PROGRESS_INTERVAL_S, PlainProgress, progress
+from rlhfkit import progress as bars
+from rlhfkit.progress import PLAIN_PROGRESS_INTERVAL_S, PlainProgress, progress
 
 
 class FakeClock:
@@ -48,7 +48,7 @@ def test_fast_loop_off_a_terminal_writes_a_few_plain_lines():
 def test_lines_are_throttled_to_the_interval(monkeypatch):
     # each step takes 1 s of (fake) time: one line per ~10 steps, not one per step
     clock = FakeClock()
-    monkeypatch.setattr(utils, "_clock", clock)
+    monkeypatch.setattr(bars, "_clock", clock)
     out = io.StringIO()
     bar = progress(range(1000), desc="sft", total=1000, file=out)
     for _ in bar:
@@ -66,7 +66,7 @@ def test_lines_are_throttled_to_the_interval(monkeypatch):
 
 def test_resumed_run_counts_from_initial_and_reports_the_end_when_the_loop_breaks(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(utils, "_clock", clock)
+    monkeypatch.setattr(bars, "_clock", clock)
     out = io.StringIO()
     bar = progress(range(40, 100), desc="grpo", total=100, initial=40, file=out)
     for step in bar:

@@ -20,13 +20,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .core import (
-    chunked_token_logprobs,
-    chunked_token_loss,
-    entropy_from_logits,
-    logprobs_from_logits,
-    position_ids_from_mask,
-)
+from .core import entropy_from_logits, logprobs_from_logits, position_ids_from_mask
 from .distributed import is_sharded
 from .loading import (  # noqa: F401  re-exported: rlhfkit.models is where callers find them
     ARCHS,
@@ -72,6 +66,7 @@ from .loading import (  # noqa: F401  re-exported: rlhfkit.models is where calle
     tiny_gpt2_config,
     unwrap,
 )
+from .logprobs import chunked_token_logprobs, chunked_token_loss
 
 
 class ModuleForward(nn.Module):
@@ -230,14 +225,14 @@ def token_logprobs(
 
     When the ``[B, R, V]`` logits would exceed ``UPDATE_LOGITS`` elements and the LM head is a
     plain linear layer (:func:`plain_lm_head`), they are never built:
-    :func:`~rlhfkit.core.chunked_token_logprobs` computes them ``UPDATE_LOGITS // V`` rows at a
+    :func:`~rlhfkit.logprobs.chunked_token_logprobs` computes them ``UPDATE_LOGITS // V`` rows at a
     time, in the forward and again in the backward, so the update's peak memory stops growing
     with the vocabulary. Otherwise (a small vocabulary, an adapter on the head) the full logits
     are computed as before.
 
     ``token_loss(logp, ent, s, e)``, a loss that is a sum over tokens (its part from the
     flattened ``[B * R]`` positions ``s .. e-1``, reading no other): on the chunked path it is
-    computed by :func:`~rlhfkit.core.chunked_token_loss`, which builds each chunk's logits once
+    computed by :func:`~rlhfkit.logprobs.chunked_token_loss`, which builds each chunk's logits once
     instead of again in the backward; the log-probs and entropies are then returned without a
     gradient, and the loss with one. Elsewhere the loss is None and the caller computes it from
     the log-probs as usual.

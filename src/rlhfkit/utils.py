@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import json
 import math
 import os
@@ -24,133 +21,21 @@ except ImportError:  # Windows has no fcntl: run directories go unlocked there
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-from tqdm.autonotebook import tqdm as _notebook_or_std_tqdm
-from tqdm.std import tqdm as _std_tqdm
 
 from . import ops
+from .accel.heap import gradient_buffer, release_free_memory, tensors_off_heap  # noqa: F401  (the update calls them)
 from .config import Config, ConfigError, save_config
+from .progress import (
+    is_tty,
+    progress,  # noqa: F401  (trainers.common takes it from here)
+    quiet_hub_progress,
+)
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-@functools.cache
-def _glibc():
-    """glibc with ``malloc_trim`` and ``mallopt`` typed, or None (not Linux, or another C library: musl has none)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-def release_free_memory() -> None:
-    """Hand the C heap's free pages back to the operating system (glibc's ``malloc_trim(0)``;
-    nothing elsewhere). PyTorch's CPU tensors below glibc's mmap threshold (tens of MiB) live
-    on that heap, and what one phase of an RL step frees there stays resident: the holes
-    between tensors still in use are never returned, so the next phase's peak resident set
-    starts from the last one's. Called between the phases: tens of milliseconds, and the pages
-    are faulted in again where the next phase reuses them. After every micro-batch too it would
-    cap the update's peak lower, but the re-faulting would cost a noticeable share of the update's
-    time (benchmarks/archive/code-evidence.md)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-# glibc's mallopt parameters (malloc.h) and the ceiling of its dynamic mmap threshold on 64-bit
-_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_CEILING = -3, 32 << 20
-UPDATE_MMAP_THRESHOLD = 1 << 20
-
-
-@contextlib.contextmanager
-def tensors_off_heap(enabled: bool = True, threshold: int = UPDATE_MMAP_THRESHOLD):
-    """Within the block, glibc serves every allocation of ``threshold`` bytes or more (every CPU
-    tensor but the small ones) with its own ``mmap``, and ``free`` hands it straight back to the
-    operating system (``mallopt(M_MMAP_THRESHOLD)``); nothing happens off glibc or with
-    ``enabled`` false.
-
-    Why: glibc's default threshold rises to 32 MiB once a tensor that size is freed, so an
-    update's activations (a few MiB to tens of MiB each) are carved out of its heap. The heap
-    never moves a block, so what a micro-batch frees between blocks still in use stays resident
-    as holes the next sizes do not fit, and the update's peak resident set grows by them. Off
-    the heap, the resident set is the tensors alive, a much lower peak. The cost is the page
-    faults: each such tensor's pages are mapped, zeroed by the kernel and faulted in again at
-    every allocation instead of reused, a slower update, so the RL loop uses this only with
-    ``ppo.update_off_heap`` (measurements: benchmarks/archive/code-evidence.md).
-
-    On leaving, the threshold is set to 32 MiB, the value glibc's dynamic threshold reaches in
-    any process that frees a tensor that large, and stays fixed there (a threshold set once
-    cannot go back to moving)."""
-    libc = _glibc() if enabled else None
-    if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, threshold):
-        yield
-        return
-    try:
-        yield
-    finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_CEILING)
-
-
-# gradient_buffer's smallest model, in trained numbers: below it the gradients are too small to
-# matter to the heap, and the hook and copy per parameter and micro-batch cost the doubling
-# task's 64-wide model (about 100K numbers) 2% of its GRPO update
-GRADIENT_BUFFER_MIN = 1 << 22
-
-
-@contextlib.contextmanager
-def gradient_buffer(params, enabled: bool = True):
-    """Within the block, the CPU gradients of ``params`` live in one flat buffer per dtype
-    instead of one heap allocation each: the first time backward accumulates a parameter's
-    gradient, a hook copies it into the parameter's slice of the buffer and points ``.grad``
-    there; later micro-batches add into it in place, as autograd does with any existing
-    ``.grad``. The arithmetic is unchanged (a copy, then the same in-place sums), a parameter
-    that receives no gradient keeps ``.grad`` None (the optimizer still skips it), and
-    ``zero_grad(set_to_none=True)`` still frees the gradients.
-
-    Why: a buffer this size is mmapped, outside glibc's heap. Left to autograd, each gradient
-    is a separate heap block placed among the activations' holes during the first
-    micro-batch's backward; alive until the optimizer step, they keep the next micro-batches
-    from packing their activations where those holes were, and the heap, and the resident
-    set, grows (the buffer lowers the update's peak: benchmarks/archive/code-evidence.md). Only plain CPU tensors
-    take part: FSDP's sharded parameters and GPU tensors (whose caching allocator reuses freed
-    blocks itself) keep their own gradients, and so do all of them when ``enabled`` is false
-    (engines that own the gradients: FSDP, DeepSpeed) or when they hold fewer than
-    ``GRADIENT_BUFFER_MIN`` numbers in all."""
-    params = [p for p in params if enabled and p.requires_grad and p.device.type == "cpu" and type(p.data) is torch.Tensor
-              and p.layout == torch.strided]
-    if sum(p.numel() for p in params) < GRADIENT_BUFFER_MIN:
-        params = []  # too small to scatter the heap: the hooks' copies would be all it does
-    sizes: dict[torch.dtype, int] = {}
-    for p in params:
-        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}  # pages faulted in on first use
-    slots, offsets = {}, dict.fromkeys(sizes, 0)
-    for p in params:
-        start = offsets[p.dtype]
-        slots[p] = buffers[p.dtype][start:start + p.numel()].view_as(p)
-        offsets[p.dtype] = start + p.numel()
-
-    def move(p: torch.Tensor) -> None:
-        slot, grad = slots[p], p.grad
-        if grad is not None and grad.layout == torch.strided and grad.data_ptr() != slot.data_ptr():
-            slot.copy_(grad)
-            p.grad = slot
-
-    handles = [p.register_post_accumulate_grad_hook(move) for p in params]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -162,14 +47,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
-    """An ``accelerate.Accelerator`` on the configured device.
-
-    Trainers take their device from it, ``prepare`` the trained models and optimizers and
-    call ``accelerator.backward``: one process by default, DDP / DeepSpeed / FSDP under
-    ``accelerate launch`` (see :mod:`rlhfkit.distributed`). ``find_unused_parameters``: some
-    backward passes leave trained parameters out (a PPO critic warm-up skips the actor),
-    which DDP must be told (it costs a graph traversal per backward).
-    """
+    """An ``accelerate.Accelerator`` on the configured device: one process by default, DDP /
+    DeepSpeed / FSDP under ``accelerate launch`` (:mod:`rlhfkit.distributed`). Tell DDP
+    ``find_unused_parameters`` when a backward leaves trained parameters out (a PPO critic warm-up
+    skips the actor); it costs a graph traversal per backward."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -177,7 +58,7 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
     ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
     if "LOCAL_RANK" in os.environ:
         _destroy_process_group_at_exit()
-    if device.type == "cpu" and _deepspeed_launch():
+    if device.type == "cpu" and _launched_with("DEEPSPEED"):
         # accelerate turns DeepSpeed off for cpu=True (plain DDP would run instead), and with
         # cpu=False and no GPU it picks no backend and counts one process; gloo, chosen here
         # first, gives the processes' true count and ranks to both accelerate and DeepSpeed
@@ -185,7 +66,7 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
 
         PartialState(cpu=False, backend="gloo")
         return Accelerator(cpu=False, kwargs_handlers=[ddp])
-    if device.type == "cpu" and _fsdp_launch():
+    if device.type == "cpu" and _launched_with("FSDP"):
         return _cpu_fsdp_accelerator()
     return Accelerator(cpu=device.type == "cpu", kwargs_handlers=[ddp])
 
@@ -230,14 +111,9 @@ def _cpu_fsdp_accelerator():
     return accelerator
 
 
-def _fsdp_launch() -> bool:
-    """True in a process started by ``accelerate launch`` with an FSDP config."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and "LOCAL_RANK" in os.environ
-
-
-def _deepspeed_launch() -> bool:
-    """True in a process started by ``accelerate launch`` with a DeepSpeed config."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and "LOCAL_RANK" in os.environ
+def _launched_with(engine: str) -> bool:
+    """True in a process started by ``accelerate launch`` with an ``engine`` (FSDP, DEEPSPEED) config."""
+    return os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true" and "LOCAL_RANK" in os.environ
 
 
 def is_main_process() -> bool:
@@ -388,17 +264,15 @@ def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> 
 
 
 def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
-    """Seed, set threads, choose the accelerated operations (:func:`rlhfkit.ops.configure`) and
-    check ``run.out_dir`` (:func:`check_out_dir`); with ``write``, also start the run directory
-    (:func:`start_run_dir`), else the caller does once its inputs are
-    loaded, so a bad data file or model leaves no directory behind. Every process of a
-    distributed launch uses the same seed. Off a terminal, or with ``run.progress=false``, the
-    model loading bars are turned off too."""
+    """Seed (the same in every process), set threads, choose the accelerated operations
+    (:func:`rlhfkit.ops.configure`), quiet the loading bars off a terminal, and check ``run.out_dir``;
+    with ``write`` also start it (:func:`start_run_dir`), else the caller does once its inputs
+    load, so a bad data file or model leaves no directory behind."""
     seed_everything(cfg.run.seed)
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
     ops.configure(cfg.accel)  # which operations run faster than their reference (and any compile) now
-    if not cfg.run.progress or not _is_tty(sys.stderr):
+    if not cfg.run.progress or not is_tty(sys.stderr):
         quiet_hub_progress()
     check_out_dir(cfg, resumable)
     if write:
@@ -417,137 +291,6 @@ def start_run_dir(cfg: Config) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
     return out
-
-
-def quiet_hub_progress() -> None:
-    """Turn off the tqdm bars of transformers and huggingface_hub (loading, downloading and
-    writing checkpoint shards) for the rest of the process: ``setup_run`` calls it when
-    ``run.progress`` is false or stderr is not a terminal, where they would be carriage-return
-    frames in a log."""
-    from huggingface_hub.utils import disable_progress_bars
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    disable_progress_bars()
-
-
-PLAIN_PROGRESS_INTERVAL_S = 10.0
-"""Seconds between two lines of a progress report written to a stream that is not a terminal."""
-
-_IN_NOTEBOOK = _notebook_or_std_tqdm is not _std_tqdm  # tqdm.auto chose the Jupyter widget
-_clock = time.monotonic  # module-level so that tests can replace it
-
-
-def _is_tty(stream) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
-        return False
-
-
-def progress(iterable=None, total=None, desc: str = "", enabled: bool = True, initial: int = 0, file=None):
-    """A progress bar over ``iterable`` with ``.set_postfix(**values)``, written to ``file``
-    (default ``sys.stderr``).
-
-    On a terminal (or in a notebook) a tqdm bar. When the stream is not a terminal (CI, a log
-    file, ``nohup``) a :class:`PlainProgress` instead: a plain line at most every
-    ``PLAIN_PROGRESS_INTERVAL_S`` seconds and one at the end, never a carriage return (tqdm
-    would write a ``\\r``-separated frame per refresh into the log).
-    """
-    stream = sys.stderr if file is None else file
-    if not enabled or _IN_NOTEBOOK or _is_tty(stream):
-        return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True,
-                    initial=initial, file=file)
-    return PlainProgress(iterable, total=total, desc=desc, initial=initial, file=stream)
-
-
-class PlainProgress:
-    """The part of tqdm's interface the trainers use (iteration, ``update``, ``set_postfix``,
-    ``close``), reported as whole lines: ``desc: n/total (pct) elapsed, rate, postfix``. A line
-    is written when iteration starts, after a step once ``interval`` seconds have passed since
-    the last line, and at the end (also when the loop is left early)."""
-
-    def __init__(self, iterable=None, total=None, desc: str = "", initial: int = 0, file=None,
-                 interval: float | None = None):
-        self.iterable, self.desc, self.n, self.initial = iterable, desc, initial, initial
-        if total is None and iterable is not None:
-            try:
-                total = len(iterable)
-            except TypeError:
-                total = None
-        self.total = total
-        self.file = sys.stderr if file is None else file
-        self.interval = PLAIN_PROGRESS_INTERVAL_S if interval is None else interval
-        self.postfix: dict[str, Any] = {}
-        self.start_t = self._last_t = _clock()
-        self._last_n: int | None = None  # n at the last line written
-        self.closed = False
-
-    def __len__(self) -> int:
-        return self.total if self.total is not None else len(self.iterable)
-
-    def __iter__(self):
-        if self.iterable is None:
-            raise TypeError("PlainProgress without an iterable: call update() instead")
-        self._write()
-        try:
-            for item in self.iterable:
-                yield item
-                self.update()
-        finally:  # also when the loop breaks early (the generator is closed) or raises
-            self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if _clock() - self._last_t >= self.interval:
-            self._write()
-
-    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
-        self.postfix = {**(ordered_dict or {}), **kwargs}
-
-    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
-        self.desc = desc or ""
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self._last_n != self.n:
-            self._write()
-
-    def format_line(self) -> str:
-        elapsed = _clock() - self.start_t
-        head = f"{self.desc}: " if self.desc else ""
-        if self.total:
-            head += f"{self.n}/{self.total} ({100 * self.n / self.total:.0f}%)"
-        else:
-            head += f"{self.n}"
-        parts = [head, f"{_std_tqdm.format_interval(elapsed)} elapsed"]
-        done = self.n - self.initial
-        if done > 0 and elapsed > 0:
-            rate = done / elapsed
-            parts.append(f"{rate:.2f} it/s" if rate >= 1 else f"{1 / rate:.2f} s/it")
-        values = ", ".join(f"{k}={_postfix_value(v)}" for k, v in self.postfix.items())
-        return ", ".join(parts) + (f" | {values}" if values else "")
-
-    def _write(self) -> None:
-        self.file.write(self.format_line() + "\n")
-        self.file.flush()
-        self._last_t, self._last_n = _clock(), self.n
-
-
-def _postfix_value(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return f"{v.item():.4g}"
-    return str(v)
 
 
 def cut_file(path: str | Path, size: int) -> None:
@@ -723,11 +466,9 @@ class UpdateGuard:
         if guard.ok(loss, norm):
             optimizer.step()
 
-    A skipped update leaves the weights and the optimizer state as they were (the bad gradients
-    are dropped by the next ``zero_grad``); it warns and counts in ``skipped`` (logged as
-    ``guard/skipped_updates``). ``max_bad`` skipped updates in a row raise :class:`TrainingError`:
-    one bad minibatch is noise, a run of them is a diverged model or broken data. One host sync
-    per update (the finiteness check).
+    A skipped update leaves weights and optimizer state as they were, warns, and counts in
+    ``skipped`` (``guard/skipped_updates``); ``max_bad`` in a row raise :class:`TrainingError`: one
+    bad minibatch is noise, a run of them a diverged model or broken data. One host sync an update.
     """
 
     def __init__(self, max_bad: int = 5, where: str = "training"):

@@ -339,7 +339,7 @@ def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bia
     Returns ``[B, H, 1, D]``, a view of ``[B, 1, H, D]``; no autograd.
 
     ``shared = (rows [B] int64, P)``: row ``b``'s first ``P`` keys and values are the same as row
-    ``rows[b]``'s (rows that share a prompt, as :func:`rlhfkit.lean.prefill` copies them) and are
+    ``rows[b]``'s (rows that share a prompt, as :func:`rlhfkit.accel.forward.prefill` copies them) and are
     read there: one copy a group leaves memory.
 
     PyTorch's attention read the cache at about half of what one core streams

@@ -101,7 +101,7 @@ def surrogate_options(pc: PPOConfig) -> SurrogateOptions:
 
 # the policy's per-token loss (policy objective, KL term, entropy bonus) computed inside the
 # chunked LM head, whose logits are then built once instead of again in the backward
-# (core.chunked_token_loss); False: always from the returned log-probs
+# (logprobs.chunked_token_loss); False: always from the returned log-probs
 FUSED_TOKEN_LOSS = True
 
 

@@ -440,7 +440,7 @@ int rlhfkit_attend_backward(const float *q, const float *k, const float *v, cons
     return 0;
 }
 
-/* One decode step over a cache laid out as rlhfkit.lean.KVCache, all contiguous: qkv [B, 3, H, D]
+/* One decode step over a cache laid out as rlhfkit.accel.forward.KVCache, all contiguous: qkv [B, 3, H, D]
  * (this step's query, key and value, as GPT-2's c_attn writes them), kv [B, 2, H, T_max, D],
  * bias [B, T_max], out [B, H, D]. Writes the step's key and value into cache column t, then
  * attends over columns 0 .. t: the copy and the attention in one call. */

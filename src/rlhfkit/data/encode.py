@@ -1,0 +1,347 @@
+"""Examples tokenized into rows: the prompt and each response piece tokenized on their own (exact
+boundaries), EOS appended to a response that lacks it, responses never truncated (the prompt
+loses its first tokens, BOS kept, or the record is refused); plus packing and held-out splits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from .examples import PreferenceExample, PromptExample, SFTExample
+from .records import DataError
+
+if TYPE_CHECKING:  # torch is imported where tensors are built: the CLI checks a data file before it loads torch
+    import torch
+
+
+class Limit(NamedTuple):
+    """A length limit and how an error names it: ``tokens``; ``name`` as in "exceeds NAME"; ``fix``,
+    what to change to allow more. An ``int`` limit is a config key's (:func:`_as_limit`)."""
+
+    tokens: int
+    name: str
+    fix: str
+
+
+def _as_limit(limit: int | Limit, key: str) -> Limit:
+    return limit if isinstance(limit, Limit) else Limit(limit, f"{key}={limit}", f"raise {key}")
+
+
+def context_limit(key: str, configured: int, context: int | None, reserve: int = 0,
+                  reserve_key: str = "") -> int | Limit:
+    """The limit that ``key`` (``configured`` tokens) has in effect with a model that reads
+    ``context`` tokens at most, ``reserve`` of them kept for ``reserve_key`` (the new tokens
+    of RL rollouts): ``configured`` when it fits (or ``context`` is None: no limit), else the
+    smaller :class:`Limit`, named for errors. Raises ValueError when the context cannot hold
+    ``reserve`` tokens and one more."""
+    if context is None:
+        return configured
+    room = context - reserve
+    if room < 1:
+        raise ValueError(f"{reserve_key}={reserve} leaves no room for a prompt in the model's context of {context} "
+                         f"tokens (its config's max_position_embeddings / n_positions): lower {reserve_key} below "
+                         f"{context}")
+    if room >= configured:
+        return configured
+    if reserve:
+        return Limit(room, f"the {room} tokens that the model's context of {context} leaves after "
+                           f"{reserve_key}={reserve} (below {key}={configured})", f"lower {reserve_key}")
+    return Limit(room, f"the model's context of {context} tokens (below {key}={configured})",
+                 "use a model with a longer context")
+
+
+def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int | Limit,
+                   truncation: str = "left") -> tuple[list[list[int]], int]:
+    """Token ids of each prompt (BOS as the tokenizer or the chat template puts it) and how many
+    were cut: over ``max_length`` (``data.max_prompt_length``, or a :class:`Limit` such as the
+    model's context) a prompt loses its first tokens, BOS kept (``'left'``), or DataError
+    (``'error'``)."""
+    if truncation not in ("left", "error"):
+        raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+    limit = _as_limit(max_length, "data.max_prompt_length")
+    max_length = limit.tokens
+    out, cut = [], 0
+    pieces = _Codec(tokenizer).prompts([e.prompt for e in examples], _wheres(examples))
+    for i, (ex, (head, body)) in enumerate(zip(examples, pieces)):
+        if len(head) + len(body) > max_length:
+            if truncation == "error" or len(head) >= max_length:
+                raise DataError(f"{_where(ex, i)}: field 'prompt': {len(head) + len(body)} tokens exceeds "
+                                f"{limit.name} with data.truncation={truncation!r}; {limit.fix}, shorten the prompt, "
+                                "or use data.truncation=left")
+            body, cut = body[len(head) + len(body) - max_length :], cut + 1
+        out.append(head + body)
+    return out, cut
+
+
+class _Codec:
+    """Tokenizes prompt and completion texts into the pieces a row is built from."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        # Does the tokenizer put BOS in front on its own? Then rows start with it (and keep it).
+        self.adds_bos = self.bos is not None and tokenizer("", add_special_tokens=True)["input_ids"][:1] == [self.bos]
+        pad = tokenizer.pad_token_id
+        self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
+
+    def ids(self, texts: list[str], wheres: Sequence[str] = (), key: str = "text") -> list[list[int]]:
+        """Token ids of each text; a text the tokenizer cannot encode raises DataError naming its
+        record (``wheres[i]``), the field ``key`` and the characters."""
+        try:
+            encoded = self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]  # lengths: ours to check
+        except Exception as e:  # e.g. a WordLevel vocabulary without [UNK]: find the record and the characters
+            raise _encoding_error(self.tok, texts, wheres, key) or e from None
+        return [list(x) for x in encoded]
+
+    def prompts(self, texts: list[str], wheres: Sequence[str] = ()) -> list[tuple[list[int], list[int]]]:
+        """``(head, body)`` per prompt: head is the BOS kept under truncation."""
+        out = []
+        for ids in self.ids(texts, wheres, "prompt"):
+            if self.bos is not None and ids[:1] == [self.bos]:  # the chat template wrote BOS itself
+                out.append(([self.bos], ids[1:]))
+            else:
+                out.append(([self.bos] if self.adds_bos else [], ids))
+        return out
+
+    def completions(self, texts: list[str], wheres: Sequence[str] = (), key: str = "completion") -> list[list[int]]:
+        out = self.ids(texts, wheres, key)
+        for ids in out:
+            self._end(ids)
+        return out
+
+    def _end(self, ids: list[int]) -> bool:
+        """Append EOS to a response that does not end with it; whether it did."""
+        if self.eos is None or ids[-1:] == [self.eos]:
+            return False
+        ids.append(self.eos)
+        return True
+
+    def answers(self, examples: Sequence[SFTExample], wheres: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """The ids of what follows each example's prompt (:meth:`SFTExample.pieces`, each piece
+        tokenized on its own, EOS appended to the last as in :meth:`completions`) and their mask:
+        1 on the answers and that EOS, 0 on the context between them."""
+        pieces = [ex.pieces() for ex in examples]
+        flat = self.ids([text for p in pieces for text, _ in p], [w for p, w in zip(pieces, wheres) for _ in p],
+                        "completion")
+        responses, masks, at = [], [], 0
+        for p in pieces:
+            ids, mask = [], []
+            for piece, (_, trained) in zip(flat[at : at + len(p)], p):
+                ids += piece
+                mask += [int(trained)] * len(piece)
+            at += len(p)
+            if self._end(ids):
+                mask.append(1)
+            responses.append(ids)
+            masks.append(mask)
+        return responses, masks
+
+
+def unencodable_characters(tokenizer, text: str) -> list[str]:
+    """The characters of ``text`` that ``tokenizer`` cannot encode on their own, in order of
+    first appearance (e.g. characters outside a WordLevel vocabulary that has no [UNK] token)."""
+    bad = []
+    for ch in dict.fromkeys(text):
+        try:
+            tokenizer(ch, add_special_tokens=False)
+        except Exception:  # the tokenizers library raises a bare Exception
+            bad.append(ch)
+    return bad
+
+
+def describe_characters(chars: Sequence[str], limit: int = 10) -> str:
+    """``"'h', 'e' (and 3 more)"``."""
+    shown = ", ".join(repr(c) for c in chars[:limit])
+    return shown + (f" (and {len(chars) - limit} more)" if len(chars) > limit else "")
+
+
+def _encoding_error(tokenizer, texts: Sequence[str], wheres: Sequence[str], key: str) -> DataError | None:
+    """The DataError for the first text the tokenizer cannot encode, or None when each encodes alone."""
+    for i, text in enumerate(texts):
+        try:
+            tokenizer(text, add_special_tokens=False)
+            continue
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            err = e
+        where = wheres[i] if i < len(wheres) else f"example {i}"
+        bad = unencodable_characters(tokenizer, text)
+        if bad:
+            return DataError(f"{where}: field {key!r}: characters the tokenizer cannot encode: "
+                             f"{describe_characters(bad)}; remove them from the data or use a tokenizer whose "
+                             "vocabulary has them")
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return DataError(f"{where}: field {key!r}: the tokenizer cannot encode this text ({first})")
+    return None
+
+
+def _fit(
+    where: str,
+    head: list[int],
+    body: list[int],
+    responses: dict[str, list[int]],
+    limit: Limit,
+    truncation: str,
+) -> list[int]:
+    """The prompt body cut so ``head + body + response`` fits ``limit``, or DataError."""
+    max_length = limit.tokens
+    key = max(responses, key=lambda k: len(responses[k]))
+    longest = len(responses[key])
+    need = len(head) + len(body) + longest
+    if need <= max_length:
+        return body
+    bos = " plus BOS" if head else ""
+    if len(head) + longest >= max_length:
+        raise DataError(f"{where}: field {key!r}: the response is {longest} tokens (EOS included){bos}, which leaves no room "
+                        f"for the prompt in {limit.name}; responses are never truncated: {limit.fix} or drop the record")
+    if truncation == "error":
+        raise DataError(f"{where}: field 'prompt': prompt ({len(body)} tokens) + {key} ({longest}){bos} = {need} tokens "
+                        f"exceeds {limit.name} with truncation='error' ('left' would drop the first "
+                        f"{need - max_length} prompt tokens)")
+    return body[need - max_length :]
+
+
+def _where(example, i: int) -> str:
+    return example.origin or f"example {i}"
+
+
+def _wheres(examples: Sequence) -> list[str]:
+    return [_where(ex, i) for i, ex in enumerate(examples)]
+
+
+def _prepare(examples: Iterable, tokenizer, max_length: int | Limit, truncation: str) -> tuple:
+    """The arguments checked: ``(examples, limit, codec, wheres, (head, body) of each prompt)``."""
+    examples, limit = list(examples), _as_limit(max_length, "max_length")
+    if truncation not in ("left", "error"):
+        raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+    if limit.tokens < 1:
+        raise ValueError(f"max_length must be >= 1, got {limit.tokens}")
+    if not examples:
+        raise ValueError("no examples to encode")
+    codec, wheres = _Codec(tokenizer), _wheres(examples)
+    return examples, limit, codec, wheres, codec.prompts([ex.prompt for ex in examples], wheres)
+
+
+def _pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def _rows(
+    prompts: list[list[int]], responses: list[list[int]], pad: int, width: int,
+    masks: list[list[int]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Right-padded rows of prompt + response; ``masks``: which response tokens are targets (all by default)."""
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    masks = masks if masks is not None else [[1] * len(r) for r in responses]
+    return {
+        "input_ids": _pad(seqs, pad, width),
+        "attention_mask": _pad([[1] * len(s) for s in seqs], 0, width),
+        "loss_mask": _pad([[0] * len(p) + m for p, m in zip(prompts, masks)], 0, width),
+    }
+
+
+def encode_sft(
+    examples: Iterable[SFTExample], tokenizer, max_length: int | Limit, truncation: str = "left"
+) -> dict[str, torch.Tensor]:
+    """Demonstrations as right-padded ``[N, L]`` rows (L the longest): ``input_ids``,
+    ``attention_mask`` and ``loss_mask``, 1 on the completion, its EOS and the answers of later
+    ``turns``, 0 on BOS, prompt, the turns' context and padding. ``loss_mask[t]`` marks token ``t``
+    as a target predicted from ``t - 1``: HF labels are ``input_ids.masked_fill(loss_mask == 0,
+    -100)``. Over ``max_length`` (an int or a :class:`Limit`), ``truncation='left'`` cuts the
+    prompt's start (BOS kept), ``'error'`` raises DataError; a completion that leaves no room for a
+    prompt token raises either way."""
+    examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
+    responses, masks = codec.answers(examples, wheres)
+    prompts = [
+        head + _fit(_where(ex, i), head, body, {"completion": resp}, limit, truncation)
+        for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))
+    ]
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    return _rows(prompts, responses, codec.pad, width, masks)
+
+
+def encode_preferences(
+    examples: Iterable[PreferenceExample], tokenizer, max_length: int | Limit, truncation: str = "left"
+) -> dict[str, torch.Tensor]:
+    """Pairs as right-padded ``[N, L]`` rows, chosen and rejected to one width (one ``[2N, L]``
+    forward): ``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_loss_mask``, the same for
+    ``rejected`` (as in :func:`encode_sft`), and ``margin`` ``[N]`` when given. Both rows of a pair
+    keep the same prompt tokens (a cut is sized for the longer response), so DPO compares the two
+    responses in one context."""
+    examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
+    chosen = codec.completions([ex.chosen for ex in examples], wheres, "chosen")
+    rejected = codec.completions([ex.rejected for ex in examples], wheres, "rejected")
+    prompts = [
+        head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, limit, truncation)
+        for i, (ex, (head, body), c, r) in enumerate(zip(examples, heads, chosen, rejected))
+    ]
+    width = max(len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected))
+    out = {}
+    for name, responses in (("chosen", chosen), ("rejected", rejected)):
+        out.update({f"{name}_{k}": v for k, v in _rows(prompts, responses, codec.pad, width).items()})
+    margins = [ex.margin for ex in examples]
+    if any(m is not None for m in margins):
+        if any(m is None for m in margins):
+            raise DataError("margin is given on some examples but not others; give it on every one or on none")
+        import torch
+
+        out["margin"] = torch.tensor(margins, dtype=torch.float32)
+    return out
+
+
+def encode_triples(tok, triples: list[tuple[str, str, str]], max_length: int = 64) -> dict:
+    """``(prompt, chosen, rejected)`` text triples -> ``encode_preferences`` tensors."""
+    return encode_preferences([PreferenceExample(p, c, r) for p, c, r in triples], tok, max_length, "error")
+
+
+def hold_out(items: list, fraction: float, seed: int, what: str = "examples") -> tuple[list, list]:
+    """``(train, held_out)``: a seeded ``fraction`` of ``items`` held out (at least one when
+    ``fraction > 0``; none at 0), each part in its original order."""
+    if not fraction:
+        return list(items), []
+    n = max(1, round(len(items) * fraction))
+    if n >= len(items):
+        raise DataError(f"data.eval_fraction={fraction} holds out all {len(items)} {what}; lower it")
+    import torch
+
+    held = set(torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()[:n])
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+
+
+def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "attention_mask")) -> tuple:
+    """Rows ``idx`` of an ``encode_preferences`` result as one forward: for each field, the
+    chosen rows then the rejected rows, ``[2B, T]``."""
+    import torch
+
+    return tuple(torch.cat([enc[f"chosen_{f}"][idx], enc[f"rejected_{f}"][idx]]).to(device) for f in fields)
+
+
+def pack_sft(
+    encoded: dict[str, torch.Tensor], max_length: int, pad_token_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """``encode_sft`` rows concatenated in order into ``[M, max_length]`` rows (a row closes when the
+    next example does not fit; none is split): ``input_ids``, ``attention_mask``, ``loss_mask`` and
+    ``position_ids`` restarting at 0 for each example, whose first token is never a target (the
+    targets of unpacked rows). Attention across examples is *not* blocked unless the model reads
+    the restarting positions as boundaries (flash-attention-2 padding-free); eager and SDPA do not."""
+    rows: list[dict[str, list[int]]] = []
+    cur: dict[str, list[int]] = {"input_ids": [], "loss_mask": [], "position_ids": []}
+    lengths = encoded["attention_mask"].sum(-1).tolist()
+    for i, n in enumerate(lengths):
+        if n > max_length:
+            raise ValueError(f"example {i} is {n} tokens, longer than the packed row length {max_length}")
+        if len(cur["input_ids"]) + n > max_length:
+            rows.append(cur)
+            cur = {"input_ids": [], "loss_mask": [], "position_ids": []}
+        cur["input_ids"] += encoded["input_ids"][i, :n].tolist()
+        cur["loss_mask"] += [0] + encoded["loss_mask"][i, 1:n].tolist()
+        cur["position_ids"] += list(range(n))
+    if cur["input_ids"]:
+        rows.append(cur)
+    return {
+        "input_ids": _pad([r["input_ids"] for r in rows], pad_token_id, max_length),
+        "attention_mask": _pad([[1] * len(r["input_ids"]) for r in rows], 0, max_length),
+        "loss_mask": _pad([r["loss_mask"] for r in rows], 0, max_length),
+        "position_ids": _pad([r["position_ids"] for r in rows], 0, max_length),
+    }

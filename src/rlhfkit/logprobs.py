@@ -1,0 +1,273 @@
+"""The LM head's log-probs and per-token losses computed a few rows at a time, never holding the
+``[N, V]`` logits: what the update runs for big vocabularies (``models.UPDATE_LOGITS``). The
+head's products and its fused bfloat16 shortcut go through :mod:`rlhfkit.ops`; the numbers are
+those of :func:`rlhfkit.core.logprobs_from_logits` and :func:`rlhfkit.core.entropy_from_logits`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+
+__all__ = ["chunked_token_logprobs", "chunked_token_loss"]
+
+
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 temperature: float) -> torch.Tensor:
+    """``[n, V]`` logits of one chunk as the LM head computes them (in its dtype), divided by the
+    temperature in that dtype too: the numbers the full-logits path sees, before any upcast."""
+    logits = ops.linear(hidden, weight, bias)  # [n, V]
+    return logits / temperature if temperature != 1.0 else logits
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """:func:`chunked_token_logprobs` with its own backward: only the inputs and each row's
+    logsumexp are saved, and each chunk's logits are computed again in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy):
+        ctx.set_materialize_grads(False)  # an unused entropy output gets no gradient pass at all
+        dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        logp = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)  # [N]
+        ent = torch.empty_like(logp) if with_entropy else None  # [N]
+        lse = torch.empty_like(logp)  # [N], kept for the backward: it need not sum each row again
+        for s in range(0, hidden.shape[0], chunk_rows):
+            z = _head_logits(hidden[s : s + chunk_rows], weight, bias, temperature)  # [n, V]
+            fused = None if with_entropy else ops.head_lse(z, targets[s : s + chunk_rows])  # read as it is
+            if fused is not None:
+                lse[s : s + chunk_rows], picked = fused
+                logp[s : s + chunk_rows] = picked - lse[s : s + chunk_rows]
+                continue
+            z = z.to(torch.promote_types(z.dtype, torch.float32))
+            picked = z.gather(-1, targets[s : s + chunk_rows, None]).squeeze(-1)  # [n]
+            if with_entropy:
+                lse[s : s + chunk_rows] = torch.logsumexp(z, dim=-1)
+                ent[s : s + chunk_rows] = lse[s : s + chunk_rows] - (F.softmax(z, dim=-1) * z).sum(-1)
+            else:
+                lse[s : s + chunk_rows] = _logsumexp_(z)
+            logp[s : s + chunk_rows] = picked - lse[s : s + chunk_rows]
+            del z
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return (logp, ent) if with_entropy else logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent=None):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(weight.dtype, torch.float32)  # weight grads summed over chunks in >= float32
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None  # the first chunk's product, the others summed into it: no zeroed [V, H] buffer
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        for s in range(0, hidden.shape[0], ctx.chunk_rows):
+            h = hidden[s : s + ctx.chunk_rows]  # [n, H]
+            z = _head_logits(h, weight, bias, ctx.temperature)
+            g = None
+            if grad_ent is None and grad_logp is not None:  # the fused head's gradient, in z's dtype
+                g = ops.head_grad(z, lse[s : s + ctx.chunk_rows], grad_logp[s : s + ctx.chunk_rows] / ctx.temperature,
+                                  targets[s : s + ctx.chunk_rows])  # d(z / T) / dz inside
+            if g is not None:
+                grad_w = _head_grads(g, h, weight, 1.0, grad_h, grad_w, need_w, grad_b, s, acc)
+                continue
+            g = _logit_grad(z.to(torch.promote_types(z.dtype, torch.float32)), lse[s : s + ctx.chunk_rows, None],
+                            targets[s : s + ctx.chunk_rows],
+                            None if grad_logp is None else grad_logp[s : s + ctx.chunk_rows],
+                            None if grad_ent is None else grad_ent[s : s + ctx.chunk_rows])  # [n, V]
+            grad_w = _head_grads(g, h, weight, ctx.temperature, grad_h, grad_w, need_w, grad_b, s, acc)
+            del g
+        if need_w and grad_w is None:  # no rows
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+class _ChunkedTokenLoss(torch.autograd.Function):
+    """:func:`chunked_token_loss`: each chunk's logits are computed once, in the forward, where
+    the chunk's loss gradient wrt its log-probs (and entropies) is already known, so the
+    gradients wrt ``hidden``, ``weight`` and ``bias`` are summed there and the backward only
+    scales them by the loss's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy, loss_fn):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        acc = torch.promote_types(weight.dtype, torch.float32)  # weight grads summed over chunks in >= float32
+        N = hidden.shape[0]
+        logp = torch.empty(N, dtype=dtype, device=hidden.device)  # [N]
+        ent = torch.empty_like(logp) if with_entropy else None  # [N]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None  # the first chunk's product, the others summed into it (no zeroed [V, H] buffer)
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        loss = torch.zeros((), dtype=dtype, device=hidden.device)
+        for s in range(0, N, chunk_rows):
+            e = min(N, s + chunk_rows)
+            h, t = hidden[s:e], targets[s:e, None]  # [n, H], [n, 1]
+            z = _head_logits(h, weight, bias, temperature)  # [n, V]
+            fused = None if with_entropy else ops.head_lse(z, t.squeeze(1))  # read as it is, one pass each way
+            bf16 = fused is not None
+            if bf16:
+                lse, picked = fused
+            else:
+                z = z.to(torch.promote_types(z.dtype, torch.float32))
+                picked = z.gather(-1, t).squeeze(-1)  # [n]
+            if with_entropy:
+                lse = torch.logsumexp(z, dim=-1)  # [n]
+                ent[s:e] = lse - (F.softmax(z, dim=-1) * z).sum(-1)
+            elif not bf16:  # z becomes exp(z - max), then the softmax, in its own pages
+                top = z.amax(-1, keepdim=True)  # [n, 1]
+                top.masked_fill_(top.isinf(), 0.0)
+                total = z.sub_(top).exp_().sum(-1)  # [n]
+                lse = total.log().add_(top.squeeze(-1))
+            logp[s:e] = picked - lse
+            with torch.enable_grad():  # d loss_chunk / d logp (and d / d entropy): small tensors
+                lp = logp[s:e].detach().requires_grad_()
+                en = ent[s:e].detach().requires_grad_() if with_entropy else None
+                part = loss_fn(lp, en, s, e)
+                grads = torch.autograd.grad(part, [lp, en] if with_entropy else [lp], allow_unused=True)
+            loss += part.detach().to(dtype)
+            g_lp = torch.zeros_like(lp) if grads[0] is None else grads[0]  # [n]
+            if bf16:  # d(z / T) / dz folded into the coefficient: one rounding to bfloat16
+                g = ops.head_grad(z, lse, g_lp / temperature, t.squeeze(1))
+            elif with_entropy:
+                g_ent = torch.zeros_like(lp) if grads[1] is None else grads[1]
+                g = _logit_grad(z, lse[:, None], t.squeeze(1), g_lp, g_ent)  # [n, V]
+            else:  # -g p with p = z / total, then + g at the target: d logp / dz = onehot - p
+                g = z.mul_((-g_lp / total)[:, None].to(z.dtype)).scatter_add_(1, t, g_lp[:, None].to(z.dtype))
+            grad_w = _head_grads(g, h, weight, 1.0 if bf16 else temperature, grad_h, grad_w, need_w, grad_b, s, acc)
+            del z, g
+        if need_w and grad_w is None:  # no rows
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                     None if grad_b is None else grad_b.to(bias.dtype))
+        ctx.mark_non_differentiable(logp, *([ent] if with_entropy else []))
+        return (loss, logp, ent) if with_entropy else (loss, logp)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        if ctx.grads is None:
+            raise RuntimeError("chunked_token_loss computed its gradients once, in the forward: its backward "
+                               "cannot run twice (build the loss again instead of retain_graph=True)")
+        grads, ctx.grads = ctx.grads, None  # once: the summed gradients are not kept past their use
+        out = [None if gr is None else gr.mul_(grad_loss) for gr in grads]  # a scalar: the loss's weight
+        return (*out, None, None, None, None, None)
+
+
+def chunked_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor | None, int, int], torch.Tensor],
+    temperature: float = 1.0,
+    chunk_rows: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A loss that is a sum over tokens, ``sum_n f_n(logp[n], H[n])``, with
+    :func:`chunked_token_logprobs`'s numbers and each chunk's logits built once.
+
+    ``loss_fn(logp, ent, s, e)`` is the differentiable part from rows ``s .. e-1`` given their
+    log-probs ``[e - s]`` (and entropies, or None), reading no other row. While a chunk's logits
+    are at hand, autograd gives ``d part / d logp`` (and ``/ d H``), hence the chunk's share of the
+    gradients wrt ``hidden``, ``weight`` and ``bias``, held (``[N, H]``, ``[V, H]``) until the
+    backward only scales them: the same gradients to rounding as the two-pass path, one head
+    product and one exponential pass fewer per chunk. Returns ``(loss, logprobs [N], entropy [N]
+    or None)``; only ``loss`` carries a gradient.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    out = _ChunkedTokenLoss.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows),
+                                  bool(with_entropy), loss_fn)
+    return out if with_entropy else (*out, None)
+
+
+def _head_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, temperature: float,
+                grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, need_w: bool,
+                grad_b: torch.Tensor | None, s: int, acc: torch.dtype) -> torch.Tensor | None:
+    """Add one chunk's share to the head's gradients, given ``g [n, V]``, the gradient wrt its
+    (tempered) logits (overwritten): ``grad_h[s : s + n] = g W``; with ``need_w``, ``grad_w +=
+    g.T h`` in ``acc`` (None: the first chunk's product starts it, no zeroed ``[V, H]`` buffer);
+    ``grad_b += sum(g)``. Returns ``grad_w``."""
+    if temperature != 1.0:
+        g = g.div_(temperature)  # d(z / T) / dz
+    g = g.to(weight.dtype)  # the head's dtype, as its matmuls run
+    if grad_h is not None and grad_h.dtype == g.dtype:
+        ops.mm_out(g, weight, grad_h[s : s + g.shape[0]])  # rows of grad_h: contiguous
+    elif grad_h is not None:
+        grad_h[s : s + g.shape[0]] = g @ weight
+    if need_w:
+        if grad_w is None:
+            grad_w = (g.t() @ h).to(acc)  # [V, H]; a half-precision product rounded as below
+        elif g.dtype == acc:  # summed in place: no [V, H] temporary a chunk
+            grad_w.addmm_(g.t(), h)
+        else:
+            grad_w += g.t() @ h
+    if grad_b is not None:
+        grad_b += g.sum(0)
+    return grad_w
+
+
+def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(z, -1)`` for ``z [n, V]``, overwriting ``z`` (with ``exp(z - max)``):
+    the exponentials land in ``z``'s own pages instead of two fresh ``[n, V]`` tensors. Rows
+    whose max is infinite are shifted by 0, as ``torch.logsumexp`` does."""
+    top = z.amax(-1, keepdim=True)  # [n, 1]
+    top.masked_fill_(top.isinf(), 0.0)
+    return z.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))  # [n]
+
+
+def _logit_grad(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor | None,
+                grad_ent: torch.Tensor | None) -> torch.Tensor:
+    """Gradient wrt the (tempered) logits ``z [n, V]`` (overwritten) of ``grad_logp . logp(targets)
+    + grad_ent . H``, given the rows' logsumexp ``lse [n, 1]`` from the forward: ``d logp / dz =
+    onehot - p`` and ``dH / dz = -p * (log p + H)``."""
+    if grad_ent is None:  # the update's usual case: -grad_logp p, then + grad_logp at the target, in z's pages
+        if grad_logp is None:
+            return z.zero_()
+        gl = grad_logp[:, None].to(z.dtype)
+        g = z.sub_(lse).exp_().mul_(gl.neg())  # [n, V]
+        return g.scatter_add_(1, targets[:, None], gl)
+    logp = z.sub_(lse)  # [n, V] log-softmax, in place
+    p = logp.exp()  # [n, V]
+    ent = -(p * logp).sum(-1, keepdim=True)  # [n, 1]
+    g = logp.add_(ent).mul_(p).mul_(-grad_ent[:, None])  # -grad_ent * p * (log p + H)
+    if grad_logp is not None:
+        g.addcmul_(p, grad_logp[:, None].to(g.dtype), value=-1.0)
+        g.scatter_add_(1, targets[:, None], grad_logp[:, None].to(g.dtype))
+    return g
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets [N]`` (and entropies) under a linear LM head, ``chunk_rows`` rows at a
+    time, never holding the ``[N, V]`` logits: with ``z = (hidden [N, H] @ weight.T [H, V] + bias) /
+    temperature``, the numbers :func:`rlhfkit.core.logprobs_from_logits` and
+    :func:`rlhfkit.core.entropy_from_logits` give for the full logits. The forward keeps its inputs
+    and each row's logsumexp; the backward builds each chunk's logits again (``dlogp/dz = onehot -
+    p``, ``dH/dz = -p (log p + H)``, over the temperature), so the peak is a few ``[chunk_rows, V]``
+    temporaries. Logits in the head's dtype, the softmax in at least float32, the weight's gradient
+    summed in at least float32. Returns ``(logprobs [N], entropy [N] or None)``.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    out = _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows),
+                                      bool(with_entropy))
+    return out if with_entropy else (out, None)
+
+
+# --------------------------------------------------------------------------- masked stats
