@@ -298,22 +298,22 @@ def test_run_malloc_restarts_the_command_line_once_with_the_library_preloaded(pr
 
     assert not malloc.loaded(preload_lib)
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RLHFKIT_MALLOC_RESTARTED")}
-    done = run_cli("grpo", f"run.malloc={preload_lib}", "--print-config", env=env)
+    done = run_cli("grpo", f"accel.malloc={preload_lib}", "--print-config", env=env)
     assert done.returncode == 0, done.stderr
     # printed by the restarted process only once the library is in LD_PRELOAD and mapped
-    assert done.stderr.count(f"rlhfkit grpo: malloc: {preload_lib} (run.malloc={preload_lib})") == 1
+    assert done.stderr.count(f"rlhfkit grpo: malloc: {preload_lib} (accel.malloc={preload_lib})") == 1
     assert f"malloc: {preload_lib}" in done.stdout  # the resolved config, printed after the restart
 
 
 def test_run_malloc_errors_name_the_fix(preload_lib, monkeypatch, capsys):
     from rlhfkit.accel import malloc
 
-    done = run_cli("grpo", "run.malloc=tcmallocc", "--print-config")
+    done = run_cli("grpo", "accel.malloc=tcmallocc", "--print-config")
     assert done.returncode == 2
-    assert "run.malloc must be '', 'tcmalloc', 'jemalloc' or a path" in done.stderr
+    assert "accel.malloc must be '', 'tcmalloc', 'jemalloc' or a path" in done.stderr
     monkeypatch.setattr(malloc.ctypes.util, "find_library", lambda name: None)
     with pytest.raises(ValueError, match="libjemalloc2"):
         malloc.resolve("jemalloc")
     # called as a function, the command cannot restart its caller: it says how to preload instead
-    assert main(["grpo", f"run.malloc={preload_lib}", "--print-config"]) == 2
+    assert main(["grpo", f"accel.malloc={preload_lib}", "--print-config"]) == 2
     assert f"set LD_PRELOAD={preload_lib} before Python starts" in capsys.readouterr().err

@@ -58,7 +58,7 @@ def test_config_reference_rows_hold_the_codes_type_default_range_and_help(refere
     assert (type_, default, accepts) == ("float", "`1.0`", "> 0, <= 1")
     assert doc.startswith("Nucleus sampling")
     assert reference_rows["ppo.group_size"][3] == ">= 2"
-    assert reference_rows["run.threads"][3] == ">= 0"
+    assert reference_rows["accel.threads"][3] == ">= 0"
     assert reference_rows["ppo.kl_estimator"][1] == "'k1' \\| 'k2' \\| 'k3'"  # pipes escaped: one cell
     assert reference_rows["ppo.max_new_tokens"][2] == "unset"
     assert reference_rows["env.class"][2] == "`''`"

@@ -18,7 +18,8 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
 LAYERS = [
     # the hardware-specific implementations rlhfkit.ops installs (rlhfkit.accel): they import no core module
     ("accel", {"accel", "accel.registry", "accel.kernels", "accel.gemm", "accel.triton_decode", "accel.malloc"}),
-    ("base", {"core", "ops", "config", "utils", "offload", "precision"}),
+    ("base", {"core", "ops", "config", "config.base", "config.ppo", "config.sections", "config.trl", "utils", "offload",
+              "precision"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "callables", "prompts", "tasks", "tasks.doubling",
                         "tasks.cities", "tasks.export"}),
     ("models", {"lean", "models"}),

@@ -252,7 +252,7 @@ def _one_line_warnings(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    args.argv = None if argv is not None else sys.argv[1:]  # the command line to restart with run.malloc
+    args.argv = None if argv is not None else sys.argv[1:]  # the command line to restart with accel.malloc
     with _one_line_warnings(args.command):
         return _main(args)
 
@@ -288,9 +288,9 @@ def _main(args) -> int:
 
 
 def _preload_malloc(args, cfg: Config) -> None:
-    """run.malloc: restart the command line with that malloc preloaded (rlhfkit.accel.malloc), before
+    """accel.malloc: restart the command line with that malloc preloaded (rlhfkit.accel.malloc), before
     torch is imported. Called as a function (``main([...])``) it cannot restart its caller."""
-    name = cfg.run.malloc if "run" in COMMAND_SECTIONS.get(args.command, ()) else ""
+    name = cfg.accel.malloc if "accel" in COMMAND_SECTIONS.get(args.command, ()) else ""
     if name:
         from .accel import malloc
 

@@ -85,7 +85,7 @@ def tensors_off_heap(enabled: bool = True, threshold: int = UPDATE_MMAP_THRESHOL
     the heap, the resident set is the tensors alive, a much lower peak. The cost is the page
     faults: each such tensor's pages are mapped, zeroed by the kernel and faulted in again at
     every allocation instead of reused, a slower update, so the RL loop uses this only with
-    ``ppo.update_off_heap`` (measurements: benchmarks/archive/code-evidence.md).
+    ``accel.update_off_heap`` (measurements: benchmarks/archive/code-evidence.md).
 
     On leaving, the threshold is set to 32 MiB, the value glibc's dynamic threshold reaches in
     any process that frees a tensor that large, and stays fixed there (a threshold set once
@@ -395,8 +395,8 @@ def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
     distributed launch uses the same seed. Off a terminal, or with ``run.progress=false``, the
     model loading bars are turned off too."""
     seed_everything(cfg.run.seed)
-    if cfg.run.threads > 0:
-        torch.set_num_threads(cfg.run.threads)
+    if cfg.accel.threads > 0:
+        torch.set_num_threads(cfg.accel.threads)
     ops.configure(cfg.accel)  # which operations run faster than their reference (and any compile) now
     if not cfg.run.progress or not _is_tty(sys.stderr):
         quiet_hub_progress()
