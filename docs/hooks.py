@@ -88,17 +88,19 @@ def _display_key(section: str, key: str) -> str:
 
 
 def render_config_reference() -> str:
-    """The whole page, Markdown: one table a section, one row a key, in config.py's order."""
+    """The whole page, Markdown: one table a section (the ``ppo`` section one a concern, under its
+    heading), one row a key, in the config's order."""
     docs, types, defaults = rc.key_docs(), rc.key_types(), rc.Config().to_dict()
     lines = [INTRO, *_algo_table()]
-    for section, keys in types.items():
-        lines += ["", f"## {section}", "", f"Read by: {_readers(section)}.", "",
-                  "| key | type | default | accepts | description |", "|---|---|---|---|---|"]
-        for key, type_name in keys.items():
-            dotted = f"{section}.{key}"
-            lines.append(f"| `{_display_key(section, key)}` | {_cell(type_name)} | "
-                         f"{_default(defaults[section][key])} | {_cell(value_range(dotted))} | "
-                         f"{_cell(docs[section].get(key, ''))} |")
+    for section, groups in rc.key_groups().items():
+        lines += ["", f"## {section}", "", f"Read by: {_readers(section)}."]
+        for heading, about, keys in groups:
+            lines += ["", f"### {heading}", "", about] if heading else []
+            lines += ["", "| key | type | default | accepts | description |", "|---|---|---|---|---|"]
+            for key in keys:
+                lines.append(f"| `{_display_key(section, key)}` | {_cell(types[section][key])} | "
+                             f"{_default(defaults[section][key])} | {_cell(value_range(f'{section}.{key}'))} | "
+                             f"{_cell(docs[section].get(key, ''))} |")
     return "\n".join(lines) + "\n"
 
 

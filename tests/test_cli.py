@@ -114,8 +114,7 @@ def test_help_shows_the_commands_own_defaults_and_types(capsys):
     with pytest.raises(SystemExit):
         main(["grpo", "-h"])
     out = capsys.readouterr().out
-    assert ("  ppo.kl_coef: float = 0.3\n      beta: weight of the KL penalty (which KL it pulls on: see kl_estimator; TRL's "
-            "beta, whose GRPO\n      default is 0 with full fine-tuning too).\n") in out
+    assert "  ppo.kl_coef: float = 0.3\n      beta, the weight of the KL penalty (TRL's beta).\n" in out
     assert "  ppo.kl_estimator: 'k1' | 'k2' | 'k3' = 'k3'\n" in out  # grpo's ALGO_DEFAULTS, Literal choices
     assert "  run.out_dir: str = 'runs/grpo'\n" in out
     assert "  ppo.max_new_tokens: int | None = None\n" in out
@@ -317,3 +316,21 @@ def test_run_malloc_errors_name_the_fix(preload_lib, monkeypatch, capsys):
     # called as a function, the command cannot restart its caller: it says how to preload instead
     assert main(["grpo", f"accel.malloc={preload_lib}", "--print-config"]) == 2
     assert f"set LD_PRELOAD={preload_lib} before Python starts" in capsys.readouterr().err
+
+
+def test_a_speed_key_under_its_old_name_is_one_line_naming_the_new_one(capsys):
+    assert main(["grpo", "ppo.cuda_graph=true", "--print-config"]) == 2
+    assert capsys.readouterr().err.strip() == ("rlhfkit grpo: error: config key 'ppo.cuda_graph' is now "
+                                               "'accel.cuda_graph' (a speed setting, in the accel section): "
+                                               "write accel.cuda_graph=... instead")
+    assert main(["grpo", "accel.cuda_graph=true", "--print-config"]) == 0
+    assert "cuda_graph: true" in capsys.readouterr().out
+
+
+def test_help_lists_the_ppo_keys_under_their_concern(capsys):
+    with pytest.raises(SystemExit):
+        main(["grpo", "--help"])
+    out = capsys.readouterr().out
+    at = [out.index(f"  -- {h}\n") for h in ("Batches", "Sampling", "KL", "Loss", "Guards")]
+    assert at == sorted(at)
+    assert at[1] < out.index("  ppo.temperature:") < at[2] < out.index("  ppo.kl_coef:") < at[3]

@@ -64,6 +64,19 @@ def test_config_reference_rows_hold_the_codes_type_default_range_and_help(refere
     assert reference_rows["env.class"][2] == "`''`"
 
 
+def test_config_reference_groups_the_ppo_keys_under_their_concern():
+    """The ppo section's table is split by concern, each under its heading, in the config's order."""
+    lines = _hooks().render_config_reference().splitlines()
+    start = lines.index("## ppo")
+    section = lines[start: lines.index("## value")]
+    headings = [line.removeprefix("### ") for line in section if line.startswith("### ")]
+    assert headings == [h for h, _, _ in config.key_groups()["ppo"]]
+    assert {"Sampling", "Loss", "KL", "Guards"} <= set(headings)
+    row = next(i for i, line in enumerate(section) if line.startswith("| `ppo.temperature` |"))
+    assert section.index("### Sampling") < row < section.index("### Rewards")
+    assert not [line for line in lines[:start] if line.startswith("### ")]  # other sections: one table
+
+
 def test_config_reference_shows_each_rl_commands_defaults():
     page = _hooks().render_config_reference()
     grpo = next(line for line in page.splitlines() if line.startswith("| `rlhfkit grpo` |"))

@@ -88,9 +88,9 @@ def keys_help(command: str) -> str:
     with its type, default and description (from the docstrings in rlhfkit/config.py)."""
     from textwrap import fill
 
-    from .config import key_docs, key_types
+    from .config import key_docs, key_groups, key_types
 
-    cfg, docs, types = _defaults(command).to_dict(), key_docs(), key_types()
+    cfg, docs, types, groups = _defaults(command).to_dict(), key_docs(), key_types(), key_groups()
     lines = [f"Writes to {DEFAULT_OUT[command]}/ unless run.out_dir says otherwise.", "",
              fill("Config keys (section.key=value on the command line, or a section: mapping in --config FILE) "
                   "with this command's defaults; run.task=cities brings its own for some, and --print-config "
@@ -98,11 +98,13 @@ def keys_help(command: str) -> str:
     for entry in COMMAND_SECTIONS[command]:
         sec, _, only = entry.partition(".")
         lines += ["", f"{sec}:"]
-        for key, doc in docs[sec].items():
-            if only and key != only:
-                continue
-            lines.append(f"  {sec}.{key}: {types[sec][key]} = {cfg[sec][key]!r}")
-            lines.append(fill(first_sentence(doc), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+        for heading, _, keys in groups[sec]:
+            if heading and not only:  # the ppo section, by concern
+                lines.append(f"  -- {heading}")
+            for key in [k for k in keys if not only or k == only]:
+                lines.append(f"  {sec}.{key}: {types[sec][key]} = {cfg[sec][key]!r}")
+                lines.append(fill(first_sentence(docs[sec][key]), 100, initial_indent=" " * 6,
+                                  subsequent_indent=" " * 6, break_on_hyphens=False))
     return "\n".join(lines)
 
 

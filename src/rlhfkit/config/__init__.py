@@ -284,10 +284,12 @@ def key_docs() -> dict[str, dict[str, str]]:
             for sec, cls in _hints(Config).items()}
 
 
-def key_groups() -> dict[str, list[tuple[str, list[str]]]]:
-    """``{section: [(heading, keys), ...]}``: the ``ppo`` section's keys under the concern that
-    holds them (``PPOSampling`` -> ``'Sampling'``); any other section is one group with no heading."""
-    return {sec: [(part.__name__.removeprefix("PPO") if part is not cls else "", list(_field_docs(part)))
+def key_groups() -> dict[str, list[tuple[str, str, list[str]]]]:
+    """``{section: [(heading, description, keys), ...]}``: the ``ppo`` section's keys under the
+    concern that holds them (``PPOSampling`` -> ``'Sampling'`` and its docstring); any other
+    section is one group with no heading."""
+    return {sec: [(part.__name__.removeprefix("PPO"), inspect.cleandoc(part.__doc__), list(_field_docs(part)))
+                  if part is not cls else ("", "", list(_field_docs(part)))
                   for part in _parts(cls) if _field_docs(part)] for sec, cls in _hints(Config).items()}
 
 

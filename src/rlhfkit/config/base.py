@@ -15,6 +15,9 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and says how to fix it."""
 
 
+ConfigError.__module__ = "rlhfkit.config"  # its public name, as tracebacks and the API reference show it
+
+
 # keys that moved to another section: the old dotted name -> the new one. Every route that sets a
 # key (the command line, a config file, Config.replace, a section's constructor) refuses the old name.
 MOVED_KEYS = {
