@@ -184,6 +184,7 @@ def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence
 # keys whose natural name is a Python keyword: the name users write -> the field
 KEY_ALIASES = {"env.class": "env.cls"}
 
+
 def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> None:
     """``data[section][key] = value`` for ``'section.key'``; ConfigError with the full dotted key
     to use when there is no such key."""

@@ -218,8 +218,8 @@ class PPOCritic:
     """'shared': a value head on the actor (unset: the default); 'separate': a value model of its own
     (unset: when value.name, value.lora or ppo.value_init is set)."""
     value_init: Literal["reward", "policy"] | None = None
-    """A separate value model's start: the reward model ('reward', unset) or the policy ('policy');
-    value.name overrides both."""
+    """A separate value model's start: the reward model ('reward'; unset: it, or the policy without
+    reward.name) or the policy ('policy'); value.name overrides both."""
     gamma: float = 1.0
     """Discount."""
     lam: float = 0.95
