@@ -1,9 +1,9 @@
-"""MkDocs hook: the config reference page (reference/config.md), rendered from rlhfkit/config.py
+"""MkDocs hook: the config reference page (reference/config.md), rendered from rlhfkit/config/
 at every build.
 
 The page is never committed: each ``mkdocs build`` renders it from the same sources as
 ``rlhfkit CMD --help`` (``config.key_docs()``, ``config.key_types()``, ``config.RANGES``, the
-defaults of ``Config()``), so a key added, renamed or re-documented in config.py is in the next
+defaults of ``Config()``), so a key added, renamed or re-documented in the config package is in the next
 build of the site, and there is no second copy that could fall behind.
 """
 
@@ -20,7 +20,7 @@ INTRO = """\
 # Config reference
 
 Every key of every command, with its type, its default, the values it accepts and what it does.
-This page is generated from `src/rlhfkit/config.py` each time the site is built: it is the text
+This page is generated from `src/rlhfkit/config/` each time the site is built: it is the text
 that `rlhfkit CMD --help` prints, so the two cannot disagree.
 
 Set a key on the command line as `section.key=value` (`rlhfkit ppo ppo.kl_coef=0.1`) or in a YAML

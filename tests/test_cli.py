@@ -127,7 +127,7 @@ def test_every_config_key_has_a_description():
     assert set(docs) == set(types)
     for sec in types:
         missing = set(types[sec]) - set(docs[sec])
-        assert not missing, f"keys without a docstring under them in config.py: {sorted(missing)} ({sec})"
+        assert not missing, f"keys without a docstring under them in rlhfkit.config: {sorted(missing)} ({sec})"
 
 
 def test_first_sentence_keeps_abbreviations_and_brackets():

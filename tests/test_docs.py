@@ -1,4 +1,4 @@
-"""The documentation cannot rot: the config reference the site renders lists every key of config.py
+"""The documentation cannot rot: the config reference the site renders lists every key of rlhfkit.config
 with the type, default and range the code enforces, the README stays a README, and every
 ``rlhfkit ...`` command shown in the README and the site's pages parses with today's keys."""
 
@@ -53,7 +53,7 @@ def test_config_reference_lists_every_key_of_config_py(reference_rows):
 
 
 def test_config_reference_rows_hold_the_codes_type_default_range_and_help(reference_rows):
-    # written out by hand from config.py, so a renderer that shifts a column fails
+    # written out by hand from rlhfkit.config, so a renderer that shifts a column fails
     key, type_, default, accepts, doc = reference_rows["ppo.top_p"]
     assert (type_, default, accepts) == ("float", "`1.0`", "> 0, <= 1")
     assert doc.startswith("Nucleus sampling")

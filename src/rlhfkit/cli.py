@@ -85,7 +85,7 @@ def first_sentence(text: str) -> str:
 
 def keys_help(command: str) -> str:
     """The epilog of ``rlhfkit CMD --help``: the output directory, then every key the command reads
-    with its type, default and description (from the docstrings in rlhfkit/config.py)."""
+    with its type, default and description (from the docstrings in rlhfkit/config/)."""
     from textwrap import fill
 
     from .config import key_docs, key_groups, key_types
