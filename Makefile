@@ -86,7 +86,7 @@ test-fast: lint
 	$(PYTEST) -m "not slow and not long and not bench"
 
 # The documentation site (mkdocs.yml, pages in docs/; docs/hooks.py renders the config reference
-# from src/rlhfkit/config.py at every build). --strict: a broken link or a page missing from the
+# from src/rlhfkit/config/ at every build). --strict: a broken link or a page missing from the
 # navigation fails the build.
 DOCS_STAMP := $(VENV)/.rlhfkit-docs-installed
 

@@ -8,11 +8,11 @@ the two workloads of ``real_step.py`` and three ways of stepping:
   default);
 - ``fixed``: :func:`rlhfkit.accel.forward.static_decode_step`, every shape fixed, attention over the whole
   pre-allocated cache with the unwritten columns masked, run as written;
-- ``graph``: the fixed step replayed as a CUDA graph (``ppo.cuda_graph``; CUDA only).
+- ``graph``: the fixed step replayed as a CUDA graph (``accel.cuda_graph``; CUDA only).
 
 With ``--attention sdpa triton`` each runs again with the decode attention swapped for the
 Triton kernel of :mod:`rlhfkit.triton_decode` (one query a row, where PyTorch's memory-efficient
-kernel computes tiles of 64 queries; ``ppo.cuda_graph`` uses it inside the library, reading the
+kernel computes tiles of 64 queries; ``accel.cuda_graph`` uses it inside the library, reading the
 step's column from device memory; the fixed and graph steps then run the library's own path, one
 graph over the written columns), and the last step's logits are compared with PyTorch's.
 On a CPU that needs ``TRITON_INTERPRET=1`` (slow: a check, not a timing), and rlhfkit's compiled

@@ -91,8 +91,9 @@ def language_model(seed: int, steps: int, eval_every: int, out: Path, pretrain_s
     prompts = out / "prompts.jsonl"  # the environment ignores the prompt: one start cell
     prompts.write_text(json.dumps({"prompt": "a"}) + "\n")
     cfg = Config().replace(
-        run={"out_dir": str(out / "rl"), "seed": seed, "progress": False, "threads": 1, "checkpoint_every": 0,
+        run={"out_dir": str(out / "rl"), "seed": seed, "progress": False, "checkpoint_every": 0,
              "tensorboard": False},
+        accel={"threads": 1},
         model={"name": str(base)},
         data={"path": str(prompts), "eval_path": str(prompts)},
         env={"cls": "rlhfkit.tasks.gridcat:GridCat"},
@@ -115,7 +116,7 @@ def language_model(seed: int, steps: int, eval_every: int, out: Path, pretrain_s
 
 
 def tabular(seed: int, out: Path) -> dict:
-    cfg = Config().replace(run={"out_dir": str(out / "tabular"), "seed": seed, "progress": False, "threads": 1},
+    cfg = Config().replace(run={"out_dir": str(out / "tabular"), "seed": seed, "progress": False}, accel={"threads": 1},
                            gridworld={"algo": "reinforce", "iterations": 200, "episodes_per_iter": 32})
     t0 = time.perf_counter()
     train_gridworld(cfg)

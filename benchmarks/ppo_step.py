@@ -93,7 +93,7 @@ def run_rlhfkit(kind: str, paths: dict, args) -> dict:
     if kind == "rlhfkit_grpo_trl_schedule":
         ppo.update(group_size=8, ppo_epochs=1, minibatch_size=64, kl_coef=0.1)
     reward = {"name": paths["rm"]} if algo == "ppo" else {"function": "rlhfkit.tasks.doubling:exact_reward"}
-    cfg = Config().replace(run={"out_dir": str(out), "seed": args.seed, "progress": False, "threads": 1},
+    cfg = Config().replace(run={"out_dir": str(out), "seed": args.seed, "progress": False}, accel={"threads": 1},
                            ppo=ppo, reward=reward)
     train_rl(cfg, paths["base"])
     rows = read_jsonl(out / "metrics.jsonl")[args.warmup:]

@@ -100,7 +100,7 @@ def greedy_answers(model_dir: str | Path, prompts=PROMPTS, max_new_tokens: int =
 def scenario_args(name: str, model_dir: str, data: dict[str, Path], out_dir: Path) -> list[str]:
     """The command line of scenario ``name``: the command's defaults but for length and batch."""
     return [*SCENARIOS[name], f"model.name={model_dir}", f"data.path={data[name]}", f"run.out_dir={out_dir}",
-            "run.threads=1", "run.progress=false", "run.overwrite=true"]
+            "accel.threads=1", "run.progress=false", "run.overwrite=true"]
 
 
 def run_scenario(name: str, model_dir: str, data: dict[str, Path], work: Path, core: int) -> dict:

@@ -140,8 +140,8 @@ def rlhfkit_config(algo: str, paths: dict, out: Path, seed: int, args, task: Tas
     from rlhfkit.config import Config, load_config
 
     cfg = Config().replace(
-        run={"out_dir": str(out), "seed": seed, "progress": False, "threads": 1, "overwrite": True,
-             "tensorboard": False},
+        run={"out_dir": str(out), "seed": seed, "progress": False, "overwrite": True, "tensorboard": False},
+        accel={"threads": 1},
         model={"name": paths["model"], "lora_r": LORA_R},
         data={"path": paths["train"], "eval_path": paths["held"]},
         reward={"function": task.spec(), "weights": ",".join(f"{w:g}" for w in task.weights)},

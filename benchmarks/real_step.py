@@ -52,7 +52,7 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            ``rlhfkit.accel.forward.shared_prompts`` return None (what they do when sharing
                            does not pay); the positions of TRL's completion-position rows
                            through the head, and through the body but the last column
-    rlhfkit_grpo_graph     the first row with ``ppo.cuda_graph=true``: each decode step replayed as
+    rlhfkit_grpo_graph     the first row with ``accel.cuda_graph=true``: each decode step replayed as
                            a CUDA graph (GPU only; on a CPU the same fixed-shape step runs eagerly),
                            its attention the Triton kernel of ``rlhfkit.triton_decode`` where Triton
                            imports; ``rlhfkit_grpo_graph_torchattn`` and
@@ -61,7 +61,7 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
     rlhfkit_grpo_ckpt      the first row with ``model.gradient_checkpointing=true``: the update's
                            shared-prompt forward keeps each layer's input only and runs the layer
                            again in the backward; rollout and reference as in the first row
-    rlhfkit_grpo_ckpt_offload  ``rlhfkit_grpo_ckpt`` with ``ppo.offload=true``: AdamW's moments in
+    rlhfkit_grpo_ckpt_offload  ``rlhfkit_grpo_ckpt`` with ``accel.offload=true``: AdamW's moments in
                            host memory from the step's start to the update, the reference's
                            weights there outside the experience pass (GPU only; on a CPU host
                            and device memory are one). The moments' copy to the host is timed
@@ -71,12 +71,12 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            loss computed from the chunked head's log-probs, whose backward builds
                            each chunk's logits again (rlhfkit before commit e95660e, and TRL's
                            head); CPU or GPU, not in the default rows
-    rlhfkit_grpo_offheap   the first row with ``ppo.update_off_heap=true``: during the update every
+    rlhfkit_grpo_offheap   the first row with ``accel.update_off_heap=true``: during the update every
                            tensor of 1 MiB or more mapped on its own and handed back when freed
                            (glibc; CPU only, not in the default rows). ``rlhfkit_grpo_offheap_thp``
                            adds ``THP_MEM_ALLOC_ENABLE=1`` (below)
     rlhfkit_grpo_jemalloc  the first row in a worker with jemalloc in place of glibc's malloc
-                           (``LD_PRELOAD``, as ``run.malloc=jemalloc`` sets it: the system's
+                           (``LD_PRELOAD``, as ``accel.malloc=jemalloc`` sets it: the system's
                            library, Debian's ``libjemalloc2``);
                            ``rlhfkit_grpo_tcmalloc`` the same with tcmalloc
                            (``libtcmalloc-minimal4``), ``trl_grpo_compact_jemalloc`` and
@@ -567,10 +567,9 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     ppo = {**ALGO_DEFAULTS[s["algo"]], "steps": args.warmup + args.steps, "batch_size": B, "ppo_epochs": 1,
            "minibatch_size": B, "micro_batch_size": wl["micro"], "max_new_tokens": wl["new_tokens"], "lr": LR,
-           "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0, "samples_per_log": 0, "trajectories_every": 0,
-           "offload": s["offload"], "update_off_heap": s["offheap"]}
+           "stop_at": 0.0, "eval_every": 0, "critic_warmup_steps": 0, "samples_per_log": 0, "trajectories_every": 0}
     if s["algo"] == "grpo":
-        ppo.update(group_size=wl["group_size"], kl_coef=KL, cuda_graph=s["graph"])
+        ppo.update(group_size=wl["group_size"], kl_coef=KL)
     else:  # the rows measure what a critic model of its own costs (positions() counts its forwards)
         ppo.update(value_model="separate")
     model = {"name": paths["model"], "gradient_checkpointing": s["ckpt"], "dtype": "bfloat16" if s["bf16"] else "float32",
@@ -578,10 +577,11 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     if s["lora"]:
         model.update(lora_r=LORA["r"], lora_alpha=LORA["alpha"])
     cfg = Config().replace(
-        run={"out_dir": str(out), "seed": args.seed, "progress": False, "threads": 1, "checkpoint_every": 0,
+        run={"out_dir": str(out), "seed": args.seed, "progress": False, "checkpoint_every": 0,
              "tensorboard": False, "device": args.device},
         model=model, ppo=ppo, value={"lora": s["lora"]}, reward={"function": "real_step:letter_share"},
-        accel={"enabled": accel},
+        accel={"enabled": accel, "threads": 1, "offload": s["offload"], "update_off_heap": s["offheap"],
+               "cuda_graph": s["graph"] and s["algo"] == "grpo"},
         data={"path": paths["prompts"], "max_prompt_length": wl["prompt_tokens"]})
     clock = PhaseClock(cuda=args.device == "cuda")
     rl.rollout = marked(rl.rollout, clock, "rollout", start=True)
@@ -735,7 +735,7 @@ def run_one(row: str, run: int, setting: dict, paths: dict, args) -> dict | None
     if row_spec(row)["thp"]:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
     if row_spec(row)["malloc"]:
-        env["LD_PRELOAD"] = malloc.resolve(row_spec(row)["malloc"])  # as ``run.malloc`` preloads it
+        env["LD_PRELOAD"] = malloc.resolve(row_spec(row)["malloc"])  # as ``accel.malloc`` preloads it
     at = code_version()  # the code the worker imports now, whatever is checked out when it ends
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -68,8 +68,9 @@ def run_cell(algo: str, reward: str, seed: int, paths: dict, args) -> dict:
     out = Path(args.out) / f"robust_{algo}_{reward}_{seed}"
     shutil.rmtree(out, ignore_errors=True)  # a run appends to an existing metrics.jsonl: start clean
     cfg = Config().replace(
-        run={"out_dir": str(out), "seed": seed, "progress": False, "threads": 1, "checkpoint_every": 0,
+        run={"out_dir": str(out), "seed": seed, "progress": False, "checkpoint_every": 0,
              "tensorboard": False},
+        accel={"threads": 1},
         ppo={**ALGO_DEFAULTS[algo], "steps": args.steps, "stop_at": 0.0, "eval_every": args.eval_every,
              "trajectories_every": 0},
         reward=reward_section(reward, paths),

@@ -58,7 +58,7 @@ def rlhfkit(*args: str) -> list[str]:
 def prepare(out: Path, seed: int, threads: int) -> tuple[Path, Path]:
     """Pretrained base and reward model, built once and cached under ``out``."""
     base, rm = out / "pretrain" / "policy", out / "reward" / "reward_model"
-    common = [f"run.seed={seed}", f"run.threads={threads}", "run.progress=false", "run.overwrite=true"]
+    common = [f"run.seed={seed}", f"accel.threads={threads}", "run.progress=false", "run.overwrite=true"]
     if not (base / "config.json").exists():
         print("preparing the base model (cached for later runs) ...", flush=True)
         subprocess.run(rlhfkit("pretrain", f"run.out_dir={out / 'pretrain'}", *common), check=True,
@@ -76,7 +76,7 @@ def soak(args) -> dict:
     run_dir = out / "ppo"
     # run.overwrite: an earlier soak's run there is replaced, so the step count is this run's
     cmd = rlhfkit("ppo", f"model.name={base}", f"reward.name={rm}", f"run.out_dir={run_dir}", "run.overwrite=true",
-                  f"run.seed={args.seed}", f"run.threads={args.threads}", "run.progress=false",
+                  f"run.seed={args.seed}", f"accel.threads={args.threads}", "run.progress=false",
                   "ppo.steps=100000000", "ppo.stop_at=0", f"ppo.eval_every={args.eval_every}")
     print("soak:", " ".join(cmd[2:]), flush=True)
     log = open(out / "soak_child.log", "w")
@@ -146,7 +146,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between RSS samples")
     ap.add_argument("--warmup-minutes", type=float, default=None,
                     help="samples before this are warm-up (default: 10%% of the run, at least 1 minute)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of the PPO run (run.threads)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the PPO run (accel.threads)")
     ap.add_argument("--eval-every", type=int, default=50, help="held-out greedy evaluation every N steps")
     ap.add_argument("--target", type=float, default=0.05, help="largest acceptable growth after warm-up")
     ap.add_argument("--seed", type=int, default=0)

@@ -179,7 +179,8 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
               else {"function": "rlhfkit.tasks.doubling:exact_reward"})
     cfg = Config().replace(
         run={"out_dir": str(Path(args.out) / f"tta_rlhfkit_{name}_{args.seed}"), "seed": args.seed,
-             "progress": False, "threads": 1, "overwrite": True},
+             "progress": False, "overwrite": True},
+        accel={"threads": 1},
         ppo={**ALGO_DEFAULTS[algo], "stop_at": args.target, "steps": args.max_steps,
              "eval_every": args.eval_every},
         reward=reward,

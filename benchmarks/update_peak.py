@@ -4,7 +4,7 @@
 allocator's ``max_memory_allocated`` on a GPU). This script runs one of its rlhfkit rows the same
 way (same model, workload and switches: ``--rows`` names it) for a warm-up step and a measured
 one, and records the measured step's update -- from the end of the experience phase, so the
-moments' copy back under ``ppo.offload`` is in it -- under ``torch.profiler`` with
+moments' copy back under ``accel.offload`` is in it -- under ``torch.profiler`` with
 ``profile_memory``. From the profiler's memory timeline (``torch.profiler._memory_profiler``, the
 same one ``export_memory_timeline`` plots) it prints:
 

@@ -1,9 +1,9 @@
-"""MkDocs hook: the config reference page (reference/config.md), rendered from rlhfkit/config.py
+"""MkDocs hook: the config reference page (reference/config.md), rendered from rlhfkit/config/
 at every build.
 
 The page is never committed: each ``mkdocs build`` renders it from the same sources as
 ``rlhfkit CMD --help`` (``config.key_docs()``, ``config.key_types()``, ``config.RANGES``, the
-defaults of ``Config()``), so a key added, renamed or re-documented in config.py is in the next
+defaults of ``Config()``), so a key added, renamed or re-documented in the config package is in the next
 build of the site, and there is no second copy that could fall behind.
 """
 
@@ -20,7 +20,7 @@ INTRO = """\
 # Config reference
 
 Every key of every command, with its type, its default, the values it accepts and what it does.
-This page is generated from `src/rlhfkit/config.py` each time the site is built: it is the text
+This page is generated from `src/rlhfkit/config/` each time the site is built: it is the text
 that `rlhfkit CMD --help` prints, so the two cannot disagree.
 
 Set a key on the command line as `section.key=value` (`rlhfkit ppo ppo.kl_coef=0.1`) or in a YAML
@@ -88,17 +88,19 @@ def _display_key(section: str, key: str) -> str:
 
 
 def render_config_reference() -> str:
-    """The whole page, Markdown: one table a section, one row a key, in config.py's order."""
+    """The whole page, Markdown: one table a section (the ``ppo`` section one a concern, under its
+    heading), one row a key, in the config's order."""
     docs, types, defaults = rc.key_docs(), rc.key_types(), rc.Config().to_dict()
     lines = [INTRO, *_algo_table()]
-    for section, keys in types.items():
-        lines += ["", f"## {section}", "", f"Read by: {_readers(section)}.", "",
-                  "| key | type | default | accepts | description |", "|---|---|---|---|---|"]
-        for key, type_name in keys.items():
-            dotted = f"{section}.{key}"
-            lines.append(f"| `{_display_key(section, key)}` | {_cell(type_name)} | "
-                         f"{_default(defaults[section][key])} | {_cell(value_range(dotted))} | "
-                         f"{_cell(docs[section].get(key, ''))} |")
+    for section, groups in rc.key_groups().items():
+        lines += ["", f"## {section}", "", f"Read by: {_readers(section)}."]
+        for heading, about, keys in groups:
+            lines += ["", f"### {heading}", "", about] if heading else []
+            lines += ["", "| key | type | default | accepts | description |", "|---|---|---|---|---|"]
+            for key in keys:
+                lines.append(f"| `{_display_key(section, key)}` | {_cell(types[section][key])} | "
+                             f"{_default(defaults[section][key])} | {_cell(value_range(f'{section}.{key}'))} | "
+                             f"{_cell(docs[section].get(key, ''))} |")
     return "\n".join(lines) + "\n"
 
 

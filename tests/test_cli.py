@@ -114,8 +114,7 @@ def test_help_shows_the_commands_own_defaults_and_types(capsys):
     with pytest.raises(SystemExit):
         main(["grpo", "-h"])
     out = capsys.readouterr().out
-    assert ("  ppo.kl_coef: float = 0.3\n      beta: weight of the KL penalty (which KL it pulls on: see kl_estimator; TRL's "
-            "beta, whose GRPO\n      default is 0 with full fine-tuning too).\n") in out
+    assert "  ppo.kl_coef: float = 0.3\n      beta, the weight of the KL penalty (TRL's beta).\n" in out
     assert "  ppo.kl_estimator: 'k1' | 'k2' | 'k3' = 'k3'\n" in out  # grpo's ALGO_DEFAULTS, Literal choices
     assert "  run.out_dir: str = 'runs/grpo'\n" in out
     assert "  ppo.max_new_tokens: int | None = None\n" in out
@@ -128,7 +127,7 @@ def test_every_config_key_has_a_description():
     assert set(docs) == set(types)
     for sec in types:
         missing = set(types[sec]) - set(docs[sec])
-        assert not missing, f"keys without a docstring under them in config.py: {sorted(missing)} ({sec})"
+        assert not missing, f"keys without a docstring under them in rlhfkit.config: {sorted(missing)} ({sec})"
 
 
 def test_first_sentence_keeps_abbreviations_and_brackets():
@@ -298,22 +297,40 @@ def test_run_malloc_restarts_the_command_line_once_with_the_library_preloaded(pr
 
     assert not malloc.loaded(preload_lib)
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RLHFKIT_MALLOC_RESTARTED")}
-    done = run_cli("grpo", f"run.malloc={preload_lib}", "--print-config", env=env)
+    done = run_cli("grpo", f"accel.malloc={preload_lib}", "--print-config", env=env)
     assert done.returncode == 0, done.stderr
     # printed by the restarted process only once the library is in LD_PRELOAD and mapped
-    assert done.stderr.count(f"rlhfkit grpo: malloc: {preload_lib} (run.malloc={preload_lib})") == 1
+    assert done.stderr.count(f"rlhfkit grpo: malloc: {preload_lib} (accel.malloc={preload_lib})") == 1
     assert f"malloc: {preload_lib}" in done.stdout  # the resolved config, printed after the restart
 
 
 def test_run_malloc_errors_name_the_fix(preload_lib, monkeypatch, capsys):
     from rlhfkit.accel import malloc
 
-    done = run_cli("grpo", "run.malloc=tcmallocc", "--print-config")
+    done = run_cli("grpo", "accel.malloc=tcmallocc", "--print-config")
     assert done.returncode == 2
-    assert "run.malloc must be '', 'tcmalloc', 'jemalloc' or a path" in done.stderr
+    assert "accel.malloc must be '', 'tcmalloc', 'jemalloc' or a path" in done.stderr
     monkeypatch.setattr(malloc.ctypes.util, "find_library", lambda name: None)
     with pytest.raises(ValueError, match="libjemalloc2"):
         malloc.resolve("jemalloc")
     # called as a function, the command cannot restart its caller: it says how to preload instead
-    assert main(["grpo", f"run.malloc={preload_lib}", "--print-config"]) == 2
+    assert main(["grpo", f"accel.malloc={preload_lib}", "--print-config"]) == 2
     assert f"set LD_PRELOAD={preload_lib} before Python starts" in capsys.readouterr().err
+
+
+def test_a_speed_key_under_its_old_name_is_one_line_naming_the_new_one(capsys):
+    assert main(["grpo", "ppo.cuda_graph=true", "--print-config"]) == 2
+    assert capsys.readouterr().err.strip() == ("rlhfkit grpo: error: config key 'ppo.cuda_graph' is now "
+                                               "'accel.cuda_graph' (a speed setting, in the accel section): "
+                                               "write accel.cuda_graph=... instead")
+    assert main(["grpo", "accel.cuda_graph=true", "--print-config"]) == 0
+    assert "cuda_graph: true" in capsys.readouterr().out
+
+
+def test_help_lists_the_ppo_keys_under_their_concern(capsys):
+    with pytest.raises(SystemExit):
+        main(["grpo", "--help"])
+    out = capsys.readouterr().out
+    at = [out.index(f"  -- {h}\n") for h in ("Batches", "Sampling", "KL", "Loss", "Guards")]
+    assert at == sorted(at)
+    assert at[1] < out.index("  ppo.temperature:") < at[2] < out.index("  ppo.kl_coef:") < at[3]

@@ -368,3 +368,51 @@ def test_the_critic_is_a_value_head_on_the_policy_unless_a_separate_one_is_confi
     for cfg in (Config(), load_config(overrides=["value.name=runs/critic"])):
         (tmp_path / "saved.yaml").write_text(dump_config(cfg))
         assert load_config(tmp_path / "saved.yaml") == cfg
+
+
+SPEED_KEYS = {"run.threads": 1, "run.malloc": "", "ppo.cuda_graph": True, "ppo.offload": True,
+              "ppo.update_off_heap": True}
+
+
+@pytest.mark.parametrize("old", sorted(SPEED_KEYS))
+def test_a_speed_key_moved_to_accel_is_refused_by_its_old_name_on_every_route(old, tmp_path):
+    """The keys that only make a run faster live in the accel section; their old names stop with
+    one line that names the new key, from Python, Config.replace, a YAML file and an override."""
+    sec, key = old.split(".")
+    new, value = f"accel.{key}", SPEED_KEYS[old]
+    section = {"run": Config().run, "ppo": Config().ppo}[sec]
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({sec: {key: value}}))
+    routes = [lambda: type(section)(**{key: value}), lambda: dataclasses.replace(section, **{key: value}),
+              lambda: Config().replace(**{sec: {key: value}}), lambda: from_dict({sec: {key: value}}),
+              lambda: load_config(path), lambda: load_config(overrides=[f"{old}={value}"])]
+    for route in routes:
+        with pytest.raises(ConfigError) as err:
+            route()
+        assert str(err.value) == (f"config key '{old}' is now '{new}' (a speed setting, in the accel section): "
+                                  f"write {new}=... instead")
+    assert getattr(load_config(overrides=[f"{new}={value}"]).accel, key) == value  # the new name works
+
+
+def test_the_ppo_section_is_built_by_concern_and_keeps_flat_keys():
+    """PPOConfig is one small dataclass a concern; every key keeps its flat name ppo.<key>, in one group."""
+    from rlhfkit.config import key_docs, key_groups
+
+    groups = key_groups()["ppo"]
+    headings = [h for h, _, _ in groups]
+    assert headings[:3] == ["Batches", "Optimizer", "Sampling"] and {"Loss", "KL", "Guards"} <= set(headings)
+    keys = [k for _, _, ks in groups for k in ks]
+    assert keys == [f.name for f in dataclasses.fields(PPOConfig)] == list(key_docs()["ppo"])
+    assert all(0 < len(about.splitlines()) <= 2 for _, about, _ in groups)  # each concern says what it holds
+    assert "temperature" in next(ks for h, _, ks in groups if h == "Sampling")
+    assert "kl_coef" in next(ks for h, _, ks in groups if h == "KL")
+    assert Config().replace(ppo={"temperature": 0.7}).ppo.temperature == 0.7
+    assert [(h, ks) for h, _, ks in key_groups()["run"]] == [("", list(key_docs()["run"]))]  # other sections: one group
+
+
+def test_every_keys_help_is_one_or_two_lines():
+    """What a key does fits `--help`; the details live on the docs pages."""
+    from rlhfkit.config import key_docs
+
+    long = [f"{sec}.{key}" for sec, docs in key_docs().items() for key, doc in docs.items() if len(doc.splitlines()) > 2]
+    assert not long, f"keys whose help runs over two lines: {long}"

@@ -1,4 +1,4 @@
-"""The documentation cannot rot: the config reference the site renders lists every key of config.py
+"""The documentation cannot rot: the config reference the site renders lists every key of rlhfkit.config
 with the type, default and range the code enforces, the README stays a README, and every
 ``rlhfkit ...`` command shown in the README and the site's pages parses with today's keys."""
 
@@ -53,15 +53,28 @@ def test_config_reference_lists_every_key_of_config_py(reference_rows):
 
 
 def test_config_reference_rows_hold_the_codes_type_default_range_and_help(reference_rows):
-    # written out by hand from config.py, so a renderer that shifts a column fails
+    # written out by hand from rlhfkit.config, so a renderer that shifts a column fails
     key, type_, default, accepts, doc = reference_rows["ppo.top_p"]
     assert (type_, default, accepts) == ("float", "`1.0`", "> 0, <= 1")
     assert doc.startswith("Nucleus sampling")
     assert reference_rows["ppo.group_size"][3] == ">= 2"
-    assert reference_rows["run.threads"][3] == ">= 0"
+    assert reference_rows["accel.threads"][3] == ">= 0"
     assert reference_rows["ppo.kl_estimator"][1] == "'k1' \\| 'k2' \\| 'k3'"  # pipes escaped: one cell
     assert reference_rows["ppo.max_new_tokens"][2] == "unset"
     assert reference_rows["env.class"][2] == "`''`"
+
+
+def test_config_reference_groups_the_ppo_keys_under_their_concern():
+    """The ppo section's table is split by concern, each under its heading, in the config's order."""
+    lines = _hooks().render_config_reference().splitlines()
+    start = lines.index("## ppo")
+    section = lines[start: lines.index("## value")]
+    headings = [line.removeprefix("### ") for line in section if line.startswith("### ")]
+    assert headings == [h for h, _, _ in config.key_groups()["ppo"]]
+    assert {"Sampling", "Loss", "KL", "Guards"} <= set(headings)
+    row = next(i for i, line in enumerate(section) if line.startswith("| `ppo.temperature` |"))
+    assert section.index("### Sampling") < row < section.index("### Rewards")
+    assert not [line for line in lines[:start] if line.startswith("### ")]  # other sections: one table
 
 
 def test_config_reference_shows_each_rl_commands_defaults():

@@ -82,7 +82,7 @@ def hub(tmp_path_factory):
 
 def rl_config(hub, arch: str, tmp_path, model=(), ppo=(), value=()) -> Config:
     return Config().replace(
-        run={"out_dir": str(tmp_path), "progress": False, "threads": 1},
+        run={"out_dir": str(tmp_path), "progress": False}, accel={"threads": 1},
         model={"name": hub[arch, False], **dict(model)},
         reward={"name": hub[arch, True]},
         ppo={"algo": "grpo", "kl_in_loss": True, "kl_estimator": "k3", "group_size": 4, "batch_size": 16,

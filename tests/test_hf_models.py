@@ -75,7 +75,7 @@ def left_padded(tok, texts):
 
 
 def tiny_rl_config(tmp_path, **sections) -> Config:
-    base = {"run": {"out_dir": str(tmp_path), "progress": False, "seed": 0, "threads": 1},
+    base = {"run": {"out_dir": str(tmp_path), "progress": False, "seed": 0}, "accel": {"threads": 1},
             "ppo": {"steps": 2, "batch_size": 8, "minibatch_size": 4, "group_size": 4, "critic_warmup_steps": 0,
                     "max_new_tokens": 6, "eval_every": 0, "stop_at": 0.0}}
     for sec, vals in sections.items():
@@ -583,7 +583,7 @@ def test_master_weights_in_sft_and_dpo(hub, tmp_path, command):
     first, moved = {}, {}
     for name, extra, cast in (("half", {}, torch.bfloat16), ("master", {"master_weights": True}, torch.float32)):
         out = tmp_path / name
-        cfg = Config().replace(run={"out_dir": str(out), "progress": False, "seed": 0, "threads": 1},
+        cfg = Config().replace(run={"out_dir": str(out), "progress": False, "seed": 0}, accel={"threads": 1},
                                model={"name": hub["llama"], "dtype": "bfloat16", **extra},
                                sft={"steps": 2, "batch_size": 4, "lr": 1e-5, "warmup_steps": 0},
                                dpo={"steps": 2, "batch_size": 4, "num_pairs": 16, "lr": 1e-5, "eval_every": 0})
@@ -599,7 +599,7 @@ def test_master_weights_in_sft_and_dpo(hub, tmp_path, command):
 
 
 def test_reward_model_with_lora_saves_a_plain_merged_classifier(hub, tmp_path):
-    cfg = Config().replace(run={"out_dir": str(tmp_path), "progress": False, "threads": 1},
+    cfg = Config().replace(run={"out_dir": str(tmp_path), "progress": False}, accel={"threads": 1},
                            model={"name": hub["qwen3"], "lora_r": 4},
                            reward={"steps": 2, "batch_size": 8, "eval_pairs": 16, "lr": 1e-2})
     result = train_reward_model(cfg)

@@ -20,7 +20,7 @@ LAYERS = [
     ("accel", {"accel", "accel.registry", "accel.forward", "accel.primitives", "accel.kernels", "accel.gemm",
                "accel.triton_decode", "accel.malloc", "accel.heap"}),
     ("base", {"core", "core.stats", "core.rewards", "core.advantages", "core.losses", "core.preference", "ops",
-              "config", "utils", "progress", "offload", "precision"}),
+              "config", "config.base", "config.ppo", "config.sections", "config.trl", "utils", "progress", "offload", "precision"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "data.records", "data.examples", "data.encode",
                         "callables", "prompts", "tasks", "tasks.doubling", "tasks.cities", "tasks.export"}),
     ("models", {"loading", "logprobs", "models"}),

@@ -56,7 +56,7 @@ def _grpo_args(models, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "rlhfkit", "grpo", f"model.name={models.policy}", f"run.out_dir={out}",
             "reward.function=rlhfkit.tasks.doubling:format_reward", "ppo.steps=6", "ppo.batch_size=8",
             "ppo.minibatch_size=4", "ppo.group_size=4", "ppo.max_new_tokens=4", "ppo.eval_every=0", "ppo.stop_at=0",
-            "eval.batch_size=512", "eval.max_new_tokens=4", "run.checkpoint_every=2", "run.threads=1",
+            "eval.batch_size=512", "eval.max_new_tokens=4", "run.checkpoint_every=2", "accel.threads=1",
             "run.progress=false", *extra]
 
 

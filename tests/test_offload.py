@@ -1,4 +1,4 @@
-"""``ppo.offload``: AdamW's moments and the frozen models' weights leave the device between the
+"""``accel.offload``: AdamW's moments and the frozen models' weights leave the device between the
 phases that read them, and come back unchanged: a run with it trains exactly as one without.
 
 On a CPU host and device memory are one, so there these tests check the mechanics (separate
@@ -160,8 +160,8 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
 
     start = rl.start_offload
 
-    def spy_start(run, pc, optimizer, *frozen):
-        holder.moments = start(run, pc, optimizer, *frozen)
+    def spy_start(run, optimizer, *frozen):
+        holder.moments = start(run, optimizer, *frozen)
         holder.frozen = [m for m in frozen if m is not None]
         return holder.moments
 
@@ -174,7 +174,8 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
         out = tmp_path / f"offload_{offload}"
         cfg = tiny_config(out, model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
                           run={"checkpoint_every": 1, "device": "cpu"},  # the mechanics, on any host
-                          ppo={"algo": algo, "steps": 3, "eval_every": 1, "offload": offload, "lr": 1e-2,
+                          accel={"offload": offload},
+                          ppo={"algo": algo, "steps": 3, "eval_every": 1, "lr": 1e-2,
                                **sections.get("ppo", {})})
         with pytest.warns(UserWarning, match="saves no memory") if offload else contextlib.nullcontext():
             rl.train_rl(cfg)
@@ -204,19 +205,20 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
 def test_a_frozen_model_holding_a_trained_weight_stays_and_fsdp_is_refused():
     from types import SimpleNamespace
 
-    from rlhfkit.config import PPOConfig
+    from rlhfkit.config import Config
 
     policy, ref = (build_tiny_policy(TOK, seed, n_layer=1, n_head=2, n_embd=16) for seed in (0, 1))
     optimizer = torch.optim.AdamW(policy.parameters())
-    run = SimpleNamespace(accelerator=None, device=torch.device("cpu"))
-    pc = PPOConfig(offload=True)
+    on = Config().replace(accel={"offload": True})
+    run = SimpleNamespace(accelerator=None, device=torch.device("cpu"), cfg=on)
     with pytest.warns(UserWarning, match="saves no memory"):
-        rl.start_offload(run, pc, optimizer, ref, policy)  # e.g. a reward model object that is the policy
+        rl.start_offload(run, optimizer, ref, policy)  # e.g. a reward model object that is the policy
     assert hasattr(ref, "_rlhfkit_offload") and not hasattr(policy, "_rlhfkit_offload")
-    fsdp = SimpleNamespace(accelerator=SimpleNamespace(distributed_type="FSDP"), device=torch.device("cpu"))
+    fsdp = SimpleNamespace(accelerator=SimpleNamespace(distributed_type="FSDP"), device=torch.device("cpu"), cfg=on)
     with pytest.raises(ValueError, match="one process or under DDP"):
-        rl.start_offload(fsdp, pc, optimizer, ref)
-    assert rl.start_offload(run, PPOConfig(), optimizer, ref) is None  # off by default
+        rl.start_offload(fsdp, optimizer, ref)
+    off = SimpleNamespace(accelerator=None, device=torch.device("cpu"), cfg=Config())
+    assert rl.start_offload(off, optimizer, ref) is None  # off by default
 
 
 def _rss_mib() -> float:

@@ -444,7 +444,7 @@ def update_inputs(value_model: str, pc):
     return ac, exp, opt
 
 
-def _update_with_grad_storages(value_model: str, pc):
+def _update_with_grad_storages(value_model: str, pc, off_heap: bool = False):
     """One ``ppo_update`` from the same rollout; the trained weights after it and, for each
     optimizer step, the set of storages its gradients live in."""
     ac, exp, opt = update_inputs(value_model, pc)
@@ -456,7 +456,7 @@ def _update_with_grad_storages(value_model: str, pc):
         real_step()
 
     opt.step = step
-    ppo_update(ac, opt, exp, pc, pc.kl_coef, generator=torch.Generator().manual_seed(0))
+    ppo_update(ac, opt, exp, pc, pc.kl_coef, generator=torch.Generator().manual_seed(0), off_heap=off_heap)
     return [p.detach().clone() for p in ac.parameters()], storages
 
 
@@ -481,7 +481,7 @@ def test_update_with_the_gradient_buffer_moves_the_weights_as_autograds_own_grad
 
 
 def test_update_off_heap_is_asked_for_and_moves_the_weights_as_the_default_update_does(monkeypatch):
-    """``ppo.update_off_heap`` turns :func:`rlhfkit.accel.heap.tensors_off_heap` on for the update (off
+    """``accel.update_off_heap`` turns :func:`rlhfkit.accel.heap.tensors_off_heap` on for the update (off
     by default); where the tensors live does not change the arithmetic: bit for bit the same weights."""
     import rlhfkit.trainers.rl as rl
 
@@ -494,6 +494,6 @@ def test_update_off_heap_is_asked_for_and_moves_the_weights_as_the_default_updat
     monkeypatch.setattr(rl, "tensors_off_heap", recording)
     pc = Config().replace(ppo={"batch_size": 16, "minibatch_size": 8, "micro_batch_size": 4, "ppo_epochs": 2}).ppo
     default, _ = _update_with_grad_storages("separate", pc)
-    off_heap, _ = _update_with_grad_storages("separate", dataclasses.replace(pc, update_off_heap=True))
+    off_heap, _ = _update_with_grad_storages("separate", pc, off_heap=True)
     assert asked == [False, True]
     assert all(torch.equal(a, b) for a, b in zip(default, off_heap))

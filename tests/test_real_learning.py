@@ -56,7 +56,7 @@ def test_grpo_with_lora_teaches_the_real_model_the_format_and_keeps_the_facts(mo
             f"data.path={tmp_path / 'data' / 'prompts.jsonl'}", f"data.eval_path={tmp_path / 'data' / 'held.jsonl'}",
             f"reward.function={rewards}:exact,{rewards}:contains,{rewards}:brevity", "reward.weights=1,1,1",
             "ppo.batch_size=16", "ppo.max_new_tokens=16", "ppo.steps=60", "ppo.eval_every=5", "ppo.stop_at=0.5",
-            "run.threads=1", "run.progress=false",
+            "accel.threads=1", "run.progress=false",
             f"run.out_dir={tmp_path / 'run'}"]
     assert main(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -334,7 +334,7 @@ def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path, no_plots):
     SEEN.clear()
     assert main(["grpo", f"model.name={smol.dir}", "model.lora_r=16", f"data.path={data}",
                  "reward.function=test_real_model:brevity", f"run.out_dir={out}", "run.progress=false",
-                 "run.threads=1", "ppo.steps=1", "ppo.batch_size=4", "ppo.group_size=2", "ppo.minibatch_size=4",
+                 "accel.threads=1", "ppo.steps=1", "ppo.batch_size=4", "ppo.group_size=2", "ppo.minibatch_size=4",
                  "ppo.max_new_tokens=8", "ppo.eval_every=0", "data.eval_fraction=0"]) == 0
     # the reward function saw TRL's conversational shapes and no special token
     call = SEEN[0]

@@ -52,7 +52,7 @@ def _args(algo: str, models, out: Path) -> list[str]:
     args = [sys.executable, "-m", "rlhfkit", algo, f"model.name={models.policy}", f"run.out_dir={out}",
             f"ppo.steps={STEPS}", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",
             "ppo.eval_every=4", "ppo.stop_at=0", "ppo.trajectories_every=3", "eval.batch_size=512",
-            "eval.max_new_tokens=4", "run.checkpoint_every=2", "run.threads=1", "run.progress=false"]
+            "eval.max_new_tokens=4", "run.checkpoint_every=2", "accel.threads=1", "run.progress=false"]
     if algo == "ppo":  # critic warm-up, adaptive KL, reward normalisation and the lr carry across steps
         args += [f"reward.name={models.reward}", "ppo.critic_warmup_steps=3", "ppo.adaptive_kl=true",
                  "ppo.normalize_reward=true", "ppo.lr_schedule=linear"]
@@ -201,7 +201,7 @@ SUPERVISED = {  # command, its step budget, where it saves the trained weights
 @pytest.mark.parametrize("command", list(SUPERVISED))
 def test_supervised_loops_resume_exactly(command, tiny_models, tmp_path):
     argv, saved = SUPERVISED[command]
-    base = [sys.executable, "-m", "rlhfkit", *argv, "run.checkpoint_every=2", "run.threads=1", "run.progress=false",
+    base = [sys.executable, "-m", "rlhfkit", *argv, "run.checkpoint_every=2", "accel.threads=1", "run.progress=false",
             "run.tensorboard=false", *([] if command == "pretrain" else [f"model.name={tiny_models.policy}"])]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert _run([*base, f"run.out_dir={whole}"]) == 0

@@ -23,7 +23,7 @@ CORE=${CORE:-1}
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/../env.sh"
 RW="$HERE/rewards.py"
-COMMON=(run.overwrite=true run.threads=1 run.progress=false run.checkpoint_every=0 model.lora_r=16)
+COMMON=(run.overwrite=true accel.threads=1 run.progress=false run.checkpoint_every=0 model.lora_r=16)
 mkdir -p "$OUT/times"
 
 # each stage pinned to one core, its CPU seconds (user + sys), wall seconds and peak RSS recorded
@@ -70,6 +70,6 @@ stage dpo $RLHFKIT dpo "${COMMON[@]}" model.name="$OUT/sft/policy" data.path="$D
 for policy in sft ppo grpo dpo; do
     stage "eval_$policy" $RLHFKIT eval "$OUT/$policy" data.path="$D/held.jsonl" \
         reward.name="$OUT/rm/reward_model" reward.function="$RW:exact,$RW:contains" reward.weights=1,1,0 \
-        eval.max_new_tokens=24 eval.baseline="$BASE" run.threads=1 run.out_dir="$OUT/eval_$policy"
+        eval.max_new_tokens=24 eval.baseline="$BASE" accel.threads=1 run.out_dir="$OUT/eval_$policy"
 done
 $PYTHON "$HERE/pipeline_table.py" "$OUT"

@@ -18,4 +18,4 @@ taskset -c 0 $RLHFKIT grpo run.overwrite=true model.name="$MODEL" model.lora_r=1
     data.path="$OUT/data/prompts.jsonl" data.eval_path="$OUT/data/held.jsonl" \
     reward.function="$HERE/rewards.py:exact,$HERE/rewards.py:contains,$HERE/rewards.py:brevity" \
     reward.weights=1,1,1 ppo.batch_size=16 ppo.max_new_tokens=16 ppo.steps=60 ppo.eval_every=10 \
-    ppo.stop_at=0 run.threads=1 run.out_dir="$OUT/grpo" "$@"
+    ppo.stop_at=0 accel.threads=1 run.out_dir="$OUT/grpo" "$@"

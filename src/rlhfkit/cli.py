@@ -85,12 +85,12 @@ def first_sentence(text: str) -> str:
 
 def keys_help(command: str) -> str:
     """The epilog of ``rlhfkit CMD --help``: the output directory, then every key the command reads
-    with its type, default and description (from the docstrings in rlhfkit/config.py)."""
+    with its type, default and description (from the docstrings in rlhfkit/config/)."""
     from textwrap import fill
 
-    from .config import key_docs, key_types
+    from .config import key_docs, key_groups, key_types
 
-    cfg, docs, types = _defaults(command).to_dict(), key_docs(), key_types()
+    cfg, docs, types, groups = _defaults(command).to_dict(), key_docs(), key_types(), key_groups()
     lines = [f"Writes to {DEFAULT_OUT[command]}/ unless run.out_dir says otherwise.", "",
              fill("Config keys (section.key=value on the command line, or a section: mapping in --config FILE) "
                   "with this command's defaults; run.task=cities brings its own for some, and --print-config "
@@ -98,11 +98,13 @@ def keys_help(command: str) -> str:
     for entry in COMMAND_SECTIONS[command]:
         sec, _, only = entry.partition(".")
         lines += ["", f"{sec}:"]
-        for key, doc in docs[sec].items():
-            if only and key != only:
-                continue
-            lines.append(f"  {sec}.{key}: {types[sec][key]} = {cfg[sec][key]!r}")
-            lines.append(fill(first_sentence(doc), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+        for heading, _, keys in groups[sec]:
+            if heading and not only:  # the ppo section, by concern
+                lines.append(f"  -- {heading}")
+            for key in [k for k in keys if not only or k == only]:
+                lines.append(f"  {sec}.{key}: {types[sec][key]} = {cfg[sec][key]!r}")
+                lines.append(fill(first_sentence(docs[sec][key]), 100, initial_indent=" " * 6,
+                                  subsequent_indent=" " * 6, break_on_hyphens=False))
     return "\n".join(lines)
 
 
@@ -252,7 +254,7 @@ def _one_line_warnings(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    args.argv = None if argv is not None else sys.argv[1:]  # the command line to restart with run.malloc
+    args.argv = None if argv is not None else sys.argv[1:]  # the command line to restart with accel.malloc
     with _one_line_warnings(args.command):
         return _main(args)
 
@@ -288,9 +290,9 @@ def _main(args) -> int:
 
 
 def _preload_malloc(args, cfg: Config) -> None:
-    """run.malloc: restart the command line with that malloc preloaded (rlhfkit.accel.malloc), before
+    """accel.malloc: restart the command line with that malloc preloaded (rlhfkit.accel.malloc), before
     torch is imported. Called as a function (``main([...])``) it cannot restart its caller."""
-    name = cfg.run.malloc if "run" in COMMAND_SECTIONS.get(args.command, ()) else ""
+    name = cfg.accel.malloc if "accel" in COMMAND_SECTIONS.get(args.command, ()) else ""
     if name:
         from .accel import malloc
 

@@ -262,7 +262,7 @@ def full_weights(*models, per_layer: bool = False, compute: bool = True):
     experience pass, :func:`rlhfkit.experience.experience_forwards`)."""
     with contextlib.ExitStack() as stack:
         for model in models:
-            stack.enter_context(on_device(model))  # ppo.offload: a frozen model's weights come from host memory
+            stack.enter_context(on_device(model))  # accel.offload: a frozen model's weights come from host memory
             stack.enter_context(_full_weights(model, per_layer))
         if compute:
             stack.enter_context(compute_weights(*models))

@@ -1,8 +1,8 @@
-"""``ppo.offload``: what a phase of an RL step does not read waits in host memory.
+"""``accel.offload``: what a phase of an RL step does not read waits in host memory.
 
 Full fine-tuning keeps on the device, beside the policy, AdamW's two moments (twice the trained
 weights) and the frozen models: the reference and any reward model. The rollout reads none of
-them, yet with long completions its KV cache makes it the step's peak. So, with ``ppo.offload``:
+them, yet with long completions its KV cache makes it the step's peak. So, with ``accel.offload``:
 
 - :class:`HostMoments`: the optimizer's state goes to host memory when a step starts (and before
   a held-out evaluation) and comes back just before the update;

@@ -463,7 +463,7 @@ def generate(
         stop: strings that end a response, like EOS, once its decoded text holds one (the token
             completing it is the row's last); ``tokenizer`` decodes it (needed only with ``stop``).
         graph: on the accelerated forward, decode with fixed shapes and, on CUDA, replay each
-            step as a CUDA graph (``ppo.cuda_graph``); the same result up to rounding.
+            step as a CUDA graph (``accel.cuda_graph``); the same result up to rounding.
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")

@@ -269,8 +269,8 @@ def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
     with ``write`` also start it (:func:`start_run_dir`), else the caller does once its inputs
     load, so a bad data file or model leaves no directory behind."""
     seed_everything(cfg.run.seed)
-    if cfg.run.threads > 0:
-        torch.set_num_threads(cfg.run.threads)
+    if cfg.accel.threads > 0:
+        torch.set_num_threads(cfg.accel.threads)
     ops.configure(cfg.accel)  # which operations run faster than their reference (and any compile) now
     if not cfg.run.progress or not is_tty(sys.stderr):
         quiet_hub_progress()

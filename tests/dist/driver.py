@@ -12,7 +12,7 @@ from rlhfkit import models
 from rlhfkit.cli import main
 
 out, policy, rm = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-common = ["run.device=cpu", "run.threads=1", "run.progress=false", "run.seed=0", f"model.name={policy}"]
+common = ["run.device=cpu", "accel.threads=1", "run.progress=false", "run.seed=0", f"model.name={policy}"]
 # the RL commands run with their own defaults (batch 64 in minibatches of 32, two epochs, groups of 4
 # for grpo / rloo, 3 critic warm-up steps for ppo) for two steps -- ppo for four, the last one past
 # the warm-up: a minibatch holds rows of both processes' shards in proportions that vary
@@ -48,7 +48,7 @@ runs = {  # run name: (command, overrides)
     "grpo_ckpt": ("grpo", [*rl, "ppo.group_size=4", "model.gradient_checkpointing=true"]),
     # AdamW's moments and the reference in host memory outside the phases that read them (under DDP the
     # optimizer is accelerate's wrapper)
-    "grpo_offload": ("grpo", [*rl, "ppo.group_size=4", "ppo.offload=true"]),
+    "grpo_offload": ("grpo", [*rl, "ppo.group_size=4", "accel.offload=true"]),
     # multi-turn episodes (three turns, observations between them, per-turn rewards): the environment's
     # rewards alone (grpo), and added to the reward model's score with GAE over the turns (ppo)
     "grpo_env": ("grpo", [*rl[:-1], "ppo.group_size=4", f"env.class={Path(__file__).parent / 'echo_env.py'}:Echo"]),

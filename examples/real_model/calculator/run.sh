@@ -15,7 +15,7 @@ OUT=${1:-runs/calculator}; shift || true
 CORE=${CORE:-1}
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/../../env.sh"
-COMMON=(run.overwrite=true run.threads=1 run.progress=false run.checkpoint_every=0 model.lora_r=16)
+COMMON=(run.overwrite=true accel.threads=1 run.progress=false run.checkpoint_every=0 model.lora_r=16)
 mkdir -p "$OUT/times"
 
 # each stage pinned to one core, its CPU seconds (user + sys), wall seconds and peak RSS recorded

@@ -8,11 +8,11 @@ thread counts and size thresholds are read here only.
   sampling step, a bfloat16 LM head, RMS norm and decode attention;
 * :mod:`.gemm`: float32 products through oneDNN, and bfloat16 weights packed for decode steps;
 * :mod:`.triton_decode`: the decode attention of a CUDA-graphed rollout step;
-* :mod:`.malloc`: the command line restarted under tcmalloc or jemalloc (``run.malloc``).
+* :mod:`.malloc`: the command line restarted under tcmalloc or jemalloc (``accel.malloc``).
 
 :func:`install` registers what runs on this machine (:mod:`.registry`: each implementation
 takes the inputs it was measured to pay on and hands any other to the reference). This package
-imports nothing of the core, and importing it imports nothing at all (``run.malloc`` reads
+imports nothing of the core, and importing it imports nothing at all (``accel.malloc`` reads
 :mod:`.malloc` before torch loads).
 Measurements: ``benchmarks/ACCEL_EVIDENCE.md`` and ``benchmarks/RESULTS.md``.
 """

@@ -45,7 +45,7 @@ UPDATE_MMAP_THRESHOLD = 1 << 20
 def tensors_off_heap(enabled: bool = True, threshold: int = UPDATE_MMAP_THRESHOLD):
     """Within the block every allocation of ``threshold`` bytes or more is its own ``mmap``, handed
     straight back on ``free`` (``mallopt(M_MMAP_THRESHOLD)``): the resident set is the tensors
-    alive, at the cost of a page fault per page per allocation (``ppo.update_off_heap``). glibc's
+    alive, at the cost of a page fault per page per allocation (``accel.update_off_heap``). glibc's
     default threshold rises to 32 MiB once so large a tensor is freed, carving an update's
     activations out of the heap. On leaving, the threshold is set to that 32 MiB and stays fixed."""
     libc = _glibc() if enabled else None

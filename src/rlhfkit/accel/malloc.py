@@ -1,4 +1,4 @@
-"""Run the command line under another malloc (``run.malloc``): tcmalloc or jemalloc in place of
+"""Run the command line under another malloc (``accel.malloc``): tcmalloc or jemalloc in place of
 the C library's, through ``LD_PRELOAD``.
 
 On a CPU every tensor's memory comes from ``malloc``. glibc's keeps the blocks a training step
@@ -26,22 +26,22 @@ _RESTARTED = "RLHFKIT_MALLOC_RESTARTED"  # set across the one restart: never loo
 
 
 def resolve(name: str) -> str:
-    """What ``LD_PRELOAD`` gets for ``run.malloc = name``: a library's file name as the dynamic
+    """What ``LD_PRELOAD`` gets for ``accel.malloc = name``: a library's file name as the dynamic
     loader finds it (``libtcmalloc_minimal.so.4``), or the path given. ValueError naming the
     package to install when it is not found."""
     if os.sep in name:
         if not os.path.isfile(name):
-            raise ValueError(f"run.malloc: no such file {name!r}")
+            raise ValueError(f"accel.malloc: no such file {name!r}")
         return os.path.abspath(name)
     if name not in LIBRARIES:
-        raise ValueError(f"run.malloc must be '', {', '.join(map(repr, LIBRARIES))} or a path to a shared library, not {name!r}")
+        raise ValueError(f"accel.malloc must be '', {', '.join(map(repr, LIBRARIES))} or a path to a shared library, not {name!r}")
     if not sys.platform.startswith("linux"):
-        raise ValueError("run.malloc needs Linux (LD_PRELOAD and the glibc loader)")
+        raise ValueError("accel.malloc needs Linux (LD_PRELOAD and the glibc loader)")
     for link in LIBRARIES[name]:
         found = ctypes.util.find_library(link)
         if found:
             return found
-    raise ValueError(f"run.malloc={name}: the library is not installed; install {PACKAGES[name]}")
+    raise ValueError(f"accel.malloc={name}: the library is not installed; install {PACKAGES[name]}")
 
 
 def loaded(lib: str) -> bool:
@@ -65,14 +65,14 @@ def restart_with(name: str, command: str, argv: list[str] | None) -> None:
         return
     lib = resolve(name)
     if loaded(lib):
-        os.environ.pop(_RESTARTED, None)  # a command this one starts may restart for its own run.malloc
-        print(f"rlhfkit {command}: malloc: {lib} (run.malloc={name})", file=sys.stderr, flush=True)
+        os.environ.pop(_RESTARTED, None)  # a command this one starts may restart for its own accel.malloc
+        print(f"rlhfkit {command}: malloc: {lib} (accel.malloc={name})", file=sys.stderr, flush=True)
         return
     if argv is None:
-        raise ValueError(f"run.malloc={name} restarts the `rlhfkit` command with LD_PRELOAD; called as a "
+        raise ValueError(f"accel.malloc={name} restarts the `rlhfkit` command with LD_PRELOAD; called as a "
                          f"function, set LD_PRELOAD={lib} before Python starts instead")
     if os.environ.get(_RESTARTED):
-        raise ValueError(f"run.malloc={name}: {lib} was not preloaded after the restart (LD_PRELOAD="
+        raise ValueError(f"accel.malloc={name}: {lib} was not preloaded after the restart (LD_PRELOAD="
                          f"{os.environ.get('LD_PRELOAD', '')!r}); the dynamic loader's message is above")
     env = dict(os.environ)
     env["LD_PRELOAD"] = " ".join([lib, *env.get("LD_PRELOAD", "").replace(":", " ").split()])

@@ -1,4 +1,4 @@
-"""Decode-step attention as a Triton kernel, for the rollout's CUDA graph (``ppo.cuda_graph``).
+"""Decode-step attention as a Triton kernel, for the rollout's CUDA graph (``accel.cuda_graph``).
 
 A decode step has one query a row. On a GPU PyTorch's attention runs it with kernels whose
 tiles hold 64 queries, and a CUDA graph fixes the span of columns it reads, so the graphed

@@ -238,6 +238,7 @@ def minibatch_order(B: int, G: int, generator: torch.Generator | None) -> torch.
 def ppo_update(
     ac: ActorCritic, optimizer, exp: Experience, pc: PPOConfig, kl_coef: float, update_policy: bool = True,
     generator: torch.Generator | None = None, engine: Engine | None = None, logprob_gap: bool = False,
+    off_heap: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """``ppo_epochs`` passes over shuffled minibatches; returns per-minibatch stats in order.
 
@@ -255,7 +256,8 @@ def ppo_update(
     from the sampler: :func:`rlhfkit.experience.reuse_rollout`). ``pc.micro_batch_size`` rows of
     a minibatch at a time go through the forward and backward passes, their gradients
     accumulated into the minibatch's (:meth:`~rlhfkit.trainers.common.Engine.accumulate`); every
-    process makes as many passes as the one holding the most rows of the minibatch.
+    process makes as many passes as the one holding the most rows of the minibatch. ``off_heap``
+    (``accel.update_off_heap``): the CPU update's tensors off the C heap.
     """
     engine = engine or Engine(guard=UpdateGuard(where=pc.algo))
     model = engine.model if engine.model is not None else ac
@@ -271,7 +273,7 @@ def ppo_update(
     own_grads = getattr(engine.accelerator, "distributed_type", "NO") not in ("FSDP", "DEEPSPEED")
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     # CPU, on request: the activations off the C heap too, so what a micro-batch frees is not kept as holes
-    off_heap = pc.update_off_heap and any(p.device.type == "cpu" for p in trained)
+    off_heap = off_heap and any(p.device.type == "cpu" for p in trained)
     # the clipped groups, listed once rather than walked through the modules at every minibatch
     policy_params, critic_params = list(ac.policy.parameters()), ac.critic_parameters()
     with gradient_buffer(trained, enabled=own_grads), tensors_off_heap(enabled=off_heap):
@@ -425,7 +427,7 @@ def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_
             return generate(ac.policy, ids, mask, n, eos_token_ids(ac.policy, tok), tok.pad_token_id,
                             pc.temperature, greedy=step is None, uniforms=u,
                             value_head=ac.value_head if pc.reuse_rollout_logprobs and step is not None else None,
-                            stop=pc.stop, tokenizer=tok, graph=pc.cuda_graph, **sampling_settings(pc))
+                            stop=pc.stop, tokenizer=tok, graph=cfg.accel.cuda_graph, **sampling_settings(pc))
 
     return sample
 
@@ -553,17 +555,17 @@ def refuse_untested_engines(accelerator, cfg: Config) -> None:
                          "differs from the single-process one; use DDP, or grpo / rloo / reinforce (no critic)")
 
 
-def start_offload(run: Run, pc: PPOConfig, optimizer, *frozen) -> HostMoments | None:
-    """``ppo.offload``: the frozen models' weights to host memory now (:mod:`rlhfkit.offload`) and
+def start_offload(run: Run, optimizer, *frozen) -> HostMoments | None:
+    """``accel.offload``: the frozen models' weights to host memory now (:mod:`rlhfkit.offload`) and
     the optimizer's moments each step (the returned :class:`~rlhfkit.offload.HostMoments`)."""
-    if not pc.offload:
+    if not run.cfg.accel.offload:
         return None
     kind = getattr(run.accelerator, "distributed_type", None)
     if kind in ("FSDP", "DEEPSPEED"):
-        raise ValueError(f"ppo.offload runs on one process or under DDP; under {kind} the optimizer state and the "
+        raise ValueError(f"accel.offload runs on one process or under DDP; under {kind} the optimizer state and the "
                          "frozen models are sharded across processes already: leave it off")
     if run.device.type == "cpu":
-        warnings.warn("ppo.offload on a CPU saves no memory: host and device memory are one (the copies still run)",
+        warnings.warn("accel.offload on a CPU saves no memory: host and device memory are one (the copies still run)",
                       UserWarning, stacklevel=2)
     trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for model in frozen:  # one holding a trained weight (a reward model object that is the policy) stays
@@ -601,7 +603,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     train_ac, optimizer = run.prepare(ac, optimizer, micro_batch=local_pc.minibatch_size)
     shard_frozen(run.accelerator, ref, *scorer.models)  # FSDP: no whole copy of them per process
     engine = run.engine(train_ac)
-    moments = start_offload(run, pc, optimizer, ref, *scorer.models)
+    moments = start_offload(run, optimizer, ref, *scorer.models)
     # a critic warm-up's backward leaves the actor out: under DDP it goes around the wrapper (whose
     # reducer would otherwise need find_unused_parameters=True on every step) and the critic's
     # gradients are averaged as DDP averages them
@@ -634,7 +636,7 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
     shown = baseline.get(st.stop_metric, math.nan)  # the progress line's last evaluated value
     for step in run.steps():
         t0 = time.perf_counter()
-        if moments is not None:  # ppo.offload: AdamW's moments wait in host memory until the update
+        if moments is not None:  # accel.offload: AdamW's moments wait in host memory until the update
             moments.to_host()
         # step 1. rollout: grpo / rloo take each prompt G times in a row, the grouping the baselines expect
         records = shard.take([r for r in data.train.batch(pc.batch_size // repeats) for _ in range(repeats)])
@@ -662,7 +664,8 @@ def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | Non
         if len(train_exp.input_ids):  # none kept: no update this step
             stats.update(mean_stats(ppo_update(ac, optimizer, train_exp, local_pc, st.kl_coef, update_policy=not warm,
                                                engine=warm_engine if warm else engine,
-                                               logprob_gap="policy/logprob_gap" not in stats and not exp.deferred)))
+                                               logprob_gap="policy/logprob_gap" not in stats and not exp.deferred,
+                                               off_heap=cfg.accel.update_off_heap)))
         if exp.deferred:  # the update's forward wrote the old log-probs: the stats that read them
             stats.update(shard.mean(deferred_stats(exp, roll.logprobs, pc, st.kl_coef, shard),
                                     maxed=("policy/logprob_gap",)))
