@@ -1,21 +1,10 @@
 """Data parallelism through ``accelerate``: each process takes its shard of the global batch.
 
-``accelerate launch --num_processes N -m rlhfkit <command> ...`` runs the same loops in N
-processes (DDP on CPU with gloo or on GPUs; DeepSpeed / FSDP through an accelerate config).
-The rules the trainers follow, so that N processes compute what one process computes:
-
-* every process builds the same *global* batch (same seeds) and keeps rows
-  ``[rank * b, (rank + 1) * b)``, ``b = global / N`` (:meth:`Shard.take`);
-* a statistic over the whole batch (advantage whitening, a batch-mean baseline, reward
-  normalisation) is computed on rows gathered from every process (:meth:`Shard.apply_rows`);
-* a loss that is a mean over *tokens* is rescaled by ``N * n_local / n_global``
-  (:meth:`Shard.token_weight`): DDP averages gradients over processes, and the average of
-  the rescaled local means is the global token mean. A mean over rows needs nothing, the
-  shards being equal;
-* logged metrics are reduced over processes (:meth:`Shard.mean`); only the main process
-  writes files.
-
-With one process every method is the identity, so the single-process code path is the same.
+Every process builds the same global batch and keeps its rows (:meth:`Shard.take`); batch-wide
+statistics use rows gathered from all (:meth:`Shard.apply_rows`); a token-mean loss is rescaled
+so DDP's gradient average is the global mean (:meth:`Shard.token_weight`); logged metrics are
+reduced (:meth:`Shard.mean`) and the main process writes. With one process every method is the
+identity. The rules and what was checked: docs/scale-out.md.
 """
 
 from __future__ import annotations
