@@ -52,9 +52,13 @@ def test_the_walkthrough_names_the_loop_as_it_is():
     assert -1 not in where and where == sorted(where), dict(zip(order, where))
 
 
-def test_a_grpo_run_checks_its_reward_function_once(tiny_models, tiny_config, tmp_path, monkeypatch, no_plots):
+def score(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_grpo_and_eval_check_their_reward_function_once(tiny_models, tiny_config, tmp_path, monkeypatch, no_plots):
     """The prompt file and reward checks run before the heavy imports (cli.run_command), not again
-    in the trainer: one check of the reward function's call per run."""
+    in the trainer or the evaluation: one check of the reward function's call per run."""
     import rlhfkit
     import rlhfkit.callables
 
@@ -64,10 +68,12 @@ def test_a_grpo_run_checks_its_reward_function_once(tiny_models, tiny_config, tm
         checked.append(fn)
         return real(fn, columns)
 
-    def score(completions, **kwargs):
-        return [0.0] * len(completions)
-
     monkeypatch.setattr(rlhfkit.callables, "check_call", counted)
-    cfg = tiny_config(tmp_path, model={"name": tiny_models.policy}, reward={"function": score}, ppo={"steps": 1})
+    cfg = tiny_config(tmp_path / "grpo", model={"name": tiny_models.policy}, reward={"function": score},
+                      ppo={"steps": 1})
     rlhfkit.grpo(cfg)
+    assert checked == [score]
+    checked.clear()
+    rlhfkit.evaluate(tiny_models.policy, tiny_config(tmp_path / "eval"), data=[{"prompt": "12x2="}],
+                     reward_funcs=score)
     assert checked == [score]

@@ -238,20 +238,9 @@ class HackingWatch:
 
 
 class SignalWatch:
-    """Warns once per run, each, when the batches carry little learning signal:
-
-    * most prompt groups have no reward variance (``frac_reward_zero_std``): every completion of
-      a prompt scored alike, so group-relative advantages are 0 and those prompts teach nothing
-      (a 0/1 reward the model never, or always, earns);
-    * most completions are cut at ``max_new_tokens`` (``response/truncated_rate``): their scores
-      judge unfinished answers;
-    * top-k / top-p keep less than half of the probability (``rollout/kept_mass``): the samples
-      are far off-policy (``ppo.sampling_correction`` reweighs them).
-
-    The rule is the share over the last ``window`` steps (equal batches: the mean of the step
-    shares), above ``share``, so one unlucky batch does not warn and a run that starts without
-    signal warns at step ``window - 1``. The counters are part of a checkpoint.
-    """
+    """Warns once each when most prompt groups carry no reward variance, most completions are cut
+    at ``max_new_tokens``, or top-k / top-p keep under half the probability: the mean share over
+    the last ``window`` steps above ``share`` (one unlucky batch does not warn). Checkpointed."""
 
     KEYS = ("frac_reward_zero_std", "response/truncated_rate", "rollout/kept_mass")
     # the share of the batch without the signal: of the kept mass its complement, the others as logged

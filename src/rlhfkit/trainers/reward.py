@@ -146,6 +146,17 @@ def evaluate_batches(model, batches) -> dict[str, float]:
     return {k: v / n for k, v in sums.items()}
 
 
+def prepare_training(run: Run, model, readout):
+    """AdamW at ``reward.lr`` over the trainable weights, prepared with ``readout`` as the module's
+    forward (so DDP syncs its gradients): ``(module, optimizer, trainable params, engine)``."""
+    lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    module, opt = run.prepare(ModuleForward(model, readout), opt,
+                              micro_batch=max(1, run.cfg.reward.batch_size // run.shard.world))
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
+    return module, opt, params, run.engine(module)
+
+
 def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float]:
     """The number-doubling tutorial task's reward model: cross-entropy over the task's labels
     (the answer's character set) on unprefixed text; at RL time the reward is the logit of the
@@ -153,13 +164,7 @@ def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float
     rc, device, shard = cfg.reward, run.device, run.shard
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    train_logits, opt = run.prepare(ModuleForward(model, sequence_logits), opt,
-                                    micro_batch=max(1, rc.batch_size // shard.world))
-    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    engine = run.engine(train_logits)
+    train_logits, opt, params, engine = prepare_training(run, model, sequence_logits)
 
     def batch(items, forward):
         enc = tok([t for t, _ in items], padding=True, return_tensors="pt")
@@ -273,14 +278,7 @@ def pair_loss(score_fn, ids: torch.Tensor, mask: torch.Tensor, margin, center_co
 def train_pairwise(cfg: Config, run: Run, model, tok) -> dict[str, float]:
     """Bradley-Terry training on preference pairs; the held-out pairs' stats and the seconds."""
     rc, shard = cfg.reward, run.shard
-    params = [p for p in model.parameters() if p.requires_grad]
-    lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    # the scalar readout as the module's forward, so DDP sees it (and syncs its gradients)
-    train_scores, opt = run.prepare(ModuleForward(model, sequence_scores), opt,
-                                    micro_batch=max(1, rc.batch_size // shard.world))
-    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    engine = run.engine(train_scores)
+    train_scores, opt, params, engine = prepare_training(run, model, sequence_scores)
     # a file's pairs are encoded (lengths checked against the model's context) before the first step
     pairs = (FilePairs if cfg.data.path else TaskPairs)(cfg, tok, run.device, context_window(model))
     run.restore({"model": model}, {"optimizer": opt}, data=pairs)
