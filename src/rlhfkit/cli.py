@@ -43,10 +43,7 @@ COMMANDS = {
 # the training loops that write checkpoints (run.checkpoint_every) and can continue from them
 RESUMABLE = ("pretrain", "rm", "ppo", "grpo", "rloo", "reinforce", "dpo", "sft")
 
-DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
-               "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
-               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat",
-               "export-task": "runs/export"}
+DEFAULT_OUT = {**{c: f"runs/{c}" for c in COMMANDS if c not in ("report", "fetch-model")}, "export-task": "runs/export"}
 # the config sections (or single keys) each command reads, listed by `rlhfkit CMD --help`
 RL_SECTIONS = ("run", "model", "reward", "ppo", "value", "data", "eval", "env", "accel")
 COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -233,10 +230,9 @@ def _error(command: str, e: BaseException) -> None:
 
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
-    """Python warnings printed as one line each, ``rlhfkit CMD: warning: ...``, for the duration:
-    without the line of source code Python prints under them (a warning is advice to the user,
-    not a pointer into rlhfkit); another package's warning keeps its category and origin. Only the
-    format changes: a caller that records warnings (``catch_warnings(record=True)``) still gets them."""
+    """Python warnings printed as one line each, ``rlhfkit CMD: warning: ...``, without the source
+    line under them; another package's warning keeps its category and origin. Only the format
+    changes: a caller recording warnings still gets them."""
     def one_line(message, category, filename, lineno, line=None) -> str:
         text = " ".join(str(message).split())
         if _PACKAGE_DIR not in Path(filename).resolve().parents:
@@ -302,9 +298,10 @@ DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **d
 
 
 def _check_inputs(command: str, cfg: Config) -> None:
-    """The records of data.path (and data.eval_path) read and checked before torch is imported
-    (seconds): a malformed record is answered at once (rlhfkit.data.precheck); for the commands
-    that read prompts, the reward functions and env.class too (rlhfkit.callables.check_before_loading)."""
+    """The records of data.path (and data.eval_path) checked before torch is imported, so a
+    malformed record is answered in seconds; for the commands that read prompts, the reward
+    functions and env.class too (rlhfkit.callables.check_before_loading). The one place a run
+    checks them: the trainers and the evaluation do not again."""
     kind = DATA_KIND.get(command)
     if kind is None:
         return
