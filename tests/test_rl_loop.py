@@ -59,7 +59,7 @@ def score(completions, **kwargs):
 def test_grpo_and_eval_check_their_reward_function_once(tiny_models, tiny_config, tmp_path, monkeypatch, no_plots):
     """The prompt file and reward checks run before the heavy imports (cli.run_command), not again
     in the trainer or the evaluation: one check of the reward function's call per run."""
-    import rlhfkit
+    import rlhfkit.api
     import rlhfkit.callables
 
     checked, real = [], rlhfkit.callables.check_call
@@ -71,9 +71,9 @@ def test_grpo_and_eval_check_their_reward_function_once(tiny_models, tiny_config
     monkeypatch.setattr(rlhfkit.callables, "check_call", counted)
     cfg = tiny_config(tmp_path / "grpo", model={"name": tiny_models.policy}, reward={"function": score},
                       ppo={"steps": 1})
-    rlhfkit.grpo(cfg)
+    rlhfkit.api.grpo(cfg)
     assert checked == [score]
     checked.clear()
-    rlhfkit.evaluate(tiny_models.policy, tiny_config(tmp_path / "eval"), data=[{"prompt": "12x2="}],
+    rlhfkit.api.evaluate(tiny_models.policy, tiny_config(tmp_path / "eval"), data=[{"prompt": "12x2="}],
                      reward_funcs=score)
     assert checked == [score]
