@@ -226,6 +226,15 @@ class Run:
                 warn_lossy_updates(obj)
         return prepare(self.accelerator, *objects, micro_batch=micro_batch)
 
+    def optimize(self, model, lr: float, batch_size: int, module=None):
+        """AdamW at ``lr`` over ``model``'s trainable weights, prepared with ``module`` (``model``, or
+        a forward around it that DDP must see) for ``batch_size`` global rows a step: ``(prepared
+        module, optimizer, trainable params, engine)``, the params read after FSDP2 replaced them."""
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+        module, opt = self.prepare(model if module is None else module, opt,
+                                   micro_batch=max(1, batch_size // self.shard.world))
+        return module, opt, [p for p in model.parameters() if p.requires_grad], self.engine(module)
+
     def restore(self, modules: dict, optimizers: dict, schedulers: dict | None = None, data=None,
                 generator: torch.Generator | None = None) -> dict:
         """Load the newest checkpoint (``run.resume``) into these objects and the data position,

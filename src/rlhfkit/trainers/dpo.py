@@ -115,12 +115,8 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
     chunk = dc.micro_batch_size or 512
     ref_cache = pair_logprobs(ref, pairs.train, shard, device, chunk) if dc.precompute_ref else None  # every epoch
     held_ref = pair_logprobs(ref, pairs.held, shard, device, chunk) if pairs.held is not None else None
-    params = [p for p in policy.parameters() if p.requires_grad]
     lr = run.learning_rates(policy, "dpo.lr")["dpo.lr"]  # by model.regime where unset
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    train_policy, opt = run.prepare(policy, opt, micro_batch=dc.batch_size // shard.world)  # DDP
-    params = [p for p in policy.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    engine = run.engine(train_policy)
+    train_policy, opt, params, engine = run.optimize(policy, lr, dc.batch_size)
     gen = torch.Generator().manual_seed(cfg.run.seed)
     order = torch.randperm(n_pairs, generator=gen)
     train_s, pos, reached, last_row = 0.0, 0, None, {}

@@ -147,14 +147,10 @@ def evaluate_batches(model, batches) -> dict[str, float]:
 
 
 def prepare_training(run: Run, model, readout):
-    """AdamW at ``reward.lr`` over the trainable weights, prepared with ``readout`` as the module's
-    forward (so DDP syncs its gradients): ``(module, optimizer, trainable params, engine)``."""
+    """:meth:`Run.optimize` at ``reward.lr`` with ``readout`` as the module's forward (so DDP
+    syncs its gradients)."""
     lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    module, opt = run.prepare(ModuleForward(model, readout), opt,
-                              micro_batch=max(1, run.cfg.reward.batch_size // run.shard.world))
-    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    return module, opt, params, run.engine(module)
+    return run.optimize(model, lr, run.cfg.reward.batch_size, ModuleForward(model, readout))
 
 
 def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float]:
@@ -238,13 +234,8 @@ def build_reward_model(cfg: Config, task, path: str | None, device):
 
 
 def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
-    """Train the reward model; saves it to ``<out_dir>/reward_model``. Returns a summary.
-
-    Pairs come from ``data.path`` (a preference file or dataset in TRL's format) when set,
-    else from the task (``run.task``). The model is ``AutoModelForSequenceClassification`` with one
-    label: from the policy checkpoint at ``policy_path`` / ``model.name`` (its backbone, a new
-    scalar head) when ``reward.init_from == 'policy'``, else the tiny task model from scratch.
-    """
+    """Train the reward model (:func:`build_reward_model`) on the pairs of ``data.path``, else of
+    the task; saves it to ``<out_dir>/reward_model`` and returns a summary."""
     rc = cfg.reward
     task = get_task(cfg.run.task)
     if rc.kind == "classifier" and not hasattr(task, "LABELS"):
