@@ -63,8 +63,8 @@ DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLH
 
 
 def _defaults(command: str, task_defaults: dict | None = None) -> Config:
-    """The config a command starts from: the task's defaults, then its output directory and, for
-    an RL command, its algorithm (ppo.algo, which brings that algorithm's ALGO_DEFAULTS)."""
+    """The config a command starts from: the task's defaults, its output directory and, for an RL
+    command, its ``ppo.algo`` (which brings ALGO_DEFAULTS)."""
     algo = {"algo": command} if command in ALGO_DEFAULTS else {}
     return Config().replace(**(task_defaults or {})).replace(run={"out_dir": DEFAULT_OUT[command]}, ppo=algo)
 
@@ -81,8 +81,8 @@ def first_sentence(text: str) -> str:
 
 
 def keys_help(command: str) -> str:
-    """The epilog of ``rlhfkit CMD --help``: the output directory, then every key the command reads
-    with its type, default and description (from the docstrings in rlhfkit/config.py)."""
+    """The epilog of ``rlhfkit CMD --help``: the output directory and every key the command reads,
+    with its type, default and description."""
     from textwrap import fill
 
     from .config import key_docs, key_types
@@ -158,14 +158,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def resolve_config(command: str, config: Config | Mapping | str | os.PathLike | None = None,
                    overrides: Sequence[str] | Mapping[str, Any] = ()) -> Config:
-    """The config ``rlhfkit COMMAND`` runs: the defaults <- the task's defaults <- the command's
-    algorithm defaults <- ``config`` <- ``overrides``.
-
-    ``config``: a YAML file's path (``--config``), a ``{section: {key: value}}`` mapping laid over
-    the defaults, or a ``Config``, used as it is (an RL command sets its ``ppo.algo``).
-    ``overrides``: ``'section.key=value'`` strings as on the command line, or a mapping of dotted
-    keys (``{"ppo.steps": 10}``) or of sections (``{"ppo": {"steps": 10}}``) to Python values,
-    callables and lists included."""
+    """The config ``rlhfkit COMMAND`` runs: the defaults <- the task's <- the algorithm's <-
+    ``config`` (a YAML path, a mapping of sections, or a ``Config`` used as it is) <- ``overrides``
+    (``'section.key=value'`` strings, or a mapping of dotted keys or sections to Python values)."""
     from .tasks import get_task
 
     if config is not None and not isinstance(config, (Config, Mapping, str, os.PathLike)):
@@ -284,8 +279,8 @@ def _main(args) -> int:
 
 
 def _preload_malloc(args, cfg: Config) -> None:
-    """run.malloc: restart the command line with that malloc preloaded (rlhfkit.accel.malloc), before
-    torch is imported. Called as a function (``main([...])``) it cannot restart its caller."""
+    """run.malloc: restart the command line with that malloc preloaded, before torch is imported
+    (not possible from ``main([...])``, which cannot restart its caller)."""
     name = cfg.run.malloc if "run" in COMMAND_SECTIONS.get(args.command, ()) else ""
     if name:
         from .accel import malloc
@@ -317,8 +312,8 @@ def _check_inputs(command: str, cfg: Config) -> None:
 
 
 def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
-    """Run a command on its resolved config (the heavy imports happen here) and return its summary;
-    ``path``: the policy ``eval`` evaluates. The command line and rlhfkit.api both run this."""
+    """Run a command on its resolved config and return its summary (``path``: the policy ``eval``
+    evaluates); the command line and rlhfkit.api both run this, the heavy imports happen here."""
     _check_inputs(command, cfg)
     from transformers.utils import logging as hf_logging
 

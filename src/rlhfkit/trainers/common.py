@@ -3,7 +3,7 @@
 A trainer's own code is its arithmetic; :class:`Run` holds the rest, the same in all of them::
 
     run = Run(cfg, "dpo", steps=cfg.dpo.steps)       # seed, run dir check, accelerator, guard
-    model, opt = run.prepare(model, opt, micro_batch=...)
+    train_model, opt, params, engine = run.optimize(model, lr, batch_size)  # AdamW, DDP / FSDP
     resumed = run.restore({"policy": model}, {"optimizer": opt}, generator=gen)  # + run dir, config.yaml
     for step in run.steps():                          # progress from the resumed step on
         ...                                           # the trainer's own step
@@ -181,13 +181,9 @@ class Run:
     checkpoints and exact resume, metrics log, progress, and the final save.
 
     ``Run(cfg, name, steps)`` seeds every RNG, refuses a ``run.out_dir`` holding an earlier run
-    (unless ``run.resume`` or ``run.overwrite``), and builds the accelerator (one process, or
-    DDP / FSDP under ``accelerate launch``). :meth:`restore` must come after the models,
-    optimizers and data exist: it creates ``run.out_dir`` with the resolved config (so a bad
-    input found before leaves nothing behind), loads the newest checkpoint into them when
-    ``run.resume`` is set and opens the metrics log.
-    Only the main process writes files; every process runs the same calls.
-    """
+    and builds the accelerator; :meth:`restore`, once the models and data exist, creates the run
+    directory (a bad input found before leaves nothing behind), resumes and opens the metrics
+    log. Only the main process writes files; every process runs the same calls."""
 
     def __init__(self, cfg: Config, name: str, steps: int, find_unused_parameters: bool = False, log_every: int = 1):
         self.cfg, self.name, self.total = cfg, name, steps
