@@ -311,23 +311,19 @@ def ppo_update(
                 engine.zero_grad(optimizer)
                 # no optimizer step yet on the first minibatch: the gap is to the policy that sampled
                 gap = logprob_gap and not all_stats
-                step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, loss_weight,
-                                         gap)
-                n_passes = -(-most // micro) if micro else 1
+                step = functools.partial(micro_batch_loss, model, exp, mb, pc, kl_coef, update_policy, loss_weight, gap)
                 with compute_weights(model):  # model.master_weights: bf16 copies of this step's weights
-                    loss, stats = engine.accumulate(len(mb), micro, step, maxed=("policy/logprob_gap",),
-                                                    passes=n_passes)
+                    loss, stats = engine.accumulate(len(mb), micro, step, maxed=GAP,
+                                                    passes=-(-most // micro) if micro else 1)
                 # every term is a token mean over the response mask but the gap
-                stats = shard.mean(stats, weight, maxed=("policy/logprob_gap",))
+                stats = shard.mean(stats, weight, maxed=GAP)
                 stats["policy/grad_norm"] = engine.clip(policy_params, pc.max_grad_norm)
                 if ac.has_critic:
                     stats["value/grad_norm"] = engine.clip(critic_params, pc.max_grad_norm)
                 if engine.guard.ok(loss, stats["policy/grad_norm"], stats.get("value/grad_norm", 0.0)):
                     engine.step(optimizer)
                 all_stats.append(stats)
-    # the last step's gradients are spent: free them now rather than at the next update's first
-    # minibatch, so the rollout and the reference forward between updates do not hold a copy
-    # of the trained weights' size (TRL's Trainer frees them after each step the same way)
+    # the last step's gradients are spent: freed now, not held through the next rollout (as TRL's Trainer)
     engine.zero_grad(optimizer)
     return all_stats
 
