@@ -1,13 +1,10 @@
 """The Python surface: one function per command, each running what ``rlhfkit COMMAND`` runs.
 
-Every function takes ``config`` (a YAML file's path, a ``{section: {key: value}}`` mapping, a
-:class:`~rlhfkit.Config`, or None for the command's defaults) and ``overrides`` (a mapping of
-dotted keys or of sections to values, callables included), and the shortcuts ``model``
-(``model.name``), ``data`` and ``eval_data`` (``data.path`` and ``data.eval_path``: a path, a
-``datasets.Dataset`` or a list of dicts) and ``reward_funcs`` (``reward.function``: a callable,
-a ``'module:name'`` string, or a list of them). In-memory data is written to ``data.jsonl`` /
-``eval_data.jsonl`` in ``run.out_dir`` and read from there, so ``config.yaml`` names a file a
-later run (or the command line) can read again.
+Every function takes ``config`` (a YAML path, a mapping of sections, a :class:`~rlhfkit.Config`
+or None) and ``overrides`` (dotted keys or sections), and the shortcuts ``model`` (``model.name``),
+``data`` and ``eval_data`` (a path, a ``datasets.Dataset`` or a list of dicts, written to
+``run.out_dir`` as JSONL) and ``reward_funcs`` (``reward.function``: callables or
+``'module:name'`` strings).
 
 Each returns the run's summary, the dict ``rlhfkit COMMAND`` prints:
 
