@@ -186,14 +186,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 class Checkpointer:
-    """Saves and restores one training loop's state; see the module docstring.
-
-    ``every`` steps (0: never) the loop calls :meth:`save` with its trained modules, optimizers,
-    schedulers and a JSON-able ``state`` of its own; at start :meth:`restore` (when ``resume``)
-    loads the newest checkpoint into the same objects and returns that ``state`` (None: nothing
-    to resume, start from step 0). Only the main process of a distributed run writes; every
-    process restores the same files.
-    """
+    """Saves one training loop's modules, optimizers, schedulers and JSON ``state`` every ``every``
+    steps (0: never), and restores the newest checkpoint into the same objects when ``resume``.
+    Only the main process writes (each its own shards under FSDP); every process restores."""
 
     def __init__(self, out_dir: str | Path, every: int = 0, keep: int = 2, resume: bool = False,
                  enabled: bool = True):
