@@ -556,6 +556,7 @@ def measured(clock: PhaseClock, warmup: int) -> dict:
 
 def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     import rlhfkit.trainers.rl as rl
+    import rlhfkit.trainers.rl_setup as rl_setup
     from rlhfkit.config import ALGO_DEFAULTS, Config
 
     s = row_spec(row)
@@ -587,7 +588,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     rl.rollout = marked(rl.rollout, clock, "rollout", start=True)
     rl.make_experience = marked(rl.make_experience, clock, "experience")
     rl.ppo_update = marked(rl.ppo_update, clock, "update", end=True)
-    rl.start_offload = opening_offload(rl.start_offload, clock)
+    rl_setup.start_offload = opening_offload(rl_setup.start_offload, clock)
     rl.eos_token_ids = lambda model, tok: [-1]  # no token ends a completion: each runs to max_new_tokens
     rl.FUSED_TOKEN_LOSS = not s["twopass"]
     with unshared_prompts() if s["unshared"] else contextlib.nullcontext():
@@ -597,7 +598,7 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
 
 
 def opening_offload(start, clock: PhaseClock):
-    """``rl.start_offload`` whose moments' copy to the host, the first thing a step does, opens
+    """``rl_setup.start_offload`` whose moments' copy to the host, the first thing a step does, opens
     the step (so it is timed with the rollout); the copy back runs between the experience mark
     and the update's, so it is timed with the update."""
 

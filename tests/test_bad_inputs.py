@@ -688,13 +688,13 @@ def _(env):
     cli_error(env, ["grpo", f"model.name={env.tmp / 'no_model'}", "reward.function=test_bad_inputs:needs_solution"],
               "the data's columns (number, charset)", "missing a required argument: 'solution'")
     # from Python too, before the models load
+    import rlhfkit
     from rlhfkit.config import Config
     from rlhfkit.rewards import RewardError
-    from rlhfkit.trainers.rl import train_rl
 
     cfg = Config().replace(model={"name": str(env.tmp / "no_model")}, reward={"function": no_extra_arguments},
-                           ppo={"algo": "grpo"}, run={"out_dir": str(env.tmp / "api")})
-    api_error(RewardError, lambda: train_rl(cfg), "test_bad_inputs:no_extra_arguments cannot take the arguments")
+                           run={"out_dir": str(env.tmp / "api")})
+    api_error(RewardError, lambda: rlhfkit.grpo(cfg), "test_bad_inputs:no_extra_arguments cannot take the arguments")
 
 
 @case("reward_function_wrong_length")

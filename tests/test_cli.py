@@ -167,7 +167,7 @@ def test_ppo_with_a_reward_function_alone_starts_the_critic_from_the_policy(tiny
                                                                              capsys, no_plots):
     import torch
 
-    from rlhfkit.trainers.rl import build_models
+    from rlhfkit.trainers.rl_setup import build_models
 
     common = [f"model.name={tiny_models.policy}", "reward.function=rlhfkit.tasks.doubling:exact_reward",
               "run.progress=false", "ppo.steps=2", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4",

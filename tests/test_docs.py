@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhfkit import cli, config
-from rlhfkit.trainers.rl import check_rl_config
+from rlhfkit.trainers.rl_setup import check_rl_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

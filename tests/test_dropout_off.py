@@ -26,7 +26,8 @@ from rlhfkit.config import Config, regime_value
 from rlhfkit.experience import make_experience
 from rlhfkit.models import build_tiny, eval_mode, is_lora, policy_with_reference
 from rlhfkit.rollout import generate
-from rlhfkit.trainers.rl import build_models, make_optimizer, ppo_update
+from rlhfkit.trainers.rl import ppo_update
+from rlhfkit.trainers.rl_setup import build_models, make_optimizer
 
 CPU = torch.device("cpu")
 PROMPTS = ["数字:1234x2=", "Where is Pune?", "大写:77x2=", "小写:505x2="]

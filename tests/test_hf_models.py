@@ -38,7 +38,8 @@ from rlhfkit.rewards import other_tokenizer, reward_model_scorer
 from rlhfkit.rollout import Rollout, generate
 from rlhfkit.trainers.common import warn_lossy_updates
 from rlhfkit.trainers.reward import train_reward_model
-from rlhfkit.trainers.rl import build_models, train_rl
+from rlhfkit.trainers.rl import train_rl
+from rlhfkit.trainers.rl_setup import build_models
 from rlhfkit.utils import read_jsonl
 
 PROMPTS = ["数字:1234x2=", "Where is Pune?", "大写:77x2="]

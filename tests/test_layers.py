@@ -26,7 +26,7 @@ LAYERS = [
     ("models", {"loading", "logprobs", "models"}),
     ("generation and scoring", {"rollout", "evaluate", "rewards", "experience", "trajectories", "plots",
                                 "watch", "envs", "tools"}),
-    ("run scaffolding", {"trainers.common"}),
+    ("run scaffolding", {"trainers.common", "trainers.rl_setup"}),
     ("trainers", {"trainers.pretrain", "trainers.sft", "trainers.reward", "trainers.dpo", "trainers.rl",
                   "tasks.gridworld"}),
     # tasks.gridcat: the grid world (a trainers-layer module) as an environment

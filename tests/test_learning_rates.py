@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from rlhfkit.config import ConfigError, dump_config, load_config
 from rlhfkit.models import SCRATCH_MARK
-from rlhfkit.trainers.rl import set_lr
+from rlhfkit.trainers.rl_setup import set_lr
 
 # ppo.steps 10, warm-up 2: steps 0 and 1 at 1/2 and 2/2 of the peak, then each schedule over the
 # 8 steps after the warm-up, f = (step - 2) / 8: linear 1 - f, cosine (1 + cos(pi f)) / 2

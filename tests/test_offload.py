@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import rlhfkit.trainers.rl as rl
+import rlhfkit.trainers.rl_setup as rl_setup
 from rlhfkit.checkpoint import latest_checkpoint
 from rlhfkit.models import build_tiny_policy
 from rlhfkit.offload import HostMoments, offload_frozen, on_device
@@ -158,7 +159,7 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
         def frozen_at_home(cls):
             return all(p.data_ptr() == h.data_ptr() for m in cls.frozen for p, h in m._rlhfkit_offload["host"])
 
-    start = rl.start_offload
+    start = rl_setup.start_offload
 
     def spy_start(run, optimizer, *frozen):
         holder.moments = start(run, optimizer, *frozen)
@@ -168,7 +169,7 @@ def test_a_run_with_offload_trains_exactly_as_one_without(algo, sections, tiny_m
     monkeypatch.setattr(rl, "rollout", spy_rollout)
     monkeypatch.setattr(rl, "make_experience", spy_experience)
     monkeypatch.setattr(rl, "evaluate", spy_evaluate)
-    monkeypatch.setattr(rl, "start_offload", spy_start)
+    monkeypatch.setattr(rl_setup, "start_offload", spy_start)
     results = []
     for offload in (False, True):
         out = tmp_path / f"offload_{offload}"
@@ -212,13 +213,13 @@ def test_a_frozen_model_holding_a_trained_weight_stays_and_fsdp_is_refused():
     on = Config().replace(accel={"offload": True})
     run = SimpleNamespace(accelerator=None, device=torch.device("cpu"), cfg=on)
     with pytest.warns(UserWarning, match="saves no memory"):
-        rl.start_offload(run, optimizer, ref, policy)  # e.g. a reward model object that is the policy
+        rl_setup.start_offload(run, optimizer, ref, policy)  # e.g. a reward model object that is the policy
     assert hasattr(ref, "_rlhfkit_offload") and not hasattr(policy, "_rlhfkit_offload")
     fsdp = SimpleNamespace(accelerator=SimpleNamespace(distributed_type="FSDP"), device=torch.device("cpu"), cfg=on)
     with pytest.raises(ValueError, match="one process or under DDP"):
-        rl.start_offload(fsdp, optimizer, ref)
+        rl_setup.start_offload(fsdp, optimizer, ref)
     off = SimpleNamespace(accelerator=None, device=torch.device("cpu"), cfg=Config())
-    assert rl.start_offload(off, optimizer, ref) is None  # off by default
+    assert rl_setup.start_offload(off, optimizer, ref) is None  # off by default
 
 
 def _rss_mib() -> float:

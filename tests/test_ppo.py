@@ -311,7 +311,7 @@ def test_experience_row_chunks_run_each_group_prompt_once(monkeypatch, accel_on)
 
 @pytest.mark.parametrize("schedule", ["constant", "linear"])
 def test_lr_schedule_sets_both_groups_from_the_step(schedule):
-    from rlhfkit.trainers.rl import set_lr
+    from rlhfkit.trainers.rl_setup import set_lr
 
     pc = dataclasses.replace(Config().ppo, steps=8, lr=4e-4, value_lr=2e-3, lr_schedule=schedule)
     w, v = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
@@ -351,7 +351,7 @@ def test_keep_best_saves_the_best_evaluated_policy(keep_best, tiny_models, tiny_
 
 def test_keep_best_holds_only_the_lora_adapter_and_puts_it_back():
     from rlhfkit.models import add_lora
-    from rlhfkit.trainers.rl import BestWeights
+    from rlhfkit.trainers.rl_setup import BestWeights
 
     policy = add_lora(build_tiny_policy(TOK, 0, n_layer=1, n_head=2, n_embd=16), 4, 8.0)
     trained = {n for n, p in policy.named_parameters() if p.requires_grad}

@@ -22,7 +22,8 @@ from rlhfkit.prompts import file_records
 from rlhfkit.rewards import Reward, RewardError, build_reward, function_scorer
 from rlhfkit.rollout import Rollout
 from rlhfkit.tasks import cities, doubling
-from rlhfkit.trainers.rl import ppo_update, refuse_untested_engines, train_rl
+from rlhfkit.trainers.rl import ppo_update, train_rl
+from rlhfkit.trainers.rl_setup import refuse_untested_engines
 from rlhfkit.utils import read_jsonl
 from rlhfkit.watch import SignalWatch
 from test_user_data import doubling_file

@@ -36,7 +36,8 @@ from rlhfkit.config import PPOConfig
 from rlhfkit.experience import ActorCritic, Experience, sequence_advantages
 from rlhfkit.models import build_tiny, token_logprobs
 from rlhfkit.tasks import doubling
-from rlhfkit.trainers.rl import make_optimizer, ppo_update
+from rlhfkit.trainers.rl import ppo_update
+from rlhfkit.trainers.rl_setup import make_optimizer
 
 U, G, P, R = 4, 4, 6, 5  # prompts, completions per prompt, prompt and completion columns
 B = U * G

@@ -350,7 +350,7 @@ def test_a_guard_that_cannot_act_says_so_at_the_start():
 def test_a_prompt_file_run_names_its_eval_metrics():
     """What the stop metric is checked against: the task's verifier, or the rewards on held-out prompts."""
     from rlhfkit.rewards import Reward
-    from rlhfkit.trainers.rl import eval_metrics
+    from rlhfkit.trainers.rl_setup import eval_metrics
 
     binary = lambda *a: None  # noqa: E731
     binary.binary = True

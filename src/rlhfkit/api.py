@@ -1,13 +1,10 @@
 """The Python surface: one function per command, each running what ``rlhfkit COMMAND`` runs.
 
-Every function takes ``config`` (a YAML file's path, a ``{section: {key: value}}`` mapping, a
-:class:`~rlhfkit.Config`, or None for the command's defaults) and ``overrides`` (a mapping of
-dotted keys or of sections to values, callables included), and the shortcuts ``model``
-(``model.name``), ``data`` and ``eval_data`` (``data.path`` and ``data.eval_path``: a path, a
-``datasets.Dataset`` or a list of dicts) and ``reward_funcs`` (``reward.function``: a callable,
-a ``'module:name'`` string, or a list of them). In-memory data is written to ``data.jsonl`` /
-``eval_data.jsonl`` in ``run.out_dir`` and read from there, so ``config.yaml`` names a file a
-later run (or the command line) can read again.
+Every function takes ``config`` (a YAML path, a mapping of sections, a :class:`~rlhfkit.Config`
+or None) and ``overrides`` (dotted keys or sections), and the shortcuts ``model`` (``model.name``),
+``data`` and ``eval_data`` (a path, a ``datasets.Dataset`` or a list of dicts, written to
+``run.out_dir`` as JSONL) and ``reward_funcs`` (``reward.function``: callables or
+``'module:name'`` strings).
 
 Each returns the run's summary, the dict ``rlhfkit COMMAND`` prints:
 
@@ -42,55 +39,51 @@ def ppo(config: ConfigSource = None, *, model: str | None = None, data: DataSour
         overrides: Mapping[str, Any] | None = None) -> dict:
     """PPO with a critic (``rlhfkit ppo``) on ``data``'s prompts, scored by ``reward.name`` and/or
     ``reward_funcs``."""
-    return run("ppo", config, model=model, data=data, eval_data=eval_data, reward_funcs=reward_funcs,
-               overrides=overrides)
+    return run("ppo", **locals())
 
 
 def grpo(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
          eval_data: DataSource = None, reward_funcs: RewardFuncs = None,
          overrides: Mapping[str, Any] | None = None) -> dict:
     """GRPO (``rlhfkit grpo``): group-relative advantages, no critic."""
-    return run("grpo", config, model=model, data=data, eval_data=eval_data, reward_funcs=reward_funcs,
-               overrides=overrides)
+    return run("grpo", **locals())
 
 
 def rloo(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
          eval_data: DataSource = None, reward_funcs: RewardFuncs = None,
          overrides: Mapping[str, Any] | None = None) -> dict:
     """RLOO (``rlhfkit rloo``): a leave-one-out baseline over each prompt's samples, no critic."""
-    return run("rloo", config, model=model, data=data, eval_data=eval_data, reward_funcs=reward_funcs,
-               overrides=overrides)
+    return run("rloo", **locals())
 
 
 def reinforce(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
               eval_data: DataSource = None, reward_funcs: RewardFuncs = None,
               overrides: Mapping[str, Any] | None = None) -> dict:
     """REINFORCE with a batch-mean baseline (``rlhfkit reinforce``)."""
-    return run("reinforce", config, model=model, data=data, eval_data=eval_data, reward_funcs=reward_funcs,
-               overrides=overrides)
+    return run("reinforce", **locals())
 
 
 def dpo(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
         eval_data: DataSource = None, overrides: Mapping[str, Any] | None = None) -> dict:
     """DPO on ``data``'s preference pairs (``rlhfkit dpo``)."""
-    return run("dpo", config, model=model, data=data, eval_data=eval_data, overrides=overrides)
+    return run("dpo", **locals())
 
 
 def sft(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
         eval_data: DataSource = None, overrides: Mapping[str, Any] | None = None) -> dict:
     """Supervised fine-tuning on ``data``'s demonstrations (``rlhfkit sft``)."""
-    return run("sft", config, model=model, data=data, eval_data=eval_data, overrides=overrides)
+    return run("sft", **locals())
 
 
 def reward_model(config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,
                  eval_data: DataSource = None, overrides: Mapping[str, Any] | None = None) -> dict:
     """A reward model trained on ``data``'s preference pairs (``rlhfkit rm``)."""
-    return run("rm", config, model=model, data=data, eval_data=eval_data, overrides=overrides)
+    return run("rm", **locals())
 
 
 def pretrain(config: ConfigSource = None, *, overrides: Mapping[str, Any] | None = None) -> dict:
     """Pretrain a tiny GPT-2 on the built-in task's text (``rlhfkit pretrain``)."""
-    return run("pretrain", config, overrides=overrides)
+    return run("pretrain", **locals())
 
 
 def evaluate(path: str | os.PathLike, config: ConfigSource = None, *, data: DataSource = None,
@@ -102,7 +95,7 @@ def evaluate(path: str | os.PathLike, config: ConfigSource = None, *, data: Data
 
 def demo(config: ConfigSource = None, *, overrides: Mapping[str, Any] | None = None) -> dict:
     """Pretrain, reward model, RL and evaluation on the built-in task (``rlhfkit demo``)."""
-    return run("demo", config, overrides=overrides)
+    return run("demo", **locals())
 
 
 def run(command: str, config: ConfigSource = None, *, model: str | None = None, data: DataSource = None,

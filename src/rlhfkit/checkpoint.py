@@ -1,36 +1,11 @@
-"""Atomic checkpoints and exact resume.
+"""Atomic checkpoints and exact resume (docs/checkpoints.md).
 
-A checkpoint is a directory ``OUT_DIR/checkpoints/step-00000040/`` holding
-
-* ``<name>.safetensors`` -- the *trainable* parameters of each trained module (frozen weights
-  come back from ``model.name`` as at the start; for LoRA that is the adapter alone);
-* ``trainer_state.pt`` -- optimizer and scheduler state dicts and torch's RNG states: tensors
-  and plain containers only, read back with ``torch.load(weights_only=True)`` (no pickle code);
-* ``meta.json`` -- the step, Python's and NumPy's RNG states, the data generator's state and the
-  loop's counters (KL coefficient, reward statistics, guard counts, file offsets ...).
-
-It is written under a temporary name (``.tmp-step-...``), flushed to disk, then renamed: a
-directory named ``step-N`` is always complete, and a process killed mid-write leaves only a
-temporary directory that the next resume deletes. ``run.keep_checkpoints`` newest ones are kept.
-
-``run.resume=true`` (``rlhfkit ppo --resume ...``) loads the newest complete checkpoint of
-``run.out_dir`` after the models are built and restores every RNG, so on CPU with the same
-settings a run killed at any point and resumed logs the same metrics as one never interrupted
-(``tests/test_resume.py`` kills runs with SIGKILL at several points and compares). Files the
-loop appends to (metrics, samples, trajectories) are cut back to where the checkpoint was taken,
-and TensorBoard events after it are purged.
-
-Under FSDP (trained modules holding sharded DTensors) nothing is gathered on one process: every
-process writes its shards of the trainable parameters and of the optimizer state with
-``torch.distributed.checkpoint`` into ``sharded/`` and its own RNG states into ``rng-<rank>.pt``
-(the main process adds ``trainer_state.pt`` with the schedulers, and ``meta.json``), all into
-the same temporary directory; after a barrier the main process renames it, and the others wait
-for the rename before going on. A resume loads the shards back the same way, on the same number
-of processes.
-
-``RLHFKIT_FAULT=name@step`` makes :func:`fault_point` kill the process with SIGKILL when the
-loop passes that named point at that step: how the tests die in the middle of a checkpoint
-write or of a step, at a known place.
+A checkpoint ``OUT_DIR/checkpoints/step-N/`` holds the trainable parameters
+(``<name>.safetensors``; under FSDP each process's shards in ``sharded/``), ``trainer_state.pt``
+(optimizer, scheduler and torch RNG states, read with ``weights_only=True``) and ``meta.json``
+(the step, the other RNG states, the loop's counters). It is written under a temporary name and
+renamed, so a ``step-N`` directory is always complete. ``RLHFKIT_FAULT=name@step`` makes
+:func:`fault_point` SIGKILL the process there: how the tests die at a known place.
 """
 
 from __future__ import annotations
@@ -211,14 +186,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 class Checkpointer:
-    """Saves and restores one training loop's state; see the module docstring.
-
-    ``every`` steps (0: never) the loop calls :meth:`save` with its trained modules, optimizers,
-    schedulers and a JSON-able ``state`` of its own; at start :meth:`restore` (when ``resume``)
-    loads the newest checkpoint into the same objects and returns that ``state`` (None: nothing
-    to resume, start from step 0). Only the main process of a distributed run writes; every
-    process restores the same files.
-    """
+    """Saves one training loop's modules, optimizers, schedulers and JSON ``state`` every ``every``
+    steps (0: never), and restores the newest checkpoint into the same objects when ``resume``.
+    Only the main process writes (each its own shards under FSDP); every process restores."""
 
     def __init__(self, out_dir: str | Path, every: int = 0, keep: int = 2, resume: bool = False,
                  enabled: bool = True):

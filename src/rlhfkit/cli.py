@@ -43,10 +43,7 @@ COMMANDS = {
 # the training loops that write checkpoints (run.checkpoint_every) and can continue from them
 RESUMABLE = ("pretrain", "rm", "ppo", "grpo", "rloo", "reinforce", "dpo", "sft")
 
-DEFAULT_OUT = {"demo": "runs/demo", "pretrain": "runs/pretrain", "rm": "runs/rm", "ppo": "runs/ppo",
-               "grpo": "runs/grpo", "rloo": "runs/rloo", "reinforce": "runs/reinforce", "dpo": "runs/dpo",
-               "sft": "runs/sft", "eval": "runs/eval", "gridworld": "runs/gridworld", "chat": "runs/chat",
-               "export-task": "runs/export"}
+DEFAULT_OUT = {**{c: f"runs/{c}" for c in COMMANDS if c not in ("report", "fetch-model")}, "export-task": "runs/export"}
 # the config sections (or single keys) each command reads, listed by `rlhfkit CMD --help`
 RL_SECTIONS = ("run", "model", "reward", "ppo", "value", "data", "eval", "env", "accel")
 COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -66,8 +63,8 @@ DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLH
 
 
 def _defaults(command: str, task_defaults: dict | None = None) -> Config:
-    """The config a command starts from: the task's defaults, then its output directory and, for
-    an RL command, its algorithm (ppo.algo, which brings that algorithm's ALGO_DEFAULTS)."""
+    """The config a command starts from: the task's defaults, its output directory and, for an RL
+    command, its ``ppo.algo`` (which brings ALGO_DEFAULTS)."""
     algo = {"algo": command} if command in ALGO_DEFAULTS else {}
     return Config().replace(**(task_defaults or {})).replace(run={"out_dir": DEFAULT_OUT[command]}, ppo=algo)
 
@@ -84,8 +81,8 @@ def first_sentence(text: str) -> str:
 
 
 def keys_help(command: str) -> str:
-    """The epilog of ``rlhfkit CMD --help``: the output directory, then every key the command reads
-    with its type, default and description (from the docstrings in rlhfkit/config/)."""
+    """The epilog of ``rlhfkit CMD --help``: the output directory and every key the command reads (by section),
+    with its type, default and description."""
     from textwrap import fill
 
     from .config import key_docs, key_groups, key_types
@@ -163,14 +160,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def resolve_config(command: str, config: Config | Mapping | str | os.PathLike | None = None,
                    overrides: Sequence[str] | Mapping[str, Any] = ()) -> Config:
-    """The config ``rlhfkit COMMAND`` runs: the defaults <- the task's defaults <- the command's
-    algorithm defaults <- ``config`` <- ``overrides``.
-
-    ``config``: a YAML file's path (``--config``), a ``{section: {key: value}}`` mapping laid over
-    the defaults, or a ``Config``, used as it is (an RL command sets its ``ppo.algo``).
-    ``overrides``: ``'section.key=value'`` strings as on the command line, or a mapping of dotted
-    keys (``{"ppo.steps": 10}``) or of sections (``{"ppo": {"steps": 10}}``) to Python values,
-    callables and lists included."""
+    """The config ``rlhfkit COMMAND`` runs: the defaults <- the task's <- the algorithm's <-
+    ``config`` (a YAML path, a mapping of sections, or a ``Config`` used as it is) <- ``overrides``
+    (``'section.key=value'`` strings, or a mapping of dotted keys or sections to Python values)."""
     from .tasks import get_task
 
     if config is not None and not isinstance(config, (Config, Mapping, str, os.PathLike)):
@@ -235,10 +227,9 @@ def _error(command: str, e: BaseException) -> None:
 
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
-    """Python warnings printed as one line each, ``rlhfkit CMD: warning: ...``, for the duration:
-    without the line of source code Python prints under them (a warning is advice to the user,
-    not a pointer into rlhfkit); another package's warning keeps its category and origin. Only the
-    format changes: a caller that records warnings (``catch_warnings(record=True)``) still gets them."""
+    """Python warnings printed as one line each, ``rlhfkit CMD: warning: ...``, without the source
+    line under them; another package's warning keeps its category and origin. Only the format
+    changes: a caller recording warnings still gets them."""
     def one_line(message, category, filename, lineno, line=None) -> str:
         text = " ".join(str(message).split())
         if _PACKAGE_DIR not in Path(filename).resolve().parents:
@@ -304,9 +295,10 @@ DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **d
 
 
 def _check_inputs(command: str, cfg: Config) -> None:
-    """The records of data.path (and data.eval_path) read and checked before torch is imported
-    (seconds): a malformed record is answered at once (rlhfkit.data.precheck); for the commands
-    that read prompts, the reward functions and env.class too (rlhfkit.callables.check_before_loading)."""
+    """The records of data.path (and data.eval_path) checked before torch is imported, so a
+    malformed record is answered in seconds; for the commands that read prompts, the reward
+    functions and env.class too (rlhfkit.callables.check_before_loading). The one place a run
+    checks them: the trainers and the evaluation do not again."""
     kind = DATA_KIND.get(command)
     if kind is None:
         return
@@ -322,8 +314,8 @@ def _check_inputs(command: str, cfg: Config) -> None:
 
 
 def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
-    """Run a command on its resolved config (the heavy imports happen here) and return its summary;
-    ``path``: the policy ``eval`` evaluates. The command line and rlhfkit.api both run this."""
+    """Run a command on its resolved config and return its summary (``path``: the policy ``eval``
+    evaluates); the command line and rlhfkit.api both run this, the heavy imports happen here."""
     _check_inputs(command, cfg)
     from transformers.utils import logging as hf_logging
 

@@ -33,7 +33,8 @@ from .tasks import get_task
 from .trainers.dpo import train_dpo
 from .trainers.pretrain import pretrain
 from .trainers.reward import train_reward_model
-from .trainers.rl import check_critic_warmup, train_rl
+from .trainers.rl import train_rl
+from .trainers.rl_setup import check_critic_warmup
 from .utils import check_out_dir, clear_run_files, lock_run_dir, resolve_device
 
 METRICS = ("format_acc", "exact_acc", "answer_acc")

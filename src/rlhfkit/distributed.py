@@ -1,21 +1,10 @@
 """Data parallelism through ``accelerate``: each process takes its shard of the global batch.
 
-``accelerate launch --num_processes N -m rlhfkit <command> ...`` runs the same loops in N
-processes (DDP on CPU with gloo or on GPUs; DeepSpeed / FSDP through an accelerate config).
-The rules the trainers follow, so that N processes compute what one process computes:
-
-* every process builds the same *global* batch (same seeds) and keeps rows
-  ``[rank * b, (rank + 1) * b)``, ``b = global / N`` (:meth:`Shard.take`);
-* a statistic over the whole batch (advantage whitening, a batch-mean baseline, reward
-  normalisation) is computed on rows gathered from every process (:meth:`Shard.apply_rows`);
-* a loss that is a mean over *tokens* is rescaled by ``N * n_local / n_global``
-  (:meth:`Shard.token_weight`): DDP averages gradients over processes, and the average of
-  the rescaled local means is the global token mean. A mean over rows needs nothing, the
-  shards being equal;
-* logged metrics are reduced over processes (:meth:`Shard.mean`); only the main process
-  writes files.
-
-With one process every method is the identity, so the single-process code path is the same.
+Every process builds the same global batch and keeps its rows (:meth:`Shard.take`); batch-wide
+statistics use rows gathered from all (:meth:`Shard.apply_rows`); a token-mean loss is rescaled
+so DDP's gradient average is the global mean (:meth:`Shard.token_weight`); logged metrics are
+reduced (:meth:`Shard.mean`) and the main process writes. With one process every method is the
+identity. The rules and what was checked: docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -32,11 +21,8 @@ from .precision import compute_weights
 
 def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int, rows: slice,
                      turn: int = 0) -> torch.Tensor:
-    """This process's rows of the step's ``[global_rows, max_new_tokens]`` U(0, 1) draws.
-
-    The draws depend on ``(seed, step)`` only (and ``turn``, a multi-turn episode's model turn:
-    turn 0's are the single-turn draws), so sampling with them
-    (``rollout.generate(uniforms=...)``) gives every row the same response however many
+    """This process's rows of the step's ``[global_rows, max_new_tokens]`` U(0, 1) draws, a
+    function of ``(seed, step, turn)`` alone: every row samples the same response however many
     processes share the batch."""
     key = seed * 1_000_003 + step
     if turn:
@@ -46,10 +32,8 @@ def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int
 
 
 class Shard:
-    """This process's share of a global batch and the collectives the trainers need.
-
-    ``Shard(accelerator)``; ``Shard(None)`` is the single-process identity.
-    """
+    """This process's share of a global batch and the collectives the trainers need;
+    ``Shard(None)`` is the single-process identity."""
 
     def __init__(self, accelerator=None):
         self.accelerator = accelerator
@@ -118,11 +102,8 @@ class Shard:
         return self.accelerator.gather(x.contiguous())
 
     def apply_rows(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-        """``fn`` on the global batch, returned for this process's rows.
-
-        ``fn`` maps ``[B, ...]`` tensors to a ``[B, ...]`` tensor (or a scalar, returned as is);
-        its inputs are gathered from every process and its output is cut back to this
-        process's rows and, for ``[b, R]`` inputs, its own width ``R``."""
+        """``fn`` (``[B, ...]`` tensors -> a ``[B, ...]`` tensor or a scalar) on the gathered global
+        batch, cut back to this process's rows (and a ``[b, R]`` input's width)."""
         if not self.distributed:
             return fn(*tensors)
         out = fn(*[self.gather_rows(t) for t in tensors])
@@ -133,14 +114,12 @@ class Shard:
         return out[:, : tensors[0].shape[1]] if out.dim() > 1 and tensors[0].dim() > 1 else out
 
     def token_weight(self, mask: torch.Tensor) -> float:
-        """``world * n_local / n_global`` for a token-mean loss over ``mask``: after DDP's average
-        the gradient is that of the mean over every process's tokens (1 with one process)."""
+        """:meth:`count_weight` of the tokens of ``mask``."""
         return self.count_weight(mask.sum())
 
     def count_weight(self, n_local: torch.Tensor) -> float:
-        """``world * n_local / n_global`` for a loss that is a mean over ``n_local`` units (tokens,
-        rows: core.aggregation_count) of this process: after DDP's average the gradient is that of
-        the mean over every process's units (1 with one process)."""
+        """``world * n_local / n_global`` for a mean over this process's ``n_local`` units (tokens,
+        rows): after DDP's average the gradient is the global mean's (1 with one process)."""
         if not self.distributed:
             return 1.0
         n_local = torch.as_tensor(n_local).float()
@@ -171,16 +150,14 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_sharded(t) -> bool:
-    """True for FSDP2's sharded tensors (DTensors), which hold a shard and gather with
-    ``full_tensor()``; the one test every module uses for them. (A DTensor parameter keeps its
-    own class, so plain tensors and parameters are answered without the slower attribute probe.)"""
+    """True for FSDP2's sharded tensors (DTensors, gathered with ``full_tensor()``); plain tensors
+    and parameters are answered without the slower attribute probe."""
     return type(t) not in _PLAIN and hasattr(t, "full_tensor")
 
 
 def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (2-norm, same coefficient ``max_norm / (norm + 1e-6)``
-    capped at 1, NaN/inf passed through for the caller's guard) in four calls: torch's checks
-    and grouping cost a small model's minibatch ~0.3 ms, twice the arithmetic."""
+    """``torch.nn.utils.clip_grad_norm_`` (the same coefficient, NaN/inf passed through for the
+    caller's guard) in four calls, without torch's per-call checks and grouping."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -192,10 +169,8 @@ def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
 
 
 def clip_grad_norm(accelerator, parameters, max_norm: float) -> torch.Tensor:
-    """Clip the gradient norm through the engine (plain torch for one process and DDP, the
-    engine's own under FSDP). Returns the total norm before clipping as a detached scalar;
-    NaN where the engine clips internally and reports none (DeepSpeed: set
-    ``gradient_clipping`` in its config)."""
+    """Clip the gradient norm through the engine (plain torch for one process and DDP); the norm
+    before clipping, detached, or NaN where the engine reports none (DeepSpeed)."""
     params = [p for p in parameters if p.requires_grad]
     if accelerator is None or (accelerator.distributed_type == "NO" and accelerator.scaler is None):
         return _clip_grad_norm(params, max_norm)
@@ -226,12 +201,9 @@ def fsdp_modules(model) -> list:
 
 
 def shard_frozen(accelerator, *models) -> list:
-    """Under FSDP, shard frozen models (the reference, reward models) as the trained ones are:
-    each decoder layer (the launch's ``fsdp_transformer_layer_cls_to_wrap``, else the model's
-    ``_no_split_modules``) and the root, so a process holds its shard instead of a whole copy.
-    :func:`full_weights` gathers them for the experience pass and the evaluation. Returns the
-    models it sharded (none without FSDP; a LoRA reference, the policy with its adapter off, is
-    no module of its own and is sharded with the policy)."""
+    """Under FSDP, shard frozen models (reference, reward models) as the trained ones are, by
+    decoder layer and root, so a process holds a shard instead of a whole copy
+    (:func:`full_weights` gathers them). Returns the models it sharded."""
     if getattr(accelerator, "distributed_type", None) != "FSDP":
         return []
     from torch.distributed.fsdp import fully_shard
@@ -255,11 +227,9 @@ def shard_frozen(accelerator, *models) -> list:
 
 @contextlib.contextmanager
 def full_weights(*models, per_layer: bool = False, compute: bool = True):
-    """:func:`_full_weights` of each of ``models`` (None and unsharded ones are no-ops), and
-    under ``model.master_weights`` the trained model's bfloat16 copies
-    (:func:`rlhfkit.precision.compute_weights`): the weights its forwards run on. ``compute``
-    False leaves the copies to the caller, which makes them only if it runs the model (the
-    experience pass, :func:`rlhfkit.experience.experience_forwards`)."""
+    """:func:`_full_weights` of each of ``models`` (host-offloaded ones brought back), and under
+    ``model.master_weights`` their bfloat16 copies unless ``compute`` is False (the caller makes
+    them only if it runs the model)."""
     with contextlib.ExitStack() as stack:
         for model in models:
             stack.enter_context(on_device(model))  # accel.offload: a frozen model's weights come from host memory
@@ -272,21 +242,14 @@ def full_weights(*models, per_layer: bool = False, compute: bool = True):
 @contextlib.contextmanager
 def _full_weights(model, per_layer: bool = False):
     """Under FSDP2, ``model``'s weights gathered for calls that bypass its root forward
-    (generation and the experience pass call the unwrapped policy, critic or reference); a
-    no-op for any other model.
-
-    FSDP first initialises its root (otherwise the first layer called directly would make
-    itself a root, and the next training forward fails with "FSDP state has already been
-    lazily initialized"). By default every sharded module is gathered once, here, and stays
-    gathered through the layers' own forwards until the block ends: one all-gather per module
-    per rollout, and the plain tensors let the accelerated forward run. ``per_layer``: only the root's
-    own weights (embeddings, final norm, heads) are gathered here and each layer gathers and
-    frees its weights around each of its forwards (FSDP's hooks): less memory, one all-gather
-    per layer per forward (per generated token)."""
+    (generation, the experience pass); a no-op otherwise. Every sharded module is gathered once
+    and stays so until the block ends; ``per_layer``: only the root's, each layer gathering
+    around its own forwards (less memory, one all-gather per layer per forward)."""
     mods = fsdp_modules(model)
     if not mods:
         yield
         return
+    # the root first: a layer called directly would make itself a root and break the next training forward
     mods[0]._get_fsdp_state()._lazy_init()  # no public call does it outside a root forward
     groups = []
     if not per_layer:

@@ -1,4 +1,4 @@
-"""Greedy evaluation of a policy on a task's held-out prompts."""
+"""Evaluation of a policy: a task's held-out prompts by its verifier; prompt records by the rewards."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from types import ModuleType
 
 import torch
 
-from .callables import check_before_loading
 from .core import kl_from_logits, masked_sum
 from .distributed import Shard
 from .models import context_window, load_policy, load_tokenizer, policy_dir, policy_forward, same_tokenizer
@@ -53,9 +52,8 @@ def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int =
 
 def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: int = 512,
                      max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> dict:
-    """:func:`rlhfkit.evaluate.evaluate_task` with the held-out prompts split over processes
-    (contiguous shards) and the counts summed: every process gets the global accuracies; the
-    examples are this process's (the main process holds the first ones, as with one process)."""
+    """:func:`evaluate_task` with the held-out prompts split over processes: the accuracies are
+    global, the examples this process's."""
     prompts = task.eval_prompts()
     if not shard.distributed:
         return evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts, stop)
@@ -106,10 +104,7 @@ class ScoredCompletions:
 @torch.no_grad()
 def completion_kl(policy, reference, roll: Rollout) -> torch.Tensor:
     """``[B]``: the exact KL(pi(.|x, y_<t) || pi_ref(.|x, y_<t)) of each next-token distribution,
-    summed over the tokens of each completion ``y`` of ``roll`` (its EOS included). For completions
-    sampled from ``policy`` its mean estimates the sequence-level KL(pi || pi_ref); for greedy ones
-    it is the divergence along the path the policy takes. 0 when both are the same model.
-    ``policy`` and ``reference`` share the tokenizer that produced ``roll``."""
+    summed over each completion of ``roll`` (EOS included); both models share its tokenizer."""
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]  # [B, T]
     logits, _ = policy_forward(policy, ids, mask, P)  # [B, R, V]
     ref_logits, _ = policy_forward(reference, ids, mask, P)  # [B, R, V]
@@ -121,11 +116,9 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
                        max_new_tokens: int = 64, greedy: bool = True, temperature: float = 1.0,
                        seed: int = 0, shaping: dict | None = None,
                        stop: Sequence[str] = (), reference=None) -> ScoredCompletions:
-    """Complete every record's prompt (greedy, or sampled with a generator seeded by ``seed`` from
-    the distribution ``shaping`` shapes: :func:`rlhfkit.rollout.sampling_settings`; ``stop``
-    strings end a completion either way) and score the
-    completions by ``reward`` (a :class:`rlhfkit.rewards.Reward`), batch by batch; with a
-    ``reference`` policy (same tokenizer), each completion's :func:`completion_kl` to it too."""
+    """Complete every record's prompt (greedy, or sampled from ``seed`` under ``shaping``:
+    :func:`rlhfkit.rollout.sampling_settings`) and score the completions by ``reward``, batch by
+    batch; with a ``reference`` policy, each completion's :func:`completion_kl` to it too."""
     names = list(reward.weights)
     texts: list[str] = []
     finished: list[bool] = []
@@ -155,15 +148,10 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
 
 def reward_means(scored: ScoredCompletions, shard: Shard | None = None, device=None) -> dict[str, float]:
     """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>``
-    (the sample standard deviation of the source's scores over the prompts: the noise model of
-    guard/reward_tradeoff) and, when sources are declared
-    0/1 (``scored.accuracy``: ``eval.accuracy_reward`` or ``fn.binary = True``), ``eval/accuracy``
-    (the share of completions that every such source scores 1): ``scored`` holds this process's
-    share of the completions (summed over ``shard``). Which sources are 0/1
-    is declared, never inferred from the scores: a 0/1/2 reward that gave only 1s on this batch
-    gives no accuracy. A completion a reward function returned None for (NaN) is left out of that
-    source's mean, one no source scored out of ``eval/reward``, and the accuracy is over the
-    completions some declared source scored, correct where every one that scored it gave 1."""
+    (over the prompts: guard/reward_tradeoff's noise) and, with sources declared 0/1
+    (``scored.accuracy``), ``eval/accuracy``: the share of the completions they scored that each
+    of them scored 1. A None score (NaN) is left out of its means. ``scored``: this process's
+    share, summed over ``shard``."""
     shard = shard or Shard()
     names = list(scored.scores)
     by_source = torch.stack([scored.scores[name] for name in names]) if names else torch.zeros(0, len(scored.total))
@@ -195,11 +183,8 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
                      batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
                      temperature: float = 1.0, seed: int = 0, shaping: dict | None = None,
                      stop: Sequence[str] = ()) -> dict[str, float]:
-    """Completions of held-out prompt records (:func:`complete_and_score`) scored by the training
-    reward: ``eval/reward`` (the weighted total's mean), ``eval/reward/<source>``
-    and, when some source is declared 0/1 (:func:`reward_means`), ``eval/accuracy`` (the share of
-    completions that every such source scores 1). The records are split over processes; the means
-    are global."""
+    """:func:`reward_means` of the completions of held-out prompt records (:func:`complete_and_score`),
+    the records split over processes, the means global."""
     shard = shard or Shard()
     n = len(records)
     lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
@@ -240,11 +225,9 @@ def _load(path: str, cfg, device) -> _Loaded:
 
 def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _Completed | None = None,
                            loaded: _Loaded | None = None, reference: _Loaded | None = None) -> _Completed:
-    """The policy at ``path`` (``loaded``: already in memory) completes ``data.path``'s prompts,
-    scored by the configured reward, and, with a ``reference`` of the same tokenizer, each
-    completion's KL to it. The prompts (fit to the policy's context with ``max_new_tokens`` after
-    them) are read and the reward built once per tokenizer and limit: ``like``'s are reused when
-    they are the same."""
+    """The policy at ``path`` (``loaded``: in memory) completes and scores ``data.path``'s prompts
+    (:func:`complete_and_score`); the prompts and reward of ``like`` are reused when its tokenizer
+    and prompt limit are the same."""
     loaded = loaded or _load(path, cfg, device)
     tok, policy = loaded.tokenizer, loaded.policy
     key = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "ppo.max_new_tokens"
@@ -286,19 +269,10 @@ def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
 
 
 def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
-    """Evaluate the policy at ``path`` (a model or run directory, or a hub id) on the prompts of
-    ``data.path``, scored by the configured reward (``reward.name`` / ``reward.function``).
-
-    Completions are greedy by default (``eval.greedy``), ``eval.max_new_tokens`` (else
-    ``ppo.max_new_tokens``) tokens at most. With a baseline (``baseline`` or ``eval.baseline``: a
-    model or run directory) the same prompts are completed by it and scored by the same rewards;
-    ``win_rate`` is the share of prompts where the model's total reward beats the baseline's, a tie
-    counting half (a model against itself: 0.5); ``win_rates`` the same under each reward source
-    alone (a reward model's win rate, whatever the weights). When both share a tokenizer,
-    ``kl_to_baseline`` is the mean over prompts of :func:`completion_kl` (nats per completion) on
-    the model's completions: how far the tuning moved the policy from the baseline where it
-    answers. Writes ``run.out_dir/eval_samples.jsonl`` (one row per prompt) and
-    ``run.out_dir/eval.json`` (the returned summary)."""
+    """Evaluate the policy at ``path`` on the prompts of ``data.path`` scored by the configured
+    reward, and with a baseline (``eval.baseline``) the win rates and ``kl_to_baseline``
+    (docs/data.md). Writes ``eval_samples.jsonl`` and ``eval.json`` (the returned summary) to
+    ``run.out_dir``; the prompt file and rewards were checked before (cli.run_command)."""
     if not cfg.data.path:
         raise ValueError("data.path is empty: give the prompts to evaluate on (a JSONL of {\"prompt\": ...})")
     if not cfg.reward.name and not cfg.reward.function:
@@ -308,7 +282,6 @@ def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
     if not max_new_tokens:
         raise ValueError("set eval.max_new_tokens (or ppo.max_new_tokens) with data.path: the longest completion "
                          "to decode")
-    check_before_loading(cfg)
     baseline = baseline if baseline is not None else cfg.eval.baseline
     path, baseline = policy_dir(path), policy_dir(baseline) if baseline else None
     device = resolve_device(cfg.run.device)

@@ -1,61 +1,11 @@
-"""Signs that an RL run is gaming its reward rather than learning the task.
+"""Signs that an RL run is gaming its reward rather than learning the task (docs/safety.md).
 
-A learned reward is exploitable: a policy can raise its score by drifting far from the
-reference into text the reward model never saw, by dropping the EOS (a truncated answer the
-reward still likes), or by trading held-out quality for training score. :class:`HackingWatch`
-checks each step's logged statistics for these signs and returns them as ``guard/*``
-metrics (1 on the steps where the sign shows, 0 otherwise); the first time each shows it also
-warns once, naming the step and the setting that bounds it. ``rlhfkit report`` marks the
-steps on every curve.
-
-Each sign is a test against the noise the run itself shows, over a window of steps or
-evaluations, never one batch (``benchmarks/guard_sim.py`` runs this class on simulated healthy
-and collapsing runs and writes each case's alarm rate; ``tests/test_watch.py`` checks a reduced
-version):
-
-* ``guard/eos_collapse``: the EOS rate (``response/eos_rate``) averaged over the last ``window``
-  steps, ``r``, fell below ``ppo.guard_eos`` times its mean over the first ``anchor`` steps, ``a``,
-  and ``a - r > z * sqrt(sum_anchor v_t / anchor^2 + sum_recent v_t / window^2)``. A step's
-  variance ``v_t`` is the square of ``response/eos_rate_se``, the standard error over the
-  batch's prompt groups (:func:`rlhfkit.core.group_mean_se`: completions of one prompt share
-  its EOS habits, so a group of G is not G independent draws), and at least the binomial
-  ``a (1 - a) / batch_size`` (the variance were every completion independent at rate ``a``;
-  the group one is never smaller in expectation, and it alone is used when the run does not
-  log the standard error);
-* ``guard/kl_high``: the per-token KL to the reference (``objective/kl`` over
-  ``response/length``, nats per token), averaged over the last ``window`` steps, is above
-  ``ppo.guard_kl`` while the held-out metric (``ppo.stop_metric``) has fallen: its mean over the
-  last ``eval_window`` evaluations is more than ``z * s`` below its best such mean, ``s`` one
-  evaluation's noise (the mean step between consecutive evaluations, / 1.128, its value for
-  independent normal draws: a learning curve's own steps only raise it, and a fall in one step
-  is flagged at the next evaluation), from the ``min_evals``-th evaluation on. A high KL alone is
-  no sign of gaming -- a policy that learns one-word answers moves far from a chatty reference,
-  most of all per token -- so a run whose held-out metric rises or holds is not flagged; without
-  a held-out metric the guard cannot act (:meth:`HackingWatch.announce`);
-* ``guard/eval_drop``: the held-out metric has fallen as above, and by more than the share
-  ``ppo.guard_eval_drop`` of its best. A relative drop means the same on any metric's scale; with
-  few held-out prompts a low accuracy is noisy, and the noise term keeps it quiet;
-* ``guard/reward_tradeoff``: with several reward sources, one source's held-out mean
-  (``eval/reward/<source>``), averaged over the last ``tradeoff_window`` evaluations, ``m``, fell
-  more than the share ``ppo.guard_tradeoff`` below its value before training, ``b``
-  (``baseline/eval/reward/<source>``, or the first evaluation), and by more than
-  ``z_tradeoff * sqrt((sd_b^2 + sd^2) / n)`` while the weighted total (``eval/reward``) rose: the
-  policy buys one term with another, as a brevity term bought by dropping the fact that a
-  second term checks. ``sd_b`` and ``sd`` are the source's standard deviations over the ``n``
-  held-out prompts (``eval/reward_std/<source>``) before training and over the window's
-  evaluations (root mean square): whatever the source's scale, a fall is judged against its
-  own spread. The same prompts are scored each time, so the paired difference's variance is at
-  most that (a prompt's own level cancels), and the window's evaluations of a slowly moving
-  policy are not counted as independent draws. A source is not watched whose value before
-  training is not positive (a share of it means nothing) or whose spread the run does not log.
-
-A guard that cannot act says so once at the start (:meth:`HackingWatch.announce`): its key is 0,
-or the run does not log ``ppo.stop_metric``, or evaluates too rarely.
-
-:class:`SignalWatch` warns, once each, when most prompt groups carry no reward variance or most
-completions are cut at ``max_new_tokens``: not gaming, but a run with little to learn from.
-
-Both watches take scalars (one run) or, for simulations, arrays of runs stepping together.
+:class:`HackingWatch` turns each step's statistics into ``guard/*`` metrics (1 where a sign
+shows): the EOS rate collapsing, the KL to the reference high while the held-out metric falls,
+the held-out metric dropping, one reward source bought with another. Each is a test against the
+run's own noise over a window, and each warns once. :class:`SignalWatch` warns when most groups
+carry no reward variance or most completions are cut: a run with little to learn from. Both
+take scalars (one run) or arrays of runs stepping together (simulations).
 """
 
 from __future__ import annotations
@@ -288,20 +238,9 @@ class HackingWatch:
 
 
 class SignalWatch:
-    """Warns once per run, each, when the batches carry little learning signal:
-
-    * most prompt groups have no reward variance (``frac_reward_zero_std``): every completion of
-      a prompt scored alike, so group-relative advantages are 0 and those prompts teach nothing
-      (a 0/1 reward the model never, or always, earns);
-    * most completions are cut at ``max_new_tokens`` (``response/truncated_rate``): their scores
-      judge unfinished answers;
-    * top-k / top-p keep less than half of the probability (``rollout/kept_mass``): the samples
-      are far off-policy (``ppo.sampling_correction`` reweighs them).
-
-    The rule is the share over the last ``window`` steps (equal batches: the mean of the step
-    shares), above ``share``, so one unlucky batch does not warn and a run that starts without
-    signal warns at step ``window - 1``. The counters are part of a checkpoint.
-    """
+    """Warns once each when most prompt groups carry no reward variance, most completions are cut
+    at ``max_new_tokens``, or top-k / top-p keep under half the probability: the mean share over
+    the last ``window`` steps above ``share`` (one unlucky batch does not warn). Checkpointed."""
 
     KEYS = ("frac_reward_zero_std", "response/truncated_rate", "rollout/kept_mass")
     # the share of the batch without the signal: of the kept mass its complement, the others as logged

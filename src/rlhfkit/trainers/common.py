@@ -3,7 +3,7 @@
 A trainer's own code is its arithmetic; :class:`Run` holds the rest, the same in all of them::
 
     run = Run(cfg, "dpo", steps=cfg.dpo.steps)       # seed, run dir check, accelerator, guard
-    model, opt = run.prepare(model, opt, micro_batch=...)
+    train_model, opt, params, engine = run.optimize(model, lr, batch_size)  # AdamW, DDP / FSDP
     resumed = run.restore({"policy": model}, {"optimizer": opt}, generator=gen)  # + run dir, config.yaml
     for step in run.steps():                          # progress from the resumed step on
         ...                                           # the trainer's own step
@@ -36,11 +36,8 @@ from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setu
 
 
 def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:
-    """Warn (once per optimizer) when it trains half-precision weights in place. A bfloat16
-    weight keeps 8 significant bits (float16 11), so an AdamW step of about ``lr`` rounds to
-    nothing on every weight above about ``2 lr / eps`` in magnitude (``eps``: the dtype's
-    machine epsilon): at ``lr`` 1e-5 and bfloat16, every weight above about 0.0026, most of a
-    model's. A LoRA adapter on a half-precision base stays in float32 and is not affected."""
+    """Warn (once per optimizer) when it trains half-precision weights in place: an AdamW step of
+    about ``lr`` rounds to nothing on every weight above about ``2 lr / eps`` in magnitude."""
     for group in optimizer.param_groups:
         half = [p for p in group["params"] if p.dtype in (torch.bfloat16, torch.float16)]
         if half:
@@ -98,18 +95,13 @@ class Engine:
     shard: Shard = field(default_factory=Shard)
     guard: UpdateGuard = field(default_factory=UpdateGuard)
     sync: tuple = ()
-    """Parameters whose gradients :meth:`accumulate` averages over the processes itself, as DDP
-    would: for updates that go around the DDP wrapper (``model`` None), such as a critic warm-up,
-    whose backward leaves the actor out -- through DDP that needs ``find_unused_parameters=True``,
-    an extra graph traversal (and a warning) on every later backward."""
+    """Parameters whose gradients :meth:`accumulate` averages over the processes itself, for an
+    update that goes around the DDP wrapper (a critic warm-up, whose backward leaves the actor out)."""
 
     def _accelerate_adds_nothing(self) -> bool:
-        """Whether accelerate's ``backward`` and its optimizer wrapper's ``step`` and ``zero_grad``
-        would only be ``loss.backward()`` and the inner optimizer's calls here: no accelerator, or one with no
-        DeepSpeed / Megatron / XLA, no loss scaler and no accumulation of its own. Its ``backward``
-        and ``step`` probe the file system for an optional package on every call (``is_lomo_available``);
-        going around them saves a few percent of a small model's update
-        (benchmarks/archive/code-evidence.md)."""
+        """Whether accelerate's ``backward``, ``step`` and ``zero_grad`` would only be the plain
+        calls here (no DeepSpeed / Megatron / XLA, loss scaler or accumulation of its own): then
+        they are skipped, with their per-call overhead (benchmarks/archive/code-evidence.md)."""
         acc = self.accelerator
         return acc is None or (acc.distributed_type not in ("DEEPSPEED", "MEGATRON_LM", "XLA") and acc.scaler is None
                                and acc.gradient_accumulation_steps == 1)
@@ -136,10 +128,7 @@ class Engine:
         self._inner(optimizer).step()
 
     def zero_grad(self, optimizer) -> None:
-        """``optimizer.zero_grad(set_to_none=True)``, around accelerate's wrapper where it adds
-        nothing: the wrapper reads the inner ``zero_grad``'s signature (``inspect.signature``) on
-        every call; going around it saves a little of a small model's update
-        (benchmarks/archive/code-evidence.md)."""
+        """``optimizer.zero_grad(set_to_none=True)``, around accelerate's wrapper where it adds nothing."""
         self._inner(optimizer).zero_grad(set_to_none=True)
 
     def clip(self, parameters, max_norm: float) -> torch.Tensor:
@@ -147,17 +136,11 @@ class Engine:
 
     def accumulate(self, n_rows: int, micro_batch: int, step: Callable[[slice], tuple],
                    maxed: tuple[str, ...] = (), passes: int = 0) -> tuple[torch.Tensor, dict]:
-        """Forward and backward passes over a minibatch of ``n_rows`` rows in micro-batches of
-        ``micro_batch`` rows (0: all at once), their gradients summed in ``.grad``.
-
-        ``step(rows)`` (``rows`` a slice of ``range(n_rows)``) returns the micro-batch's
-        ``(loss, stats)`` already weighted by its share of the minibatch (its rows for a mean over
-        rows, its tokens for a mean over tokens), so the summed gradient, loss and stats are the
-        whole minibatch's; stats in ``maxed`` are maxed instead. Under DDP the gradients are
-        synchronised on the last micro-batch only (``accelerator.no_sync``). ``passes``: at least
-        this many forward and backward passes, the extra ones given empty slices (``step`` runs
-        them at zero weight), so that every process makes the same collective calls when their
-        shares of a minibatch differ. Returns the summed loss (detached) and stats."""
+        """Forward and backward passes over ``n_rows`` rows, ``micro_batch`` at a time (0: all),
+        the gradients summed in ``.grad``; returns the summed loss (detached) and stats (those in
+        ``maxed`` maxed). ``step(rows)`` returns a micro-batch's ``(loss, stats)`` weighted by its
+        share of the minibatch. Under DDP the gradients sync on the last pass only. ``passes``: at
+        least this many passes, the extra ones empty, so every process makes the same collectives."""
         size = micro_batch or max(n_rows, 1)
         chunks = [slice(i, min(n_rows, i + size)) for i in range(0, n_rows, size)]
         chunks += [slice(n_rows, n_rows)] * (passes - len(chunks))
@@ -198,13 +181,9 @@ class Run:
     checkpoints and exact resume, metrics log, progress, and the final save.
 
     ``Run(cfg, name, steps)`` seeds every RNG, refuses a ``run.out_dir`` holding an earlier run
-    (unless ``run.resume`` or ``run.overwrite``), and builds the accelerator (one process, or
-    DDP / FSDP under ``accelerate launch``). :meth:`restore` must come after the models,
-    optimizers and data exist: it creates ``run.out_dir`` with the resolved config (so a bad
-    input found before leaves nothing behind), loads the newest checkpoint into them when
-    ``run.resume`` is set and opens the metrics log.
-    Only the main process writes files; every process runs the same calls.
-    """
+    and builds the accelerator; :meth:`restore`, once the models and data exist, creates the run
+    directory (a bad input found before leaves nothing behind), resumes and opens the metrics
+    log. Only the main process writes files; every process runs the same calls."""
 
     def __init__(self, cfg: Config, name: str, steps: int, find_unused_parameters: bool = False, log_every: int = 1):
         self.cfg, self.name, self.total = cfg, name, steps
@@ -242,6 +221,15 @@ class Run:
             if isinstance(obj, torch.optim.Optimizer):
                 warn_lossy_updates(obj)
         return prepare(self.accelerator, *objects, micro_batch=micro_batch)
+
+    def optimize(self, model, lr: float, batch_size: int, module=None):
+        """AdamW at ``lr`` over ``model``'s trainable weights, prepared with ``module`` (``model``, or
+        a forward around it that DDP must see) for ``batch_size`` global rows a step: ``(prepared
+        module, optimizer, trainable params, engine)``, the params read after FSDP2 replaced them."""
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+        module, opt = self.prepare(model if module is None else module, opt,
+                                   micro_batch=max(1, batch_size // self.shard.world))
+        return module, opt, [p for p in model.parameters() if p.requires_grad], self.engine(module)
 
     def restore(self, modules: dict, optimizers: dict, schedulers: dict | None = None, data=None,
                 generator: torch.Generator | None = None) -> dict:

@@ -146,6 +146,13 @@ def evaluate_batches(model, batches) -> dict[str, float]:
     return {k: v / n for k, v in sums.items()}
 
 
+def prepare_training(run: Run, model, readout):
+    """:meth:`Run.optimize` at ``reward.lr`` with ``readout`` as the module's forward (so DDP
+    syncs its gradients)."""
+    lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
+    return run.optimize(model, lr, run.cfg.reward.batch_size, ModuleForward(model, readout))
+
+
 def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float]:
     """The number-doubling tutorial task's reward model: cross-entropy over the task's labels
     (the answer's character set) on unprefixed text; at RL time the reward is the logit of the
@@ -153,13 +160,7 @@ def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float
     rc, device, shard = cfg.reward, run.device, run.shard
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    train_logits, opt = run.prepare(ModuleForward(model, sequence_logits), opt,
-                                    micro_batch=max(1, rc.batch_size // shard.world))
-    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    engine = run.engine(train_logits)
+    train_logits, opt, params, engine = prepare_training(run, model, sequence_logits)
 
     def batch(items, forward):
         enc = tok([t for t, _ in items], padding=True, return_tensors="pt")
@@ -233,13 +234,8 @@ def build_reward_model(cfg: Config, task, path: str | None, device):
 
 
 def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
-    """Train the reward model; saves it to ``<out_dir>/reward_model``. Returns a summary.
-
-    Pairs come from ``data.path`` (a preference file or dataset in TRL's format) when set,
-    else from the task (``run.task``). The model is ``AutoModelForSequenceClassification`` with one
-    label: from the policy checkpoint at ``policy_path`` / ``model.name`` (its backbone, a new
-    scalar head) when ``reward.init_from == 'policy'``, else the tiny task model from scratch.
-    """
+    """Train the reward model (:func:`build_reward_model`) on the pairs of ``data.path``, else of
+    the task; saves it to ``<out_dir>/reward_model`` and returns a summary."""
     rc = cfg.reward
     task = get_task(cfg.run.task)
     if rc.kind == "classifier" and not hasattr(task, "LABELS"):
@@ -273,14 +269,7 @@ def pair_loss(score_fn, ids: torch.Tensor, mask: torch.Tensor, margin, center_co
 def train_pairwise(cfg: Config, run: Run, model, tok) -> dict[str, float]:
     """Bradley-Terry training on preference pairs; the held-out pairs' stats and the seconds."""
     rc, shard = cfg.reward, run.shard
-    params = [p for p in model.parameters() if p.requires_grad]
-    lr = run.learning_rates(model, "reward.lr")["reward.lr"]  # by model.regime where unset
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    # the scalar readout as the module's forward, so DDP sees it (and syncs its gradients)
-    train_scores, opt = run.prepare(ModuleForward(model, sequence_scores), opt,
-                                    micro_batch=max(1, rc.batch_size // shard.world))
-    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    engine = run.engine(train_scores)
+    train_scores, opt, params, engine = prepare_training(run, model, sequence_scores)
     # a file's pairs are encoded (lengths checked against the model's context) before the first step
     pairs = (FilePairs if cfg.data.path else TaskPairs)(cfg, tok, run.device, context_window(model))
     run.restore({"model": model}, {"optimizer": opt}, data=pairs)

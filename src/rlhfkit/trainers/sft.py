@@ -1,10 +1,6 @@
-"""Supervised fine-tuning on demonstrations (prompt -> completion), any causal LM.
-
-Loss: next-token cross-entropy on completion tokens only (``data.completion_only``; in a
-``messages`` conversation every assistant turn, or the last with ``sft.assistant_turns=last``),
-or on every token; records in TRL's formats via :mod:`rlhfkit.data`; optional packing; optional
-LoRA (``model.lora_r``; the saved policy is merged). Under ``accelerate launch`` each process
-takes its share of every batch (``sft.batch_size`` is global).
+"""Supervised fine-tuning on demonstrations (prompt -> completion), any causal LM: next-token
+cross-entropy on the completion tokens (``data.completion_only``) or on every token; records in
+TRL's formats (:mod:`rlhfkit.data`), optional packing and LoRA (docs/algorithms/sft.md).
 """
 
 from __future__ import annotations
@@ -42,12 +38,8 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
     enc = encode_demonstrations(cfg, tok, train, cfg.data.packing, context)
     eval_enc = encode_demonstrations(cfg, tok, held, False, context) if held else None  # as the examples come
     n = enc["input_ids"].shape[0]
-    params = [p for p in model.parameters() if p.requires_grad]
     rates = run.learning_rates(model, "sft.lr", "sft.warmup_steps")  # by model.regime where unset
-    opt = torch.optim.AdamW(params, lr=rates["sft.lr"], weight_decay=0.0)
-    train_model, opt = run.prepare(model, opt, micro_batch=max(1, sc.batch_size // shard.world))  # DDP
-    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2 replaces them in prepare
-    engine = run.engine(train_model)
+    train_model, opt, params, engine = run.optimize(model, rates["sft.lr"], sc.batch_size)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(rates["sft.warmup_steps"], sc.steps))
     gen = torch.Generator().manual_seed(cfg.run.seed)
     run.restore({"model": model}, {"optimizer": opt}, {"scheduler": sched}, generator=gen)
