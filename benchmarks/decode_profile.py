@@ -44,7 +44,7 @@ from rlhfkit import ops
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm, kernels
 from rlhfkit.models import position_ids_from_mask
-from rlhfkit.rollout import _FixedStep
+from rlhfkit.accel.forward import FixedStep as _FixedStep
 
 # real_step.py's workloads and the model shapes it runs them on
 WORKLOADS = {
@@ -160,7 +160,7 @@ def main() -> None:
               f"{wl['prompts'] * wl['group']} rows, prompt {wl['prompt_len']}, {args.steps or wl['new']} new tokens")
         last = {}  # how -> PyTorch attention's last logits
         for attend in args.attention:
-            # the fixed and graph steps choose their attention themselves (rollout._FixedStep):
+            # the fixed and graph steps choose their attention themselves (accel.forward.FixedStep):
             # with triton the library's kernel over the written columns, with sdpa PyTorch's over bands
             ops.configure("auto" if attend == "triton" else "off")
             if attend == "triton" and device.type == "cpu":  # let the decode's attention reach SDPA

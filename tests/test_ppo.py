@@ -18,7 +18,7 @@ import torch
 
 from rlhfkit.config import Config
 from rlhfkit.core import entropy_from_logits, logprobs_from_logits
-from rlhfkit.experience import ActorCritic, RunningMoments, make_experience, reuse_rollout
+from rlhfkit.experience import ActorCritic, RunningMoments, experience_forwards, make_experience, reuse_rollout
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze, policy_forward
 from rlhfkit.rewards import reward_model_scorer
 from rlhfkit.rollout import generate
@@ -299,11 +299,11 @@ def test_experience_row_chunks_run_each_group_prompt_once(monkeypatch, accel_on)
     roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id)
     passes, real = [], lean.response_hidden_states
     monkeypatch.setattr(lean, "response_hidden_states", lambda *a, **k: passes.append(a[5].numel()) or real(*a, **k))
-    whole = rl.experience_forwards(ac, ref, roll, pc, reuse=True)
+    whole = experience_forwards(ac, ref, roll, pc, reuse=True)
     whole_passes, passes[:] = sum(passes), []
     R, V = roll.response_ids.shape[1], ac.policy.get_output_embeddings().out_features
     monkeypatch.setattr(rl, "EXPERIENCE_LOGITS", 5 * R * V)  # at most 5 rows a chunk
-    chunked = rl.experience_forwards(ac, ref, roll, pc, reuse=True)
+    chunked = experience_forwards(ac, ref, roll, pc, reuse=True)
     assert whole_passes >= 3 and sum(passes) == whole_passes, (whole_passes, passes)
     for name in ("old_logprobs", "ref_logprobs", "entropy"):
         torch.testing.assert_close(chunked[name], whole[name], atol=1e-6, rtol=1e-6)

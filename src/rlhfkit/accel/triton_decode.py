@@ -2,7 +2,7 @@
 
 A decode step has one query a row. On a GPU PyTorch's attention runs it with kernels whose
 tiles hold 64 queries, and a CUDA graph fixes the span of columns it reads, so the graphed
-step read up to the end of a band of columns (``rollout._FixedStep``). This kernel reads the
+step read up to the end of a band of columns (``accel.forward.FixedStep``). This kernel reads the
 step's column from device memory (the tensor ``t``), so one graph serves the whole rollout
 and each replay reads only the columns written so far: one program per (row, key head) walks
 them in blocks with a running (online) softmax, every query head of a grouped-query key head
