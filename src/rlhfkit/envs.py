@@ -150,14 +150,18 @@ def tools_message(schemas: list[dict]) -> dict:
 # --------------------------------------------------------------------------- episodes
 
 
+def _user_call(where: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # the user's code: one line that names it
+        raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
+
+
 def checked_step(env: Environment, text: str) -> tuple[dict | None, float, bool]:
     """``env.step(text)``; EnvError naming the environment when it raises or returns anything
     but ``(message or None, finite number or None, bool)``."""
     where = f"environment {env_name(env)}.step"
-    try:
-        out = env.step(text)
-    except Exception as e:  # the user's code: one line that names it
-        raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
+    out = _user_call(where, env.step, text)
     if not (isinstance(out, tuple) and len(out) == 3):
         raise EnvError(f"{where} returned {type(out).__name__} {str(out)[:60]!r}: return a tuple "
                        "(observation, reward, done)")
@@ -174,10 +178,7 @@ def checked_step(env: Environment, text: str) -> tuple[dict | None, float, bool]
 
 def checked_reset(env: Environment, record) -> list[dict]:
     where = f"environment {env_name(env)}.reset"
-    try:
-        messages = env.reset(record)
-    except Exception as e:
-        raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
+    messages = _user_call(where, env.reset, record)
     if isinstance(messages, (str, dict)):
         messages = [messages]
     if not isinstance(messages, list) or not messages:
@@ -189,7 +190,6 @@ def checked_reset(env: Environment, record) -> list[dict]:
 class Episode:
     """One episode's tokens as they grow: ``ids`` (prompt first), and per response token whether
     the model sampled it, its log-prob, entropy, value and kept mass."""
-
 
     def __init__(self, env: Environment, record, tok, max_turns: int, max_tokens: int):
         self.env, self.max_turns, self.max_tokens = env, max_turns, max_tokens
