@@ -287,6 +287,17 @@ def check_packable(impl, ref, dtype):
     assert impl(_randn(8, 4, dtype=dtype)) and not impl(_randn(8, 4)) and not ref(_randn(8, 4, dtype=dtype))
 
 
+def check_host_empty(impl, ref, dtype):
+    """A pinned host tensor of the shape and dtype asked for, which takes a copy exactly."""
+    x = _randn(5, 7, dtype=dtype)
+    buf, plain = impl(x.shape, dtype), ref(x.shape, dtype)
+    assert buf.is_pinned() and not plain.is_pinned()
+    assert buf.device.type == "cpu" and buf.shape == x.shape and buf.dtype == dtype
+    buf.copy_(x.cuda(), non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, x)
+
+
 CLAIMS = {  # name: (its check, the dtypes its accelerated implementation takes)
     "linear": (check_linear, [F32]), "add_linear": (check_add_linear, [F32]), "mm": (check_mm, [F32]),
     "mm_out": (check_mm_out, [F32]), "grad_weight": (check_grad_weight, [F32]), "addmm_": (check_addmm_, [F32]),
@@ -297,7 +308,7 @@ CLAIMS = {  # name: (its check, the dtypes its accelerated implementation takes)
     "decode_attention": (check_decode_attention, [F32]),
     "graphed_decode_attention": (check_graphed_decode_attention, [F32]),
     "head_lse": (check_head_lse, [BF16]), "head_grad": (check_head_grad, [BF16]), "sampler": (check_sampler, [F32]),
-    "pack": (check_pack, [BF16]), "packable": (check_packable, [BF16]),
+    "pack": (check_pack, [BF16]), "packable": (check_packable, [BF16]), "host_empty": (check_host_empty, [F32]),
 }
 
 

@@ -105,6 +105,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
+def _host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 def _none(*args, **kwargs) -> None:
     """A shortcut's reference: not taken, the caller's own PyTorch code runs."""
     return None
@@ -115,6 +119,7 @@ REFERENCE: dict[str, Callable] = {
     "addmm_": _addmm_, "gelu_tanh": _gelu_tanh, "gelu_tanh_gate": _gelu_tanh_gate,
     "gelu_tanh_backward": _gelu_tanh_backward, "swiglu": _swiglu, "swiglu_backward": _swiglu_backward,
     "rms_norm": _rms_norm, "pack": lambda weight, rows=None, keep=True: weight, "packable": lambda weight: False,
+    "host_empty": _host_empty,
     # shortcuts
     "attention": _none, "causal_attention": _none, "decode_attention": _none, "graphed_decode_attention": _none,
     "head_lse": _none, "head_grad": _none, "sampler": _none,
@@ -301,3 +306,9 @@ def sampler(B: int, R: int, V: int, temperature: float, eos: int):
     """Shortcut: a sampling step in one call (``step(t, logits, u)``, as :class:`rlhfkit.rollout._Draw`
     samples without truncation, with per-row uniforms) for float32 CPU logits. None: not taken."""
     return _impl["sampler"](B, R, V, temperature, eos)
+
+
+def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor to copy a device tensor into (:mod:`rlhfkit.offload`); the copies
+    to and from it may be queued (``non_blocking``) when it is pinned."""
+    return _impl["host_empty"](shape, dtype)
