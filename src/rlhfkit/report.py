@@ -232,19 +232,14 @@ def _trajectory_html(records: list[dict]) -> str:
     blob = json.dumps(data, ensure_ascii=False, separators=(",", ":")).replace("</", "<\\/")
     legend = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in ROWS.items())
     segments = "".join(f'<span class="seg-{s}">{s}</span>' for s in ("prompt", "response", "observation", "padding"))
-    return (
-        f'<div class="controls"><label>step <select id="traj-step"></select></label> '
-        f'<span class="seglegend">{segments}</span> '
-        '<span class="hint">cells: blue &gt; 0, red &lt; 0, darker = larger |value| within the row; '
-        '&middot; = not defined for this token</span></div>'
-        '<div id="traj-tables"></div>'
-        '<noscript><p>The trajectory view needs JavaScript (it is inline: no network).</p></noscript>'
-        f'<details><summary>what each row shows</summary><dl class="rowlegend">{legend}</dl></details>'
-        f'<script type="application/json" id="traj-data">{blob}</script>'
-    )
-
-
-# --------------------------------------------------------------------------- page
+    return (f'<div class="controls"><label>step <select id="traj-step"></select></label> '
+            f'<span class="seglegend">{segments}</span> '
+            '<span class="hint">cells: blue &gt; 0, red &lt; 0, darker = larger |value| within the row; '
+            '&middot; = not defined for this token</span></div>'
+            '<div id="traj-tables"></div>'
+            '<noscript><p>The trajectory view needs JavaScript (it is inline: no network).</p></noscript>'
+            f'<details><summary>what each row shows</summary><dl class="rowlegend">{legend}</dl></details>'
+            f'<script type="application/json" id="traj-data">{blob}</script>')
 
 
 def _read(path: Path) -> list[dict]:
@@ -256,8 +251,7 @@ def _text(path: Path) -> str:
 
 
 def latest_run(rows: list[dict]) -> list[dict]:
-    """The rows of the latest run in an appended ``metrics.jsonl``: a run started again in the
-    same directory appends from step 0, so keep what follows the last drop in ``step``."""
+    """The rows after the last drop in ``step``: a run started again appends from step 0."""
     starts = [i for i in range(1, len(rows)) if rows[i].get("step", 0) < rows[i - 1].get("step", 0)]
     return rows[starts[-1] if starts else 0:]
 
@@ -303,21 +297,18 @@ def build_report(run_dir: str | os.PathLike) -> str:
     sections = [(sid, title, body) for sid, title, body in sections if body]
     nav = "".join(f'<a href="#{sid}">{_esc(title)}</a>' for sid, title, _ in sections)
     page = "".join(f'<section id="{sid}"><h2>{_esc(title)}</h2>{body}</section>' for sid, title, body in sections)
-    last = metrics[-1] if metrics else {}
     facts = [f"{len(metrics)} logged steps" if metrics else "",
-             *(f"{k} {_fmt(v)}" for k, v in last.items() if k.startswith("eval/") and v is not None),
+             *(f"{k} {_fmt(v)}" for k, v in (metrics or [{}])[-1].items() if k.startswith("eval/") and v is not None),
              f"generated {datetime.now().strftime('%Y-%m-%d %H:%M')}"]
     algo = trajectories[-1].get("algo", "") if trajectories else ""
     title = f"rlhfkit report: {run.resolve().name}"
     script = f"<script>{_text(ASSETS / 'report.js')}</script>" if trajectories else ""
-    return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{_esc(title)}</title><style>{_text(ASSETS / 'report.css')}</style></head><body>"
-        f'<header><h1>{_esc(title)}</h1><p>{_esc(run)}{" &middot; " + _esc(algo) if algo else ""}'
-        f' &middot; {" &middot; ".join(_esc(f) for f in facts if f)}</p></header>'
-        f"<nav>{nav}</nav>{page}{script}</body></html>"
-    )
+    return ('<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{_esc(title)}</title><style>{_text(ASSETS / 'report.css')}</style></head><body>"
+            f'<header><h1>{_esc(title)}</h1><p>{_esc(run)}{" &middot; " + _esc(algo) if algo else ""}'
+            f' &middot; {" &middot; ".join(_esc(f) for f in facts if f)}</p></header>'
+            f"<nav>{nav}</nav>{page}{script}</body></html>")
 
 
 def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:

@@ -77,7 +77,6 @@ class ToolEnvironment(Environment):
     tool call gets its result (reward 0); a turn without one ends the episode with :meth:`reward`.
     Subclass it, set ``tools``, override :meth:`reward` (and :meth:`reset`)."""
 
-
     tools: Sequence[Callable] = ()
     tool_timeout: float = 5.0
 
