@@ -20,7 +20,7 @@ from rlhfkit.core import gae
 from rlhfkit.envs import EnvError, Environment, EpisodeMaker, observation_tokens, play, render_prompt
 from rlhfkit.experience import Experience
 from rlhfkit.models import load_policy, load_tokenizer, token_logprobs
-from rlhfkit.prompts import PromptRecord
+from rlhfkit.prompts import PromptRecord, left_pad, prompt_tensors
 from rlhfkit.rollout import Rollout, generate
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers.rl import minibatch_loss, train_rl
@@ -102,6 +102,16 @@ def episodes(tiny_models):
     maker = EpisodeMaker(EnvConfig(cls=Echo), doubling.N_POSITIONS)
     eps = [maker(PromptRecord(doubling.prompt_text(n, None)), tok) for n in (3, 41, 7, 512)]
     return tok, policy, play(eps, sample, tok, 6, torch.device("cpu")), eps
+
+
+def test_episodes_and_prompt_records_are_left_padded_alike():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad=0, device="cpu")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    tok = doubling.make_tokenizer()
+    records = [PromptRecord("数字:1234x2=", ids=(1, 5, 6, 7)), PromptRecord("x", ids=(1, 8))]
+    got = prompt_tensors(tok, records, "cpu")
+    want = left_pad([[1, 5, 6, 7], [1, 8]], tok.pad_token_id, "cpu")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_an_episode_interleaves_turns_and_observations(episodes):

@@ -304,3 +304,20 @@ def test_panel_titles_say_what_the_run_measured(row, config, score, held_out, tm
     titles = _titles(tmp_path)
     assert (score in titles) if score else not any("score" in t for t in titles)
     assert (held_out in titles) if held_out else not any("held-out" in t for t in titles)
+
+
+def test_the_page_inlines_the_stylesheet_and_script_the_package_ships(tmp_path):
+    import rlhfkit.report as report
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "objective/score": 1.0}) + "\n")
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps(
+        {"step": 0, "index": 0, "algo": "grpo", "tokens": ["a"], "segment": ["response"], "rows": {"mask": [1]}}) + "\n")
+    page = build_report(tmp_path)
+    css, js = (Path(report.__file__).with_name(name).read_text(encoding="utf-8") for name in ("report.css", "report.js"))
+    assert f"<style>{css}</style>" in page and f"<script>{js}</script>" in page
+    assert "&middot; grpo &middot;" in page  # the header names the algorithm of the saved trajectories
+    (tmp_path / "trajectories.jsonl").unlink()
+    assert "<script>" not in build_report(tmp_path)  # no trajectory view, no script
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^rlhfkit = \[.*"report\.css", "report\.js"\]', pyproject, re.M)  # shipped as package data
+    assert len(Path(report.__file__).read_text().splitlines()) <= 350  # the readable-core budget of the module

@@ -1,9 +1,6 @@
-"""Python objects a config names by import path -- reward functions (``reward.function``) and
-environment classes (``env.class``) -- loaded and checked without torch: the command line runs
-:func:`check_before_loading` before it imports torch and loads a model (seconds), so a misspelt
-name, a function that cannot take the arguments it is called with or reward weights that do not fit
-the sources are answered at once; :mod:`rlhfkit.rewards` and :mod:`rlhfkit.envs` use them.
-"""
+"""Reward functions (``reward.function``) and environment classes (``env.class``) loaded by
+import path and checked without torch: :func:`check_before_loading` runs before the models load,
+so a misspelt name or a function that cannot take its arguments is answered at once."""
 
 from __future__ import annotations
 
@@ -37,12 +34,9 @@ def function_name(fn) -> str:
 
 def load_reward_function(spec: str | Callable, key: str = "reward.function",
                          noun: str = "function") -> Callable[..., list[float]]:
-    """``'package.module:name'`` or ``'path/to/file.py:name'`` -> the callable (a callable is
-    returned as it is). A module is looked for where Python looks, then in the current
-    directory (where a user's ``myreward.py`` sits; the ``rlhfkit`` command does not put the
-    current directory on ``sys.path``); ``name`` may be qualified (``'module:Class.method'``).
-    ``key``, ``noun``: the config key and the kind of object the errors name (environments load
-    their class the same way)."""
+    """``'package.module:name'`` or ``'path/to/file.py:name'`` (``name`` may be qualified) -> the
+    callable; a module is looked for where Python looks, then in the current directory. ``key``,
+    ``noun``: the config key and the kind of object the errors name."""
     if callable(spec):
         return spec
     if spec == CALLABLE_PLACEHOLDER:
@@ -66,7 +60,8 @@ def load_reward_function(spec: str | Callable, key: str = "reward.function",
 
 
 def _import_module(module: str):
-    """``importlib.import_module``, falling back on the current directory for a module found there."""
+    """``importlib.import_module``, else the current directory's module (the ``rlhfkit`` command
+    does not put it on ``sys.path``)."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -81,8 +76,7 @@ def _import_module(module: str):
 
 
 def _import_file(path: str):
-    """The module of a ``.py`` file, imported once per resolved path (its directory is put on
-    ``sys.path`` too, so it can import the modules beside it)."""
+    """The module of a ``.py`` file, imported once per path (its directory joins ``sys.path``)."""
     import importlib.util
 
     file = Path(path).expanduser().resolve()
@@ -117,10 +111,8 @@ CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "finished")  # eve
 
 
 def check_call(fn: Callable, columns: Sequence[str] | None) -> None:
-    """RewardError naming ``fn`` when it cannot be called as :func:`function_scorer` calls it: with
-    the keywords of ``CALL_ARGUMENTS`` and one per column of the prompt records (``columns``; None:
-    not known before the data is loaded, so a parameter without a default is taken for one). A
-    callable without a readable signature (a builtin) is left to its first call."""
+    """RewardError naming ``fn`` when it cannot take ``CALL_ARGUMENTS`` and one keyword per column
+    (``columns`` None: not known yet, a parameter without a default is taken for one)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -143,10 +135,9 @@ def source_name(fn: Callable) -> str:
 
 
 def named_weights(names: list[str], cfg: Config) -> tuple[list[str], list[float], tuple[str, ...]]:
-    """``(names, weights, accuracy)`` of the reward sources called ``names`` (the model first): each
-    name made unique (``_2``, ``_3`` ... on repeats), ``reward.weights`` (empty: all 1) and the
-    sources ``eval.accuracy_reward`` names; ValueError when the weights are not one per source or
-    an accuracy source is not one of them."""
+    """``(names, weights, accuracy)`` of the sources ``names`` (the model first): names made unique
+    (``_2``, ``_3`` ...), ``reward.weights`` (empty: all 1), the ``eval.accuracy_reward`` sources;
+    ValueError when they do not fit the sources."""
     rc = cfg.reward
     weights = [float(w) for w in str(rc.weights).split(",") if w.strip()] if rc.weights else [1.0] * len(names)
     if len(weights) != len(names):
@@ -166,10 +157,8 @@ def named_weights(names: list[str], cfg: Config) -> tuple[list[str], list[float]
 
 
 def check_reward_config(cfg: Config, columns: Sequence[str] | None) -> None:
-    """The reward's configuration checked before any model is loaded: every ``reward.function``
-    loads and takes the arguments it is called with (:func:`check_call`; ``columns``: the prompt
-    records' columns, None when not known yet), and ``reward.weights`` and ``eval.accuracy_reward``
-    fit the sources (:func:`named_weights`)."""
+    """Every ``reward.function`` loads and takes its arguments, and the weights and accuracy
+    sources fit the sources (``columns``: the records', None when not known yet)."""
     fns = [load_reward_function(spec) for spec in split_specs(cfg.reward.function)]
     for fn in fns:
         check_call(fn, columns)
@@ -186,17 +175,17 @@ def env_name(env) -> str:
 
 
 def environment_factory(spec) -> Callable[[], object]:
-    """What ``env.class`` names -> a function making a fresh environment per episode: a class
-    (``'module:Name'``, ``'path/to/file.py:Name'`` or the class) is called with no arguments,
-    an instance is deep-copied."""
+    """What ``env.class`` names -> a maker of a fresh environment per episode: a class (or its
+    import path) called with no arguments, or an instance deep-copied."""
     if isinstance(spec, str):
         spec = load_reward_function(spec, key="env.class", noun="Name")  # loaded as reward functions are
+    playable = callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None))
     if isinstance(spec, type):
-        if not (callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None))):
+        if not playable:
             raise EnvError(f"env.class={env_name(spec)} has no reset and step methods: subclass "
                            "rlhfkit.envs.Environment")
         return spec
-    if callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None)):
+    if playable:
         return lambda: copy.deepcopy(spec)
     raise EnvError(f"env.class={spec!r} is neither an environment class nor an instance: subclass "
                    "rlhfkit.envs.Environment")
@@ -204,10 +193,8 @@ def environment_factory(spec) -> Callable[[], object]:
 
 def check_before_loading(cfg: Config) -> None:
     """What a command reading prompts can check before torch and the models load: a local
-    ``data.path`` file's records (:func:`rlhfkit.data.precheck`: fields, roles, contents), the reward
-    (:func:`check_reward_config`, with the records' columns: the file's, or the built-in task's)
-    and ``env.class`` (:func:`environment_factory`). What needs the tokenizer (chat templates,
-    lengths) or a model (its context, LoRA targets, the rewards' values) is checked once they load."""
+    ``data.path``'s records, the reward (with the records' or the task's columns) and ``env.class``."""
+
     if cfg.data.path:
         examples = precheck("prompts", cfg.data.path)
         columns = None if examples is None else list(examples[0].meta)  # None: a hub dataset, a directory ...

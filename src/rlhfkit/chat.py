@@ -1,16 +1,6 @@
-"""``rlhfkit chat RUN_DIR``: talk to a trained policy, the last step of the SFT -> RM -> PPO pipeline.
-
-Each line typed is a user turn. With a chat template in the tokenizer the conversation
-(optional system message, earlier turns unless ``chat.history=false``, the new turn) is
-rendered by it with the generation prompt; without one the line itself is the prompt, as
-the toy tasks expect (``数字:1234x2=`` -> ``2468``). Replies are greedy or sampled
-(``chat.greedy``, ``chat.temperature``) up to ``chat.max_new_tokens`` or the EOS. A line
-starting with ``/`` is a command (:data:`COMMANDS`, listed at start and by ``/help``), never sent
-to the model: ``/reset`` (or ``/clear``) forgets the conversation, ``/quit`` (or ``/exit``)
-leaves, as does end of input (Ctrl-D); an unknown one is answered as such, and ``//`` sends a
-line that starts with ``/``. A line with characters the tokenizer cannot encode (outside a
-character vocabulary such as the toy tasks') is answered with a message naming them, and the
-chat waits for the next line.
+"""``rlhfkit chat RUN_DIR``: talk to a trained policy (docs/real-models.md). A line is a user turn,
+rendered with the chat template (system message, history) when the tokenizer has one, else sent
+as it is (the toy tasks' ``数字:1234x2=``); a line starting with ``/`` is a command (:data:`COMMANDS`).
 """
 
 from __future__ import annotations
@@ -22,16 +12,9 @@ import torch
 
 from .config import Config
 from .data import describe_characters, unencodable_characters
-from .models import load_policy, load_tokenizer
+from .models import context_window, load_policy, load_tokenizer
 from .rollout import eos_token_ids, generate
 from .utils import resolve_device, seed_everything
-
-
-def context_length(model) -> int | None:
-    """The longest sequence the model's positions allow (None: no fixed limit known)."""
-    cfg = model.config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-
 
 # the chat's commands and what they do; ALIASES name the same command another way
 COMMANDS = {"/help": "list these commands", "/reset": "forget the conversation (also /clear)",
@@ -42,8 +25,8 @@ COMMANDS_HELP = ("commands: " + "; ".join(f"{name} {what}" for name, what in COM
 
 
 def command_of(line: str) -> str | None:
-    """The command a typed line gives (``'/quit'`` for ``/exit`` too), the unknown ``/word`` as
-    typed, or None for a line to send to the model (``//...`` included)."""
+    """The command a typed line gives (aliases resolved; an unknown ``/word`` as typed), or None
+    for a line to send to the model (``//...`` included)."""
     if not line.startswith("/") or line.startswith("//"):
         return None
     name = line.split()[0].lower()
@@ -95,7 +78,7 @@ class ChatSession:
     @torch.no_grad()
     def reply(self, text: str) -> str:
         ids = self._prompt_ids(text)
-        limit = context_length(self.model)
+        limit = context_window(self.model)
         while limit and len(ids) >= limit and self.history:  # forget the oldest exchange first
             self.history = self.history[2:]
             ids = self._prompt_ids(text)
@@ -127,8 +110,7 @@ def run_command(command: str, session: ChatSession) -> str:
 
 
 def run_chat(path: str, cfg: Config, read: Callable[[str], str] = input, write: Callable[[str], None] = print) -> int:
-    """The interactive loop; ``read`` / ``write`` default to the terminal. Returns the number of
-    replies given."""
+    """The interactive loop (``read`` / ``write``: the terminal by default); returns the replies given."""
     seed_everything(cfg.run.seed)
     session = ChatSession(path, cfg)
     mode = "greedy" if cfg.chat.greedy else f"sampled at temperature {cfg.chat.temperature:g}"

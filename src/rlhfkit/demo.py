@@ -1,20 +1,8 @@
-"""The built-in demo: pretrain -> reward model -> PPO (and any of GRPO, RLOO, REINFORCE, DPO)
--> evaluation, on the task of ``run.task`` (the doubling task by default; ``cities`` for
-"Where is Pune?" -> "Pune is in India.").
-
-Layout of ``run.out_dir`` (default ``runs/demo``)::
-
-    config.yaml  metrics.jsonl  samples.jsonl  plots.png  plot_*.png   (PPO stage)
-    policy/  value_head.safetensors (or value_model/)                  (PPO models, HF format)
-    pretrain/policy/   reward/reward_model/                             (earlier stages)
-    grpo/ rloo/ reinforce/ dpo/                                         (other algorithms, if asked)
-    summary.json                                                        (base vs tuned + timings)
-    trajectories.jsonl  report.html  tb/                                (report, TensorBoard events)
-
-Running the demo again replaces an earlier demo's directory (:func:`start_demo_dir`).
-Every algorithm starts from the same pretrained base; the RL ones share the reward model.
-The ``ppo`` section is the PPO stage's; each other RL algorithm takes its own defaults for the
-keys that depend on it (``config.ALGO_DEFAULTS``, e.g. GRPO's k3 KL loss term) on top of it.
+"""The built-in demo (docs/getting-started.md): pretrain -> reward model -> PPO (and any of GRPO,
+RLOO, REINFORCE, DPO) -> evaluation, on ``run.task``. Every algorithm starts from the same
+pretrained base and the RL ones share the reward model; PPO writes the top of ``run.out_dir``,
+each other stage a folder of its own (``STAGES``), each RL algorithm with its own defaults
+(``config.ALGO_DEFAULTS``) on top of the ``ppo`` section.
 """
 
 from __future__ import annotations
@@ -38,8 +26,6 @@ from .trainers.rl_setup import check_critic_warmup
 from .utils import check_out_dir, clear_run_files, lock_run_dir, resolve_device
 
 METRICS = ("format_acc", "exact_acc", "answer_acc")
-
-
 STAGES = ("pretrain", "reward", "grpo", "rloo", "reinforce", "dpo")  # the stages' folders (PPO: the top)
 
 
@@ -48,10 +34,8 @@ def _stage(cfg: Config, sub: str) -> Config:
 
 
 def start_demo_dir(cfg: Config) -> None:
-    """Make ``run.out_dir`` ready for a fresh demo: an earlier demo there (its ``pretrain/``
-    stage) is replaced, so ``rlhfkit demo`` (``make demo``) runs again as it did the first time;
-    so is any earlier run under ``run.overwrite=true``. Another command's run is refused, as
-    every command refuses one (:func:`rlhfkit.utils.check_out_dir`); other files stay."""
+    """Make ``run.out_dir`` ready for a fresh demo: an earlier demo there (or any run under
+    ``run.overwrite=true``) is replaced, another command's run refused; other files stay."""
     out = Path(cfg.run.out_dir)
     replace = cfg.run.overwrite or (out / "pretrain" / "config.yaml").exists()
     if not replace:
@@ -102,12 +86,10 @@ def run_demo(cfg: Config) -> dict:
 
     results, seconds = {}, {"pretrain": round(pre["seconds"], 2), "reward": round(rm["seconds"], 2)}
     for i, algo in enumerate(algos):
-        # PPO keeps the top of the run directory (the layout above); the others get a folder each
         stage = cfg if algo == "ppo" else _stage(cfg, algo)
         if algo == "dpo":
             res = train_dpo(stage, policy_path=pre["path"])
         else:
-            # another algorithm brings its own defaults (config.ALGO_DEFAULTS) for the keys that depend on it
             rl = stage if stage.ppo.algo == algo else stage.replace(ppo={"algo": algo})
             res = train_rl(rl, policy_path=pre["path"], reward_path=rm["path"])
         print(f"[{3 + i}/{n_stages}] {algo}: {res['steps']} steps in {res['seconds']:.1f}s")
@@ -116,12 +98,9 @@ def run_demo(cfg: Config) -> dict:
 
     tok = AutoTokenizer.from_pretrained(pre["path"])
     prompts = task.eval_prompts()
-    evals = {"base": evaluate_task(task, load_policy(pre["path"]).to(device), tok, device, cfg.eval.batch_size,
-                                   cfg.eval.max_new_tokens, prompts, cfg.ppo.stop)}
-    for algo, res in results.items():
-        policy = load_policy(res["path"]).to(device)
-        evals[algo] = evaluate_task(task, policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens, prompts,
-                                    cfg.ppo.stop)
+    evals = {name: evaluate_task(task, load_policy(path).to(device), tok, device, cfg.eval.batch_size,
+                                 cfg.eval.max_new_tokens, prompts, cfg.ppo.stop)
+             for name, path in [("base", pre["path"]), *((a, r["path"]) for a, r in results.items())]}
     seconds["total"] = round(time.perf_counter() - t_start, 2)
     first = algos[0]
     summary = {

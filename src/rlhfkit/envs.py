@@ -1,45 +1,11 @@
-"""Multi-turn environments: the model acts, the environment answers, RL learns from the episode.
+"""Multi-turn environments: the model acts, the environment answers, RL learns from the episode
+(docs/environments.md: writing one, token in / token out, limits, tools).
 
-An environment is a small Python class (:class:`Environment`)::
-
-    class Guess(Environment):
-        max_turns, max_tokens = 4, 128
-
-        def reset(self, record):           # a prompt record -> the first messages
-            self.secret = record.columns["secret"]
-            return [{"role": "user", "content": "Guess my number (1-9)."}]
-
-        def step(self, text):              # the model's turn -> (observation, reward, done)
-            if text.strip() == str(self.secret):
-                return None, 1.0, True
-            return {"role": "user", "content": "No."}, -0.1, False
-
-named in the config as ``env.class=module:Guess`` or ``env.class=path/to/file.py:Guess``, or
-given from Python (the class, or an instance that is copied for every episode). A fresh
-instance plays each episode; ``reset`` may read the record's columns (``record.columns``).
-
-Token in, token out (:func:`play`): the episode is one token sequence. The model's tokens are
-kept exactly as sampled (up to and including the EOS that ended its turn); an observation is
-rendered by the tokenizer's chat template as the tokens that follow the ones already there --
-the conversation rendered with the new message (and the generation prompt), less its longest
-common prefix with the tokens so far -- and appended. The conversation is never re-tokenised
-into the sequence, so the trainer scores exactly the tokens the sampler produced. When
-re-rendering does not reproduce the tokens already there (a template that rewrites the model's
-turns, or a sampled tokenization the tokenizer would not produce), one warning says so and the
-observation is the template's delta after its own rendering of the conversation.
-
-A tokenizer without a chat template (the tiny from-scratch models) reads plain text: the first
-prompt is the messages' contents joined, each observation its content's tokens, appended
-after the model's turn (its EOS included).
-
-The rollout is response-aligned as a single turn's (:class:`~rlhfkit.rollout.Rollout`): the
-response region holds the model's turns and the observations between them; ``response_mask``
-is 1 on the model's tokens only (gradient, KL, values, entropy), ``attend`` on every token,
-``turn_rewards`` holds each turn's reward and ``turn_lengths`` its length on that turn's last
-token. An episode ends when the
-environment says done, after ``max_turns`` model turns, or when ``max_tokens`` (prompt,
-turns and observations) are reached: a turn is cut there, an observation that would not fit
-ends the episode before it. ``finished`` says whether the last turn ended with EOS.
+:func:`play` keeps the model's tokens exactly as sampled and appends each observation as the chat
+template's delta after the tokens already there, so the trainer scores the sampled tokens. The
+result is a single turn's :class:`~rlhfkit.rollout.Rollout`: the response region holds the turns
+and observations, ``response_mask`` is 1 on the model's tokens only, ``attend`` on every token,
+``turn_rewards`` / ``turn_lengths`` hold each turn's reward / length on its last token.
 """
 
 from __future__ import annotations
@@ -54,36 +20,33 @@ import torch
 from transformers.utils import get_json_schema
 
 from .callables import EnvError, env_name, environment_factory
+from .prompts import left_pad
 from .rollout import Rollout
 
 
 class Environment:
-    """Base class of multi-turn environments; subclass it and override :meth:`reset` and
-    :meth:`step`. ``max_turns``: most model turns per episode; ``max_tokens``: most tokens
-    per episode, prompt and observations included (None: the model's context; config
-    ``env.max_turns`` / ``env.max_tokens`` override them)."""
+    """Base class of multi-turn environments: override :meth:`reset` and :meth:`step`.
+    ``max_turns`` / ``max_tokens``: most model turns / tokens (prompt and observations included)
+    per episode; ``env.max_turns`` / ``env.max_tokens`` override them."""
 
     max_turns: int = 4
     max_tokens: int | None = None  # None: the model's context
 
     def reset(self, record) -> list[dict]:
-        """The first messages of the episode of ``record`` (a
-        :class:`~rlhfkit.prompts.PromptRecord`). By default its prompt as given: its messages,
-        or its text as one user message."""
+        """The first messages of ``record``'s episode; by default its prompt as given."""
         prompt = record.original
         return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
     def step(self, text: str) -> tuple[dict | str | None, float | None, bool]:
-        """The model's turn (its text, special tokens removed) -> ``(observation, reward, done)``:
-        the next message (a dict with ``role`` and ``content``, or a string: a user message;
-        None only when done), the turn's reward (None: 0) and whether the episode is over."""
+        """The model's turn (special tokens removed) -> ``(observation, reward, done)``: the next
+        message (a dict, or a string: a user message; None only when done), the turn's reward
+        (None: 0) and whether the episode is over."""
         raise NotImplementedError
 
 
 def limits(env: Environment, max_turns: int, max_tokens: int, context: int | None) -> tuple[int, int]:
-    """``(max_turns, max_tokens)`` of an episode: the config's when set (non-zero), else the
-    environment's (no ``max_tokens``: the model's ``context``); EnvError when they are not
-    positive or the tokens exceed the context."""
+    """``(max_turns, max_tokens)``: the config's when set, else the environment's (else the
+    model's ``context``); EnvError when not positive or over the context."""
     turns = max_turns or getattr(env, "max_turns", 0)
     tokens = max_tokens or getattr(env, "max_tokens", None) or context
     for name, v in (("max_turns", turns), ("max_tokens", tokens)):
@@ -96,9 +59,8 @@ def limits(env: Environment, max_turns: int, max_tokens: int, context: int | Non
 
 
 class EpisodeMaker:
-    """``maker(record, tok) -> Episode``: a fresh environment per episode, with the limits of
-    the ``env`` config section (:class:`~rlhfkit.config.EnvConfig`) checked against the model's
-    ``context`` once, on a first instance, before any work."""
+    """``maker(record, tok) -> Episode``: a fresh environment per episode; the ``env`` section's
+    limits are checked against the model's ``context`` once, before any work."""
 
     def __init__(self, ec, context: int | None):
         self.factory, self.ec, self.context = environment_factory(ec.cls), ec, context
@@ -124,7 +86,6 @@ def _templated(tok) -> bool:
 
 
 def _message(value, where: str) -> dict:
-    """A message dict from what an environment returned (a string is a user message)."""
     if isinstance(value, str):
         return {"role": "user", "content": value}
     if isinstance(value, dict) and isinstance(value.get("role"), str) and isinstance(value.get("content"), str):
@@ -134,9 +95,8 @@ def _message(value, where: str) -> dict:
 
 
 def render_prompt(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """The first prompt's token ids: the chat template with the generation prompt (and the
-    tools' JSON schemas), or (no template) the contents joined as plain text, special tokens
-    added as for any prompt."""
+    """The first prompt's ids: the chat template's (with the tools' schemas), else the contents
+    joined as plain text."""
     if _templated(tok):
         text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -144,12 +104,7 @@ def render_prompt(tok, messages: list[dict], tools: list[dict] | None = None) ->
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 APPEND_ONLY_WARNING = ("the chat template is not append-only for the model's turns: re-rendering the conversation "
@@ -159,11 +114,9 @@ APPEND_ONLY_WARNING = ("the chat template is not append-only for the model's tur
 
 def observation_tokens(tok, conversation: list[dict], message: dict, ids: Sequence[int],
                        tools: list[dict] | None = None) -> list[int]:
-    """The tokens of ``message`` as they follow ``ids`` (the episode so far, whose messages are
-    ``conversation``): the template's rendering of the conversation with the message and the
-    generation prompt, less its longest common prefix with ``ids`` (so a separator the template
-    puts after the model's EOS, e.g. a newline, comes with the observation). No template: the
-    content's tokens."""
+    """The tokens of ``message`` after ``ids`` (the episode so far, ``conversation``): the
+    template's rendering with the message and the generation prompt, less its longest common
+    prefix with ``ids``. No template: the content's tokens."""
     if not _templated(tok):
         return tok(message["content"], add_special_tokens=False)["input_ids"]
     text = tok.apply_chat_template(conversation + [message], tools=tools, tokenize=False, add_generation_prompt=True)
@@ -178,9 +131,8 @@ def observation_tokens(tok, conversation: list[dict], message: dict, ids: Sequen
 
 
 def tool_schemas(tools: Sequence[Callable]) -> list[dict] | None:
-    """The JSON schemas of Python functions, read from their type hints and docstrings (Google
-    style ``Args:``), as chat templates take them (``apply_chat_template(tools=...)``); None
-    without tools."""
+    """The functions' JSON schemas (from type hints and Google-style docstrings) as chat
+    templates take them; None without tools."""
     return [get_json_schema(fn) for fn in tools] or None
 
 
@@ -198,14 +150,18 @@ def tools_message(schemas: list[dict]) -> dict:
 # --------------------------------------------------------------------------- episodes
 
 
-def checked_step(env: Environment, text: str) -> tuple[dict | None, float, bool]:
-    """``env.step(text)`` with its result checked: EnvError naming the environment when it
-    raises or returns anything but ``(message or None, finite number or None, bool)``."""
-    where = f"environment {env_name(env)}.step"
+def _user_call(where: str, fn, *args):
     try:
-        out = env.step(text)
+        return fn(*args)
     except Exception as e:  # the user's code: one line that names it
         raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
+
+
+def checked_step(env: Environment, text: str) -> tuple[dict | None, float, bool]:
+    """``env.step(text)``; EnvError naming the environment when it raises or returns anything
+    but ``(message or None, finite number or None, bool)``."""
+    where = f"environment {env_name(env)}.step"
+    out = _user_call(where, env.step, text)
     if not (isinstance(out, tuple) and len(out) == 3):
         raise EnvError(f"{where} returned {type(out).__name__} {str(out)[:60]!r}: return a tuple "
                        "(observation, reward, done)")
@@ -222,10 +178,7 @@ def checked_step(env: Environment, text: str) -> tuple[dict | None, float, bool]
 
 def checked_reset(env: Environment, record) -> list[dict]:
     where = f"environment {env_name(env)}.reset"
-    try:
-        messages = env.reset(record)
-    except Exception as e:
-        raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
+    messages = _user_call(where, env.reset, record)
     if isinstance(messages, (str, dict)):
         messages = [messages]
     if not isinstance(messages, list) or not messages:
@@ -235,8 +188,8 @@ def checked_reset(env: Environment, record) -> list[dict]:
 
 
 class Episode:
-    """One episode's token sequence as it grows: ``ids`` (prompt first), and per response token
-    whether the model sampled it, its log-prob, entropy, value and kept mass."""
+    """One episode's tokens as they grow: ``ids`` (prompt first), and per response token whether
+    the model sampled it, its log-prob, entropy, value and kept mass."""
 
     def __init__(self, env: Environment, record, tok, max_turns: int, max_tokens: int):
         self.env, self.max_turns, self.max_tokens = env, max_turns, max_tokens
@@ -289,13 +242,6 @@ class Episode:
             getattr(self, name).extend([0.0] * len(delta))
 
 
-def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
-    return ids, mask  # [n, width] each
-
-
 def _right_pad(rows: list[list], fill, dtype, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=device)
@@ -305,13 +251,11 @@ Sample = Callable[[int, torch.Tensor, torch.Tensor, list[int], int], Rollout]
 
 
 def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, device) -> Rollout:
-    """Play ``episodes`` to their end, in lockstep turns, and return them as one rollout.
+    """Play ``episodes`` to their end in lockstep turns; one rollout of them all.
 
-    ``sample(turn, ids [n, P], mask [n, P], rows, n_tokens)`` samples one turn for the
-    episodes ``rows`` still going (left-padded contexts: everything so far) -- the trainer's
-    :func:`~rlhfkit.rollout.generate` with the turn's uniforms. Each turn samples at most
-    ``max_new_tokens`` tokens, and no more than an episode's room: a turn longer than that is
-    cut to it (its first tokens' log-probs do not depend on the later ones).
+    ``sample(turn, ids [n, P], mask [n, P], rows, n_tokens)`` samples a turn for the episodes
+    ``rows`` still going (left-padded: everything so far). A turn longer than an episode's room
+    is cut to it (its first tokens' log-probs do not depend on the later ones).
     """
     pad = tok.pad_token_id
     any_values = any_kept = False
@@ -320,7 +264,7 @@ def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, devi
         rows = [i for i, e in enumerate(episodes) if not e.done]
         if not rows:
             break
-        ids, mask = _left_pad([episodes[i].ids for i in rows], pad, device)
+        ids, mask = left_pad([episodes[i].ids for i in rows], pad, device)
         n = min(max_new_tokens, max(episodes[i].room for i in rows))
         roll = sample(turn, ids, mask, rows, n)
         forward_logprobs &= roll.forward_logprobs
@@ -330,13 +274,11 @@ def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, devi
         for j, i in enumerate(rows):
             ep = episodes[i]
             L = min(lengths[j], ep.room)
-            sampled = {"logprobs": roll.logprobs[j, :L].tolist(), "entropy": roll.entropy[j, :L].tolist()}
-            if roll.values is not None:
-                sampled["values"] = roll.values[j, :L].tolist()
-            if roll.kept_logmass is not None:
-                sampled["kept"] = roll.kept_logmass[j, :L].tolist()
+            sampled = {name: t[j, :L].tolist() for name, t in (("logprobs", roll.logprobs), ("entropy", roll.entropy),
+                                                                ("values", roll.values), ("kept", roll.kept_logmass))
+                       if t is not None}
             ep.add_turn(roll.response_ids[j, :L].tolist(), sampled, bool(roll.finished[j]) and L == lengths[j], tok)
-    prompt_ids, prompt_mask = _left_pad([e.ids[: e.prompt_len] for e in episodes], pad, device)
+    prompt_ids, prompt_mask = left_pad([e.ids[: e.prompt_len] for e in episodes], pad, device)
     response = [e.ids[e.prompt_len :] for e in episodes]
     attend = _right_pad([[1] * len(r) for r in response], 0, torch.long, device)  # [B, R]
     response_mask = _right_pad([e.model for e in episodes], 0, torch.long, device)  # [B, R]
@@ -361,9 +303,8 @@ def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, devi
 
 
 def episode_stats(episodes: list[Episode], roll: Rollout) -> dict[str, float]:
-    """``env/turns`` (mean model turns per episode), ``env/return`` (mean sum of the environment's
-    rewards), ``env/obs_tokens`` (mean observation tokens per episode) and ``env/limit_rate``
-    (the share of episodes that a limit ended, not the environment)."""
+    """Means per episode of model turns, environment return and observation tokens, and the
+    share of episodes a limit ended (``env/limit_rate``)."""
     obs = (roll.response_attention - roll.response_mask).sum(-1).float()  # [B]
     n = len(episodes)
     return {"env/turns": sum(e.turns for e in episodes) / n, "env/return": float(roll.turn_rewards.sum(-1).mean()),

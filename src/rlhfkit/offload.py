@@ -1,21 +1,12 @@
-"""``accel.offload``: what a phase of an RL step does not read waits in host memory.
-
-Full fine-tuning keeps on the device, beside the policy, AdamW's two moments (twice the trained
-weights) and the frozen models: the reference and any reward model. The rollout reads none of
-them, yet with long completions its KV cache makes it the step's peak. So, with ``accel.offload``:
-
-- :class:`HostMoments`: the optimizer's state goes to host memory when a step starts (and before
-  a held-out evaluation) and comes back just before the update;
-- :func:`offload_frozen`: a frozen model's weights stay in host memory, and
-  :func:`on_device` puts a copy on the device for the blocks that run it. Every use of a
-  reference or reward model is inside :func:`rlhfkit.distributed.full_weights`, which calls it.
-
-Nothing is computed differently: what comes back is a copy of what left. The cost is the copies,
-per step the moments once each way and the frozen weights once up (their host copy stays, so
-putting them away copies nothing). On CUDA the host buffers are pinned and the copies are queued
-on the current stream: a freed device tensor's memory is reused only by work queued after its copy,
-and the moments' copies to the host are waited for before the host can read them.
-On a CPU, where host and device memory are one, the same copies run and save nothing.
+"""``accel.offload``: what a phase of an RL step does not read waits in host memory, so that a run
+fits where it would not: AdamW's moments (:class:`HostMoments`) leave the device while the
+rollout (whose KV cache is the step's peak) runs, and frozen models (reference, reward models:
+:func:`offload_frozen`) live in host memory, copied up for the blocks that run them
+(:func:`on_device`, called inside :func:`rlhfkit.distributed.full_weights`). Nothing is computed
+differently: what comes back is a copy of what left. This fits memory, so it is the core's; the
+host buffers come from :func:`rlhfkit.ops.host_empty`, pinned by :mod:`rlhfkit.accel` on CUDA so
+the copies are queued on the current stream (a freed device tensor's memory is then reused only
+by work queued after its copy).
 """
 
 from __future__ import annotations
@@ -25,6 +16,8 @@ import contextlib
 import torch
 from torch import nn
 
+from . import ops
+
 
 class HostMoments:
     """The state tensors of ``optimizer`` (AdamW's moments and step counts) in host buffers between
@@ -32,12 +25,13 @@ class HostMoments:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch one
-        self.device, self.pin = device, device.type == "cuda"
+        self.device = device
         self.away: dict = {}  # param -> {key: (host buffer, the device it came from)}
 
     @torch.no_grad()
     def to_host(self) -> None:
         """Copy every state tensor into its host buffer and let the device's copy go."""
+        queued = False
         for p, state in self.optimizer.state.items():
             kept = self.away.setdefault(p, {})
             for key, value in state.items():
@@ -45,12 +39,12 @@ class HostMoments:
                     continue  # not a tensor, or away already
                 buf = kept.get(key, (None,))[0]
                 if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                    buf = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin)
-                buf.copy_(value, non_blocking=self.pin)
+                    buf = ops.host_empty(value.shape, value.dtype)
+                buf.copy_(value, non_blocking=buf.is_pinned())
+                queued |= buf.is_pinned() and value.is_cuda
                 kept[key] = (buf, value.device)
                 state[key] = buf
-        if self.pin:  # the copies are queued: finish them before anything on the host reads the buffers (a
-            # checkpoint); the work queued next would wait for them on the GPU anyway
+        if queued:  # finish the copies before anything on the host reads the buffers (a checkpoint)
             torch.cuda.current_stream(self.device).synchronize()
 
     @torch.no_grad()
@@ -59,19 +53,18 @@ class HostMoments:
         for p, state in self.optimizer.state.items():
             for key, (buf, device) in self.away.get(p, {}).items():
                 if state.get(key) is buf:
-                    state[key] = buf.to(device, non_blocking=self.pin, copy=True)
+                    state[key] = buf.to(device, non_blocking=buf.is_pinned(), copy=True)
 
 
 def offload_frozen(model: nn.Module | None, device: torch.device) -> None:
-    """Move ``model``'s parameters to host memory (pinned on CUDA; buffers stay), to be put on
-    ``device`` for the blocks of :func:`on_device`. None is a no-op."""
+    """Move ``model``'s parameters to host memory (buffers stay), to be put on ``device`` for the
+    blocks of :func:`on_device`. None is a no-op."""
     if model is None:
         return
-    pin, host = device.type == "cuda", []
+    host = []
     with torch.no_grad():
         for p in model.parameters():  # each tied weight once
-            h = p.detach().to("cpu", copy=True)
-            p.data = h.pin_memory() if pin else h
+            p.data = ops.host_empty(p.shape, p.dtype).copy_(p.detach())
             host.append((p, p.data))
     model._rlhfkit_offload = {"device": device, "host": host, "depth": 0}
 
@@ -85,9 +78,8 @@ def on_device(model: nn.Module | None):
         yield
         return
     if off["depth"] == 0:
-        pin = off["device"].type == "cuda"
         for p, h in off["host"]:
-            p.data = h.to(off["device"], non_blocking=pin, copy=True)
+            p.data = h.to(off["device"], non_blocking=h.is_pinned(), copy=True)
     off["depth"] += 1
     try:
         yield

@@ -36,13 +36,17 @@ def _mm_out(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     return torch.mm(a, m, out=out)
 
 
+def _host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 def _none(*args, **kwargs) -> None:
     """A shortcut's reference: not taken, the caller's own PyTorch code runs."""
     return None
 
 
 REFERENCE: dict[str, Callable] = {
-    "linear": _linear, "mm_out": _mm_out,
+    "linear": _linear, "mm_out": _mm_out, "host_empty": _host_empty,
     # shortcuts
     "head_lse": _none, "head_grad": _none, "sampler": _none, "runs_forward": _none, "hidden_states": _none,
     "response_hidden_states": _none, "decoder": _none,
@@ -171,3 +175,9 @@ def decoder(model, prompt_ids, prompt_mask, position_ids, max_new_tokens: int, g
     logits [B, V]`` (``hidden`` updated), as the model's own cached forward computes them;
     ``graph``: fixed shapes, replayed as CUDA graphs on a GPU. None: not taken."""
     return _impl["decoder"](model, prompt_ids, prompt_mask, position_ids, max_new_tokens, graph)
+
+
+def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor to copy a device tensor into (:mod:`rlhfkit.offload`); the copies
+    to and from it may be queued (``non_blocking``) when it is pinned."""
+    return _impl["host_empty"](shape, dtype)

@@ -1,21 +1,11 @@
 """Float32 master weights with bfloat16 arithmetic (``model.master_weights``).
 
-A bfloat16 weight keeps 8 significant bits, so AdamW's steps of about ``lr`` round away on
-most of a model's weights when the weights themselves are bfloat16. With master weights the
-trained model keeps its float32 parameters -- the optimizer, its moments, the gradients, the
-gradient clipping, DDP's all-reduce, the checkpoints and the saved model all see float32 -- and
-its forward passes run on bfloat16 copies: :func:`compute_weights` swaps each parameter for
-``param.to(bfloat16)`` for the length of a block. The cast is differentiable, so the backward
-pass computes each weight's gradient in bfloat16 and accumulates it into the float32 ``.grad``
-(across micro-batches too). Every product, norm and residual then runs as in a bfloat16 model:
-the same arithmetic as FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, with the
-float32 weights of ``torch.autocast`` (where autocast also keeps the residual stream and the
-norms in float32, with their casts).
-
-The copies are made once a block: once a generation call, once a minibatch of the update (its
-micro-batches' forwards and backwards share them), and once an experience pass that runs the
-policy (none where the update's forward gives the old log-probs and the pass runs only the
-bfloat16 reference): a small cost beside a step's (benchmarks/archive/code-evidence.md).
+A bfloat16 weight keeps 8 significant bits, so AdamW's steps of about ``lr`` round away on most
+weights of a bfloat16 model. With master weights the parameters stay float32 (optimizer, moments,
+gradients, clipping, all-reduce, checkpoints, saved model) and the forwards run on bfloat16 copies
+made once a block by :func:`compute_weights`; the cast is differentiable, so gradients accumulate
+in the float32 ``.grad``. The arithmetic is FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)``.
+This changes what is computed, not how fast: it belongs to the core, not to :mod:`rlhfkit.accel`.
 """
 
 from __future__ import annotations
@@ -51,12 +41,9 @@ def _marked(models) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def compute_weights(*models):
-    """For the block, every floating-point parameter of the modules marked by
-    :func:`keep_master_weights` inside ``models`` (DDP-wrapped or not; None and unmarked ones
-    are skipped) is replaced, in its module, by a copy in the compute dtype. Under grad mode the
-    copies are differentiable casts: the gradients reach the float32 parameters. A parameter
-    shared by two modules (tied embeddings) gets one copy. Nested blocks over the same model
-    do nothing."""
+    """For the block, every float parameter of the marked modules in ``models`` (DDP-wrapped or
+    not; others skipped) is replaced by a differentiable cast to the compute dtype, one per shared
+    parameter (tied embeddings); nested blocks over the same model do nothing."""
     roots = _marked(models)
     if not roots:
         yield

@@ -1,15 +1,6 @@
-"""Where RL prompts come from: the user's files or a built-in task, as one kind of record.
-
-A :class:`PromptRecord` is a prompt (its text, as tokenised, and the value the user gave:
-a string or a list of messages) plus every other column of its row. The RL loop asks a
-source for ``batch(n)`` records; the columns travel with the rows through grouping, process
-shards and checkpoints, and reach the reward functions by name.
-
-* :class:`FilePrompts` -- the user's prompts (``data.path``), passed over in epochs, each
-  epoch in a fresh order drawn from ``run.seed``; its position is part of every checkpoint.
-* :class:`TaskPrompts` -- the generator of a built-in task (``run.task``), whose columns are
-  what its verifier reads (doubling: ``number``, ``charset``; cities: ``city``, ``country``).
-"""
+"""Where RL prompts come from: the user's files (:class:`FilePrompts`, ``data.path``) or a
+built-in task (:class:`TaskPrompts`, ``run.task``), as :class:`PromptRecord` s whose other
+columns travel with the rows (grouping, shards, checkpoints) to the reward functions."""
 
 from __future__ import annotations
 
@@ -38,9 +29,8 @@ class PromptRecord:
 
 
 class FilePrompts:
-    """The user's prompt records in epochs: each epoch a permutation drawn from a seeded
-    generator, batches taken in order across epoch boundaries. ``epoch`` counts completed
-    passes; :meth:`state_dict` is the exact position (for kill-and-resume)."""
+    """The user's records in epochs, each a seeded permutation, batches taken across epoch
+    boundaries; :meth:`state_dict` is the exact position (for kill-and-resume)."""
 
     def __init__(self, records: list[PromptRecord], seed: int):
         if not records:
@@ -78,7 +68,8 @@ class TaskPrompts:
         self.task, self.data = task, task.TaskData(seed)
 
     def batch(self, n: int) -> list[PromptRecord]:
-        return [PromptRecord(p.text, self.task.columns(p)) for p in self.data.prompts(n)]
+        return task_records(self.task, self.data.prompts(n))
+
 
     def state_dict(self):
         return data_state(self.data)
@@ -93,10 +84,8 @@ def task_records(task, prompts) -> list[PromptRecord]:
 
 
 def file_records(source, tok, cfg, what: str = "data.path", limit: int | Limit | None = None) -> list[PromptRecord]:
-    """Prompt records from a file, directory or hub dataset (see :func:`rlhfkit.data.load_prompts`),
-    tokenised once: prompts over ``limit`` tokens (default ``data.max_prompt_length``; see
-    :func:`prompt_limit` for the model's context) follow ``data.truncation`` (cut from the left
-    with a warning, or an error naming the record)."""
+    """Records from a file, directory or hub dataset, tokenised once; prompts over ``limit``
+    tokens (default ``data.max_prompt_length``) follow ``data.truncation``."""
     dc = cfg.data
     limit = dc.max_prompt_length if limit is None else limit
     examples: list[PromptExample] = load_prompts(source, tok, split=dc.split or None)
@@ -121,22 +110,26 @@ def split_eval(records: list[PromptRecord], fraction: float, seed: int) -> tuple
 
 
 def prompt_tensors(tok, records: list[PromptRecord], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(input_ids [B, P], attention_mask [B, P])`` of the records' prompts: their
-    ids when tokenised at load time, else their text through the tokenizer."""
+    """Left-padded ``(input_ids [B, P], attention_mask [B, P])`` of the records' prompts."""
     if any(r.ids is None for r in records):
         enc = tok([r.text for r in records], padding=True, return_tensors="pt", padding_side="left")
         return enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    width = max(len(r.ids) for r in records)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(r.ids)) + list(r.ids) for r in records], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(r.ids)) + [1] * len(r.ids) for r in records], dtype=torch.long)
-    return ids.to(device), mask.to(device)
+    return left_pad([list(r.ids) for r in records], pad, device)
+
+
+def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [n, W], mask [n, W])`` of token rows padded on the left to the longest, ``W``."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
+
 
 
 @dataclass
 class PromptData:
-    """The RL loop's prompts: a training source and the held-out records (``eval_records``
-    empty: none; ``task``: a built-in task, evaluated by its own verifier)."""
+    """The RL loop's prompts: a training source, the held-out records and the built-in task."""
 
     train: FilePrompts | TaskPrompts
     eval_records: list[PromptRecord]
@@ -144,9 +137,8 @@ class PromptData:
 
 
 def new_tokens(cfg, task=None) -> tuple[int, str]:
-    """The most tokens an RL run samples after a prompt, in training or held-out evaluation, and
-    the key that sets it: ``ppo.max_new_tokens`` or ``eval.max_new_tokens`` (``task``: the
-    built-in task's answer length where they are unset)."""
+    """The most tokens an RL run samples after a prompt (training or held-out) and the key
+    that sets it (unset: the built-in task's answer length)."""
     default = task.MAX_NEW_TOKENS if task is not None and not cfg.data.path else 0
     train = cfg.ppo.max_new_tokens or default
     held = cfg.eval.max_new_tokens or default or train  # held-out prompts of a file: as in training
@@ -154,15 +146,13 @@ def new_tokens(cfg, task=None) -> tuple[int, str]:
 
 
 def prompt_limit(cfg, context: int | None, new: int, new_key: str) -> int | Limit:
-    """The longest prompt, in tokens: ``data.max_prompt_length``, or less when the model reads at
-    most ``context`` tokens and ``new`` of them are sampled after the prompt (a ValueError when
-    the context cannot hold them)."""
+    """The longest prompt: ``data.max_prompt_length``, or less where ``context`` must also hold
+    ``new`` sampled tokens."""
     return context_limit("data.max_prompt_length", cfg.data.max_prompt_length, context, new, new_key)
 
 
 def check_task_fits(task, tok, context: int | None, new: int, new_key: str) -> None:
-    """Refuse, before training, a built-in task whose held-out prompts plus ``new`` sampled
-    tokens exceed the model's ``context``."""
+    """Refuse a built-in task whose prompts plus ``new`` tokens exceed the model's ``context``."""
     if context is None:
         return
     longest = max(len(ids) for ids in tok([p.text for p in task.eval_prompts()], verbose=False)["input_ids"])
@@ -173,10 +163,9 @@ def check_task_fits(task, tok, context: int | None, new: int, new_key: str) -> N
 
 
 def prompt_data(cfg, tok, task, context: int | None = None) -> PromptData:
-    """``data.path`` (with ``data.eval_path`` or ``data.eval_fraction``) when set, else the task's
-    prompts (``run.task``) and its held-out set. ``context``: the longest sequence the models
-    read (:func:`rlhfkit.models.context_window`); prompts plus the new tokens must fit it
-    (:func:`prompt_limit`)."""
+    """``data.path`` (held out: ``data.eval_path`` or ``data.eval_fraction``) when set, else
+    the task's prompts and held-out set; prompts plus new tokens must fit ``context``."""
+
     dc = cfg.data
     new, new_key = new_tokens(cfg, task)
     if not dc.path:

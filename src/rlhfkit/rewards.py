@@ -1,33 +1,11 @@
 """Reward sources: what turns a rollout into one score per response.
 
-A :class:`Reward` is a weighted sum of named sources, each mapping a rollout (and the prompt
-records it was sampled from) to a ``[B]`` score:
-
-* a reward model (:func:`reward_model_scorer`): the scalar head at the last attended token;
-* a label classifier (:func:`classifier_scorer`): the logit of the label the prompt asks for;
-* a Python function (:func:`function_scorer`), loaded by name (:func:`load_reward_function`,
-  ``'package.module:function'``) and called as TRL's GRPOTrainer calls one::
-
-      fn(prompts=[...], completions=[...], completion_ids=[[...], ...], finished=[...], **columns)
-
-  ``prompts``: each row's prompt as the data gave it (a string, or a list of messages);
-  ``completions``: the decoded responses, special tokens (EOS) removed -- for a
-  conversational prompt ``[{"role": "assistant", "content": text}]``; ``completion_ids``:
-  the response's token ids (the EOS included when one was emitted; a stop string of
-  ``ppo.stop`` stays in both, being tokens the policy sampled); ``finished``: True where the
-  response ended with EOS or a stop string, False where ``max_new_tokens`` cut it; ``columns``: every
-  other field of the prompt's record, one list entry per completion (repeated for the
-  samples of a group). It returns one finite number per completion, or None for a completion it
-  does not score (TRL's convention: the total is the weighted sum of the functions that score it;
-  one that none scores has no score, see :meth:`Reward.score`). A function whose scores
-  are 0 or 1 (a verifier) says so with the attribute ``fn.binary = True``: the held-out
-  ``eval/accuracy`` comes from such declared sources (or from ``eval.accuracy_reward``), never
-  from the values one batch happened to take, and a declared source that returns anything
-  else stops the run with its name.
-
-A reward model whose tokenizer differs from the policy's reads the text re-tokenised in its own
-vocabulary (:func:`retokenize`, :func:`other_tokenizer`). :func:`build_reward` assembles the
-configured sources (``reward.name``, ``reward.function``, ``reward.weights``).
+A :class:`Reward` is a weighted sum of named sources, each a rollout (and its prompt records)
+-> ``[B]`` scores: a reward model (:func:`reward_model_scorer`), a label classifier
+(:func:`classifier_scorer`) or a Python function called as TRL's GRPOTrainer calls one
+(:func:`function_scorer`; its arguments, None for "not scored" and ``fn.binary``: docs/data.md).
+A reward model with another tokenizer reads the text re-tokenised (:func:`retokenize`).
+:func:`build_reward` assembles ``reward.name``, ``reward.function`` and ``reward.weights``.
 """
 
 from __future__ import annotations
@@ -71,17 +49,14 @@ class Reward:
 
     sources: list[tuple[str, float, Source]]
     models: list = field(default_factory=list)
-    """The reward models the sources call (FSDP shards and gathers them; see
-    :func:`rlhfkit.distributed.shard_frozen`)."""
+    """The reward models the sources call (FSDP shards them)."""
     accuracy: tuple[str, ...] = ()
-    """The sources that define ``eval/accuracy`` (``eval.accuracy_reward``); empty: those declared
-    0/1 (:meth:`binary`)."""
+    """The sources ``eval.accuracy_reward`` names for ``eval/accuracy``; empty: those declared 0/1."""
 
     def score(self, roll: Rollout, records: Sequence[PromptRecord] | None = None):
-        """``(total [B], {name: [B]})``. A reward function's None (NaN in its part) means it does
-        not score that completion, as in TRL: the total is the weighted sum of the parts that do,
-        and NaN where none does -- such a completion has no score (one warning says so). Any other
-        non-finite score stops the run with the source's name."""
+        """``(total [B], {name: [B]})``. A function's None (NaN in its part) leaves that part out
+        of the total, as in TRL; where no part scores, the total is NaN (one warning says so).
+        Any other non-finite score stops the run with the source's name."""
         if not self.sources:  # an environment's rewards alone
             return torch.zeros(roll.response_ids.shape[0], device=roll.response_ids.device), {}
         parts = {name: fn(roll, records).float() for name, _, fn in self.sources}  # [B] each
@@ -98,8 +73,7 @@ class Reward:
         return total, parts
 
     def declared_binary(self) -> list[str]:
-        """Sources whose scores must be 0 or 1: named by ``eval.accuracy_reward`` or marked
-        ``binary = True`` (a reward function's attribute, carried by its source)."""
+        """Sources whose scores must be 0 or 1: named by ``eval.accuracy_reward`` or ``binary = True``."""
         return [name for name, _, fn in self.sources if name in self.accuracy or getattr(fn, "binary", False)]
 
     def accuracy_sources(self) -> list[str]:
@@ -123,8 +97,7 @@ UNSCORED_WARNING = ("every reward function returned None for some completions: t
 
 
 def check_finite(name: str, scores: torch.Tensor) -> None:
-    """RewardError when a source that always scores (a reward model) gave non-finite ``scores [B]``:
-    a NaN would reach every advantage of the batch."""
+    """RewardError when a reward model gave non-finite ``scores [B]`` (it would reach every advantage)."""
     bad = ~torch.isfinite(scores)
     if bool(bad.any()):
         raise RewardError(f"reward source {name} gave non-finite scores to {int(bad.sum())} of {scores.numel()} "
@@ -132,8 +105,7 @@ def check_finite(name: str, scores: torch.Tensor) -> None:
 
 
 def check_binary(name: str, scores: torch.Tensor, by_config: bool = False) -> None:
-    """RewardError when a source declared 0/1 gave ``scores`` ``[B]`` other than 0 or 1 (or None:
-    NaN, not scored)."""
+    """RewardError when a source declared 0/1 gave ``scores [B]`` other than 0, 1 or NaN (not scored)."""
     bad = (scores != 0) & (scores != 1) & ~scores.isnan()
     if bool(bad.any()):
         how = "named by eval.accuracy_reward" if by_config else "declared binary (binary = True)"
@@ -143,11 +115,8 @@ def check_binary(name: str, scores: torch.Tensor, by_config: bool = False) -> No
 
 
 def retokenize(roll: Rollout, tokenizer, rm_tokenizer, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rollout in another model's vocabulary: ``(ids [B, T'], mask [B, T'])``.
-
-    Prompt and response are decoded to text without special tokens, joined, and, where the
-    response ended (the policy's EOS or a stop string), closed with the reward model's own EOS; the text
-    is then tokenised by ``rm_tokenizer`` (its BOS / template post-processing included)."""
+    """A rollout in another model's vocabulary: ``(ids [B, T'], mask [B, T'])``: prompt and
+    response as text, closed with ``rm_tokenizer``'s EOS where the response ended."""
     prompts = tokenizer.batch_decode(roll.prompt_ids.tolist(), skip_special_tokens=True)
     responses = tokenizer.batch_decode(response_rows(roll.response_ids, roll.response_attention),
                                        skip_special_tokens=True)
@@ -157,17 +126,19 @@ def retokenize(roll: Rollout, tokenizer, rm_tokenizer, device) -> tuple[torch.Te
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-def reward_model_scorer(reward_model, tokenizer=None, rm_tokenizer=None, name: str = "reward_model") -> Reward:
-    """Score = the reward model's scalar at the last attended token of prompt + response.
+def _read(readout: Callable, model, roll: Rollout, tokenizer, rm_tokenizer) -> torch.Tensor:
+    """``readout`` (:func:`sequence_scores`, :func:`sequence_logits`) of ``model`` on the rollout:
+    its own ids (each group's prompt runs once), or re-tokenised with ``rm_tokenizer``."""
+    if rm_tokenizer is None:
+        return readout(model, roll.input_ids, roll.attention_mask, prompt_len=roll.prompt_ids.shape[1])
+    return readout(model, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
 
-    With ``rm_tokenizer`` (a reward model whose vocabulary differs from the policy's) the
-    texts are re-tokenised first (:func:`retokenize`); else the policy's ids are read as is."""
+
+def reward_model_scorer(reward_model, tokenizer=None, rm_tokenizer=None, name: str = "reward_model") -> Reward:
+    """Score = the reward model's scalar at the last attended token of prompt + response."""
 
     def score(roll: Rollout, records=None) -> torch.Tensor:
-        if rm_tokenizer is None:  # the rollout's own rows: each group's prompt runs once
-            return sequence_scores(reward_model, roll.input_ids, roll.attention_mask,
-                                   prompt_len=roll.prompt_ids.shape[1])
-        return sequence_scores(reward_model, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
+        return _read(sequence_scores, reward_model, roll, tokenizer, rm_tokenizer)
 
     return Reward([(name, 1.0, score)], [reward_model])
 
@@ -175,14 +146,10 @@ def reward_model_scorer(reward_model, tokenizer=None, rm_tokenizer=None, name: s
 def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_tokenizer=None,
                       name: str = "reward_model") -> Reward:
     """Score = the classifier's logit, at the last attended token, of the label the prompt asks
-    for (the number-doubling tutorial task's reward: a classifier of the answer's character set)."""
+    for (the doubling task's reward: a classifier of the answer's character set)."""
 
     def score(roll: Rollout, records=None) -> torch.Tensor:
-        if rm_tokenizer is None:
-            logits = sequence_logits(classifier, roll.input_ids, roll.attention_mask,
-                                     prompt_len=roll.prompt_ids.shape[1])  # [B, L]
-        else:
-            logits = sequence_logits(classifier, *retokenize(roll, tokenizer, rm_tokenizer, roll.input_ids.device))
+        logits = _read(sequence_logits, classifier, roll, tokenizer, rm_tokenizer)  # [B, L]
         prompts = tokenizer.batch_decode(roll.prompt_ids.tolist(), skip_special_tokens=True)
         labels = torch.tensor([label_fn(p) for p in prompts], device=logits.device)  # [B]
         return logits.gather(1, labels[:, None]).squeeze(1)  # [B]
@@ -191,14 +158,13 @@ def classifier_scorer(classifier, tokenizer, label_fn: Callable[[str], int], rm_
 
 
 def completion_texts(roll: Rollout, tokenizer) -> tuple[list[list[int]], list[str]]:
-    """Each row's response token ids (the EOS included when emitted) and its text with the
-    special tokens removed: what a reward function receives as ``completion_ids`` and ``completions``."""
+    """Each row's response ids (EOS included when emitted) and text (special tokens removed)."""
     ids = response_rows(roll.response_ids, roll.response_attention)
     return ids, tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
 def call_arguments(roll: Rollout, tokenizer, records: Sequence[PromptRecord] | None) -> dict:
-    """The keyword arguments a reward function receives for a rollout (see the module docstring)."""
+    """The keyword arguments a reward function receives for a rollout (docs/data.md)."""
     ids, texts = completion_texts(roll, tokenizer)
     if records is None:  # no records: the prompts as the model read them
         prompts: list = tokenizer.batch_decode(roll.prompt_ids.tolist(), skip_special_tokens=True)
@@ -212,15 +178,10 @@ def call_arguments(roll: Rollout, tokenizer, records: Sequence[PromptRecord] | N
 
 
 def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None = None) -> Reward:
-    """Score = ``fn(prompts=, completions=, completion_ids=, finished=, **columns)``.
-
-    It returns one number per completion, or None for a completion it does not score (TRL's
-    convention, for a function that applies to some prompts only): NaN in its ``[B]`` scores, which
-    :meth:`Reward.score` leaves out of the total. Policy for a failure: stop with a
-    :class:`RewardError` naming the function -- it raised, returned None instead of a list or not one
-    entry per completion, or a NaN/inf (a NaN returned is an error, not a None: it is a bug in the
-    function more often than a choice).
-    """
+    """Score = ``fn(prompts=, completions=, completion_ids=, finished=, **columns)``: one number
+    per completion, or None for one it does not score (NaN in its ``[B]`` scores). A RewardError
+    naming the function when it raises or returns anything else (a NaN returned is a bug more
+    often than a choice)."""
     full = function_name(fn)
     short = name or source_name(fn)
 
@@ -264,9 +225,8 @@ def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
 
 def other_tokenizer(path: str, tok, trust_remote_code: bool = False):
     """The tokenizer saved with the model at ``path`` when it differs from ``tok`` (the policy's),
-    else None. A model directory saved without tokenizer files is taken to share the policy's.
-    One without a pad token pads with its EOS: it only batches the reward model's inputs, whose
-    readout comes from the attention mask."""
+    else None (a directory without tokenizer files shares the policy's). One without a pad token
+    pads with its EOS: the readout comes from the attention mask."""
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f))
                                        for f in ("tokenizer_config.json", "tokenizer.json")):
         return None
@@ -279,8 +239,8 @@ def other_tokenizer(path: str, tok, trust_remote_code: bool = False):
 
 
 def model_source(cfg: Config, tok, device) -> Reward:
-    """The reward model at ``reward.name``: a pairwise scalar model, or a label classifier when it
-    has several labels (read with ``reward.label_function`` or the task's ``label_of_prompt``)."""
+    """The model at ``reward.name``: a scalar model, or a classifier read with
+    ``reward.label_function`` or the task's ``label_of_prompt``."""
     rc, mc = cfg.reward, cfg.model
     if isinstance(rc.name, str):
         rm = load_scalar_model(rc.name, mc.dtype, mc.trust_remote_code, num_labels=None)
@@ -301,9 +261,9 @@ def model_source(cfg: Config, tok, device) -> Reward:
 
 
 def build_reward(cfg: Config, tok, device) -> Reward:
-    """The configured reward: the model at ``reward.name`` and/or the functions at
-    ``reward.function`` (comma-separated), weighted by ``reward.weights`` (one per source, the
-    model first; empty: all 1). Each source is logged as ``reward/<name>``."""
+    """The model at ``reward.name`` and the functions of ``reward.function``, weighted by
+    ``reward.weights`` (the model first; empty: all 1); each logged as ``reward/<name>``."""
+
     rc = cfg.reward
     sources: list[tuple[str, float, Source]] = []
     models: list = []

@@ -1,16 +1,7 @@
-"""Tools: Python functions the model may call during an episode (:class:`ToolEnvironment`).
-
-The functions are offered through the chat template's ``tools`` (their JSON schemas, read from
-type hints and Google-style docstrings, as ``transformers.utils.get_json_schema`` reads them;
-a template that ignores ``tools`` gets them in a system message, :func:`rlhfkit.envs.tools_message`).
-A model turn that holds ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` gets the
-call's result -- or the exception, as text -- back as a ``tool`` message; a turn without one
-ends the episode and is scored by :meth:`ToolEnvironment.reward` (and any reward function).
-
-Each call runs in a forked child process with a time limit (``tool_timeout`` seconds: the child
-is killed past it) and with Python's sockets disabled, so a tool cannot reach the network
-through the standard library.
-"""
+"""Tools: Python functions the model may call during an episode (:class:`ToolEnvironment`;
+docs/environments.md). A turn holding ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+gets the result (or the error) as a ``tool`` message; each call runs in a forked child, killed
+after ``tool_timeout`` seconds, with Python's sockets disabled."""
 
 from __future__ import annotations
 
@@ -33,8 +24,8 @@ class ToolCall:
 
 
 def parse_tool_call(text: str) -> ToolCall | str | None:
-    """The first ``<tool_call>{json}</tool_call>`` of a model turn: a :class:`ToolCall`, the
-    error as text when the call is malformed (it goes back to the model), None without one."""
+    """The first tool call of a turn: a :class:`ToolCall`, the error as text when malformed (it
+    goes back to the model), None without one."""
     m = TOOL_CALL.search(text)
     if m is None:
         return None
@@ -62,8 +53,7 @@ def _child(fn: Callable, arguments: dict, conn) -> None:
 
 
 def call_tool(tools: Sequence[Callable], call: ToolCall, timeout: float) -> str:
-    """Run ``call`` among ``tools`` (by ``__name__``) in a forked child, killed after ``timeout``
-    seconds; the result as text, or the error as text."""
+    """Run ``call`` among ``tools`` in a forked child killed after ``timeout`` s; the result or error as text."""
     fn = next((t for t in tools if t.__name__ == call.name), None)
     if fn is None:
         return f"error: no tool named {call.name!r}; the tools are {', '.join(t.__name__ for t in tools)}"
@@ -83,10 +73,9 @@ def call_tool(tools: Sequence[Callable], call: ToolCall, timeout: float) -> str:
 
 
 class ToolEnvironment(Environment):
-    """An environment offering ``tools``: a turn with a tool call gets the result as a ``tool``
-    message (reward 0); a turn without one ends the episode with :meth:`reward` of its text.
-    Subclass it, set ``tools`` (functions with type hints and docstrings) and override
-    :meth:`reward` (and :meth:`reset` to pose the task from the record)."""
+    """An environment offering ``tools`` (functions with type hints and docstrings): a turn with a
+    tool call gets its result (reward 0); a turn without one ends the episode with :meth:`reward`.
+    Subclass it, set ``tools``, override :meth:`reward` (and :meth:`reset`)."""
 
     tools: Sequence[Callable] = ()
     tool_timeout: float = 5.0

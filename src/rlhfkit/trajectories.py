@@ -1,25 +1,7 @@
-"""Per-token trajectories for the report's trajectory view.
-
-PPO explainers walk through one sample ("Where is Pune? Pune is in India."): a column per token,
-a row per quantity -- log-prob, reference log-prob, KL, the reward that lands on the last
-token only, the critic's value, the GAE advantage, the return, and the mask that keeps
-prompt and padding out of the loss. This module saves exactly that table for a few rows of
-the batch at chosen steps, so ``rlhfkit report`` can draw it for a real run.
-
-``trajectories.jsonl`` holds one JSON object per saved row::
-
-    {"step": 12, "index": 5, "algo": "ppo", "prompt": "...", "response": "...",
-     "score": 2.31, "kl_coef": 0.2, "kl_estimator": "k1", "kl_in_loss": false,
-     "tokens": ["P", "P", "数", ...],            # one decoded string per column (T = P + R)
-     "segment": ["padding", "padding", "prompt", ..., "response", ..., "padding"],
-     "rows": {"mask": [0, 0, 0, ..., 1, 1, 0], "logprob": [null, ..., -0.12, ...], ...}}
-
-Columns follow the model's input: left padding, prompt, response, then the padding after
-the EOS; in a multi-turn episode (rlhfkit.envs) the response holds the model's turns and, marked
-``observation``, the environment's messages between them. Rows (``ROWS``) are ``null`` where a
-quantity is undefined (prompt and padding columns of the response-aligned tensors); ``mask``,
-``score`` and ``reward`` are 0 there.
-Critic-free algorithms (GRPO, RLOO, REINFORCE) have no value, raw advantage or return rows.
+"""Per-token trajectories for the report's trajectory view: for a few rows of the batch at chosen
+steps, a column per token and a row per quantity (log-prob, reference log-prob, KL, the score on
+the last token, shaped reward, value, advantages, return, mask), as the PPO explainers draw one
+sample. ``trajectories.jsonl``, one object per saved row, is described in docs/getting-started.md.
 """
 
 from __future__ import annotations
@@ -51,78 +33,55 @@ def _round(x: float) -> float:
     return round(float(x), 5)
 
 
-def trajectory_records(exp, tokenizer, pc, kl_coef: float, step: int, n: int) -> list[dict]:
-    """``n`` rows of an experience batch as per-token records (see the module docstring).
+def _segments(attn: list[int], rmask: list[int], P: int) -> list[str]:
+    """Each column's part: padding, prompt, response, or a multi-turn episode's observation (read
+    by the model, out of the losses)."""
+    return ["prompt" if a else "padding" for a in attn[:P]] + [
+        "response" if m else "observation" if a else "padding" for a, m in zip(attn[P:], rmask)]
 
-    The rows are spread over the batch's score ranks (lowest and highest first), so a
-    saved step shows a good and a bad sample side by side.
-    """
+
+def trajectory_records(exp, tokenizer, pc, kl_coef: float, step: int, n: int) -> list[dict]:
+    """``n`` rows of an experience batch as per-token records, spread over the batch's score ranks
+    (lowest and highest first), so a saved step shows a good and a bad sample side by side."""
     B = exp.input_ids.shape[0]
     n = min(n, B)
     if n <= 0:
         return []
     order = torch.argsort(exp.score.float().cpu(), stable=True).tolist()  # ascending score
-    ranks = [0] if n == 1 else [round(i * (B - 1) / (n - 1)) for i in range(n)]
-    picks = list(dict.fromkeys(order[r] for r in ranks))
+    picks = list(dict.fromkeys(order[r] for r in ([0] if n == 1 else [round(i * (B - 1) / (n - 1)) for i in range(n)])))
     P = exp.prompt_len
-    rmask = exp.response_mask.cpu()
-    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, pc.kl_estimator).cpu()  # [B, R]
     score = exp.score.float().cpu()
     if pc.score_clip is not None:
         score = score.clamp(-pc.score_clip, pc.score_clip)
-    last = last_token_index(rmask)  # [B]
-    has_critic = pc.algo == "ppo"
-    response_rows = {"logprob": exp.old_logprobs, "ref_logprob": exp.ref_logprobs, "kl": kl,
-                     "reward": exp.rewards, "advantage": exp.advantages}
-    if has_critic:
-        response_rows.update({"value": exp.old_values, "return": exp.returns})
-        if exp.raw_advantages is not None:
-            response_rows["advantage_raw"] = exp.raw_advantages
-    response_rows = {k: v.detach().float().cpu() for k, v in response_rows.items()}
-    ids = exp.input_ids.cpu()
-    attn = exp.attention_mask.cpu()
+    last = last_token_index(exp.response_mask.cpu())  # [B]
+    per_token = {"logprob": exp.old_logprobs, "ref_logprob": exp.ref_logprobs,
+                 "kl": kl_estimate(exp.old_logprobs, exp.ref_logprobs, pc.kl_estimator),
+                 "reward": exp.rewards, "advantage": exp.advantages}  # [B, R] each
+    if pc.algo == "ppo":  # the critic's rows
+        per_token.update({"value": exp.old_values, "return": exp.returns, "advantage_raw": exp.raw_advantages})
+    per_token = {k: v.detach().float().cpu() for k, v in per_token.items() if v is not None}
+    ids, attn = exp.input_ids.cpu().tolist(), exp.attention_mask.cpu().tolist()
     records = []
     for b in picks:
-        T = ids.shape[1]
-        segment = []
-        for t in range(T):
-            if t < P:
-                segment.append("prompt" if attn[b, t] else "padding")
-            else:
-                # a multi-turn episode's observations: read by the model, out of the losses
-                segment.append("response" if rmask[b, t - P] else "observation" if attn[b, t] else "padding")
-        rows: dict[str, list] = {"mask": [1 if s == "response" else 0 for s in segment]}
+        segment = _segments(attn[b], exp.response_mask[b].cpu().tolist(), P)
+        T = len(segment)
+        rows: dict[str, list] = {"mask": [int(s == "response") for s in segment]}
         for name in ROWS:
-            if name == "mask":
-                continue
             if name == "score":
-                col = [0.0] * T
-                col[P + int(last[b])] = _round(score[b])
-                rows[name] = col
-                continue
-            if name not in response_rows:
-                continue
-            vals = response_rows[name][b]
-            zero_outside = name == "reward"
-            rows[name] = [
-                _round(vals[t - P]) if segment[t] == "response" else (0.0 if zero_outside else None)
-                for t in range(T)
-            ]
-        resp_ids = [int(i) for i, m in zip(ids[b, P:].tolist(), attn[b, P:].tolist()) if m]  # observations kept
-        prompt_ids = [int(i) for i, m in zip(ids[b, :P].tolist(), attn[b, :P].tolist()) if m]
+                rows[name] = [0.0] * T
+                rows[name][P + int(last[b])] = _round(score[b])
+            elif name in per_token:
+                outside = 0.0 if name == "reward" else None
+                rows[name] = [_round(per_token[name][b, t - P]) if s == "response" else outside
+                              for t, s in enumerate(segment)]
         records.append({
-            "step": step,
-            "index": b,
-            "algo": pc.algo,
-            "prompt": tokenizer.decode(prompt_ids, skip_special_tokens=True),
-            "response": tokenizer.decode(resp_ids, skip_special_tokens=True),
-            "score": _round(score[b]),
-            "kl_coef": _round(kl_coef),
-            "kl_estimator": pc.kl_estimator,
-            "kl_in_loss": bool(pc.kl_in_loss),
-            "tokens": [tokenizer.decode([int(i)]) for i in ids[b].tolist()],
-            "segment": segment,
-            "rows": rows,
+            "step": step, "index": b, "algo": pc.algo,
+            "prompt": tokenizer.decode([i for i, a in zip(ids[b][:P], attn[b][:P]) if a], skip_special_tokens=True),
+            "response": tokenizer.decode([i for i, a in zip(ids[b][P:], attn[b][P:]) if a],  # observations kept
+                                         skip_special_tokens=True),
+            "score": _round(score[b]), "kl_coef": _round(kl_coef), "kl_estimator": pc.kl_estimator,
+            "kl_in_loss": bool(pc.kl_in_loss), "tokens": [tokenizer.decode([i]) for i in ids[b]],
+            "segment": segment, "rows": rows,
         })
     return records
 

@@ -1,5 +1,5 @@
-"""Built-in tasks. ``get_task(cfg.run.task)`` returns the task's module; every trainer takes
-its tokenizer, data and evaluation from it, so the same loops run on any task.
+"""Built-in tasks: ``get_task(cfg.run.task)`` is the task's module, whence every trainer takes its
+tokenizer, data and evaluation.
 
 A task module provides:
 
@@ -25,9 +25,8 @@ TASKS = {"doubling": "rlhfkit.tasks.doubling", "cities": "rlhfkit.tasks.cities"}
 
 
 def char_tokenizer(vocab: list[str], bos: str, eos: str, pad: str, max_length: int):
-    """A character-level ``PreTrainedTokenizerFast`` over ``vocab`` (one token per character):
-    BOS prepended by the tokenizer itself, EOS and pad set, left padding (what batched
-    generation needs), decoding joins characters with no spaces."""
+    """A ``PreTrainedTokenizerFast`` with one token per character of ``vocab``: BOS prepended by the
+    tokenizer itself, left padding (batched generation), decoding joins characters."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

@@ -1,21 +1,11 @@
-"""The city-facts task, after the running example of the PPO explainers: "Where is Pune?" -> "Pune is in India."
+"""The city-facts task, after the PPO explainers' example: "Where is Pune?" -> "Pune is in India."
 
-A world of 130 real cities in 13 countries. Pretraining text states every fact in several
-ways and answers questions about every city in several styles, most often tersely
-(``India.``), sometimes with the full sentence (``Pune is in India.``), sometimes with a
-wrong country (the noise of web text). The base model therefore *knows* where each city is
-but greedily answers in the wrong form. Preference data prefers the full sentence with the
-right country; RL (or DPO) must teach the form without losing the facts. Every city is
-evaluated in a question form that no tuning prompt uses for it.
-
-Why held-out question forms and not held-out cities: with 26 whole cities held out, the tiny
-model learns the form per city rather than in general and its held-out accuracy stalls at
-0.86-0.90 (PPO, GRPO; copy errors like ``Veroncea`` and terse answers for some cities); a real
-model generalises across entities, a 100k-parameter one needs to have seen the entity asked
-about.
-
-The module offers the same interface as :mod:`rlhfkit.tasks.doubling` (see
-:mod:`rlhfkit.tasks`): tokenizer, seeded data generators, fixed evaluation set, verifier.
+130 real cities in 13 countries. Pretraining text answers mostly tersely (``India.``), sometimes
+with the sentence, sometimes with a wrong country, so the base model *knows* each city's country
+but greedily answers in the wrong form; preferences favour the full sentence with the right
+country, and tuning must teach the form without losing the facts. Every city is evaluated in a
+question form no tuning prompt uses for it: a tiny model needs to have seen the entity asked
+about, and held-out whole cities would test that instead of the form.
 """
 
 from __future__ import annotations
@@ -31,26 +21,21 @@ if TYPE_CHECKING:  # importing the task stays light: the command line reads CONF
     from transformers import PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "^", "$", "~"
-COUNTRIES: dict[str, tuple[str, ...]] = {
-    "India": ("Pune", "Delhi", "Mumbai", "Chennai", "Kolkata", "Jaipur", "Lucknow", "Surat", "Indore", "Nagpur"),
-    "China": ("Beijing", "Shanghai", "Wuhan", "Chengdu", "Xian", "Nanjing", "Tianjin", "Suzhou", "Harbin", "Kunming"),
-    "Japan": ("Tokyo", "Osaka", "Kyoto", "Nagoya", "Sapporo", "Kobe", "Fukuoka", "Sendai", "Nara", "Yokohama"),
-    "France": ("Paris", "Lyon", "Marseille", "Nice", "Lille", "Nantes", "Bordeaux", "Toulouse", "Rennes", "Dijon"),
-    "Germany": ("Berlin", "Munich", "Hamburg", "Cologne", "Bonn", "Dresden", "Leipzig", "Stuttgart", "Bremen",
-                "Hanover"),
-    "Italy": ("Rome", "Milan", "Naples", "Turin", "Florence", "Venice", "Bologna", "Genoa", "Palermo", "Verona"),
-    "Spain": ("Madrid", "Barcelona", "Seville", "Valencia", "Bilbao", "Malaga", "Granada", "Toledo", "Cordoba",
-              "Zaragoza"),
-    "Brazil": ("Recife", "Salvador", "Manaus", "Curitiba", "Fortaleza", "Belem", "Natal", "Brasilia", "Santos",
-               "Goiania"),
-    "Mexico": ("Puebla", "Oaxaca", "Cancun", "Tijuana", "Merida", "Leon", "Toluca", "Monterrey", "Guadalajara",
-               "Acapulco"),
-    "Canada": ("Toronto", "Montreal", "Vancouver", "Ottawa", "Calgary", "Edmonton", "Winnipeg", "Halifax", "Quebec",
-               "Regina"),
-    "Egypt": ("Cairo", "Giza", "Luxor", "Aswan", "Alexandria", "Suez", "Tanta", "Asyut", "Ismailia", "Faiyum"),
-    "Kenya": ("Nairobi", "Mombasa", "Kisumu", "Nakuru", "Eldoret", "Malindi", "Thika", "Garissa", "Kitale", "Lamu"),
-    "Peru": ("Lima", "Cusco", "Arequipa", "Trujillo", "Piura", "Iquitos", "Chiclayo", "Huancayo", "Tacna", "Puno"),
-}
+COUNTRIES: dict[str, tuple[str, ...]] = {country: tuple(cities.split()) for country, cities in {
+    "India": "Pune Delhi Mumbai Chennai Kolkata Jaipur Lucknow Surat Indore Nagpur",
+    "China": "Beijing Shanghai Wuhan Chengdu Xian Nanjing Tianjin Suzhou Harbin Kunming",
+    "Japan": "Tokyo Osaka Kyoto Nagoya Sapporo Kobe Fukuoka Sendai Nara Yokohama",
+    "France": "Paris Lyon Marseille Nice Lille Nantes Bordeaux Toulouse Rennes Dijon",
+    "Germany": "Berlin Munich Hamburg Cologne Bonn Dresden Leipzig Stuttgart Bremen Hanover",
+    "Italy": "Rome Milan Naples Turin Florence Venice Bologna Genoa Palermo Verona",
+    "Spain": "Madrid Barcelona Seville Valencia Bilbao Malaga Granada Toledo Cordoba Zaragoza",
+    "Brazil": "Recife Salvador Manaus Curitiba Fortaleza Belem Natal Brasilia Santos Goiania",
+    "Mexico": "Puebla Oaxaca Cancun Tijuana Merida Leon Toluca Monterrey Guadalajara Acapulco",
+    "Canada": "Toronto Montreal Vancouver Ottawa Calgary Edmonton Winnipeg Halifax Quebec Regina",
+    "Egypt": "Cairo Giza Luxor Aswan Alexandria Suez Tanta Asyut Ismailia Faiyum",
+    "Kenya": "Nairobi Mombasa Kisumu Nakuru Eldoret Malindi Thika Garissa Kitale Lamu",
+    "Peru": "Lima Cusco Arequipa Trujillo Piura Iquitos Chiclayo Huancayo Tacna Puno",
+}.items()}
 COUNTRY_OF: dict[str, str] = {city: c for c, cities in COUNTRIES.items() for city in cities}
 # the city always ends the question: the answer starts by copying it, which a tiny model learns
 # reliably only when the copy source sits right before the answer
@@ -73,10 +58,9 @@ CONFIG_DEFAULTS = {
     "model": {"n_layer": 3, "n_embd": 96},
     "pretrain": {"steps": 600},
     "reward": {"steps": 300},
-    # RL over-optimises the imperfect reward model after ~20 steps: held-out exact PPO (with a
-    # separate critic) 0.97, 0.95, 0.96, 0.92 and GRPO 0.85, 0.96, 0.93, 0.88 at steps 10, 20, 30, 40
+    # few steps: tuning over-optimises the imperfect reward model (and DPO its pairs) after them
     "ppo": {"lr": 1e-4, "steps": 20, "stop_at": 0.0, "eval_every": 10},
-    "dpo": {"lr": 3e-4, "steps": 50, "eval_every": 25},  # held-out exact 0.80 at 25, 0.82 at 50, 0.52 at 75
+    "dpo": {"lr": 3e-4, "steps": 50, "eval_every": 25},
     "demo": {"algos": "ppo,grpo,dpo"},
 }
 VOCAB = [PAD, BOS, EOS, *sorted(set("".join(COUNTRY_OF) + "".join(COUNTRIES) + "".join(QUESTIONS + STATEMENTS)
@@ -85,8 +69,7 @@ VOCAB = [PAD, BOS, EOS, *sorted(set("".join(COUNTRY_OF) + "".join(COUNTRIES) + "
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer over the task's ASCII alphabet; ``^`` BOS (added by the
-    tokenizer), ``$`` EOS, ``~`` pad, left padding."""
+    """One token per character of the task's alphabet; ``^`` BOS (added), ``$`` EOS, ``~`` pad."""
     return char_tokenizer(VOCAB, BOS, EOS, PAD, N_POSITIONS)
 
 
@@ -163,14 +146,10 @@ class CitiesData:
         return "".join(chars)
 
     def preference_pairs(self, n: int, hard: float = 0.5) -> list[tuple[str, str, str]]:
-        """``(prompt, chosen, rejected)``: chosen is the full sentence with the right country.
-
-        The rejected answer is, with probability ``1 - hard``, the full sentence with a wrong
-        country; otherwise a *form* negative: terse, pronoun, the sentence without EOS, about
-        another city, or with a few characters garbled. The first kind teaches that the facts
-        matter, the second that the form does -- without garbled negatives a reward model
-        scores misspelt sentences well and PPO learns to write them.
-        """
+        """``(prompt, chosen, rejected)``, chosen the full sentence with the right country; rejected,
+        with probability ``1 - hard``, the sentence with a wrong country (the facts matter), else a
+        form negative: terse, pronoun, no EOS, another city, or garbled (without garbled negatives
+        a reward model scores misspelt sentences well and PPO learns to write them)."""
         out = []
         for p in self.prompts(n):
             chosen = answer_text(p.city)
@@ -217,12 +196,9 @@ _SENTENCE = re.compile(r"(?P<city>[A-Z][a-z]+) is in (?P<country>[A-Z][a-z]+)\."
 
 
 def verify(prompt: Prompt, completion: str) -> dict[str, bool]:
-    """Score one completion (decoded, special tokens kept, padding removed).
-
-    ``format``: exactly ``<the asked city> is in <a country of this world>.`` then EOS.
-    ``exact``: that, with the right country. ``answer``: the right country is named somewhere
-    before EOS (the knowledge alone, whatever the form).
-    """
+    """Score one completion (decoded, special tokens kept): ``format``, exactly ``<the city> is in
+    <a country>.`` then EOS; ``exact``, that with the right country; ``answer``, the right country
+    named before EOS (the knowledge alone)."""
     return _verify(prompt.city, prompt.country, completion)
 
 
@@ -250,11 +226,9 @@ def parse_prompt(text: str) -> Prompt:
 
 def exact_reward(prompts: list[str], completions: list[str], city: list | None = None, country: list | None = None,
                  finished: list | None = None, **columns) -> list[float]:
-    """Rule-based reward callable: 1 for the full sentence with the right country.
+    """Reward callable: 1 for the full sentence with the right country (columns ``city`` and
+    ``country`` when given, else the parsed prompt; with ``finished``, only ended answers count)."""
 
-    Reads the ``city`` and ``country`` columns when the prompt records carry them (the exported
-    task files do), else parses the prompt. With ``finished`` (completions without their EOS, as
-    rlhfkit's RL loop passes them) an answer counts only where the response ended with EOS."""
     out = []
     for i, (p, c) in enumerate(zip(prompts, completions)):
         q = parse_prompt(p) if city is None else None

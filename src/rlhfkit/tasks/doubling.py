@@ -1,16 +1,14 @@
 """The number-doubling tutorial task: obey a prefix that names the answer's character set.
 
-A prompt asks for twice a 4-digit number, ``S数字:3320x2=``, with a prefix naming the
-character set of the answer:
+A prompt asks for twice a 4-digit number, ``S数字:3320x2=``, its prefix naming the answer's set:
 
     数字  digits          0123456789      ->  6640E
     小写  lower-case      〇一二三四五六七八九  ->  六六四〇E
     大写  upper-case      零壹贰叁肆伍陆柒捌玖  ->  陆陆肆零E
 
-Pretraining text carries the neutral prefix ``__`` and an answer in a random set, so the
-base model learns to double but not to obey the prefix; RL teaches the prefix. The task
-owns its vocabulary (a character tokenizer), its data generators, a fixed held-out
-evaluation set and the verifier.
+Pretraining text carries the neutral prefix ``__`` and an answer in a random set: the base model
+learns to double, RL teaches the prefix.
+
 """
 
 from __future__ import annotations
@@ -42,13 +40,7 @@ N_POSITIONS = 32
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level ``PreTrainedTokenizerFast``: one token per character.
-
-    ``bos_token='S'`` is prepended by the tokenizer itself (so ``tok('数字:1234x2=')``
-    gives the model-ready prompt), ``eos_token='E'``, ``pad_token='P'``; prompts are padded on
-    the left, which is what batched generation needs. Decoding joins characters with no
-    spaces.
-    """
+    """One token per character; ``S`` BOS (added: ``tok('数字:1234x2=')`` is model-ready), ``E`` EOS, ``P`` pad."""
     return char_tokenizer(VOCAB, BOS, EOS, PAD, 32)
 
 
@@ -112,15 +104,11 @@ class DoublingData:
 
     def pretrain_texts(self, n: int) -> list[str]:
         """Unprefixed full sequences (no BOS): ``'__:3320x2=陆陆肆零E'``, set chosen at random."""
-        out = []
-        for _ in range(n):
-            num = self._number()
-            out.append(prompt_text(num, None) + answer_text(num, self._charset()))
-        return out
+        return [text for text, _ in self.labelled_texts(n)]
+
 
     def labelled_texts(self, n: int) -> list[tuple[str, int]]:
-        """Unprefixed full sequences with the index (in ``SET_NAMES``) of the answer's set, for
-        the classification-style reward model of the tutorial."""
+        """Unprefixed full sequences and the index of the answer's set (the classifier reward's data)."""
         out = []
         for _ in range(n):
             num, charset = self._number(), self._charset()
@@ -132,14 +120,10 @@ class DoublingData:
         return [Prompt(self._number(), self._charset()) for _ in range(n)]
 
     def preference_pairs(self, n: int, hard: float = 0.5) -> list[tuple[str, str, str]]:
-        """``(prompt, chosen, rejected)`` triples: same prompt and number, the chosen answer in
-        the requested set (EOS included).
-
-        The rejected answer is, with probability ``1 - hard``, the same answer wholly in one of
-        the other two sets; otherwise a *hard negative* near the chosen one: one to all but
-        one character switched to another set, or the EOS missing. Hard negatives teach the
-        reward model the whole format check, so RL cannot win by mixing sets.
-        """
+        """``(prompt, chosen, rejected)``, chosen the answer in the requested set; rejected, with
+        probability ``1 - hard``, the answer wholly in another set, else a hard negative (some
+        characters in another set, or no EOS) that teaches the reward model the whole format
+        check, so RL cannot win by mixing sets."""
         out = []
         for p in self.prompts(n):
             chosen = answer_text(p.number, p.charset)
@@ -167,8 +151,7 @@ LABELS = SET_NAMES  # classes of the classifier reward model
 
 
 def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:
-    """Preference pairs on the first ``n`` evaluation prompts (operands never trained on): the
-    answer in the requested set vs wholly in another one."""
+    """Pairs on the first ``n`` evaluation prompts: the requested set vs wholly another one."""
     rng = random.Random(seed)
     out = []
     for p in eval_prompts()[:n]:
@@ -178,13 +161,9 @@ def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:
 
 
 def verify(prompt: Prompt, completion: str) -> dict[str, bool]:
-    """Score one completion (decoded response text, special tokens kept, padding removed).
-
-    ``format``: the answer uses only characters of the requested set, is non-empty and is
-    terminated by EOS. ``exact``: the answer is exactly twice the number in that set,
-    terminated by EOS. ``answer``: the answer is twice the number in *some* set (the doubling
-    skill alone, whatever the format).
-    """
+    """Score one completion (decoded, special tokens kept), each ended by EOS: ``format``, only
+    characters of the requested set; ``exact``, twice the number in that set; ``answer``, twice
+    the number in *some* set (the doubling skill alone)."""
     ended = EOS in completion
     answer = completion.split(EOS, 1)[0]
     allowed = set(CHARSETS[prompt.charset])
@@ -220,17 +199,14 @@ def _verified(key: str, prompts, completions, number, charset, finished) -> list
 
 def format_reward(prompts: list[str], completions: list[str], number: list | None = None,
                   charset: list | None = None, finished: list | None = None, **columns) -> list[float]:
-    """Rule-based reward callable: 1 when the answer passes the format check, else 0. Reads the
-    ``number`` and ``charset`` columns when the records carry them, else parses the prompt; with
-    ``finished`` (completions without their EOS, as the RL loop passes them) only answers that
-    ended with EOS count."""
+    """Reward callable: 1 when the answer passes the format check (columns ``number`` and
+    ``charset`` when given, else the parsed prompt; with ``finished``, only ended answers count)."""
     return _verified("format", prompts, completions, number, charset, finished)
 
 
 def exact_reward(prompts: list[str], completions: list[str], number: list | None = None,
                  charset: list | None = None, finished: list | None = None, **columns) -> list[float]:
-    """Rule-based reward callable: 1 when the answer is exactly right in the requested set
-    (columns and ``finished`` as in :func:`format_reward`)."""
+    """Reward callable: 1 when the answer is exactly right (as :func:`format_reward` reads it)."""
     return _verified("exact", prompts, completions, number, charset, finished)
 
 

@@ -1,25 +1,7 @@
-"""A built-in task written out as data files, in the formats the commands read from ``data.path``.
-
-``export_task(cfg, out_dir)`` writes, for ``run.task`` and ``run.seed``, the data the built-in
-route generates, drawn from the same seeded generators:
-
-    sft.jsonl           ``{"prompt", "completion"}``: the 2048 demonstrations of ``rlhfkit sft``
-                        without data.path (``TaskData(seed + 4)``)
-    prefs.jsonl         ``{"prompt", "chosen", "rejected"}``: DPO's fixed set of ``dpo.num_pairs``
-                        pairs (``TaskData(seed + 3)``, ``reward.hard_negatives``); the reward
-                        model's built-in route draws a fresh stream of such pairs (``seed + 1``)
-    prefs_eval.jsonl    the reward model's held-out pairs (``held_out_pairs(reward.eval_pairs, seed)``)
-    prompts.jsonl       ``{"prompt", **columns}``: the first 2048 RL prompts (``TaskData(seed + 2)``)
-    eval_prompts.jsonl  the same for the task's fixed held-out prompts
-    pretrain.jsonl      ``{"text"}``: the pretraining stream, ``pretrain.steps x pretrain.batch_size``
-                        texts (``TaskData(seed)``)
-    info.json           the task, the seed, the reward function that reads the columns
-                        (``rlhfkit.tasks.<task>:exact_reward``), ``max_new_tokens`` and each file's size
-
-The columns are what the task's ``exact_reward`` reads (doubling: ``number``, ``charset``;
-cities: ``city``, ``country``). Answers keep the task's EOS character where the task's own
-pairs have it (a preference pair whose rejected answer lacks it differs from the chosen one
-only there).
+"""A built-in task written out as data files in the formats ``data.path`` reads (docs/data.md):
+``export_task(cfg, out_dir)`` draws, for ``run.task`` and ``run.seed``, from the same seeded
+generators as the built-in route (the seed offsets below are each command's), so a run on the
+files sees the built-in run's data. Answers keep the task's EOS character where its pairs do.
 """
 
 from __future__ import annotations
@@ -36,7 +18,7 @@ RL_PROMPTS = 2048
 
 
 def export_task(cfg: Config, out_dir: str | Path) -> dict:
-    """Write ``run.task``'s data to ``out_dir`` (see the module docstring); returns info.json's content."""
+    """Write ``run.task``'s data files to ``out_dir``; returns info.json's content."""
     name, seed = cfg.run.task, cfg.run.seed
     task = get_task(name)
     out = Path(out_dir)

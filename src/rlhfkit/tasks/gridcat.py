@@ -1,16 +1,8 @@
-"""The grid-world cat of the RL course notes as a text game for a language model.
-
-The world is :mod:`rlhfkit.tasks.gridworld`'s (the cat, the meat +100 that ends the episode, the
-bathtub -10 that ends it, the brooms -1), played through :class:`~rlhfkit.envs.Environment`:
-each observation is one letter naming the cat's cell (``a`` .. ``p`` on the 4 x 4 layout, row
-by row), the model answers with a move arrow (``↑`` ``↓`` ``←`` ``→``) and its EOS. Only the
-turn's first character is read; a turn that does not start with an arrow costs -1 (as a
-broom) and leaves the cat where it is -- a model trained from scratch first has to learn to
-speak in moves. An episode ends on meat or bathtub, or after ``max_turns`` = 20 moves, the
-tabular learner's ``gridworld.max_steps``.
-
-The vocabulary (:func:`make_tokenizer`) holds only these characters, BOS, EOS and padding; the
-tokenizer has no chat template, so observations are appended as plain text tokens.
+"""The grid-world cat of :mod:`rlhfkit.tasks.gridworld` as a text game (docs/environments.md): each
+observation is the letter of the cat's cell (``a`` .. ``p``, row by row), the model answers with a
+move arrow and its EOS. Only a turn's first character is read; one that is not an arrow costs -1
+(a broom's) and leaves the cat in place. ``max_turns`` is the tabular learner's ``max_steps``.
+The tokenizer has no chat template: observations are appended as plain text tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ from . import char_tokenizer
 from .gridworld import ARROWS, DEFAULT_LAYOUT, GridWorld
 
 CELLS = "abcdefghijklmnop"  # cell s = row * cols + col of the default 4 x 4 layout
-MOVES = ARROWS  # "↑↓←→": gridworld.ACTIONS' up, down, left, right
+MOVES = ARROWS  # "↑↓←→": up, down, left, right, as the grid world numbers its actions
 BOS, EOS, PAD = "S", "E", "P"
 NOT_A_MOVE = -1.0  # the cost of a turn that is not a move (a broom's)
 

@@ -1,32 +1,9 @@
-"""The grid-world cat of the RL course notes: a tiny RL problem trained through the same core functions as RLHF.
+"""The grid-world cat of the RL course notes: a tiny RL problem trained through the same core
+functions as RLHF (its rules: docs/environments.md).
 
-A cat starts on ``C`` and moves one cell per step, up / down / left / right:
-
-    .  empty      0
-    B  broom     -1   the episode goes on
-    T  bathtub  -10   the episode ends
-    M  meat    +100   the episode ends
-    #  wall           cannot be entered
-
-Rules, fixed once here:
-
-* A reward is paid for *entering* a cell.
-* A move into a wall or off the grid leaves the cat where it is and pays the empty-cell
-  reward 0, even when the cat stands on a broom: the broom hurts on the way in, not for
-  standing on it, so one broom is never charged twice.
-* ``drunk = p``: with probability ``p`` the move goes in a uniformly random direction (one
-  of the four, so the intended one again with probability ``p / 4``), else as intended.
-* An episode stops on meat or bathtub, or after ``max_steps`` moves (a truncation, not a
-  terminal cell).
-* The *return* of an episode is the undiscounted sum of its rewards; ``gamma`` only shapes
-  the training targets. :func:`optimal_return` is the best expected return reachable from
-  the start within ``max_steps`` moves, by exact finite-horizon value iteration.
-
-The mapping to RLHF: a move is a token, an episode a response. A batch of episodes is padded
-to ``[B, T]`` (``T <= max_steps``) with a mask that is 1 up to and including the move that
-ends the episode, exactly like a ``response_mask`` up to EOS, so ``core.gae``,
-``core.policy_loss``, ``core.value_loss``, ``core.masked_mean`` ... apply unchanged.
-Everything runs on the CPU: the networks are a few thousand parameters.
+A move is a token, an episode a response: a batch of episodes is padded to ``[B, T]`` with a mask
+that is 1 up to and including the move that ends the episode, like a ``response_mask`` up to EOS,
+so ``core.gae``, ``core.policy_loss``, ``core.value_loss`` ... apply unchanged. CPU only.
 """
 
 from __future__ import annotations
@@ -35,7 +12,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -45,24 +21,18 @@ from .. import core
 from ..config import Config, GridworldConfig
 from ..utils import MetricsLogger, mean_stats, setup_run, to_float
 
-ACTIONS = ("up", "down", "left", "right")
-ARROWS = "↑↓←→"
+ARROWS = "↑↓←→"  # the actions: up, down, left, right
 _DELTAS = ((-1, 0), (1, 0), (0, -1), (0, 1))  # (d_row, d_col) per action, row 0 on top
 REWARDS = {".": 0.0, "C": 0.0, "B": -1.0, "T": -10.0, "M": 100.0}
 TERMINAL = frozenset("TM")
 WALL = "#"
-# Relative tolerance of "the greedy return is optimal". Without drunk moves returns are whole
-# numbers and 0.1% of ~100 is far below a broom. With them the optimum of a finite horizon
-# can need a time-dependent policy, which a stationary greedy policy trails by a hair: the
-# value-iteration policy on the default layout misses it by 1.3e-4 at drunk=0.2 and 0.029 (of
-# 55.9) at drunk=0.7.
+# relative tolerance of "the greedy return is optimal": far below a broom, above the hair by which
+# a stationary policy can trail a finite horizon's time-dependent optimum under drunk moves
 OPTIMAL_RTOL = 1e-3
 
-# Meat in the bottom-right corner, each of its two ways in over a broom, with the bathtub
-# between the two brooms. From C the short way goes down and along the bottom (5 moves, one
-# broom); the long way goes up and around the top (7 moves, a second broom on the way). The
-# short way is the unique optimum, return 99 (tests/test_gridworld.py). Random moves find the
-# meat within 20 steps about 9% of the time, so both learners see it before they learn fear.
+# the meat's two ways in each pass a broom, the bathtub between them; the short way (down and
+# along the bottom, 5 moves) is the unique optimum, return 99; random moves find the meat often
+# enough that both learners see it before they learn fear
 DEFAULT_LAYOUT = (
     "..B.",
     "C##.",
@@ -72,12 +42,9 @@ DEFAULT_LAYOUT = (
 
 
 class GridWorld:
-    """A grid layout turned into transition tables over the ``S = rows * cols`` cells.
-
-    Cell ``s = row * cols + col``. ``next_state[s, d]`` and ``move_reward[s, d]`` give the
-    cell reached and the reward paid when the cat on ``s`` actually moves in direction ``d``
-    (a bump gives ``s`` itself and 0). Wall cells are states too, never occupied.
-    """
+    """A layout as transition tables over its ``S`` cells (``s = row * cols + col``; walls are
+    states never occupied): ``next_state[s, d]``, ``move_reward[s, d]`` when the cat on ``s``
+    moves in direction ``d`` (a bump: ``s`` itself and 0)."""
 
     def __init__(self, layout: Sequence[str] = DEFAULT_LAYOUT, drunk: float = 0.0, max_steps: int = 20):
         layout = tuple(layout)
@@ -93,46 +60,33 @@ class GridWorld:
             raise ValueError(f"drunk is a probability, got {drunk}")
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-        self.layout = layout
-        self.drunk = float(drunk)
-        self.max_steps = int(max_steps)
-        self.n_rows, self.n_cols = len(layout), len(layout[0])
-        self.n_states = len(cells)
+        self.layout, self.drunk, self.max_steps = layout, float(drunk), int(max_steps)
+        self.n_rows, self.n_cols, self.n_states = len(layout), len(layout[0]), len(cells)
         self.start = cells.index("C")
-        self.cells = cells
         self.terminal = torch.tensor([ch in TERMINAL for ch in cells])  # [S] bool
-        next_state = torch.empty(self.n_states, 4, dtype=torch.long)  # [S, 4]
-        move_reward = torch.zeros(self.n_states, 4, dtype=torch.float64)  # [S, 4]
+        self.next_state = torch.empty(self.n_states, 4, dtype=torch.long)  # [S, 4]
+        self.move_reward = torch.zeros(self.n_states, 4, dtype=torch.float64)  # [S, 4]
         for s in range(self.n_states):
             row, col = divmod(s, self.n_cols)
             for d, (dr, dc) in enumerate(_DELTAS):
                 r2, c2 = row + dr, col + dc
                 inside = 0 <= r2 < self.n_rows and 0 <= c2 < self.n_cols
                 if inside and layout[r2][c2] != WALL:
-                    next_state[s, d] = r2 * self.n_cols + c2
-                    move_reward[s, d] = REWARDS[layout[r2][c2]]
+                    self.next_state[s, d] = r2 * self.n_cols + c2
+                    self.move_reward[s, d] = REWARDS[layout[r2][c2]]
                 else:  # bump: stay, empty-cell reward
-                    next_state[s, d] = s
-        self.next_state = next_state
-        self.move_reward = move_reward
+                    self.next_state[s, d] = s
 
     def transition_matrix(self) -> torch.Tensor:
         """``P[a, d]``: probability that intended action ``a`` moves in direction ``d``, ``[4, 4]``."""
-        eye = torch.eye(4, dtype=torch.float64)
-        return (1.0 - self.drunk) * eye + self.drunk / 4.0
+        return (1.0 - self.drunk) * torch.eye(4, dtype=torch.float64) + self.drunk / 4.0
 
     def step(
         self, states: torch.Tensor, actions: torch.Tensor, generator: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One move of every cat in a batch.
-
-        Args:
-            states, actions: ``[B]`` long, the cell each cat is on and the action it intends.
-            generator: RNG for the drunk slips (unused when ``drunk == 0``).
-        Returns:
-            ``(next_states, rewards, done)``, ``[B]`` each (rewards float32, done bool: a
-            terminal cell was entered; the step limit is the caller's business).
-        """
+        """One move of every cat: ``states``, ``actions`` ``[B]`` long -> ``(next_states, rewards
+        float32, done bool)`` ``[B]`` each (done: a terminal cell was entered; the step limit is
+        the caller's). ``generator`` draws the drunk slips."""
         if self.drunk > 0:
             slip = torch.rand(states.shape, generator=generator) < self.drunk  # [B]
             random_dir = torch.randint(4, states.shape, generator=generator)  # [B]
@@ -146,10 +100,8 @@ class GridWorld:
 
 
 def _backup(env: GridWorld, v: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``Q[s, a] = sum_d P[a, d] * (move_reward[s, d] + gamma * V[next(s, d)])``, ``[S, 4]``.
-
-    ``v`` is the value with one move fewer left; nothing follows a terminal cell.
-    """
+    """``Q[s, a] = sum_d P[a, d] * (move_reward[s, d] + gamma * V[next(s, d)])`` ``[S, 4]``, ``v``
+    the value with one move fewer left; nothing follows a terminal cell."""
     v_next = v[env.next_state]  # [S, 4]
     v_next = torch.where(env.terminal[env.next_state], torch.zeros_like(v_next), v_next)
     q_dir = env.move_reward + gamma * v_next  # [S, 4] per direction actually taken
@@ -157,14 +109,8 @@ def _backup(env: GridWorld, v: torch.Tensor, gamma: float) -> torch.Tensor:
 
 
 def value_iteration(env: GridWorld, gamma: float = 1.0, horizon: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact finite-horizon optimal values by backward induction.
-
-    ``V_0 = 0``, ``V_k(s) = max_a Q_k(s, a)`` with ``Q_k`` from ``V_{k-1}`` (:func:`_backup`).
-
-    Returns:
-        ``(V, Q)`` with ``horizon`` (default ``env.max_steps``) moves left: ``[S]``, ``[S, 4]``
-        float64. ``V[env.start]`` is the best expected (discounted if ``gamma < 1``) return.
-    """
+    """Exact finite-horizon optimal ``(V [S], Q [S, 4])`` (float64) with ``horizon`` (default
+    ``env.max_steps``) moves left, by backward induction: ``V_0 = 0``, ``V_k = max_a Q_k``."""
     v = torch.zeros(env.n_states, dtype=torch.float64)
     q = torch.zeros(env.n_states, 4, dtype=torch.float64)
     for _ in range(env.max_steps if horizon is None else horizon):
@@ -179,11 +125,8 @@ def optimal_return(env: GridWorld, gamma: float = 1.0) -> float:
 
 
 def policy_return(env: GridWorld, actions: torch.Tensor, gamma: float = 1.0) -> float:
-    """Exact expected return from the start of the stationary policy ``actions`` (``[S]`` long).
-
-    Same backward induction as :func:`value_iteration` with the max replaced by the policy's
-    action, so with ``drunk == 0`` it is the return of the single greedy episode.
-    """
+    """Exact expected return from the start of the stationary policy ``actions [S]``: the backward
+    induction of :func:`value_iteration` with the policy's action for the max."""
     v = torch.zeros(env.n_states, dtype=torch.float64)
     for _ in range(env.max_steps):
         v = _backup(env, v, gamma).gather(1, actions.view(-1, 1)).squeeze(1)  # [S]
@@ -191,35 +134,23 @@ def policy_return(env: GridWorld, actions: torch.Tensor, gamma: float = 1.0) -> 
 
 
 def render_policy(env: GridWorld, actions: torch.Tensor) -> str:
-    """The grid with one action per cell as an arrow, two characters per cell.
+    """The grid, two characters per cell: ``##`` wall, `` M`` / `` T`` terminal, else the cell's
+    marker (blank when empty) and the arrow of ``actions[s]``."""
+    def cell(s: int, ch: str) -> str:
+        if ch == WALL or ch in TERMINAL:
+            return "##" if ch == WALL else " " + ch
+        return (" " if ch == "." else ch) + ARROWS[int(actions[s])]
 
-    ``##`` wall, `` M`` meat, `` T`` bathtub; other cells show their marker (``C`` start,
-    ``B`` broom, blank for empty) followed by the arrow of ``actions[s]``.
-    """
-    lines = []
-    for r, row in enumerate(env.layout):
-        out = []
-        for c, ch in enumerate(row):
-            if ch == WALL:
-                out.append("##")
-            elif ch in TERMINAL:
-                out.append(" " + ch)
-            else:
-                marker = " " if ch == "." else ch
-                out.append(marker + ARROWS[int(actions[r * env.n_cols + c])])
-        lines.append(" ".join(out))
-    return "\n".join(lines)
+    return "\n".join(" ".join(cell(r * env.n_cols + c, ch) for c, ch in enumerate(row))
+                     for r, row in enumerate(env.layout))
 
 
 # --------------------------------------------------------------------------- agent
 
 
 class GridNet(nn.Module):
-    """Policy MLP and value MLP on a one-hot cell, ``[...] -> ([..., 4], [...])``.
-
-    The value "head" has its own hidden layer: a shared trunk would be pulled around by the
-    squared value error far more than by the policy gradient.
-    """
+    """Policy MLP and value MLP on a one-hot cell, ``[...] -> ([..., 4], [...])``; separate hidden
+    layers, as a shared trunk would follow the squared value error more than the policy gradient."""
 
     def __init__(self, n_states: int, hidden: int = 32):
         super().__init__()
@@ -265,10 +196,8 @@ def rollout(env: GridWorld, net: GridNet, n_episodes: int, generator: torch.Gene
     logits_all, values_all = net(torch.arange(env.n_states))  # [S, 4], [S]
     probs_all = torch.softmax(logits_all, dim=-1)  # [S, 4]
     B, T = n_episodes, env.max_steps
-    states = torch.zeros(B, T, dtype=torch.long)
-    actions = torch.zeros(B, T, dtype=torch.long)
+    states, actions, mask = (torch.zeros(B, T, dtype=torch.long) for _ in range(3))  # [B, T] each
     rewards = torch.zeros(B, T)
-    mask = torch.zeros(B, T, dtype=torch.long)
     state = torch.full((B,), env.start, dtype=torch.long)  # [B]
     alive = torch.ones(B, dtype=torch.bool)  # [B]
     length = T
@@ -282,17 +211,14 @@ def rollout(env: GridWorld, net: GridNet, n_episodes: int, generator: torch.Gene
         if not alive.any():
             length = t + 1
             break
-    states, actions, rewards, mask = states[:, :length], actions[:, :length], rewards[:, :length], mask[:, :length]
+    states, actions, rewards, mask = (x[:, :length] for x in (states, actions, rewards, mask))
     # the same function the update uses, so the ratio at the first PPO step is 1
     logprobs = core.logprobs_from_logits(logits_all[states], actions)  # [B, T]
     return Episodes(states, actions, rewards, mask, logprobs, values_all[states])
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = sum_{k >= 0} gamma^k r_{t+k}`` up to each episode's last move, ``[B, T]`` (0 on padding).
-
-    GAE with a zero critic and ``lam = 1`` is exactly this sum, so core.gae computes it.
-    """
+    """``G_t = sum_{k >= 0} gamma^k r_{t+k}`` ``[B, T]`` (0 on padding): GAE with a zero critic and ``lam = 1``."""
     _, returns = core.gae(rewards, torch.zeros_like(rewards), mask, gamma=gamma, lam=1.0)
     return returns
 
@@ -341,38 +267,10 @@ def ppo_update(
     return stats
 
 
-def _plot_curve(curve: list[float], greedy: list[float], best: float, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(len(curve)), curve, label="mean sampled return")
-    ax.plot(range(len(greedy)), greedy, label="greedy return", alpha=0.8)
-    ax.axhline(best, color="k", ls="--", lw=1, label=f"optimum {best:g}")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("episode return")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
 def train_gridworld(cfg: Config, layout: Sequence[str] = DEFAULT_LAYOUT) -> dict:
-    """Train ``cfg.gridworld.algo`` (reinforce or ppo) on the grid world, seeded by ``run.seed``.
-
-    Writes ``metrics.jsonl``, ``policy.txt`` (the greedy policy as arrows) and
-    ``return_curve.png`` under ``run.out_dir``.
-
-    Returns:
-        ``returns`` (mean sampled episode return per iteration), ``greedy_return`` (exact
-        expected return of the final greedy policy from the start), ``optimal_return``,
-        ``optimal`` (whether the greedy return reaches it, within OPTIMAL_RTOL), ``policy`` (the
-        arrows grid), ``seconds`` (training time, files excluded).
-    """
+    """Train ``gridworld.algo`` (reinforce or ppo), seeded by ``run.seed``; writes
+    ``metrics.jsonl``, ``policy.txt`` (greedy arrows) and ``return_curve.png``; returns the curves,
+    the final greedy policy's exact return and whether it reaches the optimum."""
     gc = cfg.gridworld
     if gc.algo not in ("reinforce", "ppo"):
         raise ValueError(f"gridworld.algo must be 'reinforce' or 'ppo', got {gc.algo!r}")
@@ -381,10 +279,10 @@ def train_gridworld(cfg: Config, layout: Sequence[str] = DEFAULT_LAYOUT) -> dict
     best = optimal_return(env)
     generator = torch.Generator().manual_seed(cfg.run.seed)
     net = GridNet(env.n_states, gc.hidden)  # init from the torch RNG that setup_run seeded
-    optimizer = torch.optim.Adam(net.parameters(), lr=gc.lr, fused=True)  # fused: one kernel per step, ~20% faster here
+    optimizer = torch.optim.Adam(net.parameters(), lr=gc.lr, fused=True)  # fused: one kernel per step
     log = MetricsLogger(out / "metrics.jsonl", cfg)
-    curve: list[float] = []
-    greedy_curve: list[float] = []
+    curve: list[float] = []  # mean sampled return per iteration
+    greedy_curve: list[float] = []  # the greedy policy's exact return per iteration
     t0 = time.perf_counter()
     for it in range(gc.iterations):
         ep = rollout(env, net, gc.episodes_per_iter, generator)
@@ -403,16 +301,10 @@ def train_gridworld(cfg: Config, layout: Sequence[str] = DEFAULT_LAYOUT) -> dict
     greedy = policy_return(env, actions)
     policy = render_policy(env, actions)
     (out / "policy.txt").write_text(policy + "\n", encoding="utf-8")
-    _plot_curve(curve, greedy_curve, best, out / "return_curve.png", f"grid-world cat, {gc.algo}, seed {cfg.run.seed}")
-    return {
-        "algo": gc.algo,
-        "seed": cfg.run.seed,
-        "iterations": gc.iterations,
-        "returns": curve,
-        "greedy_return": greedy,
-        "optimal_return": best,
-        "optimal": greedy >= best - OPTIMAL_RTOL * max(1.0, abs(best)),
-        "policy": policy,
-        "seconds": seconds,
-        "out_dir": str(out),
-    }
+    from ..plots import plot_returns  # matplotlib only when a run finishes
+
+    plot_returns(curve, greedy_curve, best, out / "return_curve.png", f"grid-world cat, {gc.algo}, seed {cfg.run.seed}")
+    return {"algo": gc.algo, "seed": cfg.run.seed, "iterations": gc.iterations, "returns": curve,
+            "greedy_return": greedy, "optimal_return": best,
+            "optimal": greedy >= best - OPTIMAL_RTOL * max(1.0, abs(best)), "policy": policy,
+            "seconds": seconds, "out_dir": str(out)}
