@@ -106,16 +106,17 @@ def _blocks(text: str, languages: tuple[str, ...]) -> list[str]:
     return blocks
 
 
+def shown_command(line: str) -> str | None:
+    """The arguments of a shown ``rlhfkit ...`` line, comment dropped (None for another line);
+    ``accelerate launch ... -m rlhfkit CMD`` and ``torchrun`` give their command."""
+    found = re.search(r"(?:^|-m )rlhfkit (\S.*)$", line.split(" #")[0].strip())
+    return " ".join(found.group(1).split()) if found else None
+
+
 def _shown_commands(path: Path) -> list[str]:
-    """Every ``rlhfkit ...`` command line of the file's shell blocks, continuation lines joined,
-    comments dropped; ``accelerate launch ... -m rlhfkit CMD`` and ``torchrun`` give their command."""
-    commands = []
-    for block in _blocks(path.read_text(encoding="utf-8"), ("bash", "sh", "")):
-        for line in block.replace("\\\n", " ").splitlines():
-            found = re.search(r"(?:^|-m )rlhfkit (\S.*)$", line.split(" #")[0].strip())
-            if found:
-                commands.append(" ".join(found.group(1).split()))
-    return commands
+    """Every ``rlhfkit ...`` command line of the file's shell blocks, continuation lines joined."""
+    blocks = _blocks(path.read_text(encoding="utf-8"), ("bash", "sh", ""))
+    return [c for block in blocks for c in map(shown_command, block.replace("\\\n", " ").splitlines()) if c]
 
 
 # the functions the README and the pages define in their Python examples (a user's reward module)
