@@ -43,8 +43,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from rlhfkit import ops
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm, kernels
-from rlhfkit.models import position_ids_from_mask
 from rlhfkit.accel.forward import FixedStep as _FixedStep
+from rlhfkit.models import position_ids_from_mask
 
 # real_step.py's workloads and the model shapes it runs them on
 WORKLOADS = {

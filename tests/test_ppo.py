@@ -18,7 +18,13 @@ import torch
 
 from rlhfkit.config import Config
 from rlhfkit.core import entropy_from_logits, logprobs_from_logits
-from rlhfkit.experience import ActorCritic, RunningMoments, experience_forwards, make_experience, reuse_rollout
+from rlhfkit.experience import (
+    ActorCritic,
+    RunningMoments,
+    experience_forwards,
+    make_experience,
+    reuse_rollout,
+)
 from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze, policy_forward
 from rlhfkit.rewards import reward_model_scorer
 from rlhfkit.rollout import generate
