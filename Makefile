@@ -70,7 +70,7 @@ test: lint browser tmux
 
 # The slow tier, which CI runs after make test: learning on the real chat model
 # (tests/test_real_learning.py, marked real: GRPO with LoRA must teach SmolLM2-135M-Instruct the
-# city-country task's format) and the cities file route (marked heavy: pretraining a base, then
+# city-country task's format; tests/test_docs_run.py: the docs' real-model recipes) and the cities file route (marked heavy: pretraining a base, then
 # RM, PPO, GRPO, DPO and eval on files), one file per worker side by side: about 10 minutes
 test-real: $(STAMP)
 	$(PYTEST) -m "real or heavy"

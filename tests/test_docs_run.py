@@ -29,7 +29,7 @@ from hf_helpers import chat_tokenizer, save_tiny
 from rlhfkit import cli, fetch
 from test_docs import ROOT, _blocks, shown_command
 
-# the README and the recipe pages, each followed top to bottom in one directory
+# the README and the recipe pages, each followed top to bottom
 PAGES = ["README.md", "docs/getting-started.md", "docs/data.md", "docs/real-models.md", "docs/environments.md"]
 
 # appended to every command that reads the key's section (or the key itself): later overrides win
@@ -94,7 +94,7 @@ def steps(path: Path) -> list[tuple[str, str, str]]:
     return out
 
 
-def tiny(command: str, args: list[str]) -> list[str]:
+def tiny(command: str) -> list[str]:
     """The overrides of :data:`TINY` that ``command`` reads."""
     reads = cli.COMMAND_SECTIONS.get(command, ())
     extra = [o for o in TINY if o.split("=")[0] in reads or o.split(".")[0] in reads]
@@ -128,7 +128,7 @@ def run_python_block(block: str, where: str) -> None:
         func = getattr(call, "func", None)
         if isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "rlhfkit":
             command = {"reward_model": "rm", "evaluate": "eval"}.get(func.attr, func.attr)
-            values = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in tiny(command, []))}
+            values = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in tiny(command))}
             extra = ast.parse(repr(values), mode="eval").body  # typed, as a YAML file gives them
             shown = next((k for k in call.keywords if k.arg == "overrides"), None)
             if shown is None:
@@ -153,7 +153,7 @@ def run_shell_line(line: str, where: str, models: dict[str, Path], monkeypatch) 
     assert args is not None, f"{where}: a shown line this test does not know how to run: {line}"
     argv = shlex.split(args)
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2+2?\n/quit\n"))
-    assert cli.main([*argv, *tiny(argv[0], argv)]) == 0, f"{where}: rlhfkit {args}"
+    assert cli.main([*argv, *tiny(argv[0])]) == 0, f"{where}: rlhfkit {args}"
 
 
 def user_directory(tmp_path: Path, name: str, monkeypatch) -> dict[str, Path]:
@@ -206,3 +206,17 @@ def test_the_real_model_recipes_run(page, section, tmp_path, monkeypatch):
             pytest.fail(msg)
         pytest.skip(msg)
     follow(page, tmp_path, monkeypatch, only={section})
+
+
+def test_what_is_not_run_is_named_and_still_shown():
+    """Every shown line is an ``rlhfkit`` command, a ``python`` script or in :data:`NOT_RUN`, and
+    every entry of the tables above still names something a page shows (no stale excuses)."""
+    shown = {(p, section, text) for p in PAGES for section, kind, text in steps(ROOT / p) if kind == "sh"}
+    lines = {line for _, _, line in shown}
+    for line in lines:
+        assert shown_command(line) or line.startswith("python ") or any(line.startswith(s) for s in NOT_RUN), line
+    assert all(any(line.startswith(start) for line in lines) for start in NOT_RUN)
+    assert all(any(placeholder in line for line in lines) for placeholder in STAND_INS)
+    sections = {(page, section) for page, section, _ in shown}
+    assert set(REAL) | set(GIVEN) | set(CONTINUES) <= sections
+    assert {(page, earlier) for (page, _), earlier in CONTINUES.items()} <= sections
