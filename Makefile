@@ -3,6 +3,7 @@
 #   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers)
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
 #   make test-real  the slow tier: learning on the real chat model, the cities file route (~10 min; CI runs it too)
+#   make test-lowest  the tests of the models' own forward on the lowest transformers the package declares
 #   make test-long  the DeepSpeed tests (installs deepspeed; not part of make test)
 #   make docs   build the documentation site into site/ (mkdocs build --strict; installs the docs extra)
 #   make bench  the benchmarks side by side with transformers and TRL (see benchmarks/README.md); the
@@ -28,7 +29,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test test-fast test-real test-long docs lint bench bench-real bench-real-model bench-real-matrix clean browser tmux
+.PHONY: demo test test-fast test-real test-lowest test-long docs lint bench bench-real bench-real-model bench-real-matrix clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,6 +75,16 @@ test: lint browser tmux
 # RM, PPO, GRPO, DPO and eval on files), one file per worker side by side: about 10 minutes
 test-real: $(STAMP)
 	$(PYTEST) -m "real or heavy"
+
+# The lowest transformers of the declared range (pyproject.toml; make test runs the newest the
+# resolver picks): every tiny architecture's own forward, its rollout and LoRA, in a separate venv
+LOWEST ?= transformers==5.6.2
+test-lowest:
+	test -x .venv-lowest/bin/python || $(PYTHON) -m venv .venv-lowest
+	.venv-lowest/bin/python -c "import torch" 2>/dev/null || .venv-lowest/bin/pip install -q $(TORCH)
+	.venv-lowest/bin/pip install -q '$(LOWEST)' -e . pytest pytest-xdist hypothesis gguf
+	.venv-lowest/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	.venv-lowest/bin/pytest -n $(PYTEST_WORKERS) -q tests/test_models.py tests/test_hf_models.py
 
 # The DeepSpeed tests (deepspeed 0.19.8 from PyPI into .venv, the .[deepspeed] extra; a few minutes)
 test-long: lint
