@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import functools
 import math
 import os
@@ -24,6 +25,11 @@ MOVED_KEYS = {
     "run.threads": "accel.threads", "run.malloc": "accel.malloc", "ppo.cuda_graph": "accel.cuda_graph",
     "ppo.offload": "accel.offload", "ppo.update_off_heap": "accel.update_off_heap",
 }
+
+
+def key(default: Any, doc: str) -> Any:
+    """A section's field: its default and its help (what ``rlhfkit CMD --help`` and the config reference print)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
 
 
 def check_moved(dotted: str) -> None:

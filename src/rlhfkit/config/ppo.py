@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .base import ConfigError, Section
+from .base import ConfigError, Section, key
 
 # The settings of the `ppo` section that depend on the algorithm (ppo.algo): the one source of
 # these defaults for the command line (rlhfkit ppo/grpo/rloo/reinforce sets ppo.algo) and the
@@ -62,219 +62,184 @@ PER_SEQUENCE_LOSSES = ("grpo", "sapo")
 class PPOBatches:
     """What runs and on how many rows: the algorithm, the rollout, its minibatches and passes."""
 
-    algo: Literal["ppo", "grpo", "rloo", "reinforce"] = "ppo"
-    """Advantage estimator: 'ppo' (critic + GAE), 'grpo' (group-relative), 'rloo' (leave-one-out),
-    'reinforce' (batch-mean baseline). Set by the command (rlhfkit ppo/grpo/rloo/reinforce)."""
-    steps: int = 200
-    """Rollout + update iterations (upper bound; see stop_at)."""
-    batch_size: int = 64
-    """Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for grpo/rloo)."""
-    group_size: int = None  # type: ignore[assignment]  # None: the algorithm's, see ALGO_DEFAULTS
-    """Completions per prompt for grpo/rloo; unset: the algorithm's (config.ALGO_DEFAULTS)."""
-    samples_per_prompt: int = 1
-    """Completions per prompt for ppo/reinforce, in consecutive rows; a repeated prompt is computed once."""
-    minibatch_size: int = 32
-    """Sequences per optimizer step."""
-    micro_batch_size: int = 0
-    """Sequences per forward and backward pass, per process; the gradient equals the whole minibatch's
-    (0 = the whole minibatch at once)."""
-    ppo_epochs: int = 2
-    """Passes over each rollout (TRL's num_iterations)."""
-    minibatch_draw: Literal["epoch", "rollout"] = "epoch"
-    """How a rollout's rows (whole groups or prompts) are dealt into minibatches: a new partition every
-    'epoch', or one per 'rollout' kept for every epoch (TRL's GRPOTrainer)."""
+    algo: Literal["ppo", "grpo", "rloo", "reinforce"] = key("ppo", "Advantage estimator: 'ppo' (critic + "
+        "GAE), 'grpo' (group-relative), 'rloo' (leave-one-out), 'reinforce' (batch-mean baseline). Set by "
+        "the command (rlhfkit ppo/grpo/rloo/reinforce).")
+    steps: int = key(200, "Rollout + update iterations (upper bound; see stop_at).")
+    batch_size: int = key(64, "Completions per rollout (= prompts for ppo/reinforce; prompts x group_size "
+        "for grpo/rloo).")
+    group_size: int = key(None, "Completions per prompt for grpo/rloo; unset: the algorithm's "
+        "(config.ALGO_DEFAULTS).")
+    samples_per_prompt: int = key(1, "Completions per prompt for ppo/reinforce, in consecutive rows; a "
+        "repeated prompt is computed once.")
+    minibatch_size: int = key(32, "Sequences per optimizer step.")
+    micro_batch_size: int = key(0, "Sequences per forward and backward pass, per process; the gradient "
+        "equals the whole minibatch's (0 = the whole minibatch at once).")
+    ppo_epochs: int = key(2, "Passes over each rollout (TRL's num_iterations).")
+    minibatch_draw: Literal["epoch", "rollout"] = key("epoch", "How a rollout's rows (whole groups or "
+        "prompts) are dealt into minibatches: a new partition every 'epoch', or one per 'rollout' kept for "
+        "every epoch (TRL's GRPOTrainer).")
 
 
 @dataclass(frozen=True)
 class PPOOptimizer:
     """The AdamW learning rates, their schedule and the gradient clip."""
 
-    lr: float | None = None
-    """Actor learning rate (AdamW). Unset: by model.regime (config.REGIME_DEFAULTS)."""
-    value_lr: float | None = None
-    """Critic learning rate (value head or value model). Unset: by model.regime, ten times the actor's."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Both learning rates after the warm-up over ppo.steps: constant, linear decay to 0 (TRL's default)
-    or cosine to 0."""
-    warmup_steps: int = 0
-    """Linear warm-up of both learning rates over the first this many steps (0 = none)."""
-    warmup_ratio: float = 0.0
-    """The warm-up as a share of ppo.steps (rounded up), instead of ppo.warmup_steps."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clip, per model."""
+    lr: float | None = key(None, "Actor learning rate (AdamW). Unset: by model.regime "
+        "(config.REGIME_DEFAULTS).")
+    value_lr: float | None = key(None, "Critic learning rate (value head or value model). Unset: by "
+        "model.regime, ten times the actor's.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = key("constant", "Both learning rates after the "
+        "warm-up over ppo.steps: constant, linear decay to 0 (TRL's default) or cosine to 0.")
+    warmup_steps: int = key(0, "Linear warm-up of both learning rates over the first this many steps (0 = "
+        "none).")
+    warmup_ratio: float = key(0.0, "The warm-up as a share of ppo.steps (rounded up), instead of "
+        "ppo.warmup_steps.")
+    max_grad_norm: float = key(1.0, "Gradient-norm clip, per model.")
 
 
 @dataclass(frozen=True)
 class PPOSampling:
     """How the rollout draws responses, and what its log-probs are used for."""
 
-    max_new_tokens: int | None = None
-    """Longest response sampled (None: the built-in task's longest answer; required with data.path)."""
-    temperature: float = 1.0
-    """Sampling temperature (log-probs are taken under the same temperature)."""
-    top_k: int = 0
-    """Sample each token from the top_k most likely ones only (0 = off); the samples are then
-    off-policy (see sampling_correction)."""
-    top_p: float = 1.0
-    """Nucleus sampling: the smallest set of most likely tokens holding top_p of the probability
-    (after top_k); 1.0 = off."""
-    min_p: float = 0.0
-    """Only tokens at least min_p times as likely as the most likely one (transformers' MinP); 0 = off."""
-    repetition_penalty: float = 1.0
-    """transformers' repetition penalty on tokens already in the prompt or response; 1.0 = off,
-    > 1 discourages repeats."""
-    sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
-                                 "sequence_mask"] = "none"
-    """With top_k / top_p / min_p / repetition_penalty: weigh each token's policy loss by pi_old / q per
-    token or sequence, capped or masked at sampling_correction_cap (TRL's mode names)."""
-    sampling_correction_cap: float = 2.0
-    """The cap of ppo.sampling_correction's weights (TRL's vllm_importance_sampling_clip_max)."""
-    stop: tuple[str, ...] = ()
-    """Stop strings, a YAML list: a response ends, as at EOS, once its new text contains one (the
-    held-out evaluation uses them too). Empty = none."""
-    reuse_rollout_logprobs: bool = True
-    """Take the experience pass's log-probs (a shared head's values, the entropies) from the sampler
-    where it computed them alike, instead of running the policy again."""
+    max_new_tokens: int | None = key(None, "Longest response sampled (None: the built-in task's longest "
+        "answer; required with data.path).")
+    temperature: float = key(1.0, "Sampling temperature (log-probs are taken under the same temperature).")
+    top_k: int = key(0, "Sample each token from the top_k most likely ones only (0 = off); the samples are "
+        "then off-policy (see sampling_correction).")
+    top_p: float = key(1.0, "Nucleus sampling: the smallest set of most likely tokens holding top_p of the "
+        "probability (after top_k); 1.0 = off.")
+    min_p: float = key(0.0, "Only tokens at least min_p times as likely as the most likely one "
+        "(transformers' MinP); 0 = off.")
+    repetition_penalty: float = key(1.0, "transformers' repetition penalty on tokens already in the prompt "
+        "or response; 1.0 = off, > 1 discourages repeats.")
+    sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = key(
+        "none", "With top_k / top_p / min_p / repetition_penalty: weigh each token's policy loss by pi_old / q "
+        "per token or sequence, capped or masked at sampling_correction_cap (TRL's mode names).")
+    sampling_correction_cap: float = key(2.0, "The cap of ppo.sampling_correction's weights (TRL's "
+        "vllm_importance_sampling_clip_max).")
+    stop: tuple[str, ...] = key((), "Stop strings, a YAML list: a response ends, as at EOS, once its new "
+        "text contains one (the held-out evaluation uses them too). Empty = none.")
+    reuse_rollout_logprobs: bool = key(True, "Take the experience pass's log-probs (a shared head's values, "
+        "the entropies) from the sampler where it computed them alike, instead of running the policy again.")
 
 
 @dataclass(frozen=True)
 class PPORewards:
     """How a response's scores become the advantages' input: scaling, normalising, penalties, filters."""
 
-    scale_rewards: Literal["group", "batch", "advantages", "none"] = "batch"
-    """grpo, rloo, reinforce: divide the centred scores by the std of the prompt's 'group', of the
-    'batch', of the 'advantages' themselves, or by nothing ('none')."""
-    normalize_reward: bool = None  # type: ignore[assignment]
-    """Normalise scores with running mean/std before clipping; unset: true for ppo, false for the
-    others (config.ALGO_DEFAULTS)."""
-    score_clip: float = 5.0
-    """Clip the reward score to +-score_clip, before any group or batch statistic."""
-    missing_eos_penalty: float = 0.0
-    """Subtracted from the score of responses that never emit EOS (0 = off)."""
-    overlong_buffer: int = 0
-    """DAPO's soft over-long punishment over the last this many tokens before max_new_tokens (0 = off)."""
-    overlong_penalty: float = 1.0
-    """The over-long penalty at max_new_tokens, in the reward's units (DAPO: 1)."""
-    filter_zero_std_groups: bool = False
-    """grpo, rloo: leave groups whose scores are all equal out of the update (DAPO's dynamic
-    filtering, without resampling). One process only."""
-    mask_truncated_completions: bool = False
-    """Leave completions cut at max_new_tokens out of the losses; they still count in the baselines
-    (TRL's option). One process only."""
+    scale_rewards: Literal["group", "batch", "advantages", "none"] = key("batch", "grpo, rloo, reinforce: "
+        "divide the centred scores by the std of the prompt's 'group', of the 'batch', of the 'advantages' "
+        "themselves, or by nothing ('none').")
+    normalize_reward: bool = key(None, "Normalise scores with running mean/std before clipping; unset: true "
+        "for ppo, false for the others (config.ALGO_DEFAULTS).")
+    score_clip: float = key(5.0, "Clip the reward score to +-score_clip, before any group or batch "
+        "statistic.")
+    missing_eos_penalty: float = key(0.0, "Subtracted from the score of responses that never emit EOS (0 = "
+        "off).")
+    overlong_buffer: int = key(0, "DAPO's soft over-long punishment over the last this many tokens before "
+        "max_new_tokens (0 = off).")
+    overlong_penalty: float = key(1.0, "The over-long penalty at max_new_tokens, in the reward's units "
+        "(DAPO: 1).")
+    filter_zero_std_groups: bool = key(False, "grpo, rloo: leave groups whose scores are all equal out of "
+        "the update (DAPO's dynamic filtering, without resampling). One process only.")
+    mask_truncated_completions: bool = key(False, "Leave completions cut at max_new_tokens out of the "
+        "losses; they still count in the baselines (TRL's option). One process only.")
 
 
 @dataclass(frozen=True)
 class PPOKL:
     """The penalty that keeps the policy near the reference: its weight, estimator and placement."""
 
-    kl_coef: float = None  # type: ignore[assignment]
-    """beta, the weight of the KL penalty (TRL's beta). Unset: by algorithm and LoRA
-    (config.ALGO_DEFAULTS, config.LORA_DEFAULTS)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = None  # type: ignore[assignment]
-    """Per-token KL estimator: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r, with
-    log r = log ref - log pi. Unset: k1 for ppo, k3 for the others."""
-    kl_in_loss: bool = None  # type: ignore[assignment]
-    """Put the KL penalty in the loss (needs k2 or k3) instead of the reward. Unset: false for ppo,
-    true for the others."""
-    forward_kl_coef: float = None  # type: ignore[assignment]
-    """With the KL in the reward, the weight of a k3 loss term beside it (the forward KL). Unset:
-    0.1 for ppo, else 0."""
-    adaptive_kl: bool = False
-    """Adapt beta with the proportional controller towards kl_target."""
-    kl_target: float = 0.5
-    """Target per-sequence KL of the adaptive controller."""
-    kl_horizon: int = 10000
-    """Horizon (in samples) of the adaptive controller."""
+    kl_coef: float = key(None, "beta, the weight of the KL penalty (TRL's beta). Unset: by algorithm and "
+        "LoRA (config.ALGO_DEFAULTS, config.LORA_DEFAULTS).")
+    kl_estimator: Literal["k1", "k2", "k3"] = key(None, "Per-token KL estimator: k1 = -log r, k2 = (log "
+        "r)^2 / 2, k3 = r - 1 - log r, with log r = log ref - log pi. Unset: k1 for ppo, k3 for the others.")
+    kl_in_loss: bool = key(None, "Put the KL penalty in the loss (needs k2 or k3) instead of the reward. "
+        "Unset: false for ppo, true for the others.")
+    forward_kl_coef: float = key(None, "With the KL in the reward, the weight of a k3 loss term beside it "
+        "(the forward KL). Unset: 0.1 for ppo, else 0.")
+    adaptive_kl: bool = key(False, "Adapt beta with the proportional controller towards kl_target.")
+    kl_target: float = key(0.5, "Target per-sequence KL of the adaptive controller.")
+    kl_horizon: int = key(10000, "Horizon (in samples) of the adaptive controller.")
 
 
 @dataclass(frozen=True)
 class PPOLoss:
     """The policy loss: its reduction, ratio, clip and entropy bonus."""
 
-    loss_type: Literal["token_mean", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "token_mean"
-    """How every per-token loss is reduced over a minibatch (TRL's names); 'cispo' and 'sapo' also
-    change the policy loss."""
-    clip_range: float = 0.2
-    """PPO ratio clip epsilon."""
-    epsilon_high: float | None = None
-    """The ratio's upper clip 1 + epsilon_high (unset: clip_range; DAPO: 0.28); with loss_type=cispo
-    the largest importance weight (unset: 5.0)."""
-    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
-    """The policy loss's ratio: per 'token' (PPO), per 'sequence' (GSPO), or GSPO's value with
-    per-token gradients ('sequence_token')."""
-    sapo_temperature_pos: float = 1.0
-    """loss_type=sapo: the gate's temperature on tokens with a positive advantage (TRL's default)."""
-    sapo_temperature_neg: float = 1.05
-    """loss_type=sapo: the gate's temperature on tokens with a zero or negative advantage (TRL's default)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus, reduced by ppo.loss_type as every per-token loss."""
+    loss_type: Literal["token_mean", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = key("token_mean", "How "
+        "every per-token loss is reduced over a minibatch (TRL's names); 'cispo' and 'sapo' also change the "
+        "policy loss.")
+    clip_range: float = key(0.2, "PPO ratio clip epsilon.")
+    epsilon_high: float | None = key(None, "The ratio's upper clip 1 + epsilon_high (unset: clip_range; "
+        "DAPO: 0.28); with loss_type=cispo the largest importance weight (unset: 5.0).")
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = key("token", "The policy "
+        "loss's ratio: per 'token' (PPO), per 'sequence' (GSPO), or GSPO's value with per-token gradients "
+        "('sequence_token').")
+    sapo_temperature_pos: float = key(1.0, "loss_type=sapo: the gate's temperature on tokens with a "
+        "positive advantage (TRL's default).")
+    sapo_temperature_neg: float = key(1.05, "loss_type=sapo: the gate's temperature on tokens with a zero "
+        "or negative advantage (TRL's default).")
+    entropy_coef: float = key(0.0, "Weight of the entropy bonus, reduced by ppo.loss_type as every "
+        "per-token loss.")
 
 
 @dataclass(frozen=True)
 class PPOCritic:
     """ppo's critic and advantages: which value model, GAE, whitening, the value loss."""
 
-    value_model: Literal["separate", "shared"] | None = None
-    """'shared': a value head on the actor (unset: the default); 'separate': a value model of its own
-    (unset: when value.name, value.lora or ppo.value_init is set)."""
-    value_init: Literal["reward", "policy"] | None = None
-    """A separate value model's start: the reward model ('reward'; unset: it, or the policy without
-    reward.name) or the policy ('policy'); value.name overrides both."""
-    gamma: float = 1.0
-    """Discount."""
-    lam: float = 0.95
-    """GAE lambda."""
-    whiten_advantages: bool = True
-    """Normalise the GAE advantages to mean 0 / std 1 over the rollout's response tokens, across processes."""
-    vf_coef: float = 0.5
-    """Weight of the value loss."""
-    value_clip_range: float | None = None
-    """Value clip around the rollout-time values; None disables it."""
-    critic_warmup_steps: int = 3
-    """Initial steps that update only the critic."""
+    value_model: Literal["separate", "shared"] | None = key(None, "'shared': a value head on the actor "
+        "(unset: the default); 'separate': a value model of its own (unset: when value.name, value.lora or "
+        "ppo.value_init is set).")
+    value_init: Literal["reward", "policy"] | None = key(None, "A separate value model's start: the reward "
+        "model ('reward'; unset: it, or the policy without reward.name) or the policy ('policy'); "
+        "value.name overrides both.")
+    gamma: float = key(1.0, "Discount.")
+    lam: float = key(0.95, "GAE lambda.")
+    whiten_advantages: bool = key(True, "Normalise the GAE advantages to mean 0 / std 1 over the rollout's "
+        "response tokens, across processes.")
+    vf_coef: float = key(0.5, "Weight of the value loss.")
+    value_clip_range: float | None = key(None, "Value clip around the rollout-time values; None disables it.")
+    critic_warmup_steps: int = key(3, "Initial steps that update only the critic.")
 
 
 @dataclass(frozen=True)
 class PPOEvaluation:
     """When the held-out evaluation runs, and the metric that stops the run and picks the best."""
 
-    eval_every: int = 5
-    """Greedy evaluation on the held-out set every N steps (0 = only at the end)."""
-    stop_at: float = 0.99
-    """Stop once the held-out metric ppo.stop_metric reaches this (0 = run all steps)."""
-    stop_metric: str = ""
-    """Held-out metric for stop_at, keep_best and the eval-drop watch (empty: the first of
-    eval/exact_acc, eval/accuracy, eval/reward the evaluation logs)."""
-    keep_best: bool = False
-    """Save the policy (and critic) of the best evaluation on the stop metric, not the last step's."""
+    eval_every: int = key(5, "Greedy evaluation on the held-out set every N steps (0 = only at the end).")
+    stop_at: float = key(0.99, "Stop once the held-out metric ppo.stop_metric reaches this (0 = run all "
+        "steps).")
+    stop_metric: str = key("", "Held-out metric for stop_at, keep_best and the eval-drop watch (empty: the "
+        "first of eval/exact_acc, eval/accuracy, eval/reward the evaluation logs).")
+    keep_best: bool = key(False, "Save the policy (and critic) of the best evaluation on the stop metric, "
+        "not the last step's.")
 
 
 @dataclass(frozen=True)
 class PPOGuards:
     """The reward-hacking watch (rlhfkit.watch): each flags a guard/* metric; 0 turns it off."""
 
-    guard_kl: float = 1.5
-    """Flag guard/kl_high when the KL per response token exceeds this many nats while ppo.stop_metric
-    has fallen below its best."""
-    guard_eos: float = 0.5
-    """Flag guard/eos_collapse when the EOS rate falls below this share of its early mean."""
-    guard_eval_drop: float = 0.15
-    """Flag guard/eval_drop when ppo.stop_metric falls more than this share below its best."""
-    guard_tradeoff: float = 0.3
-    """Flag guard/reward_tradeoff when one reward source falls more than this share while the total rose."""
+    guard_kl: float = key(1.5, "Flag guard/kl_high when the KL per response token exceeds this many nats "
+        "while ppo.stop_metric has fallen below its best.")
+    guard_eos: float = key(0.5, "Flag guard/eos_collapse when the EOS rate falls below this share of its "
+        "early mean.")
+    guard_eval_drop: float = key(0.15, "Flag guard/eval_drop when ppo.stop_metric falls more than this "
+        "share below its best.")
+    guard_tradeoff: float = key(0.3, "Flag guard/reward_tradeoff when one reward source falls more than "
+        "this share while the total rose.")
 
 
 @dataclass(frozen=True)
 class PPOLogging:
     """What each step writes beside its metrics: samples and per-token trajectories."""
 
-    samples_per_log: int = 4
-    """Generations saved to samples.jsonl per step."""
-    trajectories_every: int = 10
-    """Save per-token trajectories to trajectories.jsonl at the first, every N-th and the last step,
-    for ``rlhfkit report`` (0 = never)."""
-    trajectories_per_step: int = 2
-    """Rows of the batch saved each time, spread over the score ranks (lowest and highest first)."""
+    samples_per_log: int = key(4, "Generations saved to samples.jsonl per step.")
+    trajectories_every: int = key(10, "Save per-token trajectories to trajectories.jsonl at the first, "
+        "every N-th and the last step, for ``rlhfkit report`` (0 = never).")
+    trajectories_per_step: int = key(2, "Rows of the batch saved each time, spread over the score ranks "
+        "(lowest and highest first).")
 
 
 @dataclass(frozen=True)
@@ -290,9 +255,9 @@ class PPOConfig(PPOLogging, PPOGuards, PPOEvaluation, PPOCritic, PPOLoss, PPOKL,
         # the keys left unset: Config resolves them for its policy (LORA_DEFAULTS), and Config.replace
         # and load_config(base=...) keep them unset
         object.__setattr__(self, "_defaulted", frozenset(k for k in ALGO_KEYS if getattr(self, k) is None))
-        for key, value in ALGO_DEFAULTS.get(self.algo, {}).items():  # an unknown algo: named by the check below
-            if getattr(self, key) is None:
-                object.__setattr__(self, key, value)  # frozen: the algorithm's default for a key left unset
+        for name, value in ALGO_DEFAULTS.get(self.algo, {}).items():  # an unknown algo: named by the check below
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)  # frozen: the algorithm's default for a name left unset
         super().__post_init__()
         self._check_pairs()
 
