@@ -40,21 +40,21 @@ class RunConfig(Section):
     progress: bool = key(True, "Show progress bars.")
     task: Literal["doubling", "cities"] = key("doubling", "Built-in task giving the tokenizer, data and "
         """evaluation: 'doubling' (the tutorial task) or 'cities' ("Where is Pune?" -> "Pune is in India.").""")
-    max_bad_updates: int = key(5, "Stop with an error after this many optimizer updates in a row skipped "
-        "for a NaN/inf loss or gradient norm (each counted in guard/skipped_updates).")
-    log_every: int = key(0, "Write a metrics row every this many optimizer steps, and after the last step "
-        "and every evaluation; 0 = the command's own interval.")
+    max_bad_updates: int = key(5, "Stop with an error after this many optimizer updates in a row skipped for a "
+        "NaN/inf loss or gradient norm (each counted in guard/skipped_updates).")
+    log_every: int = key(0, "Write a metrics row every this many optimizer steps, and after the last step and "
+        "every evaluation; 0 = the command's own interval.")
     tensorboard: bool = key(True, "Write every logged metric as TensorBoard events under OUT_DIR/tb/ too "
         "(tensorboardX).")
     trackers: str = key("", "Extra experiment trackers, comma-separated: 'wandb', 'trackio' (each must be "
         "installed; empty = none).")
-    checkpoint_every: int = key(100, "Write a checkpoint to OUT_DIR/checkpoints/ every this many optimizer "
-        "steps; 0 = never.")
+    checkpoint_every: int = key(100, "Write a checkpoint to OUT_DIR/checkpoints/ every this many optimizer steps; "
+        "0 = never.")
     keep_checkpoints: int = key(2, "Newest checkpoints kept; older ones are deleted.")
-    resume: bool = key(False, "Continue from the newest complete checkpoint in run.out_dir (``--resume``); "
-        "use the same config.")
-    overwrite: bool = key(False, "Replace an earlier run in run.out_dir (its files are deleted first); "
-        "without it, or run.resume, such a directory is refused.")
+    resume: bool = key(False, "Continue from the newest complete checkpoint in run.out_dir (``--resume``); use "
+        "the same config.")
+    overwrite: bool = key(False, "Replace an earlier run in run.out_dir (its files are deleted first); without "
+        "it, or run.resume, such a directory is refused.")
 
 
 @dataclass(frozen=True)
@@ -63,25 +63,23 @@ class ModelConfig(Section):
     n_layer: int = key(2, "Tiny GPT-2 depth (only when building from scratch).")
     n_head: int = key(4, "Tiny GPT-2 attention heads.")
     n_embd: int = key(64, "Tiny GPT-2 width.")
-    trust_remote_code: bool = key(False, "Allow model code from the checkpoint's repository (off unless you "
-        "trust it).")
+    trust_remote_code: bool = key(False, "Allow model code from the checkpoint's repository (off unless you trust "
+        "it).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = key("float32", "Weight dtype of every loaded "
-        "model: 'auto' keeps the checkpoint's own; bfloat16 with LoRA or model.master_weights for large "
-        "models.")
-    master_weights: bool = key(False, "With model.dtype=bfloat16, full fine-tuning in bfloat16 arithmetic "
-        "on float32 weights and AdamW (TRL's bf16=True); off with LoRA.")
-    gradient_checkpointing: bool = key(False, "Recompute activations in the backward pass of the trained "
-        "models (less memory, more compute).")
-    lora_r: int = key(0, "LoRA rank for the policy (peft); 0 trains all weights. The reference is the "
-        "policy with its adapter disabled.")
+        "model: 'auto' keeps the checkpoint's own; bfloat16 with LoRA or model.master_weights for large models.")
+    master_weights: bool = key(False, "With model.dtype=bfloat16, full fine-tuning in bfloat16 arithmetic on "
+        "float32 weights and AdamW (TRL's bf16=True); off with LoRA.")
+    gradient_checkpointing: bool = key(False, "Recompute activations in the backward pass of the trained models "
+        "(less memory, more compute).")
+    lora_r: int = key(0, "LoRA rank for the policy (peft); 0 trains all weights. The reference is the policy with "
+        "its adapter disabled.")
     lora_alpha: float = key(16.0, "LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A.")
-    lora_dropout: float = key(0.0, "Dropout on the LoRA input for sft, dpo and rm; the RL commands set it "
-        "to 0.")
+    lora_dropout: float = key(0.0, "Dropout on the LoRA input for sft, dpo and rm; the RL commands set it to 0.")
     lora_target_modules: str = key("all-linear", "Comma-separated module names the adapter wraps (e.g. "
         "'q_proj,v_proj'), or 'all-linear'.")
-    regime: Literal["auto", "scratch", "pretrained"] = key("auto", "What the trained model starts from, "
-        "which picks the learning rates left unset (config.REGIME_DEFAULTS); 'auto' reads rlhfkit's "
-        "from-scratch mark in config.json.")
+    regime: Literal["auto", "scratch", "pretrained"] = key("auto", "What the trained model starts from, which "
+        "picks the learning rates left unset (config.REGIME_DEFAULTS); 'auto' reads rlhfkit's from-scratch mark "
+        "in config.json.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -116,38 +114,38 @@ class RewardConfig(Section):
     name: str | Callable[..., Any] = key("", "Reward model for RL: a local path or hub id "
         "(AutoModelForSequenceClassification); from Python also a loaded model.")
     kind: Literal["pairwise", "classifier"] = key("pairwise", "'pairwise': Bradley-Terry on chosen/rejected "
-        "pairs, one scalar; 'classifier': a head over the task's labels, the reward the logit of the label "
-        "the prompt asks for.")
-    label_function: str = key("", "For a classifier reward model: 'module:name' mapping a prompt to the "
-        "wanted label index (empty: the task's ``label_of_prompt``).")
-    function: str | Callable[..., Any] | list[str | Callable[..., Any]] = key("", "Reward functions "
-        "'module:name' or 'path/to/file.py:name', comma-separated (from Python also callables); added to "
-        "the reward model's score. See docs/data.md.")
-    weights: str = key("", "Weights of the reward sources, comma-separated: the reward model first, then "
-        "each reward.function; empty: all 1.")
+        "pairs, one scalar; 'classifier': a head over the task's labels, the reward the logit of the label the "
+        "prompt asks for.")
+    label_function: str = key("", "For a classifier reward model: 'module:name' mapping a prompt to the wanted "
+        "label index (empty: the task's ``label_of_prompt``).")
+    function: str | Callable[..., Any] | list[str | Callable[..., Any]] = key("", "Reward functions 'module:name' "
+        "or 'path/to/file.py:name', comma-separated (from Python also callables); added to the reward model's "
+        "score. See docs/data.md.")
+    weights: str = key("", "Weights of the reward sources, comma-separated: the reward model first, then each "
+        "reward.function; empty: all 1.")
     steps: int = key(150, "Optimizer steps of Bradley-Terry training.")
     batch_size: int = key(64, "Preference pairs per step.")
     lr: float | None = key(None, "AdamW learning rate. Unset: by model.regime (config.REGIME_DEFAULTS).")
     margin: float = key(0.0, "Required gap r_chosen - r_rejected in the loss (0 for plain Bradley-Terry).")
-    center_coef: float = key(0.01, "Weight of the centring term mean((r_c + r_r)^2): scores comparable "
-        "across prompts.")
-    hard_negatives: float = key(0.5, "Share of pairs whose rejected answer mixes sets or lacks EOS (0 = "
-        "only other-set answers).")
-    freeze_backbone: bool = key(False, "Train only the scalar head, backbone frozen, as reward-model "
-        "explainers often do.")
+    center_coef: float = key(0.01, "Weight of the centring term mean((r_c + r_r)^2): scores comparable across "
+        "prompts.")
+    hard_negatives: float = key(0.5, "Share of pairs whose rejected answer mixes sets or lacks EOS (0 = only "
+        "other-set answers).")
+    freeze_backbone: bool = key(False, "Train only the scalar head, backbone frozen, as reward-model explainers "
+        "often do.")
     init_from: str = key("policy", "'policy' starts the backbone from the pretrained policy, 'scratch' from "
         "random init.")
     eval_pairs: int = key(512, "Held-out pairs for rm/accuracy and rm/delta.")
-    micro_batch_size: int = key(0, "Pairs per forward and backward pass, per process; the gradient equals "
-        "the whole batch's (0 = the whole batch at once).")
+    micro_batch_size: int = key(0, "Pairs per forward and backward pass, per process; the gradient equals the "
+        "whole batch's (0 = the whole batch at once).")
 
 
 @dataclass(frozen=True)
 class ValueConfig(Section):
     name: str = key("", "Separate value model (PPO): a local path or hub id, given a scalar head; empty: "
         "ppo.value_init decides.")
-    lora: bool = key(False, "Train the separate value model through a LoRA adapter (model.lora_*); its head "
-        "stays trainable.")
+    lora: bool = key(False, "Train the separate value model through a LoRA adapter (model.lora_*); its head stays "
+        "trainable.")
 
 
 @dataclass(frozen=True)
@@ -168,21 +166,20 @@ class ChatConfig(Section):
 
 @dataclass(frozen=True)
 class DataConfig(Section):
-    path: str = key("", "Your training data: a JSONL / JSON / Parquet / CSV file, a saved dataset directory "
-        "or a hub id; empty: the built-in task's. Formats: docs/data.md.")
+    path: str = key("", "Your training data: a JSONL / JSON / Parquet / CSV file, a saved dataset directory or a "
+        "hub id; empty: the built-in task's. Formats: docs/data.md.")
     split: str = key("", "Split of a dataset directory or hub id (empty: 'train').")
     eval_path: str = key("", "Held-out data in the same format as data.path (empty: data.eval_fraction of "
         "data.path).")
-    eval_fraction: float = key(0.0, "Share of data.path held out for evaluation when data.eval_path is "
-        "empty (0: none).")
-    max_prompt_length: int = key(512, "Longest RL prompt in tokens, lowered to the model's context less the "
-        "new tokens.")
-    max_length: int = key(512, "Longest tokenized example (prompt + completion + EOS), lowered to the "
-        "model's context.")
-    truncation: Literal["left", "error"] = key("left", "Too long: 'left' drops prompt tokens from the "
-        "start, 'error' stops with the record named.")
-    completion_only: bool = key(True, "SFT loss on completion tokens only (False: every token after the "
-        "first).")
+    eval_fraction: float = key(0.0, "Share of data.path held out for evaluation when data.eval_path is empty (0: "
+        "none).")
+    max_prompt_length: int = key(512, "Longest RL prompt in tokens, lowered to the model's context less the new "
+        "tokens.")
+    max_length: int = key(512, "Longest tokenized example (prompt + completion + EOS), lowered to the model's "
+        "context.")
+    truncation: Literal["left", "error"] = key("left", "Too long: 'left' drops prompt tokens from the start, "
+        "'error' stops with the record named.")
+    completion_only: bool = key(True, "SFT loss on completion tokens only (False: every token after the first).")
     packing: bool = key(False, "Pack several examples into each max_length row (see rlhfkit.data.pack_sft).")
 
 
@@ -190,12 +187,12 @@ class DataConfig(Section):
 class SFTConfig(Section):
     steps: int = key(300, "Optimizer steps.")
     batch_size: int = key(32, "Rows per step.")
-    lr: float | None = key(None, "Peak AdamW learning rate (linear warm-up, cosine decay to a tenth). "
-        "Unset: by model.regime (config.REGIME_DEFAULTS).")
+    lr: float | None = key(None, "Peak AdamW learning rate (linear warm-up, cosine decay to a tenth). Unset: by "
+        "model.regime (config.REGIME_DEFAULTS).")
     warmup_steps: int | None = key(None, "Linear warm-up steps. Unset: by model.regime.")
     eval_every: int = key(0, "Held-out loss (eval/loss) every N steps and at the end (0 = only at the end).")
-    micro_batch_size: int = key(0, "Rows per forward and backward pass, per process; the gradient equals "
-        "the whole batch's (0 = the whole batch at once).")
+    micro_batch_size: int = key(0, "Rows per forward and backward pass, per process; the gradient equals the "
+        "whole batch's (0 = the whole batch at once).")
     assistant_turns: Literal["all", "last"] = key("all", 'Assistant turns of a "messages" record trained: '
         "'all' (TRL's assistant_only_loss) or 'last'.")
 
@@ -206,13 +203,13 @@ class DPOConfig(Section):
     steps: int = key(300, "Optimizer steps (upper bound; stops early at stop_at_format).")
     batch_size: int = key(64, "Preference pairs per step.")
     lr: float | None = key(None, "AdamW learning rate. Unset: by model.regime (config.REGIME_DEFAULTS).")
-    num_pairs: int = key(4096, "Size of the built-in task's fixed preference set; with data.path every pair "
-        "of the file.")
-    loss: Literal["sigmoid", "ipo", "ipo_sum"] = key("sigmoid", "'sigmoid': DPO's; 'ipo': IPO's over "
-        "per-token mean log-probs (TRL's); 'ipo_sum': IPO's over summed log-probs (the paper's). See "
+    num_pairs: int = key(4096, "Size of the built-in task's fixed preference set; with data.path every pair of "
+        "the file.")
+    loss: Literal["sigmoid", "ipo", "ipo_sum"] = key("sigmoid", "'sigmoid': DPO's; 'ipo': IPO's over per-token "
+        "mean log-probs (TRL's); 'ipo_sum': IPO's over summed log-probs (the paper's). See "
         "docs/algorithms/dpo.md.")
-    nll_coef: float = key(1.0, "Weight of the chosen answers' per-token NLL added to the preference loss "
-        "(RPO); 0 = plain DPO.")
+    nll_coef: float = key(1.0, "Weight of the chosen answers' per-token NLL added to the preference loss (RPO); 0 "
+        "= plain DPO.")
     disable_dropout: bool = key(True, "Turn every dropout off, the LoRA adapter's included (TRL's "
         "disable_dropout).")
     precompute_ref: bool = key(True, "Compute reference log-probs once before training (False: a reference "
@@ -220,40 +217,40 @@ class DPOConfig(Section):
     eval_every: int = key(25, "Held-out evaluation every N steps and at the end (0 = only at the end).")
     stop_at_format: float = key(0.0, "Stop once held-out format accuracy reaches this (0 = run all steps; "
         "built-in task only).")
-    micro_batch_size: int = key(0, "Pairs per forward and backward pass, per process; the gradient equals "
-        "the whole batch's (0 = the whole batch at once).")
+    micro_batch_size: int = key(0, "Pairs per forward and backward pass, per process; the gradient equals the "
+        "whole batch's (0 = the whole batch at once).")
 
 
 @dataclass(frozen=True)
 class EvalConfig(Section):
     batch_size: int = key(512, "Prompts per greedy-decoding batch.")
-    greedy: bool = key(True, "Held-out completions by greedy decoding (False: sampled at ppo.temperature, "
-        "fixed seed).")
+    greedy: bool = key(True, "Held-out completions by greedy decoding (False: sampled at ppo.temperature, fixed "
+        "seed).")
     max_new_tokens: int | None = key(None, "Longest answer decoded (None: the task's longest answer; with "
         "data.path, ppo.max_new_tokens).")
-    accuracy_reward: str = key("", "Reward source(s) whose 0/1 scores define eval/accuracy "
-        "(comma-separated); empty: those declared binary (``fn.binary = True``).")
-    baseline: str = key("", "A model or run directory whose completions of the same prompts are scored "
-        "alike, for a win rate.")
+    accuracy_reward: str = key("", "Reward source(s) whose 0/1 scores define eval/accuracy (comma-separated); "
+        "empty: those declared binary (``fn.binary = True``).")
+    baseline: str = key("", "A model or run directory whose completions of the same prompts are scored alike, for "
+        "a win rate.")
 
 
 @dataclass(frozen=True)
 class DemoConfig(Section):
-    algos: str = key("ppo", "Comma-separated algorithms the demo runs after pretraining and the reward "
-        "model: any of ppo, grpo, rloo, reinforce and dpo.")
+    algos: str = key("ppo", "Comma-separated algorithms the demo runs after pretraining and the reward model: any "
+        "of ppo, grpo, rloo, reinforce and dpo.")
 
 
 @dataclass(frozen=True)
 class GridworldConfig(Section):
-    algo: Literal["reinforce", "ppo"] = key("reinforce", "'reinforce' (returns-to-go, batch-mean baseline) "
-        "or 'ppo' (value head, GAE, clipped loss).")
+    algo: Literal["reinforce", "ppo"] = key("reinforce", "'reinforce' (returns-to-go, batch-mean baseline) or "
+        "'ppo' (value head, GAE, clipped loss).")
     iterations: int = key(100, "Rollout + update iterations.")
     episodes_per_iter: int = key(32, "Episodes sampled per iteration (the batch B of the [B, T] tensors).")
     lr: float = key(1e-2, "Adam learning rate (policy and value networks).")
     gamma: float = key(0.95, "Discount of the training targets (the reported return is undiscounted).")
     lam: float = key(0.9, "GAE lambda (ppo).")
-    drunk: float = key(0.0, "Probability that a move goes in a uniformly random direction instead of the "
-        "intended one.")
+    drunk: float = key(0.0, "Probability that a move goes in a uniformly random direction instead of the intended "
+        "one.")
     max_steps: int = key(20, "Moves per episode before it is cut off.")
     hidden: int = key(32, "Hidden width of the policy and value MLPs.")
     ppo_epochs: int = key(4, "Passes over each rollout (ppo).")
@@ -261,8 +258,8 @@ class GridworldConfig(Section):
     clip_range: float = key(0.2, "PPO ratio clip epsilon.")
     vf_coef: float = key(0.5, "Weight of the value loss (ppo).")
     entropy_coef: float = key(0.01, "Weight of the entropy bonus.")
-    reward_scale: float = key(0.01, "Rewards are multiplied by this for training, so the critic's targets "
-        "are of order 1.")
+    reward_scale: float = key(0.01, "Rewards are multiplied by this for training, so the critic's targets are of "
+        "order 1.")
 
 
 @dataclass(frozen=True)
@@ -271,8 +268,8 @@ class EnvConfig(Section):
         "rlhfkit.envs.Environment named 'module:Name' or 'path/to/file.py:Name'; empty: one completion per "
         "prompt.")
     max_turns: int = key(0, "Most model turns per episode (0: the environment's own ``max_turns``).")
-    max_tokens: int = key(0, "Most tokens per episode, prompt and observations included (0: the "
-        "environment's own ``max_tokens``).")
+    max_tokens: int = key(0, "Most tokens per episode, prompt and observations included (0: the environment's own "
+        "``max_tokens``).")
 
 
 @dataclass(frozen=True)
@@ -281,14 +278,14 @@ class AccelConfig(Section):
         metadata={"doc": "Faster implementations of the core's operations (rlhfkit.accel): 'auto' where they pay, "
                   "'on' wherever they run, 'off' plain PyTorch only (default: $RLHFKIT_ACCEL, else 'auto')."})
     threads: int = key(0, "torch intra-op threads; 0 keeps torch's default.")
-    malloc: str = key("", "The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc', "
-        "'jemalloc' or a library's path; the command restarts once with it preloaded (Linux).")
-    cuda_graph: bool = key(False, "Replay each decode step of the rollout as a CUDA graph (CUDA, the "
-        "accelerated forward's models): fewer kernel launches, the same tokens up to rounding.")
-    offload: bool = key(False, "Keep in host memory what a phase of the RL step does not read (AdamW's "
-        "moments, the frozen models): a lower GPU peak; one process or DDP.")
-    update_off_heap: bool = key(False, "CPU with glibc: during the RL update, map every tensor of 1 MiB or "
-        "more on its own, returned to the system when freed (a lower peak resident set).")
+    malloc: str = key("", "The C allocator under every CPU tensor: '' = the C library's, 'tcmalloc', 'jemalloc' "
+        "or a library's path; the command restarts once with it preloaded (Linux).")
+    cuda_graph: bool = key(False, "Replay each decode step of the rollout as a CUDA graph (CUDA, the accelerated "
+        "forward's models): fewer kernel launches, the same tokens up to rounding.")
+    offload: bool = key(False, "Keep in host memory what a phase of the RL step does not read (AdamW's moments, "
+        "the frozen models): a lower GPU peak; one process or DDP.")
+    update_off_heap: bool = key(False, "CPU with glibc: during the RL update, map every tensor of 1 MiB or more "
+        "on its own, returned to the system when freed (a lower peak resident set).")
 
     def __post_init__(self):
         if isinstance(self.enabled, bool):  # YAML reads a bare on / off as a boolean
