@@ -83,8 +83,6 @@ class ModelConfig(Section):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.lora_r < 0:
-            raise ConfigError(f"model.lora_r must be >= 0 (0 = no LoRA), got {self.lora_r}")
         if self.lora_r and self.lora_alpha <= 0:
             raise ConfigError(f"model.lora_alpha must be > 0, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -155,13 +153,6 @@ class ChatConfig(Section):
     max_new_tokens: int = key(128, "Longest reply.")
     system: str = key("", "System message put first in the chat template's conversation (empty: none).")
     history: bool = key(True, "Keep earlier turns in the conversation (False: every prompt starts afresh).")
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.temperature <= 0:
-            raise ConfigError(f"chat.temperature must be > 0, got {self.temperature}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"chat.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass(frozen=True)
