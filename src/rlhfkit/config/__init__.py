@@ -141,9 +141,9 @@ def follow_value_model(data: dict[str, Any], given: set[str]) -> None:
         ppo["value_model"] = None
 
 
-def _suggest(name: str, options, prefix: str = "") -> str:
+def _suggest(name: str, options) -> str:
     close = difflib.get_close_matches(name, list(options), n=1)
-    return f" Did you mean '{prefix}{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
 
 
 def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence[str] = ()) -> str:
@@ -179,14 +179,13 @@ def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> Non
     """``data[section][key] = value`` for ``'section.key'``; ConfigError naming the key to use if none."""
     dotted = KEY_ALIASES.get(dotted, dotted)
     check_moved(dotted)
-    keys = dotted.split(".")
-    if len(keys) == 1:
-        if keys[0] not in data:  # a key without its section
+    sec, _, rest = dotted.partition(".")
+    if "." not in dotted:
+        if dotted not in data:  # a key without its section
             raise ConfigError(f"unknown config key '{dotted}': keys are written section.key."
                               f"{_key_suggestion(data, None, dotted, prefer)}")
         data[dotted] = value
         return
-    sec, rest = keys[0], ".".join(keys[1:])
     if not isinstance(data.get(sec), dict):
         close = difflib.get_close_matches(sec, [s for s in data if isinstance(data[s], dict)], n=1)
         hint = f" Did you mean '{close[0]}.{rest}'?" if close and rest in data[close[0]] else _suggest(sec, data)
@@ -205,15 +204,12 @@ def from_dict(data: dict[str, Any]) -> Config:
     for sec, values in data.items():
         if sec not in hints:
             raise ConfigError(f"unknown config section '{sec}'.{_suggest(sec, hints)}")
-        cls = hints[sec]
-        if values is None:
-            values = {}
+        cls, values = hints[sec], {} if values is None else values
         if not isinstance(values, dict):
             raise ConfigError(f"config section '{sec}' must be a mapping, got {values!r}")
-        fhints = _hints(cls)
         for key in values:
             check_moved(f"{sec}.{key}")
-            if key not in fhints:
+            if key not in _hints(cls):
                 keys = {s: _hints(c) for s, c in hints.items()}
                 raise ConfigError(f"unknown config key '{sec}.{key}'.{_key_suggestion(keys, sec, key)}")
         sections[sec] = cls(**values)  # type- and range-checked by Section.__post_init__

@@ -1,5 +1,4 @@
-"""The config sections other than ``ppo`` (config.ppo): one frozen dataclass a section, a one- or
-two-line description under each key (what ``rlhfkit CMD --help`` and the config reference print)."""
+"""The config sections other than ``ppo`` (config.ppo): one frozen dataclass a section, each key's help beside it."""
 
 from __future__ import annotations
 
@@ -10,15 +9,9 @@ from typing import Any, Literal
 
 from .base import ConfigError, Section, key
 
-# The learning rates by what the trained model starts from (model.regime), for the keys left
-# unset (None); resolved where the model is loaded (rlhfkit.trainers.common.Run.learning_rates).
-# 'scratch': random weights trained by rlhfkit (the built-in tasks' tiny models): the rates their
-# learning tests and benchmarks were tuned at. 'pretrained': a checkpoint trained elsewhere,
-# fine-tuned in full: TRL's defaults (SFT 2e-5 without warm-up, DPO and GRPO 1e-6), since the
-# scratch rates wrecked a chat model in a few steps (benchmarks/pretrained_defaults.py). The reward
-# model's rate (TRL: 1e-4) and the critic's, ten times the actor's (TRL: the actor's), are
-# rlhfkit's choices. 'lora': ten times the full rates (TRL's rule for adapters), but for RL, which
-# keeps the rates measured on the real chat model with LoRA (tests/test_real_learning.py).
+# The learning rates left unset (None), by what the trained model starts from (model.regime), resolved where
+# the model is loaded: the tiny models' tuned rates, TRL's fine-tuning rates for a pretrained checkpoint, ten
+# times those through LoRA but for RL (the rates measured on the chat model). Why: docs/real-models.md.
 REGIME_DEFAULTS: dict[str, dict[str, float | int]] = {
     "scratch": {"sft.lr": 1e-3, "sft.warmup_steps": 20, "dpo.lr": 1e-3, "reward.lr": 1e-3, "ppo.lr": 3e-4,
                 "ppo.value_lr": 3e-3},
