@@ -265,15 +265,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 @functools.cache
 def key_docs() -> dict[str, dict[str, str]]:
     """``{section: {key: help}}``, the help each field declares (config.base.key)."""
-    return {sec: {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)} for sec, cls in _hints(Config).items()}
+    return {sec: {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)}
+            for sec, cls in _hints(Config).items()}
 
 
 def key_groups() -> dict[str, list[tuple[str, str, list[str]]]]:
     """``{section: [(heading, description, keys), ...]}``: the ``ppo`` section's keys by the concern that
     holds them (``PPOSampling`` -> ``'Sampling'``, its docstring); any other section is one group."""
     return {sec: [(part.__name__.removeprefix("PPO"), inspect.cleandoc(part.__doc__), list(_hints(part)))
-                  for part in reversed(cls.__bases__) if dataclasses.is_dataclass(part)] or [("", "", list(_hints(cls)))]
-            for sec, cls in _hints(Config).items()}
+                  for part in reversed(cls.__bases__) if dataclasses.is_dataclass(part)]
+            or [("", "", list(_hints(cls)))] for sec, cls in _hints(Config).items()}
 
 
 def key_types() -> dict[str, dict[str, str]]:

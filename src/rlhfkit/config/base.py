@@ -82,7 +82,7 @@ def type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """``value`` as a ``tp`` (an int as a float, a number or path as a str, a list as a tuple), else ConfigError."""
+    """``value`` as a ``tp`` (an int as a float, a number or path as a str, a list as a tuple), or ConfigError."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if origin is Literal:

@@ -15,8 +15,8 @@ from .base import ConfigError, Section, key
 # a later change of either on every route; a key the user set keeps its value (null unsets it). Why these
 # values: docs/algorithms/ppo.md (k1 in the reward beside a k3 loss term) and grpo.md (the critic-free recipe).
 ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward", "forward_kl_coef")
-_CRITIC_FREE = {"normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3, "group_size": 4,
-                "forward_kl_coef": 0.0}
+_CRITIC_FREE = {"normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
+                "group_size": 4, "forward_kl_coef": 0.0}
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "ppo": {"algo": "ppo", "normalize_reward": True, "kl_in_loss": False, "kl_estimator": "k1", "kl_coef": 0.2,
             "group_size": 8, "forward_kl_coef": 0.1},
@@ -82,9 +82,10 @@ class PPOSampling:
         "MinP); 0 = off.")
     repetition_penalty: float = key(1.0, "transformers' repetition penalty on tokens already in the prompt or "
         "response; 1.0 = off, > 1 discourages repeats.")
-    sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = key(
-        "none", "With top_k / top_p / min_p / repetition_penalty: weigh each token's policy loss by pi_old / q "
-        "per token or sequence, capped or masked at sampling_correction_cap (TRL's mode names).")
+    sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
+                                 "sequence_mask"] = key("none", "With top_k / top_p / min_p / "
+        "repetition_penalty: weigh each token's policy loss by pi_old / q per token or sequence, capped or masked "
+        "at sampling_correction_cap (TRL's mode names).")
     sampling_correction_cap: float = key(2.0, "The cap of ppo.sampling_correction's weights (TRL's "
         "vllm_importance_sampling_clip_max).")
     stop: tuple[str, ...] = key((), "Stop strings, a YAML list: a response ends, as at EOS, once its new text "
