@@ -1,4 +1,4 @@
-"""The config sections other than ``ppo`` (config.ppo): one frozen dataclass a section, its keys with their help."""
+"""The config sections other than ``ppo`` (config.ppo): one frozen dataclass a section."""
 
 from __future__ import annotations
 
