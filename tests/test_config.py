@@ -411,8 +411,28 @@ def test_the_ppo_section_is_built_by_concern_and_keeps_flat_keys():
 
 
 def test_every_keys_help_is_one_or_two_lines():
-    """What a key does fits `--help`; the details live on the docs pages."""
+    """Every key has help, and it fits two lines of 100 columns; the details live on the docs pages."""
+    import textwrap
+
     from rlhfkit.config import key_docs
 
-    long = [f"{sec}.{key}" for sec, docs in key_docs().items() for key, doc in docs.items() if len(doc.splitlines()) > 2]
-    assert not long, f"keys whose help runs over two lines: {long}"
+    docs = {f"{sec}.{key}": doc for sec, section in key_docs().items() for key, doc in section.items()}
+    assert len(docs) == sum(len(section) for section in Config().to_dict().values())
+    long = [key for key, doc in docs.items() if not doc or len(textwrap.wrap(doc, 100)) > 2]
+    assert not long, f"keys without help or whose help runs over two lines: {long}"
+
+
+def test_the_chat_and_lora_keys_are_checked_by_the_range_table():
+    """model.lora_r, chat.temperature and chat.max_new_tokens have their ranges in RANGES like every other
+    key, so the config reference shows them and their errors read like every range error."""
+    from rlhfkit.config import POSITIVE, RANGES
+
+    assert (RANGES["model.lora_r"], RANGES["chat.temperature"], RANGES["chat.max_new_tokens"]) == ((0, None),) * 2 + (
+        (1, None),)
+    assert "chat.temperature" in POSITIVE and "chat.max_new_tokens" not in POSITIVE
+    with raises("config key 'model.lora_r' must be >= 0, got -1"):
+        load_config(overrides=["model.lora_r=-1"])
+    with raises("config key 'chat.temperature' must be > 0, got 0.0"):
+        load_config(overrides=["chat.temperature=0"])
+    with raises("config key 'chat.max_new_tokens' must be >= 1, got 0"):
+        load_config(overrides=["chat.max_new_tokens=0"])

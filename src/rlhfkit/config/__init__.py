@@ -1,15 +1,12 @@
-"""Configuration: nested dataclasses, YAML files, dotted overrides, validation.
+"""Configuration: nested frozen dataclasses, YAML files, dotted overrides, validation.
 
-``load_config(path, ["ppo.kl_coef=0.1", "run.seed=3"])`` reads the YAML (if any), applies
-the overrides in order, type-checks every value and returns a frozen :class:`Config`.
-Unknown keys and ill-typed values raise :class:`ConfigError` naming the key (with a
-"did you mean" suggestion), before any work starts. The sections live in config.sections and
-config.ppo (the ``ppo`` section, one dataclass a concern); what every section shares in config.base.
+``load_config(path, ["ppo.kl_coef=0.1", "run.seed=3"])`` reads the YAML (if any), applies the overrides in
+order and returns a validated :class:`Config`; an unknown key or an ill-typed value raises :class:`ConfigError`
+naming the key, with a "did you mean", before any work starts. Sections: config.sections, config.ppo.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import functools
@@ -28,7 +25,6 @@ from .base import (
     RANGES,
     ConfigError,
     Section,
-    _check_range,
     _hints,
     check_moved,
     type_name,
@@ -69,8 +65,7 @@ def key_value(cfg: Config, key: str) -> Any:
 
 
 def regime_value(cfg: Config, key: str, regime: str) -> Any:
-    """The dotted ``key`` of REGIME_DEFAULTS: the config's own value, or when it is unset (None)
-    the value ``regime`` gives it."""
+    """The dotted ``key`` of REGIME_DEFAULTS: the config's own value, or when unset (None) ``regime``'s."""
     value = key_value(cfg, key)
     return REGIME_DEFAULTS[regime][key] if value is None else value
 
@@ -97,9 +92,8 @@ class Config:
         # the algorithm keys the ppo section left unset take this policy's values (LORA_DEFAULTS with LoRA)
         values = {k: v for k, v in algo_defaults(self.ppo.algo, bool(self.model.lora_r)).items()
                   if k in self.ppo._defaulted and getattr(self.ppo, k) != v}
-        # the critic: a model of its own only when one is configured. value.name and value.lora name a
-        # model to build; ppo.value_init asks for one only when unset beside it (configs saved before
-        # the head was the default record value_init: reward for every run, shared ones included)
+        # the critic: a model of its own only when value.name or value.lora names one, or ppo.value_init
+        # asks for one without ppo.value_model (older saved configs record value_init: reward for every run)
         model_keys = [k for k, on in (("value.name", self.value.name), ("value.lora", self.value.lora)) if on]
         if self.ppo.value_model is None:
             values["value_model"] = "separate" if model_keys or self.ppo.value_init is not None else "shared"
@@ -112,16 +106,14 @@ class Config:
             object.__setattr__(self, "ppo", ppo)
 
     def to_dict(self) -> dict[str, Any]:
-        """``{section: {key: value}}``, a tuple as a list (what YAML, JSON and trackers take); a reward
-        callable stays a callable (:func:`dump_config` gives the YAML text)."""
+        """``{section: {key: value}}``, a tuple as a list, a callable as itself (:func:`dump_config`: YAML)."""
         return {f.name: {g.name: list(v) if isinstance(v, tuple) else v
                          for g in dataclasses.fields(sec) for v in [getattr(sec, g.name)]}
                 for f in dataclasses.fields(self) for sec in [getattr(self, f.name)]}
 
     def _as_given(self) -> dict[str, Any]:
-        """:meth:`to_dict` with the algorithm keys the user left unset as None, as they were given:
-        what a copy is built from (``replace``, ``load_config(base=...)``), so that those keys follow
-        a later ppo.algo or model.lora_r and the ones the user set keep their values."""
+        """:meth:`to_dict` with the algorithm keys left unset as None: what a copy is built from, so that
+        they follow a later ppo.algo or model.lora_r while the keys the user set keep their values."""
         data = self.to_dict()
         data["ppo"].update(dict.fromkeys(self.ppo._defaulted))
         return data
@@ -142,23 +134,21 @@ def algo_defaults(algo: str, lora: bool) -> dict[str, Any]:
 
 
 def follow_value_model(data: dict[str, Any], given: set[str]) -> None:
-    """Unset (None) ppo.value_model when value.name, value.lora or ppo.value_init is among the dotted
-    keys ``given`` without it, so that Config resolves it again (a saved config.yaml records the
-    shared head of every run that had one)."""
+    """Unset ppo.value_model when value.name, value.lora or ppo.value_init is ``given`` without it, so that
+    Config resolves it again (a saved config.yaml records the shared head of every run that had one)."""
     ppo = data.get("ppo")
     if isinstance(ppo, dict) and "ppo.value_model" not in given and given & {"value.name", "value.lora", "ppo.value_init"}:
         ppo["value_model"] = None
 
 
-def _suggest(name: str, options, prefix: str = "") -> str:
+def _suggest(name: str, options) -> str:
     close = difflib.get_close_matches(name, list(options), n=1)
-    return f" Did you mean '{prefix}{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
 
 
 def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence[str] = ()) -> str:
-    """" Did you mean ...?" for an unknown key ``name`` (in ``section``, or given with none): the
-    full dotted keys, from the sections in ``prefer`` (a command's own) first; for a name of TRL's
-    config, the rlhfkit key that does its job (TRL_KEYS)."""
+    """" Did you mean ...?" for an unknown key ``name`` (in ``section``, or given with none): dotted keys,
+    the sections in ``prefer`` (a command's own) first; for a name of TRL's, its rlhfkit key (TRL_KEYS)."""
     order = [s for s in dict.fromkeys([*prefer, *data]) if isinstance(data.get(s), dict)]
     # a TRL name: in the section given, or in the first section holding the name as a key of its own or TRL's
     first = section or next((s for s in order if name in data[s] or name in TRL_KEYS.get(s, {})), "")
@@ -186,18 +176,16 @@ KEY_ALIASES = {"env.class": "env.cls"}
 
 
 def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> None:
-    """``data[section][key] = value`` for ``'section.key'``; ConfigError with the full dotted key
-    to use when there is no such key."""
+    """``data[section][key] = value`` for ``'section.key'``; ConfigError naming the key to use if none."""
     dotted = KEY_ALIASES.get(dotted, dotted)
     check_moved(dotted)
-    keys = dotted.split(".")
-    if len(keys) == 1:
-        if keys[0] not in data:  # a key without its section
+    sec, _, rest = dotted.partition(".")
+    if "." not in dotted:
+        if dotted not in data:  # a key without its section
             raise ConfigError(f"unknown config key '{dotted}': keys are written section.key."
                               f"{_key_suggestion(data, None, dotted, prefer)}")
         data[dotted] = value
         return
-    sec, rest = keys[0], ".".join(keys[1:])
     if not isinstance(data.get(sec), dict):
         close = difflib.get_close_matches(sec, [s for s in data if isinstance(data[s], dict)], n=1)
         hint = f" Did you mean '{close[0]}.{rest}'?" if close and rest in data[close[0]] else _suggest(sec, data)
@@ -216,15 +204,12 @@ def from_dict(data: dict[str, Any]) -> Config:
     for sec, values in data.items():
         if sec not in hints:
             raise ConfigError(f"unknown config section '{sec}'.{_suggest(sec, hints)}")
-        cls = hints[sec]
-        if values is None:
-            values = {}
+        cls, values = hints[sec], {} if values is None else values
         if not isinstance(values, dict):
             raise ConfigError(f"config section '{sec}' must be a mapping, got {values!r}")
-        fhints = _hints(cls)
         for key in values:
             check_moved(f"{sec}.{key}")
-            if key not in fhints:
+            if key not in _hints(cls):
                 keys = {s: _hints(c) for s, c in hints.items()}
                 raise ConfigError(f"unknown config key '{sec}.{key}'.{_key_suggestion(keys, sec, key)}")
         sections[sec] = cls(**values)  # type- and range-checked by Section.__post_init__
@@ -247,8 +232,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None,
                 prefer: Sequence[str] = ()) -> Config:
-    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated. ``prefer``: the sections
-    an unknown key's suggestions come from first (the command's own)."""
+    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated; ``prefer``: the sections an
+    unknown key's suggestions come from first (the command's own)."""
     data, given = (base or Config())._as_given(), set()
     if path is not None:
         try:
@@ -279,33 +264,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 @functools.cache
 def key_docs() -> dict[str, dict[str, str]]:
-    """``{section: {key: description}}``: the string literal under each field of the section
-    dataclasses, read from their source, so ``rlhfkit CMD --help`` cannot drift from it."""
-    return {sec: {k: doc for part in _parts(cls) for k, doc in _field_docs(part).items()}
+    """``{section: {key: help}}``, the help each field declares (config.base.key)."""
+    return {sec: {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)}
             for sec, cls in _hints(Config).items()}
 
 
 def key_groups() -> dict[str, list[tuple[str, str, list[str]]]]:
-    """``{section: [(heading, description, keys), ...]}``: the ``ppo`` section's keys under the
-    concern that holds them (``PPOSampling`` -> ``'Sampling'`` and its docstring); any other
-    section is one group with no heading."""
-    return {sec: [(part.__name__.removeprefix("PPO"), inspect.cleandoc(part.__doc__), list(_field_docs(part)))
-                  if part is not cls else ("", "", list(_field_docs(part)))
-                  for part in _parts(cls) if _field_docs(part)] for sec, cls in _hints(Config).items()}
-
-
-def _parts(cls: type) -> list[type]:
-    """The dataclasses whose fields make up section ``cls``, in field order (its bases first)."""
-    return [c for c in reversed(cls.__mro__) if "__dataclass_fields__" in vars(c)]
-
-
-@functools.cache
-def _field_docs(cls: type) -> dict[str, str]:
-    """``{key: description}`` for the fields ``cls`` itself declares, from its source."""
-    node = ast.parse(inspect.getsource(cls)).body[0]
-    return {a.target.id: inspect.cleandoc(b.value.value) for a, b in zip(node.body, node.body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
+    """``{section: [(heading, description, keys), ...]}``: the ``ppo`` section's keys by the concern that
+    holds them (``PPOSampling`` -> ``'Sampling'``, its docstring); any other section is one group."""
+    return {sec: [(part.__name__.removeprefix("PPO"), inspect.cleandoc(part.__doc__), list(_hints(part)))
+                  for part in reversed(cls.__bases__) if dataclasses.is_dataclass(part)]
+            or [("", "", list(_hints(cls)))] for sec, cls in _hints(Config).items()}
 
 
 def key_types() -> dict[str, dict[str, str]]:
@@ -317,8 +286,8 @@ CALLABLE_PLACEHOLDER = "<callable>"  # what config.yaml records for a callable w
 
 
 def callable_name(fn: Callable) -> str:
-    """``'module:qualname'`` of a function a later run can import, else ``'<callable>'`` (a
-    lambda, a nested function, one defined in ``__main__`` such as a notebook's)."""
+    """``'module:qualname'`` of a function a later run can import, else ``'<callable>'`` (a lambda, a
+    nested function, one defined in ``__main__`` such as a notebook's)."""
     module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not module or module == "__main__" or not qual or "<" in qual:
         return CALLABLE_PLACEHOLDER
@@ -346,10 +315,7 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 def check_values(cfg: Config) -> None:
-    """Raise ConfigError for the first value outside its range (see RANGES) or an inconsistent pair."""
-    for key in RANGES:
-        sec, name = key.split(".")
-        _check_range(key, getattr(getattr(cfg, sec, None), name, None))
+    """ConfigError for a tiny model whose width is not a multiple of its heads (ranges: each section's own)."""
     if cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"config key 'model.n_embd' ({cfg.model.n_embd}) must be a multiple of "
                           f"model.n_head ({cfg.model.n_head})")

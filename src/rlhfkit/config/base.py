@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import functools
 import math
 import os
@@ -20,10 +21,13 @@ ConfigError.__module__ = "rlhfkit.config"  # its public name, as tracebacks and 
 
 # keys that moved to another section: the old dotted name -> the new one. Every route that sets a
 # key (the command line, a config file, Config.replace, a section's constructor) refuses the old name.
-MOVED_KEYS = {
-    "run.threads": "accel.threads", "run.malloc": "accel.malloc", "ppo.cuda_graph": "accel.cuda_graph",
-    "ppo.offload": "accel.offload", "ppo.update_off_heap": "accel.update_off_heap",
-}
+MOVED_KEYS = {"run.threads": "accel.threads", "run.malloc": "accel.malloc", "ppo.cuda_graph": "accel.cuda_graph",
+              "ppo.offload": "accel.offload", "ppo.update_off_heap": "accel.update_off_heap"}
+
+
+def key(default: Any, doc: str) -> Any:
+    """A section's field: its default and its help (what ``rlhfkit CMD --help`` and the config reference print)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
 
 
 def check_moved(dotted: str) -> None:
@@ -35,10 +39,8 @@ def check_moved(dotted: str) -> None:
 
 
 class Section:
-    """Base of the section dataclasses: every value is type-checked and range-checked (RANGES)
-    when the section is built, from Python as from the command line: ``PPOConfig(steps="3")``
-    raises the ConfigError that ``ppo.steps='3'`` does. An int given to a float key becomes a
-    float, a path-like given to a str key its string, a list a tuple (frozen all the way)."""
+    """Base of the section dataclasses: every value is type- and range-checked (RANGES) when the section is
+    built, from Python as from the command line (``PPOConfig(steps="3")`` fails as ``ppo.steps='3'`` does)."""
 
     def __new__(cls, /, *args, **kwargs):  # positional-only: env.cls is a key
         for name in kwargs:  # PPOConfig(cuda_graph=True): the key's new place, not a TypeError
@@ -48,12 +50,11 @@ class Section:
     def __post_init__(self):
         section = _section_name(type(self))
         for name, tp in _hints(type(self)).items():
-            key = f"{section}.{name}"
             value = getattr(self, name)
-            checked = _coerce(value, tp, key)
+            checked = _coerce(value, tp, f"{section}.{name}")
             if checked is not value:
                 object.__setattr__(self, name, checked)  # frozen: the one place a value is normalised
-            _check_range(key, checked)
+            _check_range(f"{section}.{name}", checked)
 
 
 @functools.cache
@@ -81,109 +82,94 @@ def type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
+    """``value`` as a ``tp`` (an int as a float, a number or path as a str, a list as a tuple), or ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"config key '{key}' must be one of {list(typing.get_args(tp))}, got {value!r}")
+        if value not in args:
+            raise ConfigError(f"config key '{key}' must be one of {list(args)}, got {value!r}")
         return value
     if origin is tuple:  # tuple[str, ...]: a YAML list, one value as a list of one, "" as none (null is
         # an error: YAML reads an unquoted '#...' as a comment, and that must not turn stop strings off silently)
         value = [] if value == "" else value if isinstance(value, (list, tuple)) else [value]
-        return tuple(_coerce(v, typing.get_args(tp)[0], key) for v in value)
+    if origin in (tuple, list) and isinstance(value, (list, tuple)):
+        return tuple(_coerce(v, args[0], key) for v in value)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, arg, key)
             except ConfigError:
                 pass
-        raise ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r} ({type(value).__name__})")
-    if origin is collections.abc.Callable:
-        if callable(value):
-            return value
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            return tuple(_coerce(v, typing.get_args(tp)[0], key) for v in value)
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # PyYAML reads '1e-4' (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None:
-            if not math.isfinite(number):  # a NaN rate or coefficient would reach the weights silently
-                raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
-            return value if type(value) is float else number
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        if isinstance(value, os.PathLike):  # a pathlib.Path from Python
-            return os.fspath(value)
-    else:
+    elif tp is float and (number or isinstance(value, str)):  # PyYAML reads '1e-4' (no dot) as a string
+        try:
+            as_float = float(value)
+        except ValueError:
+            as_float = None
+        if as_float is not None and not math.isfinite(as_float):  # a NaN rate would reach the weights silently
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+        if as_float is not None:
+            return value if type(value) is float else as_float
+    elif tp is str and (number or isinstance(value, (str, os.PathLike))):  # a pathlib.Path from Python
+        return str(value) if number else os.fspath(value)
+    elif origin is collections.abc.Callable and callable(value) or tp is bool and isinstance(value, bool):
+        return value
+    elif tp is int and number and isinstance(value, int):
+        return value
+    elif tp not in (bool, int, float, str) and origin not in (collections.abc.Callable, list):  # Any
         return value
     raise ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
-# --------------------------------------------------------------------------- value ranges
+# What the types cannot say, checked when a section is built so that a zero batch or a negative rate stops
+# the run before any work: ``section: key lowest..highest`` (a blank bound: unbounded; '>0': strictly
+# positive, a rate, scale or coefficient where 0 would train nothing or divide by 0).
+_RANGE_TABLE = """
+run: max_bad_updates 1.., checkpoint_every 0.., keep_checkpoints 1.., log_every 0..
+accel: threads 0..
+model: n_layer 1.., n_head 1.., n_embd 1.., lora_r 0..
+pretrain: steps 1.., batch_size 1.., lr >0.., warmup_steps 0.., weight_decay 0..
+reward: steps 1.., batch_size 1.., lr >0.., center_coef 0.., hard_negatives 0..1, eval_pairs 1..,
+    micro_batch_size 0..
+ppo: group_size 2.., steps 1.., batch_size 1.., minibatch_size 1.., ppo_epochs 1.., lr >0..,
+    value_lr >0.., max_new_tokens 1.., temperature >0.., top_k 0.., top_p >0..1, min_p 0..1,
+    repetition_penalty >0.., warmup_steps 0.., warmup_ratio 0..1, sampling_correction_cap 1..,
+    kl_coef 0.., forward_kl_coef 0.., kl_target >0.., kl_horizon 1.., gamma 0..1, lam 0..1,
+    clip_range >0.., value_clip_range >0.., vf_coef 0.., epsilon_high >0.., sapo_temperature_pos >0..,
+    sapo_temperature_neg >0.., entropy_coef 0.., score_clip >0.., max_grad_norm >0..,
+    missing_eos_penalty 0.., overlong_buffer 0.., overlong_penalty 0.., critic_warmup_steps 0..,
+    eval_every 0.., stop_at 0.., samples_per_log 0.., micro_batch_size 0.., guard_kl 0.., guard_eos 0..1,
+    guard_eval_drop 0..1, guard_tradeoff 0..1
+data: max_length 2.., max_prompt_length 1.., eval_fraction 0..0.9
+sft: steps 1.., batch_size 1.., lr >0.., warmup_steps 0.., eval_every 0.., micro_batch_size 0..
+dpo: beta >0.., steps 1.., batch_size 1.., lr >0.., num_pairs 1.., nll_coef 0.., eval_every 0..,
+    stop_at_format 0..1, micro_batch_size 0..
+eval: batch_size 1.., max_new_tokens 1..
+gridworld: iterations 1.., episodes_per_iter 1.., lr >0.., gamma 0..1, lam 0..1, drunk 0..1,
+    max_steps 1.., hidden 1.., ppo_epochs 1.., minibatches 1.., clip_range >0.., vf_coef 0..,
+    entropy_coef 0.., reward_scale >0..
+env: max_turns 0.., max_tokens 0..
+chat: temperature >0.., max_new_tokens 1..
+"""
 
-# What the types cannot say: (lowest, highest) allowed, None for unbounded; checked after every
-# load/replace so a zero batch or a negative rate stops the run before any work, with its key.
-RANGES: dict[str, tuple[float | None, float | None]] = {
-    "run.max_bad_updates": (1, None), "run.checkpoint_every": (0, None),
-    "run.keep_checkpoints": (1, None), "run.log_every": (0, None), "accel.threads": (0, None),
-    "model.n_layer": (1, None), "model.n_head": (1, None), "model.n_embd": (1, None),
-    "pretrain.steps": (1, None), "pretrain.batch_size": (1, None), "pretrain.lr": (0, None),
-    "pretrain.warmup_steps": (0, None), "pretrain.weight_decay": (0, None),
-    "reward.steps": (1, None), "reward.batch_size": (1, None), "reward.lr": (0, None),
-    "reward.center_coef": (0, None), "reward.hard_negatives": (0, 1), "reward.eval_pairs": (1, None),
-    "reward.micro_batch_size": (0, None),
-    "ppo.group_size": (2, None), "ppo.steps": (1, None), "ppo.batch_size": (1, None),
-    "ppo.minibatch_size": (1, None), "ppo.ppo_epochs": (1, None), "ppo.lr": (0, None), "ppo.value_lr": (0, None),
-    "ppo.max_new_tokens": (1, None), "ppo.temperature": (0, None), "ppo.top_k": (0, None), "ppo.top_p": (0, 1),
-    "ppo.min_p": (0, 1), "ppo.repetition_penalty": (0, None), "ppo.warmup_steps": (0, None), "ppo.warmup_ratio": (0, 1),
-    "ppo.sampling_correction_cap": (1, None),
-    "ppo.kl_coef": (0, None), "ppo.forward_kl_coef": (0, None),
-    "ppo.kl_target": (0, None), "ppo.kl_horizon": (1, None), "ppo.gamma": (0, 1), "ppo.lam": (0, 1),
-    "ppo.clip_range": (0, None), "ppo.value_clip_range": (0, None), "ppo.vf_coef": (0, None),
-    "ppo.epsilon_high": (0, None), "ppo.sapo_temperature_pos": (0, None), "ppo.sapo_temperature_neg": (0, None),
-    "ppo.entropy_coef": (0, None), "ppo.score_clip": (0, None), "ppo.max_grad_norm": (0, None),
-    "ppo.missing_eos_penalty": (0, None), "ppo.overlong_buffer": (0, None), "ppo.overlong_penalty": (0, None),
-    "ppo.critic_warmup_steps": (0, None), "ppo.eval_every": (0, None),
-    "ppo.stop_at": (0, None), "ppo.samples_per_log": (0, None), "ppo.micro_batch_size": (0, None), "ppo.guard_kl": (0, None),
-    "ppo.guard_eos": (0, 1), "ppo.guard_eval_drop": (0, 1), "ppo.guard_tradeoff": (0, 1),
-    "data.max_length": (2, None), "data.max_prompt_length": (1, None), "data.eval_fraction": (0, 0.9),
-    "sft.steps": (1, None), "sft.batch_size": (1, None), "sft.lr": (0, None), "sft.warmup_steps": (0, None),
-    "sft.eval_every": (0, None), "sft.micro_batch_size": (0, None),
-    "dpo.beta": (0, None), "dpo.steps": (1, None), "dpo.batch_size": (1, None), "dpo.lr": (0, None),
-    "dpo.num_pairs": (1, None), "dpo.nll_coef": (0, None), "dpo.eval_every": (0, None),
-    "dpo.stop_at_format": (0, 1), "dpo.micro_batch_size": (0, None),
-    "eval.batch_size": (1, None), "eval.max_new_tokens": (1, None),
-    "gridworld.iterations": (1, None), "gridworld.episodes_per_iter": (1, None), "gridworld.lr": (0, None),
-    "gridworld.gamma": (0, 1), "gridworld.lam": (0, 1), "gridworld.drunk": (0, 1), "gridworld.max_steps": (1, None),
-    "gridworld.hidden": (1, None), "gridworld.ppo_epochs": (1, None), "gridworld.minibatches": (1, None),
-    "gridworld.clip_range": (0, None), "gridworld.vf_coef": (0, None), "gridworld.entropy_coef": (0, None),
-    "gridworld.reward_scale": (0, None), "env.max_turns": (0, None), "env.max_tokens": (0, None),
-}
-# rates, scales and coefficients that must be strictly positive (0 would train nothing or divide by 0)
-POSITIVE = {"pretrain.lr", "reward.lr", "ppo.lr", "ppo.value_lr", "ppo.temperature", "ppo.top_p", "ppo.kl_target",
-            "ppo.repetition_penalty",
-            "ppo.clip_range", "ppo.epsilon_high", "ppo.sapo_temperature_pos", "ppo.sapo_temperature_neg", "ppo.value_clip_range", "ppo.score_clip", "ppo.max_grad_norm", "sft.lr", "dpo.beta",
-            "dpo.lr", "gridworld.lr", "gridworld.clip_range", "gridworld.reward_scale"}
+
+def _ranges(table: str) -> tuple[dict[str, tuple[float | None, float | None]], set[str]]:
+    """``{dotted key: (lowest, highest)}`` (None: unbounded) and the keys marked '>0', from the table above."""
+    ranges, positive = {}, set()
+    for line in table.strip().replace("\n    ", " ").splitlines():
+        section, _, items = line.partition(":")
+        for item in items.split(","):
+            name, bounds = item.split()
+            key = f"{section}.{name}"
+            ranges[key] = tuple(None if b == "" else float(b) if "." in b else int(b)
+                                for b in bounds.lstrip(">").split(".."))
+            if bounds.startswith(">"):
+                positive.add(key)
+    return ranges, positive
+
+
+RANGES, POSITIVE = _ranges(_RANGE_TABLE)
 
 
 def _check_range(key: str, value: Any) -> None:

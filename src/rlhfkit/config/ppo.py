@@ -8,291 +8,213 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .base import ConfigError, Section
+from .base import ConfigError, Section, key
 
-# The settings of the `ppo` section that depend on the algorithm (ppo.algo): the one source of
-# these defaults for the command line (rlhfkit ppo/grpo/rloo/reinforce sets ppo.algo) and the
-# Python API alike. A key of ALGO_KEYS left unset (None) takes its algorithm's value when the
-# section is built (PPOConfig(algo="grpo") has GRPO's) and stays unset in the config: changing
-# ppo.algo or model.lora_r later, with Config.replace, a config file or an override, moves it to
-# the new algorithm's and policy's value, while a key the user set keeps that value on every route
-# (null sets it back to unset).
+# The keys of the `ppo` section that depend on ppo.algo (set by rlhfkit ppo/grpo/rloo/reinforce). One left
+# unset (None) takes its algorithm's value, and its policy's (LORA_DEFAULTS with model.lora_r > 0), and follows
+# a later change of either on every route; a key the user set keeps its value (null unsets it). Why these
+# values: docs/algorithms/ppo.md (k1 in the reward beside a k3 loss term) and grpo.md (the critic-free recipe).
 ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward", "forward_kl_coef")
+_CRITIC_FREE = {"normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
+                "group_size": 4, "forward_kl_coef": 0.0}
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
-    # PPO normalises scores with running statistics, so its KL penalty in the reward (k1, beta
-    # 0.2) pulls as hard on a reward of any scale; the k3 loss term of weight 0.1 beside it pulls
-    # on the forward KL(ref || pi), which the reverse KL leaves free for answers no longer sampled.
-    # Both held the toy tasks' three rewards (exact verifier, Bradley-Terry model, label
-    # classifier) better than either alone: benchmarks/archive/code-evidence.md.
     "ppo": {"algo": "ppo", "normalize_reward": True, "kl_in_loss": False, "kl_estimator": "k1", "kl_coef": 0.2,
             "group_size": 8, "forward_kl_coef": 0.1},
-    # The critic-free commands share one recipe, chosen on the doubling task across its three
-    # rewards (benchmarks/robustness.py): k3 as a loss term with beta 0.3, scores divided by the
-    # batch's std (scale_rewards=batch), groups of 4. GRPO's per-group std with a small beta
-    # collapsed on the learned rewards; groups of 4 reached the target in fewer steps than 8.
-    # The runs behind each choice: benchmarks/archive/code-evidence.md.
-    "grpo": {"algo": "grpo", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
-             "group_size": 4, "forward_kl_coef": 0.0},
-    "rloo": {"algo": "rloo", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
-             "group_size": 4, "forward_kl_coef": 0.0},
-    # group_size is unused by reinforce (samples_per_prompt says how many per prompt)
-    "reinforce": {"algo": "reinforce", "normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3",
-                  "kl_coef": 0.3, "group_size": 8, "forward_kl_coef": 0.0},
+    "grpo": {"algo": "grpo", **_CRITIC_FREE},
+    "rloo": {"algo": "rloo", **_CRITIC_FREE},
+    "reinforce": {"algo": "reinforce", **_CRITIC_FREE, "group_size": 8},  # unused (ppo.samples_per_prompt)
 }
-# A LoRA policy (model.lora_r > 0) takes these instead, for the keys of ALGO_KEYS left unset.
-# The critic-free commands drop the KL term: on a pretrained chat model it held the answer's
-# format still, while the LoRA rank already keeps the policy near its base (the reference is the
-# base with the adapter off), and guard/reward_tradeoff and guard/kl_high say when a run drifts.
-# PPO keeps k1 0.2 in the reward without the forward-KL loss term, as measured on the chat model.
-# The runs: benchmarks/archive/code-evidence.md.
+# a LoRA policy: no KL term for the critic-free commands, no forward-KL term for ppo (docs/real-models.md)
 LORA_DEFAULTS: dict[str, dict[str, Any]] = {**{algo: {"kl_coef": 0.0} for algo in ("grpo", "rloo", "reinforce")},
                                             "ppo": {"forward_kl_coef": 0.0}}
-# k3 as a loss term pulls on the forward KL(ref || pi), not on the reverse KL(pi || ref) that the
-# objective names (PPOConfig.kl_estimator); it is TRL's GRPO with use_bias_correction_kl=False (its
-# default, True, weighs k3 by the ratio, whose gradient is k2's), and k2 (the reverse KL's gradient)
-# at the same beta held no better on the three rewards
-
-
-# the loss types that reduce each sequence to its token mean first (PPOConfig.loss_type): a
-# sequence-level ratio then weighs every sequence alike, as GSPO's objective does
+# the loss types that reduce each sequence to its token mean first: a sequence-level ratio then weighs
+# every sequence alike, as GSPO's objective does
 PER_SEQUENCE_LOSSES = ("grpo", "sapo")
 
 
 @dataclass(frozen=True)
 class PPOBatches:
     """What runs and on how many rows: the algorithm, the rollout, its minibatches and passes."""
-
-    algo: Literal["ppo", "grpo", "rloo", "reinforce"] = "ppo"
-    """Advantage estimator: 'ppo' (critic + GAE), 'grpo' (group-relative), 'rloo' (leave-one-out),
-    'reinforce' (batch-mean baseline). Set by the command (rlhfkit ppo/grpo/rloo/reinforce)."""
-    steps: int = 200
-    """Rollout + update iterations (upper bound; see stop_at)."""
-    batch_size: int = 64
-    """Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for grpo/rloo)."""
-    group_size: int = None  # type: ignore[assignment]  # None: the algorithm's, see ALGO_DEFAULTS
-    """Completions per prompt for grpo/rloo; unset: the algorithm's (config.ALGO_DEFAULTS)."""
-    samples_per_prompt: int = 1
-    """Completions per prompt for ppo/reinforce, in consecutive rows; a repeated prompt is computed once."""
-    minibatch_size: int = 32
-    """Sequences per optimizer step."""
-    micro_batch_size: int = 0
-    """Sequences per forward and backward pass, per process; the gradient equals the whole minibatch's
-    (0 = the whole minibatch at once)."""
-    ppo_epochs: int = 2
-    """Passes over each rollout (TRL's num_iterations)."""
-    minibatch_draw: Literal["epoch", "rollout"] = "epoch"
-    """How a rollout's rows (whole groups or prompts) are dealt into minibatches: a new partition every
-    'epoch', or one per 'rollout' kept for every epoch (TRL's GRPOTrainer)."""
+    algo: Literal["ppo", "grpo", "rloo", "reinforce"] = key("ppo", "Advantage estimator: 'ppo' (critic + GAE), "
+        "'grpo' (group-relative), 'rloo' (leave-one-out), 'reinforce' (batch-mean baseline). Set by the command "
+        "(rlhfkit ppo/grpo/rloo/reinforce).")
+    steps: int = key(200, "Rollout + update iterations (upper bound; see stop_at).")
+    batch_size: int = key(64, "Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for "
+        "grpo/rloo).")
+    group_size: int = key(None, "Completions per prompt for grpo/rloo; unset: the algorithm's "
+        "(config.ALGO_DEFAULTS).")
+    samples_per_prompt: int = key(1, "Completions per prompt for ppo/reinforce, in consecutive rows; a repeated "
+        "prompt is computed once.")
+    minibatch_size: int = key(32, "Sequences per optimizer step.")
+    micro_batch_size: int = key(0, "Sequences per forward and backward pass, per process; the gradient equals the "
+        "whole minibatch's (0 = the whole minibatch at once).")
+    ppo_epochs: int = key(2, "Passes over each rollout (TRL's num_iterations).")
+    minibatch_draw: Literal["epoch", "rollout"] = key("epoch", "How a rollout's rows (whole groups or prompts) "
+        "are dealt into minibatches: a new partition every 'epoch', or one per 'rollout' kept for every epoch "
+        "(TRL's GRPOTrainer).")
 
 
 @dataclass(frozen=True)
 class PPOOptimizer:
     """The AdamW learning rates, their schedule and the gradient clip."""
-
-    lr: float | None = None
-    """Actor learning rate (AdamW). Unset: by model.regime (config.REGIME_DEFAULTS)."""
-    value_lr: float | None = None
-    """Critic learning rate (value head or value model). Unset: by model.regime, ten times the actor's."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Both learning rates after the warm-up over ppo.steps: constant, linear decay to 0 (TRL's default)
-    or cosine to 0."""
-    warmup_steps: int = 0
-    """Linear warm-up of both learning rates over the first this many steps (0 = none)."""
-    warmup_ratio: float = 0.0
-    """The warm-up as a share of ppo.steps (rounded up), instead of ppo.warmup_steps."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clip, per model."""
+    lr: float | None = key(None, "Actor learning rate (AdamW). Unset: by model.regime (config.REGIME_DEFAULTS).")
+    value_lr: float | None = key(None, "Critic learning rate (value head or value model). Unset: by model.regime, "
+        "ten times the actor's.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = key("constant", "Both learning rates after the warm-up "
+        "over ppo.steps: constant, linear decay to 0 (TRL's default) or cosine to 0.")
+    warmup_steps: int = key(0, "Linear warm-up of both learning rates over the first this many steps (0 = none).")
+    warmup_ratio: float = key(0.0, "The warm-up as a share of ppo.steps (rounded up), instead of "
+        "ppo.warmup_steps.")
+    max_grad_norm: float = key(1.0, "Gradient-norm clip, per model.")
 
 
 @dataclass(frozen=True)
 class PPOSampling:
     """How the rollout draws responses, and what its log-probs are used for."""
-
-    max_new_tokens: int | None = None
-    """Longest response sampled (None: the built-in task's longest answer; required with data.path)."""
-    temperature: float = 1.0
-    """Sampling temperature (log-probs are taken under the same temperature)."""
-    top_k: int = 0
-    """Sample each token from the top_k most likely ones only (0 = off); the samples are then
-    off-policy (see sampling_correction)."""
-    top_p: float = 1.0
-    """Nucleus sampling: the smallest set of most likely tokens holding top_p of the probability
-    (after top_k); 1.0 = off."""
-    min_p: float = 0.0
-    """Only tokens at least min_p times as likely as the most likely one (transformers' MinP); 0 = off."""
-    repetition_penalty: float = 1.0
-    """transformers' repetition penalty on tokens already in the prompt or response; 1.0 = off,
-    > 1 discourages repeats."""
+    max_new_tokens: int | None = key(None, "Longest response sampled (None: the built-in task's longest answer; "
+        "required with data.path).")
+    temperature: float = key(1.0, "Sampling temperature (log-probs are taken under the same temperature).")
+    top_k: int = key(0, "Sample each token from the top_k most likely ones only (0 = off); the samples are then "
+        "off-policy (see sampling_correction).")
+    top_p: float = key(1.0, "Nucleus sampling: the smallest set of most likely tokens holding top_p of the "
+        "probability (after top_k); 1.0 = off.")
+    min_p: float = key(0.0, "Only tokens at least min_p times as likely as the most likely one (transformers' "
+        "MinP); 0 = off.")
+    repetition_penalty: float = key(1.0, "transformers' repetition penalty on tokens already in the prompt or "
+        "response; 1.0 = off, > 1 discourages repeats.")
     sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
-                                 "sequence_mask"] = "none"
-    """With top_k / top_p / min_p / repetition_penalty: weigh each token's policy loss by pi_old / q per
-    token or sequence, capped or masked at sampling_correction_cap (TRL's mode names)."""
-    sampling_correction_cap: float = 2.0
-    """The cap of ppo.sampling_correction's weights (TRL's vllm_importance_sampling_clip_max)."""
-    stop: tuple[str, ...] = ()
-    """Stop strings, a YAML list: a response ends, as at EOS, once its new text contains one (the
-    held-out evaluation uses them too). Empty = none."""
-    reuse_rollout_logprobs: bool = True
-    """Take the experience pass's log-probs (a shared head's values, the entropies) from the sampler
-    where it computed them alike, instead of running the policy again."""
+                                 "sequence_mask"] = key("none", "With top_k / top_p / min_p / "
+        "repetition_penalty: weigh each token's policy loss by pi_old / q per token or sequence, capped or masked "
+        "at sampling_correction_cap (TRL's mode names).")
+    sampling_correction_cap: float = key(2.0, "The cap of ppo.sampling_correction's weights (TRL's "
+        "vllm_importance_sampling_clip_max).")
+    stop: tuple[str, ...] = key((), "Stop strings, a YAML list: a response ends, as at EOS, once its new text "
+        "contains one (the held-out evaluation uses them too). Empty = none.")
+    reuse_rollout_logprobs: bool = key(True, "Take the experience pass's log-probs (a shared head's values, the "
+        "entropies) from the sampler where it computed them alike, instead of running the policy again.")
 
 
 @dataclass(frozen=True)
 class PPORewards:
     """How a response's scores become the advantages' input: scaling, normalising, penalties, filters."""
-
-    scale_rewards: Literal["group", "batch", "advantages", "none"] = "batch"
-    """grpo, rloo, reinforce: divide the centred scores by the std of the prompt's 'group', of the
-    'batch', of the 'advantages' themselves, or by nothing ('none')."""
-    normalize_reward: bool = None  # type: ignore[assignment]
-    """Normalise scores with running mean/std before clipping; unset: true for ppo, false for the
-    others (config.ALGO_DEFAULTS)."""
-    score_clip: float = 5.0
-    """Clip the reward score to +-score_clip, before any group or batch statistic."""
-    missing_eos_penalty: float = 0.0
-    """Subtracted from the score of responses that never emit EOS (0 = off)."""
-    overlong_buffer: int = 0
-    """DAPO's soft over-long punishment over the last this many tokens before max_new_tokens (0 = off)."""
-    overlong_penalty: float = 1.0
-    """The over-long penalty at max_new_tokens, in the reward's units (DAPO: 1)."""
-    filter_zero_std_groups: bool = False
-    """grpo, rloo: leave groups whose scores are all equal out of the update (DAPO's dynamic
-    filtering, without resampling). One process only."""
-    mask_truncated_completions: bool = False
-    """Leave completions cut at max_new_tokens out of the losses; they still count in the baselines
-    (TRL's option). One process only."""
+    scale_rewards: Literal["group", "batch", "advantages", "none"] = key("batch", "grpo, rloo, reinforce: divide "
+        "the centred scores by the std of the prompt's 'group', of the 'batch', of the 'advantages' themselves, "
+        "or by nothing ('none').")
+    normalize_reward: bool = key(None, "Normalise scores with running mean/std before clipping; unset: true for "
+        "ppo, false for the others (config.ALGO_DEFAULTS).")
+    score_clip: float = key(5.0, "Clip the reward score to +-score_clip, before any group or batch statistic.")
+    missing_eos_penalty: float = key(0.0, "Subtracted from the score of responses that never emit EOS (0 = off).")
+    overlong_buffer: int = key(0, "DAPO's soft over-long punishment over the last this many tokens before "
+        "max_new_tokens (0 = off).")
+    overlong_penalty: float = key(1.0, "The over-long penalty at max_new_tokens, in the reward's units (DAPO: 1).")
+    filter_zero_std_groups: bool = key(False, "grpo, rloo: leave groups whose scores are all equal out of the "
+        "update (DAPO's dynamic filtering, without resampling). One process only.")
+    mask_truncated_completions: bool = key(False, "Leave completions cut at max_new_tokens out of the losses; "
+        "they still count in the baselines (TRL's option). One process only.")
 
 
 @dataclass(frozen=True)
 class PPOKL:
     """The penalty that keeps the policy near the reference: its weight, estimator and placement."""
-
-    kl_coef: float = None  # type: ignore[assignment]
-    """beta, the weight of the KL penalty (TRL's beta). Unset: by algorithm and LoRA
-    (config.ALGO_DEFAULTS, config.LORA_DEFAULTS)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = None  # type: ignore[assignment]
-    """Per-token KL estimator: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r, with
-    log r = log ref - log pi. Unset: k1 for ppo, k3 for the others."""
-    kl_in_loss: bool = None  # type: ignore[assignment]
-    """Put the KL penalty in the loss (needs k2 or k3) instead of the reward. Unset: false for ppo,
-    true for the others."""
-    forward_kl_coef: float = None  # type: ignore[assignment]
-    """With the KL in the reward, the weight of a k3 loss term beside it (the forward KL). Unset:
-    0.1 for ppo, else 0."""
-    adaptive_kl: bool = False
-    """Adapt beta with the proportional controller towards kl_target."""
-    kl_target: float = 0.5
-    """Target per-sequence KL of the adaptive controller."""
-    kl_horizon: int = 10000
-    """Horizon (in samples) of the adaptive controller."""
+    kl_coef: float = key(None, "beta, the weight of the KL penalty (TRL's beta). Unset: by algorithm and LoRA "
+        "(config.ALGO_DEFAULTS, config.LORA_DEFAULTS).")
+    kl_estimator: Literal["k1", "k2", "k3"] = key(None, "Per-token KL estimator: k1 = -log r, k2 = (log r)^2 / 2, "
+        "k3 = r - 1 - log r, with log r = log ref - log pi. Unset: k1 for ppo, k3 for the others.")
+    kl_in_loss: bool = key(None, "Put the KL penalty in the loss (needs k2 or k3) instead of the reward. Unset: "
+        "false for ppo, true for the others.")
+    forward_kl_coef: float = key(None, "With the KL in the reward, the weight of a k3 loss term beside it (the "
+        "forward KL). Unset: 0.1 for ppo, else 0.")
+    adaptive_kl: bool = key(False, "Adapt beta with the proportional controller towards kl_target.")
+    kl_target: float = key(0.5, "Target per-sequence KL of the adaptive controller.")
+    kl_horizon: int = key(10000, "Horizon (in samples) of the adaptive controller.")
 
 
 @dataclass(frozen=True)
 class PPOLoss:
     """The policy loss: its reduction, ratio, clip and entropy bonus."""
-
-    loss_type: Literal["token_mean", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "token_mean"
-    """How every per-token loss is reduced over a minibatch (TRL's names); 'cispo' and 'sapo' also
-    change the policy loss."""
-    clip_range: float = 0.2
-    """PPO ratio clip epsilon."""
-    epsilon_high: float | None = None
-    """The ratio's upper clip 1 + epsilon_high (unset: clip_range; DAPO: 0.28); with loss_type=cispo
-    the largest importance weight (unset: 5.0)."""
-    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
-    """The policy loss's ratio: per 'token' (PPO), per 'sequence' (GSPO), or GSPO's value with
-    per-token gradients ('sequence_token')."""
-    sapo_temperature_pos: float = 1.0
-    """loss_type=sapo: the gate's temperature on tokens with a positive advantage (TRL's default)."""
-    sapo_temperature_neg: float = 1.05
-    """loss_type=sapo: the gate's temperature on tokens with a zero or negative advantage (TRL's default)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus, reduced by ppo.loss_type as every per-token loss."""
+    loss_type: Literal["token_mean", "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = key("token_mean", "How "
+        "every per-token loss is reduced over a minibatch (TRL's names); 'cispo' and 'sapo' also change the "
+        "policy loss.")
+    clip_range: float = key(0.2, "PPO ratio clip epsilon.")
+    epsilon_high: float | None = key(None, "The ratio's upper clip 1 + epsilon_high (unset: clip_range; DAPO: "
+        "0.28); with loss_type=cispo the largest importance weight (unset: 5.0).")
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = key("token", "The policy loss's "
+        "ratio: per 'token' (PPO), per 'sequence' (GSPO), or GSPO's value with per-token gradients "
+        "('sequence_token').")
+    sapo_temperature_pos: float = key(1.0, "loss_type=sapo: the gate's temperature on tokens with a positive "
+        "advantage (TRL's default).")
+    sapo_temperature_neg: float = key(1.05, "loss_type=sapo: the gate's temperature on tokens with a zero or "
+        "negative advantage (TRL's default).")
+    entropy_coef: float = key(0.0, "Weight of the entropy bonus, reduced by ppo.loss_type as every per-token "
+        "loss.")
 
 
 @dataclass(frozen=True)
 class PPOCritic:
     """ppo's critic and advantages: which value model, GAE, whitening, the value loss."""
-
-    value_model: Literal["separate", "shared"] | None = None
-    """'shared': a value head on the actor (unset: the default); 'separate': a value model of its own
-    (unset: when value.name, value.lora or ppo.value_init is set)."""
-    value_init: Literal["reward", "policy"] | None = None
-    """A separate value model's start: the reward model ('reward'; unset: it, or the policy without
-    reward.name) or the policy ('policy'); value.name overrides both."""
-    gamma: float = 1.0
-    """Discount."""
-    lam: float = 0.95
-    """GAE lambda."""
-    whiten_advantages: bool = True
-    """Normalise the GAE advantages to mean 0 / std 1 over the rollout's response tokens, across processes."""
-    vf_coef: float = 0.5
-    """Weight of the value loss."""
-    value_clip_range: float | None = None
-    """Value clip around the rollout-time values; None disables it."""
-    critic_warmup_steps: int = 3
-    """Initial steps that update only the critic."""
+    value_model: Literal["separate", "shared"] | None = key(None, "'shared': a value head on the actor (unset: "
+        "the default); 'separate': a value model of its own (unset: when value.name, value.lora or ppo.value_init "
+        "is set).")
+    value_init: Literal["reward", "policy"] | None = key(None, "A separate value model's start: the reward model "
+        "('reward'; unset: it, or the policy without reward.name) or the policy ('policy'); value.name overrides "
+        "both.")
+    gamma: float = key(1.0, "Discount.")
+    lam: float = key(0.95, "GAE lambda.")
+    whiten_advantages: bool = key(True, "Normalise the GAE advantages to mean 0 / std 1 over the rollout's "
+        "response tokens, across processes.")
+    vf_coef: float = key(0.5, "Weight of the value loss.")
+    value_clip_range: float | None = key(None, "Value clip around the rollout-time values; None disables it.")
+    critic_warmup_steps: int = key(3, "Initial steps that update only the critic.")
 
 
 @dataclass(frozen=True)
 class PPOEvaluation:
     """When the held-out evaluation runs, and the metric that stops the run and picks the best."""
-
-    eval_every: int = 5
-    """Greedy evaluation on the held-out set every N steps (0 = only at the end)."""
-    stop_at: float = 0.99
-    """Stop once the held-out metric ppo.stop_metric reaches this (0 = run all steps)."""
-    stop_metric: str = ""
-    """Held-out metric for stop_at, keep_best and the eval-drop watch (empty: the first of
-    eval/exact_acc, eval/accuracy, eval/reward the evaluation logs)."""
-    keep_best: bool = False
-    """Save the policy (and critic) of the best evaluation on the stop metric, not the last step's."""
+    eval_every: int = key(5, "Greedy evaluation on the held-out set every N steps (0 = only at the end).")
+    stop_at: float = key(0.99, "Stop once the held-out metric ppo.stop_metric reaches this (0 = run all steps).")
+    stop_metric: str = key("", "Held-out metric for stop_at, keep_best and the eval-drop watch (empty: the first "
+        "of eval/exact_acc, eval/accuracy, eval/reward the evaluation logs).")
+    keep_best: bool = key(False, "Save the policy (and critic) of the best evaluation on the stop metric, not the "
+        "last step's.")
 
 
 @dataclass(frozen=True)
 class PPOGuards:
     """The reward-hacking watch (rlhfkit.watch): each flags a guard/* metric; 0 turns it off."""
-
-    guard_kl: float = 1.5
-    """Flag guard/kl_high when the KL per response token exceeds this many nats while ppo.stop_metric
-    has fallen below its best."""
-    guard_eos: float = 0.5
-    """Flag guard/eos_collapse when the EOS rate falls below this share of its early mean."""
-    guard_eval_drop: float = 0.15
-    """Flag guard/eval_drop when ppo.stop_metric falls more than this share below its best."""
-    guard_tradeoff: float = 0.3
-    """Flag guard/reward_tradeoff when one reward source falls more than this share while the total rose."""
+    guard_kl: float = key(1.5, "Flag guard/kl_high when the KL per response token exceeds this many nats while "
+        "ppo.stop_metric has fallen below its best.")
+    guard_eos: float = key(0.5, "Flag guard/eos_collapse when the EOS rate falls below this share of its early "
+        "mean.")
+    guard_eval_drop: float = key(0.15, "Flag guard/eval_drop when ppo.stop_metric falls more than this share "
+        "below its best.")
+    guard_tradeoff: float = key(0.3, "Flag guard/reward_tradeoff when one reward source falls more than this "
+        "share while the total rose.")
 
 
 @dataclass(frozen=True)
 class PPOLogging:
     """What each step writes beside its metrics: samples and per-token trajectories."""
-
-    samples_per_log: int = 4
-    """Generations saved to samples.jsonl per step."""
-    trajectories_every: int = 10
-    """Save per-token trajectories to trajectories.jsonl at the first, every N-th and the last step,
-    for ``rlhfkit report`` (0 = never)."""
-    trajectories_per_step: int = 2
-    """Rows of the batch saved each time, spread over the score ranks (lowest and highest first)."""
+    samples_per_log: int = key(4, "Generations saved to samples.jsonl per step.")
+    trajectories_every: int = key(10, "Save per-token trajectories to trajectories.jsonl at the first, every N-th "
+        "and the last step, for ``rlhfkit report`` (0 = never).")
+    trajectories_per_step: int = key(2, "Rows of the batch saved each time, spread over the score ranks (lowest "
+        "and highest first).")
 
 
 @dataclass(frozen=True)
 class PPOConfig(PPOLogging, PPOGuards, PPOEvaluation, PPOCritic, PPOLoss, PPOKL, PPORewards, PPOSampling,
                 PPOOptimizer, PPOBatches, Section):
-    """The RL commands' settings, one base class a concern; a dataclass takes its bases' fields
-    last base first, so the keys run from PPOBatches' to PPOLogging's. Where TRL, OpenRLHF or
-    DeepSpeed-Chat choose differently: docs/ppo_walkthrough.md, section 10."""
+    """The RL commands' settings, one base a concern; a dataclass takes its bases' fields last base first,
+    so the keys run from PPOBatches' to PPOLogging's. TRL's choices beside them: docs/ppo_walkthrough.md."""
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # the key was a bool before it had three values
             object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
-        # the keys left unset: Config resolves them for its policy (LORA_DEFAULTS), and Config.replace
-        # and load_config(base=...) keep them unset
+        # the keys left unset: Config resolves them for its policy, Config.replace keeps them unset
         object.__setattr__(self, "_defaulted", frozenset(k for k in ALGO_KEYS if getattr(self, k) is None))
-        for key, value in ALGO_DEFAULTS.get(self.algo, {}).items():  # an unknown algo: named by the check below
-            if getattr(self, key) is None:
-                object.__setattr__(self, key, value)  # frozen: the algorithm's default for a key left unset
+        for name, value in ALGO_DEFAULTS.get(self.algo, {}).items():  # an unknown algo: named by the check below
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         super().__post_init__()
         self._check_pairs()
 
