@@ -109,6 +109,9 @@ def sampling_settings(pc) -> dict:
     return {"top_k": pc.top_k, "top_p": pc.top_p, "min_p": pc.min_p, "repetition_penalty": pc.repetition_penalty}
 
 
+UNSHAPED = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}  # the draw is pi itself
+
+
 def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     enc = tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
@@ -132,35 +135,18 @@ def truncate_logprobs(logp: torch.Tensor, top_k: int = 0, top_p: float = 1.0, mi
     over those reaches ``top_p`` (ties with the last kept one kept too), then those at least
     ``min_p`` times the most likely (transformers' order)."""
     if top_k > 0 or top_p < 1.0:
-        logp = _top_k_top_p(logp, top_k, top_p)
+        V = logp.shape[-1]
+        top = logp.topk(top_k, -1).values if 0 < top_k < V else logp.sort(-1, descending=True).values  # [B, k]
+        n = torch.full_like(top[:, :1], top.shape[-1], dtype=torch.long)  # [B, 1] tokens kept
+        if top_p < 1.0:
+            probs = torch.softmax(top, -1)
+            mass_before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(-1)[:, :-1]], -1)  # non-decreasing
+            n = (mass_before < top_p).sum(-1, keepdim=True)  # >= 1: the first token has 0 before it
+        logp = logp.masked_fill(logp < top.gather(-1, n - 1), float("-inf"))  # below the least likely kept
     if min_p > 0.0:
         probs = logp.exp()  # [B, V]
         logp = logp.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logp
-
-
-def _top_k_top_p(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """:func:`truncate_logprobs` without min-p."""
-    V = logp.shape[-1]
-    if 0 < top_k < V:
-        top = logp.topk(top_k, -1).values  # [B, k], descending
-    else:
-        top = logp.sort(-1, descending=True).values  # [B, V]
-    n = torch.full_like(top[:, :1], top.shape[-1], dtype=torch.long)  # [B, 1] tokens kept
-    if top_p < 1.0:
-        probs = torch.softmax(top, -1)
-        mass_before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(-1)[:, :-1]], -1)  # non-decreasing
-        n = (mass_before < top_p).sum(-1, keepdim=True)  # >= 1: the first token has 0 before it
-    cutoff = top.gather(-1, n - 1)  # [B, 1] the least likely kept token's log-prob
-    return logp.masked_fill(logp < cutoff, float("-inf"))
-
-
-def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """``logits [B, V]`` with each token of ``seen [B, V]`` (bool: already in the row's prompt or
-    response) penalised: a positive logit divided by ``penalty``, a negative one multiplied by it
-    (transformers' ``RepetitionPenaltyLogitsProcessor``; > 1 makes a repeat less likely)."""
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
 
 
 def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, V: int) -> torch.Tensor:
@@ -174,11 +160,12 @@ def sampler_logprobs(logits: torch.Tensor, logp: torch.Tensor, temperature: floa
                      repetition_penalty: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      min_p: float = 0.0) -> torch.Tensor:
     """Unnormalised log-probabilities ``[B, V]`` of the distribution the sampler draws from: the raw
-    ``logits`` with the ``seen`` tokens penalised, over ``temperature``, then truncated
+    ``logits`` with the ``seen [B, V]`` tokens penalised, over ``temperature``, then truncated
     (:func:`truncate_logprobs`), as transformers orders its processors. ``logp``: the policy's
     tempered log-softmax, used as it is when nothing is penalised."""
-    if repetition_penalty != 1.0:
-        logp = torch.log_softmax(penalize_repeats(logits, seen, repetition_penalty) / temperature, -1)
+    if repetition_penalty != 1.0:  # a seen token's logit divided by the penalty if positive, else multiplied
+        penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logp = torch.log_softmax(torch.where(seen, penalised, logits) / temperature, -1)
     return truncate_logprobs(logp, top_k, top_p, min_p)
 
 
@@ -270,18 +257,17 @@ class _Draw:
     """
 
     def __init__(self, B: int, V: int, max_new_tokens: int, temperature: float, greedy: bool,
-                 eos_token_id: int | Sequence[int], uniforms: torch.Tensor | None, device, top_k: int = 0,
-                 top_p: float = 1.0, stop: _StopStrings | None = None, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0, seen: torch.Tensor | None = None):
+                 eos_token_id: int | Sequence[int], uniforms: torch.Tensor | None, device, shaping: dict,
+                 stop: _StopStrings | None = None, seen: torch.Tensor | None = None):
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.temperature, self.greedy = temperature, greedy
         self.eos = torch.tensor(eos, dtype=torch.long, device=device)  # [E]: any of them ends a row
         # the compiled sampler ends rows at the first EOS id; the others are checked after its call
         self.more_eos = self.eos[1:] if len(eos) > 1 else None
         self.uniforms, self.stop = uniforms, stop
-        self.shaping = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
+        self.shaping = shaping  # sampling_settings' keys
         # the compiled sampler draws from the full tempered distribution only
-        self.shaped = not greedy and (top_k > 0 or top_p < 1.0 or min_p > 0.0 or repetition_penalty != 1.0)
+        self.shaped = not greedy and shaping != UNSHAPED
         self.seen = seen  # [B, V] the tokens in each row's context, for the repetition penalty (else None)
         self.sampler = (ops.sampler(B, max_new_tokens, V, temperature, eos[0])
                         if not greedy and not self.shaped and device.type == "cpu" else None)
@@ -427,8 +413,9 @@ def generate(
         uniforms = torch.rand((B, max_new_tokens), generator=generator, device=device)
     V = logits.shape[-1]
     seen = seen_tokens(prompt_ids, prompt_mask, V) if repetition_penalty != 1.0 and not greedy else None  # [B, V]
-    draw = _Draw(B, V, max_new_tokens, temperature, greedy, eos_token_id, uniforms, device, top_k, top_p,
-                 _StopStrings(tokenizer, stop, B) if stop else None, min_p, repetition_penalty, seen)
+    shaping = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
+    draw = _Draw(B, V, max_new_tokens, temperature, greedy, eos_token_id, uniforms, device, shaping,
+                 _StopStrings(tokenizer, stop, B) if stop else None, seen)
     values = [] if value_head is not None and fwd.fast is not None else None
     for t in range(max_new_tokens):
         if values is not None:
