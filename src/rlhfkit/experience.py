@@ -175,9 +175,8 @@ def zero_std_rows(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
 
 
 def loss_rows(zero_std: torch.Tensor | None, finished: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
-    """``[B]`` bool, the rows the update trains on: all but those of zero-std groups
-    (``ppo.filter_zero_std_groups``) and those cut at ``max_new_tokens``
-    (``ppo.mask_truncated_completions``); None when neither option is on."""
+    """``[B]`` bool, the rows the update trains on: all but zero-std groups' (``ppo.filter_zero_std_groups``)
+    and truncated ones (``ppo.mask_truncated_completions``); None when neither option is on."""
     keep = None
     if pc.filter_zero_std_groups and zero_std is not None:
         keep = ~zero_std
@@ -190,9 +189,8 @@ EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chun
 
 
 def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Runs of identical consecutive ``[B, P]`` prompt rows (how GRPO lays out a group):
-    ``(first [U], rows [B])``, the first row of each run and the run of each row; None when no
-    row repeats the one before it."""
+    """Runs of identical consecutive ``[B, P]`` prompt rows (a GRPO group): ``(first [U], rows [B])``,
+    each run's first row and each row's run; None when no row repeats the one before."""
     if input_ids.shape[0] < 2:
         return None
     same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(1)  # [B-1]
@@ -311,23 +309,17 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
 
 
 def overlong_scores(roll: Rollout, pc: PPOConfig) -> torch.Tensor:
-    """``[B]`` DAPO's over-long penalties (``ppo.overlong_buffer``): of each response's length; in a
-    multi-turn episode the sum of its turns' own, each turn being a response of at most
-    ``max_new_tokens`` (one turn: the response's, bit for bit)."""
-    if roll.turn_lengths is None:
-        return overlong_penalty(roll.response_mask.sum(-1), pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty)
-    # [B, R] -> [B]: a column without a turn's end has length 0, below the ramp, penalty 0
-    return overlong_penalty(roll.turn_lengths, pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty).sum(-1)
+    """``[B]`` DAPO's over-long penalties (``ppo.overlong_buffer``) of each response's length; in a
+    multi-turn episode the sum of its turns' own (a column without a turn's end: length 0, penalty 0)."""
+    lengths = roll.response_mask.sum(-1, keepdim=True) if roll.turn_lengths is None else roll.turn_lengths  # [B, *]
+    return overlong_penalty(lengths, pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty).sum(-1)
 
 
 def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: RunningMoments | None,
                  shard: Shard, records=None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(raw_score [B], score [B], {source: [B]})``: the reward's weighted total plus an
-    environment's per-turn rewards (the episode return), then the missing-EOS penalty, the
-    over-long penalty (``ppo.overlong_buffer``) and the running normalisation
-    (``ppo.normalize_reward``, over every process's scored rows); and each source's own scores.
-    NaN marks a response no reward scored (:meth:`~rlhfkit.rewards.Reward.score`); with an
-    environment its return scores every episode."""
+    """``(raw_score [B], score [B], {source: [B]})``: the reward's total plus an environment's
+    per-turn rewards, then the missing-EOS and over-long penalties and the running normalisation
+    (over every process's scored rows); and each source's scores. NaN: a response no reward scored."""
     raw_score, parts = scorer.score(roll, records)  # [B]
     if roll.turn_rewards is not None:
         raw_score = raw_score.nan_to_num(0.0) + roll.turn_rewards.sum(-1)  # [B]
@@ -344,10 +336,9 @@ def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: Run
 @torch.no_grad()
 def token_rewards(roll: Rollout, score: torch.Tensor, kl: torch.Tensor, beta: float, pc: PPOConfig,
                   reward_stats: RunningMoments | None) -> torch.Tensor:
-    """Per-token rewards ``[B, R]``: the episode return (``score [B]``) on the last model token, with
-    -beta * ``kl`` on every token (:func:`~rlhfkit.core.shaped_rewards`). With an environment's
-    per-turn rewards (ppo), each on its turn's last token and the rest of the normalised return
-    on the last one, so a one-turn episode's rewards are the single-turn ones bit for bit."""
+    """Per-token rewards ``[B, R]``: ``score [B]`` on the last model token, -beta * ``kl`` on every
+    token (:func:`~rlhfkit.core.shaped_rewards`); an environment's per-turn rewards (ppo) each on
+    its turn's last token, the rest of the normalised return on the last one."""
     rmask = roll.response_mask
     if pc.algo != "ppo" or roll.turn_rewards is None:
         return shaped_rewards(score, kl, rmask, beta, pc.score_clip)
