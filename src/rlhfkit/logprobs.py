@@ -79,11 +79,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                             None if grad_ent is None else grad_ent[s : s + ctx.chunk_rows])  # [n, V]
             grad_w = _head_grads(g, h, weight, ctx.temperature, grad_h, grad_w, need_w, grad_b, s, acc)
             del g
-        if need_w and grad_w is None:  # no rows
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
-        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, *_head_dtypes(grad_w, grad_b, weight, bias, need_w), None, None, None, None
 
 
 class _ChunkedTokenLoss(torch.autograd.Function):
@@ -140,10 +136,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
                 g = z.mul_((-g_lp / total)[:, None].to(z.dtype)).scatter_add_(1, t, g_lp[:, None].to(z.dtype))
             grad_w = _head_grads(g, h, weight, 1.0 if bf16 else temperature, grad_h, grad_w, need_w, grad_b, s, acc)
             del z, g
-        if need_w and grad_w is None:  # no rows
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                     None if grad_b is None else grad_b.to(bias.dtype))
+        ctx.grads = (grad_h, *_head_dtypes(grad_w, grad_b, weight, bias, need_w))
         ctx.mark_non_differentiable(logp, *([ent] if with_entropy else []))
         return (loss, logp, ent) if with_entropy else (loss, logp)
 
@@ -205,6 +198,14 @@ def _head_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, temperat
     if grad_b is not None:
         grad_b += g.sum(0)
     return grad_w
+
+
+def _head_dtypes(grad_w: torch.Tensor | None, grad_b: torch.Tensor | None, weight: torch.Tensor,
+                 bias: torch.Tensor | None, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The summed head gradients in the weights' dtypes (zeros for a weight no row reached)."""
+    if need_w and grad_w is None:  # no rows
+        grad_w = torch.zeros_like(weight)
+    return (None if grad_w is None else grad_w.to(weight.dtype)), (None if grad_b is None else grad_b.to(bias.dtype))
 
 
 def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
