@@ -547,7 +547,7 @@ def freeze(model: nn.Module) -> nn.Module:
 def scalar_head(model: PreTrainedModel) -> nn.Module:
     """The linear head of a sequence-classification model (``score`` or ``classifier``)."""
     model = unwrap(model)
-    for name in ("score", "classifier"):
+    for name in SCALAR_HEADS:
         head = getattr(model, name, None)
         if isinstance(head, nn.Linear):
             return head
