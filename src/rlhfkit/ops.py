@@ -58,6 +58,11 @@ def register(name: str, fn: Callable, label: str) -> None:
     _impl[name], _chosen[name] = fn, label
 
 
+def get(name: str) -> Callable:
+    """The implementation ``name`` runs now."""
+    return _impl[name]
+
+
 def reference(name: str) -> Callable:
     """The plain PyTorch implementation of ``name`` (a shortcut's: None, not taken)."""
     return REFERENCE[name]
