@@ -42,33 +42,21 @@ from .watch import HackingWatch, SignalWatch
 
 @dataclass(kw_only=True)
 class Experience:
-    """A rollout plus everything the update needs; every ``[B, R]`` tensor is response-aligned.
-    Built by keyword only.
+    """A rollout plus everything the update needs, built by keyword; ``[B, R]`` response-aligned.
 
     Fields:
-        input_ids, attention_mask: ``[B, T]`` prompt + response (T = P + R).
-        prompt_len:     P, the column where responses start.
-        response_ids:   ``[B, R]`` actions a_t.
-        response_mask:  ``[B, R]`` 1 up to and including the first EOS.
-        old_logprobs:   ``[B, R]`` log pi_old(a_t|s_t): the sampler's own (``ppo.reuse_rollout_logprobs``,
-                        :func:`reuse_rollout`), the training forward's, recomputed, or (``deferred``)
-                        zeros until the update's own forward writes them (:func:`defer_old_logprobs`).
-        ref_logprobs:   ``[B, R]`` log pi_ref(a_t|s_t).
-        old_values:     ``[B, R]`` V_old(s_t).
-        score:          ``[B]`` reward-model score (after penalties/normalisation, before clip).
-        rewards:        ``[B, R]`` shaped per-token rewards.
-        advantages:     ``[B, R]`` GAE advantages (whitened if configured), or the group / batch
-                        baseline's, times ``ppo.sampling_correction``'s weights when it is set.
-        returns:        ``[B, R]`` GAE returns (value targets).
-        raw_advantages: ``[B, R]`` GAE advantages before whitening (PPO only; for the report).
-        loss_rows:      ``[B]`` bool, the rows the update trains on (``ppo.filter_zero_std_groups``,
-                        ``ppo.mask_truncated_completions`` leave some out: :meth:`select`); None: all.
-        deferred:       the old log-probs come from the update's forward, which writes them here;
-                        :func:`deferred_stats` then gives the statistics that read them, with the
-                        entropies ``entropy [B, R]``: the sampler's (the full tempered distribution's,
-                        as the experience pass computes them; an entropy bonus in the loss reads
-                        the update's own), or where the rollout has none (``entropy_pending``) the
-                        update's forward's, written here too.
+        input_ids, attention_mask: ``[B, T]`` prompt + response; prompt_len: P.
+        response_ids, response_mask: ``[B, R]`` the actions, 1 up to and including the first EOS.
+        old_logprobs:   log pi_old(a_t|s_t): the sampler's (:func:`reuse_rollout`), a forward's, or
+                        zeros until the update's forward writes them (``deferred``).
+        ref_logprobs, old_values: log pi_ref(a_t|s_t), V_old(s_t).
+        score:          ``[B]`` the reward after penalties / normalisation, before the clip.
+        rewards:        shaped per-token rewards.
+        advantages, returns: GAE's (whitened if configured) or the group / batch baseline's, times
+                        ``ppo.sampling_correction``'s weights; raw_advantages: GAE's unwhitened.
+        loss_rows:      ``[B]`` bool, the rows the update trains on (:meth:`select`); None: all.
+        deferred:       the update's forward writes the old log-probs (:func:`deferred_stats`), and
+                        the entropies ``entropy`` too where the rollout has none (``entropy_pending``).
     """
 
     input_ids: torch.Tensor
@@ -134,14 +122,9 @@ class ActorCritic(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, detach_value=False,
                 response_ids: torch.Tensor | None = None, entropy: bool = False, token_loss=None):
-        """Response-aligned ``logits [B, R, V]`` (tempered) and ``values [B, R]``.
-
-        Given ``response_ids [B, R]`` (the update), the chosen tokens' log-probs instead of the
-        logits: ``(logprobs [B, R], entropy [B, R] or None, values)``, from
-        :func:`~rlhfkit.models.token_logprobs`, which for a big vocabulary never holds
-        the ``[B, R, V]`` logits; with ``token_loss`` also that loss (or None where it was not
-        computed in the head: see there), as a fourth item. All of it runs inside ``forward``, so
-        DDP / FSDP see every weight used."""
+        """Response-aligned tempered ``logits [B, R, V]`` and ``values [B, R]``; given
+        ``response_ids`` (the update), :func:`~rlhfkit.models.token_logprobs`'s ``(logprobs,
+        entropy, values[, loss])`` instead. Inside ``forward``, so DDP / FSDP see every weight."""
         if response_ids is not None:
             logprobs, ent, values, *loss = token_logprobs(  # loss: [] without token_loss
                 self.policy, input_ids, attention_mask, prompt_len, response_ids, temperature, self.value_head,
@@ -192,9 +175,8 @@ def zero_std_rows(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
 
 
 def loss_rows(zero_std: torch.Tensor | None, finished: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
-    """``[B]`` bool, the rows the update trains on: all but those of zero-std groups
-    (``ppo.filter_zero_std_groups``) and those cut at ``max_new_tokens``
-    (``ppo.mask_truncated_completions``); None when neither option is on."""
+    """``[B]`` bool, the rows the update trains on: all but zero-std groups' (``ppo.filter_zero_std_groups``)
+    and truncated ones (``ppo.mask_truncated_completions``); None when neither option is on."""
     keep = None
     if pc.filter_zero_std_groups and zero_std is not None:
         keep = ~zero_std
@@ -207,9 +189,8 @@ EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chun
 
 
 def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Runs of identical consecutive ``[B, P]`` prompt rows (how GRPO lays out a group):
-    ``(first [U], rows [B])``, the first row of each run and the run of each row; None when no
-    row repeats the one before it."""
+    """Runs of identical consecutive ``[B, P]`` prompt rows (a GRPO group): ``(first [U], rows [B])``,
+    each run's first row and each row's run; None when no row repeats the one before."""
     if input_ids.shape[0] < 2:
         return None
     same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(1)  # [B-1]
@@ -221,14 +202,10 @@ def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tupl
 
 
 def row_chunks(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Row indices ``[b]`` in consecutive chunks of at most ``size`` rows that never cut a run of
-    identical prompt rows (a GRPO group, :func:`repeated_rows`) in two unless the
-    run alone is longer than ``size``: the shared-prompt forward of each chunk then runs every
-    group's prompt once, as the rollout's prefill and the update do. Without such runs, plain
-    ``size``-row chunks.
-
-    With groups of 8 and ``size`` 10 the chunks are 8 rows each, not 10 + 10 + ... (which would
-    run 13 prompts for 8 groups); with groups of 8 and ``size`` 3, 3 + 3 + 2 rows a group."""
+    """Row indices ``[b]`` in consecutive chunks of at most ``size`` rows that cut a run of identical
+    prompt rows (a GRPO group, :func:`repeated_rows`) only when it alone is longer than ``size``,
+    so each chunk's forward runs every group's prompt once (groups of 8, ``size`` 10: chunks of 8;
+    ``size`` 3: 3 + 3 + 2 a group)."""
     B, device = prompt_ids.shape[0], prompt_ids.device
     runs = repeated_rows(prompt_ids, prompt_mask) if size < B else None
     if runs is None:
@@ -255,21 +232,15 @@ def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
             and (ac.value_head is None or roll.values is not None))
 
 
-# the update's forward gives the old log-probs where it is the rollout's only optimizer step
-# (defer_old_logprobs); False: the experience pass always runs the policy when it cannot reuse the sampler's
+# False: the experience pass always runs the policy when it cannot reuse the sampler's log-probs
 DEFER_OLD_LOGPROBS = True
 
 
 def defer_old_logprobs(ac: ActorCritic, pc: PPOConfig, reuse: bool, beta: float, keep: torch.Tensor | None) -> bool:
-    """Whether the experience pass leaves the old log-probs to the update's forward, as TRL does
-    with one update a rollout. When the update is the rollout's only optimizer step (one epoch,
-    one minibatch: ``ppo_epochs`` 1 and ``minibatch_size`` at least ``batch_size``), its forward
-    runs the policy that sampled, before the step, so its log-probs are the old ones (ratio 1,
-    as with a forward of their own, up to rounding), and one policy forward per step is saved.
-    Taken only when nothing before the update reads them: the sampler's are not reused
-    (``reuse``), no KL in the reward (``beta`` 0: ``kl_in_loss``), no sampling correction, no
-    critic or shared value head (whose values the experience needs), every row trained (``keep``
-    None)."""
+    """Whether the experience pass leaves the old log-probs to the update's forward (as TRL does):
+    when the update is the rollout's only optimizer step its forward runs the sampling policy,
+    which saves a forward. Only when nothing before the update reads them: not ``reuse``d, no KL
+    in the reward (``beta`` 0), no sampling correction, no critic, every row trained."""
     return (DEFER_OLD_LOGPROBS and not reuse and beta == 0.0 and pc.sampling_correction == "none"
             and pc.ppo_epochs == 1 and pc.minibatch_size >= pc.batch_size and not ac.has_critic and keep is None)
 
@@ -277,10 +248,8 @@ def defer_old_logprobs(ac: ActorCritic, pc: PPOConfig, reuse: bool, beta: float,
 def policy_stats(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, entropy: torch.Tensor,
                  rollout_logprobs: torch.Tensor | None, rmask: torch.Tensor, score: torch.Tensor,
                  rewards: torch.Tensor, pc: PPOConfig, kl_coef: float, shard: Shard) -> dict[str, torch.Tensor]:
-    """The statistics that read the old log-probs: the sequence KL to the reference, the RLHF
-    reward (score minus the KL penalty), the mean entropy and, given the sampler's log-probs
-    (``rollout_logprobs``: they were not reused), ``policy/logprob_gap``, the largest
-    generation-time vs training-forward difference (a silent off-policy mismatch shows here)."""
+    """The statistics that read the old log-probs: sequence KL, RLHF reward, mean entropy and, given
+    the sampler's log-probs, ``policy/logprob_gap`` (where a silent off-policy mismatch shows)."""
     valid = rmask.bool()
     kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
     stats = {"objective/kl": kl_seq.mean(),
@@ -303,23 +272,16 @@ def deferred_stats(exp: Experience, rollout_logprobs: torch.Tensor, pc: PPOConfi
 @torch.no_grad()
 def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool,
                         policy: bool = True) -> dict[str, torch.Tensor]:
-    """``old_logprobs``, ``ref_logprobs``, ``entropy`` ``[B, R]`` and ``old_values`` (``[B, R]`` or
-    None) of a rollout. The forwards read the chosen tokens' log-probs through
-    :func:`~rlhfkit.models.token_logprobs`, which never holds a big vocabulary's ``[B, R, V]``
-    logits (it takes them ``UPDATE_LOGITS`` at a time, as the update does), and run in row
-    chunks of at most ``EXPERIENCE_LOGITS // (R * V)`` rows, which bounds the activations, cut
-    between groups (:func:`row_chunks`) so that each group's prompt runs once.
-    ``reuse``: old log-probs, entropies and shared-head values come from the sampler (one policy
-    forward less per step); ``policy`` False: the policy is not run (its log-probs and entropies
-    None; :func:`defer_old_logprobs`)."""
+    """``old_logprobs``, ``ref_logprobs``, ``entropy`` ``[B, R]`` and ``old_values`` (or None) of a
+    rollout, in row chunks of at most ``EXPERIENCE_LOGITS // (R * V)`` rows cut between groups
+    (:func:`row_chunks`). ``reuse``: the policy's from the sampler; ``policy`` False: the policy is
+    not run (its outputs None)."""
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
     B, R = roll.response_ids.shape
     vocab = unwrap(ac.policy).get_output_embeddings().out_features
     chunk = max(1, min(B, EXPERIENCE_LOGITS // max(1, R * vocab)))
     parts: dict[str, list] = {"old_logprobs": [], "old_values": [], "entropy": [], "ref_logprobs": []}
-    # model.master_weights: the bfloat16 copies, once for the pass, of the models it runs: the
-    # policy and critic, the critic alone (reused log-probs) or none (a no-op inside a caller's
-    # block over the same models)
+    # model.master_weights: the bfloat16 copies, once for the pass, of the models it runs
     if not policy:
         runs = None
     elif not reuse:
@@ -347,23 +309,17 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
 
 
 def overlong_scores(roll: Rollout, pc: PPOConfig) -> torch.Tensor:
-    """``[B]`` DAPO's over-long penalties (``ppo.overlong_buffer``): of each response's length; in a
-    multi-turn episode the sum of its turns' own, each turn being a response of at most
-    ``max_new_tokens`` (one turn: the response's, bit for bit)."""
-    if roll.turn_lengths is None:
-        return overlong_penalty(roll.response_mask.sum(-1), pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty)
-    # [B, R] -> [B]: a column without a turn's end has length 0, below the ramp, penalty 0
-    return overlong_penalty(roll.turn_lengths, pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty).sum(-1)
+    """``[B]`` DAPO's over-long penalties (``ppo.overlong_buffer``) of each response's length; in a
+    multi-turn episode the sum of its turns' own (a column without a turn's end: length 0, penalty 0)."""
+    lengths = roll.response_mask.sum(-1, keepdim=True) if roll.turn_lengths is None else roll.turn_lengths  # [B, *]
+    return overlong_penalty(lengths, pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty).sum(-1)
 
 
 def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: RunningMoments | None,
                  shard: Shard, records=None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(raw_score [B], score [B], {source: [B]})``: the reward's weighted total plus an
-    environment's per-turn rewards (the episode return), then the missing-EOS penalty, the
-    over-long penalty (``ppo.overlong_buffer``) and the running normalisation
-    (``ppo.normalize_reward``, over every process's scored rows); and each source's own scores.
-    NaN marks a response no reward scored (:meth:`~rlhfkit.rewards.Reward.score`); with an
-    environment its return scores every episode."""
+    """``(raw_score [B], score [B], {source: [B]})``: the reward's total plus an environment's
+    per-turn rewards, then the missing-EOS and over-long penalties and the running normalisation
+    (over every process's scored rows); and each source's scores. NaN: a response no reward scored."""
     raw_score, parts = scorer.score(roll, records)  # [B]
     if roll.turn_rewards is not None:
         raw_score = raw_score.nan_to_num(0.0) + roll.turn_rewards.sum(-1)  # [B]
@@ -380,10 +336,9 @@ def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: Run
 @torch.no_grad()
 def token_rewards(roll: Rollout, score: torch.Tensor, kl: torch.Tensor, beta: float, pc: PPOConfig,
                   reward_stats: RunningMoments | None) -> torch.Tensor:
-    """Per-token rewards ``[B, R]``: the episode return (``score [B]``) on the last model token, with
-    -beta * ``kl`` on every token (:func:`~rlhfkit.core.shaped_rewards`). With an environment's
-    per-turn rewards (ppo), each on its turn's last token and the rest of the normalised return
-    on the last one, so a one-turn episode's rewards are the single-turn ones bit for bit."""
+    """Per-token rewards ``[B, R]``: ``score [B]`` on the last model token, -beta * ``kl`` on every
+    token (:func:`~rlhfkit.core.shaped_rewards`); an environment's per-turn rewards (ppo) each on
+    its turn's last token, the rest of the normalised return on the last one."""
     rmask = roll.response_mask
     if pc.algo != "ppo" or roll.turn_rewards is None:
         return shaped_rewards(score, kl, rmask, beta, pc.score_clip)
@@ -426,16 +381,8 @@ def make_experience(
     PPO: per-token shaped rewards (-beta*KL, score on the last token) -> GAE with the critic.
     GRPO / RLOO / REINFORCE: the sequence score (minus beta * sequence KL unless the KL is a
     loss term) -> a baseline from the other samples -> the same advantage on every token.
-
-    ``shard`` (data parallel): whitening, baselines and reward normalisation see the rows of
-    every process, so they equal the single-process values; the stats are this process's.
-    ``records``: the prompt records of the rows, whose columns reach the reward functions.
-
-    Signal diagnostics among the stats: ``frac_reward_zero_std`` (the share of prompt groups
-    whose scores are all equal, :func:`zero_std_rows`; groups of ``ppo.group_size``, or of
-    ``ppo.samples_per_prompt`` for ppo / reinforce; not logged for groups of 1) and
-    ``response/truncated_rate`` (the share cut at ``max_new_tokens``, ``1 - response/eos_rate``).
-    ``Experience.loss_rows`` holds the rows the options leave in the update (:func:`loss_rows`).
+    ``shard``: whitening, baselines and reward normalisation see every process's rows (the stats
+    are this process's); ``records``: the rows' prompt records, for the reward functions.
     """
     shard = shard or Shard()
     rmask = roll.response_mask

@@ -39,29 +39,13 @@ def from_scratch(model) -> bool:
     return bool(getattr(getattr(unwrap(model), "config", None), SCRATCH_MARK, False))
 
 
-def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int = 64, n_positions: int = 32) -> GPT2Config:
-    """A GPT-2 config sized for the toy tasks, dropout off (RL needs deterministic forwards).
-
-    Input and output embeddings are untied: with tying, every token that never appears as
-    a target in pretraining (the task's prefix characters) receives the same "push this
-    logit down" gradient and their embeddings collapse onto one another, so RL would first
-    have to pull them apart before the policy can tell the prefixes apart.
-    """
-    return GPT2Config(
-        tie_word_embeddings=False,
-        vocab_size=len(tokenizer),
-        n_positions=n_positions,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **{SCRATCH_MARK: True},
-    )
+def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int = 64, n_positions: int = 32,
+                     num_labels: int = 2) -> GPT2Config:
+    """A GPT-2 config sized for the toy tasks (:func:`tiny_config`), dropout off (RL needs
+    deterministic forwards), embeddings untied: tied, the tokens never seen as targets in
+    pretraining (the prefixes) get the same gradient and their embeddings collapse together."""
+    return tiny_config("gpt2", tokenizer, hidden=n_embd, layers=n_layer, heads=n_head, max_positions=n_positions,
+                       num_labels=num_labels)
 
 
 def build_tiny_policy(tokenizer, seed: int, **arch) -> GPT2LMHeadModel:
@@ -71,9 +55,7 @@ def build_tiny_policy(tokenizer, seed: int, **arch) -> GPT2LMHeadModel:
 
 def build_tiny_scalar_model(tokenizer, seed: int, **arch) -> GPT2ForSequenceClassification:
     torch.manual_seed(seed)
-    cfg = tiny_gpt2_config(tokenizer, **arch)
-    cfg.num_labels = 1
-    return GPT2ForSequenceClassification(cfg)
+    return GPT2ForSequenceClassification(tiny_gpt2_config(tokenizer, num_labels=1, **arch))
 
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,10 +103,9 @@ def build_tiny(arch: str, tokenizer, seed: int = 0, scalar: bool = False, **size
 
 
 def context_window(*models) -> int | None:
-    """The longest sequence, in tokens, that every one of ``models`` reads: the smallest
-    ``max_position_embeddings`` (GPT-2's ``n_positions``; a multimodal model's ``text_config``)
-    of their configs, past which positions are out of range. None when no model declares a
-    limit; ``None`` entries (no critic ...) and the LoRA reference are skipped."""
+    """The longest sequence every one of ``models`` reads: the smallest ``max_position_embeddings``
+    (``n_positions``; a multimodal model's ``text_config``'s) of their configs, None when none
+    declares one; ``None`` entries and the LoRA reference are skipped."""
     limits = []
     for model in models:
         if model is None or isinstance(model, AdapterDisabled):
@@ -142,11 +123,10 @@ class ModelLoadError(ValueError):
 
 
 def local_path_reason(path: str) -> str | None:
-    """Why ``path`` is a filesystem path and not a hub id (``'name'`` or ``'org/name'``), or None
-    when it may be a hub id. A path: absolute, or starting with ``.`` or ``~``, or ending with a
-    separator, or with two separators or more, or (``org/name`` in form) whose first component
-    is an existing local directory -- ``runs/nope`` when ``./runs`` exists is a run directory
-    that is missing, not a hub repository, so it fails at once instead of after the hub's retries."""
+    """Why ``path`` is a filesystem path, not a hub id (``'name'`` or ``'org/name'``), or None when
+    it may be one: absolute, starting with ``.`` or ``~``, ending with a separator, with two or
+    more, or whose first component is a local directory (``runs/nope`` with ``./runs`` there
+    fails at once, not after the hub's retries)."""
     norm = path.replace(os.sep, "/")
     if os.path.isabs(path) or path.startswith((".", "~")):
         return "an absolute or relative path"
@@ -160,9 +140,7 @@ def local_path_reason(path: str) -> str | None:
 
 def _from_pretrained(loader, path: str, what: str, **kwargs):
     """``loader.from_pretrained(path, **kwargs)`` with a one-paragraph error instead of a traceback.
-
-    Weights are read from safetensors only (``use_safetensors=True`` for models): a pickle-based
-    ``pytorch_model.bin`` can execute code when loaded, so it is refused, not loaded."""
+    Models load from safetensors only: unpickling a ``.bin`` can run code."""
     path = os.fspath(path)
     if not path:
         raise ModelLoadError(f"no {what} path given")
@@ -218,11 +196,9 @@ def policy_dir(path: str) -> str:
 
 def load_policy(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
                 base: str = "") -> PreTrainedModel:
-    """A causal LM from a local directory or a hub id (``AutoModelForCausalLM``, safetensors only).
-
-    A directory holding only a LoRA adapter (``adapter_config.json``, as ``policy_adapter/``
-    of a LoRA run) is loaded onto its base model and merged: ``base`` when given, else the one
-    its ``adapter_config.json`` names."""
+    """A causal LM from a local directory or a hub id (safetensors only). A directory holding only
+    a LoRA adapter (a run's ``policy_adapter/``) is merged onto ``base``, else the base its
+    ``adapter_config.json`` names."""
     dtype = resolve_dtype(dtype) or torch.float32
     p = Path(path)
     if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
@@ -248,10 +224,19 @@ def _load_adapter(path: Path, dtype: torch.dtype, trust_remote_code: bool, base:
                              f"{'' if os.path.isabs(base) else ', relative to ' + os.getcwd()}): {fix}")
     model = _from_pretrained(AutoModelForCausalLM, base, "base model of the LoRA adapter", dtype=dtype,
                              trust_remote_code=trust_remote_code, use_safetensors=True)
-    with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with _quiet_peft():
         model = PeftModel.from_pretrained(model, str(path))
     return model.merge_and_unload()
+
+
+@contextlib.contextmanager
+def _quiet_peft():
+    """peft's warnings that say nothing to a user: a transformers method it calls is deprecated
+    in v5; it sets ``fan_in_fan_out`` itself on a Linear layer targeted beside GPT-2's Conv1D."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
+        yield
 
 
 def load_scalar_model(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
@@ -295,11 +280,8 @@ def backbone(model: nn.Module) -> nn.Module:
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> PreTrainedModel:
-    """Activation checkpointing in the non-reentrant form (works with frozen embeddings and LoRA).
-
-    Layers drop their KV cache while checkpointing in train mode, so sampling must run in
-    :func:`eval_mode` (rollouts do). An accelerated forward (:func:`rlhfkit.ops.hidden_states`)
-    reads the same switch."""
+    """Non-reentrant activation checkpointing (works with frozen embeddings and LoRA). Layers drop
+    their KV cache while checkpointing in train mode, so sampling runs in :func:`eval_mode`."""
     base = unwrap(model)
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -320,9 +302,8 @@ def eval_mode(model: nn.Module):
 
 
 def _set_training(model: nn.Module, mode: bool) -> None:
-    """``model.train(mode)``, which in transformers also kernelizes the model's hub kernels again
-    (``use_kernels``); for a model an accelerated forward computes (:func:`rlhfkit.ops.runs_forward`)
-    only the flags change, since its layers' own forward never runs."""
+    """``model.train(mode)`` (which also kernelizes hub kernels again); only the flags for a model
+    an accelerated forward computes (:func:`rlhfkit.ops.runs_forward`)."""
     if ops.runs_forward(model):
         for m in model.modules():
             m.training = mode
@@ -342,10 +323,9 @@ SCALAR_HEADS = ("score", "classifier")  # a scalar head is trained in full, neve
 
 
 def check_lora_targets(model: nn.Module, targets: str | list[str]) -> None:
-    """ValueError naming the names of ``targets`` (a list, as :func:`lora_targets` gives) that match
-    no module of ``model`` -- peft wraps the ones it finds and silently drops the rest -- with the
-    model's names an adapter can wrap. A name matches a module whose qualified name is it or
-    ends with ``.`` + it, as peft matches."""
+    """ValueError naming the ``targets`` (a list) that match no module of ``model``, which peft
+    would drop silently, and the names an adapter can wrap; matched as peft does (the name, or a
+    qualified name ending with ``.`` + it)."""
     if isinstance(targets, str):  # 'all-linear': peft finds the layers itself
         return
     names = [name for name, _ in model.named_modules()]
@@ -369,15 +349,11 @@ def add_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.0,
     if isinstance(targets, list) and set(heads) & set(targets):
         raise ValueError("model.lora_target_modules must not name the scalar head (score / classifier)")
     check_lora_targets(model, targets)
-    # GPT-2's Conv1D layers store their weight transposed (fan_in x fan_out): peft must be told (the
-    # saved adapter_config.json then says so too), or it warns on every run and sets the flag itself,
-    # layer by layer -- as it still does, silenced below, for a Linear layer targeted beside them
+    # GPT-2's Conv1D layers store their weight transposed (fan_in x fan_out): peft must be told
     conv1d = any(isinstance(m, Conv1D) for m in model.modules())
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
                         exclude_modules=heads if trainable_head else None, fan_in_fan_out=conv1d)
-    with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
+    with _quiet_peft():
         peft_model = get_peft_model(model, config)
     if trainable_head:
         scalar_head(peft_model).requires_grad_(True)
@@ -389,12 +365,8 @@ def is_lora(model: nn.Module) -> bool:
 
 
 class AdapterDisabled:
-    """The reference of a LoRA policy: the very same modules with the adapter switched off.
-
-    Holds no weights of its own. ``policy_forward(ref, ...)``, ``token_logprobs(ref, ...)`` and
-    ``ref(input_ids=...)`` run inside ``peft_model.disable_adapter()``, which is the frozen base
-    model exactly.
-    """
+    """The reference of a LoRA policy: the same modules with the adapter off (no weights of its
+    own); ``policy_forward``, ``token_logprobs`` and calling it run the frozen base exactly."""
 
     def __init__(self, peft_model: nn.Module):
         if not is_lora(peft_model):
@@ -416,16 +388,11 @@ class AdapterDisabled:
 
 
 def policy_with_reference(path: str, mc, device, reference: bool = True, adapter_dropout: bool = True):
-    """Load the trained policy and its reference from ``path`` as ``model.*`` (``mc``) says.
-
-    Full fine-tuning: the policy and a frozen second copy. LoRA (``mc.lora_r > 0``): a peft
-    model and :class:`AdapterDisabled` over it, the base weights held once. The models' own
-    dropout is off (:func:`disable_dropout`); a LoRA adapter's is ``mc.lora_dropout`` with
-    ``adapter_dropout`` (SFT, DPO), else off too (RL). Returns ``(policy, reference)``
-    (reference None with ``reference=False``). ``mc.master_weights``: the policy in float32,
-    marked to run in ``mc.dtype`` under :func:`rlhfkit.precision.compute_weights` (the caller
-    runs its forwards there), the reference in ``mc.dtype``.
-    """
+    """``(policy, reference)`` from ``path`` as ``model.*`` (``mc``) says (reference None with
+    ``reference=False``): a frozen second copy, or with LoRA :class:`AdapterDisabled` over the peft
+    policy. Dropout off, but a LoRA adapter's with ``adapter_dropout`` (SFT, DPO). With
+    ``mc.master_weights`` the policy is float32, marked to run in ``mc.dtype``
+    (:func:`rlhfkit.precision.compute_weights`)."""
     lora = mc.lora_r > 0
     policy = disable_dropout(load_policy(path, "float32" if mc.master_weights else mc.dtype, mc.trust_remote_code))
     if mc.master_weights:
@@ -460,10 +427,9 @@ def lora_delta(m: nn.Module, adapter: str, a: torch.Tensor | None = None, b: tor
 
 
 def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
-    """The plain model's weights from a LoRA model's full ``state_dict`` (peft's key names, e.g.
-    gathered from FSDP shards): every adapted layer's ``W + scaling * B @ A`` (transposed for
-    ``fan_in_fan_out`` layers such as GPT-2's Conv1D), as ``merge_and_unload`` computes it, under
-    the base model's key names. The module itself is not touched."""
+    """The plain model's weights from a LoRA model's full ``state_dict`` (peft's keys, e.g. gathered
+    from FSDP shards): each adapted layer's ``W + scaling * B @ A`` as ``merge_and_unload`` computes
+    it, under the base model's keys; the module is not touched."""
     from peft.tuners.lora import LoraLayer
 
     sd, prefix = dict(state_dict), "base_model.model."
@@ -485,9 +451,8 @@ def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
 
 
 def pin_base_path(model: nn.Module) -> None:
-    """Make a LoRA model's ``base_model_name_or_path`` (written to its adapter_config.json) absolute
-    when it is a local directory, so the saved adapter loads from any working directory; a hub id
-    stays as it is."""
+    """Make a LoRA model's local ``base_model_name_or_path`` absolute, so the saved adapter loads
+    from any working directory (a hub id stays)."""
     for pc in model.peft_config.values():
         base = pc.base_model_name_or_path
         if base and os.path.isdir(base):
@@ -496,16 +461,11 @@ def pin_base_path(model: nn.Module) -> None:
 
 def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str | Path | None = None,
                 state_dict: dict | None = None) -> nn.Module:
-    """Save a model as a plain Hugging Face checkpoint (safetensors + tokenizer).
+    """Save a model as a plain Hugging Face checkpoint (safetensors + tokenizer); returns it.
 
-    A LoRA model is first saved as an adapter (to ``adapter_dir`` when given; its base as an
-    absolute path, :func:`pin_base_path`), then merged
-    into its base weights (``merge_and_unload``, in place) so ``path`` loads with
-    ``transformers`` alone. ``state_dict``: the weights to write instead of the module's own
-    (FSDP: gathered by :func:`rlhfkit.distributed.full_state_dict`); a LoRA model's are merged
-    from it (:func:`merged_lora_state_dict`), its sharded modules left as they are. Returns the
-    saved model.
-    """
+    A LoRA model is first saved as an adapter to ``adapter_dir`` when given, then merged into its
+    base (in place) so ``path`` loads with ``transformers`` alone. ``state_dict``: the weights to
+    write instead of the module's own (FSDP, gathered); a LoRA model's are merged from it."""
     if is_lora(model) and adapter_dir is not None:
         pin_base_path(model)
         model.save_pretrained(adapter_dir, **({} if state_dict is None else {"state_dict": state_dict}))
@@ -532,10 +492,9 @@ def _pipeline(tok):
 
 
 def same_tokenizer(a, b) -> bool:
-    """True when two tokenizers map every text to the same ids: same vocabulary, same BOS / EOS /
-    pad ids and the same pipeline (then token ids can pass between models as they are). The
-    class alone is not compared: ``transformers`` picks it by model family, so one tokenizer
-    saved with a Qwen2 and a Llama model loads as two classes."""
+    """True when two tokenizers map every text to the same ids (vocabulary, BOS / EOS / pad ids,
+    pipeline), so ids pass between models as they are. Not the class: transformers picks it by
+    model family."""
     if a is b:
         return True
     if len(a) != len(b) or a.get_vocab() != b.get_vocab():
@@ -560,11 +519,9 @@ def _zero_dropout_attributes(obj) -> None:
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Turn off every dropout of ``model``, in place: dropout modules (a peft adapter's too) get
-    ``p = 0``, and so do the probabilities modules keep for functional dropout and their configs'
-    keys (``DROPOUT_NAMES``; nested configs and peft's ``LoraConfig`` included). RL compares two
-    forwards of one policy (sampling in eval mode, the update in train mode): with any dropout
-    left the first ratio is not 1, and it drifts even at lr = 0."""
+    """Turn off every dropout of ``model`` in place: dropout modules get ``p = 0``, and so do the
+    probabilities modules and their (nested, peft's too) configs keep (``DROPOUT_NAMES``). RL
+    compares a sampling and a training forward: any dropout left makes the first ratio not 1."""
     configs = list(getattr(model, "peft_config", {}).values())
     for m in model.modules():
         if isinstance(m, DROPOUT_MODULES):
@@ -590,7 +547,7 @@ def freeze(model: nn.Module) -> nn.Module:
 def scalar_head(model: PreTrainedModel) -> nn.Module:
     """The linear head of a sequence-classification model (``score`` or ``classifier``)."""
     model = unwrap(model)
-    for name in ("score", "classifier"):
+    for name in SCALAR_HEADS:
         head = getattr(model, name, None)
         if isinstance(head, nn.Linear):
             return head

@@ -79,11 +79,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                             None if grad_ent is None else grad_ent[s : s + ctx.chunk_rows])  # [n, V]
             grad_w = _head_grads(g, h, weight, ctx.temperature, grad_h, grad_w, need_w, grad_b, s, acc)
             del g
-        if need_w and grad_w is None:  # no rows
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
-        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, *_head_dtypes(grad_w, grad_b, weight, bias, need_w), None, None, None, None
 
 
 class _ChunkedTokenLoss(torch.autograd.Function):
@@ -140,10 +136,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
                 g = z.mul_((-g_lp / total)[:, None].to(z.dtype)).scatter_add_(1, t, g_lp[:, None].to(z.dtype))
             grad_w = _head_grads(g, h, weight, 1.0 if bf16 else temperature, grad_h, grad_w, need_w, grad_b, s, acc)
             del z, g
-        if need_w and grad_w is None:  # no rows
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                     None if grad_b is None else grad_b.to(bias.dtype))
+        ctx.grads = (grad_h, *_head_dtypes(grad_w, grad_b, weight, bias, need_w))
         ctx.mark_non_differentiable(logp, *([ent] if with_entropy else []))
         return (loss, logp, ent) if with_entropy else (loss, logp)
 
@@ -157,31 +150,26 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         return (*out, None, None, None, None, None)
 
 
-def chunked_token_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor | None, int, int], torch.Tensor],
-    temperature: float = 1.0,
-    chunk_rows: int = 1024,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A loss that is a sum over tokens, ``sum_n f_n(logp[n], H[n])``, with
-    :func:`chunked_token_logprobs`'s numbers and each chunk's logits built once.
-
-    ``loss_fn(logp, ent, s, e)`` is the differentiable part from rows ``s .. e-1`` given their
-    log-probs ``[e - s]`` (and entropies, or None), reading no other row. While a chunk's logits
-    are at hand, autograd gives ``d part / d logp`` (and ``/ d H``), hence the chunk's share of the
-    gradients wrt ``hidden``, ``weight`` and ``bias``, held (``[N, H]``, ``[V, H]``) until the
-    backward only scales them: the same gradients to rounding as the two-pass path, one head
-    product and one exponential pass fewer per chunk. Returns ``(loss, logprobs [N], entropy [N]
-    or None)``; only ``loss`` carries a gradient.
-    """
+def _check_shapes(hidden: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> None:
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+
+
+def chunked_token_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                       loss_fn: Callable[[torch.Tensor, torch.Tensor | None, int, int], torch.Tensor],
+                       temperature: float = 1.0, chunk_rows: int = 1024,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A loss that is a sum over tokens, ``sum_n f_n(logp[n], H[n])``, with
+    :func:`chunked_token_logprobs`'s numbers and each chunk's logits built once.
+
+    ``loss_fn(logp, ent, s, e)``: the differentiable part of rows ``s .. e-1`` from their log-probs
+    (and entropies, or None), reading no other row. Each chunk's gradients wrt ``hidden``,
+    ``weight`` and ``bias`` are summed in the forward; the backward only scales them. Returns
+    ``(loss, logprobs [N], entropy [N] or None)``; only ``loss`` carries a gradient.
+    """
+    _check_shapes(hidden, targets, chunk_rows)
     out = _ChunkedTokenLoss.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows),
                                   bool(with_entropy), loss_fn)
     return out if with_entropy else (*out, None)
@@ -190,9 +178,8 @@ def chunked_token_loss(
 def _head_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, temperature: float,
                 grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, need_w: bool,
                 grad_b: torch.Tensor | None, s: int, acc: torch.dtype) -> torch.Tensor | None:
-    """Add one chunk's share to the head's gradients, given ``g [n, V]``, the gradient wrt its
-    (tempered) logits (overwritten): ``grad_h[s : s + n] = g W``; with ``need_w``, ``grad_w +=
-    g.T h`` in ``acc`` (None: the first chunk's product starts it, no zeroed ``[V, H]`` buffer);
+    """Add one chunk's share given ``g [n, V]`` (overwritten), the gradient wrt its tempered logits:
+    ``grad_h[s : s + n] = g W``, ``grad_w += g.T h`` in ``acc`` (None: started by this chunk),
     ``grad_b += sum(g)``. Returns ``grad_w``."""
     if temperature != 1.0:
         g = g.div_(temperature)  # d(z / T) / dz
@@ -213,10 +200,17 @@ def _head_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, temperat
     return grad_w
 
 
+def _head_dtypes(grad_w: torch.Tensor | None, grad_b: torch.Tensor | None, weight: torch.Tensor,
+                 bias: torch.Tensor | None, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The summed head gradients in the weights' dtypes (zeros for a weight no row reached)."""
+    if need_w and grad_w is None:  # no rows
+        grad_w = torch.zeros_like(weight)
+    return (None if grad_w is None else grad_w.to(weight.dtype)), (None if grad_b is None else grad_b.to(bias.dtype))
+
+
 def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(z, -1)`` for ``z [n, V]``, overwriting ``z`` (with ``exp(z - max)``):
-    the exponentials land in ``z``'s own pages instead of two fresh ``[n, V]`` tensors. Rows
-    whose max is infinite are shifted by 0, as ``torch.logsumexp`` does."""
+    """``torch.logsumexp(z, -1)`` for ``z [n, V]``, overwriting ``z`` with ``exp(z - max)`` (no
+    fresh ``[n, V]`` tensors). A row whose max is infinite is shifted by 0, as torch's is."""
     top = z.amax(-1, keepdim=True)  # [n, 1]
     top.masked_fill_(top.isinf(), 0.0)
     return z.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))  # [n]
@@ -243,31 +237,18 @@ def _logit_grad(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad_
     return g
 
 
-def chunked_token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_rows: int = 1024,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``targets [N]`` (and entropies) under a linear LM head, ``chunk_rows`` rows at a
-    time, never holding the ``[N, V]`` logits: with ``z = (hidden [N, H] @ weight.T [H, V] + bias) /
-    temperature``, the numbers :func:`rlhfkit.core.logprobs_from_logits` and
-    :func:`rlhfkit.core.entropy_from_logits` give for the full logits. The forward keeps its inputs
-    and each row's logsumexp; the backward builds each chunk's logits again (``dlogp/dz = onehot -
-    p``, ``dH/dz = -p (log p + H)``, over the temperature), so the peak is a few ``[chunk_rows, V]``
-    temporaries. Logits in the head's dtype, the softmax in at least float32, the weight's gradient
-    summed in at least float32. Returns ``(logprobs [N], entropy [N] or None)``.
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           targets: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1024,
+                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets [N]`` (and entropies) under a linear LM head ``z = (hidden @ weight.T +
+    bias) / temperature``, ``chunk_rows`` rows at a time, never holding the ``[N, V]`` logits: the
+    numbers of :func:`rlhfkit.core.logprobs_from_logits` / :func:`~rlhfkit.core.entropy_from_logits`.
+    The backward builds each chunk's logits again from the saved inputs and logsumexps. Logits in
+    the head's dtype, softmax and weight gradient in at least float32.
+    Returns ``(logprobs [N], entropy [N] or None)``.
     """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    _check_shapes(hidden, targets, chunk_rows)
     out = _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_rows),
                                       bool(with_entropy))
     return out if with_entropy else (out, None)
 
-
-# --------------------------------------------------------------------------- masked stats

@@ -1,12 +1,8 @@
-"""``accel.offload``: what a phase of an RL step does not read waits in host memory, so that a run
-fits where it would not: AdamW's moments (:class:`HostMoments`) leave the device while the
-rollout (whose KV cache is the step's peak) runs, and frozen models (reference, reward models:
-:func:`offload_frozen`) live in host memory, copied up for the blocks that run them
-(:func:`on_device`, called inside :func:`rlhfkit.distributed.full_weights`). Nothing is computed
-differently: what comes back is a copy of what left. This fits memory, so it is the core's; the
-host buffers come from :func:`rlhfkit.ops.host_empty`, pinned by :mod:`rlhfkit.accel` on CUDA so
-the copies are queued on the current stream (a freed device tensor's memory is then reused only
-by work queued after its copy).
+"""``accel.offload``: what a phase of an RL step does not read waits in host memory. AdamW's
+moments (:class:`HostMoments`) leave the device during the rollout (the step's peak), and frozen
+models (:func:`offload_frozen`) are copied up only for the blocks that run them (:func:`on_device`).
+Nothing is computed differently. Host buffers come from :func:`rlhfkit.ops.host_empty` (pinned on
+CUDA, so the copies queue on the current stream).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The operations the core calls where a faster implementation may stand in, each by name with
 its reference in plain PyTorch (the code a reader reads).
 
-Two kinds of names. An *operation* (``linear``, ``mm_out``) computes its result; its reference
-is the PyTorch op. A *shortcut* (``head_lse``, ``sampler``, ``hidden_states``, ``decoder`` ...)
-is a fused path the caller may take: its reference returns None and the caller's own PyTorch
-code runs (for the forwards: the model's own ``transformers`` forward); a faster one returns the
-result, or None for inputs it does not take.
-
-By default every name runs its reference. :func:`configure` (once per run, from
-``accel.enabled``) lets :mod:`rlhfkit.accel` :func:`register` what runs faster on this machine
-and prints one line saying which names it took; ``tests/test_accel.py`` checks each against
-its reference. Imports only torch.
+An *operation* (``linear``, ``mm_out``) computes its result. A *shortcut* (``head_lse``,
+``sampler``, ``hidden_states``, ``decoder`` ...) is a fused path: its reference returns None and
+the caller's own PyTorch code runs; a faster one returns the result, or None for inputs it does
+not take. :func:`configure` (``accel.enabled``) lets :mod:`rlhfkit.accel` :func:`register` what
+runs faster here; ``tests/test_accel.py`` checks each against its reference. Imports only torch.
 """
 from __future__ import annotations
 
@@ -28,10 +23,6 @@ OLD_SWITCHES = ("RLHFKIT_KERNELS", "RLHFKIT_ONEDNN", "RLHFKIT_TRITON")
 # --------------------------------------------------------------------------- references
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, w, b)
-
-
 def _mm_out(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, m, out=out)
 
@@ -46,7 +37,7 @@ def _none(*args, **kwargs) -> None:
 
 
 REFERENCE: dict[str, Callable] = {
-    "linear": _linear, "mm_out": _mm_out, "host_empty": _host_empty,
+    "linear": F.linear, "mm_out": _mm_out, "host_empty": _host_empty,
     # shortcuts
     "head_lse": _none, "head_grad": _none, "sampler": _none, "runs_forward": _none, "hidden_states": _none,
     "response_hidden_states": _none, "decoder": _none,

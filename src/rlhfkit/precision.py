@@ -1,11 +1,9 @@
 """Float32 master weights with bfloat16 arithmetic (``model.master_weights``).
 
-A bfloat16 weight keeps 8 significant bits, so AdamW's steps of about ``lr`` round away on most
-weights of a bfloat16 model. With master weights the parameters stay float32 (optimizer, moments,
-gradients, clipping, all-reduce, checkpoints, saved model) and the forwards run on bfloat16 copies
-made once a block by :func:`compute_weights`; the cast is differentiable, so gradients accumulate
-in the float32 ``.grad``. The arithmetic is FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)``.
-This changes what is computed, not how fast: it belongs to the core, not to :mod:`rlhfkit.accel`.
+AdamW's steps of about ``lr`` round away on most bfloat16 weights. With master weights the
+parameters (and optimizer state, gradients, checkpoints) stay float32 and the forwards run on
+bfloat16 copies made once a block by :func:`compute_weights`, a differentiable cast, as FSDP2's
+``MixedPrecisionPolicy(param_dtype=bfloat16)``. It changes what is computed, so it is core.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Batched generation with a KV cache from left-padded prompts.
 
-A plain decode loop instead of ``model.generate``: one prefill, then one cached forward per
-token, through the model's own forward with a ``DynamicCache`` (or, where registered, an
-accelerated one: :func:`rlhfkit.ops.decoder`). Sampling happens on the device (where
-registered, one call per step: :func:`rlhfkit.ops.sampler`), optionally from a shaped
-distribution, as transformers' logits processors shape it: repeats penalised, then the top-k /
-nucleus (top-p) / min-p truncation of the tempered distribution. Rows that emitted EOS or
-completed a stop string keep being fed (a batch moves in lockstep) but their later tokens are
-padding and masked; the loop ends as soon as every row has finished. It also returns the
-log-prob of every sampled token under the policy's tempered distribution (the full one, also
-when the draw was shaped), which PPO compares against its own recomputation
-(``policy/logprob_gap``) -- or, when the sampler ran the training forward's own arithmetic
-(``Rollout.forward_logprobs``), uses in place of a second forward pass.
+A plain decode loop instead of ``model.generate``: one prefill, then one cached forward per token
+(the model's own with a ``DynamicCache``, or an accelerated one: :func:`rlhfkit.ops.decoder`).
+Sampling runs on the device, optionally from a distribution shaped as transformers' logits
+processors shape it (repetition penalty, top-k, top-p, min-p). Finished rows keep being fed (the
+batch moves in lockstep) but their later tokens are masked; the loop stops once every row has
+finished. Each sampled token's log-prob under the full tempered distribution comes back too: PPO
+compares it with its own (``policy/logprob_gap``) or, when computed alike
+(``Rollout.forward_logprobs``), uses it instead of a second forward.
 """
 
 from __future__ import annotations
@@ -25,46 +21,32 @@ from transformers import DynamicCache
 
 from . import ops
 from .core import position_ids_from_mask
+from .loading import unwrap
 
 
 @dataclass
 class Rollout:
-    """One batch of generated responses, response-aligned.
+    """One batch of generated responses, response-aligned (``[B, R]`` tensors 0 / ``pad`` where masked).
 
     Fields:
-        prompt_ids:      ``[B, P]`` left-padded prompts.
-        prompt_mask:     ``[B, P]`` 1 on prompt tokens, 0 on left padding.
-        response_ids:    ``[B, R]`` sampled tokens; ``pad`` after the row's end.
-        response_mask:   ``[B, R]`` 1 up to and including the row's end -- its first EOS, or the
-                         token that completed a stop string -- 0 after.
-        logprobs:        ``[B, R]`` log pi(a_t|s_t) of each token at sampling time under the full
-                         tempered distribution, also when top-k / top-p truncated the draw (0 where
-                         masked).
-        finished:        ``[B]`` bool, True where an EOS was emitted or a stop string completed
-                         (False: cut off at ``max_new_tokens``).
-        entropy:         ``[B, R]`` entropy of each full tempered distribution (0 where masked).
-        values:          ``[B, R]`` ``value_head`` of the state before each token, when asked for
-                         and the accelerated forward ran (else None).
-        forward_logprobs: True when ``logprobs`` (and ``values``) came from the same arithmetic
-                         as the training forward -- the accelerated forward in float32 -- so they
-                         equal a recomputation up to rounding (~1e-6) and PPO may use them as
-                         the old log-probs instead of running the policy again.
-        kept_logmass:    ``[B, R]`` log pi - log q of each drawn token, q the distribution the
-                         sampler drew it from (0 where masked); None when the draw was pi itself.
-                         With truncation alone (top-k / top-p / min-p) q = pi / Z on the kept
-                         set and this is log Z, the log of the probability kept; with a
-                         repetition penalty it varies by token, its mean over draws still
-                         estimating the probability of q's support. Either way log q =
-                         logprobs - kept_logmass.
-        attend:          ``[B, R]`` 1 on every token of the row's response region that the model
-                         reads -- its own and, in a multi-turn episode (:mod:`rlhfkit.envs`), the
-                         observations between its turns, which ``response_mask`` leaves out; None:
-                         equal to ``response_mask`` (one turn).
-        turn_rewards:    ``[B, R]`` an environment's per-turn rewards, each on the last token of the
-                         model's turn it rewards (0 elsewhere); None without an environment.
-        turn_lengths:    ``[B, R]`` long, each model turn's length in tokens on its last token (0
-                         elsewhere): the turns of an episode, which ``response_mask`` alone does not
-                         separate where an observation renders to no token; None without an environment.
+        prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts, 1 on prompt tokens.
+        response_ids:    ``[B, R]`` sampled tokens.
+        response_mask:   ``[B, R]`` 1 up to and including the row's end (its first EOS, or the token
+                         completing a stop string).
+        logprobs:        ``[B, R]`` log pi(a_t|s_t) at sampling time, under the full tempered
+                         distribution even when the draw was shaped.
+        finished:        ``[B]`` bool, False where cut off at ``max_new_tokens``.
+        entropy:         ``[B, R]`` entropy of each full tempered distribution.
+        values:          ``[B, R]`` the shared value head's, when asked for and accelerated (else None).
+        forward_logprobs: True when ``logprobs`` (and ``values``) came from the training forward's
+                         arithmetic, so PPO may use them as the old log-probs.
+        kept_logmass:    ``[B, R]`` log pi - log q of each drawn token, q the shaped distribution drawn
+                         from (with truncation alone, log of the probability kept); None: q = pi.
+        attend:          ``[B, R]`` 1 on every response-region token the model reads (a multi-turn
+                         episode's observations too, :mod:`rlhfkit.envs`); None: ``response_mask``.
+        turn_rewards:    ``[B, R]`` an environment's per-turn rewards on each turn's last token.
+        turn_lengths:    ``[B, R]`` long, each model turn's length on its last token (an observation
+                         may render to no token); both None without an environment.
     """
 
     prompt_ids: torch.Tensor
@@ -111,8 +93,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     """The tokens that end a response: the model's ``generation_config.eos_token_id`` (an id or a
     list: a chat model may end a turn with ``<|im_end|>`` and a text with ``<|endoftext|>``), then
     the tokenizer's EOS if the list lacks it; in that order, without repeats."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    gen = getattr(getattr(base, "generation_config", None), "eos_token_id", None)
+    gen = getattr(getattr(unwrap(model), "generation_config", None), "eos_token_id", None)
     ids = [gen] if isinstance(gen, int) else list(gen or [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
@@ -128,6 +109,9 @@ def sampling_settings(pc) -> dict:
     return {"top_k": pc.top_k, "top_p": pc.top_p, "min_p": pc.min_p, "repetition_penalty": pc.repetition_penalty}
 
 
+UNSHAPED = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}  # the draw is pi itself
+
+
 def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     enc = tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
@@ -135,14 +119,9 @@ def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor,
 
 def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None,
                   u: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row from ``logp [B, V]`` (log-probabilities) by inverting the CDF.
-
-    ``u [B]`` are the row's uniform draws in [0, 1) (drawn from ``generator`` when not given).
-    The token is the first index whose cumulative probability reaches ``(1 - u) * total``, a
-    point in ``(0, total]``, so a zero-probability token is never drawn. One uniform per row
-    and a binary search: on CPU 2-10x faster than ``torch.multinomial`` (which draws and sorts
-    per row).
-    """
+    """One token per row from ``logp [B, V]`` by inverting the CDF at ``u [B]`` in [0, 1) (drawn
+    from ``generator`` when not given): the first index whose cumulative probability reaches
+    ``(1 - u) * total`` in ``(0, total]``, so a zero-probability token is never drawn."""
     cdf = logp.exp().cumsum(-1)  # [B, V]
     if u is None:
         u = torch.rand((logp.shape[0],), generator=generator, device=logp.device)
@@ -151,46 +130,23 @@ def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None,
 
 
 def truncate_logprobs(logp: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
-    """``logp [B, V]`` with every token outside the top-k / nucleus / min-p set to ``-inf`` (the
-    rest unchanged: :func:`sample_tokens` renormalises by scaling to the total).
-
-    ``top_k > 0`` keeps the ``top_k`` most likely tokens; ``top_p < 1`` then keeps the smallest
-    set of most likely tokens whose probability -- renormalised over what top-k kept -- reaches
-    ``top_p``. Tokens tied with the last kept one are kept too, so the set does not depend on
-    how a sort orders ties. ``min_p > 0`` then drops the tokens less likely than ``min_p`` times
-    the most likely one (transformers' ``MinPLogitsWarper``, last as in its order). Each row on
-    its own: a row's set depends on its logits only.
-    """
+    """``logp [B, V]`` with every token outside the kept set at ``-inf`` (the rest unchanged), row
+    by row: the ``top_k`` most likely, then the fewest most likely whose probability renormalised
+    over those reaches ``top_p`` (ties with the last kept one kept too), then those at least
+    ``min_p`` times the most likely (transformers' order)."""
     if top_k > 0 or top_p < 1.0:
-        logp = _top_k_top_p(logp, top_k, top_p)
+        V = logp.shape[-1]
+        top = logp.topk(top_k, -1).values if 0 < top_k < V else logp.sort(-1, descending=True).values  # [B, k]
+        n = torch.full_like(top[:, :1], top.shape[-1], dtype=torch.long)  # [B, 1] tokens kept
+        if top_p < 1.0:
+            probs = torch.softmax(top, -1)
+            mass_before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(-1)[:, :-1]], -1)  # non-decreasing
+            n = (mass_before < top_p).sum(-1, keepdim=True)  # >= 1: the first token has 0 before it
+        logp = logp.masked_fill(logp < top.gather(-1, n - 1), float("-inf"))  # below the least likely kept
     if min_p > 0.0:
         probs = logp.exp()  # [B, V]
         logp = logp.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logp
-
-
-def _top_k_top_p(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """:func:`truncate_logprobs` without min-p."""
-    V = logp.shape[-1]
-    if 0 < top_k < V:
-        top = logp.topk(top_k, -1).values  # [B, k], descending
-    else:
-        top = logp.sort(-1, descending=True).values  # [B, V]
-    n = torch.full_like(top[:, :1], top.shape[-1], dtype=torch.long)  # [B, 1] tokens kept
-    if top_p < 1.0:
-        probs = torch.softmax(top, -1)
-        mass_before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(-1)[:, :-1]], -1)  # non-decreasing
-        n = (mass_before < top_p).sum(-1, keepdim=True)  # >= 1: the first token has 0 before it
-    cutoff = top.gather(-1, n - 1)  # [B, 1] the least likely kept token's log-prob
-    return logp.masked_fill(logp < cutoff, float("-inf"))
-
-
-def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """``logits [B, V]`` with each token of ``seen [B, V]`` (bool: already in the row's prompt or
-    response) penalised: a positive logit divided by ``penalty``, a negative one multiplied by it
-    (transformers' ``RepetitionPenaltyLogitsProcessor``; > 1 makes a repeat less likely)."""
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
 
 
 def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, V: int) -> torch.Tensor:
@@ -203,14 +159,13 @@ def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, V: int) -> 
 def sampler_logprobs(logits: torch.Tensor, logp: torch.Tensor, temperature: float = 1.0, seen: torch.Tensor | None = None,
                      repetition_penalty: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      min_p: float = 0.0) -> torch.Tensor:
-    """The log-probabilities ``[B, V]`` of the distribution the sampler draws from, unnormalised
-    (``-inf`` outside the kept set): the raw ``logits [B, V]`` with repeats penalised
-    (:func:`penalize_repeats`, tokens ``seen``), divided by ``temperature``, then truncated by
-    top-k, top-p and min-p (:func:`truncate_logprobs`) -- transformers' order of its logits
-    processors and warpers. ``logp`` is the policy's own tempered log-softmax of ``logits``,
-    used as it is when nothing is penalised."""
-    if repetition_penalty != 1.0:
-        logp = torch.log_softmax(penalize_repeats(logits, seen, repetition_penalty) / temperature, -1)
+    """Unnormalised log-probabilities ``[B, V]`` of the distribution the sampler draws from: the raw
+    ``logits`` with the ``seen [B, V]`` tokens penalised, over ``temperature``, then truncated
+    (:func:`truncate_logprobs`), as transformers orders its processors. ``logp``: the policy's
+    tempered log-softmax, used as it is when nothing is penalised."""
+    if repetition_penalty != 1.0:  # a seen token's logit divided by the penalty if positive, else multiplied
+        penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logp = torch.log_softmax(torch.where(seen, penalised, logits) / temperature, -1)
     return truncate_logprobs(logp, top_k, top_p, min_p)
 
 
@@ -220,14 +175,9 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
 
 
-def _base(model):
-    """The model under a peft wrapper; any other model."""
-    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-
-
 def _forward_takes(model, name: str) -> bool:
     """Whether the model's forward (under a peft wrapper: the base model's) has the argument ``name``."""
-    return name in inspect.signature(_base(model).forward).parameters
+    return name in inspect.signature(unwrap(model).forward).parameters
 
 
 class _Forward:
@@ -273,11 +223,9 @@ class _Forward:
 class _StopStrings:
     """Ends rows whose response text contains a stop string, checked as each token comes.
 
-    Only the rows still going are decoded, and only their last ``window`` tokens: a stop string
-    of ``b`` UTF-8 bytes that the newest token completes lies within the text of the last ``b``
-    tokens when every token adds at least one byte (special tokens are decoded as their text);
-    one more token in front keeps a decoder's start-of-text rules (SentencePiece drops a leading
-    space) away from it. ``ended_at [B]``: the step whose token completed a stop string (-1: none).
+    Only live rows' last ``window`` tokens are decoded: a stop string of ``b`` UTF-8 bytes that the
+    newest token completes lies within the last ``b`` tokens, plus one in front to keep a decoder's
+    start-of-text rules away. ``ended_at [B]``: the step that completed one (-1: none).
     """
 
     def __init__(self, tokenizer, stop: Sequence[str], B: int):
@@ -300,32 +248,26 @@ class _StopStrings:
 
 
 class _Draw:
-    """Picks each step's tokens and keeps what the rollout returns: the tokens, which rows are
-    still going, and the log-probs and entropies of the (tempered) distributions sampled from.
+    """Picks each step's tokens and keeps the rollout's tokens, live rows, log-probs and entropies.
 
-    The sampling step may be one call (:func:`rlhfkit.ops.sampler`, same arithmetic) unless the sampler's distribution is shaped (top-k, top-p, min-p, a repetition
-    penalty: :func:`sampler_logprobs`), which the compiled call does not do; that is decided once,
-    here. Otherwise per step only what sampling needs; masks, padding and trimming happen once at
-    the end. While the per-step distributions are small (a small vocabulary) they are kept and
-    reduced to log-probs and entropies in one go; with a large one each is reduced as it comes.
-    With a shaped draw the token is drawn from the shaped distribution q but the log-prob and
-    entropy kept are the policy's full tempered one's (pi), and each step keeps log pi - log q
-    of the drawn token (``kept_logmass``).
+    A step is one call (:func:`rlhfkit.ops.sampler`) unless the draw is shaped
+    (:func:`sampler_logprobs`); masks, padding and trimming happen once at the end. Small
+    distributions are kept and reduced in one go, large ones as they come. A shaped draw comes
+    from q, but the log-prob and entropy kept are pi's, plus log pi - log q of the drawn token.
     """
 
     def __init__(self, B: int, V: int, max_new_tokens: int, temperature: float, greedy: bool,
-                 eos_token_id: int | Sequence[int], uniforms: torch.Tensor | None, device, top_k: int = 0,
-                 top_p: float = 1.0, stop: _StopStrings | None = None, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0, seen: torch.Tensor | None = None):
+                 eos_token_id: int | Sequence[int], uniforms: torch.Tensor | None, device, shaping: dict,
+                 stop: _StopStrings | None = None, seen: torch.Tensor | None = None):
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.temperature, self.greedy = temperature, greedy
         self.eos = torch.tensor(eos, dtype=torch.long, device=device)  # [E]: any of them ends a row
         # the compiled sampler ends rows at the first EOS id; the others are checked after its call
         self.more_eos = self.eos[1:] if len(eos) > 1 else None
         self.uniforms, self.stop = uniforms, stop
-        self.shaping = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
+        self.shaping = shaping  # sampling_settings' keys
         # the compiled sampler draws from the full tempered distribution only
-        self.shaped = not greedy and (top_k > 0 or top_p < 1.0 or min_p > 0.0 or repetition_penalty != 1.0)
+        self.shaped = not greedy and shaping != UNSHAPED
         self.seen = seen  # [B, V] the tokens in each row's context, for the repetition penalty (else None)
         self.sampler = (ops.sampler(B, max_new_tokens, V, temperature, eos[0])
                         if not greedy and not self.shaped and device.type == "cpu" else None)
@@ -443,27 +385,17 @@ def generate(
     """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt.
 
     Args:
-        model: a causal LM returning ``.logits`` and taking a ``Cache`` (``cache`` or ``past_key_values``).
-        prompt_ids, prompt_mask: ``[B, P]``, left-padded.
-        eos_token_id: the id, or a list of ids (:func:`eos_token_ids`), that end a response.
-        temperature: logits are divided by it before sampling; log-probs are the tempered ones.
-        greedy: argmax decoding (log-probs still under the tempered softmax).
-        generator: optional RNG for sampling, for reproducible rollouts.
-        uniforms: optional ``[B, max_new_tokens]`` draws from U(0, 1), token ``t`` of row ``i`` the
-            inverse CDF at ``uniforms[i, t]``: a batch split across processes samples as one would.
-        lean: take the accelerated forward where one is registered (:func:`rlhfkit.ops.decoder`);
-            False: the model's own forward always.
-        value_head: optional ``[B, H] -> [B]`` map (a shared value head) of the hidden state
-            before each token: ``Rollout.values`` (accelerated forward only).
-        top_k, top_p, min_p, repetition_penalty: shape the distribution drawn from
-            (:func:`sampler_logprobs`: 0 / 1.0 / 0 / 1.0 leave it alone). The log-probs and
-            entropies returned stay the full tempered distribution's, the policy PPO recomputes
-            (its first ratio exactly 1), as vLLM's and TRL's; ``Rollout.kept_logmass`` holds
-            log pi - log q of each drawn token.
-        stop: strings that end a response, like EOS, once its decoded text holds one (the token
-            completing it is the row's last); ``tokenizer`` decodes it (needed only with ``stop``).
-        graph: on the accelerated forward, decode with fixed shapes and, on CUDA, replay each
-            step as a CUDA graph (``accel.cuda_graph``); the same result up to rounding.
+        model: a causal LM taking a ``Cache``; prompt_ids, prompt_mask: ``[B, P]``, left-padded.
+        eos_token_id: the id, or ids (:func:`eos_token_ids`), that end a response.
+        temperature: divides the logits; the log-probs are the tempered ones (greedy too).
+        generator, uniforms: the RNG, or ``[B, max_new_tokens]`` U(0, 1) draws (inverse CDF), so a
+            batch split across processes samples as one would.
+        lean: take the accelerated forward where registered; value_head: ``[B, H] -> [B]`` of the
+            state before each token, ``Rollout.values`` (accelerated forward only).
+        top_k, top_p, min_p, repetition_penalty: shape the draw (:func:`sampler_logprobs`); the
+            log-probs stay the full distribution's (``Rollout.kept_logmass``).
+        stop: strings that end a response once its text holds one, decoded by ``tokenizer``.
+        graph: decode with fixed shapes (CUDA graphs on a GPU, ``accel.cuda_graph``).
     """
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
@@ -481,8 +413,9 @@ def generate(
         uniforms = torch.rand((B, max_new_tokens), generator=generator, device=device)
     V = logits.shape[-1]
     seen = seen_tokens(prompt_ids, prompt_mask, V) if repetition_penalty != 1.0 and not greedy else None  # [B, V]
-    draw = _Draw(B, V, max_new_tokens, temperature, greedy, eos_token_id, uniforms, device, top_k, top_p,
-                 _StopStrings(tokenizer, stop, B) if stop else None, min_p, repetition_penalty, seen)
+    shaping = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty}
+    draw = _Draw(B, V, max_new_tokens, temperature, greedy, eos_token_id, uniforms, device, shaping,
+                 _StopStrings(tokenizer, stop, B) if stop else None, seen)
     values = [] if value_head is not None and fwd.fast is not None else None
     for t in range(max_new_tokens):
         if values is not None:
