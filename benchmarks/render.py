@@ -207,6 +207,41 @@ def guard_sim(rows: list[dict]) -> str:
             "machine does not enter.")
 
 
+def _measures(r: dict) -> dict[str, float]:
+    """What a row of another benchmark measured, by name: a step's seconds (real_step) or a
+    rollout's and the rollouts to the target (time_to_accuracy)."""
+    if "seconds" in r:
+        return {"s / step": r["seconds"]["total"], "peak MiB": r.get("peak_rss_mib", float("nan"))}
+    if "rollouts" in r:
+        return {"rollouts": r["rollouts"], "s / rollout": r["times_s"][0] / max(1, r["rollouts"])}
+    return {"s": statistics.median(r["times_s"])}
+
+
+def commit_ab(rows: list[dict]) -> str:
+    """Each benchmark at two commits, runs alternating on one machine (benchmarks/ab_commits.py):
+    median (min–max) per commit and the new / old ratio of the medians."""
+    found: dict[str, list[dict]] = {}
+    for r in rows:
+        key = json.dumps([r["ab"]["script"], r["ab"]["args"], r["ab"]["env"], r["contender"], r["device"],
+                          r["machine"], r["dtype"]], sort_keys=True)
+        found.setdefault(key, []).append(r)
+    lines = []
+    for g in found.values():
+        sides = {side: [r for r in g if r["ab"]["side"] == side] for side in ("old", "new")}
+        for name in _measures(g[0]):
+            vals = {side: [_measures(r)[name] for r in runs] for side, runs in sides.items()}
+            if not all(vals.values()):
+                continue
+            ratio = statistics.median(vals["new"]) / statistics.median(vals["old"])
+            env = " ".join(f"{k}={v}" for k, v in g[0]["ab"]["env"].items())
+            lines.append([g[0]["device"], f"`{g[0]['ab']['script']} {' '.join(g[0]['ab']['args'])}` {env}",
+                          g[0]["contender"], name, f"{spread(vals['old'], '.2f')} ({commits(sides['old'])})",
+                          f"{spread(vals['new'], '.2f')} ({commits(sides['new'])})", f"{ratio:.3f}",
+                          str(len(sides["old"])), machine(g)])
+    return table(["device", "benchmark", "contender", "measure", "old commit", "new commit", "new / old", "runs each",
+                  "machine"], lines)
+
+
 def where(g: list[dict]) -> tuple:
     s = g[0]["settings"]
     return g[0]["device"], machine(g), s["model"], s["batch"], s["new_tokens"], g[0]["dtype"], s["clock"]
@@ -220,6 +255,8 @@ TABLES = {
                          "--record"),
     "ppo_step": (ppo_step, "python benchmarks/ppo_step.py --clock cpu --core 1 --record"),
     "guard_sim": (guard_sim, "python benchmarks/guard_sim.py"),
+    "commit_ab": (commit_ab, "python benchmarks/ab_commits.py OLD NEW --env RLHFKIT_ACCEL=on -- real_step.py "
+                             "--size smollm2 --rows rlhfkit_grpo --steps 2 --warmup 1 --runs 1"),
 }
 
 
