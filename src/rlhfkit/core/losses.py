@@ -167,24 +167,23 @@ def token_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     ``objective`` (:data:`POLICY_OBJECTIVES`) of ``ratio = exp(logprobs - old_logprobs)``; slots
     where ``valid`` (bool, the shape of ``logprobs``) is False compute on zeros. Any shape: each
     token's value reads that token alone, so a chunk of rows gives the whole's values there."""
-    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    own = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+    log_ratio, own = _masked_log_ratio(logprobs, old_logprobs, valid)
     per_token, _, _ = POLICY_OBJECTIVES[objective](own, torch.exp(log_ratio), advantages, options or SurrogateOptions())
     return per_token
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_range: float = 0.2,
-    aggregation: str = "token_mean",
-    max_len: int = 0,
-    level: str = "token",
-    objective: str = "clip",
-    options: SurrogateOptions | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs - old_logprobs, logprobs)``, 0 where not ``valid``: where(), not a product, so a
+    NaN/inf in a padded slot reaches neither the loss nor, through exp's backward (0 * inf), the
+    gradient of the valid tokens."""
+    return torch.where(valid, logprobs - old_logprobs, 0.0), torch.where(valid, logprobs, 0.0)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, clip_range: float = 0.2, aggregation: str = "token_mean",
+                max_len: int = 0, level: str = "token", objective: str = "clip",
+                options: SurrogateOptions | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) as a loss to minimise, or another
     per-token ``objective`` (:data:`POLICY_OBJECTIVES`), reduced by :func:`aggregate`:
     ``aggregate(max(-A * ratio, -A * clip(ratio, 1 - clip_range, 1 + clip_high)))``, ``ratio =
@@ -200,11 +199,7 @@ def policy_loss(
     if objective not in POLICY_OBJECTIVES:
         raise ValueError(f"unknown policy objective {objective!r}; expected one of {', '.join(POLICY_OBJECTIVES)}")
     options = (options or SurrogateOptions())._replace(clip_low=clip_range)
-    # where(), not a product: a NaN/inf in a padded slot must reach neither the loss nor, through
-    # exp's backward (0 * inf), the gradient of the valid tokens
-    valid = response_mask.bool()
-    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))  # [B, R]
-    own = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # [B, R]
+    log_ratio, own = _masked_log_ratio(logprobs, old_logprobs, response_mask.bool())  # [B, R] each
     if level == "token":
         log_weight = log_ratio
     elif level == "sequence":
@@ -217,34 +212,20 @@ def policy_loss(
     per_token, active, extra = POLICY_OBJECTIVES[objective](own, ratio, advantages, options)  # [B, R] each
     loss = aggregate(per_token, response_mask, aggregation, max_len)
     with torch.no_grad():
-        token_ratio = torch.exp(log_ratio)
-        stats = {
-            "policy/loss": masked_mean(per_token, response_mask),
-            "policy/clipfrac": masked_mean(active.float(), response_mask),
-            "policy/approx_kl": masked_mean((token_ratio - 1) - log_ratio, response_mask),
-            "policy/ratio_mean": masked_mean(ratio, response_mask),
-        }
-        stats.update({k: masked_mean(v, response_mask) for k, v in extra.items()})
-    return loss, stats
+        stats = {"policy/loss": per_token, "policy/clipfrac": active.float(),
+                 "policy/approx_kl": (torch.exp(log_ratio) - 1) - log_ratio, "policy/ratio_mean": ratio, **extra}
+        return loss, {k: masked_mean(v, response_mask) for k, v in stats.items()}
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_range: float | None = 0.2,
-    aggregation: str = "token_mean",
-    max_len: int = 0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
+               clip_range: float | None = 0.2, aggregation: str = "token_mean",
+               max_len: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss over ``[B, R]``: ``v_clip = old_values + clip(values - old_values, -eps, eps)``,
     ``0.5 * aggregate(max((values - returns)^2, (v_clip - returns)^2))``; ``clip_range=None``:
     ``0.5 * aggregate((values - returns)^2)``. Stats: ``value/loss`` (a token mean),
     ``value/clipfrac``."""
-    valid = response_mask.bool()
-    values = torch.where(valid, values, torch.zeros_like(values))  # padded garbage: no grad, no NaN
-    old_values = torch.where(valid, old_values, torch.zeros_like(old_values))
-    returns = torch.where(valid, returns, torch.zeros_like(returns))
+    valid = response_mask.bool()  # padded garbage: no grad, no NaN
+    values, old_values, returns = (torch.where(valid, x, 0.0) for x in (values, old_values, returns))
     err = (values - returns) ** 2
     if clip_range is None:
         per_token, clip_active = err, torch.zeros_like(err)
