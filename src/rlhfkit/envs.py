@@ -221,10 +221,12 @@ class Episode:
         obs, reward, self.env_done = checked_step(self.env, text)
         self.rewards[len(self.model) - 1], self.lengths[len(self.model) - 1] = reward, len(tokens)
         self.messages.append({"role": "assistant", "content": text})
-        self.done = self.env_done or self.turns >= self.max_turns or self.room <= 0
-        delta = [] if self.done else observation_tokens(tok, self.messages, obs, self.ids, self.tools)
-        self.done |= len(delta) >= self.room  # no room for the observation and a turn after it
-        if self.done:
+        if self.env_done or self.turns >= self.max_turns or self.room <= 0:
+            self.done = True
+            return
+        delta = observation_tokens(tok, self.messages, obs, self.ids, self.tools)
+        if len(delta) >= self.room:  # no room for the observation and a turn after it
+            self.done = True
             return
         self.messages.append(obs)
         self.ids += delta

@@ -1,12 +1,7 @@
-"""Reward sources: what turns a rollout into one score per response.
-
-A :class:`Reward` is a weighted sum of named sources, each a rollout (and its prompt records)
--> ``[B]`` scores: a reward model (:func:`reward_model_scorer`), a label classifier
-(:func:`classifier_scorer`) or a Python function called as TRL's GRPOTrainer calls one
-(:func:`function_scorer`; its arguments, None for "not scored" and ``fn.binary``: docs/data.md).
-A reward model with another tokenizer reads the text re-tokenised (:func:`retokenize`).
-:func:`build_reward` assembles ``reward.name``, ``reward.function`` and ``reward.weights``.
-"""
+"""Reward sources: what turns a rollout into one score per response. A :class:`Reward` is a
+weighted sum of named sources, each a rollout -> ``[B]`` scores: a reward model, a label
+classifier or a Python function called as TRL's GRPOTrainer calls one (docs/data.md);
+:func:`build_reward` assembles them from the ``reward`` section."""
 
 from __future__ import annotations
 
