@@ -10,10 +10,10 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from rlhfkit.data import DataError, PromptExample, encode_prompts, load_prompts, load_records
+from rlhfkit.data import DataError, PromptExample, encode_prompts, hold_out, load_prompts, load_records
 from rlhfkit.evaluate import evaluate_rewards
 from rlhfkit.models import load_policy
-from rlhfkit.prompts import FilePrompts, PromptRecord, file_records, split_eval
+from rlhfkit.prompts import FilePrompts, PromptRecord, file_records
 from rlhfkit.rewards import Reward, RewardError, function_scorer
 from rlhfkit.rollout import generate
 from rlhfkit.tasks import doubling
@@ -111,9 +111,9 @@ def test_passes_over_the_prompts_are_shuffled_per_seed_and_resume_exactly():
 
 def test_eval_fraction_holds_out_a_seeded_share():
     records = [PromptRecord(str(i)) for i in range(20)]
-    train, held = split_eval(records, 0.25, seed=0)
+    train, held = hold_out(records, 0.25, seed=0)
     assert len(held) == 5 and len(train) == 15 and not {r.text for r in train} & {r.text for r in held}
-    assert split_eval(records, 0.25, seed=0) == (train, held)
+    assert hold_out(records, 0.25, seed=0) == (train, held)
 
 
 # --------------------------------------------------------------------------- reward functions

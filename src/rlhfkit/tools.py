@@ -88,6 +88,6 @@ class ToolEnvironment(Environment):
         call = parse_tool_call(text)
         if call is None:
             return None, self.reward(text), True
-        result = call if isinstance(call, str) else call_tool(self.tools, call, self.tool_timeout)
-        name = call.name if isinstance(call, ToolCall) else "tool"
-        return {"role": "tool", "name": name, "content": result}, 0.0, False
+        if isinstance(call, str):  # a malformed call: the error goes back to the model
+            return {"role": "tool", "name": "tool", "content": call}, 0.0, False
+        return {"role": "tool", "name": call.name, "content": call_tool(self.tools, call, self.tool_timeout)}, 0.0, False

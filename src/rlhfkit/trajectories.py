@@ -43,14 +43,12 @@ def _segments(attn: list[int], rmask: list[int], P: int) -> list[str]:
 def trajectory_records(exp, tokenizer, pc, kl_coef: float, step: int, n: int) -> list[dict]:
     """``n`` rows of an experience batch as per-token records, spread over the batch's score ranks
     (lowest and highest first), so a saved step shows a good and a bad sample side by side."""
-    B = exp.input_ids.shape[0]
-    n = min(n, B)
+    B, P, n = exp.input_ids.shape[0], exp.prompt_len, min(n, exp.input_ids.shape[0])
     if n <= 0:
         return []
-    order = torch.argsort(exp.score.float().cpu(), stable=True).tolist()  # ascending score
-    picks = list(dict.fromkeys(order[r] for r in ([0] if n == 1 else [round(i * (B - 1) / (n - 1)) for i in range(n)])))
-    P = exp.prompt_len
     score = exp.score.float().cpu()
+    order = torch.argsort(score, stable=True).tolist()  # ascending score
+    picks = list(dict.fromkeys(order[r] for r in ([0] if n == 1 else [round(i * (B - 1) / (n - 1)) for i in range(n)])))
     if pc.score_clip is not None:
         score = score.clamp(-pc.score_clip, pc.score_clip)
     last = last_token_index(exp.response_mask.cpu())  # [B]

@@ -9,13 +9,8 @@ import math
 import torch
 
 
-def gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over ``[B, R]`` response tokens (no whitening here).
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
@@ -26,21 +21,17 @@ def gae(
     mask = response_mask.to(values.dtype)
     valid = response_mask.bool()
     # where(), not a product: a NaN/inf parked in a padded slot must not reach valid ones
-    values = torch.where(valid, values, torch.zeros_like(values))
-    rewards = torch.where(valid, rewards, torch.zeros_like(rewards))
-    R = rewards.shape[1]
+    values, rewards = torch.where(valid, values, 0.0), torch.where(valid, rewards, 0.0)
     advantages = torch.zeros_like(rewards)
-    next_adv = torch.zeros_like(rewards[:, 0])  # [B]
-    next_value = torch.zeros_like(values[:, 0])  # [B]
-    for t in reversed(range(R)):  # R is a response length: tens of tokens, a cheap loop
+    next_adv, next_value = torch.zeros_like(rewards[:, 0]), torch.zeros_like(values[:, 0])  # [B] each
+    for t in reversed(range(rewards.shape[1])):  # R is a response length: tens of tokens, a cheap loop
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         adv = (delta + gamma * lam * next_adv) * mask[:, t]
         advantages[:, t] = adv
         # a masked column passes the next valid one's value and advantage on (0 after the end)
         next_adv = torch.where(valid[:, t], adv, next_adv)
         next_value = torch.where(valid[:, t], values[:, t], next_value)
-    returns = (advantages + values) * mask
-    return advantages, returns
+    return advantages, (advantages + values) * mask
 
 
 # A NaN score is a completion that no reward scored: the baselines leave it out of each mean and

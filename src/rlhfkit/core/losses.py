@@ -28,9 +28,8 @@ def sampling_correction_weights(log_w: torch.Tensor, response_mask: torch.Tensor
 
 
 # Every loss part (policy, value, KL, entropy) is a per-token [B, R] tensor reduced by one named
-# aggregation. Each is linear in the per-token values, so a minibatch's aggregate is the sum of its
-# micro-batches', each weighted by its share of the minibatch's ``unit`` (tokens or rows): the weight
-# gradient accumulation and data parallelism give it, so any split gives the whole's loss.
+# aggregation, linear in the per-token values: a minibatch's aggregate is the sum of its
+# micro-batches', each weighted by its share of the minibatch's ``unit`` (tokens or rows).
 
 
 def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -124,22 +123,18 @@ def _clipped_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: 
 
 def _cispo_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
                      opts: SurrogateOptions) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """CISPO (MiniMax-M1, arXiv 2506.13585; without its lower bound, as in TRL):
-    ``-sg[min(w, cap)] * A * log pi``. The weight is capped and detached, never the token's
-    gradient dropped: every token keeps ``-min(w, cap) * A * grad log pi`` (at ``w = 1`` the clipped
-    surrogate's gradient). Active: the weight was capped, whatever the advantage's sign (TRL's
-    cispo_clip_ratio counts the positive advantages only)."""
+    """CISPO (MiniMax-M1, arXiv 2506.13585; no lower bound, as in TRL): ``-sg[min(w, cap)] * A *
+    log pi``: the weight is capped and detached, no token's gradient dropped. Active: the weight was
+    capped, whatever the advantage's sign (TRL's cispo_clip_ratio counts positive advantages only)."""
     capped = ratio.clamp(max=opts.cap).detach()
     return -capped * advantages * logprobs, ratio.detach() > opts.cap, {}
 
 
 def _sapo_surrogate(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
                     opts: SurrogateOptions) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """SAPO (soft adaptive policy optimization, arXiv 2511.20347): a soft gate in place of the clip,
-    ``-A * f(w)``, ``f(w) = sigmoid(tau * (w - 1)) * 4 / tau``, with ``tau`` the positive or the
-    negative temperature by the sign of ``A``. ``f'(w) = 4 s (1 - s)`` (``s`` the sigmoid) is 1 at
-    ``w = 1`` and decays smoothly as the ratio moves away, faster for a larger ``tau``; nothing
-    is clipped (active: none). Extra stat ``policy/sapo_gate``: the mean ``f'(w)``."""
+    """SAPO (arXiv 2511.20347): a soft gate in place of the clip, ``-A * f(w)``, ``f(w) =
+    sigmoid(tau * (w - 1)) * 4 / tau``, ``tau`` the positive or negative temperature by the sign of
+    ``A``; ``f'(w) = 4 s (1 - s)`` is 1 at ``w = 1`` (stat ``policy/sapo_gate``). Nothing is clipped."""
     tau = torch.where(advantages > 0, ratio.new_tensor(opts.temperature_pos), ratio.new_tensor(opts.temperature_neg))  # [B, R]
     gate = torch.sigmoid(tau * (ratio - 1.0))
     return -advantages * gate * 4.0 / tau, torch.zeros_like(ratio, dtype=torch.bool), \
@@ -163,48 +158,37 @@ def policy_objective(loss_type: str) -> str:
 def token_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                       valid: torch.Tensor, objective: str = "clip",
                       options: SurrogateOptions | None = None) -> torch.Tensor:
-    """The per-token loss of :func:`policy_loss` at ``level='token'``, before its aggregation:
-    ``objective`` (:data:`POLICY_OBJECTIVES`) of ``ratio = exp(logprobs - old_logprobs)``; slots
-    where ``valid`` (bool, the shape of ``logprobs``) is False compute on zeros. Any shape: each
-    token's value reads that token alone, so a chunk of rows gives the whole's values there."""
-    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    own = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+    """The per-token loss of :func:`policy_loss` at ``level='token'``, before its aggregation; slots
+    where ``valid`` (bool) is False compute on zeros. Each token reads only itself, so any chunk of
+    rows gives the whole's values there."""
+    log_ratio, own = _masked_log_ratio(logprobs, old_logprobs, valid)
     per_token, _, _ = POLICY_OBJECTIVES[objective](own, torch.exp(log_ratio), advantages, options or SurrogateOptions())
     return per_token
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_range: float = 0.2,
-    aggregation: str = "token_mean",
-    max_len: int = 0,
-    level: str = "token",
-    objective: str = "clip",
-    options: SurrogateOptions | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs - old_logprobs, logprobs)``, 0 where not ``valid``: where(), not a product, so a
+    NaN/inf in a padded slot reaches neither the loss nor, through exp's backward (0 * inf), the
+    gradient of the valid tokens."""
+    return torch.where(valid, logprobs - old_logprobs, 0.0), torch.where(valid, logprobs, 0.0)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, clip_range: float = 0.2, aggregation: str = "token_mean",
+                max_len: int = 0, level: str = "token", objective: str = "clip",
+                options: SurrogateOptions | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) as a loss to minimise, or another
     per-token ``objective`` (:data:`POLICY_OBJECTIVES`), reduced by :func:`aggregate`:
-    ``aggregate(max(-A * ratio, -A * clip(ratio, 1 - clip_range, 1 + clip_high)))``, ``ratio =
-    exp(logprobs - old_logprobs)``, all ``[B, R]`` (``old_logprobs`` from the rollout, no grad).
-
-    ``level`` picks the ratio: ``token``; ``sequence`` (GSPO) every token of row ``i`` takes
-    ``s_i = exp(mean_t log_ratio)`` (:func:`sequence_log_ratio`), clipped per sequence;
-    ``sequence_token`` (GSPO-token) the value ``s_i`` with per-token gradients ``sg[s_i] * pi_t /
-    sg[pi_t]`` (docs/algorithms/grpo.md). Stats are token means whatever the aggregation:
-    ``policy/loss``, ``policy/clipfrac`` (the clip or cap was active), ``policy/approx_kl`` (k3 of
-    KL(old || new) from the token ratios), ``policy/ratio_mean``, and sapo's ``policy/sapo_gate``.
-    """
+    ``aggregate(max(-A * ratio, -A * clip(ratio, 1 - clip_range, 1 + clip_high)))``, all ``[B, R]``.
+    ``level`` picks the ratio: ``token`` ``exp(logprobs - old_logprobs)``; ``sequence`` (GSPO) and
+    ``sequence_token`` (GSPO-token) the row's :func:`sequence_log_ratio` (docs/algorithms/grpo.md).
+    Stats, token means whatever the aggregation: ``policy/loss``, ``policy/clipfrac`` (clip or cap
+    active), ``policy/approx_kl`` (k3 of KL(old || new)), ``policy/ratio_mean``, ``policy/sapo_gate``."""
     if objective not in POLICY_OBJECTIVES:
         raise ValueError(f"unknown policy objective {objective!r}; expected one of {', '.join(POLICY_OBJECTIVES)}")
     options = (options or SurrogateOptions())._replace(clip_low=clip_range)
-    # where(), not a product: a NaN/inf in a padded slot must reach neither the loss nor, through
-    # exp's backward (0 * inf), the gradient of the valid tokens
-    valid = response_mask.bool()
-    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))  # [B, R]
-    own = torch.where(valid, logprobs, torch.zeros_like(logprobs))  # [B, R]
+    log_ratio, own = _masked_log_ratio(logprobs, old_logprobs, response_mask.bool())  # [B, R] each
     if level == "token":
         log_weight = log_ratio
     elif level == "sequence":
@@ -217,34 +201,20 @@ def policy_loss(
     per_token, active, extra = POLICY_OBJECTIVES[objective](own, ratio, advantages, options)  # [B, R] each
     loss = aggregate(per_token, response_mask, aggregation, max_len)
     with torch.no_grad():
-        token_ratio = torch.exp(log_ratio)
-        stats = {
-            "policy/loss": masked_mean(per_token, response_mask),
-            "policy/clipfrac": masked_mean(active.float(), response_mask),
-            "policy/approx_kl": masked_mean((token_ratio - 1) - log_ratio, response_mask),
-            "policy/ratio_mean": masked_mean(ratio, response_mask),
-        }
-        stats.update({k: masked_mean(v, response_mask) for k, v in extra.items()})
-    return loss, stats
+        stats = {"policy/loss": per_token, "policy/clipfrac": active.float(),
+                 "policy/approx_kl": (torch.exp(log_ratio) - 1) - log_ratio, "policy/ratio_mean": ratio, **extra}
+        return loss, {k: masked_mean(v, response_mask) for k, v in stats.items()}
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_range: float | None = 0.2,
-    aggregation: str = "token_mean",
-    max_len: int = 0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
+               clip_range: float | None = 0.2, aggregation: str = "token_mean",
+               max_len: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss over ``[B, R]``: ``v_clip = old_values + clip(values - old_values, -eps, eps)``,
     ``0.5 * aggregate(max((values - returns)^2, (v_clip - returns)^2))``; ``clip_range=None``:
     ``0.5 * aggregate((values - returns)^2)``. Stats: ``value/loss`` (a token mean),
     ``value/clipfrac``."""
-    valid = response_mask.bool()
-    values = torch.where(valid, values, torch.zeros_like(values))  # padded garbage: no grad, no NaN
-    old_values = torch.where(valid, old_values, torch.zeros_like(old_values))
-    returns = torch.where(valid, returns, torch.zeros_like(returns))
+    valid = response_mask.bool()  # padded garbage: no grad, no NaN
+    values, old_values, returns = (torch.where(valid, x, 0.0) for x in (values, old_values, returns))
     err = (values - returns) ** 2
     if clip_range is None:
         per_token, clip_active = err, torch.zeros_like(err)

@@ -7,12 +7,8 @@ import torch
 import torch.nn.functional as F
 
 
-def bradley_terry_loss(
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    margin: torch.Tensor | float | None = None,
-    center_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float | None = None,
+                       center_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reward-model pairwise loss over ``[B]`` rewards: ``mean(-logsigmoid(r_chosen - r_rejected -
     margin)) + center_coef * mean((r_chosen + r_rejected)^2)``. Bradley-Terry fixes only
     differences; the centring term (Eisenstein et al. 2023) pins each pair's mean near 0 so scores
@@ -24,23 +20,12 @@ def bradley_terry_loss(
     if center_coef:
         loss = loss + center_coef * ((chosen + rejected) ** 2).mean()
     with torch.no_grad():
-        stats = {
-            "rm/loss": loss.detach(),
-            "rm/accuracy": (delta > 0).float().mean(),
-            "rm/delta": delta.mean(),
-            "rm/chosen": chosen.mean(),
-            "rm/rejected": rejected.mean(),
-        }
-    return loss, stats
+        return loss, {"rm/loss": loss.detach(), "rm/accuracy": (delta > 0).float().mean(), "rm/delta": delta.mean(),
+                      "rm/chosen": chosen.mean(), "rm/rejected": rejected.mean()}
 
 
-def dpo_loss(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor,
-    beta: float = 0.1,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float = 0.1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sigmoid DPO loss (Rafailov et al. 2023, eq. 7) over ``[B]`` summed response log-probs:
     ``mean(-logsigmoid(h))``, ``h = beta * ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log
     ref(y_r)))``. Stats: ``dpo/loss``, ``dpo/accuracy``, ``dpo/margin`` (the mean implicit-reward
@@ -51,15 +36,9 @@ def dpo_loss(
     return loss, _preference_stats(loss, chosen_reward, rejected_reward)
 
 
-def ipo_loss(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor,
-    beta: float = 0.1,
-    chosen_tokens: torch.Tensor | None = None,
-    rejected_tokens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float = 0.1, chosen_tokens: torch.Tensor | None = None,
+             rejected_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """IPO loss (Azar et al. 2023, eq. 17): ``mean((h - 1 / (2 beta))^2)`` with ``h`` the gap of the
     log-ratios as in :func:`dpo_loss`, pulling every pair's gap to ``1 / (2 beta)`` instead of
     pushing it to infinity. Given ``chosen_tokens`` / ``rejected_tokens`` ``[B]`` each log-prob is
@@ -78,10 +57,6 @@ def ipo_loss(
 
 def _preference_stats(loss: torch.Tensor, chosen_reward: torch.Tensor, rejected_reward: torch.Tensor) -> dict:
     with torch.no_grad():
-        return {
-            "dpo/loss": loss.detach(),
-            "dpo/accuracy": (chosen_reward > rejected_reward).float().mean(),
-            "dpo/margin": (chosen_reward - rejected_reward).mean(),
-            "dpo/chosen": chosen_reward.mean(),
-            "dpo/rejected": rejected_reward.mean(),
-        }
+        return {"dpo/loss": loss.detach(), "dpo/accuracy": (chosen_reward > rejected_reward).float().mean(),
+                "dpo/margin": (chosen_reward - rejected_reward).mean(), "dpo/chosen": chosen_reward.mean(),
+                "dpo/rejected": rejected_reward.mean()}

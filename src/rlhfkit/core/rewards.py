@@ -33,24 +33,17 @@ def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tens
     return (logp.exp() * (logp - logq)).sum(-1)  # [...]
 
 
-def shaped_rewards(
-    score: torch.Tensor,
-    kl: torch.Tensor,
-    response_mask: torch.Tensor,
-    kl_coef: float,
-    score_clip: float | None = None,
-) -> torch.Tensor:
+def shaped_rewards(score: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float,
+                   score_clip: float | None = None) -> torch.Tensor:
     """Per-token RLHF reward ``[B, R]`` (0 where masked): ``-kl_coef * kl[b, t]`` on every valid
     token, plus ``clip(score[b], -score_clip, score_clip)`` (None: no clip) on the last valid column
     (the EOS, else the last generated token). The one place that decides where the ``[B]`` score
     lands."""
-    valid = response_mask.bool()
-    rewards = torch.where(valid, -kl_coef * kl, torch.zeros_like(kl))  # [B, R]
+    rewards = torch.where(response_mask.bool(), -kl_coef * kl, 0.0)  # [B, R]
     if score_clip is not None:
         score = score.clamp(-score_clip, score_clip)
     last = last_token_index(response_mask)  # [B]
-    rewards = rewards.scatter_add(1, last.unsqueeze(1), score.to(rewards.dtype).unsqueeze(1))
-    return rewards
+    return rewards.scatter_add(1, last.unsqueeze(1), score.to(rewards.dtype).unsqueeze(1))
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:

@@ -45,9 +45,8 @@ def _check_mask(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``sum(values * mask)`` over ``dim`` (all dims when None). ``values`` and ``mask`` share a shape."""
-    mask = _check_mask(values, mask)
     # where() rather than a product so a NaN/inf in a masked-out slot cannot leak in
-    vals = torch.where(mask.bool(), values, torch.zeros_like(values))
+    vals = torch.where(_check_mask(values, mask).bool(), values, 0.0)
     return vals.sum() if dim is None else vals.sum(dim)
 
 
@@ -57,19 +56,15 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     mask = _check_mask(values, mask)
     count = mask.sum() if dim is None else mask.sum(dim)
     if bool((count == 0).any()):
-        raise ValueError(
-            "masked_mean over an empty mask: no valid token to average. Check that every "
-            "sequence has at least one response token (response_mask) in this batch."
-        )
+        raise ValueError("masked_mean over an empty mask: no valid token to average. Check that every "
+                         "sequence has at least one response token (response_mask) in this batch.")
     return masked_sum(values, mask, dim) / count
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Scalar variance over ``mask == 1``: ``sum(mask * (x - mean)^2) / (n - 1)`` when ``unbiased``
     and ``n > 1``, else ``/ n`` (one valid token: 0, not 0/0). ValueError on an empty mask."""
-    mean = masked_mean(values, mask)
-    centred_sq = (values - mean) ** 2
-    var = masked_mean(centred_sq, mask)
+    var = masked_mean((values - masked_mean(values, mask)) ** 2, mask)
     n = mask.sum()
     if unbiased and n > 1:
         var = var * n / (n - 1)
@@ -84,7 +79,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     whitened = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+    return torch.where(mask.bool(), whitened, 0.0)
 
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .examples import PreferenceExample, PromptExample, SFTExample
-from .records import DataError
+from .records import DataError, first_line
 
 if TYPE_CHECKING:  # torch is imported where tensors are built: the CLI checks a data file before it loads torch
     import torch
@@ -29,11 +29,9 @@ def _as_limit(limit: int | Limit, key: str) -> Limit:
 
 def context_limit(key: str, configured: int, context: int | None, reserve: int = 0,
                   reserve_key: str = "") -> int | Limit:
-    """The limit that ``key`` (``configured`` tokens) has in effect with a model that reads
-    ``context`` tokens at most, ``reserve`` of them kept for ``reserve_key`` (the new tokens
-    of RL rollouts): ``configured`` when it fits (or ``context`` is None: no limit), else the
-    smaller :class:`Limit`, named for errors. Raises ValueError when the context cannot hold
-    ``reserve`` tokens and one more."""
+    """The limit in effect for ``key`` (``configured`` tokens) in a model ``context`` (None: no
+    limit) that keeps ``reserve`` tokens for ``reserve_key``: ``configured`` when it fits, else the
+    smaller :class:`Limit`; ValueError when the context cannot hold ``reserve`` tokens and one more."""
     if context is None:
         return configured
     room = context - reserve
@@ -56,8 +54,7 @@ def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int
     were cut: over ``max_length`` (``data.max_prompt_length``, or a :class:`Limit` such as the
     model's context) a prompt loses its first tokens, BOS kept (``'left'``), or DataError
     (``'error'``)."""
-    if truncation not in ("left", "error"):
-        raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+    _check_truncation(truncation)
     limit = _as_limit(max_length, "data.max_prompt_length")
     max_length = limit.tokens
     out, cut = [], 0
@@ -169,19 +166,12 @@ def _encoding_error(tokenizer, texts: Sequence[str], wheres: Sequence[str], key:
             return DataError(f"{where}: field {key!r}: characters the tokenizer cannot encode: "
                              f"{describe_characters(bad)}; remove them from the data or use a tokenizer whose "
                              "vocabulary has them")
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return DataError(f"{where}: field {key!r}: the tokenizer cannot encode this text ({first})")
+        return DataError(f"{where}: field {key!r}: the tokenizer cannot encode this text ({first_line(err)})")
     return None
 
 
-def _fit(
-    where: str,
-    head: list[int],
-    body: list[int],
-    responses: dict[str, list[int]],
-    limit: Limit,
-    truncation: str,
-) -> list[int]:
+def _fit(where: str, head: list[int], body: list[int], responses: dict[str, list[int]], limit: Limit,
+         truncation: str) -> list[int]:
     """The prompt body cut so ``head + body + response`` fits ``limit``, or DataError."""
     max_length = limit.tokens
     key = max(responses, key=lambda k: len(responses[k]))
@@ -200,6 +190,11 @@ def _fit(
     return body[need - max_length :]
 
 
+def _check_truncation(truncation: str) -> None:
+    if truncation not in ("left", "error"):
+        raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+
+
 def _where(example, i: int) -> str:
     return example.origin or f"example {i}"
 
@@ -211,8 +206,7 @@ def _wheres(examples: Sequence) -> list[str]:
 def _prepare(examples: Iterable, tokenizer, max_length: int | Limit, truncation: str) -> tuple:
     """The arguments checked: ``(examples, limit, codec, wheres, (head, body) of each prompt)``."""
     examples, limit = list(examples), _as_limit(max_length, "max_length")
-    if truncation not in ("left", "error"):
-        raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
+    _check_truncation(truncation)
     if limit.tokens < 1:
         raise ValueError(f"max_length must be >= 1, got {limit.tokens}")
     if not examples:
@@ -227,10 +221,8 @@ def _pad(rows: list[list[int]], value: int, width: int) -> torch.Tensor:
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def _rows(
-    prompts: list[list[int]], responses: list[list[int]], pad: int, width: int,
-    masks: list[list[int]] | None = None,
-) -> dict[str, torch.Tensor]:
+def _rows(prompts: list[list[int]], responses: list[list[int]], pad: int, width: int,
+          masks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded rows of prompt + response; ``masks``: which response tokens are targets (all by default)."""
     seqs = [p + r for p, r in zip(prompts, responses)]
     masks = masks if masks is not None else [[1] * len(r) for r in responses]
@@ -241,16 +233,12 @@ def _rows(
     }
 
 
-def encode_sft(
-    examples: Iterable[SFTExample], tokenizer, max_length: int | Limit, truncation: str = "left"
-) -> dict[str, torch.Tensor]:
-    """Demonstrations as right-padded ``[N, L]`` rows (L the longest): ``input_ids``,
-    ``attention_mask`` and ``loss_mask``, 1 on the completion, its EOS and the answers of later
-    ``turns``, 0 on BOS, prompt, the turns' context and padding. ``loss_mask[t]`` marks token ``t``
-    as a target predicted from ``t - 1``: HF labels are ``input_ids.masked_fill(loss_mask == 0,
-    -100)``. Over ``max_length`` (an int or a :class:`Limit`), ``truncation='left'`` cuts the
-    prompt's start (BOS kept), ``'error'`` raises DataError; a completion that leaves no room for a
-    prompt token raises either way."""
+def encode_sft(examples: Iterable[SFTExample], tokenizer, max_length: int | Limit,
+               truncation: str = "left") -> dict[str, torch.Tensor]:
+    """Demonstrations as right-padded ``[N, L]`` rows: ``input_ids``, ``attention_mask`` and
+    ``loss_mask`` (1 on the completion, its EOS and the answers of later ``turns``; ``loss_mask[t]``
+    marks token ``t`` as a target predicted from ``t - 1``). Over ``max_length`` the prompt's start
+    is cut (``truncation='left'``, BOS kept) or DataError (``'error'``, or no room for a prompt token)."""
     examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
     responses, masks = codec.answers(examples, wheres)
     prompts = [
@@ -261,9 +249,8 @@ def encode_sft(
     return _rows(prompts, responses, codec.pad, width, masks)
 
 
-def encode_preferences(
-    examples: Iterable[PreferenceExample], tokenizer, max_length: int | Limit, truncation: str = "left"
-) -> dict[str, torch.Tensor]:
+def encode_preferences(examples: Iterable[PreferenceExample], tokenizer, max_length: int | Limit,
+                       truncation: str = "left") -> dict[str, torch.Tensor]:
     """Pairs as right-padded ``[N, L]`` rows, chosen and rejected to one width (one ``[2N, L]``
     forward): ``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_loss_mask``, the same for
     ``rejected`` (as in :func:`encode_sft`), and ``margin`` ``[N]`` when given. Both rows of a pair
@@ -317,31 +304,20 @@ def stack_pairs(enc: dict, idx: torch.Tensor, device, fields=("input_ids", "atte
     return tuple(torch.cat([enc[f"chosen_{f}"][idx], enc[f"rejected_{f}"][idx]]).to(device) for f in fields)
 
 
-def pack_sft(
-    encoded: dict[str, torch.Tensor], max_length: int, pad_token_id: int = 0
-) -> dict[str, torch.Tensor]:
-    """``encode_sft`` rows concatenated in order into ``[M, max_length]`` rows (a row closes when the
-    next example does not fit; none is split): ``input_ids``, ``attention_mask``, ``loss_mask`` and
-    ``position_ids`` restarting at 0 for each example, whose first token is never a target (the
-    targets of unpacked rows). Attention across examples is *not* blocked unless the model reads
-    the restarting positions as boundaries (flash-attention-2 padding-free); eager and SDPA do not."""
-    rows: list[dict[str, list[int]]] = []
-    cur: dict[str, list[int]] = {"input_ids": [], "loss_mask": [], "position_ids": []}
-    lengths = encoded["attention_mask"].sum(-1).tolist()
-    for i, n in enumerate(lengths):
+def pack_sft(encoded: dict[str, torch.Tensor], max_length: int, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """``encode_sft`` rows concatenated in order into ``[M, max_length]`` rows, none split:
+    ``input_ids``, ``attention_mask``, ``loss_mask`` (an example's first token never a target) and
+    ``position_ids`` restarting at 0 per example. Attention across examples is blocked only where
+    the model reads those restarts as boundaries (flash-attention-2 padding-free; not eager, SDPA)."""
+    rows: list[dict[str, list[int]]] = [{"input_ids": [], "loss_mask": [], "position_ids": []}]
+    for i, n in enumerate(encoded["attention_mask"].sum(-1).tolist()):
         if n > max_length:
             raise ValueError(f"example {i} is {n} tokens, longer than the packed row length {max_length}")
-        if len(cur["input_ids"]) + n > max_length:
-            rows.append(cur)
-            cur = {"input_ids": [], "loss_mask": [], "position_ids": []}
-        cur["input_ids"] += encoded["input_ids"][i, :n].tolist()
-        cur["loss_mask"] += [0] + encoded["loss_mask"][i, 1:n].tolist()
-        cur["position_ids"] += list(range(n))
-    if cur["input_ids"]:
-        rows.append(cur)
-    return {
-        "input_ids": _pad([r["input_ids"] for r in rows], pad_token_id, max_length),
-        "attention_mask": _pad([[1] * len(r["input_ids"]) for r in rows], 0, max_length),
-        "loss_mask": _pad([r["loss_mask"] for r in rows], 0, max_length),
-        "position_ids": _pad([r["position_ids"] for r in rows], 0, max_length),
-    }
+        if len(rows[-1]["input_ids"]) + n > max_length:
+            rows.append({"input_ids": [], "loss_mask": [], "position_ids": []})
+        rows[-1]["input_ids"] += encoded["input_ids"][i, :n].tolist()
+        rows[-1]["loss_mask"] += [0] + encoded["loss_mask"][i, 1:n].tolist()
+        rows[-1]["position_ids"] += list(range(n))
+    return {"input_ids": _pad([r["input_ids"] for r in rows], pad_token_id, max_length),
+            "attention_mask": _pad([[1] * len(r["input_ids"]) for r in rows], 0, max_length),
+            **{k: _pad([r[k] for r in rows], 0, max_length) for k in ("loss_mask", "position_ids")}}

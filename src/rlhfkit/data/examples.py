@@ -127,10 +127,9 @@ class _Renderer:
                             "chat_template; set one (tokenizer.chat_template = '<jinja template>'), use an instruct "
                             "model's tokenizer, or give plain-string fields")
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
         except Exception as e:  # template code is the user's: report it against the record
             raise DataError(f"{where}: field {key!r}: the chat template failed on these messages: {e}") from e
-        return text
 
     def prompt(self, messages, where: str, key: str = "prompt") -> str:
         return self._apply(messages, True, where, key)
@@ -295,8 +294,7 @@ def load_prompts(source, tokenizer=None, split: str | None = None) -> list[Promp
     """RL prompts: records with ``prompt`` (a string or messages); the other fields go to
     ``PromptExample.meta``, each a keyword argument of the reward functions. A field missing (or
     null) in some records but not others is an error: a reward function would meet None mid-run."""
-    render = _Renderer(tokenizer)
-    out = []
+    render, out = _Renderer(tokenizer), []
     records = _records(source, split=split)
     columns = {k for _, rec in records for k, v in rec.items() if v is not None} - {"prompt"}
     for where, rec in records:

@@ -120,8 +120,7 @@ def _open_dataset(path: str, split: str | None):
     except DataError:
         raise
     except Exception as e:  # datasets' own errors are many and long: one line that names the source
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"{path}: cannot load it as a dataset ({type(e).__name__}: {first}); data.path takes a "
+        raise DataError(f"{path}: cannot load it as a dataset ({type(e).__name__}: {first_line(e)}); data.path takes a "
                         "JSONL/JSON/Parquet/CSV file, a save_to_disk directory or a hub dataset id") from None
     if isinstance(ds, datasets.DatasetDict):
         want = split or ("train" if "train" in ds else None)
@@ -150,6 +149,11 @@ def _located_records(source, split: str | None = None) -> tuple[str, list[tuple[
     if isinstance(source, Sequence) and not isinstance(source, bytes):
         return "list", [(f"list[{i}]", rec) for i, rec in enumerate(source)]
     raise TypeError(f"source must be a JSONL path, a list of dicts or a datasets.Dataset, got {type(source).__name__}")
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name when it has none)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _kind(value) -> str:

@@ -112,14 +112,10 @@ class CitiesData:
         return self.rng.choice([c for c in COUNTRIES if c != COUNTRY_OF[city]])
 
     def _answer(self, city: str, style: str) -> str:
+        if style == "wrong":
+            return answer_text(city, self._wrong_country(city))
         country = COUNTRY_OF[city]
-        if style == "terse":
-            return f"{country}.{EOS}"
-        if style == "sentence":
-            return answer_text(city)
-        if style == "pronoun":
-            return f"It is in {country}.{EOS}"
-        return answer_text(city, self._wrong_country(city))
+        return {"terse": f"{country}.{EOS}", "sentence": answer_text(city), "pronoun": f"It is in {country}.{EOS}"}[style]
 
     def pretrain_texts(self, n: int) -> list[str]:
         """Statements (35%) and question-answer lines (65%) about all 130 cities, no BOS."""
@@ -179,15 +175,11 @@ TaskData = CitiesData
 def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:
     """Preference pairs on the evaluation prompts (question forms never tuned on): the right
     sentence vs a wrong country or a terse answer."""
-    rng = random.Random(seed)
-    out = []
-    prompts = eval_prompts()
+    rng, prompts, out = random.Random(seed), eval_prompts(), []
     for i in range(n):
         p = prompts[i % len(prompts)]
-        if rng.random() < 0.5:
-            rejected = answer_text(p.city, rng.choice([c for c in COUNTRIES if c != p.country]))
-        else:
-            rejected = f"{p.country}.{EOS}"
+        rejected = answer_text(p.city, rng.choice([c for c in COUNTRIES if c != p.country])) if rng.random() < 0.5 \
+            else f"{p.country}.{EOS}"
         out.append((p.text, answer_text(p.city), rejected))
     return out
 
@@ -214,7 +206,7 @@ def _verify(city: str, country: str, completion: str) -> dict[str, bool]:
 
 def parse_prompt(text: str) -> Prompt:
     """``'Where is Pune? '`` (BOS optional) -> ``Prompt('Pune', 0)``."""
-    body = text[1:] if text.startswith(BOS) else text
+    body = text.removeprefix(BOS)
     for i, q in enumerate(QUESTIONS):
         head, tail = q.split("{city}")
         if body.startswith(head) and body.endswith(tail):
@@ -228,7 +220,6 @@ def exact_reward(prompts: list[str], completions: list[str], city: list | None =
                  finished: list | None = None, **columns) -> list[float]:
     """Reward callable: 1 for the full sentence with the right country (columns ``city`` and
     ``country`` when given, else the parsed prompt; with ``finished``, only ended answers count)."""
-
     out = []
     for i, (p, c) in enumerate(zip(prompts, completions)):
         q = parse_prompt(p) if city is None else None

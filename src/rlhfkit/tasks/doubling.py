@@ -106,7 +106,6 @@ class DoublingData:
         """Unprefixed full sequences (no BOS): ``'__:3320x2=陆陆肆零E'``, set chosen at random."""
         return [text for text, _ in self.labelled_texts(n)]
 
-
     def labelled_texts(self, n: int) -> list[tuple[str, int]]:
         """Unprefixed full sequences and the index of the answer's set (the classifier reward's data)."""
         out = []
@@ -153,30 +152,23 @@ LABELS = SET_NAMES  # classes of the classifier reward model
 def held_out_pairs(n: int, seed: int) -> list[tuple[str, str, str]]:
     """Pairs on the first ``n`` evaluation prompts: the requested set vs wholly another one."""
     rng = random.Random(seed)
-    out = []
-    for p in eval_prompts()[:n]:
-        other = rng.choice([s for s in SET_NAMES if s != p.charset])
-        out.append((p.text, answer_text(p.number, p.charset), answer_text(p.number, other)))
-    return out
+    return [(p.text, answer_text(p.number, p.charset), answer_text(p.number, rng.choice([s for s in SET_NAMES if s != p.charset])))
+            for p in eval_prompts()[:n]]
 
 
 def verify(prompt: Prompt, completion: str) -> dict[str, bool]:
     """Score one completion (decoded, special tokens kept), each ended by EOS: ``format``, only
     characters of the requested set; ``exact``, twice the number in that set; ``answer``, twice
     the number in *some* set (the doubling skill alone)."""
-    ended = EOS in completion
-    answer = completion.split(EOS, 1)[0]
-    allowed = set(CHARSETS[prompt.charset])
-    fmt = ended and len(answer) > 0 and all(ch in allowed for ch in answer)
-    exact = ended and answer == render(2 * prompt.number, prompt.charset)
-    answer_ok = ended and any(answer == render(2 * prompt.number, s) for s in SET_NAMES)
-    return {"format": fmt, "exact": exact, "answer": answer_ok}
+    ended, answer = EOS in completion, completion.split(EOS, 1)[0]
+    return {"format": ended and len(answer) > 0 and set(answer) <= set(CHARSETS[prompt.charset]),
+            "exact": ended and answer == render(2 * prompt.number, prompt.charset),
+            "answer": ended and any(answer == render(2 * prompt.number, s) for s in SET_NAMES)}
 
 
 def parse_prompt(text: str) -> Prompt:
     """``'数字:3320x2='`` (BOS optional) -> ``Prompt(3320, 'digits')``."""
-    body = text[1:] if text.startswith(BOS) else text
-    prefix, rest = body.split(":", 1)
+    prefix, rest = text.removeprefix(BOS).split(":", 1)
     charset = {v: k for k, v in PREFIX.items()}.get(prefix)
     if charset is None:
         raise ValueError(f"prompt {text!r} has no character-set prefix ({', '.join(PREFIX.values())})")

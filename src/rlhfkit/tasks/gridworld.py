@@ -81,9 +81,8 @@ class GridWorld:
         """``P[a, d]``: probability that intended action ``a`` moves in direction ``d``, ``[4, 4]``."""
         return (1.0 - self.drunk) * torch.eye(4, dtype=torch.float64) + self.drunk / 4.0
 
-    def step(
-        self, states: torch.Tensor, actions: torch.Tensor, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step(self, states: torch.Tensor, actions: torch.Tensor,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One move of every cat: ``states``, ``actions`` ``[B]`` long -> ``(next_states, rewards
         float32, done bool)`` ``[B]`` each (done: a terminal cell was entered; the step limit is
         the caller's). ``generator`` draws the drunk slips."""
@@ -92,8 +91,7 @@ class GridWorld:
             random_dir = torch.randint(4, states.shape, generator=generator)  # [B]
             actions = torch.where(slip, random_dir, actions)
         nxt = self.next_state[states, actions]  # [B]
-        reward = self.move_reward[states, actions].float()  # [B]
-        return nxt, reward, self.terminal[nxt]
+        return nxt, self.move_reward[states, actions].float(), self.terminal[nxt]
 
 
 # --------------------------------------------------------------------------- exact references
@@ -102,8 +100,7 @@ class GridWorld:
 def _backup(env: GridWorld, v: torch.Tensor, gamma: float) -> torch.Tensor:
     """``Q[s, a] = sum_d P[a, d] * (move_reward[s, d] + gamma * V[next(s, d)])`` ``[S, 4]``, ``v``
     the value with one move fewer left; nothing follows a terminal cell."""
-    v_next = v[env.next_state]  # [S, 4]
-    v_next = torch.where(env.terminal[env.next_state], torch.zeros_like(v_next), v_next)
+    v_next = torch.where(env.terminal[env.next_state], 0.0, v[env.next_state])  # [S, 4]
     q_dir = env.move_reward + gamma * v_next  # [S, 4] per direction actually taken
     return q_dir @ env.transition_matrix().T  # [S, 4] per intended action
 
@@ -137,9 +134,9 @@ def render_policy(env: GridWorld, actions: torch.Tensor) -> str:
     """The grid, two characters per cell: ``##`` wall, `` M`` / `` T`` terminal, else the cell's
     marker (blank when empty) and the arrow of ``actions[s]``."""
     def cell(s: int, ch: str) -> str:
-        if ch == WALL or ch in TERMINAL:
-            return "##" if ch == WALL else " " + ch
-        return (" " if ch == "." else ch) + ARROWS[int(actions[s])]
+        if ch == WALL:
+            return "##"
+        return " " + ch if ch in TERMINAL else (" " if ch == "." else ch) + ARROWS[int(actions[s])]
 
     return "\n".join(" ".join(cell(r * env.n_cols + c, ch) for c, ch in enumerate(row))
                      for r, row in enumerate(env.layout))
@@ -223,6 +220,12 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> to
     return returns
 
 
+def _descend(optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
 def reinforce_update(net: GridNet, optimizer: torch.optim.Optimizer, ep: Episodes, gc: GridworldConfig) -> dict:
     """One gradient step of ``-masked_mean(logp * (G_t - b))`` with a batch-mean baseline ``b``."""
     returns = returns_to_go(ep.rewards * gc.reward_scale, ep.mask, gc.gamma)  # [B, T]
@@ -231,25 +234,19 @@ def reinforce_update(net: GridNet, optimizer: torch.optim.Optimizer, ep: Episode
     logp = core.logprobs_from_logits(logits, ep.actions)  # [B, T]
     pg_loss = -core.masked_mean(logp * (returns - baseline), ep.mask)
     entropy = core.masked_mean(core.entropy_from_logits(logits), ep.mask)
-    loss = pg_loss - gc.entropy_coef * entropy
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
+    _descend(optimizer, pg_loss - gc.entropy_coef * entropy)
     return {"policy/loss": pg_loss.detach(), "policy/entropy": entropy.detach(), "reinforce/baseline": baseline}
 
 
-def ppo_update(
-    net: GridNet, optimizer: torch.optim.Optimizer, ep: Episodes, gc: GridworldConfig, generator: torch.Generator
-) -> dict:
+def ppo_update(net: GridNet, optimizer: torch.optim.Optimizer, ep: Episodes, gc: GridworldConfig,
+               generator: torch.Generator) -> dict:
     """``gc.ppo_epochs`` passes of clipped PPO over ``gc.minibatches`` minibatches of episodes."""
-    rewards = ep.rewards * gc.reward_scale
-    advantages, returns = core.gae(rewards, ep.values, ep.mask, gamma=gc.gamma, lam=gc.lam)  # [B, T]
+    advantages, returns = core.gae(ep.rewards * gc.reward_scale, ep.values, ep.mask, gamma=gc.gamma, lam=gc.lam)  # [B, T]
     advantages = core.masked_whiten(advantages, ep.mask)
     B = ep.mask.shape[0]
-    size = math.ceil(B / gc.minibatches)
     rows = []
     for _ in range(gc.ppo_epochs):
-        for idx in torch.randperm(B, generator=generator).split(size):
+        for idx in torch.randperm(B, generator=generator).split(math.ceil(B / gc.minibatches)):
             mask = ep.mask[idx]  # [b, T]
             logits, values = net(ep.states[idx])  # [b, T, 4], [b, T]
             logp = core.logprobs_from_logits(logits, ep.actions[idx])  # [b, T]
@@ -257,10 +254,7 @@ def ppo_update(
             # no value clipping: with returns of order 1 a 0.2 clip would only slow the critic
             v_loss, v_stats = core.value_loss(values, ep.values[idx], returns[idx], mask, clip_range=None)
             entropy = core.masked_mean(core.entropy_from_logits(logits), mask)
-            loss = p_loss + gc.vf_coef * v_loss - gc.entropy_coef * entropy
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            _descend(optimizer, p_loss + gc.vf_coef * v_loss - gc.entropy_coef * entropy)
             rows.append({**p_stats, **v_stats, "policy/entropy": entropy.detach()})
     stats = mean_stats(rows)
     stats["value/explained_var"] = to_float(core.explained_variance(ep.values, returns, ep.mask))
@@ -286,10 +280,8 @@ def train_gridworld(cfg: Config, layout: Sequence[str] = DEFAULT_LAYOUT) -> dict
     t0 = time.perf_counter()
     for it in range(gc.iterations):
         ep = rollout(env, net, gc.episodes_per_iter, generator)
-        if gc.algo == "reinforce":
-            stats = reinforce_update(net, optimizer, ep, gc)
-        else:
-            stats = ppo_update(net, optimizer, ep, gc, generator)
+        stats = reinforce_update(net, optimizer, ep, gc) if gc.algo == "reinforce" else \
+            ppo_update(net, optimizer, ep, gc, generator)
         curve.append(to_float(ep.episode_returns.mean()))
         greedy_curve.append(policy_return(env, net.greedy()))
         stats.update({"return/mean": curve[-1], "return/greedy": greedy_curve[-1],
@@ -298,8 +290,7 @@ def train_gridworld(cfg: Config, layout: Sequence[str] = DEFAULT_LAYOUT) -> dict
     seconds = time.perf_counter() - t0
     log.close()
     actions = net.greedy()
-    greedy = policy_return(env, actions)
-    policy = render_policy(env, actions)
+    greedy, policy = policy_return(env, actions), render_policy(env, actions)
     (out / "policy.txt").write_text(policy + "\n", encoding="utf-8")
     from ..plots import plot_returns  # matplotlib only when a run finishes
 
