@@ -1,6 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
-#   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers)
+#   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers) on the
+#               plain PyTorch reference path, then the tests marked accel_twice (the invariants of
+#               docs/design.md and a few learning runs) a second time with --accel on (a few minutes)
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
 #   make test-real  the slow tier: learning on the real chat model, the cities file route (~10 min; CI runs it too)
 #   make test-lowest  the tests of the models' own forward on the lowest transformers the package declares
@@ -66,8 +68,11 @@ tmux:
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
+# The second invocation runs the invariant and learning tests (marked accel_twice) again with the
+# accelerated operations (tests/conftest.py: --accel), so both paths are held to them.
 test: lint browser tmux
 	$(PYTEST) -m "not long and not real and not heavy and not bench"
+	$(PYTEST) --accel on -m "accel_twice and not long and not real and not heavy and not bench"
 
 # The slow tier, which CI runs after make test: learning on the real chat model
 # (tests/test_real_learning.py, marked real: GRPO with LoRA must teach SmolLM2-135M-Instruct the

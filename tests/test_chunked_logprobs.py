@@ -419,6 +419,7 @@ def test_forward_kl_term_beside_the_reward_kl(tiny_models):
     assert any((beside[3][n] - plain[3][n]).abs().max() > 1e-4 for n in plain[3]), "the term moved no gradient"
 
 
+@pytest.mark.accel_twice
 def test_first_minibatch_ratio_is_one_in_chunks(monkeypatch):
     """The experience pass takes the full logits, the update the chunked path: the first
     minibatch's ratio is still 1 (the two compute the same numbers)."""

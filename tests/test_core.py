@@ -109,6 +109,7 @@ def test_policy_loss_hand_computed():
     close(stats["policy/approx_kl"], sum(k3) / 4)
 
 
+@pytest.mark.accel_twice
 def test_policy_loss_ratio_one():
     # new == old: ratio 1 everywhere, nothing clipped, loss is just -mean(A)
     gen = torch.Generator().manual_seed(0)
@@ -219,6 +220,7 @@ def test_logprobs_and_entropy_match_reference():
         logprobs_from_logits(logits, tokens[:, :-1])
 
 
+@pytest.mark.accel_twice
 def test_masked_mean_and_var_match_selected_elements():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(4, 7, generator=gen, dtype=torch.float64)
@@ -263,6 +265,7 @@ def test_kl_estimators_are_unbiased_on_samples():
 # --------------------------------------------------------------------------- edge cases
 
 
+@pytest.mark.accel_twice
 def test_empty_mask_raises():
     x = torch.randn(2, 3)
     empty = torch.zeros(2, 3, dtype=torch.long)
@@ -290,6 +293,7 @@ def test_single_valid_token_whiten_is_zero():
     close(masked_var(x, mask), 0.0)
 
 
+@pytest.mark.accel_twice
 def test_masked_whiten_mean_zero_std_one():
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(4, 7, generator=gen, dtype=torch.float64) * 5 + 3
@@ -305,6 +309,7 @@ def test_masked_whiten_mean_zero_std_one():
     close(kept.mean(), x[mask.bool()].mean(), tol=1e-7)
 
 
+@pytest.mark.accel_twice
 def test_masked_positions_cannot_leak():
     x = torch.tensor([[1.0, 2.0, float("nan")], [3.0, float("inf"), -float("inf")]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])

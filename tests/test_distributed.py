@@ -210,6 +210,7 @@ def test_two_processes_really_ran(runs):
     assert world["num_processes"] == 2 and "MULTI_CPU" in world["distributed_type"]
 
 
+@pytest.mark.accel_twice
 @pytest.mark.parametrize("cmd", RUNS)
 def test_first_step_matches_one_process(runs, cmd):
     one, two = runs
@@ -279,6 +280,7 @@ def test_master_weights_on_two_processes_match_one_to_bfloat16_rounding(runs):
 
 @pytest.mark.parametrize("cmd,weights", [("ppo", "policy"), ("grpo", "policy"), ("grpo_file", "policy"), ("dpo", "policy"),
                                          ("sft", "policy"), ("rm", "reward_model")])
+@pytest.mark.accel_twice
 def test_saved_weights_match_one_process(runs, cmd, weights):
     one, two = runs
     _assert_weights_match(one / cmd / weights, two / cmd / weights)

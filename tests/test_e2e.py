@@ -30,6 +30,7 @@ def demo_run(tmp_path_factory):
     return out, summary
 
 
+@pytest.mark.accel_twice
 @pytest.mark.slow
 def test_ppo_teaches_the_prefix(demo_run):
     out, summary = demo_run
@@ -56,6 +57,7 @@ def test_critic_free_defaults_learn_from_the_learned_reward_model(demo_run, tmp_
     assert not any(r.get("guard/kl_high") or r.get("guard/eos_collapse") for r in rows)
 
 
+@pytest.mark.accel_twice
 @pytest.mark.slow
 def test_run_directory_contents(demo_run):
     out, _ = demo_run

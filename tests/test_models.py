@@ -87,6 +87,7 @@ def test_position_ids_from_mask_hand_written():
 # --------------------------------------------------------------------------- sequence scores
 
 
+@pytest.mark.accel_twice
 @torch.no_grad()
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_sequence_scores_padding_matches_unpadded(tok, scalar_model, side):
@@ -165,6 +166,7 @@ def test_policy_forward_value_head_starts_at_zero(tok, policy):
     assert torch.equal(values, torch.zeros_like(values))
 
 
+@pytest.mark.accel_twice
 @torch.no_grad()
 def test_logprobs_invariant_to_left_padding(tok, policy):
     ids0, mask0, P0, r_ids = prompt_response(tok, extra_pad=0)

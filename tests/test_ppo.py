@@ -51,6 +51,7 @@ def policy():
     return disable_dropout(build_tiny_policy(TOK, seed=3, **ARCH)).eval()
 
 
+@pytest.mark.accel_twice
 def test_generation_logprobs_match_training_forward(policy):
     ids, mask = prompts(12)
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,6 +98,7 @@ def pad_cols(x: torch.Tensor, k: int, fill: float) -> torch.Tensor:
 # --------------------------------------------------------------------------- masked statistics
 
 
+@pytest.mark.accel_twice
 @PROPS
 @given(st.data())
 def test_masked_stats_are_finite_and_equal_the_valid_elements(data):
@@ -178,6 +180,7 @@ def test_k2_k3_are_nonnegative_and_zero_on_the_reference(data):
 # --------------------------------------------------------------------------- losses
 
 
+@pytest.mark.accel_twice
 @PROPS
 @given(st.data())
 def test_losses_are_finite_and_blind_to_padded_slots(data):
@@ -218,6 +221,7 @@ def test_losses_are_finite_and_blind_to_padded_slots(data):
     close(values2.grad, g_values * mask, tol=1e-9)
 
 
+@pytest.mark.accel_twice
 @PROPS
 @given(st.data())
 def test_policy_loss_at_ratio_one(data):
@@ -258,6 +262,7 @@ def naive_gae(rewards, values, mask, gamma, lam):
     return adv, (adv + values) * mask
 
 
+@pytest.mark.accel_twice
 @PROPS
 @given(st.data())
 def test_gae_matches_the_definition_and_ignores_padding(data):
@@ -279,6 +284,7 @@ def test_gae_matches_the_definition_and_ignores_padding(data):
     assert bool((adv2[:, r:] == 0).all()) and bool((ret2[:, r:] == 0).all())
 
 
+@pytest.mark.accel_twice
 @PROPS
 @given(st.data())
 def test_appending_padding_changes_no_masked_result(data):

@@ -92,7 +92,8 @@ def _kill_from_outside(args: list[str], out: Path, rows: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ppo", "grpo", "grpo-file", "grpo-master"])
+@pytest.mark.parametrize("algo", [pytest.param("ppo", marks=pytest.mark.accel_twice),
+                                  pytest.param("grpo", marks=pytest.mark.accel_twice), "grpo-file", "grpo-master"])
 def test_killed_and_resumed_run_ends_as_an_unbroken_one(algo, tiny_models, tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert _run(_args(algo, tiny_models, whole)) == 0
