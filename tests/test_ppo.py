@@ -109,8 +109,8 @@ def _setup(value_model: str):
 @pytest.mark.parametrize("reuse", [False, True], ids=["recomputed", "reused"])
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
 def test_first_minibatch_has_ratio_one_and_kl_zero(value_model, reuse, accel, request):
-    if accel == "accelerated":  # every accelerated operation that runs here (accel.enabled=on)
-        request.getfixturevalue("accel_on")
+    # every accelerated operation that runs here (accel.enabled=on), or none, whatever --accel chose
+    request.getfixturevalue("accel_on" if accel == "accelerated" else "accel_off")
     ac, ref, rm = _setup(value_model)
     pc = dataclasses.replace(Config().ppo, reuse_rollout_logprobs=reuse)
     ids, mask = prompts(pc.batch_size // 2, seed=3)
