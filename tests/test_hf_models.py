@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import warnings
@@ -376,11 +377,11 @@ def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hu
     micro-batches; ``chunked``: the LM head in chunks with the loss inside."""
     import dataclasses
 
-    from rlhfkit import experience, models
-    from rlhfkit.trainers import rl
+    from rlhfkit import experience
+    from rlhfkit.trainers import rl, rl_setup
 
-    if head == "chunked":
-        monkeypatch.setattr(models, "UPDATE_LOGITS", 1)  # one row a chunk
+    if head == "chunked":  # one row a chunk
+        monkeypatch.setattr(rl_setup, "ActorCritic", functools.partial(experience.ActorCritic, logits_budget=1))
     if head == "no sampler entropy":
         sample = rl.rollout
 
@@ -391,11 +392,10 @@ def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hu
         monkeypatch.setattr(rl, "rollout", without_entropy)
     real, runs = experience.defer_old_logprobs, {}
     for defer in (True, False):
-        monkeypatch.setattr(experience, "DEFER_OLD_LOGPROBS", defer)
         taken = []
 
-        def recorded(*a, taken=taken):
-            taken.append(real(*a))
+        def recorded(*a, taken=taken, defer=defer):  # defer False: the experience pass runs the policy
+            taken.append(defer and real(*a))
             return taken[-1]
 
         monkeypatch.setattr(experience, "defer_old_logprobs", recorded)
