@@ -377,11 +377,13 @@ def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hu
     micro-batches; ``chunked``: the LM head in chunks with the loss inside."""
     import dataclasses
 
-    from rlhfkit import experience
+    from rlhfkit import experience, models
     from rlhfkit.trainers import rl, rl_setup
 
+    chunks, fused = [], models.chunked_token_loss
     if head == "chunked":  # one row a chunk
         monkeypatch.setattr(rl_setup, "ActorCritic", functools.partial(experience.ActorCritic, logits_budget=1))
+        monkeypatch.setattr(models, "chunked_token_loss", lambda *a: chunks.append(a[6]) or fused(*a))
     if head == "no sampler entropy":
         sample = rl.rollout
 
@@ -411,6 +413,7 @@ def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hu
     for a, b in zip(runs[True], runs[False], strict=True):
         for k in keys:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), k
+    assert set(chunks) == ({1} if head == "chunked" else set())  # the loss in the head, a row a chunk
     assert runs[True][-1]["objective/kl"] > 1e-3  # the policy moved away from the reference
     assert all(abs(r["policy/ratio_mean"] - 1.0) < 1e-6 for r in runs[True])  # one step a rollout: ratio 1
 
