@@ -67,7 +67,7 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            and device memory are one). The moments' copy to the host is timed
                            as the rollout's, their copy back as the update's
     rlhfkit_grpo_graph_ckpt_offload  the three switches together (GPU only)
-    rlhfkit_grpo_twopass   the first row with ``trainers.rl.FUSED_TOKEN_LOSS`` off: the update's
+    rlhfkit_grpo_twopass   the first row with ``rl.minibatch_loss(fused_loss=False)``: the update's
                            loss computed from the chunked head's log-probs, whose backward builds
                            each chunk's logits again (rlhfkit before commit e95660e, and TRL's
                            head); CPU or GPU, not in the default rows
@@ -184,6 +184,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -590,7 +591,8 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     rl.ppo_update = marked(rl.ppo_update, clock, "update", end=True)
     rl_setup.start_offload = opening_offload(rl_setup.start_offload, clock)
     rl.eos_token_ids = lambda model, tok: [-1]  # no token ends a completion: each runs to max_new_tokens
-    rl.FUSED_TOKEN_LOSS = not s["twopass"]
+    if s["twopass"]:  # the update's loss from the returned log-probs
+        rl.minibatch_loss = functools.partial(rl.minibatch_loss, fused_loss=False)
     with unshared_prompts() if s["unshared"] else contextlib.nullcontext():
         rl.train_rl(cfg)
     lengths = [json.loads(line).get("response/length") for line in (out / "metrics.jsonl").read_text().splitlines()]

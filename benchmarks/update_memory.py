@@ -16,7 +16,7 @@ backward, through ``trainers.rl.minibatch_loss`` on a critic-free ``ActorCritic`
 
 Variants, each in a fresh subprocess pinned to one core (``taskset``, one torch thread):
 
-* ``full``: ``UPDATE_LOGITS`` set above the batch's logits, so the head computes the whole
+* ``full``: ``ActorCritic.logits_budget`` set above the batch's logits, so the head computes the whole
   ``[b, R, V]`` logits and autograd keeps them (and their float32 softmax) for the backward;
 * ``chunked``: the default ``UPDATE_LOGITS`` (2**24 logits: 110 rows of a 151936 vocabulary).
 
@@ -85,8 +85,9 @@ RESULT = "RESULT "
 VOCAB = 151936
 
 
-def build(layers: int):
-    """The LoRA-wrapped Qwen2.5-0.5B-shaped policy in a critic-free ActorCritic."""
+def build(layers: int, logits_budget: int):
+    """The LoRA-wrapped Qwen2.5-0.5B-shaped policy in a critic-free ActorCritic whose head runs
+    in chunks above ``logits_budget`` logits."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlhfkit.experience import ActorCritic
@@ -97,7 +98,7 @@ def build(layers: int):
                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
     torch.manual_seed(0)
     policy = disable_dropout(add_lora(Qwen2ForCausalLM(cfg), r=8, alpha=16.0)).train()
-    return ActorCritic(policy)
+    return ActorCritic(policy, logits_budget=logits_budget)
 
 
 def batch(rows: int, prompt: int, response: int):
@@ -120,9 +121,10 @@ def worker(args) -> None:
     from rlhfkit.config import Config
     from rlhfkit.trainers.rl import minibatch_loss
 
+    budget = models.UPDATE_LOGITS
     if args.worker == "full":
-        models.UPDATE_LOGITS = 2 * args.rows * args.response * VOCAB  # one chunk: the full-logits path
-    ac = build(args.layers)
+        budget = 2 * args.rows * args.response * VOCAB  # one chunk: the full-logits path
+    ac = build(args.layers, budget)
     exp = batch(args.rows, args.prompt, args.response)
     pc = dataclasses.replace(Config().ppo, entropy_coef=args.entropy_coef, kl_in_loss=False)
     rows = torch.arange(args.rows)
@@ -134,7 +136,7 @@ def worker(args) -> None:
     loss.backward()
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    chunk = max(1, models.UPDATE_LOGITS // VOCAB)
+    chunk = max(1, budget // VOCAB)
     print(RESULT + json.dumps({"before": before, "peak": peak, "reset": reset, "seconds": seconds,
                                "loss": loss.item(), "chunk_rows": min(chunk, args.rows * args.response)}))
 

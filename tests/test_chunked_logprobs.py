@@ -6,8 +6,7 @@
   row, of an odd number of rows, of all rows and of more, with a temperature;
 * half-precision inputs give float32 log-probs and gradients in the inputs' dtypes; a bfloat16
   head read as bfloat16 by the compiled kernels gives PyTorch's float32 route's numbers;
-* a PPO update whose log-probs go through chunks of a few rows (``models.UPDATE_LOGITS`` made
-  small) gives the losses, statistics and gradients of the full-logits update, tied embeddings
+* a PPO update whose log-probs go through chunks of a few rows (a small ``logits_budget``) gives the losses, statistics and gradients of the full-logits update, tied embeddings
   included, and its first minibatch still has ratio 1;
 * the experience pass's policy and reference forwards (a LoRA reference too) take the same
   chunked path and give the full logits' numbers;
@@ -24,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 import rlhfkit.models as models
-import rlhfkit.trainers.rl as rl
 from rlhfkit import ops
 from rlhfkit.accel import kernels
 from rlhfkit.config import Config, PPOConfig
@@ -304,10 +302,17 @@ def _actor_critic(path: str, value_model: str, tied: bool) -> ActorCritic:
     return ActorCritic(policy, critic=disable_dropout(critic).train())
 
 
-def _loss_and_grads(ac: ActorCritic, exp: Experience, pc, update_policy: bool = True):
+def _rows_a_chunk(ac: ActorCritic, rows: int) -> ActorCritic:
+    """``ac``'s models whose log-prob passes run the LM head in chunks of ``rows`` rows."""
+    budget = rows * ac.policy.get_output_embeddings().out_features
+    return ActorCritic(ac.policy, value_head=ac.value_head, critic=ac.critic, logits_budget=budget)
+
+
+def _loss_and_grads(ac: ActorCritic, exp: Experience, pc, update_policy: bool = True, fused_loss: bool = True):
     ac.zero_grad(set_to_none=True)
     mb = torch.arange(exp.input_ids.shape[0])
-    loss, logprobs, stats = minibatch_loss(ac, exp, mb, pc, kl_coef=0.1, update_policy=update_policy)
+    loss, logprobs, stats = minibatch_loss(ac, exp, mb, pc, kl_coef=0.1, update_policy=update_policy,
+                                           fused_loss=fused_loss)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in ac.named_parameters() if p.grad is not None}
     return loss.detach(), logprobs.detach(), stats, grads
@@ -318,18 +323,16 @@ def _loss_and_grads(ac: ActorCritic, exp: Experience, pc, update_policy: bool = 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
 def test_update_in_chunks_equals_full_logits(tiny_models, monkeypatch, value_model, tied, update_policy, fused):
-    """The policy's loss computed inside the chunked head (``rl.FUSED_TOKEN_LOSS``, the default)
-    or from the chunked head's log-probs: the full logits' loss, stats and gradients."""
+    """The policy's loss computed inside the chunked head (``fused_loss``, the default) or from
+    the chunked head's log-probs: the full logits' loss, stats and gradients."""
     ac = _actor_critic(tiny_models.policy, value_model, tied)
     exp = _experience(ac)
     pc = dataclasses.replace(Config().ppo, temperature=0.7, entropy_coef=0.05, kl_in_loss=True, kl_estimator="k2")
     full = _loss_and_grads(ac, exp, pc, update_policy)
-    monkeypatch.setattr(models, "UPDATE_LOGITS", 4 * ac.policy.get_output_embeddings().out_features)
-    monkeypatch.setattr(rl, "FUSED_TOKEN_LOSS", fused)
     calls = []  # chunks of 4 of the 30 rows: the last one of 2
     for real, at in ((models.chunked_token_logprobs, 5), (models.chunked_token_loss, 6)):
         monkeypatch.setattr(models, real.__name__, lambda *a, real=real, at=at: calls.append(a[at]) or real(*a))
-    chunked = _loss_and_grads(ac, exp, pc, update_policy)
+    chunked = _loss_and_grads(_rows_a_chunk(ac, 4), exp, pc, update_policy, fused)
     assert calls == [4], "the update did not take the chunked path"
     if fused and update_policy:
         assert not chunked[1].requires_grad, "the loss was not computed in the head"
@@ -381,7 +384,7 @@ def test_loss_in_the_head_any_micro_batch_split(tiny_models, monkeypatch, algo, 
         return opt.steps
 
     want = steps(0)
-    monkeypatch.setattr(models, "UPDATE_LOGITS", 4 * ac.policy.get_output_embeddings().out_features)
+    ac = _rows_a_chunk(ac, 4)
     calls, real = [], models.chunked_token_loss
     monkeypatch.setattr(models, "chunked_token_loss", lambda *a: calls.append(a[6]) or real(*a))
     for micro in (2, 4):
@@ -420,7 +423,7 @@ def test_forward_kl_term_beside_the_reward_kl(tiny_models):
 
 
 @pytest.mark.accel_twice
-def test_first_minibatch_ratio_is_one_in_chunks(monkeypatch):
+def test_first_minibatch_ratio_is_one_in_chunks():
     """The experience pass takes the full logits, the update the chunked path: the first
     minibatch's ratio is still 1 (the two compute the same numbers)."""
     arch = {"n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -434,7 +437,7 @@ def test_first_minibatch_ratio_is_one_in_chunks(monkeypatch):
     roll = generate(policy, enc["input_ids"], enc["attention_mask"], 6, TOK.eos_token_id, TOK.pad_token_id,
                     temperature=0.8, generator=torch.Generator().manual_seed(3))
     exp, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
-    monkeypatch.setattr(models, "UPDATE_LOGITS", 3 * policy.get_output_embeddings().out_features)
+    ac = _rows_a_chunk(ac, 3)
     opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-2},
                              {"params": ac.critic_parameters(), "lr": 1e-2}])
     first = ppo_update(ac, opt, exp, pc, pc.kl_coef)[0]
@@ -463,10 +466,9 @@ def test_experience_in_chunks_equals_full_logits(monkeypatch, lora):
     roll = generate(policy, enc["input_ids"], enc["attention_mask"], 6, TOK.eos_token_id, TOK.pad_token_id,
                     temperature=0.8, generator=torch.Generator().manual_seed(3))
     full = experience_forwards(ac, ref, roll, pc, reuse=False)
-    monkeypatch.setattr(models, "UPDATE_LOGITS", 5 * policy.get_output_embeddings().out_features)
     calls, real = [], models.chunked_token_logprobs
     monkeypatch.setattr(models, "chunked_token_logprobs", lambda *a: calls.append(a[5]) or real(*a))
-    chunked = experience_forwards(ac, ref, roll, pc, reuse=False)
+    chunked = experience_forwards(_rows_a_chunk(ac, 5), ref, roll, pc, reuse=False)
     assert calls == [5, 5], "the policy and the reference forwards did not both take the chunked path"
     for key in ("old_logprobs", "ref_logprobs", "entropy"):
         torch.testing.assert_close(chunked[key], full[key], atol=1e-6, rtol=1e-6, msg=key)
@@ -477,15 +479,15 @@ def test_experience_in_chunks_equals_full_logits(monkeypatch, lora):
     assert (full["old_logprobs"] - full["ref_logprobs"]).abs().max() > 1e-3  # the two models differ
 
 
-def test_a_head_with_an_adapter_keeps_the_full_logits(tiny_models, monkeypatch):
+def test_a_head_with_an_adapter_keeps_the_full_logits(tiny_models):
     plain = load_policy(tiny_models.policy)
     assert plain_lm_head(plain) is plain.lm_head
     assert plain_lm_head(add_lora(copy.deepcopy(plain), 4, 8.0)) is not None  # all-linear leaves the head plain
     adapted = add_lora(copy.deepcopy(plain), 4, 8.0, target_modules="c_attn, lm_head")
     assert plain_lm_head(adapted) is None
     ids = torch.randint(4, len(TOK), (2, 6))
-    monkeypatch.setattr(models, "UPDATE_LOGITS", 1)  # would chunk by the row if it could
-    lp, ent, _ = token_logprobs(adapted, ids, torch.ones_like(ids), 3, ids[:, 3:], 0.9, entropy=True)
+    # a budget of 1 logit would chunk by the row if it could
+    lp, ent, _ = token_logprobs(adapted, ids, torch.ones_like(ids), 3, ids[:, 3:], 0.9, entropy=True, logits_budget=1)
     logits, _ = models.policy_forward(adapted, ids, torch.ones_like(ids), 3)
     torch.testing.assert_close(lp, logprobs_from_logits(logits / 0.9, ids[:, 3:]))
     torch.testing.assert_close(ent, entropy_from_logits(logits / 0.9))

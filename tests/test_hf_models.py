@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import warnings
@@ -377,10 +378,12 @@ def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hu
     import dataclasses
 
     from rlhfkit import experience, models
-    from rlhfkit.trainers import rl
+    from rlhfkit.trainers import rl, rl_setup
 
-    if head == "chunked":
-        monkeypatch.setattr(models, "UPDATE_LOGITS", 1)  # one row a chunk
+    chunks, fused = [], models.chunked_token_loss
+    if head == "chunked":  # one row a chunk
+        monkeypatch.setattr(rl_setup, "ActorCritic", functools.partial(experience.ActorCritic, logits_budget=1))
+        monkeypatch.setattr(models, "chunked_token_loss", lambda *a: chunks.append(a[6]) or fused(*a))
     if head == "no sampler entropy":
         sample = rl.rollout
 
@@ -391,11 +394,10 @@ def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hu
         monkeypatch.setattr(rl, "rollout", without_entropy)
     real, runs = experience.defer_old_logprobs, {}
     for defer in (True, False):
-        monkeypatch.setattr(experience, "DEFER_OLD_LOGPROBS", defer)
         taken = []
 
-        def recorded(*a, taken=taken):
-            taken.append(real(*a))
+        def recorded(*a, taken=taken, defer=defer):  # defer False: the experience pass runs the policy
+            taken.append(defer and real(*a))
             return taken[-1]
 
         monkeypatch.setattr(experience, "defer_old_logprobs", recorded)
@@ -411,6 +413,7 @@ def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hu
     for a, b in zip(runs[True], runs[False], strict=True):
         for k in keys:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), k
+    assert set(chunks) == ({1} if head == "chunked" else set())  # the loss in the head, a row a chunk
     assert runs[True][-1]["objective/kl"] > 1e-3  # the policy moved away from the reference
     assert all(abs(r["policy/ratio_mean"] - 1.0) < 1e-6 for r in runs[True])  # one step a rollout: ratio 1
 

@@ -56,8 +56,11 @@ def llama():
     return scramble(LlamaForCausalLM(cfg), 2)
 
 
-MODELS = {"gpt2": lambda: scramble(build_tiny_policy(TOK, 1, n_layer=2, n_head=2, n_embd=32)),
-          "qwen2": qwen2, "llama": llama}
+def gpt2(**arch):
+    return scramble(build_tiny_policy(TOK, 1, n_layer=2, n_head=2, n_embd=32, **arch))
+
+
+MODELS = {"gpt2": gpt2, "qwen2": qwen2, "llama": llama}
 
 
 @pytest.fixture(autouse=True)
@@ -583,20 +586,16 @@ def test_checkpointing_keeps_values_and_gradients_and_drops_activations(name, pa
     assert not lean._checkpointing(lean._Arch(ckpt.eval()))
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
-@pytest.mark.parametrize("band", [None, 4])
+@pytest.mark.parametrize("attention, new_tokens", [("torch", 8), ("torch", 136), ("triton", 8)])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monkeypatch, request):
+def test_fixed_shape_decode_matches_the_growing_one(name, attention, new_tokens, monkeypatch, request):
     """``generate(graph=True)``: the decode step with fixed shapes (attention over the cache up to
     the end of the current band of columns, unwritten columns masked; on CUDA replayed as a CUDA
     graph per band) samples the same tokens with the same log-probs as the step over a cache that
-    grows, greedy and sampled, with left padding and a row that ends early; with bands of 4
-    columns the decode crosses several. With the Triton attention (on a CPU under Triton's
+    grows, greedy and sampled, with left padding and a row that ends early; run past twice the
+    band's columns, the decode crosses several. With the Triton attention (on a CPU under Triton's
     interpreter) one band spans the whole cache, so one graph serves each rollout, and the
     kernel reads the written columns only."""
-
-    if band is not None:
-        monkeypatch.setattr(lean.FixedStep, "BAND", band)
     from rlhfkit.accel import triton_decode
 
     if attention == "triton":
@@ -606,31 +605,34 @@ def test_fixed_shape_decode_matches_the_growing_one(name, band, attention, monke
     kernel_calls = []
     kernel = triton_decode.attention
     monkeypatch.setattr(triton_decode, "attention", lambda *a: kernel_calls.append(a[4]) or kernel(*a))
-    model = MODELS[name]()
     ids, mask = batch()
+    long = new_tokens > 2 * lean.FixedStep.BAND
+    # GPT-2's learned positions: as many as the long decode reaches
+    model = gpt2(n_positions=ids.shape[1] + new_tokens) if long and name == "gpt2" else MODELS[name]()
     calls = []  # (the step's column, the columns attention reads, the cache's columns)
     step = lean.static_decode_step
     monkeypatch.setattr(lean, "static_decode_step",
                         lambda *a: calls.append((a[0].length, a[4].shape[0], a[0].key_bias.shape[1])) or step(*a))
-    u = torch.rand((ids.shape[0], 8), generator=torch.Generator().manual_seed(7)).to(DEV)
+    u = torch.rand((ids.shape[0], new_tokens), generator=torch.Generator().manual_seed(7)).to(DEV)
+    eos = -1 if long else TOK.eos_token_id  # -1: no row ends, every one decodes across the bands
     ended = False
     for kw in ({"greedy": True}, {"uniforms": u}):
-        a = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, graph=True, **kw)
-        b = generate(model, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, **kw)
+        a = generate(model, ids, mask, new_tokens, eos, TOK.pad_token_id, graph=True, **kw)
+        b = generate(model, ids, mask, new_tokens, eos, TOK.pad_token_id, **kw)
         ended |= bool((b.response_mask == 0).any())
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=0)
-    assert ended  # some row ended before the token limit (these seeds)
+    assert ended != long  # some row ended before the token limit (these seeds)
     spans = [span for _, span, _ in calls]
     assert bool(kernel_calls) == (attention == "triton")
     if attention == "triton":  # one band: the whole cache
         assert all(span == T for _, span, T in calls)
     else:
-        width = max(band or lean.FixedStep.BAND, -(-calls[0][2] // 16))
+        width = max(lean.FixedStep.BAND, -(-calls[0][2] // 16))
         for t, span, T in calls:  # the written columns and those up to the band's end, no more
             assert t < span <= T and (span == T or span % width == 0) and span - t <= width
-        assert (len(set(spans)) > 1) == (band is not None)
+        assert (len(set(spans)) > 2) == long
     if DEV.type == "cpu":  # every step after the prefill took the fixed path
         assert len(calls) >= 2 * 7
     else:  # a CUDA graph per band, each run twice when made (warm-up, capture), the rest replays:

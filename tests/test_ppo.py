@@ -253,18 +253,16 @@ def test_options_run_and_stay_finite(overrides):
 
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
-def test_experience_in_row_chunks_equals_the_whole_batch(value_model, monkeypatch):
-    """Big vocabularies run the experience forward in row chunks (EXPERIENCE_LOGITS): same numbers."""
-    import rlhfkit.experience as rl
-
+def test_experience_in_row_chunks_equals_the_whole_batch(value_model):
+    """Big vocabularies run the experience forward in row chunks (``chunk_logits``): same numbers."""
     ac, ref, rm = _setup(value_model)
     pc = Config().ppo
     ids, mask = prompts(12, seed=5)
     roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id)
     whole, whole_stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
     R, V = roll.response_ids.shape[1], ac.policy.get_output_embeddings().out_features
-    monkeypatch.setattr(rl, "EXPERIENCE_LOGITS", 5 * R * V)  # chunks of 5 rows: 5 + 5 + 2
-    chunked, chunked_stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    chunked, chunked_stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef,
+                                             chunk_logits=5 * R * V)  # chunks of 5 rows: 5 + 5 + 2
     for name in ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns"):
         torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), atol=1e-6, rtol=1e-6)
     assert chunked_stats.keys() == whole_stats.keys()
@@ -296,7 +294,6 @@ def test_experience_row_chunks_run_each_group_prompt_once(monkeypatch, accel_on)
     """Chunked experience on GRPO groups: each chunk holds whole groups, so the reference forward
     runs as many prompt passes as with the whole batch (chunks of 5 rows over groups of 4 would
     run 5 instead of 3), and gives the whole batch's numbers."""
-    import rlhfkit.experience as rl
     from rlhfkit.accel import forward as lean
 
     ac, ref, rm = _setup("separate")
@@ -309,8 +306,7 @@ def test_experience_row_chunks_run_each_group_prompt_once(monkeypatch, accel_on)
     whole = experience_forwards(ac, ref, roll, pc, reuse=True)
     whole_passes, passes[:] = sum(passes), []
     R, V = roll.response_ids.shape[1], ac.policy.get_output_embeddings().out_features
-    monkeypatch.setattr(rl, "EXPERIENCE_LOGITS", 5 * R * V)  # at most 5 rows a chunk
-    chunked = experience_forwards(ac, ref, roll, pc, reuse=True)
+    chunked = experience_forwards(ac, ref, roll, pc, reuse=True, chunk_logits=5 * R * V)  # at most 5 rows a chunk
     assert whole_passes >= 3 and sum(passes) == whole_passes, (whole_passes, passes)
     for name in ("old_logprobs", "ref_logprobs", "entropy"):
         torch.testing.assert_close(chunked[name], whole[name], atol=1e-6, rtol=1e-6)

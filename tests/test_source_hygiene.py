@@ -3,6 +3,9 @@
 Commit hashes, CPU model lines and pointers to the hand-typed measurement files go stale with
 every change, so none of them belongs in a docstring or comment under src/rlhfkit (their record
 is benchmarks/archive/code-evidence.md).
+
+No test reaches a code path by monkeypatching a module or class constant (an ALL_CAPS name): the
+value is an argument of what reads it, or the path is reached through a real input size.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
+TESTS = Path(__file__).resolve().parent
 
 # Being moved into the accel package, whose source is out of this check.
 SKIPPED = {"accel", "csrc", "kernels.py", "gemm.py", "malloc.py", "triton_decode.py"}
@@ -19,6 +23,8 @@ COMMIT = re.compile(r"\bcommit\s+[0-9a-f]{7,40}\b", re.IGNORECASE)
 HEX_TOKEN = re.compile(r"(?<![0-9A-Za-z_.])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
 CPU_MODEL = re.compile(r"family 6|model 207|\bZen ?[345]\b|\bEPYC\b|\bXeon\b", re.IGNORECASE)
 ARCHIVED = re.compile(r"RESULTS\.md|FINDINGS\.md|README-0\.1\.0-measurements\.md")
+# monkeypatch.setattr(x, "NAME", ...), (x.Y, "NAME", ...) or ("x.Y.NAME", ...)
+PATCHED_CONSTANT = re.compile(r"monkeypatch\.setattr\(\s*(?:[\w.]+\s*,\s*[\"']|[\"'][\w.]*\.)([A-Z][A-Z0-9_]+)[\"']")
 
 
 def checked_files() -> list[Path]:
@@ -53,3 +59,24 @@ def test_no_measurement_evidence_in_the_package_source():
                  if (found := findings(p.read_text(encoding="utf-8")))}
     assert not offenders, ("measurement evidence in src/rlhfkit (move it to "
                            f"benchmarks/archive/code-evidence.md): {offenders}")
+
+
+def patched_constants(text: str) -> list[str]:
+    return PATCHED_CONSTANT.findall(text)
+
+
+def test_the_patched_constant_check_catches_what_it_is_for():
+    assert patched_constants('monkeypatch.setattr(models, "UPDATE_LOGITS", 1)') == ["UPDATE_LOGITS"]
+    assert patched_constants("monkeypatch.setattr(\n    lean.FixedStep, 'BAND', 4)") == ["BAND"]
+    assert patched_constants('env.monkeypatch.setattr("rlhfkit.models.UPDATE_LOGITS", 1)') == ["UPDATE_LOGITS"]
+    # functions, classes, dunders and mixed-case names are not constants
+    assert patched_constants('monkeypatch.setattr(rl, "rollout", spy); monkeypatch.setattr(m, "Sampler", s)\n'
+                             'monkeypatch.setattr(lean._StackedLoRAs, "__call__", f); monkeypatch.setattr('
+                             '"sys.path", [])') == []
+
+
+def test_no_test_monkeypatches_a_constant():
+    offenders = {p.name: found for p in sorted(TESTS.rglob("*.py"))
+                 if p != Path(__file__).resolve() and (found := patched_constants(p.read_text(encoding="utf-8")))}
+    assert not offenders, ("tests monkeypatch module or class constants; pass the value as an argument of what "
+                           f"reads it, or reach the path through a real input size: {offenders}")

@@ -32,7 +32,7 @@ from .core import (
     zero_std_groups,
 )
 from .distributed import Shard
-from .models import ValueHead, policy_forward, token_logprobs, token_values, unwrap
+from .models import UPDATE_LOGITS, ValueHead, policy_forward, token_logprobs, token_values, unwrap
 from .precision import compute_weights
 from .rewards import RewardError, Scorer
 from .rollout import Rollout
@@ -108,13 +108,16 @@ class RunningMoments:
 
 class ActorCritic(torch.nn.Module):
     """The trained models: the actor and a shared value head, a separate value model, or no
-    critic at all (GRPO / RLOO / REINFORCE: values are then ``None``)."""
+    critic at all (GRPO / RLOO / REINFORCE: values are then ``None``). ``logits_budget``: the
+    logits above which the log-prob passes run the LM head in row chunks
+    (:func:`~rlhfkit.models.token_logprobs`)."""
 
-    def __init__(self, policy, value_head: ValueHead | None = None, critic=None):
+    def __init__(self, policy, value_head: ValueHead | None = None, critic=None, logits_budget: int = UPDATE_LOGITS):
         super().__init__()
         if value_head is not None and critic is not None:
             raise ValueError("give at most one of value_head (shared) or critic (separate)")
         self.policy, self.value_head, self.critic = policy, value_head, critic
+        self.logits_budget = logits_budget
 
     @property
     def has_critic(self) -> bool:
@@ -128,7 +131,7 @@ class ActorCritic(torch.nn.Module):
         if response_ids is not None:
             logprobs, ent, values, *loss = token_logprobs(  # loss: [] without token_loss
                 self.policy, input_ids, attention_mask, prompt_len, response_ids, temperature, self.value_head,
-                detach_value, entropy, token_loss)
+                detach_value, entropy, token_loss, self.logits_budget)
         else:
             logits, values = policy_forward(self.policy, input_ids, attention_mask, prompt_len, self.value_head,
                                             detach_value)
@@ -232,16 +235,12 @@ def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
             and (ac.value_head is None or roll.values is not None))
 
 
-# False: the experience pass always runs the policy when it cannot reuse the sampler's log-probs
-DEFER_OLD_LOGPROBS = True
-
-
 def defer_old_logprobs(ac: ActorCritic, pc: PPOConfig, reuse: bool, beta: float, keep: torch.Tensor | None) -> bool:
     """Whether the experience pass leaves the old log-probs to the update's forward (as TRL does):
     when the update is the rollout's only optimizer step its forward runs the sampling policy,
     which saves a forward. Only when nothing before the update reads them: not ``reuse``d, no KL
     in the reward (``beta`` 0), no sampling correction, no critic, every row trained."""
-    return (DEFER_OLD_LOGPROBS and not reuse and beta == 0.0 and pc.sampling_correction == "none"
+    return (not reuse and beta == 0.0 and pc.sampling_correction == "none"
             and pc.ppo_epochs == 1 and pc.minibatch_size >= pc.batch_size and not ac.has_critic and keep is None)
 
 
@@ -270,16 +269,16 @@ def deferred_stats(exp: Experience, rollout_logprobs: torch.Tensor, pc: PPOConfi
 
 
 @torch.no_grad()
-def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool,
-                        policy: bool = True) -> dict[str, torch.Tensor]:
+def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool, policy: bool = True,
+                        chunk_logits: int = EXPERIENCE_LOGITS) -> dict[str, torch.Tensor]:
     """``old_logprobs``, ``ref_logprobs``, ``entropy`` ``[B, R]`` and ``old_values`` (or None) of a
-    rollout, in row chunks of at most ``EXPERIENCE_LOGITS // (R * V)`` rows cut between groups
-    (:func:`row_chunks`). ``reuse``: the policy's from the sampler; ``policy`` False: the policy is
-    not run (its outputs None)."""
+    rollout, in row chunks of at most ``chunk_logits // (R * V)`` rows cut between groups
+    (:func:`row_chunks`), the reference's LM head chunked as the policy's (``ac.logits_budget``).
+    ``reuse``: the policy's from the sampler; ``policy`` False: the policy is not run (its outputs None)."""
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
     B, R = roll.response_ids.shape
     vocab = unwrap(ac.policy).get_output_embeddings().out_features
-    chunk = max(1, min(B, EXPERIENCE_LOGITS // max(1, R * vocab)))
+    chunk = max(1, min(B, chunk_logits // max(1, R * vocab)))
     parts: dict[str, list] = {"old_logprobs": [], "old_values": [], "entropy": [], "ref_logprobs": []}
     # model.master_weights: the bfloat16 copies, once for the pass, of the models it runs
     if not policy:
@@ -301,7 +300,8 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
                     values = ac.critic_values(ids[rows], mask[rows], P)
             else:
                 logprobs, entropy, values = ac(ids[rows], mask[rows], P, pc.temperature, response_ids=resp, entropy=True)
-            ref_logprobs, _, _ = token_logprobs(ref, ids[rows], mask[rows], P, resp, pc.temperature)
+            ref_logprobs, _, _ = token_logprobs(ref, ids[rows], mask[rows], P, resp, pc.temperature,
+                                                 logits_budget=ac.logits_budget)
             for name, part in (("old_logprobs", logprobs), ("old_values", values), ("entropy", entropy),
                                ("ref_logprobs", ref_logprobs)):
                 parts[name].append(part)
@@ -375,6 +375,7 @@ def response_stats(roll: Rollout, pc: PPOConfig, shard: Shard) -> dict:
 def make_experience(
     ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
     reward_stats: RunningMoments | None = None, shard: Shard | None = None, records=None,
+    chunk_logits: int = EXPERIENCE_LOGITS,
 ) -> tuple[Experience, dict[str, float]]:
     """Score a rollout and turn it into advantages and returns (no grad).
 
@@ -382,7 +383,8 @@ def make_experience(
     GRPO / RLOO / REINFORCE: the sequence score (minus beta * sequence KL unless the KL is a
     loss term) -> a baseline from the other samples -> the same advantage on every token.
     ``shard``: whitening, baselines and reward normalisation see every process's rows (the stats
-    are this process's); ``records``: the rows' prompt records, for the reward functions.
+    are this process's); ``records``: the rows' prompt records, for the reward functions;
+    ``chunk_logits``: :func:`experience_forwards`' row chunks.
     """
     shard = shard or Shard()
     rmask = roll.response_mask
@@ -398,7 +400,7 @@ def make_experience(
     zero_std = zero_std_rows(score, pc)  # [B] or None
     keep = loss_rows(zero_std, roll.finished, pc)  # [B] or None
     deferred = defer_old_logprobs(ac, pc, reuse, beta, keep)
-    f = experience_forwards(ac, ref, roll, pc, reuse, policy=not deferred)
+    f = experience_forwards(ac, ref, roll, pc, reuse, policy=not deferred, chunk_logits=chunk_logits)
     old_logprobs, ref_logprobs, old_values = f["old_logprobs"], f["ref_logprobs"], f["old_values"]
     if deferred:  # written by the update's forward; the reward reads no KL (beta 0)
         old_logprobs = torch.zeros_like(ref_logprobs)

@@ -136,31 +136,32 @@ def plain_lm_head(policy) -> nn.Linear | None:
 
 def token_logprobs(policy: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                    response_ids: torch.Tensor, temperature: float = 1.0, value_head: ValueHead | None = None,
-                   detach_value: bool = False, entropy: bool = False, token_loss=None) -> tuple:
+                   detach_value: bool = False, entropy: bool = False, token_loss=None,
+                   logits_budget: int = UPDATE_LOGITS) -> tuple:
     """``(logprobs [B, R], entropy [B, R] or None, values [B, R] or None)`` of the response tokens
     under the tempered policy, with gradients: :func:`policy_forward`'s logits over ``temperature``.
 
-    When the logits would pass ``UPDATE_LOGITS`` elements and the head is a plain linear layer
+    When the logits would pass ``logits_budget`` elements and the head is a plain linear layer
     (:func:`plain_lm_head`), they are never built: :mod:`rlhfkit.logprobs` computes them in row
-    chunks. ``token_loss(logp, ent, s, e)``, a sum over the flattened tokens ``s .. e-1``: on that
+    chunks of at most that many logits. ``token_loss(logp, ent, s, e)``, a sum over the flattened tokens ``s .. e-1``: on that
     path computed in the head (:func:`~rlhfkit.logprobs.chunked_token_loss`; log-probs then
     without gradient) and returned as a fourth item, elsewhere a fourth item None.
     """
     out = _token_logprobs(policy, input_ids, attention_mask, prompt_len, response_ids, temperature, value_head,
-                          detach_value, entropy, token_loss)
+                          detach_value, entropy, token_loss, logits_budget)
     return out if token_loss is not None else out[:3]
 
 
 def _token_logprobs(policy, input_ids, attention_mask, prompt_len, response_ids, temperature, value_head,
-                    detach_value, entropy, token_loss):
+                    detach_value, entropy, token_loss, logits_budget):
     if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off; no loss
         with torch.no_grad(), policy.active() as base:
             return (*token_logprobs(base, input_ids, attention_mask, prompt_len, response_ids, temperature,
-                                    entropy=entropy), None)
+                                    entropy=entropy, logits_budget=logits_budget), None)
     hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
     values = None if value_head is None else value_head(hidden.detach() if detach_value else hidden)  # [B, R]
     head = plain_lm_head(policy)
-    rows = max(1, UPDATE_LOGITS // head.out_features) if head is not None else 0
+    rows = max(1, logits_budget // head.out_features) if head is not None else 0
     if head is None or response_ids.numel() <= rows:
         logits = unwrap(policy).get_output_embeddings()(hidden) / temperature  # [B, R, V]
         return (logprobs_from_logits(logits, response_ids), entropy_from_logits(logits) if entropy else None,

@@ -154,11 +154,6 @@ def surrogate_options(pc: PPOConfig) -> SurrogateOptions:
                             temperature_neg=pc.sapo_temperature_neg)
 
 
-# the policy's per-token loss computed inside a chunked LM head (logprobs.chunked_token_loss);
-# False: always from the returned log-probs
-FUSED_TOKEN_LOSS = True
-
-
 def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float):
     """The policy's part of :func:`minibatch_loss` as ``fn(logp, ent, s, e)``: what the flattened
     ``[b * R]`` positions ``s .. e-1`` add to the aggregated loss (each aggregation is linear in
@@ -194,16 +189,17 @@ def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef:
 
 
 def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float,
-                   update_policy: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                   update_policy: bool, fused_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(loss, logprobs [b, R], stats)`` of minibatch rows ``mb``: the clipped value loss and,
     unless it is a critic warm-up, the clipped policy loss, entropy bonus and KL term, each
     reduced by the one aggregation ``pc.loss_type``. A chunked head computes the policy's part
-    itself (:func:`policy_token_loss`); a deferred experience gets this forward's log-probs
-    (and entropies) written in as the old ones (:func:`rlhfkit.experience.defer_old_logprobs`)."""
+    itself (:func:`policy_token_loss`; ``fused_loss`` False: from the returned log-probs); a deferred
+    experience gets this forward's log-probs (and entropies) written in as the old ones
+    (:func:`rlhfkit.experience.defer_old_logprobs`)."""
     rmask = exp.response_mask[mb]
     agg = functools.partial(aggregate, mask=rmask, kind=pc.loss_type, max_len=pc.max_new_tokens or 0)
     with_entropy = update_policy and bool(pc.entropy_coef)
-    token_loss = policy_token_loss(exp, mb, pc, kl_coef) if update_policy and FUSED_TOKEN_LOSS else None
+    token_loss = policy_token_loss(exp, mb, pc, kl_coef) if update_policy and fused_loss else None
     # log-probs (and entropies) of the chosen tokens straight from the forward: a big vocabulary's
     # [b, R, V] logits are never held whole (models.token_logprobs)
     out = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
