@@ -23,13 +23,8 @@ import numpy as np
 import torch
 
 from . import ops
-from .accel.heap import gradient_buffer, release_free_memory, tensors_off_heap  # noqa: F401  (the update calls them)
 from .config import Config, ConfigError, save_config
-from .progress import (
-    is_tty,
-    progress,  # noqa: F401  (trainers.common takes it from here)
-    quiet_hub_progress,
-)
+from .progress import is_tty, quiet_hub_progress
 
 
 def seed_everything(seed: int) -> None:

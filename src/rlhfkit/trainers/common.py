@@ -32,7 +32,8 @@ from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import REGIME_NAMES, Config, key_value, regime_value
 from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
 from ..models import from_scratch, save_policy
-from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run, start_run_dir
+from ..progress import progress
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, setup_run, start_run_dir
 
 
 def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..accel.heap import gradient_buffer, release_free_memory, tensors_off_heap
 from ..checkpoint import fault_point
 from ..config import Config, PPOConfig
 from ..core import (
@@ -47,7 +48,7 @@ from ..precision import compute_weights
 from ..prompts import PromptData, prompt_tensors
 from ..rewards import Reward
 from ..rollout import Rollout, eos_token_ids, generate, sampling_settings
-from ..utils import UpdateGuard, gradient_buffer, mean_stats, release_free_memory, tensors_off_heap
+from ..utils import UpdateGuard, mean_stats
 from .common import Engine, Run
 from .rl_setup import RLSetup, finish_rl, save_checkpoint, set_lr, setup_rl, step_timings, write_samples
 
