@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -220,9 +221,13 @@ def debug_requested(args) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get("RLHFKIT_DEBUG", "").strip() not in ("", "0")
 
 
-def _error(command: str, e: BaseException) -> None:
+def _error(command: str, e: BaseException, debug: bool = False, code: int = 2) -> int:
+    """Print ``e`` as one line and return the exit ``code``; re-raise it under ``debug``."""
+    if debug:
+        raise e
     message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
     print(f"rlhfkit {command}: error: {message}", file=sys.stderr)
+    return code
 
 
 @contextlib.contextmanager
@@ -266,17 +271,13 @@ def _main(args) -> int:
             return 0
         _run(args, cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
-        if debug:
-            raise
-        _error(args.command, e)
-        return 2
+        return _error(args.command, e, debug)
     except RuntimeError as e:
         from .utils import TrainingError
 
-        if debug or not isinstance(e, TrainingError):
+        if not isinstance(e, TrainingError):
             raise
-        _error(args.command, e)  # the inputs were fine but the run diverged
-        return 1
+        return _error(args.command, e, debug, code=1)  # the inputs were fine but the run diverged
     return 0
 
 
@@ -290,6 +291,10 @@ def _preload_malloc(args, cfg: Config) -> None:
         malloc.restart_with(name, args.command, args.argv)
 
 
+# the function each command's run calls, imported when it runs: (module, name)
+RUNNERS = {"demo": (".demo", "run_demo"), "pretrain": (".trainers.pretrain", "pretrain"),
+           "rm": (".trainers.reward", "train_reward_model"), **dict.fromkeys(ALGO_DEFAULTS, (".trainers.rl", "train_rl")),
+           "sft": (".trainers.sft", "train_sft"), "dpo": (".trainers.dpo", "train_dpo")}
 # what each command reads from data.path: rlhfkit.data.precheck's kinds
 DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **dict.fromkeys(ALGO_DEFAULTS, "prompts")}
 
@@ -324,32 +329,11 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
         from . import ops
 
         ops.configure(cfg.accel)  # once, before any model runs (the trainers' setup_run again: no change)
-    if command == "demo":
-        from .demo import run_demo
-
-        return run_demo(cfg)
-    if command == "pretrain":
-        from .trainers.pretrain import pretrain
-
-        return pretrain(cfg)
-    if command == "rm":
-        from .trainers.reward import train_reward_model
-
-        return train_reward_model(cfg)
-    if command in ALGO_DEFAULTS:
-        from .trainers.rl import train_rl
-
-        return train_rl(cfg)
-    if command == "sft":
-        from .trainers.sft import train_sft
-
-        return train_sft(cfg)
-    if command == "dpo":
-        from .trainers.dpo import train_dpo
-
-        return train_dpo(cfg)
     if command == "eval":
         return _evaluate(path, cfg)
+    if command in RUNNERS:
+        module, name = RUNNERS[command]
+        return getattr(importlib.import_module(module, __package__), name)(cfg)
     raise ValueError(f"no Python function runs 'rlhfkit {command}'")
 
 
@@ -445,10 +429,7 @@ def _fetch_model(args, debug: bool = False) -> int:
     try:
         res = fetch_model(args.name, args.dir)
     except (FetchError, OSError) as e:
-        if debug:
-            raise
-        _error("fetch-model", e)
-        return 2
+        return _error("fetch-model", e, debug)
     if args.print_path:
         print(Path(res["dir"]).absolute())
         return 0
@@ -473,10 +454,7 @@ def _report(args, debug: bool = False) -> int:
         if args.screenshot:
             print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
     except (OSError, ValueError, subprocess.SubprocessError) as e:
-        if debug:
-            raise
-        _error("report", e)
-        return 2
+        return _error("report", e, debug)
     return 0
 
 
