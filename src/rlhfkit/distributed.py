@@ -55,6 +55,10 @@ class Shard:
             raise ValueError(f"{what} {global_size} must be divisible by {self.world} processes{extra}")
         return global_size // self.world
 
+    def span(self, n: int) -> slice:
+        """This process's share of ``n`` items dealt as evenly as they go (some may get one more)."""
+        return slice(n * self.rank // self.world, n * (self.rank + 1) // self.world)
+
     def rows(self, global_size: int) -> slice:
         b = global_size // self.world
         return slice(self.rank * b, (self.rank + 1) * b)
