@@ -206,35 +206,29 @@ class HackingWatch:
                 f"{best:.3f}, more than ppo.guard_eval_drop={self.eval_drop:g} of it, {trend}; stop earlier "
                 "(ppo.stop_at) or raise ppo.kl_coef")
 
+    WINDOWS = ("eos_anchor", "eos_recent", "eos_anchor_var", "eos_recent_var", "kl_recent", "score_recent", "evals")
+
     def state_dict(self) -> dict:
-        as_list = lambda values: [np.asarray(v).tolist() for v in values]  # noqa: E731
-        return {"eos_anchor": as_list(self.eos_anchor), "eos_recent": as_list(self.eos_recent),
-                "eos_anchor_var": as_list(self.eos_anchor_var), "eos_recent_var": as_list(self.eos_recent_var),
-                "kl_recent": as_list(self.kl_recent), "score_recent": as_list(self.score_recent),
-                "evals": as_list(self.evals), "best": None if self.best is None else np.asarray(self.best).tolist(),
-                "score_at_best": None if self.score_at_best is None else np.asarray(self.score_at_best).tolist(),
-                "source_evals": [{k: np.asarray(v).tolist() for k, v in e.items()} for e in self.source_evals],
+        plain = lambda v: None if v is None else np.asarray(v).tolist()  # noqa: E731
+        return {**{k: [plain(v) for v in getattr(self, k)] for k in self.WINDOWS},
+                "best": plain(self.best), "score_at_best": plain(self.score_at_best),
+                "source_evals": [{k: plain(v) for k, v in e.items()} for e in self.source_evals],
                 "sources_before": None if self.sources_before is None else
-                {k: np.asarray(v).tolist() for k, v in self.sources_before.items()},
+                {k: plain(v) for k, v in self.sources_before.items()},
                 "warned": list(self.warned)}
 
     def load_state_dict(self, state: dict) -> None:
+        array = lambda v: None if v is None else np.asarray(v, dtype=float)  # noqa: E731
         self.warned = list(state["warned"])
         before = state.get("sources_before")
-        self.sources_before = None if before is None else {k: np.asarray(v, dtype=float) for k, v in before.items()}
-        self.source_evals = [{k: np.asarray(v, dtype=float) for k, v in e.items()} for e in state.get("source_evals", [])]
+        self.sources_before = None if before is None else {k: array(v) for k, v in before.items()}
+        self.source_evals = [{k: array(v) for k, v in e.items()} for e in state.get("source_evals", [])]
         if "eos_anchor" not in state:  # a checkpoint of the single-batch guards: their windows start fresh
             return
-        arrays = lambda values: [np.asarray(v, dtype=float) for v in values]  # noqa: E731
-        self.eos_anchor, self.eos_recent = arrays(state["eos_anchor"]), arrays(state["eos_recent"])
-        # written before the EOS rate's standard error was logged: NaN, the binomial variance alone
-        nan = lambda rates: [np.full_like(r, math.nan) for r in rates]  # noqa: E731
-        self.eos_anchor_var = arrays(state.get("eos_anchor_var", nan(self.eos_anchor)))
-        self.eos_recent_var = arrays(state.get("eos_recent_var", nan(self.eos_recent)))
-        self.kl_recent, self.score_recent = arrays(state["kl_recent"]), arrays(state["score_recent"])
-        self.evals = arrays(state["evals"])
-        self.best = None if state["best"] is None else np.asarray(state["best"], dtype=float)
-        self.score_at_best = None if state["score_at_best"] is None else np.asarray(state["score_at_best"], dtype=float)
+        for k in self.WINDOWS:  # the EOS variances, absent before their standard error was logged: NaN
+            rates = state[k.removesuffix("_var")]
+            setattr(self, k, [array(v) for v in state.get(k, [np.full_like(array(r), math.nan) for r in rates])])
+        self.best, self.score_at_best = array(state["best"]), array(state["score_at_best"])
 
 
 class SignalWatch:
