@@ -10,6 +10,7 @@ renamed, so a ``step-N`` directory is always complete. ``RLHFKIT_FAULT=name@step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,12 +40,22 @@ def fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _py_state(rng) -> list:
+    """The state of a ``random.Random`` (or of the ``random`` module) as JSON."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _set_py_state(rng, state: list) -> None:
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+
+
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch (CPU and every CUDA device) RNG states, split into a JSON part
     and a tensor part."""
-    version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    plain = {"python": [version, list(internal), gauss],
+    plain = {"python": _py_state(random),
              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -53,8 +64,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(plain: dict[str, Any], tensors: dict[str, Any]) -> None:
-    version, internal, gauss = plain["python"]
-    random.setstate((version, tuple(internal), gauss))
+    _set_py_state(random, plain["python"])
     kind, keys, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["torch"])
@@ -103,7 +113,7 @@ def _world() -> int:
 
 
 def _barrier() -> None:
-    if tdist.is_available() and tdist.is_initialized():
+    if _world() > 1:
         tdist.barrier()
 
 
@@ -154,26 +164,19 @@ def load_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a filesystem that cannot open or sync a directory: nothing to do
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(_PREFIX) or not (path / "meta.json").exists():
-        return None
-    try:
-        return int(name[len(_PREFIX):])
-    except ValueError:
-        return None
+    """The step of a complete checkpoint directory ``step-N`` (None for anything else)."""
+    digits = path.name.removeprefix(_PREFIX)
+    done = path.name.startswith(_PREFIX) and digits.isdecimal() and (path / "meta.json").exists()
+    return int(digits) if done else None
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -321,16 +324,14 @@ def data_state(data) -> Any:
     if not isinstance(rng, random.Random):
         raise TypeError(f"{type(data).__name__} has neither state_dict() nor a random.Random .rng: its position "
                         "cannot be checkpointed (add state_dict / load_state_dict to it)")
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
+    return _py_state(rng)
 
 
 def load_data_state(data, state: Any) -> None:
     if hasattr(data, "load_state_dict"):
         data.load_state_dict(state)
-        return
-    version, internal, gauss = state
-    data.rng.setstate((version, tuple(internal), gauss))
+    else:
+        _set_py_state(data.rng, state)
 
 
 def loop_state(steps_done: int, log, guard, data=None, generator: torch.Generator | None = None,
