@@ -1,8 +1,7 @@
 """Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them).
 
-Each command runs what its Python function runs (``rlhfkit.grpo(...)``, ``rlhfkit.sft(...)``:
-rlhfkit.api): the same config resolution (:func:`resolve_config`) and the same run
-(:func:`run_command`); the command line adds its printing and its one-line errors.
+The same config resolution (:func:`resolve_config`) and run (:func:`run_command`) as the Python
+functions of rlhfkit.api; the command line adds its printing and its one-line errors.
 """
 
 from __future__ import annotations
@@ -64,15 +63,13 @@ DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLH
 
 
 def _defaults(command: str, task_defaults: dict | None = None) -> Config:
-    """The config a command starts from: the task's defaults, its output directory and, for an RL
-    command, its ``ppo.algo`` (which brings ALGO_DEFAULTS)."""
+    """The config a command starts from: the task's defaults, its output directory, its ``ppo.algo``."""
     algo = {"algo": command} if command in ALGO_DEFAULTS else {}
     return Config().replace(**(task_defaults or {})).replace(run={"out_dir": DEFAULT_OUT[command]}, ppo=algo)
 
 
 def first_sentence(text: str) -> str:
-    """The first sentence of a description, on one line (a period inside brackets or after
-    'e.g'/'i.e' does not end it)."""
+    """The first sentence of a description, on one line (not ended by a period in brackets or 'e.g.')."""
     text, depth = " ".join(text.split()), 0
     for i, ch in enumerate(text):
         depth += (ch in "([{") - (ch in ")]}")
@@ -82,8 +79,7 @@ def first_sentence(text: str) -> str:
 
 
 def keys_help(command: str) -> str:
-    """The epilog of ``rlhfkit CMD --help``: the output directory and every key the command reads (by section),
-    with its type, default and description."""
+    """The epilog of ``rlhfkit CMD --help``: the output directory and every key the command reads."""
     from textwrap import fill
 
     from .config import key_docs, key_groups, key_types
@@ -202,14 +198,13 @@ def _sections(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _config(args) -> Config:
-    """Defaults <- the task's defaults <- the command's algorithm defaults <- file <- overrides."""
     overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else []),
                  *([f"run.task={args.task}"] if args.command == "export-task" else [])]
     return resolve_config(args.command, args.config, overrides)
 
 
 def _emit(result) -> None:
-    """Print a command's summary once: from the main process of a distributed launch."""
+    """Print a command's summary from the main process only."""
     from .utils import is_main_process
 
     if is_main_process():
@@ -232,9 +227,8 @@ def _error(command: str, e: BaseException, debug: bool = False, code: int = 2) -
 
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
-    """Python warnings printed as one line each, ``rlhfkit CMD: warning: ...``, without the source
-    line under them; another package's warning keeps its category and origin. Only the format
-    changes: a caller recording warnings still gets them."""
+    """Python warnings as one line each, ``rlhfkit CMD: warning: ...`` (another package's with its
+    category and origin); only the format changes."""
     def one_line(message, category, filename, lineno, line=None) -> str:
         text = " ".join(str(message).split())
         if _PACKAGE_DIR not in Path(filename).resolve().parents:
@@ -282,8 +276,7 @@ def _main(args) -> int:
 
 
 def _preload_malloc(args, cfg: Config) -> None:
-    """accel.malloc: restart the command line with that malloc preloaded (rlhfkit.accel.malloc), before
-    torch is imported. Called as a function (``main([...])``) it cannot restart its caller."""
+    """accel.malloc: restart the command line with that malloc preloaded, before torch is imported."""
     name = cfg.accel.malloc if "accel" in COMMAND_SECTIONS.get(args.command, ()) else ""
     if name:
         from .accel import malloc
@@ -300,10 +293,9 @@ DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **d
 
 
 def _check_inputs(command: str, cfg: Config) -> None:
-    """The records of data.path (and data.eval_path) checked before torch is imported, so a
-    malformed record is answered in seconds; for the commands that read prompts, the reward
-    functions and env.class too (rlhfkit.callables.check_before_loading). The one place a run
-    checks them: the trainers and the evaluation do not again."""
+    """The records of data.path and data.eval_path (and for prompts, the reward functions and
+    env.class) checked before torch is imported: a bad record is answered in seconds. The one
+    place a run checks them."""
     kind = DATA_KIND.get(command)
     if kind is None:
         return
@@ -350,8 +342,7 @@ def _evaluate(path: str, cfg: Config) -> dict:
 
 
 def _run(args, cfg: Config) -> None:
-    """Run the command on the resolved config (:func:`run_command`, which rlhfkit.api calls too)
-    and print its summary."""
+    """Run the command on the resolved config and print its summary."""
     if args.command == "chat":
         from transformers.utils import logging as hf_logging
 
