@@ -1,11 +1,6 @@
-"""Atomic checkpoints and exact resume (docs/checkpoints.md).
-
-A checkpoint ``OUT_DIR/checkpoints/step-N/`` holds the trainable parameters
-(``<name>.safetensors``; under FSDP each process's shards in ``sharded/``), ``trainer_state.pt``
-(optimizer, scheduler and torch RNG states, read with ``weights_only=True``) and ``meta.json``
-(the step, the other RNG states, the loop's counters). It is written under a temporary name and
-renamed, so a ``step-N`` directory is always complete. ``RLHFKIT_FAULT=name@step`` makes
-:func:`fault_point` SIGKILL the process there: how the tests die at a known place.
+"""Atomic checkpoints and exact resume (docs/checkpoints.md): ``OUT_DIR/checkpoints/step-N/``
+holds the trainable parameters, ``trainer_state.pt`` and ``meta.json``, written under a temporary
+name and renamed, so a ``step-N`` directory is always complete.
 """
 
 from __future__ import annotations
@@ -99,8 +94,7 @@ def load_trainable_state(module: nn.Module, state: dict[str, torch.Tensor], wher
 
 
 def holds_shards(modules: dict[str, nn.Module]) -> bool:
-    """Do these modules train FSDP-sharded weights (DTensors)? Then every process writes its own
-    shards of the checkpoint, and every process must call :meth:`Checkpointer.save`."""
+    """Do these modules train FSDP-sharded weights? Then every process writes its shards."""
     return any(is_sharded(p) for m in modules.values() for p in m.parameters() if p.requires_grad)
 
 
@@ -118,8 +112,8 @@ def _barrier() -> None:
 
 
 def _sharded_states(modules: dict[str, nn.Module], optimizers: dict[str, Any]):
-    """``{"modules": ..., "optimizers": ...}`` of local shards (DTensors) by parameter name, as
-    ``torch.distributed.checkpoint`` writes and reads them, and the objects they belong to."""
+    """The local shards of the module and optimizers as ``torch.distributed.checkpoint`` writes
+    them, and the objects they belong to."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -245,8 +239,7 @@ class Checkpointer:
 
     def _write(self, tmp: Path, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
                state: dict[str, Any], schedulers: dict[str, Any] | None, sharded: bool) -> None:
-        """The main process's files (all but the shards and the other processes' RNGs), then every
-        file of the directory flushed to disk."""
+        """The main process's files, then every file of the directory flushed to disk."""
         if not sharded:
             for name, module in modules.items():
                 save_file(trainable_state(module), str(tmp / f"{name}.safetensors"))
@@ -316,8 +309,7 @@ class Checkpointer:
 
 
 def data_state(data) -> Any:
-    """A task data generator's position: ``data.state_dict()`` if it has one, else the state of
-    its ``random.Random`` (``data.rng``), as JSON."""
+    """A task data generator's position as JSON: ``data.state_dict()``, else its ``data.rng``'s."""
     if hasattr(data, "state_dict"):
         return data.state_dict()
     rng = getattr(data, "rng", None)
@@ -336,9 +328,8 @@ def load_data_state(data, state: Any) -> None:
 
 def loop_state(steps_done: int, log, guard, data=None, generator: torch.Generator | None = None,
                **extra: Any) -> dict[str, Any]:
-    """The JSON state of a supervised loop (pretrain, SFT, reward model, DPO) for :meth:`Checkpointer.save`:
-    the metrics log's position, the guard's counters, the data generator's position and, if the
-    loop samples batches with its own ``torch.Generator``, that generator's state."""
+    """A training loop's JSON state for :meth:`Checkpointer.save`: the metrics log's position, the
+    guard's counters, and the data's and ``generator``'s positions."""
     state = {"metrics": log.position(steps_done), "guard": [guard.skipped, guard.in_a_row], **extra}
     if data is not None:
         state["data"] = data_state(data)

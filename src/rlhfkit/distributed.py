@@ -56,6 +56,10 @@ class Shard:
         """This process's share of ``n`` items dealt as evenly as they go (some may get one more)."""
         return slice(n * self.rank // self.world, n * (self.rank + 1) // self.world)
 
+    def chunks(self, n: int, size: int) -> list[slice]:
+        """This process's chunks of ``n`` items, ``size`` at a time, dealt round-robin."""
+        return [slice(i, min(n, i + size)) for i in range(self.rank * size, n, self.world * size)]
+
     def rows(self, global_size: int) -> slice:
         b = global_size // self.world
         return slice(self.rank * b, (self.rank + 1) * b)

@@ -24,11 +24,9 @@ from .utils import resolve_device, write_jsonl
 @torch.no_grad()
 def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int = 512,
                   max_new_tokens: int | None = None, prompts: list | None = None, stop: Sequence[str] = ()) -> dict:
-    """Greedy decoding on the task's held-out prompts (doubling: 512, cities: 130), scored by
-    its verifier; ``stop``: stop strings that end an answer, as in the RL rollouts (``ppo.stop``).
-
-    Returns ``{"format_acc", "exact_acc", "answer_acc", "examples": [(prompt, completion, format, exact), ...]}``.
-    """
+    """Greedy decoding on the task's held-out prompts, scored by its verifier (``stop``: as
+    ``ppo.stop``): ``{"format_acc", "exact_acc", "answer_acc", "examples": [(prompt, completion,
+    format, exact), ...]}``."""
     prompts = prompts if prompts is not None else task.eval_prompts()
     max_new_tokens = max_new_tokens or task.MAX_NEW_TOKENS
     verdicts, examples = [], []
@@ -69,8 +67,7 @@ def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_
 
 
 def evaluate_path(path: str, cfg) -> dict:
-    """Load a saved policy (any HF causal-LM directory or hub id, or a LoRA adapter directory)
-    and evaluate it on ``run.task``; writes ``eval.json`` to ``run.out_dir``."""
+    """Evaluate a saved policy (HF directory, hub id or LoRA adapter) on ``run.task``; writes ``eval.json``."""
     device = resolve_device(cfg.run.device)
     tok = load_tokenizer(path, cfg.model.trust_remote_code)
     policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.name).to(device)
@@ -118,9 +115,8 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
                        max_new_tokens: int = 64, greedy: bool = True, temperature: float = 1.0,
                        seed: int = 0, shaping: dict | None = None,
                        stop: Sequence[str] = (), reference=None) -> ScoredCompletions:
-    """Complete every record's prompt (greedy, or sampled from ``seed`` under ``shaping``:
-    :func:`rlhfkit.rollout.sampling_settings`) and score the completions by ``reward``, batch by
-    batch; with a ``reference`` policy, each completion's :func:`completion_kl` to it too."""
+    """Complete every record's prompt (greedy, or sampled from ``seed`` under ``shaping``) and score
+    the completions by ``reward``; with a ``reference``, each one's :func:`completion_kl` too."""
     names = list(reward.weights)
     texts, finished, totals, kls = [], [], [], []
     parts: dict[str, list] = {name: [] for name in names}
@@ -146,11 +142,9 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
 
 
 def reward_means(scored: ScoredCompletions, shard: Shard | None = None, device=None) -> dict[str, float]:
-    """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>``
-    (over the prompts: guard/reward_tradeoff's noise) and, with sources declared 0/1
-    (``scored.accuracy``), ``eval/accuracy``: the share of the completions they scored that each
-    of them scored 1. A None score (NaN) is left out of its means. ``scored``: this process's
-    share, summed over ``shard``."""
+    """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>`` and,
+    with sources declared 0/1, ``eval/accuracy`` (the share they all scored 1), over every process's
+    share; a None score (NaN) is left out of its means."""
     shard = shard or Shard()
     names = list(scored.scores)
     by_source = torch.stack([scored.scores[name] for name in names]) if names else torch.zeros(0, len(scored.total))
@@ -191,9 +185,8 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
 
 
 def win_rate(model: torch.Tensor, baseline: torch.Tensor) -> float:
-    """The share of prompts on which ``model``'s score beats ``baseline``'s (``[n]`` each); a tie
-    counts half, so a model scored against itself has exactly 0.5. Prompts where either has no
-    score (NaN: no reward scored it) are left out."""
+    """The share of prompts on which ``model``'s score beats ``baseline``'s, a tie counting half;
+    prompts where either has no score (NaN) are left out."""
     both = ~(model.isnan() | baseline.isnan())
     wins = (model > baseline).double() + 0.5 * (model == baseline).double()
     return float(wins[both].mean())
@@ -222,9 +215,8 @@ def _load(path: str, cfg, device) -> _Loaded:
 
 def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _Completed | None = None,
                            loaded: _Loaded | None = None, reference: _Loaded | None = None) -> _Completed:
-    """The policy at ``path`` (``loaded``: in memory) completes and scores ``data.path``'s prompts
-    (:func:`complete_and_score`); the prompts and reward of ``like`` are reused when its tokenizer
-    and prompt limit are the same."""
+    """The policy at ``path`` (``loaded``: in memory) completes and scores ``data.path``'s prompts,
+    reusing ``like``'s prompts and reward where its tokenizer and prompt limit are the same."""
     loaded = loaded or _load(path, cfg, device)
     tok, policy = loaded.tokenizer, loaded.policy
     key = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "ppo.max_new_tokens"
@@ -247,8 +239,7 @@ def _score(x: torch.Tensor) -> float | None:
 
 
 def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
-    """One JSONL row per prompt: the prompt, its other columns, each policy's completion, whether it
-    ended with EOS, each reward source's score and the total."""
+    """One JSONL row per prompt: the prompt and its columns, each policy's completion and scores."""
     rows = []
     for i, rec in enumerate(model.records):
         row = {"prompt": rec.original, **({"columns": rec.columns} if rec.columns else {})}
@@ -266,10 +257,9 @@ def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
 
 
 def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
-    """Evaluate the policy at ``path`` on the prompts of ``data.path`` scored by the configured
-    reward, and with a baseline (``eval.baseline``) the win rates and ``kl_to_baseline``
-    (docs/data.md). Writes ``eval_samples.jsonl`` and ``eval.json`` (the returned summary) to
-    ``run.out_dir``; the prompt file and rewards were checked before (cli.run_command)."""
+    """Evaluate the policy at ``path`` on ``data.path``'s prompts scored by the reward, with
+    ``eval.baseline`` the win rates and ``kl_to_baseline`` (docs/data.md); writes
+    ``eval_samples.jsonl`` and ``eval.json`` (the returned summary)."""
     if not cfg.data.path:
         raise ValueError("data.path is empty: give the prompts to evaluate on (a JSONL of {\"prompt\": ...})")
     if not cfg.reward.name and not cfg.reward.function:

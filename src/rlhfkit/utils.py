@@ -305,9 +305,7 @@ class MetricsLogger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume:  # continuing a run from a checkpoint (position()): drop the rows logged after it
                 cut_file(self.path, resume["offset"])
-                self._start = resume["start"]
-            else:
-                self._start = self.path.stat().st_size if self.path.exists() else 0  # earlier runs' rows end here
+            self._start = resume["start"] if resume else file_size(self.path)  # where earlier runs' rows end
             purge = resume["step"] if resume else None
             self._sinks = make_sinks(cfg, self.path.parent, purge) if cfg is not None else []
             self._fh = self.path.open("a", encoding="utf-8")
@@ -332,8 +330,7 @@ class MetricsLogger:
         """Where a checkpoint taken after ``step`` steps finds this log (``MetricsLogger(resume=...)``)."""
         if self._fh is not None:
             self._fh.flush()
-        size = self.path.stat().st_size if self.enabled and self.path.exists() else 0
-        return {"offset": size, "start": self._start, "step": step}
+        return {"offset": file_size(self.path) if self.enabled else 0, "start": self._start, "step": step}
 
     def close(self) -> None:
         if self._fh is not None:

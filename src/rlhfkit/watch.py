@@ -1,11 +1,8 @@
 """Signs that an RL run is gaming its reward rather than learning the task (docs/safety.md).
 
-:class:`HackingWatch` turns each step's statistics into ``guard/*`` metrics (1 where a sign
-shows): the EOS rate collapsing, the KL to the reference high while the held-out metric falls,
-the held-out metric dropping, one reward source bought with another. Each is a test against the
-run's own noise over a window, and each warns once. :class:`SignalWatch` warns when most groups
-carry no reward variance or most completions are cut: a run with little to learn from. Both
-take scalars (one run) or arrays of runs stepping together (simulations).
+:class:`HackingWatch` turns each step's statistics into ``guard/*`` flags, each a test against
+the run's own noise that warns once; :class:`SignalWatch` warns when a run has little to learn
+from. Both take scalars (one run) or arrays of runs stepping together (simulations).
 """
 
 from __future__ import annotations
@@ -24,14 +21,9 @@ def _mean(values: list) -> np.ndarray:
 
 
 class HackingWatch:
-    """Per-step reward-hacking checks; ``check(step, stats)`` returns the ``guard/*`` flags.
-    Its windows are part of a checkpoint (:meth:`state_dict`), so a resumed run flags and warns
-    exactly as an unbroken one.
-
-    ``kl_max`` (nats per token), ``eos_ratio`` and ``eval_drop`` (a share of the best) are
-    ``ppo.guard_*`` (0 = off); ``batch_size`` completions make one step's EOS rate; ``tradeoff``
-    (a share, ``ppo.guard_tradeoff``) bounds the fall of one reward source's held-out mean over
-    ``eval_prompts`` held-out prompts."""
+    """Per-step reward-hacking checks; ``check(step, stats)`` returns the ``guard/*`` flags. Its
+    windows are checkpointed, so a resumed run flags as an unbroken one. ``kl_max``, ``eos_ratio``,
+    ``eval_drop`` and ``tradeoff`` are ``ppo.guard_*`` (0 = off)."""
 
     def __init__(self, kl_max: float = 0.0, eos_ratio: float = 0.0, eval_drop: float = 0.0,
                  metric: str = "eval/exact_acc", batch_size: int = 64, window: int = 5, anchor: int = 10,
@@ -57,8 +49,8 @@ class HackingWatch:
         self.warned: list[str] = []
 
     def announce(self, logged: set[str] | None = None, evaluations: int | None = None) -> list[str]:
-        """Warn once, at the start, which guards are off and why: a key at 0, ``metric`` not among
-        the ``logged`` eval metrics (None: unknown), fewer evaluations than a guard needs."""
+        """Warn once, at the start, which guards are off and why (a key at 0, ``metric`` not
+        ``logged``, too few ``evaluations``)."""
         off = []
         missing = None  # why the held-out metric cannot be followed
         if logged is not None and self.metric not in logged:
@@ -137,8 +129,8 @@ class HackingWatch:
         return (smooth < (1 - self.eval_drop) * self.best) & self._below_best()
 
     def _below_best(self) -> np.ndarray:
-        """The held-out metric's mean over the last ``eval_window`` evaluations is more than ``z``
-        times one evaluation's noise below its best such mean, from the ``min_evals``-th on."""
+        """Is the held-out metric's recent mean more than ``z`` times one evaluation's noise below
+        its best (from the ``min_evals``-th evaluation on)?"""
         if self.best is None or len(self.evals) < self.min_evals:
             return np.asarray(False)
         # one evaluation's noise: the mean step between consecutive evaluations, / 1.128
@@ -146,9 +138,8 @@ class HackingWatch:
         return self.best - _mean(self.evals[-self.eval_window :]) > self.z * noise
 
     def _tradeoff(self, stats: dict) -> np.ndarray:
-        """A source whose mean over the last ``tradeoff_window`` evaluations is more than
-        ``tradeoff`` of its value before training b below it, and by more than ``z_tradeoff``
-        standard errors of that paired fall, while the weighted total's mean rose."""
+        """A source's recent mean fell more than ``tradeoff`` of its value before training, and more
+        than ``z_tradeoff`` standard errors, while the weighted total rose."""
         now = {k: np.asarray(v, dtype=float) for k, v in stats.items() if k.startswith("eval/reward")}
         before = {k[len("baseline/"):]: np.asarray(v, dtype=float) for k, v in stats.items()
                   if k.startswith("baseline/eval/reward")}
@@ -232,9 +223,9 @@ class HackingWatch:
 
 
 class SignalWatch:
-    """Warns once each when most prompt groups carry no reward variance, most completions are cut
-    at ``max_new_tokens``, or top-k / top-p keep under half the probability: the mean share over
-    the last ``window`` steps above ``share`` (one unlucky batch does not warn). Checkpointed."""
+    """Warns once each when, over the last ``window`` steps, more than ``share`` of the prompt
+    groups carry no reward variance, of the completions are cut, or of the probability is dropped
+    by top-k / top-p. Checkpointed."""
 
     KEYS = ("frac_reward_zero_std", "response/truncated_rate", "rollout/kept_mass")
     # the share of the batch without the signal: of the kept mass its complement, the others as logged

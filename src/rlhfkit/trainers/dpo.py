@@ -51,10 +51,9 @@ def pair_logprobs(model, enc: dict, shard: Shard, device, chunk: int = 512) -> t
     of ``chunk`` pairs dealt round-robin to the processes."""
     n_pairs = enc["chosen_input_ids"].shape[0]
     cache = torch.zeros((2, n_pairs), device=device)  # [2, N]
-    for k, i in enumerate(range(0, n_pairs, chunk)):
-        if k % shard.world == shard.rank:
-            idx = torch.arange(i, min(n_pairs, i + chunk))
-            cache[:, idx] = sequence_logprobs(model, *stack_pairs(enc, idx, device, LOSS_FIELDS)).view(2, -1)
+    for rows in shard.chunks(n_pairs, chunk):
+        idx = torch.arange(rows.start, rows.stop)
+        cache[:, idx] = sequence_logprobs(model, *stack_pairs(enc, idx, device, LOSS_FIELDS)).view(2, -1)
     return shard.sum(cache)
 
 

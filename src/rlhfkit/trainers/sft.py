@@ -88,10 +88,8 @@ def heldout_loss(model, enc: dict, shard: Shard, device, chunk: int) -> float:
     n = enc["input_ids"].shape[0]
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [NLL sum, target tokens]
     with eval_mode(model):
-        for k, i in enumerate(range(0, n, chunk)):
-            if k % shard.world != shard.rank:
-                continue
-            ids, attn, lmask = (enc[f][i : i + chunk].to(device) for f in ("input_ids", "attention_mask", "loss_mask"))
+        for rows in shard.chunks(n, chunk):
+            ids, attn, lmask = (enc[f][rows].to(device) for f in ("input_ids", "attention_mask", "loss_mask"))
             logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
             logps = logprobs_from_logits(logits[:, :-1], ids[:, 1:])  # [b, T-1]
             target = lmask[:, 1:].bool()
