@@ -112,3 +112,12 @@ def test_disabled_writes_nothing():
     for _ in bar:
         bar.set_postfix(score=1.0)
     assert out.getvalue() == ""
+
+
+def test_utils_does_not_re_export_progress_or_the_heap_helpers():
+    import rlhfkit.utils as utils
+    from rlhfkit.accel import heap
+
+    assert progress.__module__ == "rlhfkit.progress" and heap.gradient_buffer.__module__ == "rlhfkit.accel.heap"
+    for name in ("progress", "gradient_buffer", "release_free_memory", "tensors_off_heap"):
+        assert not hasattr(utils, name), name

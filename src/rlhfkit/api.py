@@ -1,22 +1,11 @@
-"""The Python surface: one function per command, each running what ``rlhfkit COMMAND`` runs.
+"""The Python surface: one function per command, each running what ``rlhfkit COMMAND`` runs and
+returning the summary it prints (docs/reference/api.md).
 
 Every function takes ``config`` (a YAML path, a mapping of sections, a :class:`~rlhfkit.Config`
 or None) and ``overrides`` (dotted keys or sections), and the shortcuts ``model`` (``model.name``),
 ``data`` and ``eval_data`` (a path, a ``datasets.Dataset`` or a list of dicts, written to
 ``run.out_dir`` as JSONL) and ``reward_funcs`` (``reward.function``: callables or
 ``'module:name'`` strings).
-
-Each returns the run's summary, the dict ``rlhfkit COMMAND`` prints:
-
-- training commands (``ppo``, ``grpo``, ``rloo``, ``reinforce``, ``dpo``, ``sft``,
-  ``reward_model``, ``pretrain``): ``path`` (the saved model's directory), ``seconds``, and
-  their own: ``steps``, ``reached`` (the stop metric reached) and ``final`` (the last ``eval/*``
-  values) for RL and DPO, with ``saved_step`` (the step whose policy was saved) for RL;
-  ``examples``, ``final_loss`` and ``eval_loss`` for SFT; the held-out accuracy for the reward
-  model and the pretrained policy. The per-step values are in ``run.out_dir``'s
-  ``metrics.jsonl``;
-- ``evaluate``: the scores it writes to ``eval.json``;
-- ``demo``: ``summary.json``'s content.
 """
 
 from __future__ import annotations

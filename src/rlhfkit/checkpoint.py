@@ -1,15 +1,11 @@
-"""Atomic checkpoints and exact resume (docs/checkpoints.md).
-
-A checkpoint ``OUT_DIR/checkpoints/step-N/`` holds the trainable parameters
-(``<name>.safetensors``; under FSDP each process's shards in ``sharded/``), ``trainer_state.pt``
-(optimizer, scheduler and torch RNG states, read with ``weights_only=True``) and ``meta.json``
-(the step, the other RNG states, the loop's counters). It is written under a temporary name and
-renamed, so a ``step-N`` directory is always complete. ``RLHFKIT_FAULT=name@step`` makes
-:func:`fault_point` SIGKILL the process there: how the tests die at a known place.
+"""Atomic checkpoints and exact resume (docs/checkpoints.md): ``OUT_DIR/checkpoints/step-N/``
+holds the trainable parameters, ``trainer_state.pt`` and ``meta.json``, written under a temporary
+name and renamed, so a ``step-N`` directory is always complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,12 +35,22 @@ def fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _py_state(rng) -> list:
+    """The state of a ``random.Random`` (or of the ``random`` module) as JSON."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _set_py_state(rng, state: list) -> None:
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+
+
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch (CPU and every CUDA device) RNG states, split into a JSON part
     and a tensor part."""
-    version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    plain = {"python": [version, list(internal), gauss],
+    plain = {"python": _py_state(random),
              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -53,8 +59,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(plain: dict[str, Any], tensors: dict[str, Any]) -> None:
-    version, internal, gauss = plain["python"]
-    random.setstate((version, tuple(internal), gauss))
+    _set_py_state(random, plain["python"])
     kind, keys, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["torch"])
@@ -89,8 +94,7 @@ def load_trainable_state(module: nn.Module, state: dict[str, torch.Tensor], wher
 
 
 def holds_shards(modules: dict[str, nn.Module]) -> bool:
-    """Do these modules train FSDP-sharded weights (DTensors)? Then every process writes its own
-    shards of the checkpoint, and every process must call :meth:`Checkpointer.save`."""
+    """Do these modules train FSDP-sharded weights? Then every process writes its shards."""
     return any(is_sharded(p) for m in modules.values() for p in m.parameters() if p.requires_grad)
 
 
@@ -103,13 +107,13 @@ def _world() -> int:
 
 
 def _barrier() -> None:
-    if tdist.is_available() and tdist.is_initialized():
+    if _world() > 1:
         tdist.barrier()
 
 
 def _sharded_states(modules: dict[str, nn.Module], optimizers: dict[str, Any]):
-    """``{"modules": ..., "optimizers": ...}`` of local shards (DTensors) by parameter name, as
-    ``torch.distributed.checkpoint`` writes and reads them, and the objects they belong to."""
+    """The local shards of the module and optimizers as ``torch.distributed.checkpoint`` writes
+    them, and the objects they belong to."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -154,26 +158,19 @@ def load_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a filesystem that cannot open or sync a directory: nothing to do
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(_PREFIX) or not (path / "meta.json").exists():
-        return None
-    try:
-        return int(name[len(_PREFIX):])
-    except ValueError:
-        return None
+    """The step of a complete checkpoint directory ``step-N`` (None for anything else)."""
+    digits = path.name.removeprefix(_PREFIX)
+    done = path.name.startswith(_PREFIX) and digits.isdecimal() and (path / "meta.json").exists()
+    return int(digits) if done else None
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -242,8 +239,7 @@ class Checkpointer:
 
     def _write(self, tmp: Path, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
                state: dict[str, Any], schedulers: dict[str, Any] | None, sharded: bool) -> None:
-        """The main process's files (all but the shards and the other processes' RNGs), then every
-        file of the directory flushed to disk."""
+        """The main process's files, then every file of the directory flushed to disk."""
         if not sharded:
             for name, module in modules.items():
                 save_file(trainable_state(module), str(tmp / f"{name}.safetensors"))
@@ -313,31 +309,27 @@ class Checkpointer:
 
 
 def data_state(data) -> Any:
-    """A task data generator's position: ``data.state_dict()`` if it has one, else the state of
-    its ``random.Random`` (``data.rng``), as JSON."""
+    """A task data generator's position as JSON: ``data.state_dict()``, else its ``data.rng``'s."""
     if hasattr(data, "state_dict"):
         return data.state_dict()
     rng = getattr(data, "rng", None)
     if not isinstance(rng, random.Random):
         raise TypeError(f"{type(data).__name__} has neither state_dict() nor a random.Random .rng: its position "
                         "cannot be checkpointed (add state_dict / load_state_dict to it)")
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
+    return _py_state(rng)
 
 
 def load_data_state(data, state: Any) -> None:
     if hasattr(data, "load_state_dict"):
         data.load_state_dict(state)
-        return
-    version, internal, gauss = state
-    data.rng.setstate((version, tuple(internal), gauss))
+    else:
+        _set_py_state(data.rng, state)
 
 
 def loop_state(steps_done: int, log, guard, data=None, generator: torch.Generator | None = None,
                **extra: Any) -> dict[str, Any]:
-    """The JSON state of a supervised loop (pretrain, SFT, reward model, DPO) for :meth:`Checkpointer.save`:
-    the metrics log's position, the guard's counters, the data generator's position and, if the
-    loop samples batches with its own ``torch.Generator``, that generator's state."""
+    """A training loop's JSON state for :meth:`Checkpointer.save`: the metrics log's position, the
+    guard's counters, and the data's and ``generator``'s positions."""
     state = {"metrics": log.position(steps_done), "guard": [guard.skipped, guard.in_a_row], **extra}
     if data is not None:
         state["data"] = data_state(data)

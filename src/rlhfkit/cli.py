@@ -1,8 +1,7 @@
 """Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them).
 
-Each command runs what its Python function runs (``rlhfkit.grpo(...)``, ``rlhfkit.sft(...)``:
-rlhfkit.api): the same config resolution (:func:`resolve_config`) and the same run
-(:func:`run_command`); the command line adds its printing and its one-line errors.
+The same config resolution (:func:`resolve_config`) and run (:func:`run_command`) as the Python
+functions of rlhfkit.api; the command line adds its printing and its one-line errors.
 """
 
 from __future__ import annotations
@@ -63,15 +62,13 @@ DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLH
 
 
 def _defaults(command: str, task_defaults: dict | None = None) -> Config:
-    """The config a command starts from: the task's defaults, its output directory and, for an RL
-    command, its ``ppo.algo`` (which brings ALGO_DEFAULTS)."""
+    """The config a command starts from: the task's defaults, its output directory, its ``ppo.algo``."""
     algo = {"algo": command} if command in ALGO_DEFAULTS else {}
     return Config().replace(**(task_defaults or {})).replace(run={"out_dir": DEFAULT_OUT[command]}, ppo=algo)
 
 
 def first_sentence(text: str) -> str:
-    """The first sentence of a description, on one line (a period inside brackets or after
-    'e.g'/'i.e' does not end it)."""
+    """The first sentence of a description, on one line (not ended by a period in brackets or 'e.g.')."""
     text, depth = " ".join(text.split()), 0
     for i, ch in enumerate(text):
         depth += (ch in "([{") - (ch in ")]}")
@@ -81,8 +78,7 @@ def first_sentence(text: str) -> str:
 
 
 def keys_help(command: str) -> str:
-    """The epilog of ``rlhfkit CMD --help``: the output directory and every key the command reads (by section),
-    with its type, default and description."""
+    """The epilog of ``rlhfkit CMD --help``: the output directory and every key the command reads."""
     from textwrap import fill
 
     from .config import key_docs, key_groups, key_types
@@ -201,14 +197,13 @@ def _sections(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _config(args) -> Config:
-    """Defaults <- the task's defaults <- the command's algorithm defaults <- file <- overrides."""
     overrides = [*args.overrides, *(["run.resume=true"] if getattr(args, "resume", False) else []),
                  *([f"run.task={args.task}"] if args.command == "export-task" else [])]
     return resolve_config(args.command, args.config, overrides)
 
 
 def _emit(result) -> None:
-    """Print a command's summary once: from the main process of a distributed launch."""
+    """Print a command's summary from the main process only."""
     from .utils import is_main_process
 
     if is_main_process():
@@ -220,16 +215,19 @@ def debug_requested(args) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get("RLHFKIT_DEBUG", "").strip() not in ("", "0")
 
 
-def _error(command: str, e: BaseException) -> None:
+def _error(command: str, e: BaseException, debug: bool = False, code: int = 2) -> int:
+    """Print ``e`` as one line and return the exit ``code``; re-raise it under ``debug``."""
+    if debug:
+        raise e
     message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
     print(f"rlhfkit {command}: error: {message}", file=sys.stderr)
+    return code
 
 
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
-    """Python warnings printed as one line each, ``rlhfkit CMD: warning: ...``, without the source
-    line under them; another package's warning keeps its category and origin. Only the format
-    changes: a caller recording warnings still gets them."""
+    """Python warnings as one line each, ``rlhfkit CMD: warning: ...`` (another package's with its
+    category and origin); only the format changes."""
     def one_line(message, category, filename, lineno, line=None) -> str:
         text = " ".join(str(message).split())
         if _PACKAGE_DIR not in Path(filename).resolve().parents:
@@ -266,23 +264,18 @@ def _main(args) -> int:
             return 0
         _run(args, cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
-        if debug:
-            raise
-        _error(args.command, e)
-        return 2
+        return _error(args.command, e, debug)
     except RuntimeError as e:
         from .utils import TrainingError
 
-        if debug or not isinstance(e, TrainingError):
+        if not isinstance(e, TrainingError):
             raise
-        _error(args.command, e)  # the inputs were fine but the run diverged
-        return 1
+        return _error(args.command, e, debug, code=1)  # the inputs were fine but the run diverged
     return 0
 
 
 def _preload_malloc(args, cfg: Config) -> None:
-    """accel.malloc: restart the command line with that malloc preloaded (rlhfkit.accel.malloc), before
-    torch is imported. Called as a function (``main([...])``) it cannot restart its caller."""
+    """accel.malloc: restart the command line with that malloc preloaded, before torch is imported."""
     name = cfg.accel.malloc if "accel" in COMMAND_SECTIONS.get(args.command, ()) else ""
     if name:
         from .accel import malloc
@@ -295,10 +288,9 @@ DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **d
 
 
 def _check_inputs(command: str, cfg: Config) -> None:
-    """The records of data.path (and data.eval_path) checked before torch is imported, so a
-    malformed record is answered in seconds; for the commands that read prompts, the reward
-    functions and env.class too (rlhfkit.callables.check_before_loading). The one place a run
-    checks them: the trainers and the evaluation do not again."""
+    """The records of data.path and data.eval_path (and for prompts, the reward functions and
+    env.class) checked before torch is imported: a bad record is answered in seconds. The one
+    place a run checks them."""
     kind = DATA_KIND.get(command)
     if kind is None:
         return
@@ -366,8 +358,7 @@ def _evaluate(path: str, cfg: Config) -> dict:
 
 
 def _run(args, cfg: Config) -> None:
-    """Run the command on the resolved config (:func:`run_command`, which rlhfkit.api calls too)
-    and print its summary."""
+    """Run the command on the resolved config and print its summary."""
     if args.command == "chat":
         from transformers.utils import logging as hf_logging
 
@@ -445,10 +436,7 @@ def _fetch_model(args, debug: bool = False) -> int:
     try:
         res = fetch_model(args.name, args.dir)
     except (FetchError, OSError) as e:
-        if debug:
-            raise
-        _error("fetch-model", e)
-        return 2
+        return _error("fetch-model", e, debug)
     if args.print_path:
         print(Path(res["dir"]).absolute())
         return 0
@@ -473,10 +461,7 @@ def _report(args, debug: bool = False) -> int:
         if args.screenshot:
             print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
     except (OSError, ValueError, subprocess.SubprocessError) as e:
-        if debug:
-            raise
-        _error("report", e)
-        return 2
+        return _error("report", e, debug)
     return 0
 
 

@@ -1,10 +1,7 @@
-"""Data parallelism through ``accelerate``: each process takes its shard of the global batch.
-
-Every process builds the same global batch and keeps its rows (:meth:`Shard.take`); batch-wide
-statistics use rows gathered from all (:meth:`Shard.apply_rows`); a token-mean loss is rescaled
-so DDP's gradient average is the global mean (:meth:`Shard.token_weight`); logged metrics are
-reduced (:meth:`Shard.mean`) and the main process writes. With one process every method is the
-identity. The rules and what was checked: docs/scale-out.md.
+"""Data parallelism through ``accelerate``: each process takes its shard of the global batch,
+batch-wide statistics use gathered rows, token means are reweighted so DDP's average is the global
+mean, and logged metrics are reduced; with one process every method is the identity
+(docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -55,6 +52,14 @@ class Shard:
             raise ValueError(f"{what} {global_size} must be divisible by {self.world} processes{extra}")
         return global_size // self.world
 
+    def span(self, n: int) -> slice:
+        """This process's share of ``n`` items dealt as evenly as they go (some may get one more)."""
+        return slice(n * self.rank // self.world, n * (self.rank + 1) // self.world)
+
+    def chunks(self, n: int, size: int) -> list[slice]:
+        """This process's chunks of ``n`` items, ``size`` at a time, dealt round-robin."""
+        return [slice(i, min(n, i + size)) for i in range(self.rank * size, n, self.world * size)]
+
     def rows(self, global_size: int) -> slice:
         b = global_size // self.world
         return slice(self.rank * b, (self.rank + 1) * b)
@@ -80,15 +85,16 @@ class Shard:
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """All-reduce sum (a copy; the identity with one process)."""
-        return self._all_reduce(x, torch.distributed.ReduceOp.SUM) if self.distributed else x
+        return self._all_reduce(x, "SUM")
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
-        """All-reduce max (a copy; the identity with one process)."""
-        return self._all_reduce(x, torch.distributed.ReduceOp.MAX) if self.distributed else x
+        return self._all_reduce(x, "MAX")
 
-    def _all_reduce(self, x: torch.Tensor, op) -> torch.Tensor:
+    def _all_reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        if not self.distributed:
+            return x
         out = x.detach().clone()
-        torch.distributed.all_reduce(out, op=op)
+        torch.distributed.all_reduce(out, op=getattr(torch.distributed.ReduceOp, op))
         return out
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +120,6 @@ class Shard:
         return out[:, : tensors[0].shape[1]] if out.dim() > 1 and tensors[0].dim() > 1 else out
 
     def token_weight(self, mask: torch.Tensor) -> float:
-        """:meth:`count_weight` of the tokens of ``mask``."""
         return self.count_weight(mask.sum())
 
     def count_weight(self, n_local: torch.Tensor) -> float:
@@ -201,9 +206,8 @@ def fsdp_modules(model) -> list:
 
 
 def shard_frozen(accelerator, *models) -> list:
-    """Under FSDP, shard frozen models (reference, reward models) as the trained ones are, by
-    decoder layer and root, so a process holds a shard instead of a whole copy
-    (:func:`full_weights` gathers them). Returns the models it sharded."""
+    """Under FSDP, shard frozen models (reference, reward models) by decoder layer and root as the
+    trained ones are, so a process holds a shard, not a whole copy; the models it sharded."""
     if getattr(accelerator, "distributed_type", None) != "FSDP":
         return []
     from torch.distributed.fsdp import fully_shard
@@ -228,8 +232,7 @@ def shard_frozen(accelerator, *models) -> list:
 @contextlib.contextmanager
 def full_weights(*models, per_layer: bool = False, compute: bool = True):
     """:func:`_full_weights` of each of ``models`` (host-offloaded ones brought back), and under
-    ``model.master_weights`` their bfloat16 copies unless ``compute`` is False (the caller makes
-    them only if it runs the model)."""
+    ``model.master_weights`` their bfloat16 copies unless ``compute`` is False."""
     with contextlib.ExitStack() as stack:
         for model in models:
             stack.enter_context(on_device(model))  # accel.offload: a frozen model's weights come from host memory
@@ -242,18 +245,15 @@ def full_weights(*models, per_layer: bool = False, compute: bool = True):
 @contextlib.contextmanager
 def _full_weights(model, per_layer: bool = False):
     """Under FSDP2, ``model``'s weights gathered for calls that bypass its root forward
-    (generation, the experience pass); a no-op otherwise. Every sharded module is gathered once
-    and stays so until the block ends; ``per_layer``: only the root's, each layer gathering
-    around its own forwards (less memory, one all-gather per layer per forward)."""
+    (generation, the experience pass) until the block ends; ``per_layer``: the root's only, each
+    layer gathering around its own forwards (less memory). A no-op otherwise."""
     mods = fsdp_modules(model)
     if not mods:
         yield
         return
     # the root first: a layer called directly would make itself a root and break the next training forward
     mods[0]._get_fsdp_state()._lazy_init()  # no public call does it outside a root forward
-    groups = []
-    if not per_layer:
-        groups = [g for m in mods for g in m._get_fsdp_state()._fsdp_param_groups]
+    groups = [] if per_layer else [g for m in mods for g in m._get_fsdp_state()._fsdp_param_groups]
     saved = [g.post_forward_mesh_info for g in groups]
     for g in groups:  # keep the layers gathered after their forwards
         g.post_forward_mesh_info = None
@@ -270,9 +270,8 @@ def _full_weights(model, per_layer: bool = False):
 
 
 def prepare(accelerator, *objects, micro_batch: int):
-    """``accelerator.prepare(*objects)``; under DeepSpeed it first tells the engine the
-    per-process micro-batch, which it would otherwise read from a dataloader (rlhfkit's
-    trainers build their batches themselves and prepare none)."""
+    """``accelerator.prepare(*objects)``, first telling DeepSpeed the per-process micro-batch, which
+    it would otherwise read from a dataloader (the trainers prepare none)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch

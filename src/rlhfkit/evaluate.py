@@ -12,6 +12,7 @@ import torch
 
 from .core import kl_from_logits, masked_sum
 from .distributed import Shard
+from .loading import eval_mode
 from .models import context_window, load_policy, load_tokenizer, policy_dir, policy_forward, same_tokenizer
 from .prompts import file_records, prompt_limit, prompt_tensors
 from .rewards import build_reward, completion_texts
@@ -23,31 +24,24 @@ from .utils import resolve_device, write_jsonl
 @torch.no_grad()
 def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int = 512,
                   max_new_tokens: int | None = None, prompts: list | None = None, stop: Sequence[str] = ()) -> dict:
-    """Greedy decoding on the task's held-out prompts (doubling: 512, cities: 130), scored by
-    its verifier; ``stop``: stop strings that end an answer, as in the RL rollouts (``ppo.stop``).
-
-    Returns ``{"format_acc", "exact_acc", "answer_acc", "examples": [(prompt, completion, format, exact), ...]}``.
-    """
+    """Greedy decoding on the task's held-out prompts, scored by its verifier (``stop``: as
+    ``ppo.stop``): ``{"format_acc", "exact_acc", "answer_acc", "examples": [(prompt, completion,
+    format, exact), ...]}``."""
     prompts = prompts if prompts is not None else task.eval_prompts()
     max_new_tokens = max_new_tokens or task.MAX_NEW_TOKENS
-    was_training = policy.training
-    policy.eval()
-    fmt = exact = answer = 0
-    examples = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        ids, mask = tokenize_prompts(tokenizer, [p.text for p in chunk], device)
-        out = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id, greedy=True,
-                       stop=stop, tokenizer=tokenizer)
-        for p, c in zip(chunk, decode_responses(tokenizer, out.response_ids, out.response_mask)):
-            v = task.verify(p, c)
-            fmt += v["format"]
-            exact += v["exact"]
-            answer += v["answer"]
-            examples.append((p.text, c, v["format"], v["exact"]))
-    policy.train(was_training)
+    verdicts, examples = [], []
+    with eval_mode(policy):
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            ids, mask = tokenize_prompts(tokenizer, [p.text for p in chunk], device)
+            out = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id,
+                           greedy=True, stop=stop, tokenizer=tokenizer)
+            for p, c in zip(chunk, decode_responses(tokenizer, out.response_ids, out.response_mask)):
+                verdicts.append(v := task.verify(p, c))
+                examples.append((p.text, c, v["format"], v["exact"]))
     n = len(prompts)
-    return {"format_acc": fmt / n, "exact_acc": exact / n, "answer_acc": answer / n, "examples": examples}
+    return {**{f"{k}_acc": sum(v[k] for v in verdicts) / n for k in ("format", "exact", "answer")},
+            "examples": examples}
 
 
 def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: int = 512,
@@ -57,13 +51,12 @@ def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: 
     prompts = task.eval_prompts()
     if not shard.distributed:
         return evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts, stop)
-    n = len(prompts)
-    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
-    ev = evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts[lo:hi], stop) \
-        if hi > lo else {"format_acc": 0.0, "exact_acc": 0.0, "answer_acc": 0.0, "examples": []}
+    mine = prompts[shard.span(len(prompts))]
     keys = ("format_acc", "exact_acc", "answer_acc")
-    counts = torch.tensor([ev[k] * (hi - lo) for k in keys], dtype=torch.float64, device=shard.accelerator.device)
-    totals = shard.sum(counts) / n
+    ev = evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, mine, stop) if mine \
+        else {**dict.fromkeys(keys, 0.0), "examples": []}
+    counts = torch.tensor([ev[k] * len(mine) for k in keys], dtype=torch.float64, device=shard.accelerator.device)
+    totals = shard.sum(counts) / len(prompts)
     return {**{k: float(v) for k, v in zip(keys, totals.tolist())}, "examples": ev["examples"]}
 
 
@@ -74,8 +67,7 @@ def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_
 
 
 def evaluate_path(path: str, cfg) -> dict:
-    """Load a saved policy (any HF causal-LM directory or hub id, or a LoRA adapter directory)
-    and evaluate it on ``run.task``; writes ``eval.json`` to ``run.out_dir``."""
+    """Evaluate a saved policy (HF directory, hub id or LoRA adapter) on ``run.task``; writes ``eval.json``."""
     device = resolve_device(cfg.run.device)
     tok = load_tokenizer(path, cfg.model.trust_remote_code)
     policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.name).to(device)
@@ -83,10 +75,17 @@ def evaluate_path(path: str, cfg) -> dict:
                        stop=cfg.ppo.stop)
     result = {"path": path, "task": cfg.run.task, "format_acc": ev["format_acc"], "exact_acc": ev["exact_acc"], "answer_acc": ev["answer_acc"],
               "examples": [{"prompt": p, "completion": c, "format": f, "exact": e} for p, c, f, e in ev["examples"][:12]]}
+    _write_eval(cfg, result)
+    return result
+
+
+def _write_eval(cfg, result: dict, samples: list[dict] | None = None) -> None:
+    """``eval.json`` (and ``eval_samples.jsonl``) in ``run.out_dir``."""
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if samples is not None:
+        write_jsonl(out / "eval_samples.jsonl", samples)
     (out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
-    return result
 
 
 @dataclass
@@ -116,42 +115,36 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
                        max_new_tokens: int = 64, greedy: bool = True, temperature: float = 1.0,
                        seed: int = 0, shaping: dict | None = None,
                        stop: Sequence[str] = (), reference=None) -> ScoredCompletions:
-    """Complete every record's prompt (greedy, or sampled from ``seed`` under ``shaping``:
-    :func:`rlhfkit.rollout.sampling_settings`) and score the completions by ``reward``, batch by
-    batch; with a ``reference`` policy, each completion's :func:`completion_kl` to it too."""
+    """Complete every record's prompt (greedy, or sampled from ``seed`` under ``shaping``) and score
+    the completions by ``reward``; with a ``reference``, each one's :func:`completion_kl` too."""
     names = list(reward.weights)
-    texts: list[str] = []
-    finished: list[bool] = []
-    kls = [torch.zeros(0, dtype=torch.float64)]
-    totals, parts = [torch.zeros(0, dtype=torch.float64)], {name: [torch.zeros(0, dtype=torch.float64)] for name in names}
-    was_training = policy.training
-    policy.eval()
+    texts, finished, totals, kls = [], [], [], []
+    parts: dict[str, list] = {name: [] for name in names}
     gen = torch.Generator(device=device).manual_seed(seed)
-    for i in range(0, len(records), batch_size):
-        chunk = records[i : i + batch_size]
-        ids, mask = prompt_tensors(tokenizer, chunk, device)
-        roll = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-                        temperature, greedy=greedy, generator=gen, stop=stop, tokenizer=tokenizer,
-                        **(shaping or {}))
-        total, scores = reward.score(roll, chunk)
-        if reference is not None:
-            kls.append(completion_kl(policy, reference, roll).double().cpu())
-        texts += completion_texts(roll, tokenizer)[1]
-        finished += roll.finished.tolist()
-        totals.append(total.double().cpu())
-        for name in names:
-            parts[name].append(scores[name].double().cpu())
-    policy.train(was_training)
-    return ScoredCompletions(texts, finished, torch.cat(totals), {name: torch.cat(parts[name]) for name in names},
-                             reward.accuracy_sources(), torch.cat(kls) if reference is not None else None)
+    with eval_mode(policy):
+        for i in range(0, len(records), batch_size):
+            chunk = records[i : i + batch_size]
+            ids, mask = prompt_tensors(tokenizer, chunk, device)
+            roll = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer),
+                            tokenizer.pad_token_id, temperature, greedy=greedy, generator=gen, stop=stop,
+                            tokenizer=tokenizer, **(shaping or {}))
+            total, scores = reward.score(roll, chunk)
+            if reference is not None:
+                kls.append(completion_kl(policy, reference, roll))
+            texts += completion_texts(roll, tokenizer)[1]
+            finished += roll.finished.tolist()
+            totals.append(total)
+            for name in names:
+                parts[name].append(scores[name])
+    cat = lambda xs: torch.cat([torch.zeros(0, dtype=torch.float64), *(x.double().cpu() for x in xs)])  # noqa: E731
+    return ScoredCompletions(texts, finished, cat(totals), {name: cat(parts[name]) for name in names},
+                             reward.accuracy_sources(), cat(kls) if reference is not None else None)
 
 
 def reward_means(scored: ScoredCompletions, shard: Shard | None = None, device=None) -> dict[str, float]:
-    """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>``
-    (over the prompts: guard/reward_tradeoff's noise) and, with sources declared 0/1
-    (``scored.accuracy``), ``eval/accuracy``: the share of the completions they scored that each
-    of them scored 1. A None score (NaN) is left out of its means. ``scored``: this process's
-    share, summed over ``shard``."""
+    """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>`` and,
+    with sources declared 0/1, ``eval/accuracy`` (the share they all scored 1), over every process's
+    share; a None score (NaN) is left out of its means."""
     shard = shard or Shard()
     names = list(scored.scores)
     by_source = torch.stack([scored.scores[name] for name in names]) if names else torch.zeros(0, len(scored.total))
@@ -186,17 +179,14 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
     """:func:`reward_means` of the completions of held-out prompt records (:func:`complete_and_score`),
     the records split over processes, the means global."""
     shard = shard or Shard()
-    n = len(records)
-    lo, hi = n * shard.rank // shard.world, n * (shard.rank + 1) // shard.world
-    scored = complete_and_score(policy, tokenizer, records[lo:hi], reward, device, batch_size, max_new_tokens,
+    scored = complete_and_score(policy, tokenizer, records[shard.span(len(records))], reward, device, batch_size, max_new_tokens,
                                 greedy, temperature, seed, shaping, stop)
     return reward_means(scored, shard, device)
 
 
 def win_rate(model: torch.Tensor, baseline: torch.Tensor) -> float:
-    """The share of prompts on which ``model``'s score beats ``baseline``'s (``[n]`` each); a tie
-    counts half, so a model scored against itself has exactly 0.5. Prompts where either has no
-    score (NaN: no reward scored it) are left out."""
+    """The share of prompts on which ``model``'s score beats ``baseline``'s, a tie counting half;
+    prompts where either has no score (NaN) are left out."""
     both = ~(model.isnan() | baseline.isnan())
     wins = (model > baseline).double() + 0.5 * (model == baseline).double()
     return float(wins[both].mean())
@@ -225,9 +215,8 @@ def _load(path: str, cfg, device) -> _Loaded:
 
 def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _Completed | None = None,
                            loaded: _Loaded | None = None, reference: _Loaded | None = None) -> _Completed:
-    """The policy at ``path`` (``loaded``: in memory) completes and scores ``data.path``'s prompts
-    (:func:`complete_and_score`); the prompts and reward of ``like`` are reused when its tokenizer
-    and prompt limit are the same."""
+    """The policy at ``path`` (``loaded``: in memory) completes and scores ``data.path``'s prompts,
+    reusing ``like``'s prompts and reward where its tokenizer and prompt limit are the same."""
     loaded = loaded or _load(path, cfg, device)
     tok, policy = loaded.tokenizer, loaded.policy
     key = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "ppo.max_new_tokens"
@@ -250,8 +239,7 @@ def _score(x: torch.Tensor) -> float | None:
 
 
 def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
-    """One JSONL row per prompt: the prompt, its other columns, each policy's completion, whether it
-    ended with EOS, each reward source's score and the total."""
+    """One JSONL row per prompt: the prompt and its columns, each policy's completion and scores."""
     rows = []
     for i, rec in enumerate(model.records):
         row = {"prompt": rec.original, **({"columns": rec.columns} if rec.columns else {})}
@@ -269,10 +257,9 @@ def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
 
 
 def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
-    """Evaluate the policy at ``path`` on the prompts of ``data.path`` scored by the configured
-    reward, and with a baseline (``eval.baseline``) the win rates and ``kl_to_baseline``
-    (docs/data.md). Writes ``eval_samples.jsonl`` and ``eval.json`` (the returned summary) to
-    ``run.out_dir``; the prompt file and rewards were checked before (cli.run_command)."""
+    """Evaluate the policy at ``path`` on ``data.path``'s prompts scored by the reward, with
+    ``eval.baseline`` the win rates and ``kl_to_baseline`` (docs/data.md); writes
+    ``eval_samples.jsonl`` and ``eval.json`` (the returned summary)."""
     if not cfg.data.path:
         raise ValueError("data.path is empty: give the prompts to evaluate on (a JSONL of {\"prompt\": ...})")
     if not cfg.reward.name and not cfg.reward.function:
@@ -299,8 +286,5 @@ def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
                                for name in model.scored.scores}
         if model.scored.kl is not None:
             result["kl_to_baseline"] = float(model.scored.kl.mean())
-    out = Path(cfg.run.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "eval_samples.jsonl", _sample_rows(model, base))
-    (out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
+    _write_eval(cfg, result, _sample_rows(model, base))
     return result

@@ -14,10 +14,8 @@ from tqdm.std import tqdm as _std_tqdm
 
 
 def quiet_hub_progress() -> None:
-    """Turn off the tqdm bars of transformers and huggingface_hub (loading, downloading and
-    writing checkpoint shards) for the rest of the process: ``setup_run`` calls it when
-    ``run.progress`` is false or stderr is not a terminal, where they would be carriage-return
-    frames in a log."""
+    """Turn off the tqdm bars of transformers and huggingface_hub (loading, downloading, writing
+    shards) for the rest of the process: off a terminal they would be carriage-return frames."""
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
 
@@ -41,13 +39,7 @@ def is_tty(stream) -> bool:
 
 def progress(iterable=None, total=None, desc: str = "", enabled: bool = True, initial: int = 0, file=None):
     """A progress bar over ``iterable`` with ``.set_postfix(**values)``, written to ``file``
-    (default ``sys.stderr``).
-
-    On a terminal (or in a notebook) a tqdm bar. When the stream is not a terminal (CI, a log
-    file, ``nohup``) a :class:`PlainProgress` instead: a plain line at most every
-    ``PLAIN_PROGRESS_INTERVAL_S`` seconds and one at the end, never a carriage return (tqdm
-    would write a ``\\r``-separated frame per refresh into the log).
-    """
+    (default stderr): tqdm on a terminal or in a notebook, else a :class:`PlainProgress`."""
     stream = sys.stderr if file is None else file
     if not enabled or _IN_NOTEBOOK or is_tty(stream):
         return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True,
@@ -56,10 +48,8 @@ def progress(iterable=None, total=None, desc: str = "", enabled: bool = True, in
 
 
 class PlainProgress:
-    """The part of tqdm's interface the trainers use (iteration, ``update``, ``set_postfix``,
-    ``close``), reported as whole lines: ``desc: n/total (pct) elapsed, rate, postfix``. A line
-    is written when iteration starts, after a step once ``interval`` seconds have passed since
-    the last line, and at the end (also when the loop is left early)."""
+    """The part of tqdm's interface the trainers use, as whole lines ``desc: n/total (pct)
+    elapsed, rate | postfix``: at the start, at most every ``interval`` seconds, and at the end."""
 
     def __init__(self, iterable=None, total=None, desc: str = "", initial: int = 0, file=None,
                  interval: float | None = None):
@@ -105,9 +95,6 @@ class PlainProgress:
     def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
         self.postfix = {**(ordered_dict or {}), **kwargs}
 
-    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
-        self.desc = desc or ""
-
     def close(self) -> None:
         if self.closed:
             return
@@ -117,11 +104,8 @@ class PlainProgress:
 
     def format_line(self) -> str:
         elapsed = _clock() - self.start_t
-        head = f"{self.desc}: " if self.desc else ""
-        if self.total:
-            head += f"{self.n}/{self.total} ({100 * self.n / self.total:.0f}%)"
-        else:
-            head += f"{self.n}"
+        head = (f"{self.desc}: " if self.desc else "") + (
+            f"{self.n}/{self.total} ({100 * self.n / self.total:.0f}%)" if self.total else f"{self.n}")
         parts = [head, f"{_std_tqdm.format_interval(elapsed)} elapsed"]
         done = self.n - self.initial
         if done > 0 and elapsed > 0:

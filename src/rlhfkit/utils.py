@@ -23,13 +23,8 @@ import numpy as np
 import torch
 
 from . import ops
-from .accel.heap import gradient_buffer, release_free_memory, tensors_off_heap  # noqa: F401  (the update calls them)
 from .config import Config, ConfigError, save_config
-from .progress import (
-    is_tty,
-    progress,  # noqa: F401  (trainers.common takes it from here)
-    quiet_hub_progress,
-)
+from .progress import is_tty, quiet_hub_progress
 
 
 def seed_everything(seed: int) -> None:
@@ -47,10 +42,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
-    """An ``accelerate.Accelerator`` on the configured device: one process by default, DDP /
-    DeepSpeed / FSDP under ``accelerate launch`` (:mod:`rlhfkit.distributed`). Tell DDP
-    ``find_unused_parameters`` when a backward leaves trained parameters out (a PPO critic warm-up
-    skips the actor); it costs a graph traversal per backward."""
+    """An ``accelerate.Accelerator`` on the configured device: one process, or DDP / DeepSpeed /
+    FSDP under ``accelerate launch``. ``find_unused_parameters``: a backward leaves trained
+    parameters out (a PPO critic warm-up skips the actor)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -75,10 +69,8 @@ _EXIT_HOOK: list = []
 
 
 def _destroy_process_group_at_exit() -> None:
-    """Tear the process group down when a launched process ends (once per process; a process
-    may run several commands on one group). Left to the interpreter's shutdown, a gloo group's
-    threads were once destroyed while still joinable ("terminate called without an active
-    exception", exit code -6) after an FSDP run had finished and saved everything."""
+    """Tear the process group down when a launched process ends (once per process): left to the
+    interpreter's shutdown, a gloo group's threads can abort a finished run (exit code -6)."""
     if _EXIT_HOOK:
         return
     import atexit
@@ -94,11 +86,9 @@ def _destroy_process_group_at_exit() -> None:
 
 
 def _cpu_fsdp_accelerator():
-    """An FSDP accelerator on CPU processes joined with gloo. accelerate enables FSDP only for a
-    GPU-like distributed type: with cpu=True it runs plain data parallelism (MULTI_CPU), with
-    cpu=False and no GPU it finds no distributed type at all. The process group is created
-    first (gloo), then the shared state is told it is multi-device, which accelerate turns into
-    FSDP with the launch's plugin (``fsdp_version``, layer class, ...); the device stays the CPU."""
+    """An FSDP accelerator on CPU processes joined with gloo: accelerate enables FSDP only for a
+    GPU-like distributed type, so the shared state is told it is multi-device (the device stays
+    the CPU) and accelerate applies the launch's FSDP plugin."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType
 
@@ -122,9 +112,8 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-# What rlhfkit writes at the top of a run directory (every command's files). A directory holding
-# any of them holds an earlier run: a new run refuses it unless told to continue it (run.resume)
-# or to replace it (run.overwrite, which deletes these and nothing else).
+# What rlhfkit writes at the top of a run directory: a directory holding any of them holds an
+# earlier run, which a new run continues (run.resume) or replaces (run.overwrite deletes these only).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "trajectories.jsonl", "tb", "checkpoints", "policy",
              "policy_adapter", "value_model", "value_head.safetensors", "reward_model", "plots.png", "plot_*.png",
              "summary.json", "report.html", "report.png", "policy.txt", "return_curve.png")
@@ -139,22 +128,17 @@ def earlier_run_files(out_dir: str | os.PathLike) -> list[Path]:
 
 
 def produced_anything(out_dir: str | os.PathLike) -> bool:
-    """Did the run in ``out_dir`` log a step, write a checkpoint or save a model? One that stopped
-    before its first step (a reward function that raised) left only its config and empty logs."""
-    out = Path(out_dir)
-    if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0:
-        return True
-    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-        return True
-    return any((out / name).exists() for name in ("policy", "policy_adapter", "value_model", "reward_model",
-                                                  "summary.json"))
+    """Did the run in ``out_dir`` log a step, write a checkpoint or save a model? (One that stopped
+    before its first step left only its config and empty logs.)"""
+    out, checkpoints = Path(out_dir), Path(out_dir) / "checkpoints"
+    return ((out / "metrics.jsonl").is_file() and file_size(out / "metrics.jsonl") > 0
+            or checkpoints.is_dir() and any(checkpoints.iterdir())
+            or any((out / name).exists() for name in ("policy", "policy_adapter", "value_model", "reward_model",
+                                                      "summary.json")))
 
 
-# A live run holds an exclusive lock on this file in its run directory (``flock``; the kernel
-# drops it when the process ends, however it ends), so a second process cannot start, replace or
-# continue the run there at the same time: two writers would append to one metrics.jsonl, write
-# the same checkpoints, and under run.overwrite delete the live run's files. The file stays after
-# the run; it is not one of RUN_FILES and marks nothing.
+# A live run holds an exclusive flock on this file in its run directory (dropped by the kernel when
+# the process ends), so no second process starts, replaces or continues the run there meanwhile.
 LOCK_FILE = ".rlhfkit.lock"
 _held_locks: dict[Path, Any] = {}
 
@@ -175,9 +159,8 @@ def _flock(f) -> str | None:
 
 
 def run_dir_holder(out_dir: str | os.PathLike) -> str | None:
-    """Who holds ``out_dir``'s run lock (:func:`lock_run_dir`): the holder's description (process
-    id, host, command, since when) when another process holds it, else None (free, not a run
-    directory, held by this process, or on a filesystem without locks). Creates nothing."""
+    """The description (process, host, command, since when) of another process holding ``out_dir``'s
+    run lock (:func:`lock_run_dir`), else None. Creates nothing."""
     path = Path(out_dir) / LOCK_FILE
     if fcntl is None or _lock_key(out_dir) in _held_locks or not path.is_file():
         return None
@@ -194,9 +177,8 @@ def _in_use(out_dir: str | os.PathLike, holder: str) -> ConfigError:
 
 
 def lock_run_dir(out_dir: str | os.PathLike) -> None:
-    """Take ``out_dir``'s run lock for the rest of this process (or until
-    :func:`release_run_dir`), creating the directory; ConfigError when another live process
-    holds it. Taking it again in the same process does nothing. Where the filesystem has no locks
+    """Take ``out_dir``'s run lock until this process ends (or :func:`release_run_dir`), creating
+    the directory; ConfigError when another live process holds it. Without filesystem locks
     (some network mounts) it warns and goes on unlocked."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     key = _lock_key(out_dir)
@@ -222,21 +204,18 @@ def lock_run_dir(out_dir: str | os.PathLike) -> None:
 
 
 def release_run_dir(out_dir: str | os.PathLike) -> None:
-    """Give up ``out_dir``'s run lock before this process ends (a notebook or sweep that hands the
-    directory to another process); nothing when it is not held here."""
+    """Give up ``out_dir``'s run lock before this process ends (a notebook or sweep handing the
+    directory on); nothing when it is not held here."""
     f = _held_locks.pop(_lock_key(out_dir), None)
     if f is not None:
         f.close()  # closing the only descriptor releases the flock
 
 
 def check_out_dir(cfg: Config, resumable: bool = True) -> None:
-    """ConfigError, before anything is written, when ``run.out_dir`` holds an earlier run and the
-    config neither continues it (``run.resume``) nor replaces it (``run.overwrite``): a new run
-    would overwrite its config and samples and append to its metrics. Other files there (a data
-    file, notes) do not count, nor does an earlier run that produced nothing (no step logged, no
-    checkpoint, no model: :func:`start_run_dir` replaces it). ConfigError too, whatever the
-    config, while a live process holds the directory's run lock (:func:`lock_run_dir`).
-    ``resumable``: the command has ``--resume``."""
+    """ConfigError, before anything is written, when ``run.out_dir`` holds an earlier run that
+    produced something and the config neither continues (``run.resume``) nor replaces it
+    (``run.overwrite``), or while a live process holds its lock. ``resumable``: the command has
+    ``--resume``."""
     r = cfg.run
     if r.resume and r.overwrite:
         raise ConfigError("run.resume and run.overwrite both set: continue the run in run.out_dir (--resume) or "
@@ -264,10 +243,9 @@ def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> 
 
 
 def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
-    """Seed (the same in every process), set threads, choose the accelerated operations
-    (:func:`rlhfkit.ops.configure`), quiet the loading bars off a terminal, and check ``run.out_dir``;
-    with ``write`` also start it (:func:`start_run_dir`), else the caller does once its inputs
-    load, so a bad data file or model leaves no directory behind."""
+    """Seed, set threads, choose the accelerated operations, quiet the loading bars off a terminal
+    and check ``run.out_dir``; with ``write`` also start it, else the caller does once its inputs
+    load (a bad input then leaves no directory behind)."""
     seed_everything(cfg.run.seed)
     if cfg.accel.threads > 0:
         torch.set_num_threads(cfg.accel.threads)
@@ -313,18 +291,10 @@ def to_float(value: Any) -> float:
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl`` (scalars only, NaN kept as null).
-
-    ``rows()`` reads this logger's rows back from the file, so a trainer need not keep every
-    step's row in memory (a long run would grow by one dict per step).
-
-    Given the run's ``cfg``, the same rows also go to TensorBoard event files under
-    ``OUT_DIR/tb/`` (``run.tensorboard``) and to the trackers named in ``run.trackers``
-    (``wandb``, ``trackio``), each only when asked for.
-
-    ``enabled=False`` (a non-main process of a distributed run) builds the same rows and
-    writes nothing: no file, no sinks; ``rows()`` then returns them from memory.
-    """
+    """Appends one JSON object per step to ``metrics.jsonl`` (scalars, NaN as null), and with the
+    run's ``cfg`` to TensorBoard (``run.tensorboard``) and ``run.trackers``. ``rows()`` reads them
+    back from the file (no per-step memory). ``enabled=False`` (a non-main process) writes
+    nothing and keeps the rows in memory."""
 
     def __init__(self, path: Path, cfg: Config | None = None, enabled: bool = True, resume: dict | None = None):
         self.path = Path(path)
@@ -335,9 +305,7 @@ class MetricsLogger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume:  # continuing a run from a checkpoint (position()): drop the rows logged after it
                 cut_file(self.path, resume["offset"])
-                self._start = resume["start"]
-            else:
-                self._start = self.path.stat().st_size if self.path.exists() else 0  # earlier runs' rows end here
+            self._start = resume["start"] if resume else file_size(self.path)  # where earlier runs' rows end
             purge = resume["step"] if resume else None
             self._sinks = make_sinks(cfg, self.path.parent, purge) if cfg is not None else []
             self._fh = self.path.open("a", encoding="utf-8")
@@ -362,8 +330,7 @@ class MetricsLogger:
         """Where a checkpoint taken after ``step`` steps finds this log (``MetricsLogger(resume=...)``)."""
         if self._fh is not None:
             self._fh.flush()
-        size = self.path.stat().st_size if self.enabled and self.path.exists() else 0
-        return {"offset": size, "start": self._start, "step": step}
+        return {"offset": file_size(self.path) if self.enabled else 0, "start": self._start, "step": step}
 
     def close(self) -> None:
         if self._fh is not None:
@@ -457,19 +424,9 @@ class TrainingError(RuntimeError):
 
 
 class UpdateGuard:
-    """Skips optimizer updates whose loss or gradient norm is NaN/inf; stops after too many in a row.
-
-    Call it between the backward pass (and gradient clipping, whose returned norm is NaN/inf
-    when any gradient is) and ``optimizer.step()``::
-
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if guard.ok(loss, norm):
-            optimizer.step()
-
-    A skipped update leaves weights and optimizer state as they were, warns, and counts in
-    ``skipped`` (``guard/skipped_updates``); ``max_bad`` in a row raise :class:`TrainingError`: one
-    bad minibatch is noise, a run of them a diverged model or broken data. One host sync an update.
-    """
+    """Skips optimizer updates whose loss or gradient norm is NaN/inf (``if guard.ok(loss, norm):
+    optimizer.step()``), warning and counting them (``guard/skipped_updates``); ``max_bad`` in a
+    row raise :class:`TrainingError`: one bad minibatch is noise, a run of them divergence."""
 
     def __init__(self, max_bad: int = 5, where: str = "training"):
         if max_bad < 1:
@@ -481,13 +438,11 @@ class UpdateGuard:
     def ok(self, loss: torch.Tensor, *grad_norms: torch.Tensor) -> bool:
         """True if this update may be applied; False (after a warning) if it must be skipped."""
         dev = loss.device if isinstance(loss, torch.Tensor) else None
-        vals = torch.stack([torch.as_tensor(v, device=dev).detach().float().reshape(()) for v in (loss, *grad_norms)])
-        vals = vals.cpu()
+        vals = torch.stack([torch.as_tensor(v, device=dev).detach().float().reshape(()) for v in (loss, *grad_norms)]).cpu()
         if bool(torch.isfinite(vals).all()):
             self.in_a_row = 0
             return True
-        self.skipped += 1
-        self.in_a_row += 1
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
         shown = ", ".join(f"{v:.4g}" for v in vals.tolist())
         if self.in_a_row >= self.max_bad:
             raise TrainingError(

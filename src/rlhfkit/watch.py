@@ -1,11 +1,8 @@
 """Signs that an RL run is gaming its reward rather than learning the task (docs/safety.md).
 
-:class:`HackingWatch` turns each step's statistics into ``guard/*`` metrics (1 where a sign
-shows): the EOS rate collapsing, the KL to the reference high while the held-out metric falls,
-the held-out metric dropping, one reward source bought with another. Each is a test against the
-run's own noise over a window, and each warns once. :class:`SignalWatch` warns when most groups
-carry no reward variance or most completions are cut: a run with little to learn from. Both
-take scalars (one run) or arrays of runs stepping together (simulations).
+:class:`HackingWatch` turns each step's statistics into ``guard/*`` flags, each a test against
+the run's own noise that warns once; :class:`SignalWatch` warns when a run has little to learn
+from. Both take scalars (one run) or arrays of runs stepping together (simulations).
 """
 
 from __future__ import annotations
@@ -24,14 +21,9 @@ def _mean(values: list) -> np.ndarray:
 
 
 class HackingWatch:
-    """Per-step reward-hacking checks; ``check(step, stats)`` returns the ``guard/*`` flags.
-    Its windows are part of a checkpoint (:meth:`state_dict`), so a resumed run flags and warns
-    exactly as an unbroken one.
-
-    ``kl_max`` (nats per token), ``eos_ratio`` and ``eval_drop`` (a share of the best) are
-    ``ppo.guard_*`` (0 = off); ``batch_size`` completions make one step's EOS rate; ``tradeoff``
-    (a share, ``ppo.guard_tradeoff``) bounds the fall of one reward source's held-out mean over
-    ``eval_prompts`` held-out prompts."""
+    """Per-step reward-hacking checks; ``check(step, stats)`` returns the ``guard/*`` flags. Its
+    windows are checkpointed, so a resumed run flags as an unbroken one. ``kl_max``, ``eos_ratio``,
+    ``eval_drop`` and ``tradeoff`` are ``ppo.guard_*`` (0 = off)."""
 
     def __init__(self, kl_max: float = 0.0, eos_ratio: float = 0.0, eval_drop: float = 0.0,
                  metric: str = "eval/exact_acc", batch_size: int = 64, window: int = 5, anchor: int = 10,
@@ -57,8 +49,8 @@ class HackingWatch:
         self.warned: list[str] = []
 
     def announce(self, logged: set[str] | None = None, evaluations: int | None = None) -> list[str]:
-        """Warn once, at the start, which guards are off and why: a key at 0, ``metric`` not among
-        the ``logged`` eval metrics (None: unknown), fewer evaluations than a guard needs."""
+        """Warn once, at the start, which guards are off and why (a key at 0, ``metric`` not
+        ``logged``, too few ``evaluations``)."""
         off = []
         missing = None  # why the held-out metric cannot be followed
         if logged is not None and self.metric not in logged:
@@ -137,8 +129,8 @@ class HackingWatch:
         return (smooth < (1 - self.eval_drop) * self.best) & self._below_best()
 
     def _below_best(self) -> np.ndarray:
-        """The held-out metric's mean over the last ``eval_window`` evaluations is more than ``z``
-        times one evaluation's noise below its best such mean, from the ``min_evals``-th on."""
+        """Is the held-out metric's recent mean more than ``z`` times one evaluation's noise below
+        its best (from the ``min_evals``-th evaluation on)?"""
         if self.best is None or len(self.evals) < self.min_evals:
             return np.asarray(False)
         # one evaluation's noise: the mean step between consecutive evaluations, / 1.128
@@ -146,9 +138,8 @@ class HackingWatch:
         return self.best - _mean(self.evals[-self.eval_window :]) > self.z * noise
 
     def _tradeoff(self, stats: dict) -> np.ndarray:
-        """A source whose mean over the last ``tradeoff_window`` evaluations is more than
-        ``tradeoff`` of its value before training b below it, and by more than ``z_tradeoff``
-        standard errors of that paired fall, while the weighted total's mean rose."""
+        """A source's recent mean fell more than ``tradeoff`` of its value before training, and more
+        than ``z_tradeoff`` standard errors, while the weighted total rose."""
         now = {k: np.asarray(v, dtype=float) for k, v in stats.items() if k.startswith("eval/reward")}
         before = {k[len("baseline/"):]: np.asarray(v, dtype=float) for k, v in stats.items()
                   if k.startswith("baseline/eval/reward")}
@@ -206,41 +197,35 @@ class HackingWatch:
                 f"{best:.3f}, more than ppo.guard_eval_drop={self.eval_drop:g} of it, {trend}; stop earlier "
                 "(ppo.stop_at) or raise ppo.kl_coef")
 
+    WINDOWS = ("eos_anchor", "eos_recent", "eos_anchor_var", "eos_recent_var", "kl_recent", "score_recent", "evals")
+
     def state_dict(self) -> dict:
-        as_list = lambda values: [np.asarray(v).tolist() for v in values]  # noqa: E731
-        return {"eos_anchor": as_list(self.eos_anchor), "eos_recent": as_list(self.eos_recent),
-                "eos_anchor_var": as_list(self.eos_anchor_var), "eos_recent_var": as_list(self.eos_recent_var),
-                "kl_recent": as_list(self.kl_recent), "score_recent": as_list(self.score_recent),
-                "evals": as_list(self.evals), "best": None if self.best is None else np.asarray(self.best).tolist(),
-                "score_at_best": None if self.score_at_best is None else np.asarray(self.score_at_best).tolist(),
-                "source_evals": [{k: np.asarray(v).tolist() for k, v in e.items()} for e in self.source_evals],
+        plain = lambda v: None if v is None else np.asarray(v).tolist()  # noqa: E731
+        return {**{k: [plain(v) for v in getattr(self, k)] for k in self.WINDOWS},
+                "best": plain(self.best), "score_at_best": plain(self.score_at_best),
+                "source_evals": [{k: plain(v) for k, v in e.items()} for e in self.source_evals],
                 "sources_before": None if self.sources_before is None else
-                {k: np.asarray(v).tolist() for k, v in self.sources_before.items()},
+                {k: plain(v) for k, v in self.sources_before.items()},
                 "warned": list(self.warned)}
 
     def load_state_dict(self, state: dict) -> None:
+        array = lambda v: None if v is None else np.asarray(v, dtype=float)  # noqa: E731
         self.warned = list(state["warned"])
         before = state.get("sources_before")
-        self.sources_before = None if before is None else {k: np.asarray(v, dtype=float) for k, v in before.items()}
-        self.source_evals = [{k: np.asarray(v, dtype=float) for k, v in e.items()} for e in state.get("source_evals", [])]
+        self.sources_before = None if before is None else {k: array(v) for k, v in before.items()}
+        self.source_evals = [{k: array(v) for k, v in e.items()} for e in state.get("source_evals", [])]
         if "eos_anchor" not in state:  # a checkpoint of the single-batch guards: their windows start fresh
             return
-        arrays = lambda values: [np.asarray(v, dtype=float) for v in values]  # noqa: E731
-        self.eos_anchor, self.eos_recent = arrays(state["eos_anchor"]), arrays(state["eos_recent"])
-        # written before the EOS rate's standard error was logged: NaN, the binomial variance alone
-        nan = lambda rates: [np.full_like(r, math.nan) for r in rates]  # noqa: E731
-        self.eos_anchor_var = arrays(state.get("eos_anchor_var", nan(self.eos_anchor)))
-        self.eos_recent_var = arrays(state.get("eos_recent_var", nan(self.eos_recent)))
-        self.kl_recent, self.score_recent = arrays(state["kl_recent"]), arrays(state["score_recent"])
-        self.evals = arrays(state["evals"])
-        self.best = None if state["best"] is None else np.asarray(state["best"], dtype=float)
-        self.score_at_best = None if state["score_at_best"] is None else np.asarray(state["score_at_best"], dtype=float)
+        for k in self.WINDOWS:  # the EOS variances, absent before their standard error was logged: NaN
+            rates = state[k.removesuffix("_var")]
+            setattr(self, k, [array(v) for v in state.get(k, [np.full_like(array(r), math.nan) for r in rates])])
+        self.best, self.score_at_best = array(state["best"]), array(state["score_at_best"])
 
 
 class SignalWatch:
-    """Warns once each when most prompt groups carry no reward variance, most completions are cut
-    at ``max_new_tokens``, or top-k / top-p keep under half the probability: the mean share over
-    the last ``window`` steps above ``share`` (one unlucky batch does not warn). Checkpointed."""
+    """Warns once each when, over the last ``window`` steps, more than ``share`` of the prompt
+    groups carry no reward variance, of the completions are cut, or of the probability is dropped
+    by top-k / top-p. Checkpointed."""
 
     KEYS = ("frac_reward_zero_std", "response/truncated_rate", "rollout/kept_mass")
     # the share of the batch without the signal: of the kept mass its complement, the others as logged

@@ -32,7 +32,8 @@ from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import REGIME_NAMES, Config, key_value, regime_value
 from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
 from ..models import from_scratch, save_policy
-from ..utils import MetricsLogger, UpdateGuard, make_accelerator, progress, setup_run, start_run_dir
+from ..progress import progress
+from ..utils import MetricsLogger, UpdateGuard, make_accelerator, setup_run, start_run_dir
 
 
 def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:
@@ -42,10 +43,9 @@ def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:
         half = [p for p in group["params"] if p.dtype in (torch.bfloat16, torch.float16)]
         if half:
             dtype, lr = half[0].dtype, group["lr"]
-            bound = 2 * lr / torch.finfo(dtype).eps
             warnings.warn(f"{sum(p.numel() for p in half):,} trainable weights are {str(dtype).split('.')[-1]} "
                           f"(model.dtype): an optimizer step of about lr={lr:g} rounds to nothing on every weight "
-                          f"above about {bound:.2g} in magnitude, most of a model's. Keep them float32: "
+                          f"above about {2 * lr / torch.finfo(dtype).eps:.2g} in magnitude, most of a model's. Keep them float32: "
                           "model.dtype=float32, or model.master_weights=true with bfloat16 (its arithmetic on "
                           "float32 weights), or train a LoRA adapter (model.lora_r), which stays float32.",
                           RuntimeWarning, stacklevel=2)
@@ -53,11 +53,9 @@ def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:
 
 
 def lr_scale(step: int, total: int, warmup: int = 0, schedule: str = "cosine", floor: float = 0.0) -> float:
-    """The learning rate of (0-based) optimizer step ``step`` of ``total``, as a share of the peak:
-    a linear warm-up over the first ``warmup`` steps (``(step + 1) / warmup``), then ``schedule``
-    from 1 at the warm-up's end towards ``floor`` at step ``total``: 'constant' (1), 'linear'
-    (``1 - f``) or 'cosine' (``(1 + cos(pi f)) / 2``), ``f`` the share of the steps after the
-    warm-up gone by. A function of the step alone: a resumed run continues on the same curve."""
+    """The learning rate of (0-based) step ``step`` of ``total`` as a share of the peak: a linear
+    warm-up over ``warmup`` steps, then ``schedule`` ('constant', 'linear', 'cosine') from 1 to
+    ``floor``. A function of the step alone, so a resumed run continues on the same curve."""
     if step < warmup:
         return (step + 1) / warmup
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -71,9 +69,8 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 
 def training_regime(cfg: Config, model) -> str:
-    """What ``model`` is trained as (config.REGIME_DEFAULTS): 'scratch', 'pretrained', or 'lora' (a
-    pretrained checkpoint through a LoRA adapter, model.lora_r > 0). model.regime, where 'auto'
-    reads the mark rlhfkit leaves on the models it builds from scratch (models.from_scratch)."""
+    """What ``model`` is trained as (config.REGIME_DEFAULTS): 'scratch', 'pretrained' or 'lora'
+    (model.lora_r > 0); model.regime=auto reads the mark on models built from scratch."""
     regime = cfg.model.regime
     if regime == "auto":
         regime = "scratch" if from_scratch(model) else "pretrained"
@@ -82,26 +79,23 @@ def training_regime(cfg: Config, model) -> str:
 
 @dataclass
 class Engine:
-    """How an update runs its backward pass, in one process or several.
-
-    ``model``: the trained module as ``accelerator.prepare`` returned it (DDP wraps it; None:
-    call the module itself). ``accelerator`` does the backward and the gradient clipping
-    (None: plain torch). ``shard`` rescales token-mean losses so the synchronised gradient is
-    that of the global minibatch, and reduces the stats. ``guard`` skips non-finite updates.
-    """
+    """How an update runs its backward pass, in one process or several: ``model`` as
+    ``accelerator.prepare`` returned it (None: call the module itself), ``accelerator`` for the
+    backward and clipping (None: plain torch), ``shard`` for token weights and reduced stats,
+    ``guard`` to skip non-finite updates."""
 
     model: torch.nn.Module | None = None
     accelerator: Any = None
     shard: Shard = field(default_factory=Shard)
     guard: UpdateGuard = field(default_factory=UpdateGuard)
     sync: tuple = ()
-    """Parameters whose gradients :meth:`accumulate` averages over the processes itself, for an
-    update that goes around the DDP wrapper (a critic warm-up, whose backward leaves the actor out)."""
+    """Parameters whose gradients :meth:`accumulate` averages itself, for an update around the DDP
+    wrapper (a critic warm-up)."""
 
     def _accelerate_adds_nothing(self) -> bool:
-        """Whether accelerate's ``backward``, ``step`` and ``zero_grad`` would only be the plain
-        calls here (no DeepSpeed / Megatron / XLA, loss scaler or accumulation of its own): then
-        they are skipped, with their per-call overhead (benchmarks/archive/code-evidence.md)."""
+        """Would accelerate's ``backward``, ``step`` and ``zero_grad`` be only the plain calls here
+        (no DeepSpeed / Megatron / XLA, scaler or accumulation)? Then they are skipped, with their
+        per-call overhead."""
         acc = self.accelerator
         return acc is None or (acc.distributed_type not in ("DEEPSPEED", "MEGATRON_LM", "XLA") and acc.scaler is None
                                and acc.gradient_accumulation_steps == 1)
@@ -113,9 +107,8 @@ class Engine:
             self.accelerator.backward(loss)
 
     def _inner(self, optimizer):
-        """The optimizer accelerate's own wrapper holds (``AcceleratedOptimizer`` itself, not a
-        subclass such as DeepSpeed's, whose engine steps) where the wrapper adds nothing, else
-        ``optimizer``."""
+        """The torch optimizer inside accelerate's own wrapper (not a subclass such as DeepSpeed's)
+        where the wrapper adds nothing, else ``optimizer``."""
         from accelerate.optimizer import AcceleratedOptimizer
 
         if (type(optimizer) is AcceleratedOptimizer and self._accelerate_adds_nothing() and optimizer.scaler is None
@@ -157,10 +150,7 @@ class Engine:
             total = total.to(loss.device) + loss.detach()
             for key, v in stats.items():
                 v = v.detach() if isinstance(v, torch.Tensor) else v
-                if key not in out:
-                    out[key] = v
-                else:
-                    out[key] = max(out[key], v) if key in maxed else out[key] + v
+                out[key] = v if key not in out else (max(out[key], v) if key in maxed else out[key] + v)
         self._average_gradients()
         return total, out
 
@@ -178,12 +168,9 @@ class Engine:
 
 class Run:
     """One training run's plumbing: run directory, accelerator and shard, update guard,
-    checkpoints and exact resume, metrics log, progress, and the final save.
-
-    ``Run(cfg, name, steps)`` seeds every RNG, refuses a ``run.out_dir`` holding an earlier run
-    and builds the accelerator; :meth:`restore`, once the models and data exist, creates the run
-    directory (a bad input found before leaves nothing behind), resumes and opens the metrics
-    log. Only the main process writes files; every process runs the same calls."""
+    checkpoints and exact resume, metrics log, progress, and the final save. ``Run()`` checks and
+    seeds; :meth:`restore`, once the models and data exist, creates the run directory, resumes and
+    opens the log. Only the main process writes files; every process runs the same calls."""
 
     def __init__(self, cfg: Config, name: str, steps: int, find_unused_parameters: bool = False, log_every: int = 1):
         self.cfg, self.name, self.total = cfg, name, steps
@@ -211,7 +198,6 @@ class Run:
         return self.shard.is_main
 
     def engine(self, model) -> Engine:
-        """The :class:`Engine` for ``model`` as prepared by :meth:`prepare`."""
         return Engine(model, self.accelerator, self.shard, self.guard)
 
     def prepare(self, *objects, micro_batch: int):
@@ -233,9 +219,8 @@ class Run:
 
     def restore(self, modules: dict, optimizers: dict, schedulers: dict | None = None, data=None,
                 generator: torch.Generator | None = None) -> dict:
-        """Load the newest checkpoint (``run.resume``) into these objects and the data position,
-        then open the metrics log. Returns the checkpoint's loop state (``{}``: a fresh start).
-        The same objects are written by :meth:`checkpoint`."""
+        """Start the run directory, load the newest checkpoint (``run.resume``) into these objects
+        (which :meth:`checkpoint` saves) and open the metrics log; the loop state (``{}``: fresh)."""
         self.shard.wait()  # every process has checked run.out_dir (Run()) before the main one writes
         start_run_dir(self.cfg)
         if self._rates and self.is_main:
@@ -265,11 +250,8 @@ class Run:
         return time.perf_counter() - self._t0
 
     def learning_rates(self, model, *keys: str) -> dict[str, Any]:
-        """``{key: value}`` for the dotted ``keys`` of config.REGIME_DEFAULTS when training ``model``:
-        the config's own value, or where it is unset the one of the model's regime
-        (:func:`training_regime`). The main process prints them when the run starts
-        (:meth:`restore`), e.g. ``learning rates: pretrained checkpoint (LoRA) -> sft.lr 0.0002,
-        sft.warmup_steps 0``; a value the config sets is marked ``(set)``."""
+        """``{key: value}`` for the dotted ``keys`` of config.REGIME_DEFAULTS: the config's value, or
+        where unset the model's regime's (:func:`training_regime`); printed when the run starts."""
         regime = training_regime(self.cfg, model)
         values = {key: regime_value(self.cfg, key, regime) for key in keys}
         shown = ", ".join(f"{key} {value:g}{'' if key_value(self.cfg, key) is None else ' (set)'}"
@@ -278,8 +260,7 @@ class Run:
         return values
 
     def log_due(self, step: int, force: bool = False) -> bool:
-        """Is a metrics row due after ``step``: every ``log_every`` steps from the first, the last
-        step, and whenever ``force`` (a step that evaluated)?"""
+        """Is a metrics row due after ``step`` (every ``log_every``, the last, or ``force``)?"""
         return force or step % self.log_every == 0 or step >= self.total - 1
 
     def log(self, step: int, row: dict, force: bool = False, **postfix: str) -> dict | None:
@@ -312,9 +293,8 @@ class Run:
         self.log_.close()
 
     def save_model(self, model, tokenizer, subdir: str, adapter: str | None = None) -> Path:
-        """Write ``model`` to ``OUT_DIR/subdir`` as a plain ``from_pretrained`` directory (a LoRA
-        adapter also to ``OUT_DIR/adapter``); FSDP-sharded weights are gathered first. A
-        collective: every process calls it, the main process writes."""
+        """Write ``model`` to ``OUT_DIR/subdir`` as a ``from_pretrained`` directory (a LoRA adapter
+        also to ``OUT_DIR/adapter``); a collective, FSDP shards gathered, the main process writes."""
         path = self.out / subdir
         self.shard.wait()
         weights = full_state_dict(model)  # FSDP: gathered on every process; None otherwise

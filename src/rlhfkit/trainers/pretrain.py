@@ -1,9 +1,5 @@
-"""Pretraining a tiny GPT-2 from scratch on a task's text (``run.task``).
-
-Plain next-token loss, padding ignored. On the doubling task the result doubles numbers but
-chooses the answer's character set at random, so it obeys a prefix only about a third of the
-time; on the city-facts task it knows the facts but answers tersely.
-"""
+"""Pretraining a tiny GPT-2 from scratch on a task's text (``run.task``): next-token loss,
+padding ignored."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Reward model: a transformer with a scalar head, trained on chosen/rejected pairs.
-
-Loss: Bradley-Terry, ``-logsigmoid(r_chosen - r_rejected - margin)``. Logged every few
-steps: ``rm/loss``, ``rm/accuracy`` and ``rm/delta`` (mean chosen - rejected, which grows
-as the model separates the pair), and the same on held-out pairs at the end. Under
-``accelerate launch`` each process scores its share of every batch of pairs
-(``reward.batch_size`` is global).
+"""Reward model: a transformer with a scalar head, trained on chosen/rejected pairs with the
+Bradley-Terry loss ``-logsigmoid(r_chosen - r_rejected - margin)``; logs ``rm/loss``,
+``rm/accuracy`` and ``rm/delta`` (mean chosen - rejected), and the same on held-out pairs at the end.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from ..models import (
     context_window,
     disable_dropout,
     enable_gradient_checkpointing,
+    eval_mode,
     load_scalar_model,
     load_tokenizer,
     quiet_load_report,
@@ -63,10 +60,8 @@ def held_out_file_pairs(cfg: Config, tok, context: int | None = None) -> dict:
 
 
 class FilePairs:
-    """Preference pairs from ``data.path`` (see :func:`rlhfkit.data.load_preferences`), encoded
-    once; held out for ``eval/rm/*``: the pairs of ``data.eval_path``, else a seeded 10% of
-    ``data.path`` (at least one pair). Every pair fits ``data.max_length`` and the model's
-    ``context`` (``data.truncation``)."""
+    """Preference pairs from ``data.path``, encoded once to fit ``data.max_length`` and the model's
+    ``context``; held out for ``eval/rm/*``: ``data.eval_path``'s, else a seeded 10% (at least one)."""
 
     def __init__(self, cfg: Config, tok, device, context: int | None = None):
         dc = cfg.data
@@ -133,16 +128,14 @@ class TaskPairs:
 @torch.no_grad()
 def evaluate_batches(model, batches) -> dict[str, float]:
     """The Bradley-Terry stats over every pair of ``batches`` (each batch weighted by its pairs)."""
-    was_training = model.training
-    model.eval()
     sums, n = {}, 0
-    for ids, mask, margin in batches:
-        scores = sequence_scores(model, ids, mask)
-        half = scores.shape[0] // 2
-        for k, v in bradley_terry_loss(scores[:half], scores[half:], margin)[1].items():
-            sums[k] = sums.get(k, 0.0) + float(v) * half
-        n += half
-    model.train(was_training)
+    with eval_mode(model):
+        for ids, mask, margin in batches:
+            scores = sequence_scores(model, ids, mask)
+            half = scores.shape[0] // 2
+            for k, v in bradley_terry_loss(scores[:half], scores[half:], margin)[1].items():
+                sums[k] = sums.get(k, 0.0) + float(v) * half
+            n += half
     return {k: v / n for k, v in sums.items()}
 
 
@@ -154,9 +147,8 @@ def prepare_training(run: Run, model, readout):
 
 
 def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float]:
-    """The number-doubling tutorial task's reward model: cross-entropy over the task's labels
-    (the answer's character set) on unprefixed text; at RL time the reward is the logit of the
-    requested label."""
+    """The doubling task's reward model: cross-entropy over the task's labels (the answer's
+    character set); at RL time the reward is the requested label's logit."""
     rc, device, shard = cfg.reward, run.device, run.shard
     task = get_task(cfg.run.task)
     data = task.TaskData(cfg.run.seed + 1)
@@ -195,10 +187,9 @@ def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float
 
 
 def build_reward_model(cfg: Config, task, path: str | None, device):
-    """``(model, tokenizer)``: a sequence classifier (one label, or the task's labels for
-    ``reward.kind=classifier``) from the policy checkpoint's backbone with a fresh head
-    (``reward.init_from=policy``) or the tiny task model from scratch; dropout off, optionally
-    backbone frozen, LoRA, gradient checkpointing."""
+    """``(model, tokenizer)``: a sequence classifier (one label, or the task's for
+    ``reward.kind=classifier``) on the policy's backbone (``reward.init_from=policy``) or the tiny
+    task model from scratch; dropout off, optionally frozen backbone, LoRA, checkpointing."""
     rc, mc = cfg.reward, cfg.model
     if mc.master_weights:
         raise ValueError("model.master_weights is supported by ppo, grpo, rloo, reinforce, sft and dpo; "
@@ -255,7 +246,7 @@ def train_reward_model(cfg: Config, policy_path: str | None = None) -> dict:
 def pair_loss(score_fn, ids: torch.Tensor, mask: torch.Tensor, margin, center_coef: float,
               rows: slice) -> tuple[torch.Tensor, dict]:
     """The Bradley-Terry loss and stats of pairs ``rows`` of a ``[2B, T]`` batch (chosen rows, then
-    rejected rows), scaled by their share of the ``B`` pairs: summed over micro-batches, the batch's."""
+    rejected), scaled by their share of the ``B`` pairs."""
     B, T = ids.shape[0] // 2, ids.shape[1]
     sub_ids, sub_mask = (x.view(2, B, T)[:, rows].reshape(-1, T) for x in (ids, mask))
     scores = score_fn(sub_ids, sub_mask)  # [2b]: chosen rows, then rejected rows

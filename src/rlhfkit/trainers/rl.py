@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..accel.heap import gradient_buffer, release_free_memory, tensors_off_heap
 from ..checkpoint import fault_point
 from ..config import Config, PPOConfig
 from ..core import (
@@ -47,7 +48,7 @@ from ..precision import compute_weights
 from ..prompts import PromptData, prompt_tensors
 from ..rewards import Reward
 from ..rollout import Rollout, eos_token_ids, generate, sampling_settings
-from ..utils import UpdateGuard, gradient_buffer, mean_stats, release_free_memory, tensors_off_heap
+from ..utils import UpdateGuard, mean_stats
 from .common import Engine, Run
 from .rl_setup import RLSetup, finish_rl, save_checkpoint, set_lr, setup_rl, step_timings, write_samples
 
@@ -271,13 +272,11 @@ def ppo_update(
     generator: torch.Generator | None = None, engine: Engine | None = None, logprob_gap: bool = False,
     off_heap: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """``ppo_epochs`` passes over shuffled minibatches, ``pc.micro_batch_size`` rows a pass;
-    returns per-minibatch stats in order. ``update_policy=False``: the critic warm-up (the value
-    loss alone). ``engine`` runs the backward and clipping and skips non-finite updates. Data
-    parallel, ``exp`` holds this process's rows and each process's loss is weighted so that the
-    synchronised gradient and stats are the global minibatch's (docs/scale-out.md).
-    ``logprob_gap``: the first minibatch adds ``policy/logprob_gap`` before any step. ``off_heap``
-    (``accel.update_off_heap``): the CPU update's tensors off the C heap."""
+    """``ppo_epochs`` passes over shuffled minibatches, ``pc.micro_batch_size`` rows a pass; the
+    per-minibatch stats in order. ``update_policy=False``: the critic warm-up. Data parallel,
+    ``exp`` holds this process's rows, weighted so the gradient and stats are the global
+    minibatch's. ``logprob_gap``: the first minibatch's ``policy/logprob_gap``. ``off_heap``:
+    ``accel.update_off_heap``."""
     engine = engine or Engine(guard=UpdateGuard(where=pc.algo))
     model = engine.model if engine.model is not None else ac
     shard = engine.shard

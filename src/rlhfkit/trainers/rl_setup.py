@@ -1,8 +1,5 @@
-"""The RL loop's set-up and bookkeeping: checks, models, optimizer, data, resume, outputs, final save.
-
-:func:`setup_rl` builds everything :func:`rlhfkit.trainers.rl.train_rl` reads into one
-:class:`RLSetup`; the loop itself (rollout, experience, update, log) stays in ``trainers.rl``.
-"""
+"""The RL loop's set-up and bookkeeping (checks, models, optimizer, data, resume, outputs, final
+save) in one :class:`RLSetup`; the loop itself stays in ``trainers.rl``."""
 
 from __future__ import annotations
 
@@ -47,11 +44,9 @@ from .common import Engine, Run, lr_scale
 
 @dataclasses.dataclass
 class RLSetup:
-    """What the loop reads. ``pc``: the config with the learning rates and ``max_new_tokens``
-    resolved (sizes global); ``local_pc``: the same with this process's ``minibatch_size``.
-    ``train_ac``: ``ac`` as accelerate prepared it (DDP, FSDP); generation and the experience
-    pass call ``ac``. ``warm_engine``: the critic warm-up's engine (under DDP it goes around the
-    wrapper, the actor having no gradient)."""
+    """What the loop reads. ``pc``: ppo with the learning rates and ``max_new_tokens`` resolved;
+    ``local_pc``: with this process's ``minibatch_size``. ``train_ac``: ``ac`` as accelerate
+    prepared it. ``warm_engine``: the critic warm-up's (under DDP around the wrapper)."""
 
     run: Run
     pc: PPOConfig
@@ -119,8 +114,7 @@ def build_rl(cfg: Config, policy_path: str) -> RLSetup:
 
 
 def start_state(s: RLSetup, stop_metric: str | None) -> None:
-    """The loop's counters (:class:`~rlhfkit.experience.RLState`), ``ppo.keep_best``, a resumed
-    checkpoint's weights, moments, RNG, data position and counters, and the output files."""
+    """The loop's counters, ``ppo.keep_best``, a resumed checkpoint's state and the output files."""
     pc = s.pc
     s.st = RLState(pc, stop_metric, len(s.data.eval_records or ()))
     if pc.keep_best and not s.st.stop_metric:
@@ -137,9 +131,8 @@ def start_state(s: RLSetup, stop_metric: str | None) -> None:
 
 
 def build_models(cfg: Config, policy_path: str, device):
-    """``(actor_critic, ref, scorer, tokenizer)``. The critic exists for ``algo == 'ppo'`` only;
-    with LoRA the reference is the policy with its adapter disabled. The critic reads the
-    policy's tokens, so its source must share the policy's tokenizer."""
+    """``(actor_critic, ref, scorer, tokenizer)``; a critic for ``ppo`` only, sharing the policy's
+    tokenizer (it reads the policy's tokens)."""
     pc, rc, mc = cfg.ppo, cfg.reward, cfg.model
     trc = mc.trust_remote_code
     tok = load_tokenizer(policy_path, trust_remote_code=trc)
@@ -193,8 +186,7 @@ def check_rl_config(cfg: Config, policy_path: str | None) -> int:
 
 
 def check_critic_warmup(pc: PPOConfig) -> None:
-    """ppo: refuse a critic warm-up as long as the run (the policy would never step) and warn when
-    it takes more than half of the steps, counted from the start (a resumed run's too)."""
+    """ppo: refuse a critic warm-up as long as the run, warn when it takes over half of it."""
     warm, steps = pc.critic_warmup_steps, pc.steps
     if pc.algo != "ppo" or not warm:
         return
@@ -208,8 +200,8 @@ def check_critic_warmup(pc: PPOConfig) -> None:
 
 
 def refuse_untested_engines(accelerator, cfg: Config) -> None:
-    """Stop before any work where DeepSpeed would fail late or run RL differently from one process
-    (docs/scale-out.md), or where an option is one-process only."""
+    """Stop before any work where DeepSpeed would fail late or run RL differently from one process,
+    or where an option is one-process only."""
     kind = getattr(accelerator, "distributed_type", None)
     if kind == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3:
         raise ValueError("RL under DeepSpeed ZeRO-3 is not supported: generation runs the policy's layers, whose "
@@ -243,8 +235,8 @@ def set_lr(optimizer, pc: PPOConfig, step: int) -> float:
 
 
 def start_offload(run: Run, optimizer, *frozen) -> HostMoments | None:
-    """``accel.offload``: the frozen models' weights to host memory now (:mod:`rlhfkit.offload`),
-    and the optimizer's moments each step (the returned :class:`~rlhfkit.offload.HostMoments`)."""
+    """``accel.offload``: the frozen models' weights to host memory now, the optimizer's moments
+    each step (the returned :class:`~rlhfkit.offload.HostMoments`)."""
     if not run.cfg.accel.offload:
         return None
     kind = getattr(run.accelerator, "distributed_type", None)
@@ -266,9 +258,8 @@ DEFAULT_STOP_METRICS = ("eval/exact_acc", "eval/accuracy", "eval/reward")
 
 
 def choose_stop_metric(pc: PPOConfig, baseline: dict[str, float]) -> str:
-    """The held-out metric the run stops on (and keeps the best of), among those of its first
-    evaluation: ``ppo.stop_metric``, or else the first of DEFAULT_STOP_METRICS logged ("" when
-    none is: a warning if ppo.stop_at asks to stop)."""
+    """The held-out metric the run stops on (and keeps the best of): ``ppo.stop_metric``, or the
+    first of DEFAULT_STOP_METRICS its first evaluation logged ("" for none)."""
     if pc.stop_metric:
         if pc.stop_metric in baseline:
             return pc.stop_metric
@@ -301,8 +292,7 @@ def eval_metrics(data: PromptData, reward: Reward, env: EpisodeMaker | None = No
 
 
 class BestWeights:
-    """``ppo.keep_best``: a CPU copy of the trainable weights (policy, critic; a LoRA adapter
-    only) of the best evaluation so far; higher is better."""
+    """``ppo.keep_best``: a CPU copy of the trainable weights of the best evaluation so far."""
 
     def __init__(self, module: torch.nn.Module):
         self.module, self.step, self.value, self.weights = module, None, -math.inf, {}
@@ -323,8 +313,8 @@ class BestWeights:
 
 
 def open_outputs(run: Run, resumed: dict):
-    """``samples.jsonl`` and the trajectory writer, cut back to a resumed checkpoint's offsets;
-    sinks that write nothing on the other processes than the main one."""
+    """``samples.jsonl`` and the trajectory writer, cut back to a resumed checkpoint's offsets
+    (writing nothing off the main process)."""
     pc = run.cfg.ppo
     if resumed and run.is_main:
         cut_file(run.out / "samples.jsonl", resumed["samples_offset"])
@@ -345,8 +335,8 @@ def write_samples(fh, step: int, prompts, exp: Experience, tok, k: int) -> None:
 
 
 def step_timings(run: Run, exp: Experience, t: list[float], train_s: float) -> dict:
-    """Seconds per phase (``t``: the rollout's, the experience's, the update's starts and the
-    update's end), throughput and (on a GPU) the peak allocated memory."""
+    """Seconds per phase (``t``: the phases' starts and the update's end), throughput and, on a
+    GPU, the peak allocated memory."""
     row = {"time/rollout_s": t[1] - t[0], "time/experience_s": t[2] - t[1], "time/update_s": t[3] - t[2],
            "time/train_s": train_s, "throughput/tokens_per_s": int(exp.attention_mask.sum()) / (t[3] - t[0])}
     if run.device.type == "cuda":  # high-water mark of the tensors allocated so far (models, states, activations)
@@ -364,8 +354,7 @@ def save_checkpoint(s: RLSetup, step: int) -> None:
 
 
 def finish_rl(s: RLSetup) -> dict:
-    """Close the outputs, save the trained models (``ppo.keep_best``: the best evaluation's) and
-    the plots; the run's summary."""
+    """Close the outputs, save the models (``ppo.keep_best``: the best's) and plots; the summary."""
     from ..plots import plot_ppo  # matplotlib only when a run finishes
 
     run, ac, st = s.run, s.ac, s.st
