@@ -4,12 +4,14 @@ process (plain python), with two (``accelerate launch``) and on two nodes of one
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 
 from rlhfkit import models
 from rlhfkit.cli import main
+from rlhfkit.trainers import rl_setup
 
 out, policy, rm = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 common = ["run.device=cpu", "accel.threads=1", "run.progress=false", "run.seed=0", f"model.name={policy}"]
@@ -69,7 +71,7 @@ runs = {  # run name: (command, overrides)
 }
 # ppo and grpo with their defaults once more, their update's log-probs computed a few rows of logits
 # at a time as at a real vocabulary, where 2**24 logits a chunk is ~340 rows of SmolLM2's 49,152 ids:
-# models.UPDATE_LOGITS lowered to 4 rows of the doubling task's 42 ids takes that path (the policy's
+# a logits budget (ActorCritic's logits_budget) of 4 rows of the doubling task's 42 ids takes that path (the policy's
 # loss computed inside the chunked head, each process scaling its share of the global token mean)
 runs.update({f"{name}_chunked": runs[name] for name in ("ppo", "grpo")})
 CHUNK_LOGITS = 4 * 42
@@ -90,11 +92,13 @@ def counted_chunked_token_loss(*args, **kwargs):
 
 
 models.chunked_token_loss = counted_chunked_token_loss
-update_logits = models.UPDATE_LOGITS
+actor_critic = rl_setup.ActorCritic
 for name, (cmd, args) in runs.items():
     if only and name not in only:
         continue
-    models.UPDATE_LOGITS, fused_calls = CHUNK_LOGITS if name.endswith("_chunked") else update_logits, 0
+    fused_calls = 0  # the _chunked runs build their actor-critic with the small budget (an argument)
+    rl_setup.ActorCritic = (functools.partial(actor_critic, logits_budget=CHUNK_LOGITS) if name.endswith("_chunked")
+                            else actor_critic)
     if main([cmd, *common, *args, f"run.out_dir={out / name}"]) != 0:
         sys.exit(f"rlhfkit {cmd} ({name}) failed")
     print(f"fused loss calls in {name}: {fused_calls}", flush=True)  # every process prints its own
