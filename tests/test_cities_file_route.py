@@ -13,9 +13,11 @@ base, so ``make test-real`` runs it (beside the real-model learning test), not `
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
+from rlhfkit import ops
 from rlhfkit.cli import main
 from rlhfkit.utils import read_jsonl
 
@@ -31,7 +33,17 @@ def evals(run_dir) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_the_cities_file_route_reaches_the_built_in_accuracy(tmp_path):
+@pytest.fixture
+def users_default_accel(monkeypatch):
+    """The commands below run as a user runs them: accel.enabled at its default (auto), not the
+    suite's reference path; the suite's choice back afterwards."""
+    suites = os.environ["RLHFKIT_ACCEL"]
+    monkeypatch.setenv("RLHFKIT_ACCEL", "auto")
+    yield
+    ops.configure(suites)
+
+
+def test_the_cities_file_route_reaches_the_built_in_accuracy(tmp_path, users_default_accel):
     base, data = tmp_path / "base" / "policy", tmp_path / "data"
     # the task's own defaults (CONFIG_DEFAULTS: 3 layers, 96 wide, 600 steps) make the base
     assert main(["pretrain", "run.task=cities", "run.progress=false", f"run.out_dir={tmp_path / 'base'}"]) == 0
