@@ -1,8 +1,9 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   create .venv if missing, install, run the built-in demo (runs/demo)
 #   make test   create .venv if missing, install, lint and run the test suite (2 pytest workers) on the
-#               plain PyTorch reference path, then the tests marked accel_twice (the invariants of
-#               docs/design.md and a few learning runs) a second time with --accel on (a few minutes)
+#               plain PyTorch reference path
+#   make test-accel  the tests marked accel_twice (the invariants of docs/design.md and a learning run)
+#               a second time with the accelerated operations (--accel on; a few minutes; CI runs it)
 #   make test-fast  lint and the tests not marked slow (no end-to-end, DDP, kill/resume or browser tests)
 #   make test-real  the slow tier: learning on the real chat model, the cities file route (~10 min; CI runs it too)
 #   make test-lowest  the tests of the models' own forward on the lowest transformers the package declares
@@ -31,7 +32,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlhfkit-installed
 
-.PHONY: demo test test-fast test-real test-lowest test-long docs lint bench bench-real bench-real-model bench-real-matrix clean browser tmux
+.PHONY: demo test test-accel test-fast test-real test-lowest test-long docs lint bench bench-real bench-real-model bench-real-matrix clean browser tmux
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,10 +69,12 @@ tmux:
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
-# The second invocation runs the invariant and learning tests (marked accel_twice) again with the
-# accelerated operations (tests/conftest.py: --accel), so both paths are held to them.
 test: lint browser tmux
 	$(PYTEST) -m "not long and not real and not heavy and not bench"
+
+# The invariant and learning tests (marked accel_twice) again with the accelerated operations
+# (tests/conftest.py: --accel), so both paths are held to them; CI runs it after make test
+test-accel: $(STAMP)
 	$(PYTEST) --accel on -m "accel_twice and not long and not real and not heavy and not bench"
 
 # The slow tier, which CI runs after make test: learning on the real chat model
