@@ -31,8 +31,6 @@ def evals(run_dir) -> list[dict]:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
 
 
-@pytest.mark.slow
-@pytest.mark.heavy
 @pytest.fixture
 def users_default_accel(monkeypatch):
     """The commands below run as a user runs them: accel.enabled at its default (auto), not the
@@ -43,6 +41,8 @@ def users_default_accel(monkeypatch):
     ops.configure(suites)
 
 
+@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_cities_file_route_reaches_the_built_in_accuracy(tmp_path, users_default_accel):
     base, data = tmp_path / "base" / "policy", tmp_path / "data"
     # the task's own defaults (CONFIG_DEFAULTS: 3 layers, 96 wide, 600 steps) make the base
