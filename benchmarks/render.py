@@ -233,10 +233,12 @@ def commit_ab(rows: list[dict]) -> str:
             if not all(vals.values()):
                 continue
             ratio = statistics.median(vals["new"]) / statistics.median(vals["old"])
+            fmt = ".0f" if statistics.median(vals["old"]) >= 100 else \
+                ".2f" if statistics.median(vals["old"]) >= 1 else ".4f"
             env = " ".join(f"{k}={v}" for k, v in g[0]["ab"]["env"].items())
             lines.append([g[0]["device"], f"`{g[0]['ab']['script']} {' '.join(g[0]['ab']['args'])}` {env}",
-                          g[0]["contender"], name, f"{spread(vals['old'], '.2f')} ({commits(sides['old'])})",
-                          f"{spread(vals['new'], '.2f')} ({commits(sides['new'])})", f"{ratio:.3f}",
+                          g[0]["contender"], name, f"{spread(vals['old'], fmt)} ({commits(sides['old'])})",
+                          f"{spread(vals['new'], fmt)} ({commits(sides['new'])})", f"{ratio:.3f}",
                           str(len(sides["old"])), machine(g)])
     return table(["device", "benchmark", "contender", "measure", "old commit", "new commit", "new / old", "runs each",
                   "machine"], lines)
@@ -255,8 +257,9 @@ TABLES = {
                          "--record"),
     "ppo_step": (ppo_step, "python benchmarks/ppo_step.py --clock cpu --core 1 --record"),
     "guard_sim": (guard_sim, "python benchmarks/guard_sim.py"),
-    "commit_ab": (commit_ab, "python benchmarks/ab_commits.py OLD NEW --env RLHFKIT_ACCEL=on -- real_step.py "
-                             "--size smollm2 --rows rlhfkit_grpo --steps 2 --warmup 1 --runs 1"),
+    "commit_ab": (commit_ab, "python benchmarks/ab_commits.py OLD NEW --runs 2 -- real_step.py --size smollm2 "
+                             "--rows rlhfkit_grpo --groups 4 --group-size 4 --new-tokens 16 --steps 2 --warmup 1 "
+                             "--runs 1 --core 1"),
 }
 
 
