@@ -89,7 +89,7 @@ def one_token_case():
 
 
 class _Vocab:
-    """What tiny_gpt2_config reads from a tokenizer."""
+    """What build_tiny_policy reads from a tokenizer."""
 
     bos_token_id, eos_token_id, pad_token_id = 0, 1, 2
 

@@ -1,7 +1,5 @@
 """``rlhfkit chat RUN_DIR``: talk to a trained policy (docs/real-models.md). A line is a user turn,
-rendered with the chat template (system message, history) when the tokenizer has one, else sent
-as it is (the toy tasks' ``数字:1234x2=``); a line starting with ``/`` is a command (:data:`COMMANDS`).
-"""
+through the chat template when the tokenizer has one, else as it is; ``/...`` is a command."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ COMMANDS_HELP = ("commands: " + "; ".join(f"{name} {what}" for name, what in COM
 
 
 def command_of(line: str) -> str | None:
-    """The command a typed line gives (aliases resolved; an unknown ``/word`` as typed), or None
-    for a line to send to the model (``//...`` included)."""
+    """The command a typed line gives (aliases resolved), or None for a line to send (``//...`` too)."""
     if not line.startswith("/") or line.startswith("//"):
         return None
     name = line.split()[0].lower()
@@ -50,7 +47,6 @@ class ChatSession:
         self.device = resolve_device(cfg.run.device)
         self.tok = load_tokenizer(path, cfg.model.trust_remote_code, need_pad=False)  # one row: no padding
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        # a LoRA adapter directory: on model.name when given, else on the base its config names
         self.model = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code,
                                  cfg.model.name).to(self.device).eval()
         self.templated = bool(getattr(self.tok, "chat_template", None))

@@ -1,7 +1,5 @@
-"""Atomic checkpoints and exact resume (docs/checkpoints.md): ``OUT_DIR/checkpoints/step-N/``
-holds the trainable parameters, ``trainer_state.pt`` and ``meta.json``, written under a temporary
-name and renamed, so a ``step-N`` directory is always complete.
-"""
+"""Atomic checkpoints and exact resume (docs/checkpoints.md): ``checkpoints/step-N/`` (trainable
+parameters, ``trainer_state.pt``, ``meta.json``) is written under a temporary name and renamed."""
 
 from __future__ import annotations
 
@@ -36,7 +34,6 @@ def fault_point(name: str, step: int) -> None:
 
 
 def _py_state(rng) -> list:
-    """The state of a ``random.Random`` (or of the ``random`` module) as JSON."""
     version, internal, gauss = rng.getstate()
     return [version, list(internal), gauss]
 
@@ -47,8 +44,7 @@ def _set_py_state(rng, state: list) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch (CPU and every CUDA device) RNG states, split into a JSON part
-    and a tensor part."""
+    """Python, NumPy and torch (CPU, every CUDA device) RNG states: a JSON part and a tensor part."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     plain = {"python": _py_state(random),
              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
@@ -112,8 +108,7 @@ def _barrier() -> None:
 
 
 def _sharded_states(modules: dict[str, nn.Module], optimizers: dict[str, Any]):
-    """The local shards of the module and optimizers as ``torch.distributed.checkpoint`` writes
-    them, and the objects they belong to."""
+    """The local shards of the module and optimizers as ``torch.distributed.checkpoint`` writes them."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -143,8 +138,7 @@ def load_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state, model, optims, options = _sharded_states(modules, optimizers)
-    # reading the state of a fresh optimizer creates it for every parameter; keep the parameters
-    # the checkpoint has a state for (one whose update was never taken has none, as in the saved run)
+    # a fresh optimizer's state read creates one for every parameter: keep those the checkpoint has
     keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     for k, osd in state["optimizers"].items():
         prefix = f"optimizers.{k}.state."
@@ -183,9 +177,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 class Checkpointer:
-    """Saves one training loop's modules, optimizers, schedulers and JSON ``state`` every ``every``
-    steps (0: never), and restores the newest checkpoint into the same objects when ``resume``.
-    Only the main process writes (each its own shards under FSDP); every process restores."""
+    """Saves a loop's modules, optimizers, schedulers and JSON ``state`` every ``every`` steps (0:
+    never); restores the newest into the same objects when ``resume``. The main process writes
+    (under FSDP each process its shards); every process restores."""
 
     def __init__(self, out_dir: str | Path, every: int = 0, keep: int = 2, resume: bool = False,
                  enabled: bool = True):
@@ -198,7 +192,7 @@ class Checkpointer:
         return cls(out_dir, r.checkpoint_every, r.keep_checkpoints, r.resume, enabled)
 
     def due(self, steps_done: int, last: bool = False) -> bool:
-        """After ``steps_done`` steps: is a checkpoint due? (not after the last: the run saves its models)"""
+        """Is a checkpoint due after ``steps_done`` steps? (Not after the last: the run saves its models.)"""
         return self.every > 0 and not last and steps_done % self.every == 0
 
     def save(self, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
@@ -211,14 +205,12 @@ class Checkpointer:
         tmp = self.root / f".tmp-{final.name}-{SHARDED if sharded else os.getpid()}"
         if self.enabled:
             self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         if sharded:
             _barrier()  # the directory exists
             save_shards(tmp / SHARDED, modules, optimizers)
-            rng = rng_state()
-            torch.save(rng, tmp / f"rng-{_rank()}.pt")  # each process's own RNGs
+            torch.save(rng_state(), tmp / f"rng-{_rank()}.pt")  # each process's own RNGs
             _barrier()  # every process's files are written
         if self.enabled:
             self._write(tmp, steps_done, modules, optimizers, state, schedulers, sharded)
@@ -239,7 +231,6 @@ class Checkpointer:
 
     def _write(self, tmp: Path, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
                state: dict[str, Any], schedulers: dict[str, Any] | None, sharded: bool) -> None:
-        """The main process's files, then every file of the directory flushed to disk."""
         if not sharded:
             for name, module in modules.items():
                 save_file(trainable_state(module), str(tmp / f"{name}.safetensors"))
@@ -266,7 +257,7 @@ class Checkpointer:
     def restore(self, modules: dict[str, nn.Module], optimizers: dict[str, Any],
                 schedulers: dict[str, Any] | None = None, steps: int | None = None) -> dict[str, Any] | None:
         """Load the newest checkpoint into these objects (when ``resume``); its step and state.
-        ``steps``: the run's step budget, which must lie beyond the checkpoint."""
+        ``steps``: the run's step budget, which must lie beyond it."""
         if not self.resume:
             return None
         if self.root.is_dir() and self.enabled:  # a write killed half-way: nothing of it is used
@@ -297,7 +288,6 @@ class Checkpointer:
 
     @staticmethod
     def _load_shards(path: Path, meta: dict[str, Any], modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
-        """Every process reads its shards and its own RNG states back (a collective)."""
         saved, now, sharded = meta["sharded"]["processes"], _world(), holds_shards(modules)
         if saved != now or not sharded:
             raise ValueError(f"checkpoint {path} holds the shards of {saved} FSDP processes, this run has {now} "
@@ -328,8 +318,8 @@ def load_data_state(data, state: Any) -> None:
 
 def loop_state(steps_done: int, log, guard, data=None, generator: torch.Generator | None = None,
                **extra: Any) -> dict[str, Any]:
-    """A training loop's JSON state for :meth:`Checkpointer.save`: the metrics log's position, the
-    guard's counters, and the data's and ``generator``'s positions."""
+    """A loop's JSON state for :meth:`Checkpointer.save`: the log's position, the guard's counters,
+    the data's and ``generator``'s positions."""
     state = {"metrics": log.position(steps_done), "guard": [guard.skipped, guard.in_a_row], **extra}
     if data is not None:
         state["data"] = data_state(data)

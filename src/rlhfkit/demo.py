@@ -1,9 +1,6 @@
 """The built-in demo (docs/getting-started.md): pretrain -> reward model -> PPO (and any of GRPO,
-RLOO, REINFORCE, DPO) -> evaluation, on ``run.task``. Every algorithm starts from the same
-pretrained base and the RL ones share the reward model; PPO writes the top of ``run.out_dir``,
-each other stage a folder of its own (``STAGES``), each RL algorithm with its own defaults
-(``config.ALGO_DEFAULTS``) on top of the ``ppo`` section.
-"""
+RLOO, REINFORCE, DPO) from the same base -> evaluation, on ``run.task``. PPO writes the top of
+``run.out_dir``, each other stage a folder of its own (``STAGES``)."""
 
 from __future__ import annotations
 
@@ -34,8 +31,8 @@ def _stage(cfg: Config, sub: str) -> Config:
 
 
 def start_demo_dir(cfg: Config) -> None:
-    """Make ``run.out_dir`` ready for a fresh demo: an earlier demo there (or any run under
-    ``run.overwrite=true``) is replaced, another command's run refused; other files stay."""
+    """Make ``run.out_dir`` ready for a fresh demo: an earlier demo (or any run under
+    ``run.overwrite``) is replaced, another command's run refused."""
     out = Path(cfg.run.out_dir)
     replace = cfg.run.overwrite or (out / "pretrain" / "config.yaml").exists()
     if not replace:

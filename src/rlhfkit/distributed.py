@@ -1,8 +1,6 @@
-"""Data parallelism through ``accelerate``: each process takes its shard of the global batch,
-batch-wide statistics use gathered rows, token means are reweighted so DDP's average is the global
-mean, and logged metrics are reduced; with one process every method is the identity
-(docs/scale-out.md).
-"""
+"""Data parallelism through ``accelerate`` (docs/scale-out.md): each process takes its shard of the
+global batch, batch statistics use gathered rows, token means are reweighted so DDP's average is the
+global mean; with one process every method is the identity."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ from .precision import compute_weights
 
 def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int, rows: slice,
                      turn: int = 0) -> torch.Tensor:
-    """This process's rows of the step's ``[global_rows, max_new_tokens]`` U(0, 1) draws, a
-    function of ``(seed, step, turn)`` alone: every row samples the same response however many
-    processes share the batch."""
+    """This process's rows of the step's ``[global_rows, max_new_tokens]`` U(0, 1) draws, a function of
+    ``(seed, step, turn)`` alone: a row samples the same response however many processes there are."""
     key = seed * 1_000_003 + step
     if turn:
         key = key * 1_000_033 + turn
@@ -29,8 +26,7 @@ def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int
 
 
 class Shard:
-    """This process's share of a global batch and the collectives the trainers need;
-    ``Shard(None)`` is the single-process identity."""
+    """This process's share of a global batch and the trainers' collectives; ``Shard(None)``: one process."""
 
     def __init__(self, accelerator=None):
         self.accelerator = accelerator
@@ -70,9 +66,8 @@ class Shard:
         return items[self.rows(len(items))]
 
     def local_rows(self, global_rows: torch.Tensor, local_size: int) -> torch.Tensor:
-        """The entries of ``global_rows`` (indices into a global batch sharded as :meth:`take`
-        does, ``local_size`` rows a process) that this process holds, as indices into its own
-        rows, in their order (the identity with one process)."""
+        """The entries of ``global_rows`` (indices into a global batch sharded as by :meth:`take`) that
+        this process holds, as indices into its own ``local_size`` rows, in their order."""
         start = self.rank * local_size
         mine = (global_rows >= start) & (global_rows < start + local_size)
         return global_rows[mine] - start
@@ -80,8 +75,6 @@ class Shard:
     def rows_per_process(self, global_rows: torch.Tensor, local_size: int) -> list[int]:
         """How many of ``global_rows`` each process holds, in rank order (no communication)."""
         return torch.bincount(global_rows // local_size, minlength=self.world).tolist()
-
-    # ------------------------------------------------------------------ collectives
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """All-reduce sum (a copy; the identity with one process)."""
@@ -98,9 +91,8 @@ class Shard:
         return out
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Every process's rows, in rank order: ``[b, ...] -> [world * b, ...]``. A ``[b, R]``
-        tensor whose ``R`` differs between processes (responses end at different lengths) is
-        right-padded with zeros to the longest first."""
+        """Every process's rows in rank order, ``[b, ...] -> [world * b, ...]``; a ``[b, R]`` whose ``R``
+        differs between processes is right-padded with zeros to the longest first."""
         if not self.distributed:
             return x
         if x.dim() > 1:
@@ -132,9 +124,8 @@ class Shard:
         return float(self.world * n_local / n_global.clamp(min=1))
 
     def mean(self, stats: dict[str, float], weight: float = 1.0, maxed: Sequence[str] = ()) -> dict[str, float]:
-        """Average scalar stats over processes (one all-reduce). ``weight`` multiplies this
-        process's values first (a :meth:`token_weight` makes a token mean exact); keys in
-        ``maxed`` are reduced with max instead."""
+        """Average scalar stats over processes, this process's times ``weight`` (a :meth:`token_weight`
+        makes a token mean exact); keys in ``maxed`` are reduced with max instead."""
         if not self.distributed or not stats:
             return dict(stats)
         keys = list(stats)
@@ -155,14 +146,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_sharded(t) -> bool:
-    """True for FSDP2's sharded tensors (DTensors, gathered with ``full_tensor()``); plain tensors
-    and parameters are answered without the slower attribute probe."""
+    """True for FSDP2's sharded tensors (DTensors); plain tensors skip the slower attribute probe."""
     return type(t) not in _PLAIN and hasattr(t, "full_tensor")
 
 
 def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (the same coefficient, NaN/inf passed through for the
-    caller's guard) in four calls, without torch's per-call checks and grouping."""
+    """``torch.nn.utils.clip_grad_norm_`` (NaN/inf passed to the caller's guard) in four calls,
+    without torch's per-call checks and grouping."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -174,8 +164,8 @@ def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
 
 
 def clip_grad_norm(accelerator, parameters, max_norm: float) -> torch.Tensor:
-    """Clip the gradient norm through the engine (plain torch for one process and DDP); the norm
-    before clipping, detached, or NaN where the engine reports none (DeepSpeed)."""
+    """Clip the gradient norm through the engine; the norm before clipping, detached (NaN where
+    the engine reports none: DeepSpeed)."""
     params = [p for p in parameters if p.requires_grad]
     if accelerator is None or (accelerator.distributed_type == "NO" and accelerator.scaler is None):
         return _clip_grad_norm(params, max_norm)
@@ -188,8 +178,8 @@ def clip_grad_norm(accelerator, parameters, max_norm: float) -> torch.Tensor:
 
 
 def full_state_dict(module) -> dict | None:
-    """The module's weights with FSDP2's sharded tensors (DTensors) gathered, for saving; None
-    when nothing is sharded (save the module as it is). A collective: every process calls it."""
+    """The module's weights with FSDP2's shards gathered, for saving (a collective); None when
+    nothing is sharded."""
     sd = module.state_dict()
     if not any(is_sharded(v) for v in sd.values()):
         return None
@@ -206,8 +196,8 @@ def fsdp_modules(model) -> list:
 
 
 def shard_frozen(accelerator, *models) -> list:
-    """Under FSDP, shard frozen models (reference, reward models) by decoder layer and root as the
-    trained ones are, so a process holds a shard, not a whole copy; the models it sharded."""
+    """Under FSDP, shard frozen models (reference, reward) by decoder layer and root as the trained
+    ones are; returns those it sharded."""
     if getattr(accelerator, "distributed_type", None) != "FSDP":
         return []
     from torch.distributed.fsdp import fully_shard
@@ -231,8 +221,8 @@ def shard_frozen(accelerator, *models) -> list:
 
 @contextlib.contextmanager
 def full_weights(*models, per_layer: bool = False, compute: bool = True):
-    """:func:`_full_weights` of each of ``models`` (host-offloaded ones brought back), and under
-    ``model.master_weights`` their bfloat16 copies unless ``compute`` is False."""
+    """:func:`_full_weights` of each of ``models`` (offloaded ones brought back) and, with
+    ``compute``, their compute-dtype copies under ``model.master_weights``."""
     with contextlib.ExitStack() as stack:
         for model in models:
             stack.enter_context(on_device(model))  # accel.offload: a frozen model's weights come from host memory
@@ -244,9 +234,8 @@ def full_weights(*models, per_layer: bool = False, compute: bool = True):
 
 @contextlib.contextmanager
 def _full_weights(model, per_layer: bool = False):
-    """Under FSDP2, ``model``'s weights gathered for calls that bypass its root forward
-    (generation, the experience pass) until the block ends; ``per_layer``: the root's only, each
-    layer gathering around its own forwards (less memory). A no-op otherwise."""
+    """Under FSDP2, ``model``'s weights gathered for calls that bypass its root forward (generation)
+    until the block ends; ``per_layer``: only the root's, each layer gathering its own."""
     mods = fsdp_modules(model)
     if not mods:
         yield
@@ -270,8 +259,8 @@ def _full_weights(model, per_layer: bool = False):
 
 
 def prepare(accelerator, *objects, micro_batch: int):
-    """``accelerator.prepare(*objects)``, first telling DeepSpeed the per-process micro-batch, which
-    it would otherwise read from a dataloader (the trainers prepare none)."""
+    """``accelerator.prepare(*objects)``, first telling DeepSpeed the per-process micro-batch (it
+    reads it from a dataloader otherwise, and the trainers prepare none)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch

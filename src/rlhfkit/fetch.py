@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .progress import quiet_hub_progress
+
 
 @dataclass(frozen=True)
 class Fetchable:
@@ -59,12 +61,11 @@ def lookup(name: str) -> Fetchable:
 
 
 def is_fetched(path: str | Path) -> bool:
-    """True when ``path`` holds a finished conversion (its marker file is written last)."""
     return (Path(path) / MARKER).is_file()
 
 
 def find_gguf(spec: Fetchable) -> Path | None:
-    """The installed GGUF file, from the distribution's file list (nothing is imported), or None."""
+    """The installed GGUF file, from the distribution's file list (nothing imported), or None."""
     try:
         dist = metadata.distribution(spec.package)
     except metadata.PackageNotFoundError:
@@ -137,7 +138,7 @@ def convert(gguf_path: Path, out: Path, spec: Fetchable) -> None:
 
 def fetch_model(name: str, out_dir: str | Path | None = None, install: bool = True) -> dict:
     """Install (or find) model ``name``'s package and convert it into ``out_dir`` (default:
-    :func:`default_dir`; a finished conversion there is kept); ``{"name", "dir", "cached", "seconds", "source"}``."""
+    :func:`default_dir`), keeping a finished conversion there; returns what was done."""
     spec = lookup(name)
     out = Path(out_dir) if out_dir else default_dir(name)
 
@@ -153,11 +154,8 @@ def fetch_model(name: str, out_dir: str | Path | None = None, install: bool = Tr
     gguf_path = ensure_installed(spec, install)
     # a name of this process's own: two conversions into one cache (two test runs) never meet
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    shutil.rmtree(tmp, ignore_errors=True)
+    quiet_hub_progress()
     try:
         convert(gguf_path, tmp, spec)
     except BaseException:  # no half-written directory left behind (Ctrl-C included)

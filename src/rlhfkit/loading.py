@@ -1,8 +1,5 @@
-"""Hugging Face models in and out: tiny configs for tests, loading (safetensors only, one-line
-errors naming the path and the fix), LoRA adapters (peft; the reference is the same model with
-the adapter off, :class:`AdapterDisabled`), dropout off, saving as a plain ``transformers``
-checkpoint. The forwards that read them are :mod:`rlhfkit.models`.
-"""
+"""Hugging Face models in and out: tiny configs, loading (safetensors only, one-line errors),
+LoRA (the reference is the adapter switched off), dropout off, saving as plain ``transformers``."""
 
 from __future__ import annotations
 
@@ -15,12 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    GPT2Config,
-    GPT2ForSequenceClassification,
-    GPT2LMHeadModel,
     PreTrainedModel,
 )
 from transformers.pytorch_utils import Conv1D
@@ -28,9 +23,8 @@ from transformers.pytorch_utils import Conv1D
 from . import ops
 from .precision import keep_master_weights
 
-# The mark a config carries (and config.json after save_pretrained) when rlhfkit built the model
-# from random weights: model.regime=auto then picks the learning rates for training from scratch
-# (config.REGIME_DEFAULTS); copies fine-tuned from such a model keep it.
+# Marks a config (and its saved config.json) built from random weights by rlhfkit: model.regime=auto
+# then picks the from-scratch learning rates (config.REGIME_DEFAULTS).
 SCRATCH_MARK = "rlhfkit_from_scratch"
 
 
@@ -39,23 +33,16 @@ def from_scratch(model) -> bool:
     return bool(getattr(getattr(unwrap(model), "config", None), SCRATCH_MARK, False))
 
 
-def tiny_gpt2_config(tokenizer, n_layer: int = 4, n_head: int = 4, n_embd: int = 64, n_positions: int = 32,
-                     num_labels: int = 2) -> GPT2Config:
-    """A GPT-2 config sized for the toy tasks (:func:`tiny_config`), dropout off (RL needs
-    deterministic forwards), embeddings untied: tied, the tokens never seen as targets in
-    pretraining (the prefixes) get the same gradient and their embeddings collapse together."""
-    return tiny_config("gpt2", tokenizer, hidden=n_embd, layers=n_layer, heads=n_head, max_positions=n_positions,
-                       num_labels=num_labels)
+def build_tiny_policy(tokenizer, seed: int, scalar: bool = False, n_layer: int = 4, n_head: int = 4,
+                      n_embd: int = 64, n_positions: int = 32) -> PreTrainedModel:
+    """A GPT-2 :func:`build_tiny` sized for the toy tasks (``scalar``: a reward model), untied: tied, the
+    prefix tokens never seen as targets get the same gradient and their embeddings collapse together."""
+    return build_tiny("gpt2", tokenizer, seed, scalar, hidden=n_embd, layers=n_layer, heads=n_head,
+                      max_positions=n_positions, num_labels=1 if scalar else 2)
 
 
-def build_tiny_policy(tokenizer, seed: int, **arch) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(tiny_gpt2_config(tokenizer, **arch))
-
-
-def build_tiny_scalar_model(tokenizer, seed: int, **arch) -> GPT2ForSequenceClassification:
-    torch.manual_seed(seed)
-    return GPT2ForSequenceClassification(tiny_gpt2_config(tokenizer, num_labels=1, **arch))
+def build_tiny_scalar_model(tokenizer, seed: int, **arch) -> PreTrainedModel:
+    return build_tiny_policy(tokenizer, seed, scalar=True, **arch)
 
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,9 +63,7 @@ ARCHS = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 def tiny_config(arch: str, tokenizer, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                 max_positions: int = 128, num_labels: int = 1):
     """A small random-init config of a real architecture (``ARCHS``) for tests and smoke runs:
-    the same classes a hub checkpoint of that family loads into, dropout off, embeddings untied."""
-    from transformers import AutoConfig
-
+    the classes a hub checkpoint of that family loads into, dropout off, embeddings untied."""
     common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, num_labels=num_labels,
                   **{SCRATCH_MARK: True})
@@ -94,8 +79,7 @@ def tiny_config(arch: str, tokenizer, hidden: int = 32, layers: int = 2, heads: 
 
 
 def build_tiny(arch: str, tokenizer, seed: int = 0, scalar: bool = False, **sizes) -> PreTrainedModel:
-    """A random-init causal LM (or, ``scalar=True``, a one-label sequence classifier) of
-    architecture ``arch`` built through the Auto classes from :func:`tiny_config`."""
+    """A random-init causal LM (``scalar``: a one-label sequence classifier) of :func:`tiny_config`."""
     torch.manual_seed(seed)
     config = tiny_config(arch, tokenizer, **sizes)
     auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
@@ -103,9 +87,8 @@ def build_tiny(arch: str, tokenizer, seed: int = 0, scalar: bool = False, **size
 
 
 def context_window(*models) -> int | None:
-    """The longest sequence every one of ``models`` reads: the smallest ``max_position_embeddings``
-    (``n_positions``; a multimodal model's ``text_config``'s) of their configs, None when none
-    declares one; ``None`` entries and the LoRA reference are skipped."""
+    """The longest sequence every one of ``models`` reads (the smallest ``max_position_embeddings``
+    or ``n_positions``), None when none declares one; None entries and the LoRA reference skipped."""
     limits = []
     for model in models:
         if model is None or isinstance(model, AdapterDisabled):
@@ -123,10 +106,8 @@ class ModelLoadError(ValueError):
 
 
 def local_path_reason(path: str) -> str | None:
-    """Why ``path`` is a filesystem path, not a hub id (``'name'`` or ``'org/name'``), or None when
-    it may be one: absolute, starting with ``.`` or ``~``, ending with a separator, with two or
-    more, or whose first component is a local directory (``runs/nope`` with ``./runs`` there
-    fails at once, not after the hub's retries)."""
+    """Why ``path`` must be a filesystem path, not a hub id (``'name'`` or ``'org/name'``), or None
+    when it may be one (``runs/nope`` with ``./runs`` there fails at once, not after hub retries)."""
     norm = path.replace(os.sep, "/")
     if os.path.isabs(path) or path.startswith((".", "~")):
         return "an absolute or relative path"
@@ -139,8 +120,7 @@ def local_path_reason(path: str) -> str | None:
 
 
 def _from_pretrained(loader, path: str, what: str, **kwargs):
-    """``loader.from_pretrained(path, **kwargs)`` with a one-paragraph error instead of a traceback.
-    Models load from safetensors only: unpickling a ``.bin`` can run code."""
+    """``loader.from_pretrained(path, **kwargs)`` with a one-paragraph error instead of a traceback."""
     path = os.fspath(path)
     if not path:
         raise ModelLoadError(f"no {what} path given")
@@ -158,33 +138,27 @@ def _from_pretrained(loader, path: str, what: str, **kwargs):
         return loader.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:  # HF: OSError for missing files, bad ids, no network; ValueError others
         reason = " ".join(str(e).split())[:300].rstrip(".")
-        hint = ""
-        if kwargs.get("use_safetensors") and os.path.isdir(path) and any(
-            f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path)
-        ):
-            hint = (" It holds pickle-based weights (.bin/.pt), which rlhfkit does not load because unpickling can "
-                    "run arbitrary code; convert them once in a trusted session (load, then save_pretrained, "
-                    "which writes model.safetensors).")
+        pickled = os.path.isdir(path) and any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path))
+        hint = (" It holds pickle-based weights (.bin/.pt), which rlhfkit does not load because unpickling can "
+                "run arbitrary code; convert them once in a trusted session (load, then save_pretrained, "
+                "which writes model.safetensors).") if pickled and kwargs.get("use_safetensors") else ""
         raise ModelLoadError(f"cannot load the {what} from {path!r}: {reason}.{hint} Give a directory written by "
                              "save_pretrained (config.json + model.safetensors) or a hub id.") from None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, need_pad: bool = True):
-    """``AutoTokenizer`` at ``path``; with ``need_pad``, one without a pad token is an error (batches
-    are padded: rollouts on the left, pairs on the right) that says how to add one."""
+    """``AutoTokenizer`` at ``path``; with ``need_pad`` (batches are padded), a missing pad token is an error."""
     tok = _from_pretrained(AutoTokenizer, path, "tokenizer", trust_remote_code=trust_remote_code)
     if need_pad and tok.pad_token_id is None:
-        raise ModelLoadError(
-            f"the tokenizer at {path} has no pad token, and batches need one: set it and save the tokenizer, "
-            "e.g. tok.pad_token = tok.eos_token; tok.save_pretrained(path) (the attention mask, not the pad "
-            "id, marks padding here, so pad = EOS is safe)"
-        )
+        raise ModelLoadError(f"the tokenizer at {path} has no pad token, and batches need one: set it and save the "
+                             "tokenizer, e.g. tok.pad_token = tok.eos_token; tok.save_pretrained(path) (the "
+                             "attention mask, not the pad id, marks padding here, so pad = EOS is safe)")
     return tok
 
 
 def policy_dir(path: str) -> str:
-    """A model directory (``config.json``, or a LoRA ``adapter_config.json``), the ``policy/`` of a
-    run directory, or, when no such directory exists, the string itself as a hub id."""
+    """A model directory (``config.json`` or ``adapter_config.json``), a run directory's ``policy/``,
+    or else the string itself as a hub id."""
     p = Path(path)
     for cand in (p, p / "policy", p / "ppo" / "policy"):
         if (cand / "config.json").exists() or (cand / "adapter_config.json").exists():
@@ -196,20 +170,21 @@ def policy_dir(path: str) -> str:
 
 def load_policy(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
                 base: str = "") -> PreTrainedModel:
-    """A causal LM from a local directory or a hub id (safetensors only). A directory holding only
-    a LoRA adapter (a run's ``policy_adapter/``) is merged onto ``base``, else the base its
-    ``adapter_config.json`` names."""
-    dtype = resolve_dtype(dtype) or torch.float32
+    """A causal LM from a directory or a hub id (safetensors only); a LoRA adapter directory alone is
+    merged onto ``base``, else onto the base its ``adapter_config.json`` names."""
     p = Path(path)
     if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
         return _load_adapter(p, dtype, trust_remote_code, base)
-    return _from_pretrained(AutoModelForCausalLM, path, "policy model", dtype=dtype,
-                            trust_remote_code=trust_remote_code, use_safetensors=True)
+    return _load_model(AutoModelForCausalLM, path, "policy model", dtype, trust_remote_code)
 
 
-def _load_adapter(path: Path, dtype: torch.dtype, trust_remote_code: bool, base: str = "") -> PreTrainedModel:
-    """The LoRA adapter directory ``path`` on its base model (``base``, else ``base_model_name_or_path``
-    of its ``adapter_config.json``), merged; a base that is not there is a one-line error."""
+def _load_model(auto, path: str, what: str, dtype, trust_remote_code: bool, **kwargs) -> PreTrainedModel:
+    """Weights from safetensors only: unpickling a ``.bin`` can run code."""
+    return _from_pretrained(auto, path, what, dtype=resolve_dtype(dtype) or torch.float32,
+                            trust_remote_code=trust_remote_code, use_safetensors=True, **kwargs)
+
+
+def _load_adapter(path: Path, dtype, trust_remote_code: bool, base: str = "") -> PreTrainedModel:
     from peft import PeftModel
 
     named = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
@@ -222,8 +197,7 @@ def _load_adapter(path: Path, dtype: torch.dtype, trust_remote_code: bool, base:
     if not os.path.exists(base) and local_path_reason(base):
         raise ModelLoadError(f"the base model of the LoRA adapter {path} is not at {base!r} ({where}"
                              f"{'' if os.path.isabs(base) else ', relative to ' + os.getcwd()}): {fix}")
-    model = _from_pretrained(AutoModelForCausalLM, base, "base model of the LoRA adapter", dtype=dtype,
-                             trust_remote_code=trust_remote_code, use_safetensors=True)
+    model = _load_model(AutoModelForCausalLM, base, "base model of the LoRA adapter", dtype, trust_remote_code)
     with _quiet_peft():
         model = PeftModel.from_pretrained(model, str(path))
     return model.merge_and_unload()
@@ -231,8 +205,8 @@ def _load_adapter(path: Path, dtype: torch.dtype, trust_remote_code: bool, base:
 
 @contextlib.contextmanager
 def _quiet_peft():
-    """peft's warnings that say nothing to a user: a transformers method it calls is deprecated
-    in v5; it sets ``fan_in_fan_out`` itself on a Linear layer targeted beside GPT-2's Conv1D."""
+    """Silence peft's warnings that say nothing to a user (a deprecated transformers call, its own
+    ``fan_in_fan_out`` fix-up)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
@@ -241,20 +215,17 @@ def _quiet_peft():
 
 def load_scalar_model(path: str, dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
                       num_labels: int | None = 1, **kwargs) -> PreTrainedModel:
-    """A sequence-classification model; ``num_labels=None`` keeps the checkpoint's own count.
-    ``kwargs`` go to ``from_pretrained`` (e.g. ``ignore_mismatched_sizes``)."""
+    """A sequence-classification model; ``num_labels=None`` keeps the checkpoint's own count."""
     extra = dict(kwargs) if num_labels is None else {"num_labels": num_labels, **kwargs}
-    model = _from_pretrained(AutoModelForSequenceClassification, path, "scalar (reward/value) model",
-                             dtype=resolve_dtype(dtype) or torch.float32, trust_remote_code=trust_remote_code,
-                             use_safetensors=True, **extra)
+    model = _load_model(AutoModelForSequenceClassification, path, "scalar (reward/value) model", dtype,
+                        trust_remote_code, **extra)
     scalar_head(model)  # fail now, with a clear message, if there is no head we can read
     return model
 
 
 @contextlib.contextmanager
 def quiet_load_report():
-    """Silence transformers' load report while a causal-LM checkpoint is read into a
-    sequence classifier (an unused LM head and a fresh scalar head are expected there)."""
+    """Silence transformers' load report (a causal LM read into a sequence classifier)."""
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -266,8 +237,7 @@ def quiet_load_report():
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The ``transformers`` model under a peft wrapper (its modules carry the injected LoRA
-    layers, so calling it still applies the adapter); any other model unchanged."""
+    """The ``transformers`` model under a peft wrapper (its layers still apply the adapter)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
@@ -280,8 +250,7 @@ def backbone(model: nn.Module) -> nn.Module:
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> PreTrainedModel:
-    """Non-reentrant activation checkpointing (works with frozen embeddings and LoRA). Layers drop
-    their KV cache while checkpointing in train mode, so sampling runs in :func:`eval_mode`."""
+    """Non-reentrant activation checkpointing (frozen embeddings, LoRA); sampling runs in :func:`eval_mode`."""
     base = unwrap(model)
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -302,19 +271,13 @@ def eval_mode(model: nn.Module):
 
 
 def _set_training(model: nn.Module, mode: bool) -> None:
-    """``model.train(mode)`` (which also kernelizes hub kernels again); only the flags for a model
-    an accelerated forward computes (:func:`rlhfkit.ops.runs_forward`)."""
+    """``model.train(mode)``; only the flags for a model an accelerated forward computes (whose
+    ``train`` would kernelize hub kernels again)."""
     if ops.runs_forward(model):
         for m in model.modules():
             m.training = mode
     else:
         model.train(mode)
-
-
-def lora_targets(spec: str) -> str | list[str]:
-    """``'all-linear'`` or ``'q_proj, v_proj'`` -> what ``peft.LoraConfig(target_modules=...)`` takes."""
-    spec = spec.strip()
-    return spec if spec == "all-linear" else [m.strip() for m in spec.split(",") if m.strip()]
 
 
 # the layer types a LoRA adapter can wrap (peft's own list is longer; these are the ones a causal LM has)
@@ -323,9 +286,7 @@ SCALAR_HEADS = ("score", "classifier")  # a scalar head is trained in full, neve
 
 
 def check_lora_targets(model: nn.Module, targets: str | list[str]) -> None:
-    """ValueError naming the ``targets`` (a list) that match no module of ``model``, which peft
-    would drop silently, and the names an adapter can wrap; matched as peft does (the name, or a
-    qualified name ending with ``.`` + it)."""
+    """ValueError naming the ``targets`` that match no module of ``model`` (peft drops them silently)."""
     if isinstance(targets, str):  # 'all-linear': peft finds the layers itself
         return
     names = [name for name, _ in model.named_modules()]
@@ -339,12 +300,12 @@ def check_lora_targets(model: nn.Module, targets: str | list[str]) -> None:
 
 def add_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float = 0.0,
              target_modules: str = "all-linear", trainable_head: bool = False) -> nn.Module:
-    """Wrap ``model`` with a fresh LoRA adapter (peft): base weights frozen, ``B = 0`` so the
-    wrapped model starts equal to the base. ``trainable_head`` keeps a scalar head (value
-    model) fully trainable. Returns the ``PeftModel``."""
+    """A fresh LoRA adapter (peft, ``B = 0``: equal to the base) over frozen ``model``;
+    ``trainable_head`` trains a scalar head (value model) in full."""
     from peft import LoraConfig, get_peft_model
 
-    targets = lora_targets(target_modules)
+    spec = target_modules.strip()  # 'all-linear' or 'q_proj, v_proj'
+    targets = spec if spec == "all-linear" else [m.strip() for m in spec.split(",") if m.strip()]
     heads = list(SCALAR_HEADS)
     if isinstance(targets, list) and set(heads) & set(targets):
         raise ValueError("model.lora_target_modules must not name the scalar head (score / classifier)")
@@ -365,8 +326,7 @@ def is_lora(model: nn.Module) -> bool:
 
 
 class AdapterDisabled:
-    """The reference of a LoRA policy: the same modules with the adapter off (no weights of its
-    own); ``policy_forward``, ``token_logprobs`` and calling it run the frozen base exactly."""
+    """The reference of a LoRA policy: the same modules with the adapter off (no weights of its own)."""
 
     def __init__(self, peft_model: nn.Module):
         if not is_lora(peft_model):
@@ -388,16 +348,13 @@ class AdapterDisabled:
 
 
 def policy_with_reference(path: str, mc, device, reference: bool = True, adapter_dropout: bool = True):
-    """``(policy, reference)`` from ``path`` as ``model.*`` (``mc``) says (reference None with
-    ``reference=False``): a frozen second copy, or with LoRA :class:`AdapterDisabled` over the peft
-    policy. Dropout off, but a LoRA adapter's with ``adapter_dropout`` (SFT, DPO). With
-    ``mc.master_weights`` the policy is float32, marked to run in ``mc.dtype``
-    (:func:`rlhfkit.precision.compute_weights`)."""
-    lora = mc.lora_r > 0
+    """``(policy, reference)`` from ``path`` as ``model.*`` (``mc``) says: the reference a frozen copy,
+    :class:`AdapterDisabled` under LoRA, or None. Dropout off except a LoRA adapter's with
+    ``adapter_dropout``; ``mc.master_weights``: a float32 policy that runs in ``mc.dtype``."""
     policy = disable_dropout(load_policy(path, "float32" if mc.master_weights else mc.dtype, mc.trust_remote_code))
     if mc.master_weights:
         keep_master_weights(policy, resolve_dtype(mc.dtype))
-    if lora:
+    if mc.lora_r > 0:
         policy = add_lora(policy, mc.lora_r, mc.lora_alpha, mc.lora_dropout if adapter_dropout else 0.0,
                           mc.lora_target_modules)
     if mc.gradient_checkpointing:
@@ -405,21 +362,19 @@ def policy_with_reference(path: str, mc, device, reference: bool = True, adapter
     policy = policy.to(device).train()
     if not reference:
         return policy, None
-    if lora:
+    if mc.lora_r > 0:
         return policy, AdapterDisabled(policy)
     return policy, freeze(disable_dropout(load_policy(path, mc.dtype, mc.trust_remote_code))).to(device)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """The plain ``transformers`` model to save: LoRA merged into the base weights (in place:
-    call it once, when training is over); any other model unchanged."""
+    """The plain ``transformers`` model to save: LoRA merged into the base weights, in place."""
     return model.merge_and_unload() if is_lora(model) else model
 
 
 def lora_delta(m: nn.Module, adapter: str, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``scaling * B @ A`` of one adapter of a peft LoRA layer, in its base weight's layout
-    (transposed for ``fan_in_fan_out`` layers such as GPT-2's Conv1D, ``[in, out]``); ``a``,
-    ``b``: those weights from elsewhere (a gathered state dict) instead of the layer's own."""
+    """``scaling * B @ A`` of one adapter of a LoRA layer in its base weight's layout (``[in, out]``
+    for ``fan_in_fan_out``); ``a``, ``b``: weights from elsewhere (a gathered state dict)."""
     a = m.lora_A[adapter].weight if a is None else a
     b = m.lora_B[adapter].weight if b is None else b
     delta = (b @ a) * m.scaling[adapter]  # [out, in]
@@ -427,9 +382,8 @@ def lora_delta(m: nn.Module, adapter: str, a: torch.Tensor | None = None, b: tor
 
 
 def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
-    """The plain model's weights from a LoRA model's full ``state_dict`` (peft's keys, e.g. gathered
-    from FSDP shards): each adapted layer's ``W + scaling * B @ A`` as ``merge_and_unload`` computes
-    it, under the base model's keys; the module is not touched."""
+    """The plain model's weights from a LoRA model's full ``state_dict`` (gathered from FSDP shards):
+    each adapted layer's ``W + scaling * B @ A`` under the base model's keys, the module untouched."""
     from peft.tuners.lora import LoraLayer
 
     sd, prefix = dict(state_dict), "base_model.model."
@@ -450,24 +404,15 @@ def merged_lora_state_dict(model: nn.Module, state_dict: dict) -> dict:
     return {k.removeprefix(prefix): v for k, v in sd.items()}
 
 
-def pin_base_path(model: nn.Module) -> None:
-    """Make a LoRA model's local ``base_model_name_or_path`` absolute, so the saved adapter loads
-    from any working directory (a hub id stays)."""
-    for pc in model.peft_config.values():
-        base = pc.base_model_name_or_path
-        if base and os.path.isdir(base):
-            pc.base_model_name_or_path = str(Path(base).resolve())
-
-
 def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str | Path | None = None,
                 state_dict: dict | None = None) -> nn.Module:
-    """Save a model as a plain Hugging Face checkpoint (safetensors + tokenizer); returns it.
-
-    A LoRA model is first saved as an adapter to ``adapter_dir`` when given, then merged into its
-    base (in place) so ``path`` loads with ``transformers`` alone. ``state_dict``: the weights to
-    write instead of the module's own (FSDP, gathered); a LoRA model's are merged from it."""
+    """Save a model as a plain Hugging Face checkpoint (safetensors + tokenizer); returns it. A LoRA
+    model is saved as an adapter to ``adapter_dir`` first, then merged (in place). ``state_dict``:
+    the weights to write instead of the module's own (FSDP, gathered)."""
     if is_lora(model) and adapter_dir is not None:
-        pin_base_path(model)
+        for pc in model.peft_config.values():  # a local base made absolute: loads from any directory
+            if pc.base_model_name_or_path and os.path.isdir(pc.base_model_name_or_path):
+                pc.base_model_name_or_path = str(Path(pc.base_model_name_or_path).resolve())
         model.save_pretrained(adapter_dir, **({} if state_dict is None else {"state_dict": state_dict}))
         if tokenizer is not None:
             tokenizer.save_pretrained(adapter_dir)
@@ -482,8 +427,7 @@ def save_policy(model: nn.Module, tokenizer, path: str | Path, adapter_dir: str 
 
 
 def _pipeline(tok):
-    """What decides a tokenizer's ids beyond its vocabulary: the normaliser, pre-tokeniser, model
-    and post-processor of a fast tokenizer (the class of a slow one)."""
+    """What decides a tokenizer's ids beyond its vocabulary (a slow one: its class)."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         return type(tok).__name__
@@ -492,9 +436,8 @@ def _pipeline(tok):
 
 
 def same_tokenizer(a, b) -> bool:
-    """True when two tokenizers map every text to the same ids (vocabulary, BOS / EOS / pad ids,
-    pipeline), so ids pass between models as they are. Not the class: transformers picks it by
-    model family."""
+    """True when two tokenizers map every text to the same ids (vocabulary, special ids, pipeline;
+    not the class, which transformers picks by model family)."""
     if a is b:
         return True
     if len(a) != len(b) or a.get_vocab() != b.get_vocab():
@@ -505,23 +448,20 @@ def same_tokenizer(a, b) -> bool:
 
 
 DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-# attributes holding the probability of a train-mode-only random perturbation: config keys and the
-# copies modules keep for functional dropout (Llama's attention_dropout, GPT-2's resid_pdrop,
-# Falcon's hidden_dropout, OPT's layerdrop, Mixtral's router_jitter_noise, peft's lora_dropout)
+# names of the probabilities of train-mode-only noise in configs and modules (attention_dropout,
+# resid_pdrop, hidden_dropout, layerdrop, router_jitter_noise, lora_dropout ...)
 DROPOUT_NAMES = ("dropout", "pdrop", "layerdrop", "jitter")
 
 
 def _zero_dropout_attributes(obj) -> None:
-    """Set ``obj``'s float attributes named like a dropout probability (``DROPOUT_NAMES``) to 0."""
     for key, value in list(vars(obj).items()):
         if isinstance(value, float) and value > 0 and any(name in key for name in DROPOUT_NAMES):
             setattr(obj, key, 0.0)
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Turn off every dropout of ``model`` in place: dropout modules get ``p = 0``, and so do the
-    probabilities modules and their (nested, peft's too) configs keep (``DROPOUT_NAMES``). RL
-    compares a sampling and a training forward: any dropout left makes the first ratio not 1."""
+    """Every dropout of ``model`` to 0 in place, modules and (nested, peft's) configs: any left
+    makes RL's first ratio of a training to a sampling forward not 1."""
     configs = list(getattr(model, "peft_config", {}).values())
     for m in model.modules():
         if isinstance(m, DROPOUT_MODULES):
@@ -551,7 +491,5 @@ def scalar_head(model: PreTrainedModel) -> nn.Module:
         head = getattr(model, name, None)
         if isinstance(head, nn.Linear):
             return head
-    raise ValueError(
-        f"{type(model).__name__} has no linear 'score'/'classifier' head to read a scalar from; "
-        "use a decoder AutoModelForSequenceClassification (GPT-2, Llama, Qwen, ...) with num_labels=1"
-    )
+    raise ValueError(f"{type(model).__name__} has no linear 'score'/'classifier' head to read a scalar from; "
+                     "use a decoder AutoModelForSequenceClassification (GPT-2, Llama, Qwen, ...) with num_labels=1")

@@ -1,14 +1,7 @@
-"""Models: the forwards RL reads from Hugging Face models, response-aligned.
-
-* policy / reference: any ``AutoModelForCausalLM`` (:func:`policy_forward`, :func:`token_logprobs`).
-* reward and separate value model: ``AutoModelForSequenceClassification``, ``num_labels=1``. The
-  reward reads the head at the last *attended* token, found from the mask, not ``pad_token_id``
-  (pad is often EOS, the very token a reward must read); a value model reads every position.
-* shared value head: a :class:`ValueHead` on the policy's last hidden state.
-
-Each forward is the model's own, unless an accelerated one is registered
-(:func:`rlhfkit.ops.hidden_states`). Loading, LoRA and saving: :mod:`rlhfkit.loading` (re-exported).
-"""
+"""The forwards RL reads from Hugging Face models, response-aligned: a causal LM's log-probs, a
+sequence classifier's scalar at the last *attended* token (from the mask: pad is often EOS, the
+token a reward must read) or at every position, a shared :class:`ValueHead`. Each is the model's
+own forward unless an accelerated one is registered (:mod:`rlhfkit.ops`); loading is re-exported."""
 
 from __future__ import annotations
 
@@ -24,8 +17,7 @@ from .logprobs import chunked_token_logprobs, chunked_token_loss
 
 
 class ModuleForward(nn.Module):
-    """``fn(model, *args)`` as a module's forward: DDP / FSDP synchronise gradients only through
-    the wrapped module's ``forward``, and the scalar-head readouts call the backbone directly."""
+    """``fn(model, *args)`` as a module's forward: DDP / FSDP synchronise gradients only through it."""
 
     def __init__(self, model: nn.Module, fn):
         super().__init__()
@@ -36,8 +28,6 @@ class ModuleForward(nn.Module):
 
 
 def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-    """Last hidden states ``[B, T, H]``: the model's own forward, or an accelerated one
-    (:func:`rlhfkit.ops.hidden_states`)."""
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     hidden = ops.hidden_states(model, input_ids, attention_mask, position_ids)
@@ -48,9 +38,8 @@ def _hidden(model: PreTrainedModel, input_ids, attention_mask, position_ids=None
 
 
 def response_hidden(model: PreTrainedModel, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
-    """Hidden states ``[B, R, H]`` at the columns that predict the response tokens (the last
-    column, which predicts none and no causal column reads, is not run). An accelerated forward
-    may run a prompt repeated across rows once (:func:`rlhfkit.ops.response_hidden_states`)."""
+    """Hidden states ``[B, R, H]`` at the columns that predict the response tokens (the last column,
+    which predicts none, is not run); an accelerated forward may run a repeated prompt once."""
     positions = position_ids_from_mask(attention_mask)
     hidden = ops.response_hidden_states(model, input_ids, attention_mask, positions, prompt_len)
     if hidden is not None:
@@ -67,9 +56,8 @@ def token_values(model: PreTrainedModel, input_ids, attention_mask, position_ids
 
 def sequence_logits(model: PreTrainedModel, input_ids, attention_mask, position_ids=None,
                     prompt_len: int | None = None) -> torch.Tensor:
-    """The classification head at the last attended token of each row (left or right padding):
-    ``[B, num_labels]``. ``prompt_len``: the rows are a rollout's ``[prompt (P) | response]``,
-    whose repeated prompts an accelerated forward may run once (equal up to rounding)."""
+    """The classification head at each row's last attended token: ``[B, num_labels]``.
+    ``prompt_len``: rows are ``[prompt (P) | response]``, whose repeated prompts may run once."""
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
@@ -88,8 +76,7 @@ def sequence_logits(model: PreTrainedModel, input_ids, attention_mask, position_
 
 def sequence_scores(model: PreTrainedModel, input_ids, attention_mask, position_ids=None,
                     prompt_len: int | None = None) -> torch.Tensor:
-    """The scalar head at the last attended token of each row: ``[B]`` (a reward model);
-    ``prompt_len`` as in :func:`sequence_logits`."""
+    """The scalar head at each row's last attended token: ``[B]`` (a reward model)."""
     return sequence_logits(model, input_ids, attention_mask, position_ids, prompt_len).squeeze(-1)  # [B]
 
 
@@ -108,12 +95,8 @@ class ValueHead(nn.Module):
 
 def policy_forward(policy: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                    value_head: ValueHead | None = None, detach_value: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Response-aligned ``logits [B, R, V]`` and (with a shared head) ``values [B, R]``, else None.
-
-    Response token ``j`` (column ``P + j``) is scored by column ``P + j - 1``; only those ``R``
-    columns go through the LM head. ``detach_value`` stops the value loss at the head (a critic
-    warm-up leaves the shared backbone alone).
-    """
+    """Response-aligned ``logits [B, R, V]`` (token ``P + j`` scored by column ``P + j - 1``) and,
+    with a shared head, ``values [B, R]``; ``detach_value`` stops the value loss at the head."""
     if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off
         with torch.no_grad(), policy.active() as base:
             return policy_forward(base, input_ids, attention_mask, prompt_len)
@@ -126,8 +109,8 @@ UPDATE_LOGITS = 2**24  # logits per chunk of the update's log-prob / entropy pas
 
 
 def plain_lm_head(policy) -> nn.Linear | None:
-    """The policy's LM head when it is a plain ``nn.Linear`` whose weight (tied or not) can be
-    used directly: no adapter or other wrapper, no hooks on its call, no sharded weight; else None."""
+    """The policy's LM head when its weight can be used directly (a plain ``nn.Linear``: no
+    wrapper, hooks or sharded weight), else None."""
     head = unwrap(policy).get_output_embeddings()
     if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks or is_sharded(head.weight):
         return None
@@ -138,26 +121,15 @@ def token_logprobs(policy: PreTrainedModel, input_ids: torch.Tensor, attention_m
                    response_ids: torch.Tensor, temperature: float = 1.0, value_head: ValueHead | None = None,
                    detach_value: bool = False, entropy: bool = False, token_loss=None,
                    logits_budget: int = UPDATE_LOGITS) -> tuple:
-    """``(logprobs [B, R], entropy [B, R] or None, values [B, R] or None)`` of the response tokens
-    under the tempered policy, with gradients: :func:`policy_forward`'s logits over ``temperature``.
-
-    When the logits would pass ``logits_budget`` elements and the head is a plain linear layer
-    (:func:`plain_lm_head`), they are never built: :mod:`rlhfkit.logprobs` computes them in row
-    chunks of at most that many logits. ``token_loss(logp, ent, s, e)``, a sum over the flattened tokens ``s .. e-1``: on that
-    path computed in the head (:func:`~rlhfkit.logprobs.chunked_token_loss`; log-probs then
-    without gradient) and returned as a fourth item, elsewhere a fourth item None.
-    """
-    out = _token_logprobs(policy, input_ids, attention_mask, prompt_len, response_ids, temperature, value_head,
-                          detach_value, entropy, token_loss, logits_budget)
-    return out if token_loss is not None else out[:3]
-
-
-def _token_logprobs(policy, input_ids, attention_mask, prompt_len, response_ids, temperature, value_head,
-                    detach_value, entropy, token_loss, logits_budget):
+    """``(logprobs [B, R], entropy [B, R] | None, values [B, R] | None)`` of the response tokens
+    under the policy's logits over ``temperature``. Past ``logits_budget`` logits with a
+    :func:`plain_lm_head` they are computed in row chunks, never built; ``token_loss(logp, ent, s, e)``
+    (a sum over flat tokens ``s .. e-1``) is then computed in the head and returned fourth (else None)."""
+    loss = () if token_loss is None else (None,)  # the fourth item, where there is one
     if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off; no loss
         with torch.no_grad(), policy.active() as base:
             return (*token_logprobs(base, input_ids, attention_mask, prompt_len, response_ids, temperature,
-                                    entropy=entropy, logits_budget=logits_budget), None)
+                                    entropy=entropy, logits_budget=logits_budget), *loss)
     hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
     values = None if value_head is None else value_head(hidden.detach() if detach_value else hidden)  # [B, R]
     head = plain_lm_head(policy)
@@ -165,14 +137,15 @@ def _token_logprobs(policy, input_ids, attention_mask, prompt_len, response_ids,
     if head is None or response_ids.numel() <= rows:
         logits = unwrap(policy).get_output_embeddings()(hidden) / temperature  # [B, R, V]
         return (logprobs_from_logits(logits, response_ids), entropy_from_logits(logits) if entropy else None,
-                values, None)
+                values, *loss)
     flat = (hidden.flatten(0, 1), head.weight, head.bias, response_ids.flatten())
     if token_loss is not None and torch.is_grad_enabled():
-        loss, logp, ent = chunked_token_loss(*flat, token_loss, temperature, rows, entropy)  # [B * R]
+        chunked_loss, logp, ent = chunked_token_loss(*flat, token_loss, temperature, rows, entropy)  # [B * R]
+        loss = (chunked_loss,)
     else:
-        loss, (logp, ent) = None, chunked_token_logprobs(*flat, temperature, rows, entropy)  # [B * R]
+        logp, ent = chunked_token_logprobs(*flat, temperature, rows, entropy)  # [B * R]
     shape = response_ids.shape
-    return logp.view(shape), None if ent is None else ent.view(shape), values, loss
+    return logp.view(shape), None if ent is None else ent.view(shape), values, *loss
 
 
 def masked_lm_loss(model, ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:

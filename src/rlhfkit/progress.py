@@ -14,8 +14,7 @@ from tqdm.std import tqdm as _std_tqdm
 
 
 def quiet_hub_progress() -> None:
-    """Turn off the tqdm bars of transformers and huggingface_hub (loading, downloading, writing
-    shards) for the rest of the process: off a terminal they would be carriage-return frames."""
+    """Turn off transformers' and huggingface_hub's tqdm bars for the rest of the process."""
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
 
@@ -23,9 +22,7 @@ def quiet_hub_progress() -> None:
     disable_progress_bars()
 
 
-PLAIN_PROGRESS_INTERVAL_S = 10.0
-"""Seconds between two lines of a progress report written to a stream that is not a terminal."""
-
+PLAIN_PROGRESS_INTERVAL_S = 10.0  # seconds between two lines written to a stream that is not a terminal
 _IN_NOTEBOOK = _notebook_or_std_tqdm is not _std_tqdm  # tqdm.auto chose the Jupyter widget
 _clock = time.monotonic  # module-level so that tests can replace it
 
@@ -38,8 +35,7 @@ def is_tty(stream) -> bool:
 
 
 def progress(iterable=None, total=None, desc: str = "", enabled: bool = True, initial: int = 0, file=None):
-    """A progress bar over ``iterable`` with ``.set_postfix(**values)``, written to ``file``
-    (default stderr): tqdm on a terminal or in a notebook, else a :class:`PlainProgress`."""
+    """A progress bar on ``file`` (stderr): tqdm on a terminal or in a notebook, else :class:`PlainProgress`."""
     stream = sys.stderr if file is None else file
     if not enabled or _IN_NOTEBOOK or is_tty(stream):
         return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True,
@@ -48,27 +44,19 @@ def progress(iterable=None, total=None, desc: str = "", enabled: bool = True, in
 
 
 class PlainProgress:
-    """The part of tqdm's interface the trainers use, as whole lines ``desc: n/total (pct)
-    elapsed, rate | postfix``: at the start, at most every ``interval`` seconds, and at the end."""
+    """The part of tqdm the trainers use, as whole lines ``desc: n/total (pct), elapsed, rate |
+    postfix``: at the start, at most every ``interval`` seconds, and at the end."""
 
     def __init__(self, iterable=None, total=None, desc: str = "", initial: int = 0, file=None,
                  interval: float | None = None):
         self.iterable, self.desc, self.n, self.initial = iterable, desc, initial, initial
-        if total is None and iterable is not None:
-            try:
-                total = len(iterable)
-            except TypeError:
-                total = None
-        self.total = total
+        self.total = total if total is not None or not hasattr(iterable, "__len__") else len(iterable)
         self.file = sys.stderr if file is None else file
         self.interval = PLAIN_PROGRESS_INTERVAL_S if interval is None else interval
         self.postfix: dict[str, Any] = {}
         self.start_t = self._last_t = _clock()
         self._last_n: int | None = None  # n at the last line written
         self.closed = False
-
-    def __len__(self) -> int:
-        return self.total if self.total is not None else len(self.iterable)
 
     def __iter__(self):
         if self.iterable is None:
@@ -121,8 +109,6 @@ class PlainProgress:
 
 
 def _postfix_value(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
     if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return f"{v.item():.4g}"
-    return str(v)
+        v = v.item()
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,10 +1,5 @@
-"""``rlhfkit report RUN_DIR``: one self-contained HTML page per run (``RUN_DIR/report.html``).
-
-CSS (``report.css``), JavaScript (``report.js``), SVG curves and data are inline: it opens with no
-network. Each section is there when the run has its data (docs/getting-started.md). DOM hooks for
-tests: ``figure.curve[data-metrics]``, ``table.trajectory`` with ``tr[data-row]`` and
-``td[data-value][data-segment]``, ``table.samples``.
-"""
+"""``rlhfkit report RUN_DIR``: one self-contained HTML page per run (``RUN_DIR/report.html``), CSS,
+JavaScript, SVG curves and data inline; each section there when the run has its data."""
 
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ from .watch import KEYS as HACKING_KEYS
 
 ASSETS = Path(__file__).parent  # report.css, report.js
 
-# (id, title, metric keys) in display order; keys a run lacks are skipped, and every other
-# numeric key gets a panel of its own after these
+# (id, title, metric keys) in display order; every other numeric key gets a panel after these
 PANELS = [
     ("score", "reward-model score", ["objective/score"]),
     ("rlhf_reward", "RLHF reward (score - beta * KL)", ["objective/rlhf_reward"]),
@@ -74,9 +68,6 @@ def _thin(items: list, most: int) -> list:
     return [items[i] for i in sorted({round(i * (len(items) - 1) / (most - 1)) for i in range(most)})]
 
 
-# --------------------------------------------------------------------------- curves
-
-
 def _series(rows: list[dict], key: str) -> list[tuple[float, float]]:
     return _thin([(r["step"], r[key]) for r in rows
                   if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])], MAX_POINTS)
@@ -109,8 +100,7 @@ def score_title(keys: list[str]) -> str:
 
 
 def eval_title(keys: list[str], greedy: bool = True) -> str:
-    """What the ``eval/*`` metrics measure: held-out completions (greedy or sampled), or, without
-    decoding, held-out pairs (DPO, reward model) or demonstrations (SFT)."""
+    """What the ``eval/*`` metrics measure: held-out completions, pairs (DPO, reward model) or loss (SFT)."""
     if all(k == "eval/loss" or k.startswith(("eval/rewards/", "eval/rm/")) for k in keys):
         pairs = any(k.startswith(("eval/rewards/", "eval/rm/")) for k in keys)
         return "held-out pairs (no sampling)" if pairs else "held-out loss"
@@ -119,8 +109,7 @@ def eval_title(keys: list[str], greedy: bool = True) -> str:
 
 def svg_curve(series: dict[str, list[tuple[float, float]]], width: int = 360, height: int = 190,
               marks: list[float] = ()) -> str:
-    """Line plot of ``key -> [(step, value)]`` series as inline SVG; ``marks``: steps drawn as
-    thin red vertical lines (reward-hacking signs)."""
+    """Inline SVG lines of ``key -> [(step, value)]``; ``marks``: steps of reward-hacking signs."""
     left, right, top, bottom = 56, 10, 8, 24
     xs, ys = [x for s in series.values() for x, _ in s], [y for s in series.values() for _, y in s]
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
@@ -167,8 +156,7 @@ def svg_curve(series: dict[str, list[tuple[float, float]]], width: int = 360, he
 
 
 def curves_html(rows: list[dict], prefix: str = "curve", greedy: bool = True) -> str:
-    """The metric panels of a run's rows; ``greedy``: its held-out completions were decoded greedily.
-    Steps with a reward-hacking sign (a ``guard/*`` flag of :mod:`rlhfkit.watch`) are marked."""
+    """The metric panels of a run's rows, steps with a reward-hacking sign (``guard/*``) marked."""
     marks = [r["step"] for r in rows if any(r.get(k) for k in HACKING_KEYS)]
     figs = []
     for pid, title, keys in _panels(rows, greedy):
@@ -318,17 +306,13 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     return path
 
 
-# --------------------------------------------------------------------------- headless browser
-
-
 def find_chromium() -> str | None:
     return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome",
                                                  "google-chrome-stable"))), None)
 
 
 def chromium(url: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run headless Chromium on ``url`` with no network side-traffic, a throw-away profile
-    and the given extra flags (``--dump-dom``, ``--screenshot=PATH`` ...)."""
+    """Headless Chromium on ``url`` (no side-traffic, a throw-away profile) with extra flags ``args``."""
     exe = find_chromium()
     if exe is None:
         raise FileNotFoundError("no chromium on PATH: install it (Debian: apt-get install -y chromium)")
@@ -342,8 +326,7 @@ def chromium(url: str, *args: str, timeout: float = 120) -> subprocess.Completed
 
 def screenshot(html_path: str | os.PathLike, png_path: str | os.PathLike, width: int = 1400, height: int = 3000,
                anchor: str = "") -> Path:
-    """Render ``html_path`` headless and save a PNG of the top ``width x height`` pixels
-    (``anchor``: a URL fragment such as ``only=trajectories&step=0``)."""
+    """A PNG of the top ``width x height`` pixels of ``html_path`` (``anchor``: a URL fragment)."""
     url = Path(html_path).resolve().as_uri() + (f"#{anchor}" if anchor else "")
     chromium(url, f"--screenshot={Path(png_path).resolve()}", f"--window-size={width},{height}")
     return Path(png_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import math
 import os
@@ -42,9 +44,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
-    """An ``accelerate.Accelerator`` on the configured device: one process, or DDP / DeepSpeed /
-    FSDP under ``accelerate launch``. ``find_unused_parameters``: a backward leaves trained
-    parameters out (a PPO critic warm-up skips the actor)."""
+    """An ``accelerate.Accelerator`` on ``run.device``: one process, or DDP / DeepSpeed / FSDP under
+    ``accelerate launch``; ``find_unused_parameters`` for a backward that skips trained parameters."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -53,9 +54,8 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
     if "LOCAL_RANK" in os.environ:
         _destroy_process_group_at_exit()
     if device.type == "cpu" and _launched_with("DEEPSPEED"):
-        # accelerate turns DeepSpeed off for cpu=True (plain DDP would run instead), and with
-        # cpu=False and no GPU it picks no backend and counts one process; gloo, chosen here
-        # first, gives the processes' true count and ranks to both accelerate and DeepSpeed
+        # accelerate turns DeepSpeed off for cpu=True and, with cpu=False and no GPU, counts one
+        # process; a gloo state made first gives both the true count and ranks
         from accelerate import PartialState
 
         PartialState(cpu=False, backend="gloo")
@@ -65,30 +65,23 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
     return Accelerator(cpu=device.type == "cpu", kwargs_handlers=[ddp])
 
 
-_EXIT_HOOK: list = []
-
-
+@functools.cache
 def _destroy_process_group_at_exit() -> None:
-    """Tear the process group down when a launched process ends (once per process): left to the
-    interpreter's shutdown, a gloo group's threads can abort a finished run (exit code -6)."""
-    if _EXIT_HOOK:
-        return
-    import atexit
+    """Tear the process group down when a launched process ends (once): left to the interpreter's
+    shutdown, a gloo group's threads can abort a finished run (exit code -6)."""
+    atexit.register(_destroy_process_group)
 
-    def destroy() -> None:
-        import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
 
-    atexit.register(destroy)
-    _EXIT_HOOK.append(destroy)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _cpu_fsdp_accelerator():
-    """An FSDP accelerator on CPU processes joined with gloo: accelerate enables FSDP only for a
-    GPU-like distributed type, so the shared state is told it is multi-device (the device stays
-    the CPU) and accelerate applies the launch's FSDP plugin."""
+    """An FSDP accelerator on CPU processes joined with gloo: accelerate applies FSDP only to a
+    GPU-like distributed type, so the shared state is told it is multi-device (on the CPU)."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType
 
@@ -107,13 +100,12 @@ def _launched_with(engine: str) -> bool:
 
 
 def is_main_process() -> bool:
-    """True unless this is a non-zero rank of a distributed launch (``accelerate launch``,
-    ``torchrun``): only the main process writes run files."""
+    """False on a non-zero rank of a distributed launch: only the main process writes run files."""
     return int(os.environ.get("RANK", "0")) == 0
 
 
-# What rlhfkit writes at the top of a run directory: a directory holding any of them holds an
-# earlier run, which a new run continues (run.resume) or replaces (run.overwrite deletes these only).
+# What rlhfkit writes at the top of a run directory: a new run continues (run.resume) or replaces
+# (run.overwrite deletes these only) a run that left any of them.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "trajectories.jsonl", "tb", "checkpoints", "policy",
              "policy_adapter", "value_model", "value_head.safetensors", "reward_model", "plots.png", "plot_*.png",
              "summary.json", "report.html", "report.png", "policy.txt", "return_curve.png")
@@ -128,8 +120,7 @@ def earlier_run_files(out_dir: str | os.PathLike) -> list[Path]:
 
 
 def produced_anything(out_dir: str | os.PathLike) -> bool:
-    """Did the run in ``out_dir`` log a step, write a checkpoint or save a model? (One that stopped
-    before its first step left only its config and empty logs.)"""
+    """Did the run in ``out_dir`` log a step, write a checkpoint or save a model?"""
     out, checkpoints = Path(out_dir), Path(out_dir) / "checkpoints"
     return ((out / "metrics.jsonl").is_file() and file_size(out / "metrics.jsonl") > 0
             or checkpoints.is_dir() and any(checkpoints.iterdir())
@@ -137,19 +128,15 @@ def produced_anything(out_dir: str | os.PathLike) -> bool:
                                                       "summary.json")))
 
 
-# A live run holds an exclusive flock on this file in its run directory (dropped by the kernel when
-# the process ends), so no second process starts, replaces or continues the run there meanwhile.
+# A live run holds an exclusive flock on this file (dropped by the kernel when the process ends):
+# no second process starts, replaces or continues the run there meanwhile.
 LOCK_FILE = ".rlhfkit.lock"
 _held_locks: dict[Path, Any] = {}
 
 
-def _lock_key(out_dir: str | os.PathLike) -> Path:
-    return Path(out_dir).resolve()
-
-
 def _flock(f) -> str | None:
-    """Take the exclusive lock on open file ``f`` without waiting: None when taken, else the
-    holder's description as it wrote it (OSError where the filesystem has no locks)."""
+    """Take the exclusive lock on open file ``f`` without waiting: None when taken, else the holder's
+    description (OSError where the filesystem has no locks)."""
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -159,10 +146,9 @@ def _flock(f) -> str | None:
 
 
 def run_dir_holder(out_dir: str | os.PathLike) -> str | None:
-    """The description (process, host, command, since when) of another process holding ``out_dir``'s
-    run lock (:func:`lock_run_dir`), else None. Creates nothing."""
+    """Who (process, host, command, since when) else holds ``out_dir``'s run lock, or None."""
     path = Path(out_dir) / LOCK_FILE
-    if fcntl is None or _lock_key(out_dir) in _held_locks or not path.is_file():
+    if fcntl is None or Path(out_dir).resolve() in _held_locks or not path.is_file():
         return None
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -177,11 +163,10 @@ def _in_use(out_dir: str | os.PathLike, holder: str) -> ConfigError:
 
 
 def lock_run_dir(out_dir: str | os.PathLike) -> None:
-    """Take ``out_dir``'s run lock until this process ends (or :func:`release_run_dir`), creating
-    the directory; ConfigError when another live process holds it. Without filesystem locks
-    (some network mounts) it warns and goes on unlocked."""
+    """Take ``out_dir``'s run lock (creating it) until this process ends or :func:`release_run_dir`;
+    ConfigError when another live process holds it, a warning where the filesystem has no locks."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    key = _lock_key(out_dir)
+    key = Path(out_dir).resolve()
     if fcntl is None or key in _held_locks:
         return
     f = open(Path(out_dir) / LOCK_FILE, "a+", encoding="utf-8")
@@ -204,18 +189,15 @@ def lock_run_dir(out_dir: str | os.PathLike) -> None:
 
 
 def release_run_dir(out_dir: str | os.PathLike) -> None:
-    """Give up ``out_dir``'s run lock before this process ends (a notebook or sweep handing the
-    directory on); nothing when it is not held here."""
-    f = _held_locks.pop(_lock_key(out_dir), None)
+    """Give up ``out_dir``'s run lock before this process ends (a notebook or sweep handing it on)."""
+    f = _held_locks.pop(Path(out_dir).resolve(), None)
     if f is not None:
         f.close()  # closing the only descriptor releases the flock
 
 
 def check_out_dir(cfg: Config, resumable: bool = True) -> None:
-    """ConfigError, before anything is written, when ``run.out_dir`` holds an earlier run that
-    produced something and the config neither continues (``run.resume``) nor replaces it
-    (``run.overwrite``), or while a live process holds its lock. ``resumable``: the command has
-    ``--resume``."""
+    """ConfigError, before anything is written, when ``run.out_dir`` holds a live run, or an earlier
+    one that produced something that the config neither resumes nor overwrites."""
     r = cfg.run
     if r.resume and r.overwrite:
         raise ConfigError("run.resume and run.overwrite both set: continue the run in run.out_dir (--resume) or "
@@ -232,8 +214,7 @@ def check_out_dir(cfg: Config, resumable: bool = True) -> None:
 
 
 def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> None:
-    """Delete an earlier run's files in ``out_dir`` (:data:`RUN_FILES`, and the names in ``extra``);
-    anything else there stays."""
+    """Delete an earlier run's files (:data:`RUN_FILES` and ``extra``) in ``out_dir``; others stay."""
     out = Path(out_dir)
     for p in [*earlier_run_files(out), *(out / name for name in extra)]:
         if p.is_dir() and not p.is_symlink():
@@ -243,13 +224,12 @@ def clear_run_files(out_dir: str | os.PathLike, extra: tuple[str, ...] = ()) -> 
 
 
 def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
-    """Seed, set threads, choose the accelerated operations, quiet the loading bars off a terminal
-    and check ``run.out_dir``; with ``write`` also start it, else the caller does once its inputs
-    load (a bad input then leaves no directory behind)."""
+    """Seed, threads, accelerated operations, quiet loading bars off a terminal, ``run.out_dir``
+    checked; ``write=False``: the caller starts it once its inputs load (a bad one leaves nothing)."""
     seed_everything(cfg.run.seed)
     if cfg.accel.threads > 0:
         torch.set_num_threads(cfg.accel.threads)
-    ops.configure(cfg.accel)  # which operations run faster than their reference (and any compile) now
+    ops.configure(cfg.accel)
     if not cfg.run.progress or not is_tty(sys.stderr):
         quiet_hub_progress()
     check_out_dir(cfg, resumable)
@@ -259,8 +239,8 @@ def setup_run(cfg: Config, resumable: bool = True, write: bool = True) -> Path:
 
 
 def start_run_dir(cfg: Config) -> Path:
-    """Create ``run.out_dir`` (an earlier run's files deleted first under ``run.overwrite``, or
-    when it produced nothing) and save the resolved config in it; the main process only."""
+    """Create ``run.out_dir`` (an earlier run's files deleted under ``run.overwrite``, or when it
+    produced nothing) and save the resolved config in it; the main process only."""
     out = Path(cfg.run.out_dir)
     if is_main_process():
         lock_run_dir(out)  # before anything is deleted or written: a live run there stays untouched
@@ -273,8 +253,7 @@ def start_run_dir(cfg: Config) -> Path:
 
 def cut_file(path: str | Path, size: int) -> None:
     """Truncate a file the loop appends to back to ``size`` bytes (where a checkpoint saw it)."""
-    path = Path(path)
-    if path.exists() and path.stat().st_size > size:
+    if file_size(path) > size:
         with open(path, "r+b") as fh:
             fh.truncate(size)
 
@@ -285,16 +264,13 @@ def file_size(path: str | Path) -> int:
 
 
 def to_float(value: Any) -> float:
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().item())
-    return float(value)
+    return float(value.detach().float().item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl`` (scalars, NaN as null), and with the
-    run's ``cfg`` to TensorBoard (``run.tensorboard``) and ``run.trackers``. ``rows()`` reads them
-    back from the file (no per-step memory). ``enabled=False`` (a non-main process) writes
-    nothing and keeps the rows in memory."""
+    """Appends one JSON object per step to ``metrics.jsonl`` (NaN as null) and, given ``cfg``, to
+    TensorBoard and ``run.trackers``; ``rows()`` reads them back. ``enabled=False`` (a non-main
+    process) writes nothing and keeps the rows in memory."""
 
     def __init__(self, path: Path, cfg: Config | None = None, enabled: bool = True, resume: dict | None = None):
         self.path = Path(path)
@@ -328,9 +304,12 @@ class MetricsLogger:
 
     def position(self, step: int) -> dict:
         """Where a checkpoint taken after ``step`` steps finds this log (``MetricsLogger(resume=...)``)."""
-        if self._fh is not None:
-            self._fh.flush()
+        self._flush()
         return {"offset": file_size(self.path) if self.enabled else 0, "start": self._start, "step": step}
+
+    def _flush(self) -> None:
+        if self._fh is not None and not self._fh.closed:
+            self._fh.flush()
 
     def close(self) -> None:
         if self._fh is not None:
@@ -342,8 +321,7 @@ class MetricsLogger:
         """The rows this logger wrote (not those of an earlier run appended to the same file)."""
         if not self.enabled:
             return list(self._kept)
-        if not self._fh.closed:
-            self._fh.flush()
+        self._flush()
         with self.path.open("rb") as f:
             f.seek(self._start)
             return [json.loads(line) for line in f if line.strip()]
@@ -355,13 +333,11 @@ class _TensorBoardSink:
 
         # purge_step: a resumed run hides the events an interrupted one wrote from that step on
         self.writer = SummaryWriter(logdir=str(log_dir), flush_secs=30, purge_step=purge_step)
+        self.close = self.writer.close
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for k, v in scalars.items():
             self.writer.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 class _TrackerSink:
@@ -376,12 +352,10 @@ class _TrackerSink:
             raise ValueError(f"run.trackers={cfg.run.trackers!r} asks for {name}, which is not installed: "
                              f"pip install {name} (or drop it from run.trackers)") from None
         self.run = self.mod.init(project="rlhfkit", name=str(out_dir), config=cfg.to_dict())
+        self.close = self.mod.finish
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.mod.log(scalars, step=step)
-
-    def close(self) -> None:
-        self.mod.finish()
 
 
 TRACKERS = ("wandb", "trackio")
@@ -404,13 +378,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def write_jsonl(path: str | os.PathLike, rows) -> int:
-    """One JSON object a line, UTF-8 with non-ASCII characters kept readable; returns the count."""
-    n = 0
+    """One JSON object a line, non-ASCII characters kept readable; returns the count."""
+    lines = [json.dumps(row, ensure_ascii=False) + "\n" for row in rows]
     with open(path, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-            n += 1
-    return n
+        fh.writelines(lines)
+    return len(lines)
 
 
 def mean_stats(rows: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -424,9 +396,8 @@ class TrainingError(RuntimeError):
 
 
 class UpdateGuard:
-    """Skips optimizer updates whose loss or gradient norm is NaN/inf (``if guard.ok(loss, norm):
-    optimizer.step()``), warning and counting them (``guard/skipped_updates``); ``max_bad`` in a
-    row raise :class:`TrainingError`: one bad minibatch is noise, a run of them divergence."""
+    """Skips (warns, counts) optimizer updates whose loss or gradient norm is NaN/inf; ``max_bad`` in
+    a row raise :class:`TrainingError`: one bad minibatch is noise, a run of them divergence."""
 
     def __init__(self, max_bad: int = 5, where: str = "training"):
         if max_bad < 1:
@@ -445,11 +416,10 @@ class UpdateGuard:
         self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
         shown = ", ".join(f"{v:.4g}" for v in vals.tolist())
         if self.in_a_row >= self.max_bad:
-            raise TrainingError(
-                f"{self.where}: {self.in_a_row} optimizer updates in a row had a non-finite loss or gradient "
-                f"(loss, grad norms = {shown}); stopping before the weights are ruined. Lower the learning rate, "
-                "check the reward/score scale and the data, or allow more with run.max_bad_updates"
-            )
+            raise TrainingError(f"{self.where}: {self.in_a_row} optimizer updates in a row had a non-finite loss or "
+                                f"gradient (loss, grad norms = {shown}); stopping before the weights are ruined. "
+                                "Lower the learning rate, check the reward/score scale and the data, or allow more "
+                                "with run.max_bad_updates")
         warnings.warn(f"{self.where}: non-finite loss or gradient (loss, grad norms = {shown}); update skipped "
                       f"({self.in_a_row} in a row, {self.skipped} in total)", RuntimeWarning, stacklevel=2)
         return False

@@ -1,9 +1,6 @@
-"""Signs that an RL run is gaming its reward rather than learning the task (docs/safety.md).
-
-:class:`HackingWatch` turns each step's statistics into ``guard/*`` flags, each a test against
-the run's own noise that warns once; :class:`SignalWatch` warns when a run has little to learn
-from. Both take scalars (one run) or arrays of runs stepping together (simulations).
-"""
+"""Signs that an RL run games its reward (:class:`HackingWatch`, ``guard/*`` flags tested against
+the run's own noise) or has little to learn from (:class:`SignalWatch`), each warned once
+(docs/safety.md). Both take scalars (one run) or arrays of runs stepping together (simulations)."""
 
 from __future__ import annotations
 
@@ -21,9 +18,8 @@ def _mean(values: list) -> np.ndarray:
 
 
 class HackingWatch:
-    """Per-step reward-hacking checks; ``check(step, stats)`` returns the ``guard/*`` flags. Its
-    windows are checkpointed, so a resumed run flags as an unbroken one. ``kl_max``, ``eos_ratio``,
-    ``eval_drop`` and ``tradeoff`` are ``ppo.guard_*`` (0 = off)."""
+    """Per-step reward-hacking checks: ``check(step, stats)`` returns the ``guard/*`` flags; its windows
+    are checkpointed. ``kl_max``, ``eos_ratio``, ``eval_drop``, ``tradeoff``: ``ppo.guard_*`` (0 = off)."""
 
     def __init__(self, kl_max: float = 0.0, eos_ratio: float = 0.0, eval_drop: float = 0.0,
                  metric: str = "eval/exact_acc", batch_size: int = 64, window: int = 5, anchor: int = 10,
@@ -49,24 +45,18 @@ class HackingWatch:
         self.warned: list[str] = []
 
     def announce(self, logged: set[str] | None = None, evaluations: int | None = None) -> list[str]:
-        """Warn once, at the start, which guards are off and why (a key at 0, ``metric`` not
-        ``logged``, too few ``evaluations``)."""
-        off = []
+        """Warn once, at the start, which guards are off and why; returns them."""
         missing = None  # why the held-out metric cannot be followed
         if logged is not None and self.metric not in logged:
             have = ", ".join(sorted(k for k in logged if k.count("/") == 1)) or "no held-out metric"
             missing = (f"this run does not log ppo.stop_metric={self.metric}; it logs {have}"
                        + (": set ppo.stop_metric to one of them" if logged else ": set data.eval_path"))
-        few = lambda need: (f"{evaluations} evaluation(s) in the run, it needs {need}: lower ppo.eval_every"  # noqa: E731
-                            if evaluations is not None and evaluations < need else None)
-        kl_off = "ppo.guard_kl=0" if not self.kl_max else missing or few(self.min_evals)
-        if kl_off:
-            off.append(f"guard/kl_high ({kl_off})")
-        if not self.eos_ratio:
-            off.append("guard/eos_collapse (ppo.guard_eos=0)")
-        drop_off = "ppo.guard_eval_drop=0" if not self.eval_drop else missing or few(self.min_evals)
-        if drop_off:
-            off.append(f"guard/eval_drop ({drop_off})")
+        if evaluations is not None and evaluations < self.min_evals:
+            missing = missing or f"{evaluations} evaluation(s) in the run, it needs {self.min_evals}: lower ppo.eval_every"
+        why = {"guard/kl_high": "ppo.guard_kl=0" if not self.kl_max else missing,
+               "guard/eos_collapse": "ppo.guard_eos=0" if not self.eos_ratio else None,
+               "guard/eval_drop": "ppo.guard_eval_drop=0" if not self.eval_drop else missing}
+        off = [f"{key} ({reason})" for key, reason in why.items() if reason]
         if off:
             warnings.warn("reward-hacking guards off: " + "; ".join(off), RuntimeWarning, stacklevel=2)
         return off
@@ -129,8 +119,7 @@ class HackingWatch:
         return (smooth < (1 - self.eval_drop) * self.best) & self._below_best()
 
     def _below_best(self) -> np.ndarray:
-        """Is the held-out metric's recent mean more than ``z`` times one evaluation's noise below
-        its best (from the ``min_evals``-th evaluation on)?"""
+        """Is the held-out metric's recent mean more than ``z`` evaluation noises below its best?"""
         if self.best is None or len(self.evals) < self.min_evals:
             return np.asarray(False)
         # one evaluation's noise: the mean step between consecutive evaluations, / 1.128
@@ -138,8 +127,8 @@ class HackingWatch:
         return self.best - _mean(self.evals[-self.eval_window :]) > self.z * noise
 
     def _tradeoff(self, stats: dict) -> np.ndarray:
-        """A source's recent mean fell more than ``tradeoff`` of its value before training, and more
-        than ``z_tradeoff`` standard errors, while the weighted total rose."""
+        """A source's recent mean fell more than ``tradeoff`` of its value before training (and
+        ``z_tradeoff`` standard errors) while the weighted total rose."""
         now = {k: np.asarray(v, dtype=float) for k, v in stats.items() if k.startswith("eval/reward")}
         before = {k[len("baseline/"):]: np.asarray(v, dtype=float) for k, v in stats.items()
                   if k.startswith("baseline/eval/reward")}
@@ -223,9 +212,8 @@ class HackingWatch:
 
 
 class SignalWatch:
-    """Warns once each when, over the last ``window`` steps, more than ``share`` of the prompt
-    groups carry no reward variance, of the completions are cut, or of the probability is dropped
-    by top-k / top-p. Checkpointed."""
+    """Warns once each when, over the last ``window`` steps, more than ``share`` of the prompt groups
+    carry no reward variance, of the completions are cut, or of the probability is cut by top-k/p."""
 
     KEYS = ("frac_reward_zero_std", "response/truncated_rate", "rollout/kept_mass")
     # the share of the batch without the signal: of the kept mass its complement, the others as logged
