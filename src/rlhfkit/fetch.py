@@ -129,8 +129,6 @@ def convert(gguf_path: Path, out: Path, spec: Fetchable) -> None:
     model.tie_weights()
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos,
                                                pad_token_id=tok.pad_token_id)
-    if getattr(model.config, "quantization_config", None) is not None:
-        raise FetchError(f"{name}: the rebuilt config still carries a quantization_config")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
