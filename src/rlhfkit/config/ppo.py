@@ -39,12 +39,9 @@ class PPOBatches:
         "'grpo' (group-relative), 'rloo' (leave-one-out), 'reinforce' (batch-mean baseline). Set by the command "
         "(rlhfkit ppo/grpo/rloo/reinforce).")
     steps: int = key(200, "Rollout + update iterations (upper bound; see stop_at).")
-    batch_size: int = key(64, "Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for "
-        "grpo/rloo).")
-    group_size: int = key(None, "Completions per prompt for grpo/rloo; unset: the algorithm's "
-        "(config.ALGO_DEFAULTS).")
-    samples_per_prompt: int = key(1, "Completions per prompt for ppo/reinforce, in consecutive rows; a repeated "
-        "prompt is computed once.")
+    batch_size: int = key(64, "Completions per rollout (prompts x group_size for grpo/rloo).")
+    group_size: int = key(None, "Completions per prompt for grpo/rloo (unset: config.ALGO_DEFAULTS).")
+    samples_per_prompt: int = key(1, "Completions per prompt for ppo/reinforce, in consecutive rows.")
     minibatch_size: int = key(32, "Sequences per optimizer step.")
     micro_batch_size: int = key(0, "Sequences per forward and backward pass, per process; the gradient equals the "
         "whole minibatch's (0 = the whole minibatch at once).")
@@ -58,13 +55,11 @@ class PPOBatches:
 class PPOOptimizer:
     """The AdamW learning rates, their schedule and the gradient clip."""
     lr: float | None = key(None, "Actor learning rate (AdamW). Unset: by model.regime (config.REGIME_DEFAULTS).")
-    value_lr: float | None = key(None, "Critic learning rate (value head or value model). Unset: by model.regime, "
-        "ten times the actor's.")
+    value_lr: float | None = key(None, "Critic learning rate. Unset: by model.regime, ten times the actor's.")
     lr_schedule: Literal["constant", "linear", "cosine"] = key("constant", "Both learning rates after the warm-up "
         "over ppo.steps: constant, linear decay to 0 (TRL's default) or cosine to 0.")
     warmup_steps: int = key(0, "Linear warm-up of both learning rates over the first this many steps (0 = none).")
-    warmup_ratio: float = key(0.0, "The warm-up as a share of ppo.steps (rounded up), instead of "
-        "ppo.warmup_steps.")
+    warmup_ratio: float = key(0.0, "Warm-up as a share of ppo.steps (rounded up); or ppo.warmup_steps.")
     max_grad_norm: float = key(1.0, "Gradient-norm clip, per model.")
 
 
@@ -78,8 +73,7 @@ class PPOSampling:
         "off-policy (see sampling_correction).")
     top_p: float = key(1.0, "Nucleus sampling: the smallest set of most likely tokens holding top_p of the "
         "probability (after top_k); 1.0 = off.")
-    min_p: float = key(0.0, "Only tokens at least min_p times as likely as the most likely one (transformers' "
-        "MinP); 0 = off.")
+    min_p: float = key(0.0, "Keep tokens at least min_p times the top one's probability (MinP); 0 = off.")
     repetition_penalty: float = key(1.0, "transformers' repetition penalty on tokens already in the prompt or "
         "response; 1.0 = off, > 1 discourages repeats.")
     sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
@@ -145,8 +139,7 @@ class PPOLoss:
         "advantage (TRL's default).")
     sapo_temperature_neg: float = key(1.05, "loss_type=sapo: the gate's temperature on tokens with a zero or "
         "negative advantage (TRL's default).")
-    entropy_coef: float = key(0.0, "Weight of the entropy bonus, reduced by ppo.loss_type as every per-token "
-        "loss.")
+    entropy_coef: float = key(0.0, "Entropy bonus weight, reduced by ppo.loss_type as every per-token loss.")
 
 
 @dataclass(frozen=True)
@@ -174,8 +167,7 @@ class PPOEvaluation:
     stop_at: float = key(0.99, "Stop once the held-out metric ppo.stop_metric reaches this (0 = run all steps).")
     stop_metric: str = key("", "Held-out metric for stop_at, keep_best and the eval-drop watch (empty: the first "
         "of eval/exact_acc, eval/accuracy, eval/reward the evaluation logs).")
-    keep_best: bool = key(False, "Save the policy (and critic) of the best evaluation on the stop metric, not the "
-        "last step's.")
+    keep_best: bool = key(False, "Save the policy (and critic) at the best stop metric, not the last step's.")
 
 
 @dataclass(frozen=True)
@@ -197,8 +189,7 @@ class PPOLogging:
     samples_per_log: int = key(4, "Generations saved to samples.jsonl per step.")
     trajectories_every: int = key(10, "Save per-token trajectories to trajectories.jsonl at the first, every N-th "
         "and the last step, for ``rlhfkit report`` (0 = never).")
-    trajectories_per_step: int = key(2, "Rows of the batch saved each time, spread over the score ranks (lowest "
-        "and highest first).")
+    trajectories_per_step: int = key(2, "Rows saved each time, spread over the score ranks.")
 
 
 @dataclass(frozen=True)
