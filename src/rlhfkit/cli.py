@@ -1,7 +1,7 @@
 """Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them).
 
-The same config resolution (:func:`resolve_config`) and run (:func:`run_command`) as the Python
-functions of rlhfkit.api; the command line adds its printing and its one-line errors.
+The config (:func:`resolve_config`) and run (:func:`run_command`) of rlhfkit.api's functions, with printing
+and one-line errors.
 """
 
 from __future__ import annotations
@@ -227,8 +227,7 @@ def _error(command: str, e: BaseException, debug: bool = False, code: int = 2) -
 
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
-    """Python warnings as one line each, ``rlhfkit CMD: warning: ...`` (another package's with its
-    category and origin); only the format changes."""
+    """Python warnings as one line each, ``rlhfkit CMD: warning: ...`` (another package's with its origin)."""
     def one_line(message, category, filename, lineno, line=None) -> str:
         text = " ".join(str(message).split())
         if _PACKAGE_DIR not in Path(filename).resolve().parents:
@@ -256,8 +255,7 @@ def _main(args) -> int:
     if args.command == "fetch-model":
         return _fetch_model(args, debug)
     try:
-        # the command line and the config are checked before torch and transformers are imported
-        # (seconds): a mistyped key is answered at once
+        # checked before torch and transformers are imported (seconds): a mistyped key is answered at once
         cfg = _config(args)
         _preload_malloc(args, cfg)
         if args.print_config:
@@ -294,9 +292,8 @@ DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **d
 
 
 def _check_inputs(command: str, cfg: Config) -> None:
-    """The records of data.path and data.eval_path (and for prompts, the reward functions and
-    env.class) checked before torch is imported: a bad record is answered in seconds. The one
-    place a run checks them."""
+    """data.path's and data.eval_path's records (for prompts, the rewards and env.class too), checked once,
+    before torch is imported: a bad record is answered in seconds."""
     kind = DATA_KIND.get(command)
     if kind is None:
         return
@@ -313,7 +310,7 @@ def _check_inputs(command: str, cfg: Config) -> None:
 
 def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
     """Run a command on its resolved config and return its summary (``path``: the policy ``eval``
-    evaluates); the command line and rlhfkit.api both run this, the heavy imports happen here."""
+    evaluates), for the command line and rlhfkit.api alike; the heavy imports happen here."""
     _check_inputs(command, cfg)
     from transformers.utils import logging as hf_logging
 

@@ -1,6 +1,5 @@
-"""The ``ppo`` section of the RL commands (ppo, grpo, rloo, reinforce), built from one small
-dataclass per concern; every key keeps its flat name ``ppo.<key>``. What each key does in detail,
-and what TRL, OpenRLHF or DeepSpeed-Chat do instead: docs/algorithms/ppo.md and grpo.md."""
+"""The RL commands' ``ppo`` section, one small dataclass per concern, every key named ``ppo.<key>``; each key
+in detail, beside TRL's, OpenRLHF's and DeepSpeed-Chat's: docs/algorithms/ppo.md and grpo.md."""
 
 from __future__ import annotations
 
@@ -10,10 +9,8 @@ from typing import Any, Literal
 
 from .base import ConfigError, Section, key
 
-# The keys of the `ppo` section that depend on ppo.algo (set by rlhfkit ppo/grpo/rloo/reinforce). One left
-# unset (None) takes its algorithm's value, and its policy's (LORA_DEFAULTS with model.lora_r > 0), and follows
-# a later change of either on every route; a key the user set keeps its value (null unsets it). Why these
-# values: docs/algorithms/ppo.md (k1 in the reward beside a k3 loss term) and grpo.md (the critic-free recipe).
+# The keys that depend on ppo.algo: one left unset (None) takes its algorithm's value (LORA_DEFAULTS' with
+# model.lora_r > 0) and follows later changes of either; one the user set keeps it. Why: docs/algorithms/.
 ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward", "forward_kl_coef")
 _CRITIC_FREE = {"normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
                 "group_size": 4, "forward_kl_coef": 0.0}
@@ -195,8 +192,7 @@ class PPOLogging:
 @dataclass(frozen=True)
 class PPOConfig(PPOLogging, PPOGuards, PPOEvaluation, PPOCritic, PPOLoss, PPOKL, PPORewards, PPOSampling,
                 PPOOptimizer, PPOBatches, Section):
-    """The RL commands' settings, one base a concern; a dataclass takes its bases' fields last base first,
-    so the keys run from PPOBatches' to PPOLogging's. TRL's choices beside them: docs/ppo_walkthrough.md."""
+    """The RL commands' settings, one base a concern; fields run last base first (PPOBatches' first)."""
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # the key was a bool before it had three values

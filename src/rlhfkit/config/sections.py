@@ -9,9 +9,8 @@ from typing import Any, Literal
 
 from .base import ConfigError, Section, key
 
-# The learning rates left unset (None), by what the trained model starts from (model.regime), resolved where
-# the model is loaded: the tiny models' tuned rates, TRL's fine-tuning rates for a pretrained checkpoint, ten
-# times those through LoRA but for RL (the rates measured on the chat model). Why: docs/real-models.md.
+# The learning rates left unset (None) by what the model starts from (model.regime), resolved at loading:
+# tuned from scratch, TRL's if pretrained, ten times those with LoRA (RL's measured); docs/real-models.md.
 REGIME_DEFAULTS: dict[str, dict[str, float | int]] = {
     "scratch": {"sft.lr": 1e-3, "sft.warmup_steps": 20, "dpo.lr": 1e-3, "reward.lr": 1e-3, "ppo.lr": 3e-4,
                 "ppo.value_lr": 3e-3},
