@@ -17,7 +17,7 @@ from .models import context_window, load_policy, load_tokenizer, policy_dir, pol
 from .prompts import file_records, prompt_limit, prompt_tensors
 from .rewards import build_reward, completion_texts
 from .rollout import Rollout, decode_responses, eos_token_ids, generate, sampling_settings, tokenize_prompts
-from .tasks import doubling, get_task
+from .tasks import get_task
 from .utils import resolve_device, write_jsonl
 
 ACCURACIES = ("format_acc", "exact_acc", "answer_acc")  # a task's verdicts, as shares of its held-out prompts
@@ -57,12 +57,6 @@ def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: 
                           device=shard.accelerator.device)
     totals = shard.sum(counts) / len(prompts)
     return {**{k: float(v) for k, v in zip(ACCURACIES, totals.tolist())}, "examples": ev["examples"]}
-
-
-def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_tokens: int | None = None,
-                      prompts: list[doubling.Prompt] | None = None) -> dict:
-    """:func:`evaluate_task` on the doubling task."""
-    return evaluate_task(doubling, policy, tokenizer, device, batch_size, max_new_tokens, prompts)
 
 
 def evaluate_path(path: str, cfg) -> dict:

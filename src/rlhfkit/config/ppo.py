@@ -43,9 +43,8 @@ class PPOBatches:
     micro_batch_size: int = key(0, "Sequences per forward and backward pass, per process; the gradient equals the "
         "whole minibatch's (0 = the whole minibatch at once).")
     ppo_epochs: int = key(2, "Passes over each rollout (TRL's num_iterations).")
-    minibatch_draw: Literal["epoch", "rollout"] = key("epoch", "How a rollout's rows (whole groups or prompts) "
-        "are dealt into minibatches: a new partition every 'epoch', or one per 'rollout' kept for every epoch "
-        "(TRL's GRPOTrainer).")
+    minibatch_draw: Literal["epoch", "rollout"] = key("epoch", "How a rollout's rows (groups or prompts) "
+        "are dealt into minibatches: anew every 'epoch', or once per 'rollout' (TRL's GRPOTrainer).")
 
 
 @dataclass(frozen=True)
