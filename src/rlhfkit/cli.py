@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import sys
@@ -282,11 +281,6 @@ def _preload_malloc(args, cfg: Config) -> None:
         malloc.restart_with(name, args.command, args.argv)
 
 
-# the function each training command runs, imported when it runs: (module, name)
-RUNNERS = {"demo": (".demo", "run_demo"), "pretrain": (".trainers.pretrain", "pretrain"),
-           "rm": (".trainers.reward", "train_reward_model"), "sft": (".trainers.sft", "train_sft"),
-           "dpo": (".trainers.dpo", "train_dpo"), **dict.fromkeys(ALGO_DEFAULTS, (".trainers.rl", "train_rl")),
-           }
 # what each command reads from data.path: rlhfkit.data.precheck's kinds
 DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **dict.fromkeys(ALGO_DEFAULTS, "prompts")}
 
@@ -319,12 +313,33 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
         from . import ops
 
         ops.configure(cfg.accel)  # once, before any model runs (the trainers' setup_run again: no change)
+    if command == "demo":
+        from .demo import run_demo
+
+        return run_demo(cfg)
+    if command == "pretrain":
+        from .trainers.pretrain import pretrain
+
+        return pretrain(cfg)
+    if command == "rm":
+        from .trainers.reward import train_reward_model
+
+        return train_reward_model(cfg)
+    if command in ALGO_DEFAULTS:
+        from .trainers.rl import train_rl
+
+        return train_rl(cfg)
+    if command == "sft":
+        from .trainers.sft import train_sft
+
+        return train_sft(cfg)
+    if command == "dpo":
+        from .trainers.dpo import train_dpo
+
+        return train_dpo(cfg)
     if command == "eval":
         return _evaluate(path, cfg)
-    if command not in RUNNERS:
-        raise ValueError(f"no Python function runs 'rlhfkit {command}'")
-    module, name = RUNNERS[command]
-    return getattr(importlib.import_module(module, __package__), name)(cfg)
+    raise ValueError(f"no Python function runs 'rlhfkit {command}'")
 
 
 def _evaluate(path: str, cfg: Config) -> dict:
