@@ -149,8 +149,7 @@ class PPOCritic:
         "both.")
     gamma: float = key(1.0, "Discount.")
     lam: float = key(0.95, "GAE lambda.")
-    whiten_advantages: bool = key(True, "Normalise the GAE advantages to mean 0 / std 1 over the rollout's "
-        "response tokens, across processes.")
+    whiten_advantages: bool = key(True, "Whiten the GAE advantages over every process's response tokens.")
     vf_coef: float = key(0.5, "Weight of the value loss.")
     value_clip_range: float | None = key(None, "Value clip around the rollout-time values; None disables it.")
     critic_warmup_steps: int = key(3, "Initial steps that update only the critic.")
@@ -171,8 +170,7 @@ class PPOGuards:
     """The reward-hacking watch (rlhfkit.watch): each flags a guard/* metric; 0 turns it off."""
     guard_kl: float = key(1.5, "Flag guard/kl_high when the KL per response token exceeds this many nats while "
         "ppo.stop_metric has fallen below its best.")
-    guard_eos: float = key(0.5, "Flag guard/eos_collapse when the EOS rate falls below this share of its early "
-        "mean.")
+    guard_eos: float = key(0.5, "Flag guard/eos_collapse at an EOS rate below this share of its early mean.")
     guard_eval_drop: float = key(0.15, "Flag guard/eval_drop when ppo.stop_metric falls more than this share "
         "below its best.")
     guard_tradeoff: float = key(0.3, "Flag guard/reward_tradeoff when one reward source falls more than this "

@@ -58,10 +58,8 @@ class ModelConfig(Section):
         "model: 'auto' keeps the checkpoint's own; bfloat16 with LoRA or model.master_weights for large models.")
     master_weights: bool = key(False, "With model.dtype=bfloat16, full fine-tuning in bfloat16 arithmetic on "
         "float32 weights and AdamW (TRL's bf16=True); off with LoRA.")
-    gradient_checkpointing: bool = key(False, "Recompute activations in the backward pass of the trained models "
-        "(less memory, more compute).")
-    lora_r: int = key(0, "LoRA rank for the policy (peft); 0 trains all weights. The reference is the policy with "
-        "its adapter disabled.")
+    gradient_checkpointing: bool = key(False, "Recompute activations in the backward (less memory, slower).")
+    lora_r: int = key(0, "Policy LoRA rank (peft; 0 = all weights); the reference is the policy without it.")
     lora_alpha: float = key(16.0, "LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A.")
     lora_dropout: float = key(0.0, "Dropout on the LoRA input for sft, dpo and rm; the RL commands set it to 0.")
     lora_target_modules: str = key("all-linear", "Comma-separated module names the adapter wraps (e.g. "
@@ -114,8 +112,7 @@ class RewardConfig(Section):
     batch_size: int = key(64, "Preference pairs per step.")
     lr: float | None = key(None, "AdamW learning rate. Unset: by model.regime (config.REGIME_DEFAULTS).")
     margin: float = key(0.0, "Required gap r_chosen - r_rejected in the loss (0 for plain Bradley-Terry).")
-    center_coef: float = key(0.01, "Weight of the centring term mean((r_c + r_r)^2): scores comparable across "
-        "prompts.")
+    center_coef: float = key(0.01, "Weight of mean((r_c + r_r)^2), keeping scores comparable across prompts.")
     hard_negatives: float = key(0.5, "Share of pairs whose rejected answer mixes sets or lacks EOS (0 = only "
         "other-set answers).")
     freeze_backbone: bool = key(False, "Train only the scalar head, the backbone frozen.")
@@ -127,10 +124,8 @@ class RewardConfig(Section):
 
 @dataclass(frozen=True)
 class ValueConfig(Section):
-    name: str = key("", "Separate value model (PPO): a local path or hub id, given a scalar head; empty: "
-        "ppo.value_init decides.")
-    lora: bool = key(False, "Train the separate value model through a LoRA adapter (model.lora_*); its head stays "
-        "trainable.")
+    name: str = key("", "Separate value model: path or hub id, given a scalar head (empty: ppo.value_init).")
+    lora: bool = key(False, "Train the separate value model through LoRA (model.lora_*), its head in full.")
 
 
 @dataclass(frozen=True)
@@ -181,8 +176,7 @@ class DPOConfig(Section):
     loss: Literal["sigmoid", "ipo", "ipo_sum"] = key("sigmoid", "'sigmoid': DPO's; 'ipo': IPO's over per-token "
         "mean log-probs (TRL's); 'ipo_sum': IPO's over summed log-probs (the paper's). See "
         "docs/algorithms/dpo.md.")
-    nll_coef: float = key(1.0, "Weight of the chosen answers' per-token NLL added to the preference loss (RPO); 0 "
-        "= plain DPO.")
+    nll_coef: float = key(1.0, "Weight of an NLL term on the chosen answers, per token (RPO); 0 = plain DPO.")
     disable_dropout: bool = key(True, "Turn every dropout off, LoRA's too (TRL's disable_dropout).")
     precompute_ref: bool = key(True, "Reference log-probs once, before training (False: once per batch).")
     eval_every: int = key(25, "Held-out evaluation every N steps and at the end (0 = only at the end).")
