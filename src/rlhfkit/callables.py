@@ -96,7 +96,7 @@ def _import_file(path: str):
 
 
 def split_specs(spec) -> list:
-    """``'a:f, b:g'`` -> ``['a:f', 'b:g']``; a callable or a list of them passes through."""
+    """``'a:f, b:g'`` -> ``['a:f', 'b:g']`` (any comma-separated key); a callable or a list passes through."""
     if callable(spec):
         return [spec]
     if isinstance(spec, (list, tuple)):
@@ -135,12 +135,12 @@ def named_weights(names: list[str], cfg: Config) -> tuple[list[str], list[float]
     """``(names, weights, accuracy)`` of the sources ``names`` (the model first): names made unique (``_2``
     ...), ``reward.weights`` (empty: all 1), ``eval.accuracy_reward``'s sources; ValueError if they misfit."""
     rc = cfg.reward
-    weights = [float(w) for w in str(rc.weights).split(",") if w.strip()] if rc.weights else [1.0] * len(names)
+    weights = [float(w) for w in split_specs(rc.weights)] if rc.weights else [1.0] * len(names)
     if len(weights) != len(names):
         raise ValueError(f"reward.weights={rc.weights!r} gives {len(weights)} weight(s) for {len(names)} reward "
                          f"source(s) ({', '.join(names)}): give one per source, the reward model first")
     unique = [name if (k := names[:i + 1].count(name)) == 1 else f"{name}_{k}" for i, name in enumerate(names)]
-    accuracy = tuple(a.strip() for a in str(cfg.eval.accuracy_reward).split(",") if a.strip())
+    accuracy = tuple(split_specs(cfg.eval.accuracy_reward))
     unknown = [a for a in accuracy if a not in unique]
     if unknown:
         raise ValueError(f"eval.accuracy_reward={cfg.eval.accuracy_reward!r} names no reward source "
