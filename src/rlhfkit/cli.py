@@ -313,33 +313,23 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
         from . import ops
 
         ops.configure(cfg.accel)  # once, before any model runs (the trainers' setup_run again: no change)
-    if command == "demo":
-        from .demo import run_demo
-
-        return run_demo(cfg)
-    if command == "pretrain":
-        from .trainers.pretrain import pretrain
-
-        return pretrain(cfg)
-    if command == "rm":
-        from .trainers.reward import train_reward_model
-
-        return train_reward_model(cfg)
-    if command in ALGO_DEFAULTS:
-        from .trainers.rl import train_rl
-
-        return train_rl(cfg)
-    if command == "sft":
-        from .trainers.sft import train_sft
-
-        return train_sft(cfg)
-    if command == "dpo":
-        from .trainers.dpo import train_dpo
-
-        return train_dpo(cfg)
     if command == "eval":
         return _evaluate(path, cfg)
-    raise ValueError(f"no Python function runs 'rlhfkit {command}'")
+    if command == "demo":
+        from .demo import run_demo as runner
+    elif command == "pretrain":
+        from .trainers.pretrain import pretrain as runner
+    elif command == "rm":
+        from .trainers.reward import train_reward_model as runner
+    elif command in ALGO_DEFAULTS:
+        from .trainers.rl import train_rl as runner
+    elif command == "sft":
+        from .trainers.sft import train_sft as runner
+    elif command == "dpo":
+        from .trainers.dpo import train_dpo as runner
+    else:
+        raise ValueError(f"no Python function runs 'rlhfkit {command}'")
+    return runner(cfg)
 
 
 def _evaluate(path: str, cfg: Config) -> dict:
