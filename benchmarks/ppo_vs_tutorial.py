@@ -75,7 +75,7 @@ def run_tutorial_design(base: str, rm_path: str, seed: int, target: float, budge
         masked_whiten,
         shaped_rewards,
     )
-    from rlhfkit.evaluate import evaluate_doubling
+    from rlhfkit.evaluate import evaluate_task
     from rlhfkit.models import freeze, load_policy, load_scalar_model, sequence_scores
     from rlhfkit.rollout import tokenize_prompts
     from rlhfkit.tasks import doubling
@@ -122,7 +122,7 @@ def run_tutorial_design(base: str, rm_path: str, seed: int, target: float, budge
         train_s += time.perf_counter() - t0
         step += 1
         if step % eval_every == 0:
-            exact = evaluate_doubling(model.policy, tok, "cpu")["exact_acc"]
+            exact = evaluate_task(doubling, model.policy, tok, "cpu")["exact_acc"]
             print(f"  tutorial design: step {step}  train {train_s:6.1f}s  exact {exact:.3f}", flush=True)
             if exact >= target:
                 reached = True

@@ -11,7 +11,7 @@ periodic evaluation is excluded for all of them. rlhfkit measures the three phas
 (``time/train_s``); for TRL a callback sums ``on_step_begin`` -> ``on_step_end`` of the
 HF Trainer (generation, scoring, loss, backward and optimizer step; the dataloader fetch
 and logging fall outside, to TRL's favour), and runs the same greedy evaluation
-(``rlhfkit.evaluate.evaluate_doubling``) outside the timed span. A step is one rollout of
+(``rlhfkit.evaluate.evaluate_task``) outside the timed span. A step is one rollout of
 64 completions for everyone; TRL takes ``steps_per_generation x num_iterations`` optimizer
 steps per rollout, and is evaluated once all of them have run. The table gives rollouts to
 the target and seconds per rollout apart, median and min-max over the seeds: the first is
@@ -247,7 +247,7 @@ def run_trl_grpo(kind: str, paths: dict, args) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from rlhfkit.evaluate import evaluate_doubling
+    from rlhfkit.evaluate import evaluate_task
     from rlhfkit.models import load_policy
     from rlhfkit.tasks import doubling
 
@@ -270,7 +270,7 @@ def run_trl_grpo(kind: str, paths: dict, args) -> dict:
             state["train_s"] += time.perf_counter() - state["t0"]
             rollouts = s.global_step // per_rollout  # rollouts whose every optimizer step has run
             if s.global_step % per_rollout == 0 and rollouts % args.eval_every == 0:
-                ev = evaluate_doubling(model, tok, "cpu")  # not timed
+                ev = evaluate_task(doubling, model, tok, "cpu")  # not timed
                 state["exact"] = ev["exact_acc"]
                 print(f"eval rollout {rollouts}: train {state['train_s']:.2f}s format {ev['format_acc']:.3f} "
                       f"exact {ev['exact_acc']:.3f}", file=sys.stderr, flush=True)

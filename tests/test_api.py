@@ -143,3 +143,10 @@ def test_the_public_names_import_and_the_commands_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False"]
+
+
+def test_a_command_without_a_python_function_is_refused_naming_it():
+    from rlhfkit.api import run
+
+    with pytest.raises(ValueError, match="no Python function runs 'rlhfkit chat'"):
+        run("chat", overrides={"run.progress": False})

@@ -1,9 +1,8 @@
 """rlhfkit: reinforcement learning from human feedback for language models.
 
-The public surface is what this package exports (``from rlhfkit import grpo, Config``): the
-config classes, ``Environment`` and ``ToolEnvironment``, and one function per command, each
-running what ``rlhfkit COMMAND`` runs (rlhfkit.api). Every other module is internal and may move.
-Names are imported on first use, so ``import rlhfkit`` does not import torch.
+The public surface is what this package exports: the config classes, ``Environment``, ``ToolEnvironment``
+and one function per command (rlhfkit.api); every other module is internal and may move. Names are
+imported on first use, so ``import rlhfkit`` does not import torch.
 """
 
 __version__ = "0.2.0"

@@ -1,11 +1,9 @@
-"""The Python surface: one function per command, each running what ``rlhfkit COMMAND`` runs and
-returning the summary it prints (docs/reference/api.md).
+"""One function per command, running what ``rlhfkit COMMAND`` runs and returning the summary it prints.
 
-Every function takes ``config`` (a YAML path, a mapping of sections, a :class:`~rlhfkit.Config`
-or None) and ``overrides`` (dotted keys or sections), and the shortcuts ``model`` (``model.name``),
-``data`` and ``eval_data`` (a path, a ``datasets.Dataset`` or a list of dicts, written to
-``run.out_dir`` as JSONL) and ``reward_funcs`` (``reward.function``: callables or
-``'module:name'`` strings).
+Each takes ``config`` (a YAML path, a mapping of sections, a :class:`~rlhfkit.Config` or None), ``overrides``
+(dotted keys or sections) and the shortcuts ``model`` (``model.name``), ``data`` and ``eval_data`` (a path, a
+``datasets.Dataset`` or a list of dicts, written to ``run.out_dir`` as JSONL) and ``reward_funcs``
+(``reward.function``); docs/reference/api.md.
 """
 
 from __future__ import annotations
@@ -102,9 +100,8 @@ def run(command: str, config: ConfigSource = None, *, model: str | None = None, 
 
 
 def _with_data(command: str, cfg: Config, data: DataSource, eval_data: DataSource) -> Config:
-    """``cfg`` reading ``data`` and ``eval_data``: a path as it is, in-memory records (checked
-    first, so an error names their place in the list) from the JSONL file they are written to in
-    ``run.out_dir``."""
+    """``cfg`` reading ``data`` and ``eval_data``: a path as it is, in-memory records (checked first, so an
+    error names their place in the list) from the JSONL file they are written to in ``run.out_dir``."""
     from .data import precheck, write_jsonl
     from .utils import check_out_dir
 

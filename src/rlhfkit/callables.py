@@ -1,6 +1,5 @@
-"""Reward functions (``reward.function``) and environment classes (``env.class``) loaded by
-import path and checked without torch: :func:`check_before_loading` runs before the models load,
-so a misspelt name or a function that cannot take its arguments is answered at once."""
+"""Reward functions (``reward.function``) and environments (``env.class``) loaded by import path and
+checked before torch and the models load (:func:`check_before_loading`): a misspelt name fails at once."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def function_name(fn) -> str:
 
 def load_reward_function(spec: str | Callable, key: str = "reward.function",
                          noun: str = "function") -> Callable[..., list[float]]:
-    """``'package.module:name'`` or ``'path/to/file.py:name'`` (``name`` may be qualified) -> the
-    callable; a module is looked for where Python looks, then in the current directory. ``key``,
-    ``noun``: the config key and the kind of object the errors name."""
+    """``'package.module:name'`` or ``'path/to/file.py:name'`` (``name`` may be qualified) -> the callable,
+    looked for where Python looks, then in the current directory; errors name ``key`` and ``noun``."""
     if callable(spec):
         return spec
     if spec == CALLABLE_PLACEHOLDER:
@@ -60,8 +58,7 @@ def load_reward_function(spec: str | Callable, key: str = "reward.function",
 
 
 def _import_module(module: str):
-    """``importlib.import_module``, else the current directory's module (the ``rlhfkit`` command
-    does not put it on ``sys.path``)."""
+    """``importlib.import_module``, else the current directory's module (not on the command's path)."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -99,7 +96,7 @@ def _import_file(path: str):
 
 
 def split_specs(spec) -> list:
-    """``'a:f, b:g'`` -> ``['a:f', 'b:g']``; a callable or a list of them passes through."""
+    """``'a:f, b:g'`` -> ``['a:f', 'b:g']`` (any comma-separated key); a callable or a list passes through."""
     if callable(spec):
         return [spec]
     if isinstance(spec, (list, tuple)):
@@ -112,7 +109,7 @@ CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "finished")  # eve
 
 def check_call(fn: Callable, columns: Sequence[str] | None) -> None:
     """RewardError naming ``fn`` when it cannot take ``CALL_ARGUMENTS`` and one keyword per column
-    (``columns`` None: not known yet, a parameter without a default is taken for one)."""
+    (``columns`` None: not known yet, each parameter without a default taken for one)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -135,16 +132,15 @@ def source_name(fn: Callable) -> str:
 
 
 def named_weights(names: list[str], cfg: Config) -> tuple[list[str], list[float], tuple[str, ...]]:
-    """``(names, weights, accuracy)`` of the sources ``names`` (the model first): names made unique
-    (``_2``, ``_3`` ...), ``reward.weights`` (empty: all 1), the ``eval.accuracy_reward`` sources;
-    ValueError when they do not fit the sources."""
+    """``(names, weights, accuracy)`` of the sources ``names`` (the model first): names made unique (``_2``
+    ...), ``reward.weights`` (empty: all 1), ``eval.accuracy_reward``'s sources; ValueError if they misfit."""
     rc = cfg.reward
-    weights = [float(w) for w in str(rc.weights).split(",") if w.strip()] if rc.weights else [1.0] * len(names)
+    weights = [float(w) for w in split_specs(rc.weights)] if rc.weights else [1.0] * len(names)
     if len(weights) != len(names):
         raise ValueError(f"reward.weights={rc.weights!r} gives {len(weights)} weight(s) for {len(names)} reward "
                          f"source(s) ({', '.join(names)}): give one per source, the reward model first")
     unique = [name if (k := names[:i + 1].count(name)) == 1 else f"{name}_{k}" for i, name in enumerate(names)]
-    accuracy = tuple(a.strip() for a in str(cfg.eval.accuracy_reward).split(",") if a.strip())
+    accuracy = tuple(split_specs(cfg.eval.accuracy_reward))
     unknown = [a for a in accuracy if a not in unique]
     if unknown:
         raise ValueError(f"eval.accuracy_reward={cfg.eval.accuracy_reward!r} names no reward source "
@@ -153,8 +149,8 @@ def named_weights(names: list[str], cfg: Config) -> tuple[list[str], list[float]
 
 
 def check_reward_config(cfg: Config, columns: Sequence[str] | None) -> None:
-    """Every ``reward.function`` loads and takes its arguments, and the weights and accuracy
-    sources fit the sources (``columns``: the records', None when not known yet)."""
+    """Every ``reward.function`` loads and takes its arguments (``columns``: the records', None when not
+    known yet), and the weights and accuracy sources fit the sources."""
     fns = [load_reward_function(spec) for spec in split_specs(cfg.reward.function)]
     for fn in fns:
         check_call(fn, columns)
@@ -171,8 +167,8 @@ def env_name(env) -> str:
 
 
 def environment_factory(spec) -> Callable[[], object]:
-    """What ``env.class`` names -> a maker of a fresh environment per episode: a class (or its
-    import path) called with no arguments, or an instance deep-copied."""
+    """What ``env.class`` names -> a maker of a fresh environment per episode: a class (or its import
+    path) called with no arguments, or an instance deep-copied."""
     if isinstance(spec, str):
         spec = load_reward_function(spec, key="env.class", noun="Name")  # loaded as reward functions are
     playable = callable(getattr(spec, "reset", None)) and callable(getattr(spec, "step", None))
@@ -188,8 +184,8 @@ def environment_factory(spec) -> Callable[[], object]:
 
 
 def check_before_loading(cfg: Config) -> None:
-    """What a command reading prompts can check before torch and the models load: a local
-    ``data.path``'s records, the reward (with the records' or the task's columns) and ``env.class``."""
+    """A local ``data.path``'s records, the reward (with the records' or the task's columns) and
+    ``env.class``, checked before torch and the models load."""
     if cfg.data.path:
         examples = precheck("prompts", cfg.data.path)
         columns = None if examples is None else list(examples[0].meta)  # None: a hub dataset, a directory ...

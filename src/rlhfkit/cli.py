@@ -1,7 +1,7 @@
 """Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them).
 
-The same config resolution (:func:`resolve_config`) and run (:func:`run_command`) as the Python
-functions of rlhfkit.api; the command line adds its printing and its one-line errors.
+The config (:func:`resolve_config`) and run (:func:`run_command`) of rlhfkit.api's functions, with printing
+and one-line errors.
 """
 
 from __future__ import annotations
@@ -226,8 +226,7 @@ def _error(command: str, e: BaseException, debug: bool = False, code: int = 2) -
 
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
-    """Python warnings as one line each, ``rlhfkit CMD: warning: ...`` (another package's with its
-    category and origin); only the format changes."""
+    """Python warnings as one line each, ``rlhfkit CMD: warning: ...`` (another package's with its origin)."""
     def one_line(message, category, filename, lineno, line=None) -> str:
         text = " ".join(str(message).split())
         if _PACKAGE_DIR not in Path(filename).resolve().parents:
@@ -255,8 +254,7 @@ def _main(args) -> int:
     if args.command == "fetch-model":
         return _fetch_model(args, debug)
     try:
-        # the command line and the config are checked before torch and transformers are imported
-        # (seconds): a mistyped key is answered at once
+        # checked before torch and transformers are imported (seconds): a mistyped key is answered at once
         cfg = _config(args)
         _preload_malloc(args, cfg)
         if args.print_config:
@@ -288,9 +286,8 @@ DATA_KIND = {"sft": "sft", "rm": "pairs", "dpo": "pairs", "eval": "prompts", **d
 
 
 def _check_inputs(command: str, cfg: Config) -> None:
-    """The records of data.path and data.eval_path (and for prompts, the reward functions and
-    env.class) checked before torch is imported: a bad record is answered in seconds. The one
-    place a run checks them."""
+    """data.path's and data.eval_path's records (for prompts, the rewards and env.class too), checked once,
+    before torch is imported: a bad record is answered in seconds."""
     kind = DATA_KIND.get(command)
     if kind is None:
         return
@@ -307,7 +304,7 @@ def _check_inputs(command: str, cfg: Config) -> None:
 
 def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
     """Run a command on its resolved config and return its summary (``path``: the policy ``eval``
-    evaluates); the command line and rlhfkit.api both run this, the heavy imports happen here."""
+    evaluates), for the command line and rlhfkit.api alike; the heavy imports happen here."""
     _check_inputs(command, cfg)
     from transformers.utils import logging as hf_logging
 
@@ -316,33 +313,23 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
         from . import ops
 
         ops.configure(cfg.accel)  # once, before any model runs (the trainers' setup_run again: no change)
-    if command == "demo":
-        from .demo import run_demo
-
-        return run_demo(cfg)
-    if command == "pretrain":
-        from .trainers.pretrain import pretrain
-
-        return pretrain(cfg)
-    if command == "rm":
-        from .trainers.reward import train_reward_model
-
-        return train_reward_model(cfg)
-    if command in ALGO_DEFAULTS:
-        from .trainers.rl import train_rl
-
-        return train_rl(cfg)
-    if command == "sft":
-        from .trainers.sft import train_sft
-
-        return train_sft(cfg)
-    if command == "dpo":
-        from .trainers.dpo import train_dpo
-
-        return train_dpo(cfg)
     if command == "eval":
         return _evaluate(path, cfg)
-    raise ValueError(f"no Python function runs 'rlhfkit {command}'")
+    if command == "demo":
+        from .demo import run_demo as runner
+    elif command == "pretrain":
+        from .trainers.pretrain import pretrain as runner
+    elif command == "rm":
+        from .trainers.reward import train_reward_model as runner
+    elif command in ALGO_DEFAULTS:
+        from .trainers.rl import train_rl as runner
+    elif command == "sft":
+        from .trainers.sft import train_sft as runner
+    elif command == "dpo":
+        from .trainers.dpo import train_dpo as runner
+    else:
+        raise ValueError(f"no Python function runs 'rlhfkit {command}'")
+    return runner(cfg)
 
 
 def _evaluate(path: str, cfg: Config) -> dict:

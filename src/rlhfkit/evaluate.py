@@ -17,16 +17,17 @@ from .models import context_window, load_policy, load_tokenizer, policy_dir, pol
 from .prompts import file_records, prompt_limit, prompt_tensors
 from .rewards import build_reward, completion_texts
 from .rollout import Rollout, decode_responses, eos_token_ids, generate, sampling_settings, tokenize_prompts
-from .tasks import doubling, get_task
+from .tasks import get_task
 from .utils import resolve_device, write_jsonl
+
+ACCURACIES = ("format_acc", "exact_acc", "answer_acc")  # a task's verdicts, as shares of its held-out prompts
 
 
 @torch.no_grad()
 def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int = 512,
                   max_new_tokens: int | None = None, prompts: list | None = None, stop: Sequence[str] = ()) -> dict:
-    """Greedy decoding on the task's held-out prompts, scored by its verifier (``stop``: as
-    ``ppo.stop``): ``{"format_acc", "exact_acc", "answer_acc", "examples": [(prompt, completion,
-    format, exact), ...]}``."""
+    """Greedy completions of the task's held-out prompts scored by its verifier: ``{"format_acc",
+    "exact_acc", "answer_acc", "examples": [(prompt, completion, format, exact), ...]}``."""
     prompts = prompts if prompts is not None else task.eval_prompts()
     max_new_tokens = max_new_tokens or task.MAX_NEW_TOKENS
     verdicts, examples = [], []
@@ -39,41 +40,32 @@ def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int =
             for p, c in zip(chunk, decode_responses(tokenizer, out.response_ids, out.response_mask)):
                 verdicts.append(v := task.verify(p, c))
                 examples.append((p.text, c, v["format"], v["exact"]))
-    n = len(prompts)
-    return {**{f"{k}_acc": sum(v[k] for v in verdicts) / n for k in ("format", "exact", "answer")},
+    return {**{k: sum(v[k.removesuffix("_acc")] for v in verdicts) / len(prompts) for k in ACCURACIES},
             "examples": examples}
 
 
 def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: int = 512,
                      max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> dict:
-    """:func:`evaluate_task` with the held-out prompts split over processes: the accuracies are
-    global, the examples this process's."""
+    """:func:`evaluate_task` over processes: global accuracies, this process's examples."""
     prompts = task.eval_prompts()
     if not shard.distributed:
         return evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, prompts, stop)
     mine = prompts[shard.span(len(prompts))]
-    keys = ("format_acc", "exact_acc", "answer_acc")
     ev = evaluate_task(task, policy, tokenizer, device, batch_size, max_new_tokens, mine, stop) if mine \
-        else {**dict.fromkeys(keys, 0.0), "examples": []}
-    counts = torch.tensor([ev[k] * len(mine) for k in keys], dtype=torch.float64, device=shard.accelerator.device)
+        else {**dict.fromkeys(ACCURACIES, 0.0), "examples": []}
+    counts = torch.tensor([ev[k] * len(mine) for k in ACCURACIES], dtype=torch.float64,
+                          device=shard.accelerator.device)
     totals = shard.sum(counts) / len(prompts)
-    return {**{k: float(v) for k, v in zip(keys, totals.tolist())}, "examples": ev["examples"]}
-
-
-def evaluate_doubling(policy, tokenizer, device, batch_size: int = 512, max_new_tokens: int | None = None,
-                      prompts: list[doubling.Prompt] | None = None) -> dict:
-    """:func:`evaluate_task` on the doubling task."""
-    return evaluate_task(doubling, policy, tokenizer, device, batch_size, max_new_tokens, prompts)
+    return {**{k: float(v) for k, v in zip(ACCURACIES, totals.tolist())}, "examples": ev["examples"]}
 
 
 def evaluate_path(path: str, cfg) -> dict:
     """Evaluate a saved policy (HF directory, hub id or LoRA adapter) on ``run.task``; writes ``eval.json``."""
     device = resolve_device(cfg.run.device)
-    tok = load_tokenizer(path, cfg.model.trust_remote_code)
-    policy = load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.name).to(device)
+    policy, tok = _load(path, cfg, device)
     ev = evaluate_task(get_task(cfg.run.task), policy, tok, device, cfg.eval.batch_size, cfg.eval.max_new_tokens,
                        stop=cfg.ppo.stop)
-    result = {"path": path, "task": cfg.run.task, "format_acc": ev["format_acc"], "exact_acc": ev["exact_acc"], "answer_acc": ev["answer_acc"],
+    result = {"path": path, "task": cfg.run.task, **{k: ev[k] for k in ACCURACIES},
               "examples": [{"prompt": p, "completion": c, "format": f, "exact": e} for p, c, f, e in ev["examples"][:12]]}
     _write_eval(cfg, result)
     return result
@@ -102,8 +94,8 @@ class ScoredCompletions:
 
 @torch.no_grad()
 def completion_kl(policy, reference, roll: Rollout) -> torch.Tensor:
-    """``[B]``: the exact KL(pi(.|x, y_<t) || pi_ref(.|x, y_<t)) of each next-token distribution,
-    summed over each completion of ``roll`` (EOS included); both models share its tokenizer."""
+    """``[B]``: the exact KL(pi(.|x, y_<t) || pi_ref(.|x, y_<t)) summed over each completion of ``roll``
+    (EOS included); both models share its tokenizer."""
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]  # [B, T]
     logits, _ = policy_forward(policy, ids, mask, P)  # [B, R, V]
     ref_logits, _ = policy_forward(reference, ids, mask, P)  # [B, R, V]
@@ -142,9 +134,8 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
 
 
 def reward_means(scored: ScoredCompletions, shard: Shard | None = None, device=None) -> dict[str, float]:
-    """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>`` and,
-    with sources declared 0/1, ``eval/accuracy`` (the share they all scored 1), over every process's
-    share; a None score (NaN) is left out of its means."""
+    """``eval/reward`` (the total's mean), ``eval/reward/<source>``, ``eval/reward_std/<source>`` and
+    ``eval/accuracy`` (the share every declared 0/1 source scored 1) over every process; NaN is left out."""
     shard = shard or Shard()
     names = list(scored.scores)
     by_source = torch.stack([scored.scores[name] for name in names]) if names else torch.zeros(0, len(scored.total))
@@ -176,8 +167,7 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
                      batch_size: int = 512, max_new_tokens: int = 64, greedy: bool = True,
                      temperature: float = 1.0, seed: int = 0, shaping: dict | None = None,
                      stop: Sequence[str] = ()) -> dict[str, float]:
-    """:func:`reward_means` of the completions of held-out prompt records (:func:`complete_and_score`),
-    the records split over processes, the means global."""
+    """:func:`reward_means` of the held-out records' completions, the records split over processes."""
     shard = shard or Shard()
     scored = complete_and_score(policy, tokenizer, records[shard.span(len(records))], reward, device, batch_size, max_new_tokens,
                                 greedy, temperature, seed, shaping, stop)
@@ -185,8 +175,7 @@ def evaluate_rewards(policy, tokenizer, records: list, reward, device, shard: Sh
 
 
 def win_rate(model: torch.Tensor, baseline: torch.Tensor) -> float:
-    """The share of prompts on which ``model``'s score beats ``baseline``'s, a tie counting half;
-    prompts where either has no score (NaN) are left out."""
+    """The share of prompts where ``model``'s score beats ``baseline``'s, a tie half, a NaN left out."""
     both = ~(model.isnan() | baseline.isnan())
     wins = (model > baseline).double() + 0.5 * (model == baseline).double()
     return float(wins[both].mean())
@@ -202,23 +191,17 @@ class _Completed:
     limit: object = None  # the prompt limit the records were encoded to
 
 
-@dataclass
-class _Loaded:
-    policy: object
-    tokenizer: object
-
-
-def _load(path: str, cfg, device) -> _Loaded:
-    return _Loaded(load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.name).to(device),
-                   load_tokenizer(path, cfg.model.trust_remote_code))
+def _load(path: str, cfg, device) -> tuple:
+    """``(policy, tokenizer)`` saved at ``path``."""
+    return (load_policy(path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.model.name).to(device),
+            load_tokenizer(path, cfg.model.trust_remote_code))
 
 
 def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _Completed | None = None,
-                           loaded: _Loaded | None = None, reference: _Loaded | None = None) -> _Completed:
+                           loaded: tuple | None = None, reference: tuple | None = None) -> _Completed:
     """The policy at ``path`` (``loaded``: in memory) completes and scores ``data.path``'s prompts,
     reusing ``like``'s prompts and reward where its tokenizer and prompt limit are the same."""
-    loaded = loaded or _load(path, cfg, device)
-    tok, policy = loaded.tokenizer, loaded.policy
+    policy, tok = loaded or _load(path, cfg, device)
     key = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "ppo.max_new_tokens"
     limit = prompt_limit(cfg, context_window(policy), max_new_tokens, key)
     if like is not None and same_tokenizer(tok, like.tokenizer) and limit == like.limit:
@@ -227,7 +210,7 @@ def _complete_file_prompts(path: str, cfg, device, max_new_tokens: int, like: _C
         records = file_records(cfg.data.path, tok, cfg, limit=limit)
         reward = build_reward(cfg, tok, device)
     ec = cfg.eval
-    ref = reference.policy if reference is not None and same_tokenizer(tok, reference.tokenizer) else None
+    ref = reference[0] if reference is not None and same_tokenizer(tok, reference[1]) else None
     scored = complete_and_score(policy, tok, records, reward, device, ec.batch_size, max_new_tokens, ec.greedy,
                                 cfg.ppo.temperature, cfg.run.seed, sampling_settings(cfg.ppo), cfg.ppo.stop, ref)
     return _Completed(path, tok, records, reward, scored, limit)
@@ -257,9 +240,8 @@ def _sample_rows(model: _Completed, base: _Completed | None) -> list[dict]:
 
 
 def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
-    """Evaluate the policy at ``path`` on ``data.path``'s prompts scored by the reward, with
-    ``eval.baseline`` the win rates and ``kl_to_baseline`` (docs/data.md); writes
-    ``eval_samples.jsonl`` and ``eval.json`` (the returned summary)."""
+    """Score the policy at ``path``'s completions of ``data.path`` (with ``eval.baseline``: win rates and
+    ``kl_to_baseline``, docs/data.md); writes ``eval_samples.jsonl`` and ``eval.json``, the result."""
     if not cfg.data.path:
         raise ValueError("data.path is empty: give the prompts to evaluate on (a JSONL of {\"prompt\": ...})")
     if not cfg.reward.name and not cfg.reward.function:
@@ -276,9 +258,8 @@ def evaluate_files(path: str, cfg, baseline: str | None = None) -> dict:
     model = _complete_file_prompts(path, cfg, device, max_new_tokens, reference=base_model)
     base = _complete_file_prompts(baseline, cfg, device, max_new_tokens, like=model, loaded=base_model) \
         if baseline else None
-    n = len(model.records)
-    result = {"path": path, "data": str(cfg.data.path), "prompts": n, "max_new_tokens": max_new_tokens,
-              "greedy": cfg.eval.greedy, **reward_means(model.scored)}
+    result = {"path": path, "data": str(cfg.data.path), "prompts": len(model.records),
+              "max_new_tokens": max_new_tokens, "greedy": cfg.eval.greedy, **reward_means(model.scored)}
     if base is not None:
         result["baseline"] = {"path": baseline, **reward_means(base.scored)}
         result["win_rate"] = win_rate(model.scored.total, base.scored.total)

@@ -1,6 +1,5 @@
-"""Where RL prompts come from: the user's files (:class:`FilePrompts`, ``data.path``) or a
-built-in task (:class:`TaskPrompts`, ``run.task``), as :class:`PromptRecord` s whose other
-columns travel with the rows (grouping, shards, checkpoints) to the reward functions."""
+"""RL prompts from the user's files (``data.path``) or a built-in task (``run.task``), as records whose
+other columns travel with the rows (groups, shards, checkpoints) to the reward functions."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ class PromptRecord:
 
 
 class FilePrompts:
-    """The user's records in epochs, each a seeded permutation, batches taken across epoch
-    boundaries; :meth:`state_dict` is the exact position (for kill-and-resume)."""
+    """The user's records in seeded epochs, batches taken across their boundaries; :meth:`state_dict`
+    is the exact position (for kill-and-resume)."""
 
     def __init__(self, records: list[PromptRecord], seed: int):
         if not records:
@@ -83,8 +82,8 @@ def task_records(task, prompts) -> list[PromptRecord]:
 
 
 def file_records(source, tok, cfg, what: str = "data.path", limit: int | Limit | None = None) -> list[PromptRecord]:
-    """Records from a file, directory or hub dataset, tokenised once; prompts over ``limit``
-    tokens (default ``data.max_prompt_length``) follow ``data.truncation``."""
+    """Records from a file, directory or hub dataset, tokenised once; prompts over ``limit`` (default
+    ``data.max_prompt_length``) follow ``data.truncation``."""
     dc = cfg.data
     limit = dc.max_prompt_length if limit is None else limit
     examples = load_prompts(source, tok, split=dc.split or None)
@@ -123,8 +122,7 @@ class PromptData:
 
 
 def new_tokens(cfg, task=None) -> tuple[int, str]:
-    """The most tokens an RL run samples after a prompt (training or held-out) and the key
-    that sets it (unset: the built-in task's answer length)."""
+    """The most tokens an RL run samples after a prompt (training or held-out) and the key that sets it."""
     default = task.MAX_NEW_TOKENS if task is not None and not cfg.data.path else 0
     train = cfg.ppo.max_new_tokens or default
     held = cfg.eval.max_new_tokens or default or train  # held-out prompts of a file: as in training
@@ -132,8 +130,7 @@ def new_tokens(cfg, task=None) -> tuple[int, str]:
 
 
 def prompt_limit(cfg, context: int | None, new: int, new_key: str) -> int | Limit:
-    """The longest prompt: ``data.max_prompt_length``, or less where ``context`` must also hold
-    ``new`` sampled tokens."""
+    """``data.max_prompt_length``, or less where ``context`` must also hold ``new`` sampled tokens."""
     return context_limit("data.max_prompt_length", cfg.data.max_prompt_length, context, new, new_key)
 
 
@@ -149,8 +146,8 @@ def check_task_fits(task, tok, context: int | None, new: int, new_key: str) -> N
 
 
 def prompt_data(cfg, tok, task, context: int | None = None) -> PromptData:
-    """``data.path`` (held out: ``data.eval_path`` or ``data.eval_fraction``) when set, else
-    the task's prompts and held-out set; prompts plus new tokens must fit ``context``."""
+    """``data.path`` (held out: ``data.eval_path`` or ``data.eval_fraction``), else the task's prompts and
+    held-out set; prompts plus new tokens must fit ``context``."""
     dc = cfg.data
     new, new_key = new_tokens(cfg, task)
     if not dc.path:

@@ -1,8 +1,7 @@
-"""Configuration: nested frozen dataclasses, YAML files, dotted overrides, validation.
+"""Configuration: nested frozen dataclasses (config.sections, config.ppo), YAML files, dotted overrides.
 
-``load_config(path, ["ppo.kl_coef=0.1", "run.seed=3"])`` reads the YAML (if any), applies the overrides in
-order and returns a validated :class:`Config`; an unknown key or an ill-typed value raises :class:`ConfigError`
-naming the key, with a "did you mean", before any work starts. Sections: config.sections, config.ppo.
+``load_config(path, ["ppo.kl_coef=0.1"])`` returns a validated :class:`Config`; an unknown key or an ill-typed
+value raises :class:`ConfigError` naming the key, with a "did you mean", before any work starts.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +52,7 @@ __all__ = ["ALGO_DEFAULTS", "ALGO_KEYS", "LORA_DEFAULTS", "MOVED_KEYS", "PER_SEQ
            "REGIME_DEFAULTS", "REGIME_NAMES", "TRL_KEYS", "AccelConfig", "ChatConfig", "Config", "ConfigError",
            "DataConfig", "DemoConfig", "DPOConfig", "EnvConfig", "EvalConfig", "GridworldConfig", "ModelConfig",
            "PPOConfig", "PretrainConfig", "RewardConfig", "RunConfig", "Section", "SFTConfig", "ValueConfig",
-           "callable_name", "check_values", "dump_config", "from_dict", "key_docs", "key_groups", "key_types",
+           "callable_name", "dump_config", "from_dict", "key_docs", "key_groups", "key_types",
            "key_value", "load_config", "parse_override", "regime_value", "save_config", "type_name"]
 
 
@@ -89,7 +87,7 @@ class Config:
     accel: AccelConfig = field(default_factory=AccelConfig)
 
     def __post_init__(self):
-        # the algorithm keys the ppo section left unset take this policy's values (LORA_DEFAULTS with LoRA)
+        # the ppo section's unset algorithm keys take this policy's values (LORA_DEFAULTS with LoRA)
         values = {k: v for k, v in algo_defaults(self.ppo.algo, bool(self.model.lora_r)).items()
                   if k in self.ppo._defaulted and getattr(self.ppo, k) != v}
         # the critic: a model of its own only when value.name or value.lora names one, or ppo.value_init
@@ -112,8 +110,8 @@ class Config:
                 for f in dataclasses.fields(self) for sec in [getattr(self, f.name)]}
 
     def _as_given(self) -> dict[str, Any]:
-        """:meth:`to_dict` with the algorithm keys left unset as None: what a copy is built from, so that
-        they follow a later ppo.algo or model.lora_r while the keys the user set keep their values."""
+        """:meth:`to_dict` with the unset algorithm keys as None, so that a copy's follow its ppo.algo and
+        model.lora_r while the keys the user set keep their values."""
         data = self.to_dict()
         data["ppo"].update(dict.fromkeys(self.ppo._defaulted))
         return data
@@ -134,8 +132,8 @@ def algo_defaults(algo: str, lora: bool) -> dict[str, Any]:
 
 
 def follow_value_model(data: dict[str, Any], given: set[str]) -> None:
-    """Unset ppo.value_model when value.name, value.lora or ppo.value_init is ``given`` without it, so that
-    Config resolves it again (a saved config.yaml records the shared head of every run that had one)."""
+    """Unset ppo.value_model when value.name, value.lora or ppo.value_init is ``given`` without it, for
+    Config to resolve again (a saved config.yaml records every shared head)."""
     ppo = data.get("ppo")
     if isinstance(ppo, dict) and "ppo.value_model" not in given and given & {"value.name", "value.lora", "ppo.value_init"}:
         ppo["value_model"] = None
@@ -147,8 +145,8 @@ def _suggest(name: str, options) -> str:
 
 
 def _key_suggestion(data: dict, section: str | None, name: str, prefer: Sequence[str] = ()) -> str:
-    """" Did you mean ...?" for an unknown key ``name`` (in ``section``, or given with none): dotted keys,
-    the sections in ``prefer`` (a command's own) first; for a name of TRL's, its rlhfkit key (TRL_KEYS)."""
+    """" Did you mean ...?" for an unknown key ``name`` (in ``section``, or with none): dotted keys, the
+    sections in ``prefer`` (a command's own) first; for a name of TRL's, its rlhfkit key (TRL_KEYS)."""
     order = [s for s in dict.fromkeys([*prefer, *data]) if isinstance(data.get(s), dict)]
     # a TRL name: in the section given, or in the first section holding the name as a key of its own or TRL's
     first = section or next((s for s in order if name in data[s] or name in TRL_KEYS.get(s, {})), "")
@@ -178,7 +176,6 @@ KEY_ALIASES = {"env.class": "env.cls"}
 def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> None:
     """``data[section][key] = value`` for ``'section.key'``; ConfigError naming the key to use if none."""
     dotted = KEY_ALIASES.get(dotted, dotted)
-    check_moved(dotted)
     sec, _, rest = dotted.partition(".")
     if "." not in dotted:
         if dotted not in data:  # a key without its section
@@ -190,31 +187,36 @@ def _set(data: dict, dotted: str, value: Any, prefer: Sequence[str] = ()) -> Non
         close = difflib.get_close_matches(sec, [s for s in data if isinstance(data[s], dict)], n=1)
         hint = f" Did you mean '{close[0]}.{rest}'?" if close and rest in data[close[0]] else _suggest(sec, data)
         raise ConfigError(f"unknown config section '{sec}' (top level).{hint}")
-    if rest not in data[sec]:
-        raise ConfigError(f"unknown config key '{dotted}'.{_key_suggestion(data, sec, rest, prefer)}")
+    _check_key(data, sec, rest, prefer)
     data[sec][rest] = value
+
+
+def _check_key(data: dict, sec: str, name: str, prefer: Sequence[str] = ()) -> None:
+    """ConfigError for a key ``sec.name`` that moved or that section ``sec`` of ``data`` lacks."""
+    check_moved(f"{sec}.{name}")
+    if name not in data[sec]:
+        raise ConfigError(f"unknown config key '{sec}.{name}'.{_key_suggestion(data, sec, name, prefer)}")
 
 
 def from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from a nested dict (missing keys take defaults)."""
     if not isinstance(data, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
-    hints = typing.get_type_hints(Config)
-    sections = {}
+    hints, sections = _hints(Config), {}
+    keys = {s: _hints(c) for s, c in hints.items()}
     for sec, values in data.items():
         if sec not in hints:
             raise ConfigError(f"unknown config section '{sec}'.{_suggest(sec, hints)}")
-        cls, values = hints[sec], {} if values is None else values
+        values = {} if values is None else values
         if not isinstance(values, dict):
             raise ConfigError(f"config section '{sec}' must be a mapping, got {values!r}")
         for key in values:
-            check_moved(f"{sec}.{key}")
-            if key not in _hints(cls):
-                keys = {s: _hints(c) for s, c in hints.items()}
-                raise ConfigError(f"unknown config key '{sec}.{key}'.{_key_suggestion(keys, sec, key)}")
-        sections[sec] = cls(**values)  # type- and range-checked by Section.__post_init__
+            _check_key(keys, sec, key)
+        sections[sec] = hints[sec](**values)  # type- and range-checked by Section.__post_init__
     cfg = Config(**sections)
-    check_values(cfg)
+    if cfg.model.n_embd % cfg.model.n_head:  # what a range cannot say
+        raise ConfigError(f"config key 'model.n_embd' ({cfg.model.n_embd}) must be a multiple of "
+                          f"model.n_head ({cfg.model.n_head})")
     return cfg
 
 
@@ -232,8 +234,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None,
                 prefer: Sequence[str] = ()) -> Config:
-    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated; ``prefer``: the sections an
-    unknown key's suggestions come from first (the command's own)."""
+    """Defaults (or ``base``) <- YAML file <- dotted overrides, validated; an unknown key's suggestions
+    come from the sections in ``prefer`` (the command's own) first."""
     data, given = (base or Config())._as_given(), set()
     if path is not None:
         try:
@@ -270,8 +272,8 @@ def key_docs() -> dict[str, dict[str, str]]:
 
 
 def key_groups() -> dict[str, list[tuple[str, str, list[str]]]]:
-    """``{section: [(heading, description, keys), ...]}``: the ``ppo`` section's keys by the concern that
-    holds them (``PPOSampling`` -> ``'Sampling'``, its docstring); any other section is one group."""
+    """``{section: [(heading, description, keys), ...]}``: the ``ppo`` section's keys by concern
+    (``PPOSampling`` -> ``'Sampling'``, its docstring); any other section is one group."""
     return {sec: [(part.__name__.removeprefix("PPO"), inspect.cleandoc(part.__doc__), list(_hints(part)))
                   for part in reversed(cls.__bases__) if dataclasses.is_dataclass(part)]
             or [("", "", list(_hints(cls)))] for sec, cls in _hints(Config).items()}
@@ -286,8 +288,8 @@ CALLABLE_PLACEHOLDER = "<callable>"  # what config.yaml records for a callable w
 
 
 def callable_name(fn: Callable) -> str:
-    """``'module:qualname'`` of a function a later run can import, else ``'<callable>'`` (a lambda, a
-    nested function, one defined in ``__main__`` such as a notebook's)."""
+    """``'module:qualname'`` of a function a later run can import, else ``'<callable>'`` (a lambda, a nested
+    function, one defined in ``__main__`` such as a notebook's)."""
     module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not module or module == "__main__" or not qual or "<" in qual:
         return CALLABLE_PLACEHOLDER
@@ -312,10 +314,3 @@ def dump_config(cfg: Config) -> str:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(dump_config(cfg), encoding="utf-8")
-
-
-def check_values(cfg: Config) -> None:
-    """ConfigError for a tiny model whose width is not a multiple of its heads (ranges: each section's own)."""
-    if cfg.model.n_embd % cfg.model.n_head:
-        raise ConfigError(f"config key 'model.n_embd' ({cfg.model.n_embd}) must be a multiple of "
-                          f"model.n_head ({cfg.model.n_head})")

@@ -19,8 +19,7 @@ class ConfigError(ValueError):
 ConfigError.__module__ = "rlhfkit.config"  # its public name, as tracebacks and the API reference show it
 
 
-# keys that moved to another section: the old dotted name -> the new one. Every route that sets a
-# key (the command line, a config file, Config.replace, a section's constructor) refuses the old name.
+# keys that moved to another section: the old dotted name -> the new one, refused on every route
 MOVED_KEYS = {"run.threads": "accel.threads", "run.malloc": "accel.malloc", "ppo.cuda_graph": "accel.cuda_graph",
               "ppo.offload": "accel.offload", "ppo.update_off_heap": "accel.update_off_heap"}
 
@@ -40,7 +39,7 @@ def check_moved(dotted: str) -> None:
 
 class Section:
     """Base of the section dataclasses: every value is type- and range-checked (RANGES) when the section is
-    built, from Python as from the command line (``PPOConfig(steps="3")`` fails as ``ppo.steps='3'`` does)."""
+    built, from Python as from the command line (``PPOConfig(steps="3")`` fails as ``ppo.steps='3'``)."""
 
     def __new__(cls, /, *args, **kwargs):  # positional-only: env.cls is a key
         for name in kwargs:  # PPOConfig(cuda_graph=True): the key's new place, not a TypeError

@@ -1,6 +1,5 @@
-"""The ``ppo`` section of the RL commands (ppo, grpo, rloo, reinforce), built from one small
-dataclass per concern; every key keeps its flat name ``ppo.<key>``. What each key does in detail,
-and what TRL, OpenRLHF or DeepSpeed-Chat do instead: docs/algorithms/ppo.md and grpo.md."""
+"""The RL commands' ``ppo`` section, one small dataclass per concern, every key named ``ppo.<key>``; each key
+in detail, beside TRL's, OpenRLHF's and DeepSpeed-Chat's: docs/algorithms/ppo.md and grpo.md."""
 
 from __future__ import annotations
 
@@ -10,10 +9,8 @@ from typing import Any, Literal
 
 from .base import ConfigError, Section, key
 
-# The keys of the `ppo` section that depend on ppo.algo (set by rlhfkit ppo/grpo/rloo/reinforce). One left
-# unset (None) takes its algorithm's value, and its policy's (LORA_DEFAULTS with model.lora_r > 0), and follows
-# a later change of either on every route; a key the user set keeps its value (null unsets it). Why these
-# values: docs/algorithms/ppo.md (k1 in the reward beside a k3 loss term) and grpo.md (the critic-free recipe).
+# The keys that depend on ppo.algo: one left unset (None) takes its algorithm's value (LORA_DEFAULTS' with
+# model.lora_r > 0) and follows later changes of either; one the user set keeps it. Why: docs/algorithms/.
 ALGO_KEYS = ("group_size", "kl_coef", "kl_estimator", "kl_in_loss", "normalize_reward", "forward_kl_coef")
 _CRITIC_FREE = {"normalize_reward": False, "kl_in_loss": True, "kl_estimator": "k3", "kl_coef": 0.3,
                 "group_size": 4, "forward_kl_coef": 0.0}
@@ -39,32 +36,26 @@ class PPOBatches:
         "'grpo' (group-relative), 'rloo' (leave-one-out), 'reinforce' (batch-mean baseline). Set by the command "
         "(rlhfkit ppo/grpo/rloo/reinforce).")
     steps: int = key(200, "Rollout + update iterations (upper bound; see stop_at).")
-    batch_size: int = key(64, "Completions per rollout (= prompts for ppo/reinforce; prompts x group_size for "
-        "grpo/rloo).")
-    group_size: int = key(None, "Completions per prompt for grpo/rloo; unset: the algorithm's "
-        "(config.ALGO_DEFAULTS).")
-    samples_per_prompt: int = key(1, "Completions per prompt for ppo/reinforce, in consecutive rows; a repeated "
-        "prompt is computed once.")
+    batch_size: int = key(64, "Completions per rollout (prompts x group_size for grpo/rloo).")
+    group_size: int = key(None, "Completions per prompt for grpo/rloo (unset: config.ALGO_DEFAULTS).")
+    samples_per_prompt: int = key(1, "Completions per prompt for ppo/reinforce, in consecutive rows.")
     minibatch_size: int = key(32, "Sequences per optimizer step.")
     micro_batch_size: int = key(0, "Sequences per forward and backward pass, per process; the gradient equals the "
         "whole minibatch's (0 = the whole minibatch at once).")
     ppo_epochs: int = key(2, "Passes over each rollout (TRL's num_iterations).")
-    minibatch_draw: Literal["epoch", "rollout"] = key("epoch", "How a rollout's rows (whole groups or prompts) "
-        "are dealt into minibatches: a new partition every 'epoch', or one per 'rollout' kept for every epoch "
-        "(TRL's GRPOTrainer).")
+    minibatch_draw: Literal["epoch", "rollout"] = key("epoch", "How a rollout's rows (groups or prompts) "
+        "are dealt into minibatches: anew every 'epoch', or once per 'rollout' (TRL's GRPOTrainer).")
 
 
 @dataclass(frozen=True)
 class PPOOptimizer:
     """The AdamW learning rates, their schedule and the gradient clip."""
     lr: float | None = key(None, "Actor learning rate (AdamW). Unset: by model.regime (config.REGIME_DEFAULTS).")
-    value_lr: float | None = key(None, "Critic learning rate (value head or value model). Unset: by model.regime, "
-        "ten times the actor's.")
+    value_lr: float | None = key(None, "Critic learning rate. Unset: by model.regime, ten times the actor's.")
     lr_schedule: Literal["constant", "linear", "cosine"] = key("constant", "Both learning rates after the warm-up "
         "over ppo.steps: constant, linear decay to 0 (TRL's default) or cosine to 0.")
     warmup_steps: int = key(0, "Linear warm-up of both learning rates over the first this many steps (0 = none).")
-    warmup_ratio: float = key(0.0, "The warm-up as a share of ppo.steps (rounded up), instead of "
-        "ppo.warmup_steps.")
+    warmup_ratio: float = key(0.0, "Warm-up as a share of ppo.steps (rounded up); or ppo.warmup_steps.")
     max_grad_norm: float = key(1.0, "Gradient-norm clip, per model.")
 
 
@@ -78,8 +69,7 @@ class PPOSampling:
         "off-policy (see sampling_correction).")
     top_p: float = key(1.0, "Nucleus sampling: the smallest set of most likely tokens holding top_p of the "
         "probability (after top_k); 1.0 = off.")
-    min_p: float = key(0.0, "Only tokens at least min_p times as likely as the most likely one (transformers' "
-        "MinP); 0 = off.")
+    min_p: float = key(0.0, "Keep tokens at least min_p times the top one's probability (MinP); 0 = off.")
     repetition_penalty: float = key(1.0, "transformers' repetition penalty on tokens already in the prompt or "
         "response; 1.0 = off, > 1 discourages repeats.")
     sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
@@ -145,8 +135,7 @@ class PPOLoss:
         "advantage (TRL's default).")
     sapo_temperature_neg: float = key(1.05, "loss_type=sapo: the gate's temperature on tokens with a zero or "
         "negative advantage (TRL's default).")
-    entropy_coef: float = key(0.0, "Weight of the entropy bonus, reduced by ppo.loss_type as every per-token "
-        "loss.")
+    entropy_coef: float = key(0.0, "Entropy bonus weight, reduced by ppo.loss_type as every per-token loss.")
 
 
 @dataclass(frozen=True)
@@ -160,8 +149,7 @@ class PPOCritic:
         "both.")
     gamma: float = key(1.0, "Discount.")
     lam: float = key(0.95, "GAE lambda.")
-    whiten_advantages: bool = key(True, "Normalise the GAE advantages to mean 0 / std 1 over the rollout's "
-        "response tokens, across processes.")
+    whiten_advantages: bool = key(True, "Whiten the GAE advantages over every process's response tokens.")
     vf_coef: float = key(0.5, "Weight of the value loss.")
     value_clip_range: float | None = key(None, "Value clip around the rollout-time values; None disables it.")
     critic_warmup_steps: int = key(3, "Initial steps that update only the critic.")
@@ -174,8 +162,7 @@ class PPOEvaluation:
     stop_at: float = key(0.99, "Stop once the held-out metric ppo.stop_metric reaches this (0 = run all steps).")
     stop_metric: str = key("", "Held-out metric for stop_at, keep_best and the eval-drop watch (empty: the first "
         "of eval/exact_acc, eval/accuracy, eval/reward the evaluation logs).")
-    keep_best: bool = key(False, "Save the policy (and critic) of the best evaluation on the stop metric, not the "
-        "last step's.")
+    keep_best: bool = key(False, "Save the policy (and critic) at the best stop metric, not the last step's.")
 
 
 @dataclass(frozen=True)
@@ -183,8 +170,7 @@ class PPOGuards:
     """The reward-hacking watch (rlhfkit.watch): each flags a guard/* metric; 0 turns it off."""
     guard_kl: float = key(1.5, "Flag guard/kl_high when the KL per response token exceeds this many nats while "
         "ppo.stop_metric has fallen below its best.")
-    guard_eos: float = key(0.5, "Flag guard/eos_collapse when the EOS rate falls below this share of its early "
-        "mean.")
+    guard_eos: float = key(0.5, "Flag guard/eos_collapse at an EOS rate below this share of its early mean.")
     guard_eval_drop: float = key(0.15, "Flag guard/eval_drop when ppo.stop_metric falls more than this share "
         "below its best.")
     guard_tradeoff: float = key(0.3, "Flag guard/reward_tradeoff when one reward source falls more than this "
@@ -197,15 +183,13 @@ class PPOLogging:
     samples_per_log: int = key(4, "Generations saved to samples.jsonl per step.")
     trajectories_every: int = key(10, "Save per-token trajectories to trajectories.jsonl at the first, every N-th "
         "and the last step, for ``rlhfkit report`` (0 = never).")
-    trajectories_per_step: int = key(2, "Rows of the batch saved each time, spread over the score ranks (lowest "
-        "and highest first).")
+    trajectories_per_step: int = key(2, "Rows saved each time, spread over the score ranks.")
 
 
 @dataclass(frozen=True)
 class PPOConfig(PPOLogging, PPOGuards, PPOEvaluation, PPOCritic, PPOLoss, PPOKL, PPORewards, PPOSampling,
                 PPOOptimizer, PPOBatches, Section):
-    """The RL commands' settings, one base a concern; a dataclass takes its bases' fields last base first,
-    so the keys run from PPOBatches' to PPOLogging's. TRL's choices beside them: docs/ppo_walkthrough.md."""
+    """The RL commands' settings, one base a concern; fields run last base first (PPOBatches' first)."""
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # the key was a bool before it had three values

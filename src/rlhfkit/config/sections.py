@@ -9,9 +9,8 @@ from typing import Any, Literal
 
 from .base import ConfigError, Section, key
 
-# The learning rates left unset (None), by what the trained model starts from (model.regime), resolved where
-# the model is loaded: the tiny models' tuned rates, TRL's fine-tuning rates for a pretrained checkpoint, ten
-# times those through LoRA but for RL (the rates measured on the chat model). Why: docs/real-models.md.
+# The learning rates left unset (None) by what the model starts from (model.regime), resolved at loading:
+# tuned from scratch, TRL's if pretrained, ten times those with LoRA (RL's measured); docs/real-models.md.
 REGIME_DEFAULTS: dict[str, dict[str, float | int]] = {
     "scratch": {"sft.lr": 1e-3, "sft.warmup_steps": 20, "dpo.lr": 1e-3, "reward.lr": 1e-3, "ppo.lr": 3e-4,
                 "ppo.value_lr": 3e-3},
@@ -37,12 +36,10 @@ class RunConfig(Section):
         "NaN/inf loss or gradient norm (each counted in guard/skipped_updates).")
     log_every: int = key(0, "Write a metrics row every this many optimizer steps, and after the last step and "
         "every evaluation; 0 = the command's own interval.")
-    tensorboard: bool = key(True, "Write every logged metric as TensorBoard events under OUT_DIR/tb/ too "
-        "(tensorboardX).")
+    tensorboard: bool = key(True, "Write the metrics as TensorBoard events in OUT_DIR/tb/ too.")
     trackers: str = key("", "Extra experiment trackers, comma-separated: 'wandb', 'trackio' (each must be "
         "installed; empty = none).")
-    checkpoint_every: int = key(100, "Write a checkpoint to OUT_DIR/checkpoints/ every this many optimizer steps; "
-        "0 = never.")
+    checkpoint_every: int = key(100, "Checkpoint to OUT_DIR/checkpoints/ every N optimizer steps; 0 = never.")
     keep_checkpoints: int = key(2, "Newest checkpoints kept; older ones are deleted.")
     resume: bool = key(False, "Continue from the newest complete checkpoint in run.out_dir (``--resume``); use "
         "the same config.")
@@ -56,16 +53,13 @@ class ModelConfig(Section):
     n_layer: int = key(2, "Tiny GPT-2 depth (only when building from scratch).")
     n_head: int = key(4, "Tiny GPT-2 attention heads.")
     n_embd: int = key(64, "Tiny GPT-2 width.")
-    trust_remote_code: bool = key(False, "Allow model code from the checkpoint's repository (off unless you trust "
-        "it).")
+    trust_remote_code: bool = key(False, "Run the checkpoint's own model code (only if you trust it).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = key("float32", "Weight dtype of every loaded "
         "model: 'auto' keeps the checkpoint's own; bfloat16 with LoRA or model.master_weights for large models.")
     master_weights: bool = key(False, "With model.dtype=bfloat16, full fine-tuning in bfloat16 arithmetic on "
         "float32 weights and AdamW (TRL's bf16=True); off with LoRA.")
-    gradient_checkpointing: bool = key(False, "Recompute activations in the backward pass of the trained models "
-        "(less memory, more compute).")
-    lora_r: int = key(0, "LoRA rank for the policy (peft); 0 trains all weights. The reference is the policy with "
-        "its adapter disabled.")
+    gradient_checkpointing: bool = key(False, "Recompute activations in the backward (less memory, slower).")
+    lora_r: int = key(0, "Policy LoRA rank (peft; 0 = all weights); the reference is the policy without it.")
     lora_alpha: float = key(16.0, "LoRA scaling numerator: the update is (lora_alpha / lora_r) * B @ A.")
     lora_dropout: float = key(0.0, "Dropout on the LoRA input for sft, dpo and rm; the RL commands set it to 0.")
     lora_target_modules: str = key("all-linear", "Comma-separated module names the adapter wraps (e.g. "
@@ -118,14 +112,11 @@ class RewardConfig(Section):
     batch_size: int = key(64, "Preference pairs per step.")
     lr: float | None = key(None, "AdamW learning rate. Unset: by model.regime (config.REGIME_DEFAULTS).")
     margin: float = key(0.0, "Required gap r_chosen - r_rejected in the loss (0 for plain Bradley-Terry).")
-    center_coef: float = key(0.01, "Weight of the centring term mean((r_c + r_r)^2): scores comparable across "
-        "prompts.")
+    center_coef: float = key(0.01, "Weight of mean((r_c + r_r)^2), keeping scores comparable across prompts.")
     hard_negatives: float = key(0.5, "Share of pairs whose rejected answer mixes sets or lacks EOS (0 = only "
         "other-set answers).")
-    freeze_backbone: bool = key(False, "Train only the scalar head, backbone frozen, as reward-model explainers "
-        "often do.")
-    init_from: str = key("policy", "'policy' starts the backbone from the pretrained policy, 'scratch' from "
-        "random init.")
+    freeze_backbone: bool = key(False, "Train only the scalar head, the backbone frozen.")
+    init_from: str = key("policy", "Backbone from the pretrained 'policy' or from 'scratch' (random init).")
     eval_pairs: int = key(512, "Held-out pairs for rm/accuracy and rm/delta.")
     micro_batch_size: int = key(0, "Pairs per forward and backward pass, per process; the gradient equals the "
         "whole batch's (0 = the whole batch at once).")
@@ -133,10 +124,8 @@ class RewardConfig(Section):
 
 @dataclass(frozen=True)
 class ValueConfig(Section):
-    name: str = key("", "Separate value model (PPO): a local path or hub id, given a scalar head; empty: "
-        "ppo.value_init decides.")
-    lora: bool = key(False, "Train the separate value model through a LoRA adapter (model.lora_*); its head stays "
-        "trainable.")
+    name: str = key("", "Separate value model: path or hub id, given a scalar head (empty: ppo.value_init).")
+    lora: bool = key(False, "Train the separate value model through LoRA (model.lora_*), its head in full.")
 
 
 @dataclass(frozen=True)
@@ -153,14 +142,10 @@ class DataConfig(Section):
     path: str = key("", "Your training data: a JSONL / JSON / Parquet / CSV file, a saved dataset directory or a "
         "hub id; empty: the built-in task's. Formats: docs/data.md.")
     split: str = key("", "Split of a dataset directory or hub id (empty: 'train').")
-    eval_path: str = key("", "Held-out data in the same format as data.path (empty: data.eval_fraction of "
-        "data.path).")
-    eval_fraction: float = key(0.0, "Share of data.path held out for evaluation when data.eval_path is empty (0: "
-        "none).")
-    max_prompt_length: int = key(512, "Longest RL prompt in tokens, lowered to the model's context less the new "
-        "tokens.")
-    max_length: int = key(512, "Longest tokenized example (prompt + completion + EOS), lowered to the model's "
-        "context.")
+    eval_path: str = key("", "Held-out data, formatted as data.path (empty: data.eval_fraction of it).")
+    eval_fraction: float = key(0.0, "Share of data.path held out when data.eval_path is empty (0: none).")
+    max_prompt_length: int = key(512, "Longest RL prompt in tokens, at most the context less the new tokens.")
+    max_length: int = key(512, "Longest tokenized example (prompt, completion, EOS), at most the context.")
     truncation: Literal["left", "error"] = key("left", "Too long: 'left' drops prompt tokens from the start, "
         "'error' stops with the record named.")
     completion_only: bool = key(True, "SFT loss on completion tokens only (False: every token after the first).")
@@ -187,20 +172,15 @@ class DPOConfig(Section):
     steps: int = key(300, "Optimizer steps (upper bound; stops early at stop_at_format).")
     batch_size: int = key(64, "Preference pairs per step.")
     lr: float | None = key(None, "AdamW learning rate. Unset: by model.regime (config.REGIME_DEFAULTS).")
-    num_pairs: int = key(4096, "Size of the built-in task's fixed preference set; with data.path every pair of "
-        "the file.")
+    num_pairs: int = key(4096, "Pairs in the built-in task's preference set; with data.path, all the file's.")
     loss: Literal["sigmoid", "ipo", "ipo_sum"] = key("sigmoid", "'sigmoid': DPO's; 'ipo': IPO's over per-token "
         "mean log-probs (TRL's); 'ipo_sum': IPO's over summed log-probs (the paper's). See "
         "docs/algorithms/dpo.md.")
-    nll_coef: float = key(1.0, "Weight of the chosen answers' per-token NLL added to the preference loss (RPO); 0 "
-        "= plain DPO.")
-    disable_dropout: bool = key(True, "Turn every dropout off, the LoRA adapter's included (TRL's "
-        "disable_dropout).")
-    precompute_ref: bool = key(True, "Compute reference log-probs once before training (False: a reference "
-        "forward per batch).")
+    nll_coef: float = key(1.0, "Weight of an NLL term on the chosen answers, per token (RPO); 0 = plain DPO.")
+    disable_dropout: bool = key(True, "Turn every dropout off, LoRA's too (TRL's disable_dropout).")
+    precompute_ref: bool = key(True, "Reference log-probs once, before training (False: once per batch).")
     eval_every: int = key(25, "Held-out evaluation every N steps and at the end (0 = only at the end).")
-    stop_at_format: float = key(0.0, "Stop once held-out format accuracy reaches this (0 = run all steps; "
-        "built-in task only).")
+    stop_at_format: float = key(0.0, "Stop at this held-out format accuracy (0: never; built-in task only).")
     micro_batch_size: int = key(0, "Pairs per forward and backward pass, per process; the gradient equals the "
         "whole batch's (0 = the whole batch at once).")
 
@@ -208,14 +188,12 @@ class DPOConfig(Section):
 @dataclass(frozen=True)
 class EvalConfig(Section):
     batch_size: int = key(512, "Prompts per greedy-decoding batch.")
-    greedy: bool = key(True, "Held-out completions by greedy decoding (False: sampled at ppo.temperature, fixed "
-        "seed).")
+    greedy: bool = key(True, "Greedy held-out completions (False: sampled at ppo.temperature, fixed seed).")
     max_new_tokens: int | None = key(None, "Longest answer decoded (None: the task's longest answer; with "
         "data.path, ppo.max_new_tokens).")
     accuracy_reward: str = key("", "Reward source(s) whose 0/1 scores define eval/accuracy (comma-separated); "
         "empty: those declared binary (``fn.binary = True``).")
-    baseline: str = key("", "A model or run directory whose completions of the same prompts are scored alike, for "
-        "a win rate.")
+    baseline: str = key("", "A model or run directory scored on the same prompts, for win rates.")
 
 
 @dataclass(frozen=True)
@@ -233,8 +211,7 @@ class GridworldConfig(Section):
     lr: float = key(1e-2, "Adam learning rate (policy and value networks).")
     gamma: float = key(0.95, "Discount of the training targets (the reported return is undiscounted).")
     lam: float = key(0.9, "GAE lambda (ppo).")
-    drunk: float = key(0.0, "Probability that a move goes in a uniformly random direction instead of the intended "
-        "one.")
+    drunk: float = key(0.0, "Chance a move goes in a uniformly random direction, not the intended one.")
     max_steps: int = key(20, "Moves per episode before it is cut off.")
     hidden: int = key(32, "Hidden width of the policy and value MLPs.")
     ppo_epochs: int = key(4, "Passes over each rollout (ppo).")
@@ -242,18 +219,15 @@ class GridworldConfig(Section):
     clip_range: float = key(0.2, "PPO ratio clip epsilon.")
     vf_coef: float = key(0.5, "Weight of the value loss (ppo).")
     entropy_coef: float = key(0.01, "Weight of the entropy bonus.")
-    reward_scale: float = key(0.01, "Rewards are multiplied by this for training, so the critic's targets are of "
-        "order 1.")
+    reward_scale: float = key(0.01, "Factor on the training rewards, so the critic's targets are of order 1.")
 
 
 @dataclass(frozen=True)
 class EnvConfig(Section):
-    cls: Any = key("", "Multi-turn environment for the RL commands (written ``env.class``): an "
-        "rlhfkit.envs.Environment named 'module:Name' or 'path/to/file.py:Name'; empty: one completion per "
-        "prompt.")
+    cls: Any = key("", "Multi-turn environment for the RL commands (written ``env.class``): a "
+        "rlhfkit.envs.Environment 'module:Name' or 'path/to/file.py:Name'; empty: single-turn.")
     max_turns: int = key(0, "Most model turns per episode (0: the environment's own ``max_turns``).")
-    max_tokens: int = key(0, "Most tokens per episode, prompt and observations included (0: the environment's own "
-        "``max_tokens``).")
+    max_tokens: int = key(0, "Most tokens per episode, prompt and observations included (0: the env's own).")
 
 
 @dataclass(frozen=True)
