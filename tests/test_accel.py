@@ -381,6 +381,23 @@ def test_accelerated_equals_reference(name, dtype, accel_on):
     check(_table(name).get(name), _table(name).reference(name), dtype)
 
 
+def test_the_core_and_the_forward_keep_one_registry():
+    """``ops`` and ``accel.primitives`` are two tables of one registry: one shortcut reference, one
+    reset by ``ops.configure``, and one finder of repeated prompt rows for the experience and the prefill."""
+    from rlhfkit import experience, registry
+    from rlhfkit.accel import forward
+
+    assert ops.reference("sampler") is primitives.reference("attention") is registry.not_taken
+    assert experience.repeated_rows is forward.repeated_rows is registry.repeated_rows
+    try:
+        primitives.register("swiglu", primitives.reference("swiglu"), "test")
+        assert primitives.chosen() == {"swiglu": "test"}
+        ops.configure("off")
+        assert primitives.chosen() == {} and primitives.get("swiglu") is primitives.reference("swiglu")
+    finally:
+        ops.configure(os.environ["RLHFKIT_ACCEL"])
+
+
 def test_other_inputs_go_to_the_reference(accel_on):
     """Inputs an implementation does not take (float64 here) give the reference's numbers exactly."""
     x, gate = _randn(7, 12, dtype=torch.float64), _randn(7, 12, dtype=torch.float64, seed=1)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .registry import Registry, not_taken, reset_all
+
 MODES = ("auto", "on", "off")
 OLD_SWITCHES = ("RLHFKIT_KERNELS", "RLHFKIT_ONEDNN", "RLHFKIT_TRITON")
 
@@ -31,53 +33,23 @@ def _host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _none(*args, **kwargs) -> None:
-    """A shortcut's reference: not taken, the caller's own PyTorch code runs."""
-    return None
-
-
 REFERENCE: dict[str, Callable] = {
     "linear": F.linear, "mm_out": _mm_out, "host_empty": _host_empty,
     # shortcuts
-    "head_lse": _none, "head_grad": _none, "sampler": _none, "runs_forward": _none, "hidden_states": _none,
-    "response_hidden_states": _none, "decoder": _none,
+    "head_lse": not_taken, "head_grad": not_taken, "sampler": not_taken, "runs_forward": not_taken,
+    "hidden_states": not_taken, "response_hidden_states": not_taken, "decoder": not_taken,
 }
-_impl: dict[str, Callable] = dict(REFERENCE)
-_chosen: dict[str, str] = {}  # name -> what computes it, for the names accel took
+_core = Registry(REFERENCE)
+register, get, reference, chosen = _core.register, _core.get, _core.reference, _core.chosen
+_impl = _core.impl
 _mode: str | None = None  # the last configured mode
 _said: str | None = None  # the last summary printed
 
 
-# --------------------------------------------------------------------------- the registry
-
-
-def register(name: str, fn: Callable, label: str) -> None:
-    """Compute ``name`` with ``fn`` from now on; ``label`` says what it is (``onednn``, ``c-kernels``)."""
-    if name not in REFERENCE:
-        raise KeyError(f"no operation named {name!r} (one of {', '.join(REFERENCE)})")
-    _impl[name], _chosen[name] = fn, label
-
-
-def get(name: str) -> Callable:
-    """The implementation ``name`` runs now."""
-    return _impl[name]
-
-
-def reference(name: str) -> Callable:
-    """The plain PyTorch implementation of ``name`` (a shortcut's: None, not taken)."""
-    return REFERENCE[name]
-
-
-def chosen() -> dict[str, str]:
-    """``{name: label}`` of the names an accelerated implementation computes now (with the
-    operations of :mod:`rlhfkit.accel`'s forward that it took)."""
-    return dict(_chosen)
-
-
 def summary() -> str:
     """One line: which names are accelerated, and by what; the others run their reference."""
-    by = ", ".join(f"{name}={label}" for name, label in _chosen.items()) or "none"
-    off = ", ".join(name for name in REFERENCE if name not in _chosen) or "none"
+    by = ", ".join(f"{name}={label}" for name, label in _core.labels.items()) or "none"
+    off = ", ".join(name for name in REFERENCE if name not in _core.labels) or "none"
     return f"accel ({_mode}): {by}; reference: {off}"
 
 
@@ -93,16 +65,12 @@ def configure(accel) -> dict[str, str]:
     old = [name for name in OLD_SWITCHES if name in os.environ]
     if old:
         warnings.warn(f"{', '.join(old)} no longer read: set accel.enabled=auto|on|off instead", stacklevel=2)
-    _impl.clear()
-    _impl.update(REFERENCE)
-    _chosen.clear()
+    reset_all()  # the core's names and the accelerated forward's own
     _mode = mode
-    if (loaded := sys.modules.get(f"{__package__}.accel.primitives")) is not None:
-        loaded.reset()  # an earlier run's choice for the accelerated forward's operations goes too
     if mode != "off":
         from . import accel as hardware  # the one place the core reaches the accel package
 
-        _chosen.update(hardware.install(register, reference, force=mode == "on"))  # + the forward's own names
+        _core.labels.update(hardware.install(register, reference, force=mode == "on"))  # + the forward's own names
     if summary() != _said:
         _said = summary()
         print(_said, file=sys.stderr)

@@ -12,8 +12,8 @@ thread counts and size thresholds are read here only.
 * :mod:`.registry`: also pinned host buffers for ``accel.offload``'s copies on CUDA (queued, not waited for).
 
 :func:`install` registers what runs on this machine (:mod:`.registry`: each implementation
-takes the inputs it was measured to pay on and hands any other to the reference). This package
-imports nothing of the core, and importing it imports nothing at all (``accel.malloc`` reads
+takes the inputs it was measured to pay on and hands any other to the reference). Of the rest of
+the package it imports only :mod:`rlhfkit.registry`, and importing it imports nothing at all (``accel.malloc`` reads
 :mod:`.malloc` before torch loads).
 Measurements: ``benchmarks/ACCEL_EVIDENCE.md`` and ``benchmarks/RESULTS.md``.
 """
