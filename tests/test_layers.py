@@ -21,9 +21,9 @@ LAYERS = [
     # the hardware-specific implementations rlhfkit.ops installs (rlhfkit.accel): of the rest, they import
     # only the registry module
     ("accel", {"accel", "accel.registry", "accel.forward", "accel.primitives", "accel.kernels", "accel.gemm",
-               "accel.triton_decode", "accel.malloc", "accel.heap"}),
+               "accel.triton_decode", "accel.malloc", "accel.heap", "accel.offload"}),
     ("base", {"core", "core.stats", "core.rewards", "core.advantages", "core.losses", "core.preference", "ops",
-              "config", "config.base", "config.ppo", "config.sections", "config.trl", "utils", "progress", "offload", "precision"}),
+              "config", "config.base", "config.ppo", "config.sections", "config.trl", "utils", "progress", "precision"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "data.records", "data.examples", "data.encode",
                         "callables", "prompts", "tasks", "tasks.doubling", "tasks.cities", "tasks.export"}),
     ("models", {"loading", "logprobs", "models"}),

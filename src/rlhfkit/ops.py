@@ -1,11 +1,10 @@
 """The operations the core calls where a faster implementation may stand in, each by name with
 its reference in plain PyTorch (the code a reader reads).
 
-An *operation* (``linear``, ``mm_out``) computes its result. A *shortcut* (``head_lse``,
-``sampler``, ``hidden_states``, ``decoder`` ...) is a fused path: its reference returns None and
-the caller's own PyTorch code runs; a faster one returns the result, or None for inputs it does
-not take. :func:`configure` (``accel.enabled``) lets :mod:`rlhfkit.accel` :func:`register` what
-runs faster here; ``tests/test_accel.py`` checks each against its reference. Imports only torch.
+An *operation* (``linear``) computes its result. A *shortcut* (``head_lse``, ``decoder`` ...) is a
+fused path: its reference returns None and the caller's own code runs; a faster one returns the
+result, or None for inputs it does not take. :func:`configure` (``accel.enabled``) lets
+:mod:`rlhfkit.accel` register what runs faster; ``tests/test_accel.py`` checks each.
 """
 from __future__ import annotations
 
@@ -29,12 +28,8 @@ def _mm_out(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     return torch.mm(a, m, out=out)
 
 
-def _host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
-
-
 REFERENCE: dict[str, Callable] = {
-    "linear": F.linear, "mm_out": _mm_out, "host_empty": _host_empty,
+    "linear": F.linear, "mm_out": _mm_out,
     # shortcuts
     "head_lse": not_taken, "head_grad": not_taken, "sampler": not_taken, "runs_forward": not_taken,
     "hidden_states": not_taken, "response_hidden_states": not_taken, "decoder": not_taken,
@@ -54,10 +49,9 @@ def summary() -> str:
 
 
 def configure(accel) -> dict[str, str]:
-    """Choose, once per run, what computes each name: ``accel`` is an ``AccelConfig`` or its
-    ``enabled`` value. ``off``: every reference, and nothing of :mod:`rlhfkit.accel` imported;
-    ``auto``: what :mod:`rlhfkit.accel` measured to pay on this machine; ``on``: everything it
-    has that runs here. Prints :func:`summary` when the choice changes; returns :func:`chosen`."""
+    """Choose once per run what computes each name (``accel``: an ``AccelConfig`` or its ``enabled``):
+    ``off`` every reference, nothing of :mod:`rlhfkit.accel` imported; ``auto`` what it measured
+    to pay here; ``on`` all it has that runs here. Prints :func:`summary` when it changes."""
     global _mode, _said
     mode = getattr(accel, "enabled", accel)
     if mode not in MODES:
@@ -129,14 +123,8 @@ def response_hidden_states(model, input_ids, attention_mask, position_ids, promp
 
 
 def decoder(model, prompt_ids, prompt_mask, position_ids, max_new_tokens: int, graph: bool = False):
-    """Shortcut: a generation's forward from its prefill, an object with ``logits [B, V]`` and
-    ``hidden [B, H]`` of the prompts' last position and ``step(tokens [B], positions [B]) ->
-    logits [B, V]`` (``hidden`` updated), as the model's own cached forward computes them;
-    ``graph``: fixed shapes, replayed as CUDA graphs on a GPU. None: not taken."""
+    """Shortcut: a generation's forward from its prefill: ``logits [B, V]``, ``hidden [B, H]`` of the
+    last position and ``step(tokens [B], positions [B]) -> logits [B, V]``; ``graph``: replayed as
+    CUDA graphs on a GPU. None: not taken."""
     return _impl["decoder"](model, prompt_ids, prompt_mask, position_ids, max_new_tokens, graph)
 
-
-def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor to copy a device tensor into (:mod:`rlhfkit.offload`); the copies
-    to and from it may be queued (``non_blocking``) when it is pinned."""
-    return _impl["host_empty"](shape, dtype)

@@ -42,14 +42,7 @@ def install(register: Callable, reference: Callable, force: bool = False) -> dic
             inner("causal_attention", causal_attention, "c-kernels+onednn")
     if triton_decode.importable():
         inner("graphed_decode_attention", graphed_decode_attention, "triton")
-    if torch.cuda.is_available():
-        register("host_empty", host_empty, "cuda-pinned")
     return primitives.chosen()
-
-
-def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Pinned host memory: copies between it and the GPU are queued on the stream, not waited for."""
-    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def pack(weight: torch.Tensor, rows: int | None = None, keep: bool = True):

@@ -127,6 +127,14 @@ class Engine:
     def clip(self, parameters, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.accelerator, parameters, max_norm)
 
+    def update(self, optimizer, parameters, loss: torch.Tensor, max_norm: float = 1.0) -> torch.Tensor:
+        """Clip the gradients, step unless the guard skips a non-finite update, zero them; the norm."""
+        grad_norm = self.clip(parameters, max_norm)
+        if self.guard.ok(loss, grad_norm):
+            self.step(optimizer)
+        self.zero_grad(optimizer)
+        return grad_norm
+
     def accumulate(self, n_rows: int, micro_batch: int, step: Callable[[slice], tuple],
                    maxed: tuple[str, ...] = (), passes: int = 0) -> tuple[torch.Tensor, dict]:
         """Forward and backward passes over ``n_rows`` rows, ``micro_batch`` at a time (0: all),
@@ -258,6 +266,10 @@ class Run:
                           for key, value in values.items())
         self._rates = f"learning rates: {REGIME_NAMES[regime]} -> {shown}"
         return values
+
+    def eval_due(self, step: int, every: int) -> bool:
+        """Is a held-out evaluation due after ``step`` (every ``every`` steps, 0: never; and the last)?"""
+        return bool(every and (step + 1) % every == 0) or step == self.total - 1
 
     def log_due(self, step: int, force: bool = False) -> bool:
         """Is a metrics row due after ``step`` (every ``log_every``, the last, or ``force``)?"""

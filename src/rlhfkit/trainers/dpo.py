@@ -1,9 +1,6 @@
-"""Direct preference optimisation (Rafailov et al. 2023): no reward model, no sampling.
-
-The policy trains on (prompt, chosen, rejected) pairs (``data.path``, or the built-in task's) with
-the sigmoid DPO loss or IPO's, plus ``dpo.nll_coef`` times the chosen answers' NLL, against a
-frozen reference (docs/algorithms/dpo.md).
-"""
+"""DPO (Rafailov et al. 2023) or IPO on (prompt, chosen, rejected) pairs against a frozen reference,
+plus ``dpo.nll_coef`` times the chosen answers' NLL; no reward model, no sampling
+(docs/algorithms/dpo.md)."""
 
 from __future__ import annotations
 
@@ -120,14 +117,11 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
             order, pos = torch.randperm(n_pairs, generator=gen), 0
         idx = shard.take(order[pos : pos + dc.batch_size])  # this process's pairs of the global batch
         pos += dc.batch_size
-        opt.zero_grad(set_to_none=True)
         with compute_weights(train_policy):  # model.master_weights: bf16 copies of this step's weights
             loss, row = dpo_step(engine, ref, ref_cache, pairs.train, idx, dc, device)
-        row["dpo/grad_norm"] = engine.clip(params, 1.0)
-        if run.guard.ok(loss, row["dpo/grad_norm"]):
-            opt.step()
+        row["dpo/grad_norm"] = engine.update(opt, params, loss)
         train_s += time.perf_counter() - t0
-        evaluated = bool(dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1
+        evaluated = run.eval_due(step, dc.eval_every)
         if evaluated:
             with full_weights(train_policy):
                 row.update(evaluate(cfg, pairs, policy, tok, held_ref, shard, device))

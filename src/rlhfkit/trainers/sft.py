@@ -1,7 +1,5 @@
-"""Supervised fine-tuning on demonstrations (prompt -> completion), any causal LM: next-token
-cross-entropy on the completion tokens (``data.completion_only``) or on every token; records in
-TRL's formats (:mod:`rlhfkit.data`), optional packing and LoRA (docs/algorithms/sft.md).
-"""
+"""SFT of any causal LM on demonstrations: next-token cross-entropy on the completion tokens
+(``data.completion_only``) or every token, optional packing and LoRA (docs/algorithms/sft.md)."""
 
 from __future__ import annotations
 
@@ -50,14 +48,10 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
         with compute_weights(train_model):  # model.master_weights: bf16 copies of this step's weights
             loss, _ = engine.accumulate(len(idx), sc.micro_batch_size,
                                         functools.partial(micro_batch_loss, train_model, batch, weight))
-        grad_norm = engine.clip(params, 1.0)
-        if run.guard.ok(loss, grad_norm):
-            opt.step()
+        grad_norm = engine.update(opt, params, loss)
         lr = sched.get_last_lr()[0]  # this step's rate, before the scheduler moves on
         sched.step()
-        opt.zero_grad(set_to_none=True)
-        last = step == sc.steps - 1
-        evaluate = eval_enc is not None and (last or (sc.eval_every and (step + 1) % sc.eval_every == 0))
+        evaluate = eval_enc is not None and run.eval_due(step, sc.eval_every)
         if run.log_due(step, evaluate):
             row = {**shard.mean({"sft/loss": loss.item()}), "sft/grad_norm": grad_norm, "sft/lr": lr}
             if evaluate:
