@@ -155,10 +155,9 @@ def surrogate_options(pc: PPOConfig) -> SurrogateOptions:
 
 
 def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float):
-    """The policy's part of :func:`minibatch_loss` as ``fn(logp, ent, s, e)``: what the flattened
-    ``[b * R]`` positions ``s .. e-1`` add to the aggregated loss (each aggregation is linear in
-    the per-token losses, with the weights ``d aggregate / d x``). None at a sequence-level ratio,
-    where tokens read each other (docs/ppo_walkthrough.md, section 4)."""
+    """The policy's part of :func:`minibatch_loss` as ``fn(logp, ent, s, e)``: what flattened positions
+    ``s .. e-1`` add to the aggregate (linear, weights ``d aggregate / d x``). None at a sequence-level
+    ratio, where tokens read each other (docs/ppo_walkthrough.md, section 4)."""
     if pc.importance_sampling_level != "token":
         return None
     objective, options = policy_objective(pc.loss_type), surrogate_options(pc)._replace(clip_low=pc.clip_range)
@@ -355,9 +354,8 @@ def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int | None,
 
 def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward: Reward,
              max_new_tokens: int, env: EpisodeMaker | None = None) -> dict[str, float]:
-    """Held-out metrics: a built-in task's verifier (``eval/format_acc``, ``eval/exact_acc``), the
-    rewards of the held-out records (``eval/reward[/<source>]``, ``eval/accuracy``), or an
-    environment's mean greedy return (``eval/reward``); nothing without held-out prompts."""
+    """Held-out metrics: the task's verifier's, the held-out records' rewards, or an environment's
+    mean greedy return (``eval/reward``); nothing without held-out prompts."""
     cfg = run.cfg
     if env is not None:
         if not data.eval_records:
