@@ -7,6 +7,7 @@ A trainer's own code is its arithmetic; :class:`Run` holds the rest, the same in
     resumed = run.restore({"policy": model}, {"optimizer": opt}, generator=gen)  # + run dir, config.yaml
     for step in run.steps():                          # progress from the resumed step on
         ...                                           # the trainer's own step
+        grad_norm = engine.update(opt, params, loss)  # clip, step unless non-finite, zero
         run.log(step, row, loss=f"{row['dpo/loss']:.3f}")
         run.checkpoint(step, pos=pos)                 # when due; extra state beside the standard one
     run.close()
