@@ -335,17 +335,6 @@ def check_decoder(impl, ref, dtype):
         _close(dec.step(ids[:, t], pos[:, t]), logits[:, t], atol=1e-5)
 
 
-def check_host_empty(impl, ref, dtype):
-    """A pinned host tensor of the shape and dtype asked for, which takes a copy exactly."""
-    x = _randn(5, 7, dtype=dtype)
-    buf, plain = impl(x.shape, dtype), ref(x.shape, dtype)
-    assert buf.is_pinned() and not plain.is_pinned()
-    assert buf.device.type == "cpu" and buf.shape == x.shape and buf.dtype == dtype
-    buf.copy_(x.cuda(), non_blocking=True)
-    torch.cuda.synchronize()
-    assert torch.equal(buf, x)
-
-
 CLAIMS = {  # name: (its check, the dtypes its accelerated implementation takes)
     "linear": (check_linear, [F32]), "add_linear": (check_add_linear, [F32]), "mm": (check_mm, [F32]),
     "mm_out": (check_mm_out, [F32]), "grad_weight": (check_grad_weight, [F32]), "addmm_": (check_addmm_, [F32]),
@@ -359,7 +348,6 @@ CLAIMS = {  # name: (its check, the dtypes its accelerated implementation takes)
     "pack": (check_pack, [BF16]), "packable": (check_packable, [BF16]),
     "runs_forward": (check_runs_forward, [F32]), "hidden_states": (check_hidden_states, [F32]),
     "response_hidden_states": (check_response_hidden_states, [F32]), "decoder": (check_decoder, [F32]),
-    "host_empty": (check_host_empty, [F32]),
 }
 
 
@@ -379,6 +367,23 @@ def test_accelerated_equals_reference(name, dtype, accel_on):
         pytest.skip(f"nothing in rlhfkit.accel computes {name} on this machine (a C compiler, oneDNN or Triton missing)")
     check, _ = CLAIMS[name]
     check(_table(name).get(name), _table(name).reference(name), dtype)
+
+
+def test_the_core_and_the_forward_keep_one_registry():
+    """``ops`` and ``accel.primitives`` are two tables of one registry: one shortcut reference, one
+    reset by ``ops.configure``, and one finder of repeated prompt rows for the experience and the prefill."""
+    from rlhfkit import experience, registry
+    from rlhfkit.accel import forward
+
+    assert ops.reference("sampler") is primitives.reference("attention") is registry.not_taken
+    assert experience.repeated_rows is forward.repeated_rows is registry.repeated_rows
+    try:
+        primitives.register("swiglu", primitives.reference("swiglu"), "test")
+        assert primitives.chosen() == {"swiglu": "test"}
+        ops.configure("off")
+        assert primitives.chosen() == {} and primitives.get("swiglu") is primitives.reference("swiglu")
+    finally:
+        ops.configure(os.environ["RLHFKIT_ACCEL"])
 
 
 def test_other_inputs_go_to_the_reference(accel_on):

@@ -16,11 +16,14 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "rlhfkit"
 # Bottom to top. A module may import its own layer or a lower one; "trainers" are entry points
 # that never import one another (what they share lives in trainers.common).
 LAYERS = [
-    # the hardware-specific implementations rlhfkit.ops installs (rlhfkit.accel): they import no core module
+    # the registry class and the prompt-run finder that rlhfkit.ops and rlhfkit.accel share
+    ("shared", {"registry"}),
+    # the hardware-specific implementations rlhfkit.ops installs (rlhfkit.accel): of the rest, they import
+    # only the registry module
     ("accel", {"accel", "accel.registry", "accel.forward", "accel.primitives", "accel.kernels", "accel.gemm",
-               "accel.triton_decode", "accel.malloc", "accel.heap"}),
+               "accel.triton_decode", "accel.malloc", "accel.heap", "accel.offload"}),
     ("base", {"core", "core.stats", "core.rewards", "core.advantages", "core.losses", "core.preference", "ops",
-              "config", "config.base", "config.ppo", "config.sections", "config.trl", "utils", "progress", "offload", "precision"}),
+              "config", "config.base", "config.ppo", "config.sections", "config.trl", "utils", "progress", "precision"}),
     ("infrastructure", {"distributed", "checkpoint", "data", "data.records", "data.examples", "data.encode",
                         "callables", "prompts", "tasks", "tasks.doubling", "tasks.cities", "tasks.export"}),
     ("models", {"loading", "logprobs", "models"}),

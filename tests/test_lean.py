@@ -25,6 +25,7 @@ from rlhfkit import ops
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import primitives
 from rlhfkit.models import build_tiny, build_tiny_policy, position_ids_from_mask
+from rlhfkit.registry import repeated_rows
 from rlhfkit.rollout import generate, sample_tokens
 from rlhfkit.tasks import doubling
 
@@ -420,11 +421,11 @@ def test_repeated_rows_finds_runs_of_one_prompt():
     ids = torch.tensor([[5, 6], [5, 6], [5, 6], [7, 8], [5, 6], [5, 6]])
     mask = torch.ones_like(ids)
     mask[5, 0] = 0  # same tokens, another mask: another prompt
-    first, rows = lean.repeated_rows(ids, mask)
+    first, rows = repeated_rows(ids, mask)
     assert first.tolist() == [0, 3, 4, 5]
     assert rows.tolist() == [0, 0, 0, 1, 2, 3]
-    assert lean.repeated_rows(ids[2:4], mask[2:4]) is None
-    assert lean.repeated_rows(ids[:1], mask[:1]) is None
+    assert repeated_rows(ids[2:4], mask[2:4]) is None
+    assert repeated_rows(ids[:1], mask[:1]) is None
 
 
 @pytest.mark.parametrize("flat", [None, False, True, "accel"],

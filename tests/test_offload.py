@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 import rlhfkit.trainers.rl as rl
 import rlhfkit.trainers.rl_setup as rl_setup
+from rlhfkit.accel.offload import HostMoments, host_empty, offload_frozen, on_device
 from rlhfkit.checkpoint import latest_checkpoint
 from rlhfkit.models import build_tiny_policy
-from rlhfkit.offload import HostMoments, offload_frozen, on_device
 from rlhfkit.tasks import doubling
 from rlhfkit.utils import read_jsonl
 
@@ -49,6 +49,19 @@ def _step(model, optimizer, ids) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def test_host_buffers_take_a_copy_exactly_pinned_on_cuda_whatever_accel_enabled():
+    """An offload buffer is host memory of the shape and dtype asked for, pinned where CUDA runs
+    (so the copies queue on the stream) with the accelerated operations off too."""
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    buf = host_empty(x.shape, x.dtype)
+    assert buf.device.type == "cpu" and buf.shape == x.shape and buf.dtype == x.dtype
+    assert buf.is_pinned() == torch.cuda.is_available()
+    buf.copy_(x.to(DEV), non_blocking=buf.is_pinned())
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(buf, x)
 
 
 def test_moments_leave_and_come_back_as_fresh_copies_and_training_is_unchanged():

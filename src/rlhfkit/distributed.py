@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .offload import on_device
+from .accel.offload import on_device
 from .precision import compute_weights
 
 

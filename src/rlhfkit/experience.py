@@ -34,6 +34,7 @@ from .core import (
 from .distributed import Shard
 from .models import UPDATE_LOGITS, ValueHead, policy_forward, token_logprobs, token_values, unwrap
 from .precision import compute_weights
+from .registry import repeated_rows
 from .rewards import RewardError, Scorer
 from .rollout import Rollout
 from .utils import to_float
@@ -189,19 +190,6 @@ def loss_rows(zero_std: torch.Tensor | None, finished: torch.Tensor, pc: PPOConf
 
 
 EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chunk
-
-
-def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Runs of identical consecutive ``[B, P]`` prompt rows (a GRPO group): ``(first [U], rows [B])``,
-    each run's first row and each row's run; None when no row repeats the one before."""
-    if input_ids.shape[0] < 2:
-        return None
-    same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(1)  # [B-1]
-    if not bool(same.any()):
-        return None
-    rows = torch.cat([same.new_zeros(1), ~same]).long().cumsum(0)  # [B]: run of each row
-    first = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(1)  # [U] first row of each run
-    return first, rows
 
 
 def row_chunks(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, size: int) -> list[torch.Tensor]:

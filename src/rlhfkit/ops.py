@@ -1,11 +1,10 @@
 """The operations the core calls where a faster implementation may stand in, each by name with
 its reference in plain PyTorch (the code a reader reads).
 
-An *operation* (``linear``, ``mm_out``) computes its result. A *shortcut* (``head_lse``,
-``sampler``, ``hidden_states``, ``decoder`` ...) is a fused path: its reference returns None and
-the caller's own PyTorch code runs; a faster one returns the result, or None for inputs it does
-not take. :func:`configure` (``accel.enabled``) lets :mod:`rlhfkit.accel` :func:`register` what
-runs faster here; ``tests/test_accel.py`` checks each against its reference. Imports only torch.
+An *operation* (``linear``) computes its result. A *shortcut* (``head_lse``, ``decoder`` ...) is a
+fused path: its reference returns None and the caller's own code runs; a faster one returns the
+result, or None for inputs it does not take. :func:`configure` (``accel.enabled``) lets
+:mod:`rlhfkit.accel` register what runs faster; ``tests/test_accel.py`` checks each.
 """
 from __future__ import annotations
 
@@ -17,6 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .registry import Registry, not_taken, reset_all
+
 MODES = ("auto", "on", "off")
 OLD_SWITCHES = ("RLHFKIT_KERNELS", "RLHFKIT_ONEDNN", "RLHFKIT_TRITON")
 
@@ -27,65 +28,30 @@ def _mm_out(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     return torch.mm(a, m, out=out)
 
 
-def _host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
-
-
-def _none(*args, **kwargs) -> None:
-    """A shortcut's reference: not taken, the caller's own PyTorch code runs."""
-    return None
-
-
 REFERENCE: dict[str, Callable] = {
-    "linear": F.linear, "mm_out": _mm_out, "host_empty": _host_empty,
+    "linear": F.linear, "mm_out": _mm_out,
     # shortcuts
-    "head_lse": _none, "head_grad": _none, "sampler": _none, "runs_forward": _none, "hidden_states": _none,
-    "response_hidden_states": _none, "decoder": _none,
+    "head_lse": not_taken, "head_grad": not_taken, "sampler": not_taken, "runs_forward": not_taken,
+    "hidden_states": not_taken, "response_hidden_states": not_taken, "decoder": not_taken,
 }
-_impl: dict[str, Callable] = dict(REFERENCE)
-_chosen: dict[str, str] = {}  # name -> what computes it, for the names accel took
+_core = Registry(REFERENCE)
+register, get, reference, chosen = _core.register, _core.get, _core.reference, _core.chosen
+_impl = _core.impl
 _mode: str | None = None  # the last configured mode
 _said: str | None = None  # the last summary printed
 
 
-# --------------------------------------------------------------------------- the registry
-
-
-def register(name: str, fn: Callable, label: str) -> None:
-    """Compute ``name`` with ``fn`` from now on; ``label`` says what it is (``onednn``, ``c-kernels``)."""
-    if name not in REFERENCE:
-        raise KeyError(f"no operation named {name!r} (one of {', '.join(REFERENCE)})")
-    _impl[name], _chosen[name] = fn, label
-
-
-def get(name: str) -> Callable:
-    """The implementation ``name`` runs now."""
-    return _impl[name]
-
-
-def reference(name: str) -> Callable:
-    """The plain PyTorch implementation of ``name`` (a shortcut's: None, not taken)."""
-    return REFERENCE[name]
-
-
-def chosen() -> dict[str, str]:
-    """``{name: label}`` of the names an accelerated implementation computes now (with the
-    operations of :mod:`rlhfkit.accel`'s forward that it took)."""
-    return dict(_chosen)
-
-
 def summary() -> str:
     """One line: which names are accelerated, and by what; the others run their reference."""
-    by = ", ".join(f"{name}={label}" for name, label in _chosen.items()) or "none"
-    off = ", ".join(name for name in REFERENCE if name not in _chosen) or "none"
+    by = ", ".join(f"{name}={label}" for name, label in _core.labels.items()) or "none"
+    off = ", ".join(name for name in REFERENCE if name not in _core.labels) or "none"
     return f"accel ({_mode}): {by}; reference: {off}"
 
 
 def configure(accel) -> dict[str, str]:
-    """Choose, once per run, what computes each name: ``accel`` is an ``AccelConfig`` or its
-    ``enabled`` value. ``off``: every reference, and nothing of :mod:`rlhfkit.accel` imported;
-    ``auto``: what :mod:`rlhfkit.accel` measured to pay on this machine; ``on``: everything it
-    has that runs here. Prints :func:`summary` when the choice changes; returns :func:`chosen`."""
+    """Choose once per run what computes each name (``accel``: an ``AccelConfig`` or its ``enabled``):
+    ``off`` every reference, nothing of :mod:`rlhfkit.accel` imported; ``auto`` what it measured
+    to pay here; ``on`` all it has that runs here. Prints :func:`summary` when it changes."""
     global _mode, _said
     mode = getattr(accel, "enabled", accel)
     if mode not in MODES:
@@ -93,16 +59,12 @@ def configure(accel) -> dict[str, str]:
     old = [name for name in OLD_SWITCHES if name in os.environ]
     if old:
         warnings.warn(f"{', '.join(old)} no longer read: set accel.enabled=auto|on|off instead", stacklevel=2)
-    _impl.clear()
-    _impl.update(REFERENCE)
-    _chosen.clear()
+    reset_all()  # the core's names and the accelerated forward's own
     _mode = mode
-    if (loaded := sys.modules.get(f"{__package__}.accel.primitives")) is not None:
-        loaded.reset()  # an earlier run's choice for the accelerated forward's operations goes too
     if mode != "off":
         from . import accel as hardware  # the one place the core reaches the accel package
 
-        _chosen.update(hardware.install(register, reference, force=mode == "on"))  # + the forward's own names
+        _core.labels.update(hardware.install(register, reference, force=mode == "on"))  # + the forward's own names
     if summary() != _said:
         _said = summary()
         print(_said, file=sys.stderr)
@@ -161,14 +123,8 @@ def response_hidden_states(model, input_ids, attention_mask, position_ids, promp
 
 
 def decoder(model, prompt_ids, prompt_mask, position_ids, max_new_tokens: int, graph: bool = False):
-    """Shortcut: a generation's forward from its prefill, an object with ``logits [B, V]`` and
-    ``hidden [B, H]`` of the prompts' last position and ``step(tokens [B], positions [B]) ->
-    logits [B, V]`` (``hidden`` updated), as the model's own cached forward computes them;
-    ``graph``: fixed shapes, replayed as CUDA graphs on a GPU. None: not taken."""
+    """Shortcut: a generation's forward from its prefill: ``logits [B, V]``, ``hidden [B, H]`` of the
+    last position and ``step(tokens [B], positions [B]) -> logits [B, V]``; ``graph``: replayed as
+    CUDA graphs on a GPU. None: not taken."""
     return _impl["decoder"](model, prompt_ids, prompt_mask, position_ids, max_new_tokens, graph)
 
-
-def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor to copy a device tensor into (:mod:`rlhfkit.offload`); the copies
-    to and from it may be queued (``non_blocking``) when it is pinned."""
-    return _impl["host_empty"](shape, dtype)

@@ -1,10 +1,6 @@
-"""Float32 master weights with bfloat16 arithmetic (``model.master_weights``).
-
-AdamW's steps of about ``lr`` round away on most bfloat16 weights. With master weights the
-parameters (and optimizer state, gradients, checkpoints) stay float32 and the forwards run on
-bfloat16 copies made once a block by :func:`compute_weights`, a differentiable cast, as FSDP2's
-``MixedPrecisionPolicy(param_dtype=bfloat16)``. It changes what is computed, so it is core.
-"""
+"""``model.master_weights``: float32 parameters, optimizer state and checkpoints (AdamW's steps of
+about ``lr`` round away on bfloat16 weights), the forwards on bfloat16 copies made once a block by
+:func:`compute_weights`, a differentiable cast, as FSDP2's ``MixedPrecisionPolicy``."""
 
 from __future__ import annotations
 

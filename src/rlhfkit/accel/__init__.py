@@ -9,11 +9,11 @@ thread counts and size thresholds are read here only.
 * :mod:`.gemm`: float32 products through oneDNN, and bfloat16 weights packed for decode steps;
 * :mod:`.triton_decode`: the decode attention of a CUDA-graphed rollout step;
 * :mod:`.malloc`: the command line restarted under tcmalloc or jemalloc (``accel.malloc``).
-* :mod:`.registry`: also pinned host buffers for ``accel.offload``'s copies on CUDA (queued, not waited for).
+* :mod:`.offload`: ``accel.offload``, optimizer state and frozen weights in host memory between phases.
 
 :func:`install` registers what runs on this machine (:mod:`.registry`: each implementation
-takes the inputs it was measured to pay on and hands any other to the reference). This package
-imports nothing of the core, and importing it imports nothing at all (``accel.malloc`` reads
+takes the inputs it was measured to pay on and hands any other to the reference). Of the rest of
+the package it imports only :mod:`rlhfkit.registry`, and importing it imports nothing at all (``accel.malloc`` reads
 :mod:`.malloc` before torch loads).
 Measurements: ``benchmarks/ACCEL_EVIDENCE.md`` and ``benchmarks/RESULTS.md``.
 """

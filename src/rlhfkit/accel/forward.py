@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..registry import repeated_rows
 from . import primitives as prim
 
 _LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")  # Qwen3: q and k normed per head
@@ -935,20 +936,6 @@ class KVCache:
     @property
     def values(self) -> list[torch.Tensor]:
         return [t[:, 1] for t in self.kv]
-
-
-def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Runs of identical consecutive ``[B, P]`` prompt rows (how GRPO lays out a group):
-    ``(first [U], rows [B])``, the first row of each run and the run of each row; None when no
-    row repeats the one before it."""
-    if input_ids.shape[0] < 2:
-        return None
-    same = ((input_ids[1:] == input_ids[:-1]) & (attention_mask[1:] == attention_mask[:-1])).all(1)  # [B-1]
-    if not bool(same.any()):
-        return None
-    rows = torch.cat([same.new_zeros(1), ~same]).long().cumsum(0)  # [B]: run of each row
-    first = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(1)  # [U] first row of each run
-    return first, rows
 
 
 @torch.no_grad()

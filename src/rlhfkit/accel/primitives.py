@@ -1,7 +1,8 @@
 """The operations of the accelerated forward (:mod:`.forward`): products, activations and their
 backwards, the norm, attention and weight packing, each by name with its plain PyTorch
-reference, as :mod:`rlhfkit.ops` keeps the core's. :func:`.registry.install` registers the faster
-implementations that run here; ``tests/test_accel.py`` checks each against its reference.
+reference, in a :class:`rlhfkit.registry.Registry` as :mod:`rlhfkit.ops` keeps the core's.
+:func:`.registry.install` registers the faster implementations that run here;
+``tests/test_accel.py`` checks each against its reference.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from ..registry import Registry, not_taken
 
 # --------------------------------------------------------------------------- references: linear layers
 
@@ -86,50 +89,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
-def _none(*args, **kwargs) -> None:
-    """A shortcut's reference: not taken, the caller's own PyTorch code runs."""
-    return None
-
-
 REFERENCE: dict[str, Callable] = {
     "linear": _linear, "add_linear": _add_linear, "mm": _mm, "grad_weight": _grad_weight,
     "addmm_": _addmm_, "gelu_tanh": _gelu_tanh, "gelu_tanh_gate": _gelu_tanh_gate,
     "gelu_tanh_backward": _gelu_tanh_backward, "swiglu": _swiglu, "swiglu_backward": _swiglu_backward,
     "rms_norm": _rms_norm, "pack": lambda weight, rows=None, keep=True: weight, "packable": lambda weight: False,
     # shortcuts
-    "attention": _none, "causal_attention": _none, "decode_attention": _none, "graphed_decode_attention": _none,
+    "attention": not_taken, "causal_attention": not_taken, "decode_attention": not_taken,
+    "graphed_decode_attention": not_taken,
 }
-_impl: dict[str, Callable] = dict(REFERENCE)
-_chosen: dict[str, str] = {}
-
-
-def reset() -> None:
-    """Every name back on its reference."""
-    _impl.clear()
-    _impl.update(REFERENCE)
-    _chosen.clear()
-
-
-def register(name: str, fn: Callable, label: str) -> None:
-    """Compute ``name`` with ``fn`` from now on; ``label`` says what it is."""
-    if name not in REFERENCE:
-        raise KeyError(f"no operation named {name!r} (one of {', '.join(REFERENCE)})")
-    _impl[name], _chosen[name] = fn, label
-
-
-def get(name: str) -> Callable:
-    """The implementation ``name`` runs now."""
-    return _impl[name]
-
-
-def reference(name: str) -> Callable:
-    """The plain PyTorch implementation of ``name`` (a shortcut's: None, not taken)."""
-    return REFERENCE[name]
-
-
-def chosen() -> dict[str, str]:
-    """``{name: label}`` of the names a faster implementation computes now."""
-    return dict(_chosen)
+_registry = Registry(REFERENCE)
+register, get, reference, chosen = _registry.register, _registry.get, _registry.reference, _registry.chosen
+_impl = _registry.impl
 
 
 # --------------------------------------------------------------------------- the calls

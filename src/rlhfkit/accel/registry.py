@@ -1,6 +1,6 @@
 """The accel package's implementations of :mod:`rlhfkit.ops`' names and of its own forward's
 (:mod:`.primitives`), each taking the inputs it was measured to pay on and handing any other to
-the reference (``ref``, bound by :func:`install`: this package imports nothing of the core)."""
+the reference (``ref``, bound by :func:`install`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,8 +19,7 @@ def install(register: Callable, reference: Callable, force: bool = False) -> dic
     the forward's own operations (:mod:`.primitives`) likewise; returns those as ``{name: label}``.
     ``force`` (``accel.enabled=on``): oneDNN's float32 products on any CPU that has them, not only
     where they were measured faster (AMD with AVX-512)."""
-    primitives.reset()
-    inner = primitives.register
+    inner = primitives.register  # ops.configure reset every registry before
     for name, fn in forward.SHORTCUTS.items():  # plain PyTorch: faster than the models' own forward everywhere
         register(name, fn, "lean-forward")
     gemm.configure(force)
@@ -43,14 +42,7 @@ def install(register: Callable, reference: Callable, force: bool = False) -> dic
             inner("causal_attention", causal_attention, "c-kernels+onednn")
     if triton_decode.importable():
         inner("graphed_decode_attention", graphed_decode_attention, "triton")
-    if torch.cuda.is_available():
-        register("host_empty", host_empty, "cuda-pinned")
     return primitives.chosen()
-
-
-def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Pinned host memory: copies between it and the GPU are queued on the stream, not waited for."""
-    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def pack(weight: torch.Tensor, rows: int | None = None, keep: bool = True):

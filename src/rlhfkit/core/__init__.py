@@ -1,11 +1,7 @@
-"""Core math of RLHF: pure functions over tensors, importing only torch.
-
-Shapes: ``B`` batch, ``T`` full sequence (prompt + response), ``R`` response length, ``V``
-vocabulary, ``G`` group size. Experience tensors are response-aligned, ``[B, R]``;
-``response_mask`` is 1 on response tokens up to and including the first EOS. Every reduction is
-masked, and an empty mask is an error, never a silent NaN. Losses return ``(loss, stats)``, the
-stats detached scalars named as the metrics the trainers log (``policy/clipfrac`` ...).
-"""
+"""Core math of RLHF: pure functions over tensors, importing only torch. Shapes: ``B`` batch,
+``T`` sequence, ``R`` response, ``V`` vocabulary, ``G`` group; ``response_mask [B, R]`` is 1 up to
+and including the first EOS. Reductions are masked (an empty mask is an error, not NaN); losses
+return ``(loss, stats)``, detached scalars named as the logged metrics."""
 
 from .advantages import (
     gae,

@@ -1,6 +1,5 @@
-"""Advantages: GAE over a critic's values (PPO), and the critic-free baselines over groups of
-completions of one prompt (GRPO, RLOO) or over the batch (REINFORCE). Nothing here whitens
-unless asked: scaling is its own step (:func:`scale_advantages`)."""
+"""Advantages: GAE over a critic's values (PPO) and the critic-free baselines over a prompt's group
+(GRPO, RLOO) or the batch (REINFORCE); scaling is its own step (:func:`scale_advantages`)."""
 
 from __future__ import annotations
 
@@ -11,13 +10,9 @@ import torch
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over ``[B, R]`` response tokens (no whitening here).
-
-    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
-    ``returns_t = A_t + V_t``; ``V`` and ``A`` are 0 past the last valid token (the episode ends
-    at its EOS), and ``t + 1`` is the next *valid* column, so a multi-turn episode's masked
-    observations are skipped. Returns ``(advantages, returns)`` ``[B, R]``, 0 where masked.
-    """
+    """GAE over ``[B, R]``: ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lam
+    A_{t+1}``, ``returns = A + V``; ``t + 1`` is the next *valid* column (a multi-turn episode's
+    observations skipped), 0 past the last. ``(advantages, returns)`` ``[B, R]``, 0 where masked."""
     mask = response_mask.to(values.dtype)
     valid = response_mask.bool()
     # where(), not a product: a NaN/inf parked in a padded slot must not reach valid ones
@@ -34,9 +29,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor
     return advantages, (advantages + values) * mask
 
 
-# A NaN score is a completion that no reward scored: the baselines leave it out of each mean and
-# std, as TRL does, and give it a NaN advantage (the caller makes it 0). Without a NaN they are
-# the plain reductions, bit for bit.
+# A NaN score (no reward scored it) is left out of each mean and std and gets a NaN advantage,
+# as in TRL; without a NaN these are the plain reductions, bit for bit.
 
 
 def _mean(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
@@ -56,12 +50,9 @@ def _std(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torc
 
 def scale_advantages(centred: torch.Tensor, scores: torch.Tensor, group_size: int, scale: str | bool,
                      eps: float = 1e-4) -> torch.Tensor:
-    """Divide baseline-centred scores ``c [B]`` by the std ``scale`` names (docs/algorithms/grpo.md):
-    ``"group"`` (or True) each group's std of the scores (GRPO's paper); ``"batch"`` ``std(scores)``
-    (TRL's GRPO ``scale_rewards="batch"``); ``"advantages"`` ``(c - mean(c)) / std(c)`` (TRL's
-    RLOO ``normalize_advantages=True``); ``"none"`` (or False) nothing (Dr. GRPO). ``eps`` keeps
-    equal scores at 0 instead of 0/0; NaN scores are left out of each mean and std.
-    """
+    """Scale centred scores ``c [B]`` (docs/algorithms/grpo.md): ``group`` (True) ``/ std_group(s)``,
+    ``batch`` ``/ std(s)``, ``advantages`` ``(c - mean c) / std c`` (TRL's RLOO), ``none`` (False,
+    Dr. GRPO) as is; ``eps`` keeps equal scores at 0."""
     scale = ("group" if scale else "none") if isinstance(scale, bool) else scale
     if scale == "none":
         return centred
@@ -81,9 +72,8 @@ def _check_groups(scores: torch.Tensor, group_size: int) -> None:
 
 
 def group_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = "group", eps: float = 1e-4) -> torch.Tensor:
-    """GRPO's group-relative advantage (Shao et al. 2024): ``A_i = s_i - mean_group(s)``, then
-    :func:`scale_advantages`. ``scores [B]``: rows ``[g*G, (g+1)*G)`` are prompt ``g``'s ``G``
-    completions; a NaN score is left out of its group's statistics. Returns ``[B]``."""
+    """GRPO (Shao et al. 2024): ``A_i = s_i - mean_group(s)``, then :func:`scale_advantages`;
+    ``scores [B]``, rows ``[g*G, (g+1)*G)`` prompt ``g``'s completions. ``[B]``."""
     _check_groups(scores, group_size)
     grouped = scores.view(-1, group_size)  # [B/G, G]
     centred = (grouped - _mean(grouped, -1, keepdim=True)).reshape(-1)  # [B]
@@ -91,10 +81,8 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = 
 
 
 def zero_std_groups(scores: torch.Tensor, group_size: int, rtol: float = 1e-6) -> torch.Tensor:
-    """Which groups' scores are all equal (TRL's "zero std"), ``[B] -> [B/G]`` bool: ``max_g(s) -
-    min_g(s) <= rtol * max(1, max_g |s|)``, equal up to rounding. Such a group's GRPO / RLOO
-    advantages are all 0: no policy-gradient signal. NaN scores are left out (a group with at most
-    one scored completion is zero-std)."""
+    """Groups whose scores are equal up to rounding (TRL's "zero std": no policy-gradient signal),
+    ``[B] -> [B/G]``: ``max_g s - min_g s <= rtol max(1, max_g |s|)``, NaN scores left out."""
     _check_groups(scores, group_size)
     grouped = scores.view(-1, group_size)  # [B/G, G]
     unscored = grouped.isnan()  # [B/G, G]
@@ -104,9 +92,8 @@ def zero_std_groups(scores: torch.Tensor, group_size: int, rtol: float = 1e-6) -
 
 
 def group_mean_se(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Standard error of ``x.mean(-1)``, ``[..., B] -> [...]``, when rows ``[g*G, (g+1)*G)`` share a
-    prompt and so are not independent draws: ``se = sqrt(sum_g (m_g - m)^2 / ((n - 1) n))`` over
-    the ``n = B/G`` group means (cluster-robust; ``G = 1`` the sample one). NaN for ``n < 2``."""
+    """Cluster-robust standard error of ``x.mean(-1)``, ``[..., B] -> [...]``, groups of ``G`` rows
+    sharing a prompt: ``sqrt(var(m_g) / n)`` over the ``n = B/G`` group means; NaN for ``n < 2``."""
     groups = x.unflatten(-1, (-1, group_size)).mean(-1)  # [..., n]
     n = groups.shape[-1]
     if n < 2:
@@ -115,10 +102,8 @@ def group_mean_se(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = "none", eps: float = 1e-4) -> torch.Tensor:
-    """REINFORCE leave-one-out advantage (Kool et al. 2019; Ahmadian et al. 2024) over ``[B]``
-    scores in groups of ``G``: ``A_i = s_i - mean_{j != i} s_j = G / (G - 1) (s_i - mean_group(s))``,
-    then :func:`scale_advantages`. A NaN score is left out of the others' mean; a completion with
-    no other scored one in its group gets NaN, as in TRL."""
+    """RLOO (Kool et al. 2019): ``A_i = s_i - mean_{j != i} s_j`` over groups of ``G``, then
+    :func:`scale_advantages`; NaN scores left out of the others' mean, as in TRL. ``[B]``."""
     _check_groups(scores, group_size)
     grouped = scores.view(-1, group_size)  # [B/G, G]
     if bool(grouped.isnan().any()):
@@ -130,8 +115,7 @@ def rloo_advantages(scores: torch.Tensor, group_size: int, scale: str | bool = "
 
 
 def reinforce_advantages(scores: torch.Tensor, scale: str | bool = "none", eps: float = 1e-4) -> torch.Tensor:
-    """REINFORCE with the batch-mean baseline: ``A_i = s_i - mean(s)``, then divided by the
-    batch's std with ``scale="batch"`` (there are no groups; :func:`scale_advantages`)."""
+    """REINFORCE with the batch-mean baseline: ``A_i = s_i - mean(s)``, ``scale="batch"``: over ``std(s)``."""
     if scale in ("group", True):
         raise ValueError("reinforce has no groups to scale by: scale must be 'batch' or 'none'")
     return scale_advantages(scores - _mean(scores), scores, 1, scale, eps)

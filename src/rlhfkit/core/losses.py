@@ -15,11 +15,9 @@ from .stats import _check_mask, masked_mean, masked_sum
 
 def sampling_correction_weights(log_w: torch.Tensor, response_mask: torch.Tensor, mode: str,
                                 cap: float) -> torch.Tensor:
-    """Importance weights ``[B, R]`` (0 where masked) for tokens drawn by a sampler q other than the
-    policy pi, from ``log_w = log pi - log q`` per token (top-k / top-p: the kept mass's log).
-    ``mode``, TRL's vllm_importance_sampling_mode names: ``token_*`` ``exp(log_w_t)``,
-    ``sequence_*`` the row's product ``exp(sum_t log_w_t)``; ``*_truncate`` caps a weight at
-    ``cap``, ``*_mask`` zeroes those above it. ``E_q[w f] = E_pi[f 1(kept)]``."""
+    """Importance weights ``[B, R]`` (0 where masked) for tokens drawn by a sampler q, not pi, from
+    ``log_w = log pi - log q``: ``token_*`` ``exp(log_w_t)``, ``sequence_*`` ``exp(sum_t log_w_t)``;
+    ``*_truncate`` caps at ``cap``, ``*_mask`` zeroes above it (TRL's names)."""
     if mode.startswith("sequence"):
         log_w = masked_sum(log_w, response_mask, -1)[:, None].expand_as(log_w)  # [B, R]: the row's product
     over = log_w > math.log(cap)
@@ -71,28 +69,25 @@ AGGREGATIONS: dict[str, Aggregation] = {
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, kind: str = "token_mean", max_len: int = 0) -> torch.Tensor:
-    """Reduce a per-token loss ``[B, R]`` over ``mask`` to a scalar: ``token_mean`` (``bnpo``, ``dapo``,
-    ``cispo``) ``sum(x m) / sum(m)``; ``grpo`` (``sapo``) each row's token mean, then the mean over
-    rows; ``dr_grpo`` ``sum(x m) / (B * max_len)``. Masked slots (NaN included) reach neither the
-    value nor the gradient."""
+    """Reduce a per-token loss ``[B, R]`` over ``mask``: ``token_mean`` ``sum(x m) / sum(m)``; ``grpo``
+    the mean of the rows' token means; ``dr_grpo`` ``sum(x m) / (B max_len)``. Masked slots (NaN
+    included) reach neither the value nor the gradient."""
     if kind not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {kind!r}; expected one of {', '.join(AGGREGATIONS)}")
     return AGGREGATIONS[kind].fn(per_token, mask, max_len)
 
 
 def aggregation_count(mask: torch.Tensor, kind: str = "token_mean") -> torch.Tensor:
-    """What :func:`aggregate` ``kind`` weighs a part of a batch by: its tokens (``mask.sum()``) or
-    its rows (``B``). A micro-batch's aggregate times ``count(micro) / count(minibatch)``, summed
-    over the micro-batches, is the minibatch's aggregate."""
+    """What :func:`aggregate` weighs a part of a batch by, its tokens or its rows: the micro-batches'
+    aggregates times ``count(micro) / count(minibatch)`` sum to the minibatch's."""
     if AGGREGATIONS[kind].unit == "tokens":
         return mask.sum()
     return torch.tensor(mask.shape[0], device=mask.device)
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """GSPO's (Zheng et al. 2025, eq. 7) length-normalised sequence log-ratio ``[B, 1]``:
-    ``log s_i = sum_t(log_ratio * m)_i / max(1, sum_t(m)_i)``, i.e. ``s_i`` is the geometric mean
-    of the row's token ratios."""
+    """GSPO's (Zheng et al. 2025, eq. 7) sequence log-ratio ``[B, 1]``, the geometric mean of the
+    row's token ratios: ``log s_i = sum_t(log_ratio m)_i / max(1, sum_t m_i)``."""
     mask = _check_mask(log_ratio, response_mask)
     return (masked_sum(log_ratio, mask, -1) / mask.sum(-1).clamp(min=1))[:, None]  # [B, 1]
 
@@ -178,13 +173,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 response_mask: torch.Tensor, clip_range: float = 0.2, aggregation: str = "token_mean",
                 max_len: int = 0, level: str = "token", objective: str = "clip",
                 options: SurrogateOptions | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) as a loss to minimise, or another
-    per-token ``objective`` (:data:`POLICY_OBJECTIVES`), reduced by :func:`aggregate`:
-    ``aggregate(max(-A * ratio, -A * clip(ratio, 1 - clip_range, 1 + clip_high)))``, all ``[B, R]``.
-    ``level`` picks the ratio: ``token`` ``exp(logprobs - old_logprobs)``; ``sequence`` (GSPO) and
-    ``sequence_token`` (GSPO-token) the row's :func:`sequence_log_ratio` (docs/algorithms/grpo.md).
-    Stats, token means whatever the aggregation: ``policy/loss``, ``policy/clipfrac`` (clip or cap
-    active), ``policy/approx_kl`` (k3 of KL(old || new)), ``policy/ratio_mean``, ``policy/sapo_gate``."""
+    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) or another ``objective``
+    (:data:`POLICY_OBJECTIVES`), reduced by :func:`aggregate`: ``aggregate(max(-A w, -A clip(w, 1 -
+    clip_range, 1 + clip_high)))`` over ``[B, R]``; ``level``: ``w`` per token, or the row's
+    :func:`sequence_log_ratio` (GSPO; docs/algorithms/grpo.md). Stats are token means."""
     if objective not in POLICY_OBJECTIVES:
         raise ValueError(f"unknown policy objective {objective!r}; expected one of {', '.join(POLICY_OBJECTIVES)}")
     options = (options or SurrogateOptions())._replace(clip_low=clip_range)
@@ -209,10 +201,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
                clip_range: float | None = 0.2, aggregation: str = "token_mean",
                max_len: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss over ``[B, R]``: ``v_clip = old_values + clip(values - old_values, -eps, eps)``,
-    ``0.5 * aggregate(max((values - returns)^2, (v_clip - returns)^2))``; ``clip_range=None``:
-    ``0.5 * aggregate((values - returns)^2)``. Stats: ``value/loss`` (a token mean),
-    ``value/clipfrac``."""
+    """Clipped value loss over ``[B, R]``: ``0.5 aggregate(max((v - G)^2, (v_clip - G)^2))``, ``v_clip =
+    v_old + clip(v - v_old, -eps, eps)`` (``clip_range=None``: no clip)."""
     valid = response_mask.bool()  # padded garbage: no grad, no NaN
     values, old_values, returns = (torch.where(valid, x, 0.0) for x in (values, old_values, returns))
     err = (values - returns) ** 2

@@ -9,11 +9,9 @@ import torch.nn.functional as F
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float | None = None,
                        center_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Reward-model pairwise loss over ``[B]`` rewards: ``mean(-logsigmoid(r_chosen - r_rejected -
-    margin)) + center_coef * mean((r_chosen + r_rejected)^2)``. Bradley-Terry fixes only
-    differences; the centring term (Eisenstein et al. 2023) pins each pair's mean near 0 so scores
-    compare across prompts. Stats: ``rm/loss``, ``rm/accuracy``, ``rm/delta``, ``rm/chosen``,
-    ``rm/rejected``."""
+    """Bradley-Terry over ``[B]`` rewards: ``mean(-logsigmoid(r_c - r_r - margin)) + center_coef
+    mean((r_c + r_r)^2)``; the centring term (Eisenstein et al. 2023) pins each pair's mean near 0,
+    which Bradley-Terry leaves free, so scores compare across prompts."""
     delta = chosen - rejected  # [B]
     target = delta if margin is None else delta - margin
     loss = -F.logsigmoid(target).mean()
@@ -26,10 +24,8 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: tor
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float = 0.1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sigmoid DPO loss (Rafailov et al. 2023, eq. 7) over ``[B]`` summed response log-probs:
-    ``mean(-logsigmoid(h))``, ``h = beta * ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log
-    ref(y_r)))``. Stats: ``dpo/loss``, ``dpo/accuracy``, ``dpo/margin`` (the mean implicit-reward
-    gap), ``dpo/chosen``, ``dpo/rejected``."""
+    """Sigmoid DPO (Rafailov et al. 2023, eq. 7) over ``[B]`` summed log-probs: ``mean(-logsigmoid(h))``,
+    ``h = beta ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)))``."""
     chosen_reward = beta * (policy_chosen - ref_chosen)  # [B]
     rejected_reward = beta * (policy_rejected - ref_rejected)  # [B]
     loss = -F.logsigmoid(chosen_reward - rejected_reward).mean()
@@ -39,12 +35,9 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float = 0.1, chosen_tokens: torch.Tensor | None = None,
              rejected_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """IPO loss (Azar et al. 2023, eq. 17): ``mean((h - 1 / (2 beta))^2)`` with ``h`` the gap of the
-    log-ratios as in :func:`dpo_loss`, pulling every pair's gap to ``1 / (2 beta)`` instead of
-    pushing it to infinity. Given ``chosen_tokens`` / ``rejected_tokens`` ``[B]`` each log-prob is
-    first divided by its response's length (TRL's ``loss_type="ipo"``, ``dpo.loss=ipo``); without,
-    the sums (``dpo.loss=ipo_sum``). Stats as :func:`dpo_loss`'s, of the log-probs the loss uses
-    (TRL logs sums even under ``ipo``: docs/algorithms/dpo.md)."""
+    """IPO (Azar et al. 2023, eq. 17): ``mean((h - 1 / (2 beta))^2)``, ``h`` as in :func:`dpo_loss`:
+    every pair's gap pulled to ``1 / (2 beta)``, not to infinity. With ``chosen_tokens`` /
+    ``rejected_tokens`` ``[B]`` each log-prob is a per-token mean (TRL's ``ipo``; docs/algorithms/dpo.md)."""
     if (chosen_tokens is None) != (rejected_tokens is None):
         raise ValueError("give both chosen_tokens and rejected_tokens, or neither")
     if chosen_tokens is not None:  # per-token means

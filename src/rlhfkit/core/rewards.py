@@ -11,9 +11,8 @@ from .stats import last_token_index
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
-    """Per-token estimate ``[B, R]`` of KL(pi || pi_ref) at tokens sampled from pi, with ``log r =
-    ref_logprobs - logprobs``: ``k1 = -log r`` (unbiased, can be < 0), ``k2 = (log r)^2 / 2``
-    (biased, >= 0, low variance), ``k3 = (r - 1) - log r`` (unbiased, >= 0; Schulman's). Not masked."""
+    """Per-token KL(pi || pi_ref) estimate ``[B, R]`` at tokens drawn from pi, ``log r = ref - logp``:
+    ``k1 = -log r`` (unbiased), ``k2 = (log r)^2 / 2`` (low variance), ``k3 = r - 1 - log r`` (both)."""
     log_r = ref_logprobs - logprobs
     if kind == "k1":
         return -log_r
@@ -35,10 +34,8 @@ def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tens
 
 def shaped_rewards(score: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float,
                    score_clip: float | None = None) -> torch.Tensor:
-    """Per-token RLHF reward ``[B, R]`` (0 where masked): ``-kl_coef * kl[b, t]`` on every valid
-    token, plus ``clip(score[b], -score_clip, score_clip)`` (None: no clip) on the last valid column
-    (the EOS, else the last generated token). The one place that decides where the ``[B]`` score
-    lands."""
+    """Per-token reward ``[B, R]`` (0 where masked): ``-kl_coef kl`` on every valid token, plus
+    ``clip(score, -score_clip, score_clip)`` on the last valid one; the one place the score lands."""
     rewards = torch.where(response_mask.bool(), -kl_coef * kl, 0.0)  # [B, R]
     if score_clip is not None:
         score = score.clamp(-score_clip, score_clip)
@@ -47,10 +44,8 @@ def shaped_rewards(score: torch.Tensor, kl: torch.Tensor, response_mask: torch.T
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
-    """DAPO's soft over-long punishment (Yu et al. 2025, eq. 13), to add to the scores: with
-    ``start = max_len - buffer``, 0 for ``L <= start``, ``-penalty * (L - start) / buffer`` up to
-    ``max_len``, ``-penalty`` beyond. ``lengths`` in tokens (EOS included), any shape (an
-    episode's turns ``[B, R]``, 0 where none ends)."""
+    """DAPO's soft over-long penalty (Yu et al. 2025, eq. 13), shaped as ``lengths`` (tokens, EOS
+    included): ``-penalty clip((L - max_len + buffer) / buffer, 0, 1)``."""
     if buffer < 1:
         raise ValueError(f"the over-long penalty needs buffer >= 1, got {buffer}")
     over = (lengths.float() - (max_len - buffer)).clamp(min=0.0) / buffer  # shape of lengths
@@ -58,9 +53,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: 
 
 
 def adaptive_kl_coef(kl_coef: float, observed_kl: float, target: float, horizon: int, n_steps: int) -> float:
-    """One update of Ziegler et al.'s (2019) proportional KL controller: ``e = clip(observed_kl /
-    target - 1, -0.2, 0.2)``, ``beta <- beta * (1 + e * n_steps / horizon)``, with ``observed_kl``
-    the last batch's mean per-sequence KL and ``n_steps`` its samples. A non-finite KL keeps beta."""
+    """Ziegler et al.'s (2019) KL controller: ``beta (1 + clip(kl / target - 1, -0.2, 0.2) n_steps /
+    horizon)``, ``kl`` the batch's mean per-sequence KL; a non-finite KL keeps beta."""
     if not math.isfinite(observed_kl):
         return kl_coef
     err = min(max(observed_kl / target - 1.0, -0.2), 0.2)

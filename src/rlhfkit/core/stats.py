@@ -1,6 +1,5 @@
-"""Log-probs and entropies from logits, and statistics over a mask: every reduction of the core
-goes through :func:`masked_sum` / :func:`masked_mean`, which refuse an empty mask instead of
-returning NaN and keep a NaN parked in a masked-out slot out of the result."""
+"""Log-probs and entropies from logits, and reductions over a mask (:func:`masked_sum`,
+:func:`masked_mean`): an empty mask is an error, a NaN in a masked-out slot stays out."""
 
 from __future__ import annotations
 
@@ -14,10 +13,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
-    """``logp[b, t] = logits[b, t, tokens[b, t]] - logsumexp_v logits[b, t, v]``: ``[B, R, V]``,
-    ``[B, R]`` -> ``[B, R]``, in at least float32 (float64 kept). No ``[B, R, V]`` log-softmax is
-    built. ``chunk_size > 0`` (no grad only) takes that many rows at a time, bounding the float32
-    temporary to ``[chunk_size, R, V]``."""
+    """``logits[b, t, tokens[b, t]] - logsumexp_v logits[b, t, v]``, ``[B, R, V] -> [B, R]`` in at
+    least float32, no log-softmax built; ``chunk_size`` (no grad) rows at a time bound the upcast."""
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on [B, R]")
     if chunk_size and not torch.is_grad_enabled() and logits.shape[0] > chunk_size:
@@ -62,8 +59,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Scalar variance over ``mask == 1``: ``sum(mask * (x - mean)^2) / (n - 1)`` when ``unbiased``
-    and ``n > 1``, else ``/ n`` (one valid token: 0, not 0/0). ValueError on an empty mask."""
+    """``sum(mask (x - mean)^2) / (n - 1)`` (``/ n`` unless ``unbiased`` and ``n > 1``)."""
     var = masked_mean((values - masked_mean(values, mask)) ** 2, mask)
     n = mask.sum()
     if unbiased and n > 1:
@@ -72,9 +68,8 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + eps)`` with the statistics over ``mask == 1``; ``shift_mean=False``
-    adds the mean back (only the scale changes). Masked slots come back 0. ValueError on an empty
-    mask."""
+    """``(x - mean) / sqrt(var + eps)`` over ``mask == 1`` (``shift_mean=False``: the mean added
+    back), 0 where masked."""
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:

@@ -7,6 +7,7 @@ A trainer's own code is its arithmetic; :class:`Run` holds the rest, the same in
     resumed = run.restore({"policy": model}, {"optimizer": opt}, generator=gen)  # + run dir, config.yaml
     for step in run.steps():                          # progress from the resumed step on
         ...                                           # the trainer's own step
+        grad_norm = engine.update(opt, params, loss)  # clip, step unless non-finite, zero
         run.log(step, row, loss=f"{row['dpo/loss']:.3f}")
         run.checkpoint(step, pos=pos)                 # when due; extra state beside the standard one
     run.close()
@@ -30,10 +31,13 @@ import torch
 
 from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import REGIME_NAMES, Config, key_value, regime_value
+from ..core import logprobs_from_logits, position_ids_from_mask
 from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
 from ..models import from_scratch, save_policy
 from ..progress import progress
 from ..utils import MetricsLogger, UpdateGuard, make_accelerator, setup_run, start_run_dir
+
+LOSS_FIELDS = ("input_ids", "attention_mask", "loss_mask")  # an encoded row's fields sequence_logprobs reads
 
 
 def warn_lossy_updates(optimizer: torch.optim.Optimizer) -> None:
@@ -68,6 +72,22 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
     return functools.partial(lr_scale, total=total, warmup=warmup, schedule="cosine", floor=floor)
 
 
+def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor,
+                      logit_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sum of log pi(response tokens | prefix) per row, ``[2B, T]`` -> ``[2B]`` (``loss_mask``
+    marks the response tokens); with ``logit_sums`` also each row's sum over those positions of
+    the logits' vocabulary mean (no grad), for TRL's ``logits/*``."""
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
+    logps = logprobs_from_logits(logits[:, :-1], ids[:, 1:])  # [2B, T-1]
+    keep = loss_mask[:, 1:].bool()  # [2B, T-1]
+    summed = torch.where(keep, logps, 0.0).sum(-1)  # [2B]
+    if not logit_sums:
+        return summed
+    with torch.no_grad():
+        vocab_mean = logits[:, :-1].float().mean(-1)  # [2B, T-1]
+        return summed, torch.where(keep, vocab_mean, 0.0).sum(-1)  # [2B], [2B]
+
+
 def training_regime(cfg: Config, model) -> str:
     """What ``model`` is trained as (config.REGIME_DEFAULTS): 'scratch', 'pretrained' or 'lora'
     (model.lora_r > 0); model.regime=auto reads the mark on models built from scratch."""
@@ -79,10 +99,8 @@ def training_regime(cfg: Config, model) -> str:
 
 @dataclass
 class Engine:
-    """How an update runs its backward pass, in one process or several: ``model`` as
-    ``accelerator.prepare`` returned it (None: call the module itself), ``accelerator`` for the
-    backward and clipping (None: plain torch), ``shard`` for token weights and reduced stats,
-    ``guard`` to skip non-finite updates."""
+    """How an update runs its backward pass, in one process or several: ``model`` as prepared (None:
+    the module itself), ``accelerator`` (None: plain torch), ``shard``, and ``guard``."""
 
     model: torch.nn.Module | None = None
     accelerator: Any = None
@@ -93,9 +111,8 @@ class Engine:
     wrapper (a critic warm-up)."""
 
     def _accelerate_adds_nothing(self) -> bool:
-        """Would accelerate's ``backward``, ``step`` and ``zero_grad`` be only the plain calls here
-        (no DeepSpeed / Megatron / XLA, scaler or accumulation)? Then they are skipped, with their
-        per-call overhead."""
+        """Are accelerate's ``backward``, ``step`` and ``zero_grad`` the plain calls here (no DeepSpeed,
+        Megatron, XLA, scaler or accumulation)? Then they are skipped, with their overhead."""
         acc = self.accelerator
         return acc is None or (acc.distributed_type not in ("DEEPSPEED", "MEGATRON_LM", "XLA") and acc.scaler is None
                                and acc.gradient_accumulation_steps == 1)
@@ -127,13 +144,19 @@ class Engine:
     def clip(self, parameters, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.accelerator, parameters, max_norm)
 
+    def update(self, optimizer, parameters, loss: torch.Tensor, max_norm: float = 1.0) -> torch.Tensor:
+        """Clip the gradients, step unless the guard skips a non-finite update, zero them; the norm."""
+        grad_norm = self.clip(parameters, max_norm)
+        if self.guard.ok(loss, grad_norm):
+            optimizer.step()  # the wrapper's own: an LR scheduler counts its calls
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
     def accumulate(self, n_rows: int, micro_batch: int, step: Callable[[slice], tuple],
                    maxed: tuple[str, ...] = (), passes: int = 0) -> tuple[torch.Tensor, dict]:
-        """Forward and backward passes over ``n_rows`` rows, ``micro_batch`` at a time (0: all),
-        the gradients summed in ``.grad``; returns the summed loss (detached) and stats (those in
-        ``maxed`` maxed). ``step(rows)`` returns a micro-batch's ``(loss, stats)`` weighted by its
-        share of the minibatch. Under DDP the gradients sync on the last pass only. ``passes``: at
-        least this many passes, the extra ones empty, so every process makes the same collectives."""
+        """Backward passes of ``step(rows)``'s ``(loss, stats)`` over ``n_rows``, ``micro_batch`` at a time
+        (0: all; DDP syncs on the last), at least ``passes`` (empty ones: the same collectives on
+        every process); the summed loss (detached) and stats (``maxed``: the maximum)."""
         size = micro_batch or max(n_rows, 1)
         chunks = [slice(i, min(n_rows, i + size)) for i in range(0, n_rows, size)]
         chunks += [slice(n_rows, n_rows)] * (passes - len(chunks))
@@ -258,6 +281,10 @@ class Run:
                           for key, value in values.items())
         self._rates = f"learning rates: {REGIME_NAMES[regime]} -> {shown}"
         return values
+
+    def eval_due(self, step: int, every: int) -> bool:
+        """Is a held-out evaluation due after ``step`` (every ``every`` steps, 0: never; and the last)?"""
+        return bool(every and (step + 1) % every == 0) or step == self.total - 1
 
     def log_due(self, step: int, force: bool = False) -> bool:
         """Is a metrics row due after ``step`` (every ``log_every``, the last, or ``force``)?"""

@@ -1,9 +1,6 @@
-"""Direct preference optimisation (Rafailov et al. 2023): no reward model, no sampling.
-
-The policy trains on (prompt, chosen, rejected) pairs (``data.path``, or the built-in task's) with
-the sigmoid DPO loss or IPO's, plus ``dpo.nll_coef`` times the chosen answers' NLL, against a
-frozen reference (docs/algorithms/dpo.md).
-"""
+"""DPO (Rafailov et al. 2023) or IPO on (prompt, chosen, rejected) pairs against a frozen reference,
+plus ``dpo.nll_coef`` times the chosen answers' NLL; no reward model, no sampling
+(docs/algorithms/dpo.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..core import dpo_loss, ipo_loss, logprobs_from_logits, position_ids_from_mask
+from ..core import dpo_loss, ipo_loss
 from ..data import context_limit, encode_preferences, encode_triples, hold_out, load_preferences, stack_pairs
 from ..distributed import Shard, full_weights
 from ..evaluate import evaluate_sharded
@@ -23,26 +20,9 @@ from ..models import context_window, eval_mode, load_tokenizer, policy_with_refe
 from ..precision import compute_weights
 from ..tasks import get_task
 from ..utils import mean_stats
-from .common import Engine, Run
+from .common import LOSS_FIELDS, Engine, Run, sequence_logprobs
 
-LOSS_FIELDS = ("input_ids", "attention_mask", "loss_mask")
 TRL_NAMES = {"chosen": "chosen", "rejected": "rejected", "accuracies": "accuracy", "margins": "margin"}
-
-
-def sequence_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor,
-                      logit_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Sum of log pi(response tokens | prefix) per row, ``[2B, T]`` -> ``[2B]`` (``loss_mask``
-    marks the response tokens); with ``logit_sums`` also each row's sum over those positions of
-    the logits' vocabulary mean (no grad), for TRL's ``logits/*``."""
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
-    logps = logprobs_from_logits(logits[:, :-1], ids[:, 1:])  # [2B, T-1]
-    keep = loss_mask[:, 1:].bool()  # [2B, T-1]
-    summed = torch.where(keep, logps, 0.0).sum(-1)  # [2B]
-    if not logit_sums:
-        return summed
-    with torch.no_grad():
-        vocab_mean = logits[:, :-1].float().mean(-1)  # [2B, T-1]
-        return summed, torch.where(keep, vocab_mean, 0.0).sum(-1)  # [2B], [2B]
 
 
 @torch.no_grad()
@@ -120,14 +100,11 @@ def train_dpo(cfg: Config, policy_path: str | None = None) -> dict:
             order, pos = torch.randperm(n_pairs, generator=gen), 0
         idx = shard.take(order[pos : pos + dc.batch_size])  # this process's pairs of the global batch
         pos += dc.batch_size
-        opt.zero_grad(set_to_none=True)
         with compute_weights(train_policy):  # model.master_weights: bf16 copies of this step's weights
             loss, row = dpo_step(engine, ref, ref_cache, pairs.train, idx, dc, device)
-        row["dpo/grad_norm"] = engine.clip(params, 1.0)
-        if run.guard.ok(loss, row["dpo/grad_norm"]):
-            opt.step()
+        row["dpo/grad_norm"] = engine.update(opt, params, loss)
         train_s += time.perf_counter() - t0
-        evaluated = bool(dc.eval_every and (step + 1) % dc.eval_every == 0) or step == dc.steps - 1
+        evaluated = run.eval_due(step, dc.eval_every)
         if evaluated:
             with full_weights(train_policy):
                 row.update(evaluate(cfg, pairs, policy, tok, held_ref, shard, device))

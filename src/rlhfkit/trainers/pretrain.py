@@ -22,19 +22,17 @@ def pretrain(cfg: Config) -> dict:
                               n_embd=cfg.model.n_embd, n_positions=task.N_POSITIONS).to(run.device)
     opt = torch.optim.AdamW(model.parameters(), lr=pc.lr, weight_decay=pc.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(pc.warmup_steps, pc.steps))
-    data = task.TaskData(cfg.run.seed)
+    data, engine = task.TaskData(cfg.run.seed), run.engine(model)
     run.restore({"model": model}, {"optimizer": opt}, {"scheduler": sched}, data=data)
     for step in run.steps():
         # texts end with the EOS character; right padding is fine, positions come from the mask
         enc = tok(data.pretrain_texts(pc.batch_size), padding=True, padding_side="right", return_tensors="pt")
         ids, mask = enc["input_ids"].to(run.device), enc["attention_mask"].to(run.device)
         loss = masked_lm_loss(model, ids, mask, mask)  # every real token after BOS is a target
-        run.accelerator.backward(loss)
-        if run.guard.ok(loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
-            opt.step()
+        engine.backward(loss)
+        engine.update(opt, model.parameters(), loss)
         lr = sched.get_last_lr()[0]  # this step's rate, before the scheduler moves on
         sched.step()
-        opt.zero_grad(set_to_none=True)
         if run.log_due(step):
             run.log(step, {"train/loss": loss, "train/lr": lr}, loss=f"{loss.item():.4f}")
         run.checkpoint(step)

@@ -1,7 +1,5 @@
 """Reward model: a transformer with a scalar head, trained on chosen/rejected pairs with the
-Bradley-Terry loss ``-logsigmoid(r_chosen - r_rejected - margin)``; logs ``rm/loss``,
-``rm/accuracy`` and ``rm/delta`` (mean chosen - rejected), and the same on held-out pairs at the end.
-"""
+Bradley-Terry loss; ``rm/*`` metrics each step, ``eval/rm/*`` on held-out pairs at the end."""
 
 from __future__ import annotations
 
@@ -169,9 +167,7 @@ def train_label_classifier(cfg: Config, run: Run, model, tok) -> dict[str, float
     for step in run.steps():
         items = shard.take(data.labelled_texts(rc.batch_size), "reward.batch_size")
         loss, stats = engine.accumulate(len(items), rc.micro_batch_size, functools.partial(micro_batch_loss, items))
-        if run.guard.ok(loss, engine.clip(params, 1.0)):
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        engine.update(opt, params, loss)
         if run.log_due(step):
             row = shard.mean(mean_stats([stats]))
             run.log(step, row, acc=f"{row['rm/accuracy']:.2f}")
@@ -268,10 +264,7 @@ def train_pairwise(cfg: Config, run: Run, model, tok) -> dict[str, float]:
         ids, mask, margin = pairs.next(rc.batch_size, shard)  # this process's pairs of the global batch
         loss, stats = engine.accumulate(ids.shape[0] // 2, rc.micro_batch_size,
                                         functools.partial(pair_loss, train_scores, ids, mask, margin, rc.center_coef))
-        grad_norm = engine.clip(params, 1.0)
-        if run.guard.ok(loss, grad_norm):
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        grad_norm = engine.update(opt, params, loss)
         if run.log_due(step):
             row = shard.mean(mean_stats([stats]))  # means over pairs: exact over processes
             run.log(step, {**row, "rm/grad_norm": grad_norm}, acc=f"{row['rm/accuracy']:.2f}",

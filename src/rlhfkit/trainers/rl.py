@@ -56,10 +56,9 @@ GAP = ("policy/logprob_gap",)  # the one stat a reduction takes the maximum of
 
 
 def train_rl(cfg: Config, policy_path: str | None = None, reward_path: str | None = None) -> dict:
-    """Run ``cfg.ppo.algo`` (ppo, grpo, rloo or reinforce) on the prompts of ``data.path``, or of
-    the built-in task (``run.task``). Writes metrics, samples, trajectories, plots and the models
-    under ``run.out_dir``; stops once the held-out ``ppo.stop_metric`` reaches ``ppo.stop_at``.
-    Under ``accelerate launch`` each process takes its shard of every (global) batch."""
+    """Run ``ppo.algo`` on the prompts of ``data.path`` or the task; writes metrics, samples,
+    trajectories, plots and models under ``run.out_dir``; stops when ``ppo.stop_metric`` reaches
+    ``ppo.stop_at``. Under ``accelerate launch`` each process takes its shard of every batch."""
     s = setup_rl(cfg, policy_path, reward_path, held_out)  # step 0
     for step in s.run.steps():
         records, exp, stats = rl_step(s, step)  # steps 1-3
@@ -128,7 +127,7 @@ def log_step(s: RLSetup, step: int, records, exp: Experience, stats: dict) -> No
         st.kl_coef = adaptive_kl_coef(st.kl_coef, stats["objective/kl"], pc.kl_target, pc.kl_horizon, pc.batch_size)
     write_samples(s.samples, step, records, exp, s.tok, pc.samples_per_log)
     last = step == pc.steps - 1
-    evaluated = bool(pc.eval_every and (step + 1) % pc.eval_every == 0) or last
+    evaluated = s.run.eval_due(step, pc.eval_every)
     if evaluated:
         if s.moments is not None:  # the evaluation's rollouts need the moments no more than the step's
             s.moments.to_host()
@@ -156,10 +155,9 @@ def surrogate_options(pc: PPOConfig) -> SurrogateOptions:
 
 
 def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float):
-    """The policy's part of :func:`minibatch_loss` as ``fn(logp, ent, s, e)``: what the flattened
-    ``[b * R]`` positions ``s .. e-1`` add to the aggregated loss (each aggregation is linear in
-    the per-token losses, with the weights ``d aggregate / d x``). None at a sequence-level ratio,
-    where tokens read each other (docs/ppo_walkthrough.md, section 4)."""
+    """The policy's part of :func:`minibatch_loss` as ``fn(logp, ent, s, e)``: what flattened positions
+    ``s .. e-1`` add to the aggregate (linear, weights ``d aggregate / d x``). None at a sequence-level
+    ratio, where tokens read each other (docs/ppo_walkthrough.md, section 4)."""
     if pc.importance_sampling_level != "token":
         return None
     objective, options = policy_objective(pc.loss_type), surrogate_options(pc)._replace(clip_low=pc.clip_range)
@@ -191,12 +189,10 @@ def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef:
 
 def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float,
                    update_policy: bool, fused_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """``(loss, logprobs [b, R], stats)`` of minibatch rows ``mb``: the clipped value loss and,
-    unless it is a critic warm-up, the clipped policy loss, entropy bonus and KL term, each
-    reduced by the one aggregation ``pc.loss_type``. A chunked head computes the policy's part
-    itself (:func:`policy_token_loss`; ``fused_loss`` False: from the returned log-probs); a deferred
-    experience gets this forward's log-probs (and entropies) written in as the old ones
-    (:func:`rlhfkit.experience.defer_old_logprobs`)."""
+    """``(loss, logprobs [b, R], stats)`` of rows ``mb``: the value loss and, unless a critic warm-up,
+    the policy loss, entropy bonus and KL term, each reduced by ``pc.loss_type``. A chunked head
+    computes the policy's part itself (:func:`policy_token_loss`); a deferred experience gets this
+    forward's log-probs (and entropies) as the old ones."""
     rmask = exp.response_mask[mb]
     agg = functools.partial(aggregate, mask=rmask, kind=pc.loss_type, max_len=pc.max_new_tokens or 0)
     with_entropy = update_policy and bool(pc.entropy_coef)
@@ -238,10 +234,9 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
 
 def micro_batch_loss(model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float, update_policy: bool,
                      weight: float, gap: bool, rows: slice) -> tuple[torch.Tensor, dict]:
-    """:func:`minibatch_loss` of ``mb[rows]``, the loss scaled by its share of the minibatch (in
-    the unit ``pc.loss_type`` averages over) and by the process's ``weight``, the stats by its
-    share of the response tokens; ``gap`` adds ``policy/logprob_gap``. An empty ``mb[rows]`` runs
-    one row at weight 0, so every process makes the same collective calls and stats keys."""
+    """:func:`minibatch_loss` of ``mb[rows]`` scaled by its share of the minibatch (in
+    ``pc.loss_type``'s unit) and ``weight``, the stats by its share of the tokens. An empty
+    ``mb[rows]`` runs one row at weight 0: every process makes the same collectives."""
     sub = mb[rows]
     empty = len(sub) == 0
     if empty:
@@ -273,10 +268,8 @@ def ppo_update(
     off_heap: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """``ppo_epochs`` passes over shuffled minibatches, ``pc.micro_batch_size`` rows a pass; the
-    per-minibatch stats in order. ``update_policy=False``: the critic warm-up. Data parallel,
-    ``exp`` holds this process's rows, weighted so the gradient and stats are the global
-    minibatch's. ``logprob_gap``: the first minibatch's ``policy/logprob_gap``. ``off_heap``:
-    ``accel.update_off_heap``."""
+    per-minibatch stats. ``update_policy=False``: the critic warm-up. ``exp`` holds this process's
+    rows, weighted so the gradient and stats are the global minibatch's."""
     engine = engine or Engine(guard=UpdateGuard(where=pc.algo))
     model = engine.model if engine.model is not None else ac
     shard = engine.shard
@@ -361,9 +354,8 @@ def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int | None,
 
 def evaluate(run: Run, ac: ActorCritic, train_ac, tok, data: PromptData, reward: Reward,
              max_new_tokens: int, env: EpisodeMaker | None = None) -> dict[str, float]:
-    """Held-out metrics: a built-in task's verifier (``eval/format_acc``, ``eval/exact_acc``), the
-    rewards of the held-out records (``eval/reward[/<source>]``, ``eval/accuracy``), or an
-    environment's mean greedy return (``eval/reward``); nothing without held-out prompts."""
+    """Held-out metrics: the task's verifier's, the held-out records' rewards, or an environment's
+    mean greedy return (``eval/reward``); nothing without held-out prompts."""
     cfg = run.cfg
     if env is not None:
         if not data.eval_records:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..accel.offload import HostMoments, offload_frozen
 from ..checkpoint import latest_checkpoint
 from ..config import Config, PPOConfig
 from ..distributed import full_state_dict, shard_frozen
@@ -31,7 +32,6 @@ from ..models import (
     quiet_load_report,
     resolve_dtype,
 )
-from ..offload import HostMoments, offload_frozen
 from ..precision import keep_master_weights
 from ..prompts import PromptData, prompt_data
 from ..rewards import Reward, build_reward, other_tokenizer
@@ -236,7 +236,7 @@ def set_lr(optimizer, pc: PPOConfig, step: int) -> float:
 
 def start_offload(run: Run, optimizer, *frozen) -> HostMoments | None:
     """``accel.offload``: the frozen models' weights to host memory now, the optimizer's moments
-    each step (the returned :class:`~rlhfkit.offload.HostMoments`)."""
+    each step (the returned :class:`~rlhfkit.accel.offload.HostMoments`)."""
     if not run.cfg.accel.offload:
         return None
     kind = getattr(run.accelerator, "distributed_type", None)

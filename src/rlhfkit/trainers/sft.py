@@ -1,7 +1,5 @@
-"""Supervised fine-tuning on demonstrations (prompt -> completion), any causal LM: next-token
-cross-entropy on the completion tokens (``data.completion_only``) or on every token; records in
-TRL's formats (:mod:`rlhfkit.data`), optional packing and LoRA (docs/algorithms/sft.md).
-"""
+"""SFT of any causal LM on demonstrations: next-token cross-entropy on the completion tokens
+(``data.completion_only``) or every token, optional packing and LoRA (docs/algorithms/sft.md)."""
 
 from __future__ import annotations
 
@@ -10,13 +8,12 @@ import functools
 import torch
 
 from ..config import Config
-from ..core import logprobs_from_logits, position_ids_from_mask
 from ..data import Limit, SFTExample, context_limit, encode_sft, hold_out, load_sft, pack_sft
 from ..distributed import Shard, full_weights
 from ..models import context_window, eval_mode, load_tokenizer, masked_lm_loss, policy_with_reference
 from ..precision import compute_weights
 from ..tasks import get_task
-from .common import Run, lr_lambda
+from .common import LOSS_FIELDS, Run, lr_lambda, sequence_logprobs
 
 
 def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None = None) -> dict:
@@ -50,14 +47,10 @@ def train_sft(cfg: Config, policy_path: str | None = None, data_path: str | None
         with compute_weights(train_model):  # model.master_weights: bf16 copies of this step's weights
             loss, _ = engine.accumulate(len(idx), sc.micro_batch_size,
                                         functools.partial(micro_batch_loss, train_model, batch, weight))
-        grad_norm = engine.clip(params, 1.0)
-        if run.guard.ok(loss, grad_norm):
-            opt.step()
+        grad_norm = engine.update(opt, params, loss)
         lr = sched.get_last_lr()[0]  # this step's rate, before the scheduler moves on
         sched.step()
-        opt.zero_grad(set_to_none=True)
-        last = step == sc.steps - 1
-        evaluate = eval_enc is not None and (last or (sc.eval_every and (step + 1) % sc.eval_every == 0))
+        evaluate = eval_enc is not None and run.eval_due(step, sc.eval_every)
         if run.log_due(step, evaluate):
             row = {**shard.mean({"sft/loss": loss.item()}), "sft/grad_norm": grad_norm, "sft/lr": lr}
             if evaluate:
@@ -85,15 +78,12 @@ def micro_batch_loss(model, batch: dict, weight: float, rows: slice) -> tuple[to
 @torch.no_grad()
 def heldout_loss(model, enc: dict, shard: Shard, device, chunk: int) -> float:
     """Mean NLL per target token over every held-out row, chunks dealt round-robin to the processes."""
-    n = enc["input_ids"].shape[0]
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [NLL sum, target tokens]
     with eval_mode(model):
-        for rows in shard.chunks(n, chunk):
-            ids, attn, lmask = (enc[f][rows].to(device) for f in ("input_ids", "attention_mask", "loss_mask"))
-            logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
-            logps = logprobs_from_logits(logits[:, :-1], ids[:, 1:])  # [b, T-1]
-            target = lmask[:, 1:].bool()
-            totals += torch.stack([-logps[target].double().sum(), target.sum().double()])
+        for rows in shard.chunks(enc["input_ids"].shape[0], chunk):
+            ids, attn, lmask = (enc[f][rows].to(device) for f in LOSS_FIELDS)
+            nll = -sequence_logprobs(model, ids, attn, lmask).double().sum()
+            totals += torch.stack([nll, lmask[:, 1:].sum().double()])
     totals = shard.sum(totals)
     return float(totals[0] / totals[1])
 

@@ -1,9 +1,6 @@
-"""``accel.offload``: what a phase of an RL step does not read waits in host memory. AdamW's
-moments (:class:`HostMoments`) leave the device during the rollout (the step's peak), and frozen
-models (:func:`offload_frozen`) are copied up only for the blocks that run them (:func:`on_device`).
-Nothing is computed differently. Host buffers come from :func:`rlhfkit.ops.host_empty` (pinned on
-CUDA, so the copies queue on the current stream).
-"""
+"""``accel.offload``: AdamW's moments (:class:`HostMoments`) wait in host memory through the
+rollout, frozen models' weights (:func:`offload_frozen`) outside the blocks that run them
+(:func:`on_device`). Nothing is computed differently."""
 
 from __future__ import annotations
 
@@ -12,7 +9,10 @@ import contextlib
 import torch
 from torch import nn
 
-from . import ops
+
+def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer for a device tensor; pinned on CUDA, so the copies queue on the stream."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
 class HostMoments:
@@ -35,7 +35,7 @@ class HostMoments:
                     continue  # not a tensor, or away already
                 buf = kept.get(key, (None,))[0]
                 if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                    buf = ops.host_empty(value.shape, value.dtype)
+                    buf = host_empty(value.shape, value.dtype)
                 buf.copy_(value, non_blocking=buf.is_pinned())
                 queued |= buf.is_pinned() and value.is_cuda
                 kept[key] = (buf, value.device)
@@ -60,7 +60,7 @@ def offload_frozen(model: nn.Module | None, device: torch.device) -> None:
     host = []
     with torch.no_grad():
         for p in model.parameters():  # each tied weight once
-            p.data = ops.host_empty(p.shape, p.dtype).copy_(p.detach())
+            p.data = host_empty(p.shape, p.dtype).copy_(p.detach())
             host.append((p, p.data))
     model._rlhfkit_offload = {"device": device, "host": host, "depth": 0}
 
