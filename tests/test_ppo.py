@@ -16,8 +16,8 @@ import functools
 import pytest
 import torch
 
-from rlhfkit.config import Config
-from rlhfkit.core import entropy_from_logits, logprobs_from_logits
+from rlhfkit.config import ALGO_DEFAULTS, Config
+from rlhfkit.core import entropy_from_logits, logprobs_from_logits, masked_mean
 from rlhfkit.experience import (
     ActorCritic,
     RunningMoments,
@@ -144,6 +144,26 @@ def test_first_minibatch_has_ratio_one_and_kl_zero(value_model, reuse, accel, re
     assert max(s["policy/approx_kl"].item() for s in mb_stats[1:]) > 1e-6
     # the spent gradients are freed before the next rollout (memory of the trained weights' size)
     assert all(p.grad is None for p in [*ac.policy.parameters(), *ac.critic_parameters()])
+
+
+def test_one_update_a_rollout_takes_the_old_logprobs_from_a_policy_forward(accel_off):
+    """With one optimizer step a rollout (one epoch of one minibatch, no critic, the KL in the loss)
+    and the sampler's log-probs not reusable, the experience pass runs the policy as always: the old
+    log-probs and entropies are its forward's, and the statistics that read them come with the pass."""
+    full, ref, rm = _setup("separate")
+    ac = ActorCritic(full.policy)  # no critic
+    pc = Config().replace(ppo={**ALGO_DEFAULTS["grpo"], "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1}).ppo
+    ids, mask = (t.repeat_interleave(pc.group_size, 0) for t in prompts(2, seed=5))
+    roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, generator=torch.Generator().manual_seed(1))
+    exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    with torch.no_grad():
+        logp, ent, _ = ac(roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1], pc.temperature,
+                          response_ids=roll.response_ids, entropy=True)
+    valid = roll.response_mask.bool()
+    torch.testing.assert_close(exp.old_logprobs[valid], logp[valid])
+    assert stats["objective/entropy"] == pytest.approx(masked_mean(ent, roll.response_mask).item(), rel=1e-5)
+    assert 0.0 <= stats["policy/logprob_gap"] < 1e-4  # the sampler's against the forward's
+    assert stats["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference
 
 
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
