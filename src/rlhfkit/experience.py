@@ -199,27 +199,12 @@ def row_chunks(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, size: int) -
     return [torch.arange(a, b, device=device) for a, b in spans]
 
 
-def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
-    """Whether :func:`make_experience` takes the old log-probs, entropies and (shared head)
-    values from the rollout instead of a policy forward: allowed by ``ppo.reuse_rollout_logprobs``,
+def reuse_rollout(roll: Rollout, ac: ActorCritic, allowed: bool = True) -> bool:
+    """Whether :func:`make_experience` takes the old log-probs, entropies and (shared head) values
+    from the rollout instead of a policy forward: ``allowed`` (``accel.reuse_rollout_logprobs``),
     computed alike (``Rollout.forward_logprobs``) and complete (a shared head's values present)."""
-    return (pc.reuse_rollout_logprobs and roll.forward_logprobs and roll.entropy is not None
+    return (allowed and roll.forward_logprobs and roll.entropy is not None
             and (ac.value_head is None or roll.values is not None))
-
-
-def policy_stats(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, entropy: torch.Tensor,
-                 rollout_logprobs: torch.Tensor | None, rmask: torch.Tensor, score: torch.Tensor,
-                 rewards: torch.Tensor, pc: PPOConfig, kl_coef: float, shard: Shard) -> dict[str, torch.Tensor]:
-    """The statistics that read the old log-probs: sequence KL, RLHF reward, mean entropy and, given
-    the sampler's log-probs, ``policy/logprob_gap`` (where a silent off-policy mismatch shows)."""
-    valid = rmask.bool()
-    kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
-    stats = {"objective/kl": kl_seq.mean(),
-             "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
-             "objective/entropy": shard.apply_rows(masked_mean, entropy, rmask)}  # a token mean
-    if rollout_logprobs is not None:
-        stats["policy/logprob_gap"] = torch.where(valid, (rollout_logprobs - old_logprobs).abs(), 0.0).max()
-    return stats
 
 
 @torch.no_grad()
@@ -319,21 +304,16 @@ def response_stats(roll: Rollout, pc: PPOConfig, shard: Shard) -> dict:
 def make_experience(
     ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
     reward_stats: RunningMoments | None = None, shard: Shard | None = None, records=None,
-    chunk_logits: int = EXPERIENCE_LOGITS,
+    chunk_logits: int = EXPERIENCE_LOGITS, reuse_logprobs: bool = True,
 ) -> tuple[Experience, dict[str, float]]:
-    """Score a rollout and turn it into advantages and returns (no grad).
-
-    PPO: per-token shaped rewards (-beta*KL, score on the last token) -> GAE with the critic.
-    GRPO / RLOO / REINFORCE: the sequence score (minus beta * sequence KL unless the KL is a
-    loss term) -> a baseline from the other samples -> the same advantage on every token.
-    ``shard``: whitening, baselines and reward normalisation see every process's rows (the stats
-    are this process's); ``records``: the rows' prompt records, for the reward functions;
-    ``chunk_logits``: :func:`experience_forwards`' row chunks.
-    """
+    """Score a rollout and turn it into advantages and returns: PPO's GAE over shaped per-token
+    rewards, or the critic-free baseline of each sequence's score (minus beta * KL unless the KL is
+    a loss term) on every token. Whitening, baselines and normalisation see every ``shard``'s rows;
+    ``reuse_logprobs``: ``accel.reuse_rollout_logprobs``."""
     shard = shard or Shard()
     rmask = roll.response_mask
     valid = rmask.bool()
-    reuse = reuse_rollout(roll, ac, pc)
+    reuse = reuse_rollout(roll, ac, reuse_logprobs)
     raw_score, score, parts = final_scores(scorer, roll, pc, reward_stats, shard, records)
     unscored = raw_score.isnan()  # [B]: no reward scored it (every function returned None)
     if pc.algo == "ppo" and bool(unscored.any()):
@@ -361,16 +341,20 @@ def make_experience(
         # an unscored row is written with score 0 (samples, trajectories) and counts so in rlhf_reward
         score, rewards = score.nan_to_num(0.0), rewards.nan_to_num(0.0)
     advantages, sampling = correct_sampling(roll, old_logprobs, advantages, pc, shard)
+    kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
     stats = {
         "objective/score": raw_score.nanmean(),  # over the scored rows
-        **policy_stats(old_logprobs, ref_logprobs, f["entropy"], None if reuse else roll.logprobs, rmask, score,
-                       rewards, pc, kl_coef, shard),
+        "objective/kl": kl_seq.mean(),
+        "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
+        "objective/entropy": shard.apply_rows(masked_mean, f["entropy"], rmask),  # a token mean
         "objective/kl_coef": kl_coef,
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         **response_stats(roll, pc, shard),
         **{f"reward/{name}": s.nanmean() for name, s in parts.items()},  # over the rows each scored
         **sampling,
     }
+    if not reuse:  # the sampler's log-probs against the forward's: where a silent off-policy mismatch shows
+        stats["policy/logprob_gap"] = torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max()
     if pc.overlong_buffer:  # the mean over-long penalty added to the scores
         stats["objective/overlong_penalty"] = overlong_scores(roll, pc).mean()
     if zero_std is not None:  # TRL's name; groups of 1 have no such share, and it is not logged

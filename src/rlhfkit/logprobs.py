@@ -79,9 +79,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             e = s + ctx.chunk_rows
             h = hidden[s:e]  # [n, H]
             z = _head_logits(h, weight, bias, ctx.temperature)
-            g = None
-            if grad_ent is None and grad_logp is not None:  # the fused head's gradient, d(z / T) / dz inside
-                g = ops.head_grad(z, lse[s:e], grad_logp[s:e] / ctx.temperature, targets[s:e])
+            # the fused head's gradient where it applies, d(z / T) / dz inside
+            fused = grad_ent is None and grad_logp is not None
+            g = ops.head_grad(z, lse[s:e], grad_logp[s:e] / ctx.temperature, targets[s:e]) if fused else None
             if g is not None:
                 grad_w = _head_grads(g, h, weight, 1.0, grad_h, grad_w, need_w, grad_b, s, acc)
                 continue

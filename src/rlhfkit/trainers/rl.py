@@ -87,7 +87,8 @@ def rl_step(s: RLSetup, step: int) -> tuple[list, Experience, dict]:
     release_free_memory()
     # FSDP: the forwards call the modules themselves; model.master_weights: the policy's bf16 copies made here
     with full_weights(s.train_ac, s.ref, *s.scorer.models, compute=False):
-        exp, stats = make_experience(s.ac, s.ref, s.scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
+        exp, stats = make_experience(s.ac, s.ref, s.scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records,
+                                     reuse_logprobs=s.run.cfg.accel.reuse_rollout_logprobs)
     stats = shard.mean({**stats, **episode}, maxed=GAP)
     t.append(time.perf_counter())
     # step 3. update
@@ -332,7 +333,7 @@ def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_
         with eval_mode(ac.policy), full_weights(train_ac):
             return generate(ac.policy, ids, mask, n, eos_token_ids(ac.policy, tok), tok.pad_token_id,
                             pc.temperature, greedy=step is None, uniforms=u,
-                            value_head=ac.value_head if pc.reuse_rollout_logprobs and step is not None else None,
+                            value_head=ac.value_head if cfg.accel.reuse_rollout_logprobs and step is not None else None,
                             stop=pc.stop, tokenizer=tok, graph=cfg.accel.cuda_graph, **sampling_settings(pc))
 
     return sample
