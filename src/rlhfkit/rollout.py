@@ -285,13 +285,10 @@ class _Draw:
             self.entropies.append(_entropy(logp_all))
         return tok
 
-    def kept_logmass(self, R: int) -> torch.Tensor | None:
-        """``[B, R]`` log pi - log q of each drawn token; None when the draw was not shaped."""
-        return torch.stack(self.kept[:R], 1) if self.kept else None
-
     def result(self, steps: int) -> tuple[torch.Tensor, ...]:
-        """``(raw tokens, ended, finished [B], logprobs, entropy)`` after ``steps`` steps, ``ended``
-        True strictly after a row's end; ``[B, R]`` up to the last column a row still needs."""
+        """``(raw tokens, ended, finished [B], logprobs, entropy, kept)`` after ``steps`` steps, ``ended``
+        True strictly after a row's end, ``kept`` log pi - log q of a shaped draw's tokens (else None);
+        ``[B, R]`` up to the last column a row still needs."""
         if self.sampler is not None:
             raw, alive = self.sampler.tokens[:, :steps], self.sampler.alive  # [B, R]
         else:
@@ -313,7 +310,7 @@ class _Draw:
             logprobs, entropy = logp.gather(-1, raw[..., None]).squeeze(-1), _entropy(logp)
         else:
             logprobs, entropy = torch.cat(self.logps[:R], 1), torch.stack(self.entropies[:R], 1)
-        return raw, ended, ~alive, logprobs, entropy
+        return raw, ended, ~alive, logprobs, entropy, torch.stack(self.kept[:R], 1) if self.kept else None
 
 
 @torch.no_grad()
@@ -357,8 +354,7 @@ def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new
         if t == max_new_tokens - 1 or done:
             break
         logits = fwd.step(tok)  # rows that already ended are fed their own samples: masked out later
-    raw, ended, finished, logprobs, entropy = draw.result(t + 1)  # [B, R] but finished [B]
-    kept = draw.kept_logmass(raw.shape[1])  # [B, R] or None
+    raw, ended, finished, logprobs, entropy, kept = draw.result(t + 1)  # [B, R] but finished [B]
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(),
                    response_ids=raw.masked_fill(ended, pad_token_id), response_mask=(~ended).long(),
                    logprobs=logprobs.masked_fill(ended, 0.0), finished=finished,
