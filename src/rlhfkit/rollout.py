@@ -166,11 +166,6 @@ class _Forward:
         out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, **self.cached, **keep)
         self.logits = out.logits[:, -1]
 
-    @property
-    def hidden(self) -> torch.Tensor | None:
-        """The last position's hidden state ``[B, H]`` (accelerated forward only, else None)."""
-        return None if self.fast is None else self.fast.hidden
-
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Feed ``tok [B]``; the logits ``[B, V]`` of the next position."""
         if self.fast is not None:
@@ -349,7 +344,7 @@ def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new
     values = [] if value_head is not None and fwd.fast is not None else None
     for t in range(max_new_tokens):
         if values is not None:
-            values.append(value_head(fwd.hidden))  # [B]: the state that samples token t
+            values.append(value_head(fwd.fast.hidden))  # [B]: the state that samples token t (accelerated only)
         tok, done = draw.step(t, logits.float())
         if t == max_new_tokens - 1 or done:
             break
