@@ -360,19 +360,19 @@ def positions(row: str, wl: dict) -> dict:
         both = B * (P + R - 1) + B * (P + R)
         return {"rollout": B * P + B * (R - 1), "experience": both, "update": both * (2 if s["ckpt"] else 1),
                 "backward": both, "head": B * R * 3}
-    # rlhfkit on a bf16 base: the sampler's bf16 log-probs are not the training forward's, and with
-    # one update a rollout the update's forward gives the old ones (experience.defer_old_logprobs), so
-    # its experience runs the reference alone, as in float32. Runs stored before that commit ran the
-    # policy there again (twice the experience positions counted here); before 1d496f7 the LoRA policy
-    # ran peft's forward, prompts unshared
+    # rlhfkit on a bf16 base: the sampler's bf16 log-probs are not the training forward's, so its
+    # experience runs the policy beside the reference (in float32 the sampler's are reused); runs stored
+    # between 1d496f7 and the removal of the deferred old log-probs ran the reference alone there, and
+    # before 1d496f7 the LoRA policy ran peft's forward, prompts unshared
     shared = s["lib"] == "rlhfkit" and not s["unshared"]
+    policy_again = 2 if s["lib"] == "rlhfkit" and s["bf16"] else 1
     # rlhfkit's scoring forwards do not run the last column (it predicts nothing); TRL's run it
     last = 0 if s["lib"] == "rlhfkit" else B
     scoring = (U * P + B * (R - 1) if shared else B * (P + R - 1)) + last
     head_rows = B * (P + R - 1) if s["lib"] == "trl" and not s["compact"] else B * R
     return {"rollout": (U if shared else B) * P + B * (R - 1),
-            "experience": scoring, "update": scoring * (2 if s["ckpt"] else 1), "backward": scoring,
-            "head": B * R + 2 * head_rows}
+            "experience": scoring * policy_again, "update": scoring * (2 if s["ckpt"] else 1), "backward": scoring,
+            "head": B * R + (1 + policy_again) * head_rows}
 
 
 def body_work(pos: dict) -> int:

@@ -371,7 +371,7 @@ def test_the_critic_is_a_value_head_on_the_policy_unless_a_separate_one_is_confi
 
 
 SPEED_KEYS = {"run.threads": 1, "run.malloc": "", "ppo.cuda_graph": True, "ppo.offload": True,
-              "ppo.update_off_heap": True}
+              "ppo.update_off_heap": True, "ppo.reuse_rollout_logprobs": False}
 
 
 @pytest.mark.parametrize("old", sorted(SPEED_KEYS))

@@ -59,13 +59,12 @@ TOL = 1e-4
 RUNS = ("ppo", "ppo_warmup", "ppo_separate", "ppo_lora", "grpo", "grpo_lora", "grpo_file", "grpo_seqmean", "grpo_ckpt",
         "grpo_offload", "rloo",
         "reinforce", "dpo", "sft", "rm", "ppo_micro", "dpo_micro", "sft_micro", "rm_micro", "grpo_env", "ppo_env",
-        "ppo_chunked", "grpo_chunked", "grpo_deferred")
+        "ppo_chunked", "grpo_chunked")
 # RL under FSDP2 (examples/accelerate/fsdp.yaml, GPT2Block layers): a shared value head (ppo's default), a separate critic,
 # the three critic-free estimators, LoRA (PPO with an adapter on the critic too, GRPO) and multi-turn
 # environments (GRPO, PPO), matched to the
 # 1-process run at FSDP_TOL
-FSDP_RUNS = ("ppo", "ppo_separate", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file", "grpo_env", "ppo_env",
-             "grpo_deferred")
+FSDP_RUNS = ("ppo", "ppo_separate", "grpo", "rloo", "reinforce", "ppo_lora", "grpo_lora", "grpo_file", "grpo_env", "ppo_env")
 FSDP_TOL = 1e-5
 NODE_RUNS = ("ppo", "grpo_file")  # what the 2-node launches run (a few seconds each)
 # what runs under each DeepSpeed example config; PPO (a second prepared model, the critic) and

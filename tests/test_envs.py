@@ -76,7 +76,7 @@ def test_a_one_turn_environment_is_bit_for_bit_the_single_turn_run(tiny_models, 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_a_multi_turn_run_trains_on_its_turns(tiny_models, tiny_config, tmp_path, no_plots, algo):
     cfg = tiny_config(tmp_path, model={"name": tiny_models.policy}, env={"cls": Echo},
-                      ppo={"algo": algo, "steps": 1, "reuse_rollout_logprobs": False})
+                      ppo={"algo": algo, "steps": 1}, accel={"reuse_rollout_logprobs": False})
     train_rl(cfg)
     row = run_metrics(tmp_path)[-1]
     assert row["env/turns"] == 3 and row["env/obs_tokens"] == 4  # two observations of 2 tokens each

@@ -165,8 +165,7 @@ def _actor_critic():
 @pytest.mark.parametrize("reuse", [False, True], ids=["recomputed", "reused"])
 def test_logprobs_are_the_full_tempered_distributions_and_the_first_ratio_is_one(reuse):
     ac, ref, rm = _actor_critic()
-    pc = dataclasses.replace(Config().ppo, temperature=0.8, top_k=5, top_p=0.8, reuse_rollout_logprobs=reuse,
-                             batch_size=32, minibatch_size=8)
+    pc = dataclasses.replace(Config().ppo, temperature=0.8, top_k=5, top_p=0.8, batch_size=32, minibatch_size=8)
     ids, mask = prompts(pc.batch_size)
     roll = generate(ac.policy, ids, mask, 8, EOS, PAD, pc.temperature, uniforms=uniforms(32, 8, seed=2),
                     value_head=ac.value_head, top_k=pc.top_k, top_p=pc.top_p)
@@ -182,7 +181,7 @@ def test_logprobs_are_the_full_tempered_distributions_and_the_first_ratio_is_one
     renormalised = torch.log_softmax(cut, -1).gather(-1, roll.response_ids[..., None]).squeeze(-1)
     assert (renormalised - roll.logprobs)[valid].abs().max() > 1e-2
 
-    exp, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    exp, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef, reuse_logprobs=reuse)
     opt = torch.optim.AdamW([{"params": ac.policy.parameters(), "lr": 1e-2},
                              {"params": ac.critic_parameters(), "lr": 1e-2}])
     first, *rest = ppo_update(ac, opt, exp, pc, pc.kl_coef, logprob_gap=reuse)

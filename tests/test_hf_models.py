@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import math
 import warnings
@@ -367,57 +366,6 @@ def test_lora_grpo_on_a_bfloat16_base(hub, tmp_path, accel_on):
         assert row["policy/logprob_gap"] < 0.5  # bfloat16 rounding between sampling and training forwards
 
 
-@pytest.mark.parametrize("head", ["whole", "chunked", "no sampler entropy"])
-def test_one_update_a_rollout_takes_the_old_logprobs_from_the_updates_forward(hub, tmp_path, monkeypatch, head):
-    """With one optimizer step a rollout (TRL's schedule: one epoch, one minibatch) and the
-    sampler's log-probs not reused, the experience pass leaves the old log-probs to the update's
-    forward, and the run is the one a forward of their own gives, to rounding: every step's
-    statistics (the KL and log-prob gap read from the update's forward, the entropy from the
-    sampler's or, where a rollout has none, the update's), hence the weights each step trains. In
-    micro-batches; ``chunked``: the LM head in chunks with the loss inside."""
-    import dataclasses
-
-    from rlhfkit import experience, models
-    from rlhfkit.trainers import rl, rl_setup
-
-    chunks, fused = [], models.chunked_token_loss
-    if head == "chunked":  # one row a chunk
-        monkeypatch.setattr(rl_setup, "ActorCritic", functools.partial(experience.ActorCritic, logits_budget=1))
-        monkeypatch.setattr(models, "chunked_token_loss", lambda *a: chunks.append(a[6]) or fused(*a))
-    if head == "no sampler entropy":
-        sample = rl.rollout
-
-        def without_entropy(*a, **kw):
-            roll, episode = sample(*a, **kw)
-            return dataclasses.replace(roll, entropy=None), episode
-
-        monkeypatch.setattr(rl, "rollout", without_entropy)
-    real, runs = experience.defer_old_logprobs, {}
-    for defer in (True, False):
-        taken = []
-
-        def recorded(*a, taken=taken, defer=defer):  # defer False: the experience pass runs the policy
-            taken.append(defer and real(*a))
-            return taken[-1]
-
-        monkeypatch.setattr(experience, "defer_old_logprobs", recorded)
-        cfg = tiny_rl_config(tmp_path / str(defer), model={"name": hub["llama"]}, reward={"name": hub["rm"]},
-                             ppo={"algo": "grpo", "steps": 3, "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1,
-                                  "micro_batch_size": 3, "reuse_rollout_logprobs": False, "lr": 3e-2,
-                                  "entropy_coef": 0.01})
-        train_rl(cfg)
-        assert taken == [defer] * 3
-        runs[defer] = read_jsonl(tmp_path / str(defer) / "metrics.jsonl")
-    keys = ("objective/kl", "objective/entropy", "objective/rlhf_reward", "policy/logprob_gap", "objective/score",
-            "policy/ratio_mean", "policy/approx_kl", "policy/grad_norm", "policy/kl_loss")
-    for a, b in zip(runs[True], runs[False], strict=True):
-        for k in keys:
-            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), k
-    assert set(chunks) == ({1} if head == "chunked" else set())  # the loss in the head, a row a chunk
-    assert runs[True][-1]["objective/kl"] > 1e-3  # the policy moved away from the reference
-    assert all(abs(r["policy/ratio_mean"] - 1.0) < 1e-6 for r in runs[True])  # one step a rollout: ratio 1
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_weights_in_the_optimizer_warn_and_the_bound_is_right(dtype):
     """Training half-precision weights in place warns, naming the magnitude above which a step of
@@ -515,11 +463,9 @@ def test_master_weights_grpo_samples_as_bfloat16_and_keeps_the_small_steps(hub, 
 @pytest.mark.parametrize(("epochs", "held_out"), [(1, True), (2, True), (1, False)])
 def test_master_weights_copies_only_for_blocks_that_run_the_policy(hub, tmp_path, monkeypatch, epochs, held_out):
     """GRPO at ``model.master_weights=true`` makes the policy's bfloat16 copies once a block that
-    runs it: each rollout, each minibatch of the update, each evaluation (before the first step
-    and after the last) and, with two epochs, each experience pass. With one epoch of one
-    minibatch the update's forward gives the old log-probs, so the experience pass runs the
-    reference alone and makes none; a prompts file with nothing held out evaluates nothing and
-    makes none there either."""
+    runs it: each rollout, each experience pass (the sampler's bfloat16 log-probs are not the
+    training forward's), each minibatch of the update and each evaluation (before the first step
+    and after the last); a prompts file with nothing held out evaluates nothing and makes none there."""
     from rlhfkit import precision
     from rlhfkit.trainers import rl
 
@@ -541,19 +487,10 @@ def test_master_weights_copies_only_for_blocks_that_run_the_policy(hub, tmp_path
                 phase["now"] = after
         return wrapper
 
-    deferred = []
-
-    def spy_experience(*args, **kwargs):
-        exp, stats = make_experience(*args, **kwargs)
-        deferred.append(exp.deferred)
-        return exp, stats
-
-    make_experience = rl.make_experience
     monkeypatch.setattr(precision, "_marked", spy_marked)
     monkeypatch.setattr(rl, "rollout", timed(rl.rollout, "rollout", "experience"))  # the pass right after it
     monkeypatch.setattr(rl, "ppo_update", timed(rl.ppo_update, "update", "other"))
     monkeypatch.setattr(rl, "evaluate", timed(rl.evaluate, "evaluate", "other"))
-    monkeypatch.setattr(rl, "make_experience", spy_experience)
     data = {}
     if not held_out:  # the built-in task holds out prompts; a file with eval_fraction 0 does not
         prompts = tmp_path / "prompts.jsonl"
@@ -563,9 +500,8 @@ def test_master_weights_copies_only_for_blocks_that_run_the_policy(hub, tmp_path
                          reward={"name": hub["rm"]}, data=data,
                          ppo={"algo": "grpo", "steps": 2, "ppo_epochs": epochs, "minibatch_size": 8})
     train_rl(cfg)
-    assert deferred == [epochs == 1] * 2
     assert {p: blocks.count(p) for p in ("rollout", "experience", "update", "evaluate", "other")} == {
-        "rollout": 2, "experience": 0 if epochs == 1 else 2, "update": 2 * epochs,
+        "rollout": 2, "experience": 2, "update": 2 * epochs,
         "evaluate": 2 if held_out else 0, "other": 0}
 
 

@@ -16,8 +16,8 @@ import functools
 import pytest
 import torch
 
-from rlhfkit.config import Config
-from rlhfkit.core import entropy_from_logits, logprobs_from_logits
+from rlhfkit.config import ALGO_DEFAULTS, Config
+from rlhfkit.core import entropy_from_logits, logprobs_from_logits, masked_mean
 from rlhfkit.experience import (
     ActorCritic,
     RunningMoments,
@@ -112,14 +112,14 @@ def test_first_minibatch_has_ratio_one_and_kl_zero(value_model, reuse, accel, re
     # every accelerated operation that runs here (accel.enabled=on), or none, whatever --accel chose
     request.getfixturevalue("accel_on" if accel == "accelerated" else "accel_off")
     ac, ref, rm = _setup(value_model)
-    pc = dataclasses.replace(Config().ppo, reuse_rollout_logprobs=reuse)
+    pc = Config().ppo
     ids, mask = prompts(pc.batch_size // 2, seed=3)
     torch.manual_seed(3)
     roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, value_head=ac.value_head)
     # the sampler's log-probs are reused where they came from the accelerated forward's arithmetic
     reuse = reuse and accel == "accelerated"
-    assert reuse_rollout(roll, ac, pc) == reuse
-    exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    assert reuse_rollout(roll, ac, allowed=reuse) == reuse
+    exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef, reuse_logprobs=reuse)
     # actor == reference: every per-token KL is 0, so the reward is only the score, on the last token;
     # exactly when the experience pass runs the policy's forward again, up to rounding when it
     # takes the sampler's (KV-cached) log-probs
@@ -146,9 +146,29 @@ def test_first_minibatch_has_ratio_one_and_kl_zero(value_model, reuse, accel, re
     assert all(p.grad is None for p in [*ac.policy.parameters(), *ac.critic_parameters()])
 
 
+def test_one_update_a_rollout_takes_the_old_logprobs_from_a_policy_forward(accel_off):
+    """With one optimizer step a rollout (one epoch of one minibatch, no critic, the KL in the loss)
+    and the sampler's log-probs not reusable, the experience pass runs the policy as always: the old
+    log-probs and entropies are its forward's, and the statistics that read them come with the pass."""
+    full, ref, rm = _setup("separate")
+    ac = ActorCritic(full.policy)  # no critic
+    pc = Config().replace(ppo={**ALGO_DEFAULTS["grpo"], "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1}).ppo
+    ids, mask = (t.repeat_interleave(pc.group_size, 0) for t in prompts(2, seed=5))
+    roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, generator=torch.Generator().manual_seed(1))
+    exp, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
+    with torch.no_grad():
+        logp, ent, _ = ac(roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1], pc.temperature,
+                          response_ids=roll.response_ids, entropy=True)
+    valid = roll.response_mask.bool()
+    torch.testing.assert_close(exp.old_logprobs[valid], logp[valid])
+    assert stats["objective/entropy"] == pytest.approx(masked_mean(ent, roll.response_mask).item(), rel=1e-5)
+    assert 0.0 <= stats["policy/logprob_gap"] < 1e-4  # the sampler's against the forward's
+    assert stats["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference
+
+
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
 def test_reused_rollout_experience_matches_recomputation(value_model, accel_on):
-    """With ppo.reuse_rollout_logprobs the experience pass takes the old log-probs, entropies
+    """With accel.reuse_rollout_logprobs the experience pass takes the old log-probs, entropies
     and (shared head) values from the sampler: the same numbers as running the policy again,
     to rounding, so every advantage and return is too."""
     ac, ref, rm = _setup(value_model)
@@ -160,10 +180,10 @@ def test_reused_rollout_experience_matches_recomputation(value_model, accel_on):
     roll = generate(ac.policy, ids, mask, 8, TOK.eos_token_id, TOK.pad_token_id, temperature=0.8,
                     generator=torch.Generator().manual_seed(2), value_head=ac.value_head)
     pc = dataclasses.replace(pc, temperature=0.8)
-    assert reuse_rollout(roll, ac, pc)
+    assert reuse_rollout(roll, ac)
     reused, _ = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef)
-    recomputed, stats = make_experience(ac, ref, reward_model_scorer(rm), roll,
-                                        dataclasses.replace(pc, reuse_rollout_logprobs=False), kl_coef=pc.kl_coef)
+    recomputed, stats = make_experience(ac, ref, reward_model_scorer(rm), roll, pc, kl_coef=pc.kl_coef,
+                                        reuse_logprobs=False)
     valid = roll.response_mask.bool()
     assert stats["policy/logprob_gap"] < 1e-4
     for name in ("old_logprobs", "old_values", "advantages", "returns", "rewards"):

@@ -70,8 +70,7 @@ def models():
 
 def grpo_config(**ppo) -> object:
     return dataclasses.replace(Config().ppo, algo="grpo", group_size=2, batch_size=4, minibatch_size=4, ppo_epochs=1,
-                               scale_rewards="none", kl_in_loss=True, kl_estimator="k3", kl_coef=0.3,
-                               reuse_rollout_logprobs=False, **ppo)
+                               scale_rewards="none", kl_in_loss=True, kl_estimator="k3", kl_coef=0.3, **ppo)
 
 
 def experience(models, **ppo):
@@ -93,8 +92,7 @@ def test_group_and_truncation_statistics_of_a_hand_built_batch(models):
 
 def test_groups_of_one_have_no_zero_std_share(models):
     ac, ref = models
-    pc = dataclasses.replace(Config().ppo, algo="reinforce", batch_size=4, kl_in_loss=True, kl_estimator="k3",
-                             reuse_rollout_logprobs=False)
+    pc = dataclasses.replace(Config().ppo, algo="reinforce", batch_size=4, kl_in_loss=True, kl_estimator="k3")
     _, stats = make_experience(ac, ref, function_scorer(fixed_scores, TOK), hand_rollout(), pc, pc.kl_coef)
     assert "frac_reward_zero_std" not in stats and stats["response/truncated_rate"] == 0.25
     _, stats = make_experience(ac, ref, function_scorer(fixed_scores, TOK), hand_rollout(),

@@ -1,10 +1,6 @@
-"""Experience: a rollout scored and turned into what the update needs (no grad).
-
-One pass per step, after the rollout: old log-probs (the sampler's, when it computed them as
-the training forward does, else a policy forward), reference log-probs, values, the reward's
-scores, then shaped per-token rewards and advantages / returns (GAE with a critic, a group or
-batch baseline without). Every ``[B, R]`` tensor is response-aligned (docs/design.md).
-"""
+"""Experience: a rollout scored and turned into what the update needs, in one pass without grad:
+old and reference log-probs, values and scores, then shaped per-token rewards and advantages /
+returns (GAE with a critic, a group or batch baseline without); ``[B, R]`` response-aligned."""
 
 from __future__ import annotations
 
@@ -43,40 +39,22 @@ from .watch import HackingWatch, SignalWatch
 
 @dataclass(kw_only=True)
 class Experience:
-    """A rollout plus everything the update needs, built by keyword; ``[B, R]`` response-aligned.
+    """A rollout plus everything the update needs, built by keyword; ``[B, R]`` response-aligned."""
 
-    Fields:
-        input_ids, attention_mask: ``[B, T]`` prompt + response; prompt_len: P.
-        response_ids, response_mask: ``[B, R]`` the actions, 1 up to and including the first EOS.
-        old_logprobs:   log pi_old(a_t|s_t): the sampler's (:func:`reuse_rollout`), a forward's, or
-                        zeros until the update's forward writes them (``deferred``).
-        ref_logprobs, old_values: log pi_ref(a_t|s_t), V_old(s_t).
-        score:          ``[B]`` the reward after penalties / normalisation, before the clip.
-        rewards:        shaped per-token rewards.
-        advantages, returns: GAE's (whitened if configured) or the group / batch baseline's, times
-                        ``ppo.sampling_correction``'s weights; raw_advantages: GAE's unwhitened.
-        loss_rows:      ``[B]`` bool, the rows the update trains on (:meth:`select`); None: all.
-        deferred:       the update's forward writes the old log-probs (:func:`deferred_stats`), and
-                        the entropies ``entropy`` too where the rollout has none (``entropy_pending``).
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    input_ids: torch.Tensor  # [B, T] prompt + response
+    attention_mask: torch.Tensor  # [B, T]
     prompt_len: int
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    old_values: torch.Tensor
-    score: torch.Tensor
-    rewards: torch.Tensor
-    advantages: torch.Tensor
+    response_ids: torch.Tensor  # [B, R] the actions
+    response_mask: torch.Tensor  # [B, R] 1 up to and including the first EOS
+    old_logprobs: torch.Tensor  # log pi_old(a_t|s_t): a policy forward's, or the sampler's (reuse_rollout)
+    ref_logprobs: torch.Tensor  # log pi_ref(a_t|s_t)
+    old_values: torch.Tensor  # V_old(s_t)
+    score: torch.Tensor  # [B] the reward after penalties / normalisation, before the clip
+    rewards: torch.Tensor  # shaped per-token rewards
+    advantages: torch.Tensor  # GAE's (whitened if asked) or the baseline's, times the sampling correction
     returns: torch.Tensor
-    raw_advantages: torch.Tensor | None = None
-    loss_rows: torch.Tensor | None = None
-    deferred: bool = False
-    entropy: torch.Tensor | None = None
-    entropy_pending: bool = False
+    raw_advantages: torch.Tensor | None = None  # GAE's unwhitened
+    loss_rows: torch.Tensor | None = None  # [B] bool, the rows the update trains on (select); None: all
 
     def select(self, rows: torch.Tensor) -> Experience:
         """The experience of ``rows`` (``[B]`` bool, or indices) alone: every per-row tensor cut to
@@ -108,10 +86,8 @@ class RunningMoments:
 
 
 class ActorCritic(torch.nn.Module):
-    """The trained models: the actor and a shared value head, a separate value model, or no
-    critic at all (GRPO / RLOO / REINFORCE: values are then ``None``). ``logits_budget``: the
-    logits above which the log-prob passes run the LM head in row chunks
-    (:func:`~rlhfkit.models.token_logprobs`)."""
+    """The trained models: the actor and a shared value head, a separate value model, or no critic
+    (values None). ``logits_budget``: the logits above which the LM head runs in row chunks."""
 
     def __init__(self, policy, value_head: ValueHead | None = None, critic=None, logits_budget: int = UPDATE_LOGITS):
         super().__init__()
@@ -126,9 +102,9 @@ class ActorCritic(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, detach_value=False,
                 response_ids: torch.Tensor | None = None, entropy: bool = False, token_loss=None):
-        """Response-aligned tempered ``logits [B, R, V]`` and ``values [B, R]``; given
-        ``response_ids`` (the update), :func:`~rlhfkit.models.token_logprobs`'s ``(logprobs,
-        entropy, values[, loss])`` instead. Inside ``forward``, so DDP / FSDP see every weight."""
+        """Tempered ``logits [B, R, V]`` and ``values [B, R]``; given ``response_ids``,
+        :func:`~rlhfkit.models.token_logprobs`'s ``(logprobs, entropy, values[, loss])``. A
+        ``forward``, so DDP / FSDP see every weight."""
         if response_ids is not None:
             logprobs, ent, values, *loss = token_logprobs(  # loss: [] without token_loss
                 self.policy, input_ids, attention_mask, prompt_len, response_ids, temperature, self.value_head,
@@ -151,8 +127,7 @@ class ActorCritic(torch.nn.Module):
 
 
 def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
-    """One advantage per completion for the critic-free estimators, scaled as ``ppo.scale_rewards``
-    says: ``[B] -> [B]``."""
+    """``[B] -> [B]``: one advantage per completion for the critic-free estimators."""
     if pc.algo == "grpo":
         return group_advantages(score, pc.group_size, pc.scale_rewards)
     if pc.algo == "rloo":
@@ -163,14 +138,12 @@ def sequence_advantages(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor:
 
 
 def completions_per_prompt(pc: PPOConfig) -> int:
-    """The size of a prompt's group of completions: ``group_size`` (grpo, rloo), else
-    ``samples_per_prompt`` (ppo, reinforce); 1 means no groups."""
+    """A prompt's completions: ``group_size`` (grpo, rloo), else ``samples_per_prompt``; 1: no groups."""
     return pc.group_size if pc.algo in ("grpo", "rloo") else pc.samples_per_prompt
 
 
 def zero_std_rows(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
-    """``[B]`` bool: rows whose group's scores are all equal (:func:`~rlhfkit.core.zero_std_groups`),
-    read as the advantages read them, clipped to ``ppo.score_clip``; None when groups are of 1.
+    """``[B]`` bool: rows whose group's clipped scores are all equal; None when groups are of 1.
     Each process holds whole groups, so its rows' flags are the global batch's."""
     G = completions_per_prompt(pc)
     if G < 2:
@@ -179,8 +152,8 @@ def zero_std_rows(score: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
 
 
 def loss_rows(zero_std: torch.Tensor | None, finished: torch.Tensor, pc: PPOConfig) -> torch.Tensor | None:
-    """``[B]`` bool, the rows the update trains on: all but zero-std groups' (``ppo.filter_zero_std_groups``)
-    and truncated ones (``ppo.mask_truncated_completions``); None when neither option is on."""
+    """``[B]`` bool, the rows the update trains on (``ppo.filter_zero_std_groups``,
+    ``ppo.mask_truncated_completions``); None when neither is on."""
     keep = None
     if pc.filter_zero_std_groups and zero_std is not None:
         keep = ~zero_std
@@ -193,10 +166,9 @@ EXPERIENCE_LOGITS = 2**28  # 1 GiB of float32 logits per experience forward chun
 
 
 def row_chunks(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Row indices ``[b]`` in consecutive chunks of at most ``size`` rows that cut a run of identical
-    prompt rows (a GRPO group, :func:`repeated_rows`) only when it alone is longer than ``size``,
-    so each chunk's forward runs every group's prompt once (groups of 8, ``size`` 10: chunks of 8;
-    ``size`` 3: 3 + 3 + 2 a group)."""
+    """Row indices in consecutive chunks of at most ``size`` rows, cutting a run of identical prompts
+    (:func:`repeated_rows`) only when it alone is longer, so each chunk runs a group's prompt once
+    (groups of 8, ``size`` 10: chunks of 8; ``size`` 3: 3 + 3 + 2 a group)."""
     B, device = prompt_ids.shape[0], prompt_ids.device
     runs = repeated_rows(prompt_ids, prompt_mask) if size < B else None
     if runs is None:
@@ -215,72 +187,32 @@ def row_chunks(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, size: int) -
     return [torch.arange(a, b, device=device) for a, b in spans]
 
 
-def reuse_rollout(roll: Rollout, ac: ActorCritic, pc: PPOConfig) -> bool:
-    """Whether :func:`make_experience` takes the old log-probs, entropies and (shared head)
-    values from the rollout instead of a policy forward: allowed by ``ppo.reuse_rollout_logprobs``,
+def reuse_rollout(roll: Rollout, ac: ActorCritic, allowed: bool = True) -> bool:
+    """Whether :func:`make_experience` takes the old log-probs, entropies and (shared head) values
+    from the rollout instead of a policy forward: ``allowed`` (``accel.reuse_rollout_logprobs``),
     computed alike (``Rollout.forward_logprobs``) and complete (a shared head's values present)."""
-    return (pc.reuse_rollout_logprobs and roll.forward_logprobs and roll.entropy is not None
+    return (allowed and roll.forward_logprobs and roll.entropy is not None
             and (ac.value_head is None or roll.values is not None))
 
 
-def defer_old_logprobs(ac: ActorCritic, pc: PPOConfig, reuse: bool, beta: float, keep: torch.Tensor | None) -> bool:
-    """Whether the experience pass leaves the old log-probs to the update's forward (as TRL does):
-    when the update is the rollout's only optimizer step its forward runs the sampling policy,
-    which saves a forward. Only when nothing before the update reads them: not ``reuse``d, no KL
-    in the reward (``beta`` 0), no sampling correction, no critic, every row trained."""
-    return (not reuse and beta == 0.0 and pc.sampling_correction == "none"
-            and pc.ppo_epochs == 1 and pc.minibatch_size >= pc.batch_size and not ac.has_critic and keep is None)
-
-
-def policy_stats(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, entropy: torch.Tensor,
-                 rollout_logprobs: torch.Tensor | None, rmask: torch.Tensor, score: torch.Tensor,
-                 rewards: torch.Tensor, pc: PPOConfig, kl_coef: float, shard: Shard) -> dict[str, torch.Tensor]:
-    """The statistics that read the old log-probs: sequence KL, RLHF reward, mean entropy and, given
-    the sampler's log-probs, ``policy/logprob_gap`` (where a silent off-policy mismatch shows)."""
-    valid = rmask.bool()
-    kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
-    stats = {"objective/kl": kl_seq.mean(),
-             "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
-             "objective/entropy": shard.apply_rows(masked_mean, entropy, rmask)}  # a token mean
-    if rollout_logprobs is not None:
-        stats["policy/logprob_gap"] = torch.where(valid, (rollout_logprobs - old_logprobs).abs(), 0.0).max()
-    return stats
-
-
-def deferred_stats(exp: Experience, rollout_logprobs: torch.Tensor, pc: PPOConfig, kl_coef: float,
-                   shard: Shard) -> dict[str, float]:
-    """:func:`policy_stats` of a deferred experience, once the update has written its old
-    log-probs and entropies; the caller reduces them over processes as the experience's."""
-    stats = policy_stats(exp.old_logprobs, exp.ref_logprobs, exp.entropy, rollout_logprobs, exp.response_mask,
-                         exp.score, exp.rewards, pc, kl_coef, shard)
-    return {k: to_float(v) for k, v in stats.items()}
-
-
 @torch.no_grad()
-def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool, policy: bool = True,
+def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reuse: bool,
                         chunk_logits: int = EXPERIENCE_LOGITS) -> dict[str, torch.Tensor]:
     """``old_logprobs``, ``ref_logprobs``, ``entropy`` ``[B, R]`` and ``old_values`` (or None) of a
     rollout, in row chunks of at most ``chunk_logits // (R * V)`` rows cut between groups
-    (:func:`row_chunks`), the reference's LM head chunked as the policy's (``ac.logits_budget``).
-    ``reuse``: the policy's from the sampler; ``policy`` False: the policy is not run (its outputs None)."""
+    (:func:`row_chunks`), the reference's LM head chunked as the policy's; ``reuse``: the policy's
+    from the sampler."""
     ids, mask, P = roll.input_ids, roll.attention_mask, roll.prompt_ids.shape[1]
     B, R = roll.response_ids.shape
     vocab = unwrap(ac.policy).get_output_embeddings().out_features
     chunk = max(1, min(B, chunk_logits // max(1, R * vocab)))
-    parts: dict[str, list] = {"old_logprobs": [], "old_values": [], "entropy": [], "ref_logprobs": []}
-    # model.master_weights: the bfloat16 copies, once for the pass, of the models it runs
-    if not policy:
-        runs = None
-    elif not reuse:
-        runs = ac
-    else:
-        runs = ac.critic if ac.value_head is None else None  # a value head's values come with the rollout
-    with compute_weights(runs):
+    parts = []
+    # model.master_weights: the bfloat16 copies, once for the pass, of the models it runs (with reuse, a
+    # value head's values come with the rollout)
+    with compute_weights(ac if not reuse else ac.critic if ac.value_head is None else None):
         for rows in row_chunks(roll.prompt_ids, mask[:, :P], chunk):
             resp = roll.response_ids[rows]
-            if not policy:
-                logprobs = values = entropy = None
-            elif reuse:
+            if reuse:
                 logprobs, values, entropy = roll.logprobs[rows], None, roll.entropy[rows]
                 if ac.value_head is not None:
                     values = roll.values[rows]
@@ -290,24 +222,22 @@ def experience_forwards(ac: ActorCritic, ref, roll: Rollout, pc: PPOConfig, reus
                 logprobs, entropy, values = ac(ids[rows], mask[rows], P, pc.temperature, response_ids=resp, entropy=True)
             ref_logprobs, _, _ = token_logprobs(ref, ids[rows], mask[rows], P, resp, pc.temperature,
                                                  logits_budget=ac.logits_budget)
-            for name, part in (("old_logprobs", logprobs), ("old_values", values), ("entropy", entropy),
-                               ("ref_logprobs", ref_logprobs)):
-                parts[name].append(part)
-    return {k: torch.cat(v) if v[0] is not None else None for k, v in parts.items()}  # [B, R] each
+            parts.append((logprobs, values, entropy, ref_logprobs))
+    names = ("old_logprobs", "old_values", "entropy", "ref_logprobs")
+    return {k: None if v[0] is None else torch.cat(v) for k, v in zip(names, zip(*parts))}  # [B, R] each
 
 
 def overlong_scores(roll: Rollout, pc: PPOConfig) -> torch.Tensor:
-    """``[B]`` DAPO's over-long penalties (``ppo.overlong_buffer``) of each response's length; in a
-    multi-turn episode the sum of its turns' own (a column without a turn's end: length 0, penalty 0)."""
+    """``[B]`` DAPO's over-long penalties (``ppo.overlong_buffer``); an episode's: the sum of its turns'."""
     lengths = roll.response_mask.sum(-1, keepdim=True) if roll.turn_lengths is None else roll.turn_lengths  # [B, *]
     return overlong_penalty(lengths, pc.max_new_tokens, pc.overlong_buffer, pc.overlong_penalty).sum(-1)
 
 
 def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: RunningMoments | None,
                  shard: Shard, records=None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(raw_score [B], score [B], {source: [B]})``: the reward's total plus an environment's
-    per-turn rewards, then the missing-EOS and over-long penalties and the running normalisation
-    (over every process's scored rows); and each source's scores. NaN: a response no reward scored."""
+    """``(raw_score [B], score [B], {source: [B]})``: the reward plus an environment's turn rewards;
+    then with the missing-EOS and over-long penalties and the running normalisation (over every
+    process's rows); each source's scores. NaN: a response no reward scored."""
     raw_score, parts = scorer.score(roll, records)  # [B]
     if roll.turn_rewards is not None:
         raw_score = raw_score.nan_to_num(0.0) + roll.turn_rewards.sum(-1)  # [B]
@@ -324,9 +254,8 @@ def final_scores(scorer: Scorer, roll: Rollout, pc: PPOConfig, reward_stats: Run
 @torch.no_grad()
 def token_rewards(roll: Rollout, score: torch.Tensor, kl: torch.Tensor, beta: float, pc: PPOConfig,
                   reward_stats: RunningMoments | None) -> torch.Tensor:
-    """Per-token rewards ``[B, R]``: ``score [B]`` on the last model token, -beta * ``kl`` on every
-    token (:func:`~rlhfkit.core.shaped_rewards`); an environment's per-turn rewards (ppo) each on
-    its turn's last token, the rest of the normalised return on the last one."""
+    """Per-token rewards ``[B, R]``: ``score`` on the last token, -beta * ``kl`` on each; with ppo an
+    environment's turn rewards on each turn's last token, the rest of the return on the last."""
     rmask = roll.response_mask
     if pc.algo != "ppo" or roll.turn_rewards is None:
         return shaped_rewards(score, kl, rmask, beta, pc.score_clip)
@@ -337,8 +266,8 @@ def token_rewards(roll: Rollout, score: torch.Tensor, kl: torch.Tensor, beta: fl
 
 def correct_sampling(roll: Rollout, old_logprobs: torch.Tensor, advantages: torch.Tensor, pc: PPOConfig,
                      shard: Shard) -> tuple[torch.Tensor, dict]:
-    """``(advantages, stats)``: with ``ppo.sampling_correction`` the advantages reweighed by pi_old / q
-    (q: the distribution the sampler drew from); the kept probability of a shaped draw."""
+    """``(advantages, stats)``: the advantages reweighed by pi_old / q (``ppo.sampling_correction``;
+    q: the distribution the sampler drew from)."""
     rmask, stats = roll.response_mask, {}
     if roll.kept_logmass is not None:  # top-k / top-p: the tokens came from q = pi / Z
         stats["rollout/kept_mass"] = shard.apply_rows(masked_mean, roll.kept_logmass.exp(), rmask)
@@ -351,8 +280,8 @@ def correct_sampling(roll: Rollout, old_logprobs: torch.Tensor, advantages: torc
 
 
 def response_stats(roll: Rollout, pc: PPOConfig, shard: Shard) -> dict:
-    """Length, EOS rate (and its standard error over prompt groups: a prompt can decide its
-    completions' EOS, ``guard/eos_collapse``) and the share cut at ``max_new_tokens``."""
+    """Length, EOS rate (and its standard error over prompt groups, ``guard/eos_collapse``) and the
+    share cut at ``max_new_tokens``."""
     return {"response/length": roll.response_mask.sum(-1).float().mean(),
             "response/eos_rate": roll.finished.float().mean(),
             "response/eos_rate_se": shard.apply_rows(lambda f: group_mean_se(f, completions_per_prompt(pc)),
@@ -363,21 +292,16 @@ def response_stats(roll: Rollout, pc: PPOConfig, shard: Shard) -> dict:
 def make_experience(
     ac: ActorCritic, ref, scorer: Scorer, roll: Rollout, pc: PPOConfig, kl_coef: float,
     reward_stats: RunningMoments | None = None, shard: Shard | None = None, records=None,
-    chunk_logits: int = EXPERIENCE_LOGITS,
+    chunk_logits: int = EXPERIENCE_LOGITS, reuse_logprobs: bool = True,
 ) -> tuple[Experience, dict[str, float]]:
-    """Score a rollout and turn it into advantages and returns (no grad).
-
-    PPO: per-token shaped rewards (-beta*KL, score on the last token) -> GAE with the critic.
-    GRPO / RLOO / REINFORCE: the sequence score (minus beta * sequence KL unless the KL is a
-    loss term) -> a baseline from the other samples -> the same advantage on every token.
-    ``shard``: whitening, baselines and reward normalisation see every process's rows (the stats
-    are this process's); ``records``: the rows' prompt records, for the reward functions;
-    ``chunk_logits``: :func:`experience_forwards`' row chunks.
-    """
+    """Score a rollout and turn it into advantages and returns: PPO's GAE over shaped per-token
+    rewards, or the critic-free baseline of each sequence's score (minus beta * KL unless the KL is
+    a loss term) on every token. Whitening, baselines and normalisation see every ``shard``'s rows;
+    ``reuse_logprobs``: ``accel.reuse_rollout_logprobs``."""
     shard = shard or Shard()
     rmask = roll.response_mask
     valid = rmask.bool()
-    reuse = reuse_rollout(roll, ac, pc)
+    reuse = reuse_rollout(roll, ac, reuse_logprobs)
     raw_score, score, parts = final_scores(scorer, roll, pc, reward_stats, shard, records)
     unscored = raw_score.isnan()  # [B]: no reward scored it (every function returned None)
     if pc.algo == "ppo" and bool(unscored.any()):
@@ -387,11 +311,8 @@ def make_experience(
     beta = 0.0 if pc.kl_in_loss else kl_coef
     zero_std = zero_std_rows(score, pc)  # [B] or None
     keep = loss_rows(zero_std, roll.finished, pc)  # [B] or None
-    deferred = defer_old_logprobs(ac, pc, reuse, beta, keep)
-    f = experience_forwards(ac, ref, roll, pc, reuse, policy=not deferred, chunk_logits=chunk_logits)
+    f = experience_forwards(ac, ref, roll, pc, reuse, chunk_logits=chunk_logits)
     old_logprobs, ref_logprobs, old_values = f["old_logprobs"], f["ref_logprobs"], f["old_values"]
-    if deferred:  # written by the update's forward; the reward reads no KL (beta 0)
-        old_logprobs = torch.zeros_like(ref_logprobs)
     kl = kl_estimate(old_logprobs, ref_logprobs, pc.kl_estimator)  # [B, R]
     raw_advantages = None
     rewards = token_rewards(roll, score, kl, beta, pc, reward_stats)  # [B, R]
@@ -408,16 +329,20 @@ def make_experience(
         # an unscored row is written with score 0 (samples, trajectories) and counts so in rlhf_reward
         score, rewards = score.nan_to_num(0.0), rewards.nan_to_num(0.0)
     advantages, sampling = correct_sampling(roll, old_logprobs, advantages, pc, shard)
+    kl_seq = torch.where(valid, kl_estimate(old_logprobs, ref_logprobs, "k1"), 0.0).sum(-1)  # [B]
     stats = {
         "objective/score": raw_score.nanmean(),  # over the scored rows
-        **({} if deferred else policy_stats(old_logprobs, ref_logprobs, f["entropy"], None if reuse else roll.logprobs,
-                                            rmask, score, rewards, pc, kl_coef, shard)),
+        "objective/kl": kl_seq.mean(),
+        "objective/rlhf_reward": rewards.sum(-1).mean() if not pc.kl_in_loss else (score - kl_coef * kl_seq).mean(),
+        "objective/entropy": shard.apply_rows(masked_mean, f["entropy"], rmask),  # a token mean
         "objective/kl_coef": kl_coef,
         "value/explained_var": shard.apply_rows(explained_variance, old_values, returns, rmask) if ac.has_critic else 0.0,
         **response_stats(roll, pc, shard),
         **{f"reward/{name}": s.nanmean() for name, s in parts.items()},  # over the rows each scored
         **sampling,
     }
+    if not reuse:  # the sampler's log-probs against the forward's: where a silent off-policy mismatch shows
+        stats["policy/logprob_gap"] = torch.where(valid, (roll.logprobs - old_logprobs).abs(), 0.0).max()
     if pc.overlong_buffer:  # the mean over-long penalty added to the scores
         stats["objective/overlong_penalty"] = overlong_scores(roll, pc).mean()
     if zero_std is not None:  # TRL's name; groups of 1 have no such share, and it is not logged
@@ -427,15 +352,12 @@ def make_experience(
     exp = Experience(input_ids=roll.input_ids, attention_mask=roll.attention_mask, prompt_len=roll.prompt_ids.shape[1],
                      response_ids=roll.response_ids, response_mask=rmask, old_logprobs=old_logprobs,
                      ref_logprobs=ref_logprobs, old_values=old_values, score=score, rewards=rewards,
-                     advantages=advantages, returns=returns, raw_advantages=raw_advantages, loss_rows=keep,
-                     deferred=deferred, entropy_pending=deferred and roll.entropy is None,
-                     entropy=(torch.zeros_like(ref_logprobs) if roll.entropy is None else roll.entropy) if deferred else None)
+                     advantages=advantages, returns=returns, raw_advantages=raw_advantages, loss_rows=keep)
     return exp, {k: to_float(v) for k, v in stats.items()}
 
 
 class RLState:
-    """The loop's counters beyond the step: KL coefficient, training seconds, reward statistics,
-    the reward-hacking and signal watches."""
+    """The loop's state beyond the step: KL coefficient, training seconds, reward statistics, watches."""
 
     def __init__(self, pc: PPOConfig, stop_metric: str | None = None, eval_prompts: int = 0):
         self.kl_coef, self.train_s = pc.kl_coef, 0.0

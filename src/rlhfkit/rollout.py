@@ -1,14 +1,8 @@
-"""Batched generation with a KV cache from left-padded prompts.
-
-A plain decode loop instead of ``model.generate``: one prefill, then one cached forward per token
-(the model's own with a ``DynamicCache``, or an accelerated one: :func:`rlhfkit.ops.decoder`).
-Sampling runs on the device, optionally from a distribution shaped as transformers' logits
-processors shape it (repetition penalty, top-k, top-p, min-p). Finished rows keep being fed (the
-batch moves in lockstep) but their later tokens are masked; the loop stops once every row has
-finished. Each sampled token's log-prob under the full tempered distribution comes back too: PPO
-compares it with its own (``policy/logprob_gap``) or, when computed alike
-(``Rollout.forward_logprobs``), uses it instead of a second forward.
-"""
+"""Batched generation with a KV cache from left-padded prompts: one prefill, then one cached
+forward per token (the model's own, or :func:`rlhfkit.ops.decoder`'s), drawing on the device,
+optionally from a distribution shaped as transformers' logits processors shape it. Finished rows
+keep being fed (the batch moves in lockstep), their later tokens masked. Each token's log-prob
+under the full tempered distribution comes back too (``policy/logprob_gap``)."""
 
 from __future__ import annotations
 
@@ -26,42 +20,21 @@ from .loading import unwrap
 
 @dataclass
 class Rollout:
-    """One batch of generated responses, response-aligned (``[B, R]`` tensors 0 / ``pad`` where masked).
+    """One batch of generated responses; ``[B, R]`` tensors are response-aligned, 0 / pad where masked."""
 
-    Fields:
-        prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts, 1 on prompt tokens.
-        response_ids:    ``[B, R]`` sampled tokens.
-        response_mask:   ``[B, R]`` 1 up to and including the row's end (its first EOS, or the token
-                         completing a stop string).
-        logprobs:        ``[B, R]`` log pi(a_t|s_t) at sampling time, under the full tempered
-                         distribution even when the draw was shaped.
-        finished:        ``[B]`` bool, False where cut off at ``max_new_tokens``.
-        entropy:         ``[B, R]`` entropy of each full tempered distribution.
-        values:          ``[B, R]`` the shared value head's, when asked for and accelerated (else None).
-        forward_logprobs: True when ``logprobs`` (and ``values``) came from the training forward's
-                         arithmetic, so PPO may use them as the old log-probs.
-        kept_logmass:    ``[B, R]`` log pi - log q of each drawn token, q the shaped distribution drawn
-                         from (with truncation alone, log of the probability kept); None: q = pi.
-        attend:          ``[B, R]`` 1 on every response-region token the model reads (a multi-turn
-                         episode's observations too, :mod:`rlhfkit.envs`); None: ``response_mask``.
-        turn_rewards:    ``[B, R]`` an environment's per-turn rewards on each turn's last token.
-        turn_lengths:    ``[B, R]`` long, each model turn's length on its last token (an observation
-                         may render to no token); both None without an environment.
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    logprobs: torch.Tensor
-    finished: torch.Tensor
-    entropy: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    forward_logprobs: bool = False
-    kept_logmass: torch.Tensor | None = None
-    attend: torch.Tensor | None = None
-    turn_rewards: torch.Tensor | None = None
-    turn_lengths: torch.Tensor | None = None
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
+    response_ids: torch.Tensor  # [B, R] the sampled tokens
+    response_mask: torch.Tensor  # [B, R] 1 up to and including the first EOS (or a stop string's last token)
+    logprobs: torch.Tensor  # [B, R] log pi(a_t|s_t) under the full tempered distribution, shaped draw or not
+    finished: torch.Tensor  # [B] bool, False where cut off at max_new_tokens
+    entropy: torch.Tensor | None = None  # [B, R] of each full tempered distribution
+    values: torch.Tensor | None = None  # [B, R] the shared value head's, where asked and accelerated
+    forward_logprobs: bool = False  # logprobs (and values) computed as the training forward computes them
+    kept_logmass: torch.Tensor | None = None  # [B, R] log pi - log q of a shaped draw's tokens; None: q = pi
+    attend: torch.Tensor | None = None  # [B, R] every token the model reads (an episode's observations too)
+    turn_rewards: torch.Tensor | None = None  # [B, R] an environment's per-turn rewards, on each turn's last token
+    turn_lengths: torch.Tensor | None = None  # [B, R] long, each model turn's length on its last token
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -78,21 +51,18 @@ class Rollout:
 
 
 def response_rows(response_ids: torch.Tensor, attend: torch.Tensor) -> list[list[int]]:
-    """Each row's response tokens where ``attend [B, R]`` is 1 (a multi-turn episode's
-    observations included), padding dropped."""
+    """Each row's response tokens where ``attend [B, R]`` is 1, padding dropped."""
     return [[t for t, a in zip(ids, m) if a] for ids, m in zip(response_ids.tolist(), attend.tolist())]
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Decoded response text per row, special tokens kept (EOS matters), padding dropped;
-    ``response_mask`` may be a rollout's ``response_attention`` (observations kept)."""
+    """Decoded response text per row, special tokens kept (EOS matters), padding dropped."""
     return tokenizer.batch_decode(response_rows(response_ids, response_mask), skip_special_tokens=False)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """The tokens that end a response: the model's ``generation_config.eos_token_id`` (an id or a
-    list: a chat model may end a turn with ``<|im_end|>`` and a text with ``<|endoftext|>``), then
-    the tokenizer's EOS if the list lacks it; in that order, without repeats."""
+    """The tokens that end a response: the model's ``generation_config.eos_token_id`` (a chat model
+    may end a turn with ``<|im_end|>`` and a text with ``<|endoftext|>``), then the tokenizer's."""
     gen = getattr(getattr(unwrap(model), "generation_config", None), "eos_token_id", None)
     ids = [gen] if isinstance(gen, int) else list(gen or [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -104,8 +74,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def sampling_settings(pc) -> dict:
-    """How the ``ppo`` section (``pc``) shapes the sampler's distribution, as :func:`generate`'s
-    keyword arguments: top_k, top_p, min_p, repetition_penalty."""
+    """How the ``ppo`` section shapes the sampler's distribution, as :func:`generate`'s keywords."""
     return {"top_k": pc.top_k, "top_p": pc.top_p, "min_p": pc.min_p, "repetition_penalty": pc.repetition_penalty}
 
 
@@ -119,9 +88,8 @@ def tokenize_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor,
 
 def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None = None,
                   u: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row from ``logp [B, V]`` by inverting the CDF at ``u [B]`` in [0, 1) (drawn
-    from ``generator`` when not given): the first index whose cumulative probability reaches
-    ``(1 - u) * total`` in ``(0, total]``, so a zero-probability token is never drawn."""
+    """One token per row from ``logp [B, V]``: the first whose cumulative probability reaches
+    ``(1 - u) * total``, ``u [B]`` in [0, 1) (else drawn), so a zero-probability token is never drawn."""
     cdf = logp.exp().cumsum(-1)  # [B, V]
     if u is None:
         u = torch.rand((logp.shape[0],), generator=generator, device=logp.device)
@@ -150,8 +118,7 @@ def truncate_logprobs(logp: torch.Tensor, top_k: int = 0, top_p: float = 1.0, mi
 
 
 def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, V: int) -> torch.Tensor:
-    """``[B, V]`` bool: True for every token that occurs among a row's prompt tokens (mask 1; left
-    padding does not count)."""
+    """``[B, V]`` bool: the tokens among each row's prompt tokens (padding left out)."""
     counts = torch.zeros((prompt_ids.shape[0], V), dtype=torch.int32, device=prompt_ids.device)
     return counts.scatter_add_(1, prompt_ids, prompt_mask.to(torch.int32)) > 0
 
@@ -159,10 +126,9 @@ def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, V: int) -> 
 def sampler_logprobs(logits: torch.Tensor, logp: torch.Tensor, temperature: float = 1.0, seen: torch.Tensor | None = None,
                      repetition_penalty: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      min_p: float = 0.0) -> torch.Tensor:
-    """Unnormalised log-probabilities ``[B, V]`` of the distribution the sampler draws from: the raw
-    ``logits`` with the ``seen [B, V]`` tokens penalised, over ``temperature``, then truncated
-    (:func:`truncate_logprobs`), as transformers orders its processors. ``logp``: the policy's
-    tempered log-softmax, used as it is when nothing is penalised."""
+    """Unnormalised log-probabilities ``[B, V]`` the sampler draws from, in transformers' order: the
+    raw ``logits`` with the ``seen`` tokens penalised, tempered, truncated (:func:`truncate_logprobs`);
+    ``logp``, the tempered log-softmax, as it is when nothing is penalised."""
     if repetition_penalty != 1.0:  # a seen token's logit divided by the penalty if positive, else multiplied
         penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
         logp = torch.log_softmax(torch.where(seen, penalised, logits) / temperature, -1)
@@ -170,19 +136,18 @@ def sampler_logprobs(logits: torch.Tensor, logp: torch.Tensor, temperature: floa
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
-    """``-sum p log p`` over the last dim of log-probabilities; a token ruled out (log p = -inf)
-    adds 0, not 0 * -inf."""
+    """``-sum p log p`` over the last dim of log-probabilities; a ruled-out token adds 0, not 0 * -inf."""
     return -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
 
 
 def _forward_takes(model, name: str) -> bool:
-    """Whether the model's forward (under a peft wrapper: the base model's) has the argument ``name``."""
+    """Whether the (unwrapped) model's forward takes the argument ``name``."""
     return name in inspect.signature(unwrap(model).forward).parameters
 
 
 class _Forward:
-    """The model's next-token logits one step at a time: its own forward with a ``DynamicCache``,
-    or an accelerated one (:func:`rlhfkit.ops.decoder`), which also gives the hidden states."""
+    """Next-token logits one step at a time: the model's forward with a ``DynamicCache``, or the
+    accelerated one (:func:`rlhfkit.ops.decoder`), which also gives the hidden states."""
 
     def __init__(self, model, prompt_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, fast: bool,
                  graph: bool = False):
@@ -201,11 +166,6 @@ class _Forward:
         out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, **self.cached, **keep)
         self.logits = out.logits[:, -1]
 
-    @property
-    def hidden(self) -> torch.Tensor | None:
-        """The last position's hidden state ``[B, H]`` (accelerated forward only, else None)."""
-        return None if self.fast is None else self.fast.hidden
-
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Feed ``tok [B]``; the logits ``[B, V]`` of the next position."""
         if self.fast is not None:
@@ -221,12 +181,9 @@ class _Forward:
 
 
 class _StopStrings:
-    """Ends rows whose response text contains a stop string, checked as each token comes.
-
-    Only live rows' last ``window`` tokens are decoded: a stop string of ``b`` UTF-8 bytes that the
-    newest token completes lies within the last ``b`` tokens, plus one in front to keep a decoder's
-    start-of-text rules away. ``ended_at [B]``: the step that completed one (-1: none).
-    """
+    """Ends rows whose text holds a stop string, decoding live rows' last ``window`` tokens: a
+    string of ``b`` UTF-8 bytes the newest token completes lies within its last ``b`` tokens (plus
+    one, away from a decoder's start-of-text rules). ``ended_at [B]``: the step that did (-1: none)."""
 
     def __init__(self, tokenizer, stop: Sequence[str], B: int):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
@@ -234,8 +191,7 @@ class _StopStrings:
         self.ended_at = torch.full((B,), -1, dtype=torch.long)
 
     def check(self, t: int, recent: torch.Tensor, alive: torch.Tensor) -> None:
-        """Step ``t``'s check: ``recent [B, w]`` are the rows' last response tokens; rows of
-        ``alive [B]`` (bool, changed in place) whose text now holds a stop string end."""
+        """Step ``t``: rows of ``alive [B]`` (changed in place) whose ``recent [B, w]`` tokens hold a stop string end."""
         rows = alive.nonzero().squeeze(1)  # [n]
         if rows.numel() == 0:
             return
@@ -248,13 +204,10 @@ class _StopStrings:
 
 
 class _Draw:
-    """Picks each step's tokens and keeps the rollout's tokens, live rows, log-probs and entropies.
-
-    A step is one call (:func:`rlhfkit.ops.sampler`) unless the draw is shaped
-    (:func:`sampler_logprobs`); masks, padding and trimming happen once at the end. Small
-    distributions are kept and reduced in one go, large ones as they come. A shaped draw comes
-    from q, but the log-prob and entropy kept are pi's, plus log pi - log q of the drawn token.
-    """
+    """Picks each step's tokens and keeps the tokens, live rows, log-probs and entropies: one
+    :func:`rlhfkit.ops.sampler` call a step unless the draw is shaped (:func:`sampler_logprobs`, whose
+    q draws while pi's log-probs are kept, with log pi - log q). Small distributions are kept and
+    reduced at the end, large ones as they come."""
 
     def __init__(self, B: int, V: int, max_new_tokens: int, temperature: float, greedy: bool,
                  eos_token_id: int | Sequence[int], uniforms: torch.Tensor | None, device, shaping: dict,
@@ -300,7 +253,7 @@ class _Draw:
         return tok, done
 
     def _pick(self, t: int, logits: torch.Tensor) -> torch.Tensor:
-        """The PyTorch path's tokens ``[B]`` of step ``t``; keeps the full tempered log-probs."""
+        """The PyTorch path's tokens ``[B]`` of step ``t``."""
         raw = logits
         if self.temperature != 1.0:
             logits = logits / self.temperature
@@ -327,15 +280,10 @@ class _Draw:
             self.entropies.append(_entropy(logp_all))
         return tok
 
-    def kept_logmass(self, R: int) -> torch.Tensor | None:
-        """``[B, R]`` log pi - log q of each drawn token (the log of the probability kept, with
-        truncation alone); None when the draw was not shaped."""
-        return torch.stack(self.kept[:R], 1) if self.kept else None
-
     def result(self, steps: int) -> tuple[torch.Tensor, ...]:
-        """``(raw tokens, ended, finished [B], logprobs, entropy)`` after ``steps`` steps, ``ended``
-        True strictly after a row's end (its first EOS or stop string); the ``[B, R]`` tensors
-        end at the last column any row still needs."""
+        """``(raw tokens, ended, finished [B], logprobs, entropy, kept)`` after ``steps`` steps, ``ended``
+        True strictly after a row's end, ``kept`` log pi - log q of a shaped draw's tokens (else None);
+        ``[B, R]`` up to the last column a row still needs."""
         if self.sampler is not None:
             raw, alive = self.sampler.tokens[:, :steps], self.sampler.alive  # [B, R]
         else:
@@ -357,46 +305,23 @@ class _Draw:
             logprobs, entropy = logp.gather(-1, raw[..., None]).squeeze(-1), _entropy(logp)
         else:
             logprobs, entropy = torch.cat(self.logps[:R], 1), torch.stack(self.entropies[:R], 1)
-        return raw, ended, ~alive, logprobs, entropy
+        return raw, ended, ~alive, logprobs, entropy, torch.stack(self.kept[:R], 1) if self.kept else None
 
 
 @torch.no_grad()
-def generate(
-    model,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    max_new_tokens: int,
-    eos_token_id: int | Sequence[int],
-    pad_token_id: int,
-    temperature: float = 1.0,
-    greedy: bool = False,
-    generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,
-    lean: bool = True,
-    value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    stop: Sequence[str] = (),
-    tokenizer=None,
-    graph: bool = False,
-) -> Rollout:
-    """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt.
+def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
+             eos_token_id: int | Sequence[int], pad_token_id: int, temperature: float = 1.0, greedy: bool = False,
+             generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None, lean: bool = True,
+             value_head: Callable[[torch.Tensor], torch.Tensor] | None = None, top_k: int = 0, top_p: float = 1.0,
+             min_p: float = 0.0, repetition_penalty: float = 1.0, stop: Sequence[str] = (), tokenizer=None,
+             graph: bool = False) -> Rollout:
+    """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each left-padded prompt.
 
-    Args:
-        model: a causal LM taking a ``Cache``; prompt_ids, prompt_mask: ``[B, P]``, left-padded.
-        eos_token_id: the id, or ids (:func:`eos_token_ids`), that end a response.
-        temperature: divides the logits; the log-probs are the tempered ones (greedy too).
-        generator, uniforms: the RNG, or ``[B, max_new_tokens]`` U(0, 1) draws (inverse CDF), so a
-            batch split across processes samples as one would.
-        lean: take the accelerated forward where registered; value_head: ``[B, H] -> [B]`` of the
-            state before each token, ``Rollout.values`` (accelerated forward only).
-        top_k, top_p, min_p, repetition_penalty: shape the draw (:func:`sampler_logprobs`); the
-            log-probs stay the full distribution's (``Rollout.kept_logmass``).
-        stop: strings that end a response once its text holds one, decoded by ``tokenizer``.
-        graph: decode with fixed shapes (CUDA graphs on a GPU, ``accel.cuda_graph``).
-    """
+    ``uniforms``: ``[B, max_new_tokens]`` U(0, 1) draws (else from ``generator``), so a batch split
+    across processes samples as one would; ``lean``: the accelerated forward where registered, whose
+    hidden states ``value_head`` reads (``Rollout.values``); ``top_k`` .. ``repetition_penalty`` shape
+    the draw (:func:`sampler_logprobs`); ``stop`` strings are read through ``tokenizer``; ``graph``:
+    fixed-shape decoding (``accel.cuda_graph``)."""
     if prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must have the same shape")
     if top_k < 0 or not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or repetition_penalty <= 0:
@@ -419,13 +344,12 @@ def generate(
     values = [] if value_head is not None and fwd.fast is not None else None
     for t in range(max_new_tokens):
         if values is not None:
-            values.append(value_head(fwd.hidden))  # [B]: the state that samples token t
+            values.append(value_head(fwd.fast.hidden))  # [B]: the state that samples token t (accelerated only)
         tok, done = draw.step(t, logits.float())
         if t == max_new_tokens - 1 or done:
             break
         logits = fwd.step(tok)  # rows that already ended are fed their own samples: masked out later
-    raw, ended, finished, logprobs, entropy = draw.result(t + 1)  # [B, R] but finished [B]
-    kept = draw.kept_logmass(raw.shape[1])  # [B, R] or None
+    raw, ended, finished, logprobs, entropy, kept = draw.result(t + 1)  # [B, R] but finished [B]
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(),
                    response_ids=raw.masked_fill(ended, pad_token_id), response_mask=(~ended).long(),
                    logprobs=logprobs.masked_fill(ended, 0.0), finished=finished,

@@ -55,11 +55,6 @@ runs = {  # run name: (command, overrides)
     # rewards alone (grpo), and added to the reward model's score with GAE over the turns (ppo)
     "grpo_env": ("grpo", [*rl[:-1], "ppo.group_size=4", f"env.class={Path(__file__).parent / 'echo_env.py'}:Echo"]),
     "ppo_env": ("ppo", [*rl, f"env.class={Path(__file__).parent / 'echo_env.py'}:Echo"]),
-    # one optimizer step a rollout with the sampler's log-probs not reused: the update's forward gives the
-    # old log-probs (experience.defer_old_logprobs), and the statistics that read them come after it;
-    # in micro-batches of 3 rows (a process holds 4: passes of 3 and 1)
-    "grpo_deferred": ("grpo", [*rl, "ppo.group_size=4", "ppo.ppo_epochs=1", "ppo.reuse_rollout_logprobs=false",
-                               "ppo.micro_batch_size=3"]),
     # full fine-tuning on bfloat16 copies of float32 weights (model.master_weights), in micro-batches
     # of 3 rows: each process's bfloat16 gradients summed into float32 ones, DDP's all-reduce in float32
     "grpo_master": ("grpo", [*rl, "ppo.group_size=4", "model.dtype=bfloat16", "model.master_weights=true",

@@ -21,7 +21,8 @@ ConfigError.__module__ = "rlhfkit.config"  # its public name, as tracebacks and 
 
 # keys that moved to another section: the old dotted name -> the new one, refused on every route
 MOVED_KEYS = {"run.threads": "accel.threads", "run.malloc": "accel.malloc", "ppo.cuda_graph": "accel.cuda_graph",
-              "ppo.offload": "accel.offload", "ppo.update_off_heap": "accel.update_off_heap"}
+              "ppo.offload": "accel.offload", "ppo.update_off_heap": "accel.update_off_heap",
+              "ppo.reuse_rollout_logprobs": "accel.reuse_rollout_logprobs"}
 
 
 def key(default: Any, doc: str) -> Any:

@@ -80,8 +80,6 @@ class PPOSampling:
         "vllm_importance_sampling_clip_max).")
     stop: tuple[str, ...] = key((), "Stop strings, a YAML list: a response ends, as at EOS, once its new text "
         "contains one (the held-out evaluation uses them too). Empty = none.")
-    reuse_rollout_logprobs: bool = key(True, "Take the experience pass's log-probs (a shared head's values, the "
-        "entropies) from the sampler where it computed them alike, instead of running the policy again.")
 
 
 @dataclass(frozen=True)

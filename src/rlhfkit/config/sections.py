@@ -244,6 +244,8 @@ class AccelConfig(Section):
         "the frozen models): a lower GPU peak; one process or DDP.")
     update_off_heap: bool = key(False, "CPU with glibc: during the RL update, map every tensor of 1 MiB or more "
         "on its own, returned to the system when freed (a lower peak resident set).")
+    reuse_rollout_logprobs: bool = key(True, "Take the old log-probs (a shared head's values, the entropies) from "
+        "the sampler where it computed them as the training forward does, instead of a policy forward.")
 
     def __post_init__(self):
         if isinstance(self.enabled, bool):  # YAML reads a bare on / off as a boolean

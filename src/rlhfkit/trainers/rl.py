@@ -42,7 +42,7 @@ from ..core import (
 from ..distributed import full_weights, rollout_uniforms
 from ..envs import EpisodeMaker, episode_stats, play
 from ..evaluate import evaluate_rewards, evaluate_sharded
-from ..experience import ActorCritic, Experience, completions_per_prompt, deferred_stats, make_experience
+from ..experience import ActorCritic, Experience, completions_per_prompt, make_experience
 from ..models import eval_mode
 from ..precision import compute_weights
 from ..prompts import PromptData, prompt_tensors
@@ -86,18 +86,19 @@ def rl_step(s: RLSetup, step: int) -> tuple[list, Experience, dict]:
     release_free_memory()
     # FSDP: the forwards call the modules themselves; model.master_weights: the policy's bf16 copies made here
     with full_weights(s.train_ac, s.ref, *s.scorer.models, compute=False):
-        exp, stats = make_experience(s.ac, s.ref, s.scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records)
+        exp, stats = make_experience(s.ac, s.ref, s.scorer, roll, pc, st.kl_coef, st.reward_stats, shard, records,
+                                     reuse_logprobs=s.run.cfg.accel.reuse_rollout_logprobs)
     stats = shard.mean({**stats, **episode}, maxed=GAP)
     t.append(time.perf_counter())
     # step 3. update
-    stats.update(update_step(s, step, exp, roll, gap="policy/logprob_gap" not in stats and not exp.deferred))
+    stats.update(update_step(s, step, exp, gap="policy/logprob_gap" not in stats))
     t.append(time.perf_counter())
     st.train_s += t[3] - t[0]
     stats.update(step_timings(s.run, exp, t, st.train_s), **{"data/epoch": s.data.train.epoch})
     return records, exp, stats
 
 
-def update_step(s: RLSetup, step: int, exp: Experience, roll: Rollout, gap: bool) -> dict:
+def update_step(s: RLSetup, step: int, exp: Experience, gap: bool) -> dict:
     """``ppo_epochs`` x minibatches at this step's learning rate (a critic warm-up trains the
     value loss alone); the update's stats."""
     pc, st = s.pc, s.st
@@ -112,8 +113,6 @@ def update_step(s: RLSetup, step: int, exp: Experience, roll: Rollout, gap: bool
         stats.update(mean_stats(ppo_update(s.ac, s.optimizer, train_exp, s.local_pc, st.kl_coef,
                                            update_policy=not warm, engine=s.warm_engine if warm else s.engine,
                                            logprob_gap=gap, off_heap=s.run.cfg.accel.update_off_heap)))
-    if exp.deferred:  # the update's forward wrote the old log-probs: the stats that read them
-        stats.update(s.run.shard.mean(deferred_stats(exp, roll.logprobs, pc, st.kl_coef, s.run.shard), maxed=GAP))
     return stats
 
 
@@ -176,11 +175,10 @@ def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef:
     def fn(logp, ent, s, e):
         weights, valid, old, adv, ref = per_token()
         v = valid[s:e]
-        # deferred: the old log-probs are this forward's own (no optimizer step since the rollout)
-        per = token_policy_loss(logp, logp.detach() if exp.deferred else old[s:e], adv[s:e], v, objective, options)
+        per = token_policy_loss(logp, old[s:e], adv[s:e], v, objective, options)
         if ref is not None:
             per = per + coef * kl_estimate(logp, ref[s:e], kind)
-        if ent is not None and pc.entropy_coef:  # a deferred experience may ask for the entropies for its stats
+        if ent is not None:
             per = per - pc.entropy_coef * ent
         return (weights[s:e] * torch.where(v, per, torch.zeros_like(per))).sum()
 
@@ -189,10 +187,10 @@ def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef:
 
 def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float,
                    update_policy: bool, fused_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """``(loss, logprobs [b, R], stats)`` of rows ``mb``: the value loss and, unless a critic warm-up,
-    the policy loss, entropy bonus and KL term, each reduced by ``pc.loss_type``. A chunked head
-    computes the policy's part itself (:func:`policy_token_loss`); a deferred experience gets this
-    forward's log-probs (and entropies) as the old ones."""
+    """``(loss, logprobs [b, R], stats)`` of minibatch rows ``mb``: the clipped value loss and,
+    unless it is a critic warm-up, the clipped policy loss, entropy bonus and KL term, each
+    reduced by the one aggregation ``pc.loss_type``. A chunked head computes the policy's part
+    itself (:func:`policy_token_loss`; ``fused_loss`` False: from the returned log-probs)."""
     rmask = exp.response_mask[mb]
     agg = functools.partial(aggregate, mask=rmask, kind=pc.loss_type, max_len=pc.max_new_tokens or 0)
     with_entropy = update_policy and bool(pc.entropy_coef)
@@ -201,15 +199,11 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
     # [b, R, V] logits are never held whole (models.token_logprobs)
     out = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
                    detach_value=not update_policy, response_ids=exp.response_ids[mb],
-                   entropy=with_entropy or exp.entropy_pending,
+                   entropy=with_entropy,
                    **({} if token_loss is None else {"token_loss": token_loss}))  # [b, R] each
     logprobs, entropy, values = out[:3]
     fused = out[3] if len(out) > 3 else None  # a forward that ignores token_loss returns three
     loss, stats = torch.zeros((), device=logprobs.device), {}
-    if exp.deferred:
-        exp.old_logprobs[mb] = logprobs.detach()
-        if exp.entropy_pending:
-            exp.entropy[mb] = entropy.detach()
     if values is not None:
         v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range,
                                    pc.loss_type, pc.max_new_tokens or 0)
@@ -334,7 +328,7 @@ def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_
         with eval_mode(ac.policy), full_weights(train_ac):
             return generate(ac.policy, ids, mask, n, eos_token_ids(ac.policy, tok), tok.pad_token_id,
                             pc.temperature, greedy=step is None, uniforms=u,
-                            value_head=ac.value_head if pc.reuse_rollout_logprobs and step is not None else None,
+                            value_head=ac.value_head if cfg.accel.reuse_rollout_logprobs and step is not None else None,
                             stop=pc.stop, tokenizer=tok, graph=cfg.accel.cuda_graph, **sampling_settings(pc))
 
     return sample
