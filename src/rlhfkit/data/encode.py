@@ -100,34 +100,23 @@ class _Codec:
                 out.append(([self.bos] if self.adds_bos else [], ids))
         return out
 
-    def completions(self, texts: list[str], wheres: Sequence[str] = (), key: str = "completion") -> list[list[int]]:
-        out = self.ids(texts, wheres, key)
-        for ids in out:
-            self._end(ids)
-        return out
+    def completions(self, texts: list[str], wheres: Sequence[str], key: str) -> list[list[int]]:
+        return self.answers([[(text, True)] for text in texts], wheres, key)[0]
 
-    def _end(self, ids: list[int]) -> bool:
-        """Append EOS to a response that does not end with it; whether it did."""
-        if self.eos is None or ids[-1:] == [self.eos]:
-            return False
-        ids.append(self.eos)
-        return True
-
-    def answers(self, examples: Sequence[SFTExample], wheres: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
-        """The ids of what follows each example's prompt (:meth:`SFTExample.pieces`, each piece
-        tokenized on its own, EOS appended to the last as in :meth:`completions`) and their mask:
-        1 on the answers and that EOS, 0 on the context between them."""
-        pieces = [ex.pieces() for ex in examples]
-        flat = self.ids([text for p in pieces for text, _ in p], [w for p, w in zip(pieces, wheres) for _ in p],
-                        "completion")
-        responses, masks, at = [], [], 0
+    def answers(self, pieces: Sequence[list[tuple[str, bool]]], wheres: Sequence[str],
+                key: str = "completion") -> tuple[list[list[int]], list[list[int]]]:
+        """The ids of each response from its ``(text, trained)`` pieces (:meth:`SFTExample.pieces`,
+        each tokenized on its own, EOS appended when the last does not end with it) and their mask:
+        1 on the trained pieces and that EOS, 0 on the context between them."""
+        flat = iter(self.ids([text for p in pieces for text, _ in p], [w for p, w in zip(pieces, wheres) for _ in p], key))
+        responses, masks = [], []
         for p in pieces:
             ids, mask = [], []
-            for piece, (_, trained) in zip(flat[at : at + len(p)], p):
+            for (_, trained), piece in zip(p, flat):  # p first: zip stops before taking the next piece
                 ids += piece
                 mask += [int(trained)] * len(piece)
-            at += len(p)
-            if self._end(ids):
+            if self.eos is not None and ids[-1:] != [self.eos]:
+                ids.append(self.eos)
                 mask.append(1)
             responses.append(ids)
             masks.append(mask)
@@ -137,13 +126,16 @@ class _Codec:
 def unencodable_characters(tokenizer, text: str) -> list[str]:
     """The characters of ``text`` that ``tokenizer`` cannot encode on their own, in order of
     first appearance (e.g. characters outside a WordLevel vocabulary that has no [UNK] token)."""
-    bad = []
-    for ch in dict.fromkeys(text):
-        try:
-            tokenizer(ch, add_special_tokens=False)
-        except Exception:  # the tokenizers library raises a bare Exception
-            bad.append(ch)
-    return bad
+    return [ch for ch in dict.fromkeys(text) if _failure(tokenizer, ch) is not None]
+
+
+def _failure(tokenizer, text: str) -> Exception | None:
+    """The tokenizer's error on ``text`` alone; None when it encodes."""
+    try:
+        tokenizer(text, add_special_tokens=False)
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        return e
+    return None
 
 
 def describe_characters(chars: Sequence[str], limit: int = 10) -> str:
@@ -155,11 +147,9 @@ def describe_characters(chars: Sequence[str], limit: int = 10) -> str:
 def _encoding_error(tokenizer, texts: Sequence[str], wheres: Sequence[str], key: str) -> DataError | None:
     """The DataError for the first text the tokenizer cannot encode, or None when each encodes alone."""
     for i, text in enumerate(texts):
-        try:
-            tokenizer(text, add_special_tokens=False)
+        err = _failure(tokenizer, text)
+        if err is None:
             continue
-        except Exception as e:  # the tokenizers library raises a bare Exception
-            err = e
         where = wheres[i] if i < len(wheres) else f"example {i}"
         bad = unencodable_characters(tokenizer, text)
         if bad:
@@ -240,7 +230,7 @@ def encode_sft(examples: Iterable[SFTExample], tokenizer, max_length: int | Limi
     marks token ``t`` as a target predicted from ``t - 1``). Over ``max_length`` the prompt's start
     is cut (``truncation='left'``, BOS kept) or DataError (``'error'``, or no room for a prompt token)."""
     examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
-    responses, masks = codec.answers(examples, wheres)
+    responses, masks = codec.answers([ex.pieces() for ex in examples], wheres)
     prompts = [
         head + _fit(_where(ex, i), head, body, {"completion": resp}, limit, truncation)
         for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))

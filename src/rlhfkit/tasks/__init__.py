@@ -41,6 +41,13 @@ def char_tokenizer(vocab: list[str], bos: str, eos: str, pad: str, max_length: i
     return fast
 
 
+def verified(verify, key: str, prompts: list, completions: list[str], finished: list | None, eos: str) -> list[float]:
+    """``verify(prompt, completion)[key]`` of each completion as 1.0 or 0.0, a ``finished`` one with
+    its EOS back (reward texts have special tokens removed)."""
+    return [float(verify(p, c + eos if finished is not None and finished[i] else c)[key])
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
 def get_task(name: str) -> ModuleType:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)} (run.task)")

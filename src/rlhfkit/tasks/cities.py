@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import char_tokenizer
+from . import char_tokenizer, verified
 
 if TYPE_CHECKING:  # importing the task stays light: the command line reads CONFIG_DEFAULTS before torch
     from transformers import PreTrainedTokenizerFast
@@ -220,12 +220,8 @@ def exact_reward(prompts: list[str], completions: list[str], city: list | None =
                  finished: list | None = None, **columns) -> list[float]:
     """Reward callable: 1 for the full sentence with the right country (columns ``city`` and
     ``country`` when given, else the parsed prompt; with ``finished``, only ended answers count)."""
-    out = []
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        q = parse_prompt(p) if city is None else None
-        text = c + EOS if finished is not None and finished[i] else c
-        out.append(float(_verify(q.city if q else city[i], q.country if q else country[i], text)["exact"]))
-    return out
+    asked = [(q.city, q.country) for q in map(parse_prompt, prompts)] if city is None else list(zip(city, country))
+    return verified(lambda target, text: _verify(*target, text), "exact", asked, completions, finished, EOS)
 
 
 # verifiers score 0 or 1: declared, so eval/accuracy comes from them (rlhfkit.rewards)
