@@ -1,12 +1,7 @@
-"""The city-facts task, after the PPO explainers' example: "Where is Pune?" -> "Pune is in India."
-
-130 real cities in 13 countries. Pretraining text answers mostly tersely (``India.``), sometimes
-with the sentence, sometimes with a wrong country, so the base model *knows* each city's country
-but greedily answers in the wrong form; preferences favour the full sentence with the right
-country, and tuning must teach the form without losing the facts. Every city is evaluated in a
-question form no tuning prompt uses for it: a tiny model needs to have seen the entity asked
-about, and held-out whole cities would test that instead of the form.
-"""
+"""The city-facts task (docs/getting-started.md): "Where is Pune? " -> "Pune is in India.$" for
+130 cities. The base knows each city's country but mostly answers tersely; tuning must teach
+the full sentence without losing the facts. Each city is evaluated in a question form that no
+tuning prompt uses for it (held-out whole cities would test the entity, not the form)."""
 
 from __future__ import annotations
 

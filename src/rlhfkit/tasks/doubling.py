@@ -1,14 +1,6 @@
-"""The number-doubling tutorial task: obey a prefix that names the answer's character set.
-
-A prompt asks for twice a 4-digit number, ``S数字:3320x2=``, its prefix naming the answer's set:
-
-    数字  digits          0123456789      ->  6640E
-    小写  lower-case      〇一二三四五六七八九  ->  六六四〇E
-    大写  upper-case      零壹贰叁肆伍陆柒捌玖  ->  陆陆肆零E
-
-Pretraining text carries the neutral prefix ``__`` and an answer in a random set: the base model
-learns to double, RL teaches the prefix.
-"""
+"""The number-doubling tutorial task (docs/getting-started.md): ``S数字:3320x2=`` -> ``6640E``, the
+prefix naming the answer's character set (``小写`` ``〇一二...``, ``大写`` ``零壹贰...``). Pretraining
+text has the neutral prefix ``__`` and a random set: the base learns to double, RL the prefix."""
 
 from __future__ import annotations
 
