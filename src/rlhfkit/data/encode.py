@@ -160,15 +160,16 @@ def _encoding_error(tokenizer, texts: Sequence[str], wheres: Sequence[str], key:
     return None
 
 
-def _fit(where: str, head: list[int], body: list[int], responses: dict[str, list[int]], limit: Limit,
+def _fit(where: str, prompt: tuple[list[int], list[int]], responses: dict[str, list[int]], limit: Limit,
          truncation: str) -> list[int]:
-    """The prompt body cut so ``head + body + response`` fits ``limit``, or DataError."""
+    """The prompt ``(head, body)`` as ids, its body cut so that it and the longest response fit ``limit``, or DataError."""
+    head, body = prompt
     max_length = limit.tokens
     key = max(responses, key=lambda k: len(responses[k]))
     longest = len(responses[key])
     need = len(head) + len(body) + longest
     if need <= max_length:
-        return body
+        return head + body
     bos = " plus BOS" if head else ""
     if len(head) + longest >= max_length:
         raise DataError(f"{where}: field {key!r}: the response is {longest} tokens (EOS included){bos}, which leaves no room "
@@ -177,7 +178,7 @@ def _fit(where: str, head: list[int], body: list[int], responses: dict[str, list
         raise DataError(f"{where}: field 'prompt': prompt ({len(body)} tokens) + {key} ({longest}){bos} = {need} tokens "
                         f"exceeds {limit.name} with truncation='error' ('left' would drop the first "
                         f"{need - max_length} prompt tokens)")
-    return body[need - max_length :]
+    return head + body[need - max_length :]
 
 
 def _check_truncation(truncation: str) -> None:
@@ -231,10 +232,7 @@ def encode_sft(examples: Iterable[SFTExample], tokenizer, max_length: int | Limi
     is cut (``truncation='left'``, BOS kept) or DataError (``'error'``, or no room for a prompt token)."""
     examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
     responses, masks = codec.answers([ex.pieces() for ex in examples], wheres)
-    prompts = [
-        head + _fit(_where(ex, i), head, body, {"completion": resp}, limit, truncation)
-        for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))
-    ]
+    prompts = [_fit(w, p, {"completion": r}, limit, truncation) for w, p, r in zip(wheres, heads, responses)]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     return _rows(prompts, responses, codec.pad, width, masks)
 
@@ -249,10 +247,8 @@ def encode_preferences(examples: Iterable[PreferenceExample], tokenizer, max_len
     examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
     chosen = codec.completions([ex.chosen for ex in examples], wheres, "chosen")
     rejected = codec.completions([ex.rejected for ex in examples], wheres, "rejected")
-    prompts = [
-        head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, limit, truncation)
-        for i, (ex, (head, body), c, r) in enumerate(zip(examples, heads, chosen, rejected))
-    ]
+    prompts = [_fit(w, p, {"chosen": c, "rejected": r}, limit, truncation)
+               for w, p, c, r in zip(wheres, heads, chosen, rejected)]
     width = max(len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected))
     out = {}
     for name, responses in (("chosen", chosen), ("rejected", rejected)):
