@@ -103,12 +103,9 @@ class CitiesData:
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
 
-    def _wrong_country(self, city: str) -> str:
-        return self.rng.choice([c for c in COUNTRIES if c != COUNTRY_OF[city]])
-
     def _answer(self, city: str, style: str) -> str:
         if style == "wrong":
-            return answer_text(city, self._wrong_country(city))
+            return answer_text(city, self.rng.choice([c for c in COUNTRIES if c != COUNTRY_OF[city]]))
         country = COUNTRY_OF[city]
         return {"terse": f"{country}.{EOS}", "sentence": answer_text(city), "pronoun": f"It is in {country}.{EOS}"}[style]
 
