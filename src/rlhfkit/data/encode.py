@@ -57,12 +57,11 @@ def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int
     _check_truncation(truncation)
     limit = _as_limit(max_length, "data.max_prompt_length")
     max_length = limit.tokens
-    out, cut = [], 0
-    pieces = _Codec(tokenizer).prompts([e.prompt for e in examples], _wheres(examples))
-    for i, (ex, (head, body)) in enumerate(zip(examples, pieces)):
+    out, cut, wheres = [], 0, _wheres(examples)
+    for where, (head, body) in zip(wheres, _Codec(tokenizer).prompts([e.prompt for e in examples], wheres)):
         if len(head) + len(body) > max_length:
             if truncation == "error" or len(head) >= max_length:
-                raise DataError(f"{_where(ex, i)}: field 'prompt': {len(head) + len(body)} tokens exceeds "
+                raise DataError(f"{where}: field 'prompt': {len(head) + len(body)} tokens exceeds "
                                 f"{limit.name} with data.truncation={truncation!r}; {limit.fix}, shorten the prompt, "
                                 "or use data.truncation=left")
             body, cut = body[len(head) + len(body) - max_length :], cut + 1
@@ -186,12 +185,8 @@ def _check_truncation(truncation: str) -> None:
         raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
 
 
-def _where(example, i: int) -> str:
-    return example.origin or f"example {i}"
-
-
 def _wheres(examples: Sequence) -> list[str]:
-    return [_where(ex, i) for i, ex in enumerate(examples)]
+    return [ex.origin or f"example {i}" for i, ex in enumerate(examples)]
 
 
 def _prepare(examples: Iterable, tokenizer, max_length: int | Limit, truncation: str) -> tuple:
