@@ -152,6 +152,16 @@ def test_preference_pairs_seeded():
     assert DoublingData(5).preference_pairs(20) != DoublingData(6).preference_pairs(20)
 
 
+def test_seeded_draws_are_pinned():
+    # the demo's numbers follow from these draws: a generator rewritten must draw the same sequence
+    data = DoublingData(0)
+    assert [p.text for p in data.prompts(3)] == ["小写:7697x2=", "小写:1690x2=", "小写:9884x2="]
+    assert data.labelled_texts(2) == [("__:8040x2=一六〇八〇E", 1), ("__:9278x2=一八五五六E", 1)]
+    assert data.preference_pairs(2) == [("大写:4772x2=", "玖伍肆肆E", "玖伍肆肆"), ("小写:3401x2=", "六八〇二E", "6802E")]
+    assert data.sft_examples(2) == [("数字:6389x2=", "12778"), ("大写:2266x2=", "肆伍叁贰")]
+    assert DoublingData(1).pretrain_texts(2) == ["__:3318x2=陆陆叁陆E", "__:2080x2=四一六〇E"]
+
+
 # --------------------------------------------------------------------------- verifier
 
 

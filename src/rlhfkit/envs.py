@@ -250,9 +250,8 @@ def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, devi
     ``rows`` still going (left-padded: everything so far). A turn longer than an episode's room
     is cut to it (its first tokens' log-probs do not depend on the later ones).
     """
-    pad = tok.pad_token_id
-    any_values = any_kept = False
-    forward_logprobs = True
+    pad, forward_logprobs = tok.pad_token_id, True
+    given = set()  # the optional quantities (values, kept mass) some turn's sampler gave
     for turn in range(max(e.max_turns for e in episodes)):
         rows = [i for i, e in enumerate(episodes) if not e.done]
         if not rows:
@@ -261,16 +260,13 @@ def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, devi
         n = min(max_new_tokens, max(episodes[i].room for i in rows))
         roll = sample(turn, ids, mask, rows, n)
         forward_logprobs &= roll.forward_logprobs
-        any_values |= roll.values is not None
-        any_kept |= roll.kept_logmass is not None
-        lengths = roll.response_mask.sum(-1).tolist()
-        for j, i in enumerate(rows):
-            ep = episodes[i]
-            L = min(lengths[j], ep.room)
-            sampled = {name: t[j, :L].tolist() for name, t in (("logprobs", roll.logprobs), ("entropy", roll.entropy),
-                                                                ("values", roll.values), ("kept", roll.kept_logmass))
-                       if t is not None}
-            ep.add_turn(roll.response_ids[j, :L].tolist(), sampled, bool(roll.finished[j]) and L == lengths[j], tok)
+        fields = {name: t for name, t in (("logprobs", roll.logprobs), ("entropy", roll.entropy),
+                                          ("values", roll.values), ("kept", roll.kept_logmass)) if t is not None}
+        given |= fields.keys()
+        for j, (i, length) in enumerate(zip(rows, roll.response_mask.sum(-1).tolist())):
+            L = min(length, episodes[i].room)
+            episodes[i].add_turn(roll.response_ids[j, :L].tolist(), {name: t[j, :L].tolist() for name, t in fields.items()},
+                                 bool(roll.finished[j]) and L == length, tok)
     prompt_ids, prompt_mask = left_pad([e.ids[: e.prompt_len] for e in episodes], pad, device)
     response = [e.ids[e.prompt_len :] for e in episodes]
     attend = _right_pad([[1] * len(r) for r in response], 0, torch.long, device)  # [B, R]
@@ -289,8 +285,8 @@ def play(episodes: list[Episode], sample: Sample, tok, max_new_tokens: int, devi
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=_right_pad(response, pad, torch.long, device),
                    response_mask=response_mask, logprobs=floats("logprobs"),
                    finished=torch.tensor([e.finished for e in episodes], device=device), entropy=floats("entropy"),
-                   values=floats("values") if any_values else None, forward_logprobs=forward_logprobs,
-                   kept_logmass=floats("kept") if any_kept else None,
+                   values=floats("values") if "values" in given else None, forward_logprobs=forward_logprobs,
+                   kept_logmass=floats("kept") if "kept" in given else None,
                    attend=None if torch.equal(attend, response_mask) else attend,
                    turn_rewards=at_turn_ends("rewards", torch.float32), turn_lengths=at_turn_ends("lengths", torch.long))
 

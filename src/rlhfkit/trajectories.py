@@ -103,11 +103,8 @@ class TrajectoryWriter:
         self._fh.flush()
         return self.path.stat().st_size
 
-    def wanted(self, step: int, last: bool) -> bool:
-        return self._fh is not None and (step == 0 or last or (step + 1) % self.every == 0)
-
     def maybe_write(self, step: int, last: bool, exp, tokenizer, pc, kl_coef: float) -> None:
-        if not self.wanted(step, last):
+        if self._fh is None or not (step == 0 or last or (step + 1) % self.every == 0):
             return
         for rec in trajectory_records(exp, tokenizer, pc, kl_coef, step, self.per_step):
             self._fh.write(json.dumps(rec, ensure_ascii=False) + "\n")

@@ -57,12 +57,11 @@ def encode_prompts(examples: Sequence[PromptExample], tokenizer, max_length: int
     _check_truncation(truncation)
     limit = _as_limit(max_length, "data.max_prompt_length")
     max_length = limit.tokens
-    out, cut = [], 0
-    pieces = _Codec(tokenizer).prompts([e.prompt for e in examples], _wheres(examples))
-    for i, (ex, (head, body)) in enumerate(zip(examples, pieces)):
+    out, cut, wheres = [], 0, _wheres(examples)
+    for where, (head, body) in zip(wheres, _Codec(tokenizer).prompts([e.prompt for e in examples], wheres)):
         if len(head) + len(body) > max_length:
             if truncation == "error" or len(head) >= max_length:
-                raise DataError(f"{_where(ex, i)}: field 'prompt': {len(head) + len(body)} tokens exceeds "
+                raise DataError(f"{where}: field 'prompt': {len(head) + len(body)} tokens exceeds "
                                 f"{limit.name} with data.truncation={truncation!r}; {limit.fix}, shorten the prompt, "
                                 "or use data.truncation=left")
             body, cut = body[len(head) + len(body) - max_length :], cut + 1
@@ -100,34 +99,23 @@ class _Codec:
                 out.append(([self.bos] if self.adds_bos else [], ids))
         return out
 
-    def completions(self, texts: list[str], wheres: Sequence[str] = (), key: str = "completion") -> list[list[int]]:
-        out = self.ids(texts, wheres, key)
-        for ids in out:
-            self._end(ids)
-        return out
+    def completions(self, texts: list[str], wheres: Sequence[str], key: str) -> list[list[int]]:
+        return self.answers([[(text, True)] for text in texts], wheres, key)[0]
 
-    def _end(self, ids: list[int]) -> bool:
-        """Append EOS to a response that does not end with it; whether it did."""
-        if self.eos is None or ids[-1:] == [self.eos]:
-            return False
-        ids.append(self.eos)
-        return True
-
-    def answers(self, examples: Sequence[SFTExample], wheres: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
-        """The ids of what follows each example's prompt (:meth:`SFTExample.pieces`, each piece
-        tokenized on its own, EOS appended to the last as in :meth:`completions`) and their mask:
-        1 on the answers and that EOS, 0 on the context between them."""
-        pieces = [ex.pieces() for ex in examples]
-        flat = self.ids([text for p in pieces for text, _ in p], [w for p, w in zip(pieces, wheres) for _ in p],
-                        "completion")
-        responses, masks, at = [], [], 0
+    def answers(self, pieces: Sequence[list[tuple[str, bool]]], wheres: Sequence[str],
+                key: str = "completion") -> tuple[list[list[int]], list[list[int]]]:
+        """The ids of each response from its ``(text, trained)`` pieces (:meth:`SFTExample.pieces`,
+        each tokenized on its own, EOS appended when the last does not end with it) and their mask:
+        1 on the trained pieces and that EOS, 0 on the context between them."""
+        flat = iter(self.ids([text for p in pieces for text, _ in p], [w for p, w in zip(pieces, wheres) for _ in p], key))
+        responses, masks = [], []
         for p in pieces:
             ids, mask = [], []
-            for piece, (_, trained) in zip(flat[at : at + len(p)], p):
+            for (_, trained), piece in zip(p, flat):  # p first: zip stops before taking the next piece
                 ids += piece
                 mask += [int(trained)] * len(piece)
-            at += len(p)
-            if self._end(ids):
+            if self.eos is not None and ids[-1:] != [self.eos]:
+                ids.append(self.eos)
                 mask.append(1)
             responses.append(ids)
             masks.append(mask)
@@ -137,13 +125,16 @@ class _Codec:
 def unencodable_characters(tokenizer, text: str) -> list[str]:
     """The characters of ``text`` that ``tokenizer`` cannot encode on their own, in order of
     first appearance (e.g. characters outside a WordLevel vocabulary that has no [UNK] token)."""
-    bad = []
-    for ch in dict.fromkeys(text):
-        try:
-            tokenizer(ch, add_special_tokens=False)
-        except Exception:  # the tokenizers library raises a bare Exception
-            bad.append(ch)
-    return bad
+    return [ch for ch in dict.fromkeys(text) if _failure(tokenizer, ch) is not None]
+
+
+def _failure(tokenizer, text: str) -> Exception | None:
+    """The tokenizer's error on ``text`` alone; None when it encodes."""
+    try:
+        tokenizer(text, add_special_tokens=False)
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        return e
+    return None
 
 
 def describe_characters(chars: Sequence[str], limit: int = 10) -> str:
@@ -155,11 +146,9 @@ def describe_characters(chars: Sequence[str], limit: int = 10) -> str:
 def _encoding_error(tokenizer, texts: Sequence[str], wheres: Sequence[str], key: str) -> DataError | None:
     """The DataError for the first text the tokenizer cannot encode, or None when each encodes alone."""
     for i, text in enumerate(texts):
-        try:
-            tokenizer(text, add_special_tokens=False)
+        err = _failure(tokenizer, text)
+        if err is None:
             continue
-        except Exception as e:  # the tokenizers library raises a bare Exception
-            err = e
         where = wheres[i] if i < len(wheres) else f"example {i}"
         bad = unencodable_characters(tokenizer, text)
         if bad:
@@ -170,15 +159,16 @@ def _encoding_error(tokenizer, texts: Sequence[str], wheres: Sequence[str], key:
     return None
 
 
-def _fit(where: str, head: list[int], body: list[int], responses: dict[str, list[int]], limit: Limit,
+def _fit(where: str, prompt: tuple[list[int], list[int]], responses: dict[str, list[int]], limit: Limit,
          truncation: str) -> list[int]:
-    """The prompt body cut so ``head + body + response`` fits ``limit``, or DataError."""
+    """The prompt ``(head, body)`` as ids, its body cut so that it and the longest response fit ``limit``, or DataError."""
+    head, body = prompt
     max_length = limit.tokens
     key = max(responses, key=lambda k: len(responses[k]))
     longest = len(responses[key])
     need = len(head) + len(body) + longest
     if need <= max_length:
-        return body
+        return head + body
     bos = " plus BOS" if head else ""
     if len(head) + longest >= max_length:
         raise DataError(f"{where}: field {key!r}: the response is {longest} tokens (EOS included){bos}, which leaves no room "
@@ -187,7 +177,7 @@ def _fit(where: str, head: list[int], body: list[int], responses: dict[str, list
         raise DataError(f"{where}: field 'prompt': prompt ({len(body)} tokens) + {key} ({longest}){bos} = {need} tokens "
                         f"exceeds {limit.name} with truncation='error' ('left' would drop the first "
                         f"{need - max_length} prompt tokens)")
-    return body[need - max_length :]
+    return head + body[need - max_length :]
 
 
 def _check_truncation(truncation: str) -> None:
@@ -195,12 +185,8 @@ def _check_truncation(truncation: str) -> None:
         raise ValueError(f"truncation must be 'left' or 'error', got {truncation!r}")
 
 
-def _where(example, i: int) -> str:
-    return example.origin or f"example {i}"
-
-
 def _wheres(examples: Sequence) -> list[str]:
-    return [_where(ex, i) for i, ex in enumerate(examples)]
+    return [ex.origin or f"example {i}" for i, ex in enumerate(examples)]
 
 
 def _prepare(examples: Iterable, tokenizer, max_length: int | Limit, truncation: str) -> tuple:
@@ -240,11 +226,8 @@ def encode_sft(examples: Iterable[SFTExample], tokenizer, max_length: int | Limi
     marks token ``t`` as a target predicted from ``t - 1``). Over ``max_length`` the prompt's start
     is cut (``truncation='left'``, BOS kept) or DataError (``'error'``, or no room for a prompt token)."""
     examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
-    responses, masks = codec.answers(examples, wheres)
-    prompts = [
-        head + _fit(_where(ex, i), head, body, {"completion": resp}, limit, truncation)
-        for i, (ex, (head, body), resp) in enumerate(zip(examples, heads, responses))
-    ]
+    responses, masks = codec.answers([ex.pieces() for ex in examples], wheres)
+    prompts = [_fit(w, p, {"completion": r}, limit, truncation) for w, p, r in zip(wheres, heads, responses)]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     return _rows(prompts, responses, codec.pad, width, masks)
 
@@ -259,10 +242,8 @@ def encode_preferences(examples: Iterable[PreferenceExample], tokenizer, max_len
     examples, limit, codec, wheres, heads = _prepare(examples, tokenizer, max_length, truncation)
     chosen = codec.completions([ex.chosen for ex in examples], wheres, "chosen")
     rejected = codec.completions([ex.rejected for ex in examples], wheres, "rejected")
-    prompts = [
-        head + _fit(_where(ex, i), head, body, {"chosen": c, "rejected": r}, limit, truncation)
-        for i, (ex, (head, body), c, r) in enumerate(zip(examples, heads, chosen, rejected))
-    ]
+    prompts = [_fit(w, p, {"chosen": c, "rejected": r}, limit, truncation)
+               for w, p, c, r in zip(wheres, heads, chosen, rejected)]
     width = max(len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected))
     out = {}
     for name, responses in (("chosen", chosen), ("rejected", rejected)):

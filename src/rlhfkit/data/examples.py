@@ -198,9 +198,7 @@ def _implicit_prompt(chosen, rejected, where: str) -> tuple[list, list, list]:
     """``(prompt, chosen, rejected)`` messages of two whole conversations: the prompt is the leading
     messages they share."""
     cm, rm = _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected")
-    k = 0
-    while k < min(len(cm), len(rm)) and cm[k] == rm[k]:
-        k += 1
+    k = next((i for i, (a, b) in enumerate(zip(cm, rm)) if a != b), min(len(cm), len(rm)))
     if k == 0:
         raise DataError(f"{where}: field 'prompt': missing, and 'chosen'/'rejected' share no leading messages "
                         "to take as an implicit prompt; add a 'prompt' field")

@@ -1,20 +1,5 @@
 """Built-in tasks: ``get_task(cfg.run.task)`` is the task's module, whence every trainer takes its
-tokenizer, data and evaluation.
-
-A task module provides:
-
-* ``make_tokenizer()``: a ``PreTrainedTokenizerFast`` (BOS added, EOS and pad set, left padding);
-* ``N_POSITIONS`` (context of the tiny model built for it) and ``MAX_NEW_TOKENS`` (longest answer);
-* ``TaskData(seed)``: seeded generators ``pretrain_texts(n)``, ``prompts(n)`` (objects with
-  ``.text``), ``preference_pairs(n, hard)`` -> ``(prompt, chosen, rejected)`` and
-  ``sft_examples(n)`` -> ``(prompt, completion)``; tuning prompts never come from the evaluation set;
-* ``eval_prompts()`` (fixed held-out set) and ``held_out_pairs(n, seed)`` (preference pairs on it);
-* ``verify(prompt, completion) -> {"format", "exact", "answer"}`` (booleans; ``exact`` is the
-  task's success) and ``exact_reward(prompts, completions)``, the verifier as a reward callable,
-  declared 0/1 (``exact_reward.binary = True``) so that it gives ``eval/accuracy``;
-* optionally ``LABELS`` and ``TaskData.labelled_texts(n)`` for a classifier reward model (the
-  number-doubling tutorial task's reward).
-"""
+tokenizer, data and evaluation (what a task module provides: docs/contributing.md)."""
 
 from __future__ import annotations
 
@@ -39,6 +24,13 @@ def char_tokenizer(vocab: list[str], bos: str, eos: str, pad: str, max_length: i
                                    padding_side="left")
     fast.model_max_length = max_length
     return fast
+
+
+def verified(verify, key: str, prompts: list, completions: list[str], finished: list | None, eos: str) -> list[float]:
+    """``verify(prompt, completion)[key]`` of each completion as 1.0 or 0.0, a ``finished`` one with
+    its EOS back (reward texts have special tokens removed)."""
+    return [float(verify(p, c + eos if finished is not None and finished[i] else c)[key])
+            for i, (p, c) in enumerate(zip(prompts, completions))]
 
 
 def get_task(name: str) -> ModuleType:

@@ -1,12 +1,7 @@
-"""The city-facts task, after the PPO explainers' example: "Where is Pune?" -> "Pune is in India."
-
-130 real cities in 13 countries. Pretraining text answers mostly tersely (``India.``), sometimes
-with the sentence, sometimes with a wrong country, so the base model *knows* each city's country
-but greedily answers in the wrong form; preferences favour the full sentence with the right
-country, and tuning must teach the form without losing the facts. Every city is evaluated in a
-question form no tuning prompt uses for it: a tiny model needs to have seen the entity asked
-about, and held-out whole cities would test that instead of the form.
-"""
+"""The city-facts task (docs/getting-started.md): "Where is Pune? " -> "Pune is in India.$" for
+130 cities. The base knows each city's country but mostly answers tersely; tuning must teach
+the full sentence without losing the facts. Each city is evaluated in a question form that no
+tuning prompt uses for it (held-out whole cities would test the entity, not the form)."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import char_tokenizer
+from . import char_tokenizer, verified
 
 if TYPE_CHECKING:  # importing the task stays light: the command line reads CONFIG_DEFAULTS before torch
     from transformers import PreTrainedTokenizerFast
@@ -108,12 +103,9 @@ class CitiesData:
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
 
-    def _wrong_country(self, city: str) -> str:
-        return self.rng.choice([c for c in COUNTRIES if c != COUNTRY_OF[city]])
-
     def _answer(self, city: str, style: str) -> str:
         if style == "wrong":
-            return answer_text(city, self._wrong_country(city))
+            return answer_text(city, self.rng.choice([c for c in COUNTRIES if c != COUNTRY_OF[city]]))
         country = COUNTRY_OF[city]
         return {"terse": f"{country}.{EOS}", "sentence": answer_text(city), "pronoun": f"It is in {country}.{EOS}"}[style]
 
@@ -220,12 +212,8 @@ def exact_reward(prompts: list[str], completions: list[str], city: list | None =
                  finished: list | None = None, **columns) -> list[float]:
     """Reward callable: 1 for the full sentence with the right country (columns ``city`` and
     ``country`` when given, else the parsed prompt; with ``finished``, only ended answers count)."""
-    out = []
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        q = parse_prompt(p) if city is None else None
-        text = c + EOS if finished is not None and finished[i] else c
-        out.append(float(_verify(q.city if q else city[i], q.country if q else country[i], text)["exact"]))
-    return out
+    asked = [(q.city, q.country) for q in map(parse_prompt, prompts)] if city is None else list(zip(city, country))
+    return verified(lambda target, text: _verify(*target, text), "exact", asked, completions, finished, EOS)
 
 
 # verifiers score 0 or 1: declared, so eval/accuracy comes from them (rlhfkit.rewards)

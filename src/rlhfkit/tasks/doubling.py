@@ -1,15 +1,6 @@
-"""The number-doubling tutorial task: obey a prefix that names the answer's character set.
-
-A prompt asks for twice a 4-digit number, ``S数字:3320x2=``, its prefix naming the answer's set:
-
-    数字  digits          0123456789      ->  6640E
-    小写  lower-case      〇一二三四五六七八九  ->  六六四〇E
-    大写  upper-case      零壹贰叁肆伍陆柒捌玖  ->  陆陆肆零E
-
-Pretraining text carries the neutral prefix ``__`` and an answer in a random set: the base model
-learns to double, RL teaches the prefix.
-
-"""
+"""The number-doubling tutorial task (docs/getting-started.md): ``S数字:3320x2=`` -> ``6640E``, the
+prefix naming the answer's character set (``小写`` ``〇一二...``, ``大写`` ``零壹贰...``). Pretraining
+text has the neutral prefix ``__`` and a random set: the base learns to double, RL the prefix."""
 
 from __future__ import annotations
 
@@ -17,7 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import char_tokenizer
+from . import char_tokenizer, verified
 
 if TYPE_CHECKING:  # importing the task stays light: the command line reads CONFIG_DEFAULTS before torch
     from transformers import PreTrainedTokenizerFast
@@ -96,27 +87,18 @@ class DoublingData:
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
 
-    def _number(self) -> int:
-        return self.rng.choice(_TRAIN)
-
-    def _charset(self) -> str:
-        return self.rng.choice(SET_NAMES)
-
     def pretrain_texts(self, n: int) -> list[str]:
         """Unprefixed full sequences (no BOS): ``'__:3320x2=陆陆肆零E'``, set chosen at random."""
         return [text for text, _ in self.labelled_texts(n)]
 
     def labelled_texts(self, n: int) -> list[tuple[str, int]]:
         """Unprefixed full sequences and the index of the answer's set (the classifier reward's data)."""
-        out = []
-        for _ in range(n):
-            num, charset = self._number(), self._charset()
-            out.append((prompt_text(num, None) + answer_text(num, charset), SET_NAMES.index(charset)))
-        return out
+        return [(prompt_text(p.number, None) + answer_text(p.number, p.charset), SET_NAMES.index(p.charset))
+                for p in self.prompts(n)]
 
     def prompts(self, n: int) -> list[Prompt]:
         """Prefixed prompts for RL."""
-        return [Prompt(self._number(), self._charset()) for _ in range(n)]
+        return [Prompt(self.rng.choice(_TRAIN), self.rng.choice(SET_NAMES)) for _ in range(n)]
 
     def preference_pairs(self, n: int, hard: float = 0.5) -> list[tuple[str, str, str]]:
         """``(prompt, chosen, rejected)``, chosen the answer in the requested set; rejected, with
@@ -181,12 +163,8 @@ def label_of_prompt(prompt: str) -> int:
 
 
 def _verified(key: str, prompts, completions, number, charset, finished) -> list[float]:
-    out = []
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt = parse_prompt(p) if number is None else Prompt(int(number[i]), charset[i])
-        text = c + EOS if finished is not None and finished[i] else c
-        out.append(float(verify(prompt, text)[key]))
-    return out
+    asked = [parse_prompt(p) if number is None else Prompt(int(number[i]), charset[i]) for i, p in enumerate(prompts)]
+    return verified(verify, key, asked, completions, finished, EOS)
 
 
 def format_reward(prompts: list[str], completions: list[str], number: list | None = None,

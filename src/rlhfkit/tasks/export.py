@@ -1,8 +1,6 @@
-"""A built-in task written out as data files in the formats ``data.path`` reads (docs/data.md):
-``export_task(cfg, out_dir)`` draws, for ``run.task`` and ``run.seed``, from the same seeded
-generators as the built-in route (the seed offsets below are each command's), so a run on the
-files sees the built-in run's data. Answers keep the task's EOS character where its pairs do.
-"""
+"""A built-in task written out as the data files ``data.path`` reads (docs/data.md), drawn from
+the generators the built-in route seeds with ``run.seed`` (plus each command's offset below), so
+a run on the files sees the built-in run's data. Answers keep the task's EOS where its pairs do."""
 
 from __future__ import annotations
 

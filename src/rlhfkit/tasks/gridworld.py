@@ -1,10 +1,6 @@
-"""The grid-world cat of the RL course notes: a tiny RL problem trained through the same core
-functions as RLHF (its rules: docs/environments.md).
-
-A move is a token, an episode a response: a batch of episodes is padded to ``[B, T]`` with a mask
-that is 1 up to and including the move that ends the episode, like a ``response_mask`` up to EOS,
-so ``core.gae``, ``core.policy_loss``, ``core.value_loss`` ... apply unchanged. CPU only.
-"""
+"""The grid-world cat of the RL course notes (rules: docs/environments.md), trained through the
+same core functions as RLHF: a move is a token, an episode a response, its mask 1 up to and
+including the last move like a ``response_mask`` up to EOS. CPU only."""
 
 from __future__ import annotations
 
@@ -42,9 +38,8 @@ DEFAULT_LAYOUT = (
 
 
 class GridWorld:
-    """A layout as transition tables over its ``S`` cells (``s = row * cols + col``; walls are
-    states never occupied): ``next_state[s, d]``, ``move_reward[s, d]`` when the cat on ``s``
-    moves in direction ``d`` (a bump: ``s`` itself and 0)."""
+    """A layout as transition tables over its cells ``s = row * cols + col`` (walls: cells never
+    occupied): ``next_state[s, d]`` and ``move_reward[s, d]`` of a move from ``s`` in direction ``d``."""
 
     def __init__(self, layout: Sequence[str] = DEFAULT_LAYOUT, drunk: float = 0.0, max_steps: int = 20):
         layout = tuple(layout)
@@ -64,18 +59,17 @@ class GridWorld:
         self.n_rows, self.n_cols, self.n_states = len(layout), len(layout[0]), len(cells)
         self.start = cells.index("C")
         self.terminal = torch.tensor([ch in TERMINAL for ch in cells])  # [S] bool
-        self.next_state = torch.empty(self.n_states, 4, dtype=torch.long)  # [S, 4]
-        self.move_reward = torch.zeros(self.n_states, 4, dtype=torch.float64)  # [S, 4]
-        for s in range(self.n_states):
-            row, col = divmod(s, self.n_cols)
-            for d, (dr, dc) in enumerate(_DELTAS):
-                r2, c2 = row + dr, col + dc
-                inside = 0 <= r2 < self.n_rows and 0 <= c2 < self.n_cols
-                if inside and layout[r2][c2] != WALL:
-                    self.next_state[s, d] = r2 * self.n_cols + c2
-                    self.move_reward[s, d] = REWARDS[layout[r2][c2]]
-                else:  # bump: stay, empty-cell reward
-                    self.next_state[s, d] = s
+        moves = [[self._move(s, d) for d in range(4)] for s in range(self.n_states)]
+        self.next_state = torch.tensor([[to for to, _ in row] for row in moves])  # [S, 4] long
+        self.move_reward = torch.tensor([[r for _, r in row] for row in moves], dtype=torch.float64)  # [S, 4]
+
+    def _move(self, s: int, d: int) -> tuple[int, float]:
+        """Where the cat on ``s`` moving in direction ``d`` lands, and the reward for entering it."""
+        row, col = divmod(s, self.n_cols)
+        r, c = row + _DELTAS[d][0], col + _DELTAS[d][1]
+        if not (0 <= r < self.n_rows and 0 <= c < self.n_cols) or self.layout[r][c] == WALL:
+            return s, 0.0  # a bump: the cat stays, paid the empty cell's reward
+        return r * self.n_cols + c, REWARDS[self.layout[r][c]]
 
     def transition_matrix(self) -> torch.Tensor:
         """``P[a, d]``: probability that intended action ``a`` moves in direction ``d``, ``[4, 4]``."""
@@ -98,7 +92,7 @@ class GridWorld:
 
 
 def _backup(env: GridWorld, v: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``Q[s, a] = sum_d P[a, d] * (move_reward[s, d] + gamma * V[next(s, d)])`` ``[S, 4]``, ``v``
+    """``Q[s, a] = sum_d P[a, d] * (move_reward[s, d] + gamma * v[next(s, d)])`` ``[S, 4]``, ``v``
     the value with one move fewer left; nothing follows a terminal cell."""
     v_next = torch.where(env.terminal[env.next_state], 0.0, v[env.next_state])  # [S, 4]
     q_dir = env.move_reward + gamma * v_next  # [S, 4] per direction actually taken
@@ -106,8 +100,8 @@ def _backup(env: GridWorld, v: torch.Tensor, gamma: float) -> torch.Tensor:
 
 
 def value_iteration(env: GridWorld, gamma: float = 1.0, horizon: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact finite-horizon optimal ``(V [S], Q [S, 4])`` (float64) with ``horizon`` (default
-    ``env.max_steps``) moves left, by backward induction: ``V_0 = 0``, ``V_k = max_a Q_k``."""
+    """Exact optimal ``(V [S], Q [S, 4])`` (float64) with ``horizon`` (default ``env.max_steps``)
+    moves left, by backward induction: ``V_0 = 0``, ``V_k = max_a Q_k``."""
     v = torch.zeros(env.n_states, dtype=torch.float64)
     q = torch.zeros(env.n_states, 4, dtype=torch.float64)
     for _ in range(env.max_steps if horizon is None else horizon):
@@ -122,8 +116,8 @@ def optimal_return(env: GridWorld, gamma: float = 1.0) -> float:
 
 
 def policy_return(env: GridWorld, actions: torch.Tensor, gamma: float = 1.0) -> float:
-    """Exact expected return from the start of the stationary policy ``actions [S]``: the backward
-    induction of :func:`value_iteration` with the policy's action for the max."""
+    """Exact expected return from the start of the stationary policy ``actions [S]`` (the backward
+    induction of :func:`value_iteration` with the policy's action for the max)."""
     v = torch.zeros(env.n_states, dtype=torch.float64)
     for _ in range(env.max_steps):
         v = _backup(env, v, gamma).gather(1, actions.view(-1, 1)).squeeze(1)  # [S]
