@@ -228,7 +228,7 @@ class ClassifierReward:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
-        from rlhfkit.models import freeze, load_scalar_model
+        from rlhfkit.models.forward import freeze, load_scalar_model
 
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = freeze(load_scalar_model(path, num_labels=None))
@@ -236,7 +236,7 @@ class ClassifierReward:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list, completion_ids=None, **kw) -> list[float]:
-        from rlhfkit.models import sequence_logits
+        from rlhfkit.models.forward import sequence_logits
         from rlhfkit.tasks.doubling import BOS, label_of_prompt
 
         if completion_ids is not None:

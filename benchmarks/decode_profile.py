@@ -44,7 +44,7 @@ from rlhfkit import ops
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm, kernels
 from rlhfkit.accel.forward import FixedStep as _FixedStep
-from rlhfkit.models import position_ids_from_mask
+from rlhfkit.models.forward import position_ids_from_mask
 
 # real_step.py's workloads and the model shapes it runs them on
 WORKLOADS = {

@@ -66,8 +66,8 @@ def release_freed_memory() -> None:
 
 
 def run(model, variant: str, args) -> tuple[list[float], float, float]:
-    from rlhfkit.distributed import full_weights
-    from rlhfkit.rollout import generate
+    from rlhfkit.rollout.generate import generate
+    from rlhfkit.run.distributed import full_weights
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(50000, (args.rows, args.prompt), generator=gen)

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from rlhfkit.config import Config
-from rlhfkit.envs import render_prompt
-from rlhfkit.models import build_tiny_policy
+from rlhfkit.envs.environment import render_prompt
+from rlhfkit.models.forward import build_tiny_policy
 from rlhfkit.tasks.gridcat import MOVES, GridCat, make_tokenizer
 from rlhfkit.tasks.gridworld import train_gridworld
 from rlhfkit.trainers.rl import train_rl

@@ -1,4 +1,4 @@
-"""How often do the reward-hacking guards (rlhfkit.watch) cry wolf, and how soon do they see a collapse?
+"""How often do the reward-hacking guards (rlhfkit.run.watch) cry wolf, and how soon do they see a collapse?
 
 Each case draws ``--runs`` runs of 100 steps at once and feeds them to the watch that
 ``train_rl`` builds (``RLState(...).watch``: the config's defaults), the way ``train_rl``
@@ -52,8 +52,8 @@ import torch
 
 from rlhfkit.config import Config
 from rlhfkit.core import group_mean_se
-from rlhfkit.experience import RLState, completions_per_prompt
-from rlhfkit.watch import KEYS
+from rlhfkit.rollout.experience import RLState, completions_per_prompt
+from rlhfkit.run.watch import KEYS
 
 STEPS, EVAL_EVERY = 100, 5
 EVAL_STEPS = np.arange(EVAL_EVERY - 1, STEPS, EVAL_EVERY)  # the steps after which train_rl evaluates

@@ -57,7 +57,7 @@ def rss_mib(field: str) -> float:
 def worker(args) -> None:
     import torch
 
-    from rlhfkit.logprobs import chunked_token_logprobs, chunked_token_loss
+    from rlhfkit.models.logprobs import chunked_token_logprobs, chunked_token_loss
 
     torch.set_num_threads(1)
     N, H, V = args.rows, args.hidden, args.vocab

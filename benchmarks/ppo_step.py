@@ -110,7 +110,7 @@ def run_trl_grpo(paths: dict, args) -> dict:
     from trl import GRPOTrainer
 
     from bench_common import clock_grpo_trainer, exact_reward_with_ids, trl_grpo_config
-    from rlhfkit.models import load_policy
+    from rlhfkit.models.forward import load_policy
     from rlhfkit.tasks import doubling
 
     torch.manual_seed(args.seed)
@@ -133,7 +133,7 @@ def run_trl_ppo(paths: dict, args) -> dict:
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as mod
 
-    from rlhfkit.models import disable_dropout, freeze, load_policy, load_scalar_model
+    from rlhfkit.models.forward import disable_dropout, freeze, load_policy, load_scalar_model
     from rlhfkit.tasks import doubling
 
     torch.manual_seed(args.seed)

@@ -56,7 +56,7 @@ class TutorialActorCritic(torch.nn.Module):
         self.value_head = torch.nn.Sequential(torch.nn.Dropout(0.1), torch.nn.Linear(policy.config.n_embd, 1))
 
     def forward(self, ids, mask, P):
-        from rlhfkit.models import position_ids_from_mask
+        from rlhfkit.models.forward import position_ids_from_mask
 
         hidden = self.policy.base_model(input_ids=ids, attention_mask=mask,
                                         position_ids=position_ids_from_mask(mask)).last_hidden_state
@@ -75,9 +75,9 @@ def run_tutorial_design(base: str, rm_path: str, seed: int, target: float, budge
         masked_whiten,
         shaped_rewards,
     )
-    from rlhfkit.evaluate import evaluate_task
-    from rlhfkit.models import freeze, load_policy, load_scalar_model, sequence_scores
-    from rlhfkit.rollout import tokenize_prompts
+    from rlhfkit.models.forward import freeze, load_policy, load_scalar_model, sequence_scores
+    from rlhfkit.rollout.evaluate import evaluate_task
+    from rlhfkit.rollout.generate import tokenize_prompts
     from rlhfkit.tasks import doubling
 
     torch.manual_seed(seed)

@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=1, help="the core the commands are pinned to")
     ap.add_argument("--out", default=str(RESULTS), help="JSONL file the rows are appended to")
     args = ap.parse_args()
-    from rlhfkit import fetch
+    from rlhfkit.cli import fetch
 
     model_dir = fetch.fetch_model("smollm2-135m-instruct")["dir"]
     at, date = commit(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -154,7 +154,7 @@ def trl_cell(kind: str, task, paths: dict, args) -> dict:
 def worker(args) -> None:
     """One cell in this process: the task's files, the run, one RESULT line on stdout."""
     import real_tasks
-    from rlhfkit.fetch import fetch_model
+    from rlhfkit.cli.fetch import fetch_model
 
     pin_to_core(args.core)
     quiet_hf()

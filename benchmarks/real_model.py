@@ -50,7 +50,7 @@ from the outside: rollout = ``_generate``, experience = the rest of
 ``_generate_and_score_completions``, update = the rest of each optimizer step); training
 seconds to the target; the process's peak resident set; held-out exact / contains / brevity at
 the last evaluation. Every contender is evaluated by the same function
-(``rlhfkit.evaluate.evaluate_rewards``: greedy, 16 new tokens, the same reward functions).
+(``rlhfkit.rollout.evaluate.evaluate_rewards``: greedy, 16 new tokens, the same reward functions).
 
 Each (contender, seed) runs in its own process pinned to --core (``taskset``) with one torch
 thread, one after another, the contenders' order reversed on every other seed so that none
@@ -115,7 +115,7 @@ class TaskRewards:
 
     def functions(self) -> list:
         """The callables, loaded as ``reward.function`` loads them."""
-        from rlhfkit.rewards import load_reward_function
+        from rlhfkit.rollout.rewards import load_reward_function
 
         return [load_reward_function(f"{self.file}:{name}") for name in self.names]
 
@@ -203,10 +203,10 @@ def run_rlhfkit(algo: str, paths: dict, args) -> dict:
 
 def held_out_evaluator(paths: dict, args, task: TaskRewards = CITIES):
     """rlhfkit's own held-out evaluation (the function its RL loop calls), for a TRL model."""
-    from rlhfkit.evaluate import evaluate_rewards
-    from rlhfkit.models import load_tokenizer
-    from rlhfkit.prompts import prompt_data
-    from rlhfkit.rewards import build_reward
+    from rlhfkit.data.prompts import prompt_data
+    from rlhfkit.models.forward import load_tokenizer
+    from rlhfkit.rollout.evaluate import evaluate_rewards
+    from rlhfkit.rollout.rewards import build_reward
 
     cfg = rlhfkit_config("grpo", paths, Path(args.out) / "unused", args.seed, args, task)
     tok = load_tokenizer(paths["model"])
@@ -295,7 +295,7 @@ def run_trl(kind: str, paths: dict, args, task: TaskRewards = CITIES) -> dict:
 
 def prepare(out: Path) -> dict[str, str]:
     """The fetched model and the task's files (cached)."""
-    from rlhfkit.fetch import fetch_model
+    from rlhfkit.cli.fetch import fetch_model
 
     sys.path.insert(0, str(EXAMPLE))
     import make_data

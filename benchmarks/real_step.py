@@ -388,8 +388,8 @@ def unshared_prompts():
     """rlhfkit runs every row's prompt in full: its two detectors of repeated prompts
     (the rollout's prefill, the reference and update forwards) answer None, as they do when
     sharing does not pay. Benchmark-only."""
-    from rlhfkit import experience
     from rlhfkit.accel import forward as lean
+    from rlhfkit.rollout import experience
 
     saved = lean.repeated_rows, lean.shared_prompts, experience.repeated_rows
     lean.repeated_rows = lambda *a, **kw: None
@@ -511,7 +511,7 @@ def prepare(out: Path, size: str, layers: int, prompt_tokens: int, prompts: int,
     out.mkdir(parents=True, exist_ok=True)
     prompt_file = out / f"prompts_{size}_{prompt_tokens}.jsonl"
     if "fetch" in SIZES[size]:
-        from rlhfkit.fetch import fetch_model
+        from rlhfkit.cli.fetch import fetch_model
 
         model_dir = Path(fetch_model(SIZES[size]["fetch"])["dir"])
     else:
@@ -524,7 +524,7 @@ def prepare(out: Path, size: str, layers: int, prompt_tokens: int, prompts: int,
         tok = AutoTokenizer.from_pretrained(model_dir)
     elif "shape_of" in SIZES[size]:
         if shape_from is None:
-            from rlhfkit.fetch import fetch_model
+            from rlhfkit.cli.fetch import fetch_model
 
             shape_from = fetch_model(SIZES[size]["shape_of"])["dir"]
         tok = shaped_like(Path(shape_from), model_dir)

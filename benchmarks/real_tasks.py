@@ -23,7 +23,7 @@ A run stops once the held-out verifier reaches the task's ``target`` rate: 0.5, 
 ``capital`` and ``number`` (the base model gives the right answer, in any form, to about half of
 them) and 0.75 for ``yesno`` (where "No." to everything scores 0.5).
 
-``guess`` and ``calculator`` are multi-turn environments (``rlhfkit.envs.Environment``; the
+``guess`` and ``calculator`` are multi-turn environments (``rlhfkit.envs.environment.Environment``; the
 calculator one of ``examples/real_model/calculator``). Their held-out episodes (records with
 ``held: true``) return the target alone, so the run's held-out ``eval/reward`` is the solved
 share; the shaping they would have earned is recorded in :data:`HELD_SHAPING` instead, one entry
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "examples" / "real_model" / "calculator"))
 from calculator import CalculatorEnv, answer_of  # noqa: E402
 from capitals import CAPITAL_OF  # noqa: E402
 
-from rlhfkit.envs import Environment  # noqa: E402
+from rlhfkit.envs.environment import Environment  # noqa: E402
 
 HELD = 32  # held-out prompts per task (about)
 

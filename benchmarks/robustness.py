@@ -7,7 +7,7 @@ greedy exact accuracy on the 512 held-out prompts every ``--eval-every`` steps. 
 cell: steps and training seconds to the first evaluation at >= 0.95 exact, the final exact
 accuracy, the peak per-sequence KL to the reference (``objective/kl``) and per token, the final
 EOS rate, whether the run collapsed (final exact below half its best -- a reward-hacked policy)
-and which reward-hacking guards (``guard/*``, rlhfkit.watch) flagged a step.
+and which reward-hacking guards (``guard/*``, rlhfkit.run.watch) flagged a step.
 
 The three rewards:
     exact       the task's verifier as a function: 1 for the right answer in the requested set
@@ -48,7 +48,7 @@ from bench_common import (  # noqa: E402
 )
 
 ALGOS = ("ppo", "grpo", "rloo", "reinforce")
-GUARD_KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop", "guard/reward_tradeoff")  # rlhfkit.watch.KEYS
+GUARD_KEYS = ("guard/kl_high", "guard/eos_collapse", "guard/eval_drop", "guard/reward_tradeoff")  # rlhfkit.run.watch.KEYS
 REWARDS = ("exact", "bt", "classifier")
 TARGET = 0.95
 RESULT = "RESULT "

@@ -1,4 +1,4 @@
-"""Rollout throughput: rlhfkit.rollout.generate vs transformers' ``generate``, same model.
+"""Rollout throughput: rlhfkit.rollout.generate.generate vs transformers' ``generate``, same model.
 
 Both sample (temperature 1, no top-k / top-p) from the same left-padded prompts with a KV
 cache (transformers: its default ``DynamicCache``), for the same number of new tokens: EOS
@@ -62,7 +62,7 @@ def build(name: str, device, dtype, out: str):
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     if name == "tiny":
-        from rlhfkit.models import load_policy
+        from rlhfkit.models.forward import load_policy
 
         model = load_policy(prepare(out)["base"])
     elif name == "gpt2-small":
@@ -89,7 +89,7 @@ def prompts(name: str, batch: int, prompt_len: int, vocab: int, device, out: str
     if name == "tiny":
         from transformers import AutoTokenizer
 
-        from rlhfkit.rollout import tokenize_prompts
+        from rlhfkit.rollout.generate import tokenize_prompts
         from rlhfkit.tasks import doubling
 
         tok = AutoTokenizer.from_pretrained(prepare(out)["base"])
@@ -127,7 +127,7 @@ def timed(fn, device, clock=time.perf_counter) -> float:
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
-    from rlhfkit.rollout import generate
+    from rlhfkit.rollout.generate import generate
 
     model, vocab = build(name, device, dtype, args.out)
     batch = args.batch or (64 if name == "tiny" else 16)

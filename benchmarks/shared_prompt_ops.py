@@ -29,7 +29,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from rlhfkit.accel import forward as lean
-from rlhfkit.models import position_ids_from_mask
+from rlhfkit.models.forward import position_ids_from_mask
 
 # operations that launch no kernel of their own: views, allocations, dtype/shape queries
 NO_KERNEL = {"view", "permute", "transpose", "unflatten", "slice", "select", "as_strided", "expand", "t",

@@ -11,7 +11,7 @@ periodic evaluation is excluded for all of them. rlhfkit measures the three phas
 (``time/train_s``); for TRL a callback sums ``on_step_begin`` -> ``on_step_end`` of the
 HF Trainer (generation, scoring, loss, backward and optimizer step; the dataloader fetch
 and logging fall outside, to TRL's favour), and runs the same greedy evaluation
-(``rlhfkit.evaluate.evaluate_task``) outside the timed span. A step is one rollout of
+(``rlhfkit.rollout.evaluate.evaluate_task``) outside the timed span. A step is one rollout of
 64 completions for everyone; TRL takes ``steps_per_generation x num_iterations`` optimizer
 steps per rollout, and is evaluated once all of them have run. The table gives rollouts to
 the target and seconds per rollout apart, median and min-max over the seeds: the first is
@@ -247,8 +247,8 @@ def run_trl_grpo(kind: str, paths: dict, args) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from rlhfkit.evaluate import evaluate_task
-    from rlhfkit.models import load_policy
+    from rlhfkit.models.forward import load_policy
+    from rlhfkit.rollout.evaluate import evaluate_task
     from rlhfkit.tasks import doubling
 
     torch.manual_seed(args.seed)
@@ -296,9 +296,9 @@ def check_same_reward(paths: dict) -> float:
     """Largest gap between rlhfkit's built-in classifier scorer and the callable TRL gets."""
     from transformers import AutoTokenizer
 
-    from rlhfkit.models import freeze, load_policy, load_scalar_model
-    from rlhfkit.rewards import classifier_scorer
-    from rlhfkit.rollout import decode_responses, generate, tokenize_prompts
+    from rlhfkit.models.forward import freeze, load_policy, load_scalar_model
+    from rlhfkit.rollout.generate import decode_responses, generate, tokenize_prompts
+    from rlhfkit.rollout.rewards import classifier_scorer
     from rlhfkit.tasks import doubling
 
     tok = AutoTokenizer.from_pretrained(paths["base"])

@@ -90,8 +90,8 @@ def build(layers: int, logits_budget: int):
     in chunks above ``logits_budget`` logits."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlhfkit.experience import ActorCritic
-    from rlhfkit.models import add_lora, disable_dropout
+    from rlhfkit.models.forward import add_lora, disable_dropout
+    from rlhfkit.rollout.experience import ActorCritic
 
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -102,7 +102,7 @@ def build(layers: int, logits_budget: int):
 
 
 def batch(rows: int, prompt: int, response: int):
-    from rlhfkit.experience import Experience
+    from rlhfkit.rollout.experience import Experience
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(VOCAB, (rows, prompt + response), generator=gen)
@@ -117,7 +117,7 @@ def batch(rows: int, prompt: int, response: int):
 def worker(args) -> None:
     pin_to_core(args.core)
     quiet_hf()
-    import rlhfkit.models as models
+    import rlhfkit.models.forward as models
     from rlhfkit.config import Config
     from rlhfkit.trainers.rl import minibatch_loss
 

@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rlhfkit import logprobs
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm
-from rlhfkit.models import UPDATE_LOGITS, position_ids_from_mask
+from rlhfkit.models import logprobs
+from rlhfkit.models.forward import UPDATE_LOGITS, position_ids_from_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import add_record_args, commit, cpu, peak_rss_mib, pin_to_core, record  # noqa: E402

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 
 from rlhfkit import config as rc
-from rlhfkit.cli import COMMAND_SECTIONS
+from rlhfkit.cli.main import COMMAND_SECTIONS
 
 PAGE = "reference/config.md"
 

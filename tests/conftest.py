@@ -24,7 +24,7 @@ import torch
 
 from rlhfkit import ops
 from rlhfkit.config import Config
-from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
+from rlhfkit.models.forward import build_tiny_policy, build_tiny_scalar_model
 from rlhfkit.tasks import doubling
 
 TINY_ARCH = {"n_layer": 1, "n_head": 2, "n_embd": 16}
@@ -109,9 +109,9 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture
 def no_plots(monkeypatch):
     """Skip the RL run's PNG plots (matplotlib is most of a tiny run's time; they are tested in e2e)."""
-    import rlhfkit.plots
+    import rlhfkit.run.plots
 
-    monkeypatch.setattr(rlhfkit.plots, "plot_ppo", lambda history, out_dir: [])
+    monkeypatch.setattr(rlhfkit.run.plots, "plot_ppo", lambda history, out_dir: [])
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rlhfkit.models import build_tiny
+from rlhfkit.models.forward import build_tiny
 from rlhfkit.tasks import cities, doubling
 
 # Qwen-style chat markup; no BOS, EOS = end of turn

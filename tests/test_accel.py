@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from rlhfkit import ops
 from rlhfkit.accel import primitives
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
 from rlhfkit.config import Config, ConfigError, load_config
-from rlhfkit.rollout import _entropy, sample_tokens
+from rlhfkit.rollout.generate import _entropy, sample_tokens
 from rlhfkit.utils import read_jsonl
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -292,7 +292,7 @@ def check_packable(impl, ref, dtype):
 # --------------------------------------------------------------------------- the forward (against transformers')
 
 def _tiny_llama():
-    from rlhfkit.models import build_tiny
+    from rlhfkit.models.forward import build_tiny
     from rlhfkit.tasks import doubling
 
     tok = doubling.make_tokenizer()
@@ -372,8 +372,9 @@ def test_accelerated_equals_reference(name, dtype, accel_on):
 def test_the_core_and_the_forward_keep_one_registry():
     """``ops`` and ``accel.primitives`` are two tables of one registry: one shortcut reference, one
     reset by ``ops.configure``, and one finder of repeated prompt rows for the experience and the prefill."""
-    from rlhfkit import experience, registry
+    from rlhfkit import registry
     from rlhfkit.accel import forward
+    from rlhfkit.rollout import experience
 
     assert ops.reference("sampler") is primitives.reference("attention") is registry.not_taken
     assert experience.repeated_rows is forward.repeated_rows is registry.repeated_rows

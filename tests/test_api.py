@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import rlhfkit
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
 from rlhfkit.config import Config, ConfigError
 from rlhfkit.data import DataError
 from rlhfkit.tasks import doubling
@@ -97,7 +97,7 @@ def test_sft_and_dpo_from_lists_match_their_commands_on_files(tiny_models, tmp_p
 
 def test_config_forms_resolve_as_the_command_line_does(tmp_path):
     """A YAML path, a mapping or a Config, with dotted or section overrides: the command's config."""
-    from rlhfkit.cli import _config, _parser, resolve_config
+    from rlhfkit.cli.main import _config, _parser, resolve_config
 
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("ppo:\n  steps: 7\n")
@@ -137,7 +137,7 @@ def test_the_public_names_import_and_the_commands_without_torch():
     assert sorted(set(rlhfkit.__all__) - set(dir(rlhfkit))) == []
     sections = {type(getattr(Config(), f.name)).__name__ for f in dataclasses.fields(Config)}
     assert sections <= set(rlhfkit.__all__)  # every config section class is exported
-    assert Environment.__module__ == "rlhfkit.envs" and issubclass(ToolEnvironment, Environment)
+    assert Environment.__module__ == "rlhfkit.envs.environment" and issubclass(ToolEnvironment, Environment)
     code = ("import sys\nimport rlhfkit\nfrom rlhfkit import Config, load_config, grpo, dpo, sft, ppo\n"
             "print('torch' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -2,7 +2,7 @@
 entry points, ends in a clear error or a documented policy -- never a bare traceback and
 never a silent NaN.
 
-Each entry of ``BAD_INPUTS`` is one bad input. A CLI case runs ``rlhfkit.cli.main([...])``
+Each entry of ``BAD_INPUTS`` is one bad input. A CLI case runs ``rlhfkit.cli.main.main([...])``
 and expects exit code 2 and a one-line ``rlhfkit CMD: error: ...`` on stderr that names the
 input (key, file:line, field, path, function) and says what to do; a Python-API case expects
 a specific exception type with such a message; a policy case checks what the documented
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
 from rlhfkit.data import DataError, encode_sft, load_prompts, load_sft
-from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
+from rlhfkit.models.forward import build_tiny_policy, build_tiny_scalar_model
 from rlhfkit.tasks import doubling
 from rlhfkit.utils import read_jsonl
 
@@ -499,7 +499,7 @@ def _(env):
                     "run.out_dir=out"], "'runs/nope' does not exist", f"runs{os.sep} is a local directory")
     assert time.perf_counter() - t0 < 2.0  # the hub's retries took 51 s
     cli_error(env, ["eval", "runs/nope"], "no model found at runs/nope")
-    from rlhfkit.models import local_path_reason
+    from rlhfkit.models.forward import local_path_reason
 
     assert local_path_reason("org/name") is None and local_path_reason("gpt2") is None  # hub ids stay hub ids
     assert all(local_path_reason(p) for p in ("./m", "../m", "~/m", "/abs/m", "a/b/c", "m/"))
@@ -516,7 +516,7 @@ def _(env):
     for argv in (["sft"], ["rm"], ["dpo"], ["grpo", reward], ["ppo", reward, "value.lora=true"]):
         cli_error(env, [argv[0], f"model.name={env.models.policy}", *bad, *argv[1:]], *needles)
     # a LoRA critic (value.lora) goes through the same check; its scalar head is never a target
-    from rlhfkit.models import add_lora
+    from rlhfkit.models.forward import add_lora
 
     critic = build_tiny_scalar_model(doubling.make_tokenizer(), 1, n_layer=1, n_head=2, n_embd=16)
     api_error(ValueError, lambda: add_lora(critic, 2, 4.0, target_modules="c_attn,c_atn", trainable_head=True),
@@ -690,7 +690,7 @@ def _(env):
     # from Python too, before the models load
     import rlhfkit
     from rlhfkit.config import Config
-    from rlhfkit.rewards import RewardError
+    from rlhfkit.rollout.rewards import RewardError
 
     cfg = Config().replace(model={"name": str(env.tmp / "no_model")}, reward={"function": no_extra_arguments},
                            run={"out_dir": str(env.tmp / "api")})
@@ -802,7 +802,7 @@ def _(env):
 
 @case("sft_batch_without_target_tokens")
 def _(env):
-    from rlhfkit.models import masked_lm_loss
+    from rlhfkit.models.forward import masked_lm_loss
 
     tok = doubling.make_tokenizer()
     model = build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_helpers import import_example
-from rlhfkit.prompts import PromptRecord
+from rlhfkit.data.prompts import PromptRecord
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "real_model" / "calculator"
 

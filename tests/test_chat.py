@@ -14,11 +14,11 @@ import torch
 from peft import AutoPeftModelForCausalLM
 
 from hf_helpers import chat_tokenizer, save_tiny
-from rlhfkit.chat import ChatSession, run_chat
-from rlhfkit.cli import main
+from rlhfkit.cli.chat import ChatSession, run_chat
+from rlhfkit.cli.main import main
 from rlhfkit.config import Config
-from rlhfkit.models import build_tiny_policy, load_policy
-from rlhfkit.rollout import generate
+from rlhfkit.models.forward import build_tiny_policy, load_policy
+from rlhfkit.rollout.generate import generate
 from rlhfkit.tasks.doubling import make_tokenizer
 
 

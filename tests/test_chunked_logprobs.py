@@ -22,14 +22,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rlhfkit.models as models
+import rlhfkit.models.forward as models
 from rlhfkit import ops
 from rlhfkit.accel import kernels
 from rlhfkit.config import Config, PPOConfig
 from rlhfkit.core import entropy_from_logits, logprobs_from_logits
-from rlhfkit.experience import ActorCritic, Experience, make_experience
-from rlhfkit.logprobs import chunked_token_logprobs
-from rlhfkit.models import (
+from rlhfkit.models.forward import (
     ValueHead,
     add_lora,
     build_tiny_policy,
@@ -40,8 +38,10 @@ from rlhfkit.models import (
     plain_lm_head,
     token_logprobs,
 )
-from rlhfkit.rewards import reward_model_scorer
-from rlhfkit.rollout import generate
+from rlhfkit.models.logprobs import chunked_token_logprobs
+from rlhfkit.rollout.experience import ActorCritic, Experience, make_experience
+from rlhfkit.rollout.generate import generate
+from rlhfkit.rollout.rewards import reward_model_scorer
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers.rl import minibatch_loss, ppo_update
 
@@ -126,7 +126,7 @@ def test_bfloat16_head_read_as_bfloat16_equals_the_float32_route(monkeypatch, ac
     give what PyTorch's route gives, which converts each chunk first: the log-probs and the loss
     to float32 rounding, every gradient (its logits' gradient rounded to bfloat16 once on both
     routes) to within one bfloat16 rounding. Vocabularies with and without a partial last vector."""
-    from rlhfkit.logprobs import chunked_token_loss
+    from rlhfkit.models.logprobs import chunked_token_loss
 
     gen = torch.Generator().manual_seed(4)
     hidden = (2 * torch.randn(N, H, generator=gen)).bfloat16().requires_grad_()
@@ -189,7 +189,7 @@ def test_no_rows_give_zero_gradients():
 def test_infinite_logits_as_torch_logsumexp():
     """The forward's logsumexp (computed in the logits' own memory) treats rows with an infinite
     maximum as ``torch.logsumexp`` does: -inf for a row of -inf, +inf where a logit is +inf."""
-    from rlhfkit.logprobs import _logsumexp_
+    from rlhfkit.models.logprobs import _logsumexp_
 
     z = torch.tensor([[0.5, -1.0, 2.0], [-float("inf")] * 3, [1.0, float("inf"), 0.0], [-float("inf"), 3.0, 1.0]])
     torch.testing.assert_close(_logsumexp_(z.clone())[0], torch.logsumexp(z, -1), atol=0, rtol=0)
@@ -226,7 +226,7 @@ def test_loss_in_the_head_equals_the_loss_of_the_full_logits(chunk_rows, bias, u
     """``chunked_token_loss``: in float64 the loss, the log-probs (no gradient), the entropies and
     the gradients wrt the hidden states, the head's weight and bias, scaled by the loss's own
     incoming gradient, equal those of the same loss on the full logits' log-probs."""
-    from rlhfkit.logprobs import chunked_token_loss
+    from rlhfkit.models.logprobs import chunked_token_loss
 
     hidden, weight, b, targets = _inputs(bias)
     params = [p for p in (hidden, weight, b) if p is not None]
@@ -250,7 +250,7 @@ def test_loss_in_the_head_equals_the_loss_of_the_full_logits(chunk_rows, bias, u
 def test_loss_in_the_head_frozen_head_and_no_rows():
     """A frozen head (LoRA) gets no gradient and the hidden states theirs; no rows give a zero
     loss and a zero weight gradient of the head's shape."""
-    from rlhfkit.logprobs import chunked_token_loss
+    from rlhfkit.models.logprobs import chunked_token_loss
 
     hidden, weight, b, targets = _inputs(bias=True)
     a = torch.ones(N, dtype=torch.float64)
@@ -449,8 +449,8 @@ def test_first_minibatch_ratio_is_one_in_chunks():
 def test_experience_in_chunks_equals_full_logits(monkeypatch, lora):
     """The experience pass's policy and reference forwards (the LoRA reference: the base with the
     adapter off) take the chunked path too, and give the full logits' numbers."""
-    from rlhfkit.experience import experience_forwards
-    from rlhfkit.models import AdapterDisabled
+    from rlhfkit.models.forward import AdapterDisabled
+    from rlhfkit.rollout.experience import experience_forwards
 
     arch = {"n_layer": 2, "n_head": 2, "n_embd": 32}
     policy = disable_dropout(build_tiny_policy(TOK, seed=3, **arch)).train()

@@ -126,7 +126,7 @@ def test_cities_demo_pipeline_runs_every_algorithm(tmp_path, capsys):
     # plumbing only (tiny budgets): the command applies the task's defaults, every algorithm
     # starts from the same base, and the summary pairs base and tuned answers per prompt.
     # Learning is measured by rlhfkit demo run.task=cities (benchmarks/README-0.1.0-measurements.md).
-    from rlhfkit.cli import main
+    from rlhfkit.cli.main import main
 
     out = tmp_path / "cities"
     assert main(["demo", "run.task=cities", f"run.out_dir={out}", "run.progress=false", "model.n_layer=1",

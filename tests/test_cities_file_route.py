@@ -18,7 +18,7 @@ import os
 import pytest
 
 from rlhfkit import ops
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
 from rlhfkit.utils import read_jsonl
 
 VERIFIER = "reward.function=rlhfkit.tasks.cities:exact_reward"

@@ -12,9 +12,9 @@ import time
 import pytest
 import yaml
 
-from rlhfkit.cli import COMMAND_SECTIONS, DEFAULT_OUT, _defaults, first_sentence, main
+from rlhfkit.cli.main import COMMAND_SECTIONS, DEFAULT_OUT, _defaults, first_sentence, main
 from rlhfkit.config import ConfigError, key_docs, key_types
-from rlhfkit.rewards import RewardError
+from rlhfkit.rollout.rewards import RewardError
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -29,7 +29,7 @@ def test_a_mistyped_key_is_answered_before_torch_is_imported():
     seconds = time.perf_counter() - t0
     assert done.returncode == 2 and "ppo.kl_cof" in done.stderr
     assert seconds < 2.0, f"a config error took {seconds:.2f} s"  # ~0.2 s; importing torch alone takes seconds
-    code = ("import sys\nfrom rlhfkit.cli import main\n"
+    code = ("import sys\nfrom rlhfkit.cli.main import main\n"
             "assert main(['ppo', 'ppo.kl_cof=1']) == 2\n"
             "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate', 'datasets') if m in sys.modules)\n"
             "print('heavy:', heavy)\n")
@@ -207,12 +207,12 @@ def test_json_for_people_keeps_non_ascii_text_readable(tiny_models, fast_rl, tmp
 
 def test_a_warning_is_one_line_without_a_line_of_source():
     # warnings from rlhfkit's code (as the reward-hacking watch's, rl.py) and from another package
-    code = ("import warnings\nimport rlhfkit.cli\nfrom rlhfkit.trainers import common\n"
+    code = ("import warnings\nimport rlhfkit.cli.main\nfrom rlhfkit.trainers import common\n"
             "def run(args, cfg):\n"
             "    warnings.warn_explicit('step 2: the policy may be gaming\\nits reward', RuntimeWarning, "
             "common.__file__, 1)\n"
             "    warnings.warn_explicit(\"some library's advice\", UserWarning, '/elsewhere/lib.py', 7)\n"
-            "rlhfkit.cli._run = run\nassert rlhfkit.cli.main(['grpo']) == 0\n"
+            "rlhfkit.cli.main._run = run\nassert rlhfkit.cli.main.main(['grpo']) == 0\n"
             "print(len(warnings.formatwarning('x', UserWarning, common.__file__, 1).splitlines()))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -231,7 +231,7 @@ def test_a_bad_record_is_answered_before_torch_is_imported(tmp_path):
     seconds = time.perf_counter() - t0
     assert done.returncode == 2 and f"{data}:2: field 'completion'" in done.stderr, done.stderr
     assert seconds < 2.0, f"a data error took {seconds:.2f} s"  # ~5 s when torch came first
-    code = ("import sys\nfrom rlhfkit.cli import main\n"
+    code = ("import sys\nfrom rlhfkit.cli.main import main\n"
             f"assert main({args!r}) == 2\n"
             "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate', 'datasets') if m in sys.modules)\n"
             "print('heavy:', heavy)\n")
@@ -269,7 +269,7 @@ def test_bad_prompt_records_rewards_and_environments_are_answered_before_torch_i
     seconds = time.perf_counter() - t0
     assert done.returncode == 2 and cases[1][1] in done.stderr, done.stderr
     assert seconds < 2.0, f"a reward function's error took {seconds:.2f} s"  # ~8 s after torch and the model
-    code = ("import sys\nfrom rlhfkit.cli import main\n"
+    code = ("import sys\nfrom rlhfkit.cli.main import main\n"
             f"for argv, needle in {cases!r}:\n"
             "    assert main([*argv, 'run.out_dir=" + str(tmp_path / "out") + "']) == 2, argv\n"
             "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate', 'datasets') if m in sys.modules)\n"

@@ -218,7 +218,7 @@ def my_reward(prompts, completions, **columns):
 
 def test_reward_callables_from_python_and_what_config_yaml_records(tmp_path):
     from rlhfkit.config import RewardConfig
-    from rlhfkit.rewards import load_reward_function
+    from rlhfkit.rollout.rewards import load_reward_function
 
     assert RewardConfig(function=my_reward).function is my_reward
     both = RewardConfig(function=[my_reward, "rlhfkit.tasks.doubling:exact_reward"])
@@ -239,7 +239,7 @@ COMMAND_VALUES = {"ppo": (8, 0.2, "k1", False, True), "grpo": (4, 0.3, "k3", Tru
 
 @pytest.mark.parametrize("algo", list(COMMAND_VALUES))
 def test_the_python_api_has_the_defaults_of_the_command_line(algo, capsys):
-    from rlhfkit.cli import main
+    from rlhfkit.cli.main import main
 
     assert main([algo, "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)["ppo"]

@@ -13,7 +13,7 @@ from rlhfkit.config import Config, ModelConfig, PPOConfig, load_config
 
 
 def _cli(user, write, capsys):
-    from rlhfkit.cli import main
+    from rlhfkit.cli.main import main
 
     assert main(["grpo", "--print-config", "model.lora_r=8", *_overrides(user)]) == 0
     return load_config(write(yaml.safe_load(capsys.readouterr().out)))  # the config the command resolved

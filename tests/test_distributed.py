@@ -46,7 +46,7 @@ import torch
 from safetensors.torch import load_file
 
 from ports import launch_port
-from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model
+from rlhfkit.models.forward import build_tiny_policy, build_tiny_scalar_model
 from rlhfkit.tasks import doubling
 from rlhfkit.tasks.doubling import make_tokenizer
 from rlhfkit.utils import read_jsonl

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhfkit import cli, config
+from rlhfkit import config
+from rlhfkit.cli import main as cli
 from rlhfkit.trainers.rl_setup import check_rl_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +191,7 @@ def test_the_shown_reward_function_scores_as_described():
 
 
 def test_the_shown_environments_play_an_episode():
-    from rlhfkit.prompts import PromptRecord
+    from rlhfkit.data.prompts import PromptRecord
 
     scope = _run_snippets("Guess", "Calculator")
     guess = scope["Guess"]()
@@ -245,3 +246,17 @@ def test_the_home_page_lists_every_command():
             if line.startswith("| `rlhfkit")]
     listed = {name for row in rows for name in re.findall(r"`(?:rlhfkit )?([\w-]+)`", _cells(row)[0])}
     assert listed == set(cli.COMMANDS)
+
+
+def test_every_package_says_what_it_holds_and_the_design_page_lists_it():
+    """Each subpackage of src/rlhfkit opens with a docstring of a few lines, and docs/design.md's
+    package table has a row for it."""
+    import ast
+
+    page = (ROOT / "docs/design.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| `(\w+)` \|", page.split("## Packages", 1)[1].split("## Layers", 1)[0], re.M))
+    packages = sorted(p.parent.name for p in (ROOT / "src/rlhfkit").glob("*/__init__.py"))
+    for name in packages:
+        doc = ast.get_docstring(ast.parse((ROOT / "src/rlhfkit" / name / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and len(doc.splitlines()) <= 8, f"src/rlhfkit/{name}/__init__.py: a docstring of a few lines"
+    assert set(packages) - rows == set(), "packages missing from docs/design.md's package table"

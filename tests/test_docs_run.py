@@ -1,5 +1,5 @@
 """Every command and Python example that the README and the recipe pages show runs, in the order
-shown, as a user who copies them would run it: through ``rlhfkit.cli.main`` (``python ...`` lines
+shown, as a user who copies them would run it: through ``rlhfkit.cli.main.main`` (``python ...`` lines
 in a subprocess), in a directory of the test's where ``runs/...`` lands, with ``examples/`` linked
 from the repository. A command is rewritten only by appending tiny sizes (:data:`TINY`: one step,
 batches of 2, four new tokens, no periodic evaluation), so a renamed key, a changed file format or
@@ -26,7 +26,8 @@ import pytest
 import yaml
 
 from hf_helpers import chat_tokenizer, save_tiny
-from rlhfkit import cli, fetch
+from rlhfkit.cli import fetch
+from rlhfkit.cli import main as cli
 from test_docs import ROOT, _blocks, shown_command
 
 # the README and the recipe pages, each followed top to bottom

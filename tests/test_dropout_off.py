@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch import nn
 
-import rlhfkit.rewards
+import rlhfkit.rollout.rewards
 from hf_helpers import chat_tokenizer
 from rlhfkit.config import Config, regime_value
-from rlhfkit.experience import make_experience
-from rlhfkit.models import build_tiny, eval_mode, is_lora, policy_with_reference
-from rlhfkit.rollout import generate
+from rlhfkit.models.forward import build_tiny, eval_mode, is_lora, policy_with_reference
+from rlhfkit.rollout.experience import make_experience
+from rlhfkit.rollout.generate import generate
 from rlhfkit.trainers.rl import ppo_update
 from rlhfkit.trainers.rl_setup import build_models, make_optimizer
 
@@ -75,7 +75,7 @@ def hub(tmp_path_factory):
             tok.save_pretrained(path)
             paths[arch, scalar] = str(path)
     # the checkpoints really do carry dropout: loaded plainly, it is there
-    from rlhfkit.models import load_policy
+    from rlhfkit.models.forward import load_policy
 
     assert all(active_dropouts(load_policy(paths[arch, False])) for arch in DROPOUTS)
     return paths
@@ -100,8 +100,8 @@ def build(cfg: Config, monkeypatch):
         loaded.append(load(*args, **kwargs))
         return loaded[-1]
 
-    load = rlhfkit.rewards.load_scalar_model
-    monkeypatch.setattr(rlhfkit.rewards, "load_scalar_model", recording)
+    load = rlhfkit.rollout.rewards.load_scalar_model
+    monkeypatch.setattr(rlhfkit.rollout.rewards, "load_scalar_model", recording)
     ac, ref, scorer, tok = build_models(cfg, cfg.model.name, CPU)
     assert len(loaded) == 1
     return ac, ref, scorer, tok, loaded[0]

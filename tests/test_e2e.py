@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from rlhfkit.cli import main
+from rlhfkit.cli.demo import run_demo
+from rlhfkit.cli.main import main
 from rlhfkit.config import ALGO_DEFAULTS, Config
-from rlhfkit.demo import run_demo
 from rlhfkit.utils import read_jsonl
 
 

@@ -1,4 +1,4 @@
-"""Multi-turn environments (rlhfkit.envs): the invariants of a token-in / token-out episode.
+"""Multi-turn environments (rlhfkit.envs.environment): the invariants of a token-in / token-out episode.
 
 A one-turn environment is bit for bit the single-turn run; the sampler's log-probs equal the
 training forward's over the turns and the observations between them; observation tokens get
@@ -14,14 +14,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
 from rlhfkit.config import EnvConfig, PPOConfig
 from rlhfkit.core import gae
-from rlhfkit.envs import EnvError, Environment, EpisodeMaker, observation_tokens, play, render_prompt
-from rlhfkit.experience import Experience
-from rlhfkit.models import load_policy, load_tokenizer, token_logprobs
-from rlhfkit.prompts import PromptRecord, left_pad, prompt_tensors
-from rlhfkit.rollout import Rollout, generate
+from rlhfkit.data.prompts import PromptRecord, left_pad, prompt_tensors
+from rlhfkit.envs.environment import (
+    EnvError,
+    Environment,
+    EpisodeMaker,
+    observation_tokens,
+    play,
+    render_prompt,
+)
+from rlhfkit.models.forward import load_policy, load_tokenizer, token_logprobs
+from rlhfkit.rollout.experience import Experience
+from rlhfkit.rollout.generate import Rollout, generate
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers.rl import minibatch_loss, train_rl
 
@@ -218,8 +225,8 @@ def test_the_overlong_penalty_of_an_episode_sums_its_turns_own(tiny_models, env,
     ppo.max_new_tokens=4; buffer 2, penalty 1.5), summed, not that of the episode's model tokens."""
     from types import SimpleNamespace
 
-    from rlhfkit.distributed import Shard
-    from rlhfkit.experience import final_scores
+    from rlhfkit.rollout.experience import final_scores
+    from rlhfkit.run.distributed import Shard
 
     tok = load_tokenizer(tiny_models.policy)
     maker = EpisodeMaker(EnvConfig(cls=env, max_turns=len(lengths)), doubling.N_POSITIONS)
@@ -233,7 +240,7 @@ def test_the_overlong_penalty_of_an_episode_sums_its_turns_own(tiny_models, env,
 
 
 def test_the_overlong_penalty_of_a_one_turn_episode_is_the_single_turn_one(tiny_models):
-    from rlhfkit.experience import overlong_scores
+    from rlhfkit.rollout.experience import overlong_scores
 
     tok = load_tokenizer(tiny_models.policy)
     maker = EpisodeMaker(EnvConfig(cls=OneTurn), doubling.N_POSITIONS)
@@ -315,10 +322,10 @@ def test_a_broken_environment_stops_the_run_with_one_line(tiny_models, tmp_path,
 
 def test_env_config_names_the_class_by_file_and_refuses_a_non_environment(tmp_path):
     from rlhfkit.config import load_config
-    from rlhfkit.envs import environment_factory
+    from rlhfkit.envs.environment import environment_factory
 
     f = tmp_path / "game.py"
-    f.write_text("from rlhfkit.envs import Environment\n\nclass Game(Environment):\n    max_turns = 2\n\n"
+    f.write_text("from rlhfkit.envs.environment import Environment\n\nclass Game(Environment):\n    max_turns = 2\n\n"
                  "def not_an_env():\n    pass\n")
     cfg = load_config(None, [f"env.class={f}:Game", "env.max_turns=5"])
     assert cfg.env.cls == f"{f}:Game" and cfg.env.max_turns == 5

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import TINY_ARCH
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
 from rlhfkit.core import kl_from_logits
-from rlhfkit.evaluate import completion_kl, win_rate
-from rlhfkit.models import build_tiny_policy
-from rlhfkit.rollout import Rollout
+from rlhfkit.models.forward import build_tiny_policy
+from rlhfkit.rollout.evaluate import completion_kl, win_rate
+from rlhfkit.rollout.generate import Rollout
 from rlhfkit.tasks import doubling
 from rlhfkit.utils import read_jsonl
 

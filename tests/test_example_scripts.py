@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhfkit import fetch
-from rlhfkit.cli import main
+from rlhfkit.cli import fetch
+from rlhfkit.cli.main import main
 
 needs_tools = pytest.mark.skipif(not (shutil.which("bash") and shutil.which("taskset") and os.path.exists("/usr/bin/time")),
                                  reason="the scripts pin stages with taskset and time them with /usr/bin/time")

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
 from rlhfkit.config import Config
 from rlhfkit.data import encode_preferences, encode_triples, load_preferences, load_prompts, load_sft
-from rlhfkit.prompts import prompt_data
+from rlhfkit.data.prompts import prompt_data
 from rlhfkit.tasks import cities, doubling, get_task
 from rlhfkit.trainers.sft import encode_demonstrations, load_demonstrations
 from rlhfkit.utils import read_jsonl

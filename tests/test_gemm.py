@@ -16,7 +16,7 @@ import test_lean
 from rlhfkit import ops
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import gemm, primitives, registry
-from rlhfkit.logprobs import chunked_token_logprobs
+from rlhfkit.models.logprobs import chunked_token_logprobs
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason="this PyTorch build has no oneDNN linear")
 K, N = 320, 400  # a weight [N, K] above gemm.MIN_WEIGHT
@@ -227,7 +227,7 @@ def test_generation_packs_bfloat16_weights_and_computes_the_same_tokens(name, ad
     (LoRA's stacked ``[W; A]``, plain weights and biases: qwen2's q/k/v) and its head once, where
     packing is registered (here alone, every other name on its reference): the same tokens and
     log-probs as unpacked, bit for bit."""
-    from rlhfkit.rollout import generate
+    from rlhfkit.rollout.generate import generate
 
     model = test_lean.bf16_base(test_lean.lora(name) if adapters else test_lean.MODELS[name]())
     ids, mask = test_lean.batch()

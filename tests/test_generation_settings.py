@@ -26,9 +26,7 @@ from hf_helpers import bpe_tokenizer
 from rlhfkit.accel import kernels
 from rlhfkit.config import Config
 from rlhfkit.core import entropy_from_logits, logprobs_from_logits
-from rlhfkit.distributed import Shard, rollout_uniforms
-from rlhfkit.experience import ActorCritic, make_experience
-from rlhfkit.models import (
+from rlhfkit.models.forward import (
     ValueHead,
     build_tiny,
     build_tiny_policy,
@@ -37,8 +35,16 @@ from rlhfkit.models import (
     freeze,
     policy_forward,
 )
-from rlhfkit.rewards import reward_model_scorer
-from rlhfkit.rollout import decode_responses, generate, sampler_logprobs, seen_tokens, truncate_logprobs
+from rlhfkit.rollout.experience import ActorCritic, make_experience
+from rlhfkit.rollout.generate import (
+    decode_responses,
+    generate,
+    sampler_logprobs,
+    seen_tokens,
+    truncate_logprobs,
+)
+from rlhfkit.rollout.rewards import reward_model_scorer
+from rlhfkit.run.distributed import Shard, rollout_uniforms
 from rlhfkit.tasks.doubling import make_tokenizer
 from rlhfkit.trainers.rl import ppo_update
 from test_sampling import FixedLogits
@@ -326,7 +332,7 @@ def test_a_rows_tokens_do_not_depend_on_the_batch_split():
 
 
 def test_the_rl_loop_and_its_evaluation_use_the_settings(tiny_config, tiny_models, tmp_path, monkeypatch, no_plots):
-    import rlhfkit.evaluate
+    import rlhfkit.rollout.evaluate
     import rlhfkit.trainers.rl
     from rlhfkit.trainers.rl import train_rl
 
@@ -339,7 +345,7 @@ def test_the_rl_loop_and_its_evaluation_use_the_settings(tiny_config, tiny_model
         return run
 
     monkeypatch.setattr(rlhfkit.trainers.rl, "generate", spy("rollout", rlhfkit.trainers.rl.generate))
-    monkeypatch.setattr(rlhfkit.evaluate, "generate", spy("eval", rlhfkit.evaluate.generate))
+    monkeypatch.setattr(rlhfkit.rollout.evaluate, "generate", spy("eval", rlhfkit.rollout.evaluate.generate))
     cfg = tiny_config(tmp_path / "ppo", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
                       ppo={"top_k": 5, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3, "stop": ["0", "〇"],
                            "max_new_tokens": 6})

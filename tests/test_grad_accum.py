@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from rlhfkit.config import Config
 from rlhfkit.core import AGGREGATIONS, logprobs_from_logits
-from rlhfkit.experience import ActorCritic, Experience
-from rlhfkit.models import ValueHead, build_tiny_policy, build_tiny_scalar_model, disable_dropout
+from rlhfkit.models.forward import ValueHead, build_tiny_policy, build_tiny_scalar_model, disable_dropout
+from rlhfkit.rollout.experience import ActorCritic, Experience
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers import rl
 from rlhfkit.trainers.rl import minibatch_loss, ppo_update

@@ -240,7 +240,7 @@ def test_train_writes_outputs(tmp_path):
 
 
 def test_cli_gridworld(tmp_path, capsys):
-    from rlhfkit.cli import main
+    from rlhfkit.cli.main import main
 
     assert main(["gridworld", f"run.out_dir={tmp_path}", "gridworld.iterations=3"]) == 0
     out = capsys.readouterr().out

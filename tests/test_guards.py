@@ -170,7 +170,7 @@ def test_trainer_stops_after_max_bad_updates_in_a_row(case, tiny_models, tiny_co
 
 def test_cli_reports_a_diverged_run_with_exit_code_1(tiny_models, tmp_path, monkeypatch, capsys):
     import rlhfkit.trainers.dpo as dpo
-    from rlhfkit.cli import main
+    from rlhfkit.cli.main import main
 
     monkeypatch.setattr(dpo, "dpo_loss", _poison(dpo.dpo_loss, "all", []))
     with pytest.warns(RuntimeWarning):
@@ -203,7 +203,7 @@ def test_metrics_logger_reads_back_only_its_own_rows(tmp_path):
 def test_clip_grad_norm_matches_torch(scale):
     """rlhfkit's single-process clipping is torch's: the same norm, the same clipped gradients, and a
     NaN gradient comes back as a NaN norm (for the guard) rather than an error."""
-    from rlhfkit.distributed import clip_grad_norm
+    from rlhfkit.run.distributed import clip_grad_norm
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(5, 3), (7,), (2, 4, 3), (1,)]

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from hf_helpers import bpe_tokenizer, chat_tokenizer, save_tiny
 from rlhfkit.accel import forward as lean
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
 from rlhfkit.config import Config
 from rlhfkit.core import logprobs_from_logits
-from rlhfkit.models import (
+from rlhfkit.models.forward import (
     ARCHS,
     AdapterDisabled,
     add_lora,
@@ -34,8 +34,8 @@ from rlhfkit.models import (
     save_policy,
     sequence_scores,
 )
-from rlhfkit.rewards import other_tokenizer, reward_model_scorer
-from rlhfkit.rollout import Rollout, generate
+from rlhfkit.rollout.generate import Rollout, generate
+from rlhfkit.rollout.rewards import other_tokenizer, reward_model_scorer
 from rlhfkit.trainers.common import warn_lossy_updates
 from rlhfkit.trainers.reward import train_reward_model
 from rlhfkit.trainers.rl import train_rl
@@ -396,13 +396,13 @@ def test_full_fine_tuning_in_bfloat16_warns(hub, tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_master_weights_run_the_bfloat16_models_arithmetic_on_float32_weights(hub, arch):
-    """``model.master_weights``: under :func:`~rlhfkit.precision.compute_weights` a float32
+    """``model.master_weights``: under :func:`~rlhfkit.models.precision.compute_weights` a float32
     model computes what the same model in bfloat16 computes, bit for bit -- the update's
     log-probs and entropies (the models' own forward) and
     every weight's gradient, which reaches the float32 weight unrounded (a bfloat16 value in
     float32) -- and its own float32 parameters are back after the block."""
-    from rlhfkit.models import token_logprobs
-    from rlhfkit.precision import compute_weights, keep_master_weights
+    from rlhfkit.models.forward import token_logprobs
+    from rlhfkit.models.precision import compute_weights, keep_master_weights
 
     tok = load_tokenizer(hub[arch])
     master = scramble(load_policy(hub[arch]), seed=2, scale=0.05).train()
@@ -466,7 +466,7 @@ def test_master_weights_copies_only_for_blocks_that_run_the_policy(hub, tmp_path
     runs it: each rollout, each experience pass (the sampler's bfloat16 log-probs are not the
     training forward's), each minibatch of the update and each evaluation (before the first step
     and after the last); a prompts file with nothing held out evaluates nothing and makes none there."""
-    from rlhfkit import precision
+    from rlhfkit.models import precision
     from rlhfkit.trainers import rl
 
     blocks, phase = [], {"now": "other"}

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from rlhfkit import ops
 from rlhfkit.accel import kernels
-from rlhfkit.models import build_tiny_policy
-from rlhfkit.rollout import _entropy, generate, sample_tokens
+from rlhfkit.models.forward import build_tiny_policy
+from rlhfkit.rollout.generate import _entropy, generate, sample_tokens
 from rlhfkit.tasks import doubling
 
 HAVE_CC = shutil.which(os.environ.get("CC") or "cc") is not None

@@ -25,7 +25,7 @@ import torch
 
 from rlhfkit.config import ALGO_DEFAULTS, Config, ConfigError, load_config
 from rlhfkit.core import kl_estimate, logprobs_from_logits
-from rlhfkit.models import build_tiny_policy, policy_forward
+from rlhfkit.models.forward import build_tiny_policy, policy_forward
 
 TOL = 1e-10
 

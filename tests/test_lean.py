@@ -24,9 +24,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from rlhfkit import ops
 from rlhfkit.accel import forward as lean
 from rlhfkit.accel import primitives
-from rlhfkit.models import build_tiny, build_tiny_policy, position_ids_from_mask
+from rlhfkit.models.forward import build_tiny, build_tiny_policy, position_ids_from_mask
 from rlhfkit.registry import repeated_rows
-from rlhfkit.rollout import generate, sample_tokens
+from rlhfkit.rollout.generate import generate, sample_tokens
 from rlhfkit.tasks import doubling
 
 TOK = doubling.make_tokenizer()
@@ -156,7 +156,7 @@ def test_generation_with_static_cache_matches_the_models_own_forward(name):
 def lora(name: str, dropout: float = 0.0):
     """The model with a LoRA adapter on every linear layer but the head, A and B random (a fresh
     adapter's B = 0 would hide a missing branch)."""
-    from rlhfkit.models import add_lora
+    from rlhfkit.models.forward import add_lora
 
     model = add_lora(MODELS[name](), r=4, alpha=8.0, dropout=dropout).to(DEV)
     gen = torch.Generator().manual_seed(5)
@@ -437,7 +437,7 @@ def test_shared_prompt_forward_matches_the_full_forward(name, flat, monkeypatch)
     streams or one flat sequence (flat on a GPU, and on a CPU at these small sizes:
     ``lean.flat_on_cpu``), with each of the two forced, and with the shared path on every
     accelerated operation that runs here (the full forward on the references)."""
-    from rlhfkit.models import policy_forward
+    from rlhfkit.models.forward import policy_forward
 
     if flat == "accel":
         try:
@@ -475,7 +475,7 @@ def test_classifier_reads_each_shared_prompt_once(name, flat, monkeypatch):
     once and reads the last attended column: the logits of the full forward, with left-padded
     prompts, responses cut early and an empty response (its last attended column the prompt's
     last)."""
-    from rlhfkit.models import sequence_logits
+    from rlhfkit.models.forward import sequence_logits
 
     model = classifier(name)
     calls = []
@@ -509,7 +509,7 @@ def test_response_states_never_read_the_last_column(name, path, monkeypatch):
     vocabulary there would make the embedding raise if it were read; the states equal the full
     forward's at columns P-1..T-2, also with one response column (its state is the prompt's
     last)."""
-    from rlhfkit import models
+    from rlhfkit.models import forward as models
 
     if path == "hf":
         monkeypatch.setattr(lean, "supported", lambda model: False)
@@ -556,7 +556,7 @@ def test_checkpointing_keeps_values_and_gradients_and_drops_activations(name, pa
     as two streams or one flat sequence) checkpoint each layer: the same states and gradients
     as without, with well under half the activations kept for the backward; in eval mode or
     without a graph nothing is checkpointed."""
-    from rlhfkit.models import enable_gradient_checkpointing
+    from rlhfkit.models.forward import enable_gradient_checkpointing
 
     plain, ckpt = MODELS[name]().train(), enable_gradient_checkpointing(MODELS[name]()).train()
     assert lean.supported(ckpt)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfkit.config import ConfigError, dump_config, load_config
-from rlhfkit.models import SCRATCH_MARK
+from rlhfkit.models.forward import SCRATCH_MARK
 from rlhfkit.trainers.rl_setup import set_lr
 
 # ppo.steps 10, warm-up 2: steps 0 and 1 at 1/2 and 2/2 of the peak, then each schedule over the

@@ -1,4 +1,4 @@
-"""Tests for rlhfkit.models: padding handling, HF reference agreement, response alignment."""
+"""Tests for rlhfkit.models.forward: padding handling, HF reference agreement, response alignment."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhfkit.core import logprobs_from_logits
-from rlhfkit.models import (
+from rlhfkit.models.forward import (
     ValueHead,
     build_tiny_policy,
     build_tiny_scalar_model,
@@ -182,7 +182,7 @@ def test_logprobs_invariant_to_left_padding(tok, policy):
 
 def test_context_window_is_the_smallest_declared_limit(tok):
     from rlhfkit.data import Limit, context_limit
-    from rlhfkit.models import add_lora, build_tiny, context_window
+    from rlhfkit.models.forward import add_lora, build_tiny, context_window
 
     gpt2 = build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16, n_positions=24)  # GPT-2: n_positions
     llama = build_tiny("llama", tok, max_positions=40)  # max_position_embeddings
@@ -201,7 +201,7 @@ def test_context_window_is_the_smallest_declared_limit(tok):
 def test_lora_on_gpt2_conv1d_layers_warns_nothing_and_merges_exactly(tok):
     import warnings
 
-    from rlhfkit.models import add_lora, merge_lora
+    from rlhfkit.models.forward import add_lora, merge_lora
 
     base = build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16)
     ids = torch.tensor([[tok.bos_token_id, 5, 6, 7]])

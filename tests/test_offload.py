@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 import rlhfkit.trainers.rl as rl
 import rlhfkit.trainers.rl_setup as rl_setup
 from rlhfkit.accel.offload import HostMoments, host_empty, offload_frozen, on_device
-from rlhfkit.checkpoint import latest_checkpoint
-from rlhfkit.models import build_tiny_policy
+from rlhfkit.models.forward import build_tiny_policy
+from rlhfkit.run.checkpoint import latest_checkpoint
 from rlhfkit.tasks import doubling
 from rlhfkit.utils import read_jsonl
 

@@ -18,16 +18,22 @@ import torch
 
 from rlhfkit.config import ALGO_DEFAULTS, Config
 from rlhfkit.core import entropy_from_logits, logprobs_from_logits, masked_mean
-from rlhfkit.experience import (
+from rlhfkit.models.forward import (
+    build_tiny_policy,
+    build_tiny_scalar_model,
+    disable_dropout,
+    freeze,
+    policy_forward,
+)
+from rlhfkit.rollout.experience import (
     ActorCritic,
     RunningMoments,
     experience_forwards,
     make_experience,
     reuse_rollout,
 )
-from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze, policy_forward
-from rlhfkit.rewards import reward_model_scorer
-from rlhfkit.rollout import generate
+from rlhfkit.rollout.generate import generate
+from rlhfkit.rollout.rewards import reward_model_scorer
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers.rl import ppo_update
 
@@ -97,7 +103,7 @@ def _setup(value_model: str):
         for p in rm.parameters():
             p.add_(0.3 * torch.randn_like(p))
     if value_model == "shared":
-        from rlhfkit.models import ValueHead
+        from rlhfkit.models.forward import ValueHead
 
         ac = ActorCritic(policy, value_head=ValueHead(ARCH["n_embd"]))
     else:
@@ -215,7 +221,7 @@ def test_a_critic_warm_up_as_long_as_the_run_is_refused_and_a_long_one_trains_it
     stops before loading anything; 3 of 4 steps warns and the policy does change."""
     from safetensors.torch import load_file
 
-    from rlhfkit.cli import main
+    from rlhfkit.cli.main import main
 
     args = ["ppo", f"model.name={tiny_models.policy}", "reward.function=rlhfkit.tasks.doubling:format_reward",
             "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=4", "ppo.eval_every=0", "ppo.stop_at=0",
@@ -293,7 +299,7 @@ def test_experience_in_row_chunks_equals_the_whole_batch(value_model):
 def test_row_chunks_end_between_groups():
     """Hand-computed chunks: whole groups while they fit, a group longer than a chunk cut alone,
     plain chunks without groups, and a padding difference starts a new group."""
-    from rlhfkit.experience import row_chunks
+    from rlhfkit.rollout.experience import row_chunks
 
     grouped = torch.tensor([[1, 2]] * 3 + [[3, 4]] * 3 + [[5, 6]] * 3)  # 3 groups of 3
     ones = torch.ones_like(grouped)
@@ -373,7 +379,7 @@ def test_keep_best_saves_the_best_evaluated_policy(keep_best, tiny_models, tiny_
 
 
 def test_keep_best_holds_only_the_lora_adapter_and_puts_it_back():
-    from rlhfkit.models import add_lora
+    from rlhfkit.models.forward import add_lora
     from rlhfkit.trainers.rl_setup import BestWeights
 
     policy = add_lora(build_tiny_policy(TOK, 0, n_layer=1, n_head=2, n_embd=16), 4, 8.0)
@@ -438,8 +444,8 @@ def test_overlong_penalty_lands_in_the_scores_after_the_missing_eos_penalty():
     of at most 5, buffer 2: 0, -0.5 * 1.5, -1 * 1.5), after the missing-EOS penalty; off by default."""
     from types import SimpleNamespace
 
-    from rlhfkit.distributed import Shard
-    from rlhfkit.experience import final_scores
+    from rlhfkit.rollout.experience import final_scores
+    from rlhfkit.run.distributed import Shard
 
     raw = torch.tensor([1.0, 2.0, 3.0])
     scorer = SimpleNamespace(score=lambda roll, records: (raw, {}))

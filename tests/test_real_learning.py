@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhfkit import fetch
-from rlhfkit.cli import main
+from rlhfkit.cli import fetch
+from rlhfkit.cli.main import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 EXAMPLE = Path(__file__).parents[1] / "examples" / "real_model"

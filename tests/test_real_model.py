@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from hf_helpers import chat_tokenizer, save_tiny
-from rlhfkit import fetch
-from rlhfkit.cli import main
-from rlhfkit.models import build_tiny_policy
-from rlhfkit.rollout import eos_token_ids, generate
+from rlhfkit.cli import fetch
+from rlhfkit.cli.main import main
+from rlhfkit.models.forward import build_tiny_policy
+from rlhfkit.rollout.generate import eos_token_ids, generate
 from rlhfkit.tasks.doubling import make_tokenizer
 
 MODEL = "smollm2-135m-instruct"
@@ -273,9 +273,9 @@ def test_master_weights_on_smollm2_sample_and_train_as_its_bfloat16_load(smol, a
     from transformers import AutoModelForCausalLM
 
     from rlhfkit.accel import forward as lean
-    from rlhfkit.distributed import full_weights
-    from rlhfkit.models import token_logprobs
-    from rlhfkit.precision import compute_weights, keep_master_weights
+    from rlhfkit.models.forward import token_logprobs
+    from rlhfkit.models.precision import compute_weights, keep_master_weights
+    from rlhfkit.run.distributed import full_weights
 
     half = AutoModelForCausalLM.from_pretrained(smol.dir, dtype=torch.bfloat16)
     master = keep_master_weights(AutoModelForCausalLM.from_pretrained(smol.dir, dtype=torch.float32))
@@ -322,9 +322,9 @@ def test_lora_grpo_on_smollm2_saves_reloads_and_chats(smol, tmp_path, no_plots):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhfkit.chat import run_chat
+    from rlhfkit.cli.chat import run_chat
     from rlhfkit.config import Config
-    from rlhfkit.models import policy_dir
+    from rlhfkit.models.forward import policy_dir
 
     rows = [("capital of France", "Paris"), ("capital of Japan", "Tokyo"), ("2+3", "5"), ("color of the sky", "blue")]
     data = tmp_path / "prompts.jsonl"

@@ -15,17 +15,17 @@ from safetensors.torch import load_file
 
 from rlhfkit.config import Config, ConfigError
 from rlhfkit.core import kl_estimate, masked_mean
-from rlhfkit.evaluate import evaluate_rewards
-from rlhfkit.experience import ActorCritic, make_experience
-from rlhfkit.models import build_tiny_policy, disable_dropout, freeze, load_policy
-from rlhfkit.prompts import file_records
-from rlhfkit.rewards import Reward, RewardError, build_reward, function_scorer
-from rlhfkit.rollout import Rollout
+from rlhfkit.data.prompts import file_records
+from rlhfkit.models.forward import build_tiny_policy, disable_dropout, freeze, load_policy
+from rlhfkit.rollout.evaluate import evaluate_rewards
+from rlhfkit.rollout.experience import ActorCritic, make_experience
+from rlhfkit.rollout.generate import Rollout
+from rlhfkit.rollout.rewards import Reward, RewardError, build_reward, function_scorer
+from rlhfkit.run.watch import SignalWatch
 from rlhfkit.tasks import cities, doubling
 from rlhfkit.trainers.rl import ppo_update, train_rl
 from rlhfkit.trainers.rl_setup import refuse_untested_engines
 from rlhfkit.utils import read_jsonl
-from rlhfkit.watch import SignalWatch
 from test_user_data import doubling_file
 
 TOK = doubling.make_tokenizer()

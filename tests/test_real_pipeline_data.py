@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from hf_helpers import import_example
-from rlhfkit import fetch
+from rlhfkit.cli import fetch
 from rlhfkit.data import load_preferences, load_prompts, load_sft
-from rlhfkit.models import load_tokenizer
+from rlhfkit.models.forward import load_tokenizer
 from rlhfkit.tasks.cities import COUNTRY_OF
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "real_model"

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import real_matrix  # noqa: E402
 import real_tasks as rt  # noqa: E402
-from rlhfkit.prompts import PromptRecord  # noqa: E402
+from rlhfkit.data.prompts import PromptRecord  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhfkit.cli import main
+from rlhfkit.cli.main import main
+from rlhfkit.cli.report import build_report, chromium, find_chromium, latest_run, screenshot, write_report
 from rlhfkit.config import Config
-from rlhfkit.report import build_report, chromium, find_chromium, latest_run, screenshot, write_report
 from rlhfkit.trainers.pretrain import pretrain
 from rlhfkit.trainers.reward import train_reward_model
 from rlhfkit.trainers.rl import train_rl
@@ -87,12 +87,12 @@ def test_trajectories_hold_the_per_token_quantities(ppo_run):
 
 
 def test_critic_free_trajectories_have_no_value_rows():
-    from rlhfkit.experience import ActorCritic, make_experience
-    from rlhfkit.models import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze
-    from rlhfkit.rewards import reward_model_scorer
-    from rlhfkit.rollout import generate
+    from rlhfkit.models.forward import build_tiny_policy, build_tiny_scalar_model, disable_dropout, freeze
+    from rlhfkit.rollout.experience import ActorCritic, make_experience
+    from rlhfkit.rollout.generate import generate
+    from rlhfkit.rollout.rewards import reward_model_scorer
+    from rlhfkit.run.trajectories import trajectory_records
     from rlhfkit.tasks import doubling
-    from rlhfkit.trajectories import trajectory_records
 
     tok = doubling.make_tokenizer()
     arch = {"n_layer": 1, "n_head": 2, "n_embd": 32}
@@ -307,7 +307,7 @@ def test_panel_titles_say_what_the_run_measured(row, config, score, held_out, tm
 
 
 def test_the_page_inlines_the_stylesheet_and_script_the_package_ships(tmp_path):
-    import rlhfkit.report as report
+    import rlhfkit.cli.report as report
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "objective/score": 1.0}) + "\n")
     (tmp_path / "trajectories.jsonl").write_text(json.dumps(
@@ -319,5 +319,5 @@ def test_the_page_inlines_the_stylesheet_and_script_the_package_ships(tmp_path):
     (tmp_path / "trajectories.jsonl").unlink()
     assert "<script>" not in build_report(tmp_path)  # no trajectory view, no script
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert re.search(r'^rlhfkit = \[.*"report\.css", "report\.js"\]', pyproject, re.M)  # shipped as package data
+    assert re.search(r'^rlhfkit = \[.*"cli/report\.css", "cli/report\.js"\]', pyproject, re.M)  # shipped as package data
     assert len(Path(report.__file__).read_text().splitlines()) <= 350  # the readable-core budget of the module

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file
 
 from ports import launch_port
-from rlhfkit.checkpoint import Checkpointer, latest_checkpoint
 from rlhfkit.config import PPOConfig
-from rlhfkit.experience import RLState
+from rlhfkit.rollout.experience import RLState
+from rlhfkit.run.checkpoint import Checkpointer, latest_checkpoint
 
 STEPS = 12
 

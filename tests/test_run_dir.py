@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhfkit.cli import main
+from rlhfkit.cli.demo import start_demo_dir
+from rlhfkit.cli.main import main
 from rlhfkit.config import Config, ConfigError
-from rlhfkit.demo import start_demo_dir
 from rlhfkit.utils import LOCK_FILE, check_out_dir, lock_run_dir, release_run_dir, run_dir_holder
 
 

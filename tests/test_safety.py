@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhfkit.models import ModelLoadError, load_policy, load_scalar_model
+from rlhfkit.models.forward import ModelLoadError, load_policy, load_scalar_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = [ROOT / "src" / "rlhfkit", ROOT / "benchmarks"]

@@ -1,6 +1,6 @@
 """Sampling from given uniforms (rollout.generate(uniforms=...)): the right distribution, and a
 row's sample independent of the rest of the batch, which is what lets N processes sample what
-one process samples (rlhfkit.distributed.rollout_uniforms)."""
+one process samples (rlhfkit.run.distributed.rollout_uniforms)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
-from rlhfkit.distributed import Shard, rollout_uniforms
-from rlhfkit.models import build_tiny_policy
-from rlhfkit.rollout import generate
+from rlhfkit.models.forward import build_tiny_policy
+from rlhfkit.rollout.generate import generate
+from rlhfkit.run.distributed import Shard, rollout_uniforms
 from rlhfkit.tasks.doubling import make_tokenizer
 
 

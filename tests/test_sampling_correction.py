@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from rlhfkit.core import sampling_correction_weights
-from rlhfkit.models import build_tiny_policy
-from rlhfkit.rollout import generate, truncate_logprobs
+from rlhfkit.models.forward import build_tiny_policy
+from rlhfkit.rollout.generate import generate, truncate_logprobs
+from rlhfkit.run.watch import SignalWatch
 from rlhfkit.tasks.doubling import make_tokenizer
-from rlhfkit.watch import SignalWatch
 
 
 def test_weights_by_hand():

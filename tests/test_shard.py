@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhfkit.distributed import Shard
+from rlhfkit.run.distributed import Shard
 
 
 def shards(world: int) -> list[Shard]:

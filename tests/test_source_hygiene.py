@@ -68,7 +68,7 @@ def patched_constants(text: str) -> list[str]:
 def test_the_patched_constant_check_catches_what_it_is_for():
     assert patched_constants('monkeypatch.setattr(models, "UPDATE_LOGITS", 1)') == ["UPDATE_LOGITS"]
     assert patched_constants("monkeypatch.setattr(\n    lean.FixedStep, 'BAND', 4)") == ["BAND"]
-    assert patched_constants('env.monkeypatch.setattr("rlhfkit.models.UPDATE_LOGITS", 1)') == ["UPDATE_LOGITS"]
+    assert patched_constants('env.monkeypatch.setattr("rlhfkit.models.forward.UPDATE_LOGITS", 1)') == ["UPDATE_LOGITS"]
     # functions, classes, dunders and mixed-case names are not constants
     assert patched_constants('monkeypatch.setattr(rl, "rollout", spy); monkeypatch.setattr(m, "Sampler", s)\n'
                              'monkeypatch.setattr(lean._StackedLoRAs, "__call__", f); monkeypatch.setattr('

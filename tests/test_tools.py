@@ -1,4 +1,4 @@
-"""Tools in multi-turn episodes (rlhfkit.tools): calls parsed from the model's turn, run with a
+"""Tools in multi-turn episodes (rlhfkit.envs.tools): calls parsed from the model's turn, run with a
 time limit and no network, results returned as tool messages through the chat template."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from rlhfkit.envs import Episode, play
-from rlhfkit.prompts import PromptRecord
-from rlhfkit.rollout import Rollout
-from rlhfkit.tools import ToolCall, ToolEnvironment, call_tool, parse_tool_call
+from rlhfkit.data.prompts import PromptRecord
+from rlhfkit.envs.environment import Episode, play
+from rlhfkit.envs.tools import ToolCall, ToolEnvironment, call_tool, parse_tool_call
+from rlhfkit.rollout.generate import Rollout
 
 # a ChatML template that renders `tools` (as Qwen's and Hermes' do) and one that ignores them (SmolLM2's)
 WITH_TOOLS = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"

@@ -33,8 +33,8 @@ import torch
 
 from hf_helpers import chat_tokenizer, import_example
 from rlhfkit.config import PPOConfig
-from rlhfkit.experience import ActorCritic, Experience, sequence_advantages
-from rlhfkit.models import build_tiny, token_logprobs
+from rlhfkit.models.forward import build_tiny, token_logprobs
+from rlhfkit.rollout.experience import ActorCritic, Experience, sequence_advantages
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers.rl import ppo_update
 from rlhfkit.trainers.rl_setup import make_optimizer

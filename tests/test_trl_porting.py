@@ -69,7 +69,7 @@ def test_a_trl_key_name_is_answered_with_the_rlhfkit_key(given, says):
 
 
 def test_the_trl_hint_follows_the_command_and_every_way_in(tmp_path, capsys):
-    from rlhfkit.cli import main
+    from rlhfkit.cli.main import main
 
     for command, says in (("grpo", "TRL's beta is ppo.kl_coef here"), ("dpo", "Did you mean 'dpo.beta'?"),
                           ("sft", "TRL's learning_rate is sft.lr here")):

@@ -11,11 +11,11 @@ import torch
 from datasets import Dataset, DatasetDict
 
 from rlhfkit.data import DataError, PromptExample, encode_prompts, hold_out, load_prompts, load_records
-from rlhfkit.evaluate import evaluate_rewards
-from rlhfkit.models import load_policy
-from rlhfkit.prompts import FilePrompts, PromptRecord, file_records
-from rlhfkit.rewards import Reward, RewardError, function_scorer
-from rlhfkit.rollout import generate
+from rlhfkit.data.prompts import FilePrompts, PromptRecord, file_records
+from rlhfkit.models.forward import load_policy
+from rlhfkit.rollout.evaluate import evaluate_rewards
+from rlhfkit.rollout.generate import generate
+from rlhfkit.rollout.rewards import Reward, RewardError, function_scorer
 from rlhfkit.tasks import doubling
 from rlhfkit.trainers.rl import train_rl
 from rlhfkit.utils import read_jsonl
@@ -354,7 +354,7 @@ def test_the_built_in_task_reward_sees_text_without_bos_or_eos(tiny_models, tiny
 
 
 def test_a_reward_model_object_from_python(tiny_models, tiny_config, tmp_path, no_plots):
-    from rlhfkit.models import load_scalar_model
+    from rlhfkit.models.forward import load_scalar_model
 
     rm = load_scalar_model(tiny_models.reward)
     by_path = tiny_config(tmp_path / "path", model={"name": tiny_models.policy}, reward={"name": tiny_models.reward},
@@ -374,7 +374,7 @@ def correct(prompts, completions, answer, **columns):
 
 @pytest.mark.parametrize("how", ["path", "module_in_cwd"])
 def test_a_reward_function_from_a_file_or_the_current_directory(how, tmp_path, monkeypatch):
-    from rlhfkit.rewards import load_reward_function
+    from rlhfkit.rollout.rewards import load_reward_function
 
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
     monkeypatch.delenv("PYTHONPATH", raising=False)
@@ -428,7 +428,7 @@ def test_the_built_in_task_runs_stop_on_exact_acc_with_a_baseline(tiny_models, t
 
 
 def test_a_stop_metric_the_run_does_not_log_stops_before_training(tiny_models, tmp_path, capsys):
-    from rlhfkit.cli import main
+    from rlhfkit.cli.main import main
 
     out = tmp_path / "run"
     argv = ["grpo", f"model.name={tiny_models.policy}", f"data.path={doubling_file(tmp_path)}",
@@ -464,8 +464,8 @@ def none_experience(algo: str, scale: str = "none"):
     import dataclasses
 
     from rlhfkit.config import Config
-    from rlhfkit.experience import ActorCritic, make_experience
-    from rlhfkit.models import build_tiny_policy, freeze
+    from rlhfkit.models.forward import build_tiny_policy, freeze
+    from rlhfkit.rollout.experience import ActorCritic, make_experience
 
     tok = doubling.make_tokenizer()
     policy, ref = build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16), freeze(build_tiny_policy(tok, 0, n_layer=1,
@@ -517,7 +517,7 @@ def test_a_completion_no_function_scores_stops_ppo_and_a_nan_stays_an_error():
 
 
 def build_tiny_policy_for_scores(tok):
-    from rlhfkit.models import build_tiny_policy
+    from rlhfkit.models.forward import build_tiny_policy
 
     return build_tiny_policy(tok, 0, n_layer=1, n_head=2, n_embd=16)
 
@@ -528,7 +528,7 @@ def prompt_batch(tok):
 
 
 def test_held_out_means_leave_out_the_completions_a_function_does_not_score():
-    from rlhfkit.evaluate import ScoredCompletions, reward_means, win_rate
+    from rlhfkit.rollout.evaluate import ScoredCompletions, reward_means, win_rate
 
     nan = float("nan")
     scored = ScoredCompletions(["a", "b", "c", "d"], [True] * 4, torch.tensor([1.0, 1.0, 0.0, nan], dtype=torch.float64),

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from hf_helpers import import_example
+from rlhfkit.cli.report import build_report
 from rlhfkit.config import PPOConfig
-from rlhfkit.report import build_report
+from rlhfkit.run.watch import KEYS, HackingWatch
 from rlhfkit.trainers.rl import train_rl
 from rlhfkit.utils import MetricsLogger, read_jsonl
-from rlhfkit.watch import KEYS, HackingWatch
 
 guard_sim = import_example(Path(__file__).resolve().parents[1] / "benchmarks", "guard_sim")
 
@@ -214,7 +214,7 @@ def test_the_tradeoff_guard_judges_a_fall_by_the_source_spread():
 
 
 def test_the_evaluation_logs_each_source_spread_over_the_prompts():
-    from rlhfkit.evaluate import ScoredCompletions, reward_means
+    from rlhfkit.rollout.evaluate import ScoredCompletions, reward_means
 
     scores = {"fact": torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64),
               "rm": torch.tensor([0.5, -1.0, 2.0, 0.3], dtype=torch.float64)}
@@ -349,7 +349,7 @@ def test_a_guard_that_cannot_act_says_so_at_the_start():
 
 def test_a_prompt_file_run_names_its_eval_metrics():
     """What the stop metric is checked against: the task's verifier, or the rewards on held-out prompts."""
-    from rlhfkit.rewards import Reward
+    from rlhfkit.rollout.rewards import Reward
     from rlhfkit.trainers.rl_setup import eval_metrics
 
     binary = lambda *a: None  # noqa: E731

@@ -13,7 +13,7 @@ _CONFIG = ("Config", "ConfigError", "load_config", "RunConfig", "ModelConfig", "
 _COMMANDS = ("ppo", "grpo", "rloo", "reinforce", "dpo", "sft", "reward_model", "pretrain", "evaluate", "demo")
 # public name -> the module that defines it
 _WHERE = {**dict.fromkeys(_CONFIG, "config"), **dict.fromkeys(_COMMANDS, "api"),
-          "Environment": "envs", "ToolEnvironment": "tools"}
+          "Environment": "envs.environment", "ToolEnvironment": "envs.tools"}
 
 __all__ = ["__version__", *_CONFIG, "Environment", "ToolEnvironment", *_COMMANDS]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli import DATA_KIND, RESUMABLE, resolve_config, run_command
+from .cli.main import DATA_KIND, RESUMABLE, resolve_config, run_command
 from .config import Config
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike | None

@@ -175,12 +175,12 @@ def environment_factory(spec) -> Callable[[], object]:
     if isinstance(spec, type):
         if not playable:
             raise EnvError(f"env.class={env_name(spec)} has no reset and step methods: subclass "
-                           "rlhfkit.envs.Environment")
+                           "rlhfkit.envs.environment.Environment")
         return spec
     if playable:
         return lambda: copy.deepcopy(spec)
     raise EnvError(f"env.class={spec!r} is neither an environment class nor an instance: subclass "
-                   "rlhfkit.envs.Environment")
+                   "rlhfkit.envs.environment.Environment")
 
 
 def check_before_loading(cfg: Config) -> None:

@@ -97,7 +97,7 @@ def head_grad(z: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor, targets: t
 
 
 def sampler(B: int, R: int, V: int, temperature: float, eos: int):
-    """Shortcut: a sampling step in one call (``step(t, logits, u)``, as :class:`rlhfkit.rollout._Draw`
+    """Shortcut: a sampling step in one call (``step(t, logits, u)``, as :class:`rlhfkit.rollout.generate._Draw`
     samples without truncation, with per-row uniforms) for float32 CPU logits. None: not taken."""
     return _impl["sampler"](B, R, V, temperature, eos)
 

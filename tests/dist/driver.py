@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from rlhfkit import models
-from rlhfkit.cli import main
+from rlhfkit.models import forward as models
+from rlhfkit.cli.main import main
 from rlhfkit.trainers import rl_setup
 
 out, policy, rm = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

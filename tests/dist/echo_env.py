@@ -1,7 +1,7 @@
 """A three-turn environment for the data-parallel runs (tests/dist/driver.py): a fixed observation
 after each turn, a reward per turn that depends on the turn's text."""
 
-from rlhfkit.envs import Environment
+from rlhfkit.envs.environment import Environment
 
 
 class Echo(Environment):

@@ -1,5 +1,5 @@
 """The calculator task on a real chat model: multi-digit arithmetic the model cannot do alone,
-with a calculator tool offered through :class:`rlhfkit.tools.ToolEnvironment`.
+with a calculator tool offered through :class:`rlhfkit.envs.tools.ToolEnvironment`.
 
 ``calculator`` is the tool: it parses two numbers and one operator (``+ - * /``) with a regular
 expression and computes the result in Python; nothing the model writes is evaluated as code.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from rlhfkit.tools import ToolCall, ToolEnvironment, parse_tool_call
+from rlhfkit.envs.tools import ToolCall, ToolEnvironment, parse_tool_call
 
 NUMBER = r"-?\d+(?:\.\d+)?"
 EXPRESSION = re.compile(rf"^\s*({NUMBER})\s*([-+*/x×÷])\s*({NUMBER})\s*=?\s*$")

@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).parent))
 from calculator import CalculatorEnv  # noqa: E402
 
-from rlhfkit.envs import tool_schemas, tools_message  # noqa: E402
-from rlhfkit.prompts import PromptRecord  # noqa: E402
-from rlhfkit.tools import ToolCall, parse_tool_call  # noqa: E402
+from rlhfkit.data.prompts import PromptRecord  # noqa: E402
+from rlhfkit.envs.environment import tool_schemas, tools_message  # noqa: E402
+from rlhfkit.envs.tools import ToolCall, parse_tool_call  # noqa: E402
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from calculator import CalculatorEnv, calculator  # noqa: E402
 
-from rlhfkit.envs import tool_schemas, tools_message  # noqa: E402
+from rlhfkit.envs.environment import tool_schemas, tools_message  # noqa: E402
 
 ASK = "What is {a} * {b}? Use the calculator tool, then answer with the number only."
 ASK_NO_TOOL = "What is {a} * {b}? Answer with the number only."

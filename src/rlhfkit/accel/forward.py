@@ -67,7 +67,7 @@ def _adapted(m: nn.Module) -> bool:
 
 
 def _sharded(t: torch.Tensor) -> bool:
-    """FSDP2's sharded tensors (DTensors): what ``rlhfkit.distributed.is_sharded`` tests."""
+    """FSDP2's sharded tensors (DTensors): what ``rlhfkit.run.distributed.is_sharded`` tests."""
     return type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "full_tensor")
 
 
@@ -108,7 +108,7 @@ _HALF = (torch.bfloat16, torch.float16)
 
 def _lora_delta(m: nn.Module, adapter: str) -> torch.Tensor:
     """``scaling * B @ A`` of one adapter of a peft LoRA layer in its base weight's layout
-    (as ``rlhfkit.models.lora_delta``)."""
+    (as ``rlhfkit.models.forward.lora_delta``)."""
     delta = (m.lora_B[adapter].weight @ m.lora_A[adapter].weight) * m.scaling[adapter]  # [out, in]
     return delta.T if getattr(m, "fan_in_fan_out", False) else delta
 
@@ -758,7 +758,7 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
 
 def _checkpointing(arch: _Arch) -> bool:
     """Whether this forward checkpoints its layers: the model's own switch
-    (``gradient_checkpointing_enable()``, :func:`rlhfkit.models.enable_gradient_checkpointing`)
+    (``gradient_checkpointing_enable()``, :func:`rlhfkit.models.forward.enable_gradient_checkpointing`)
     in train mode, and a graph being recorded."""
     return arch.base.training and bool(getattr(arch.base, "gradient_checkpointing", False)) and torch.is_grad_enabled()
 
@@ -827,7 +827,7 @@ def response_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_
 
     ``through_last``: every column is run, the last included, and the states at columns
     ``P-1 .. T-1`` come back, ``[B, R+1, H]`` (a reward model's or classifier's read at the
-    last attended token, :func:`rlhfkit.models.sequence_logits`).
+    last attended token, :func:`rlhfkit.models.forward.sequence_logits`).
 
     ``flat`` runs the distinct prompts' ``U x P`` tokens and the responses' ``B x R`` through
     every token-wise operation (norms, projections, MLP) as one sequence, and only attention

@@ -553,7 +553,7 @@ def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor,
 
 
 class Sampler:
-    """The sampling step of :func:`rlhfkit.rollout.generate` in one call per step, for float32
+    """The sampling step of :func:`rlhfkit.rollout.generate.generate` in one call per step, for float32
     CPU logits ``[B, V]``: tempered softmax, inverse-CDF draw with the row's uniform, the
     token's log-prob and the distribution's entropy, the EOS bookkeeping. Replaces ~12 tensor
     ops (log_softmax, exp, cumsum, searchsorted, the alive mask and its check) of a few

@@ -165,7 +165,7 @@ class PPOEvaluation:
 
 @dataclass(frozen=True)
 class PPOGuards:
-    """The reward-hacking watch (rlhfkit.watch): each flags a guard/* metric; 0 turns it off."""
+    """The reward-hacking watch (rlhfkit.run.watch): each flags a guard/* metric; 0 turns it off."""
     guard_kl: float = key(1.5, "Flag guard/kl_high when the KL per response token exceeds this many nats while "
         "ppo.stop_metric has fallen below its best.")
     guard_eos: float = key(0.5, "Flag guard/eos_collapse at an EOS rate below this share of its early mean.")

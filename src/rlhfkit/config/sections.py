@@ -225,7 +225,7 @@ class GridworldConfig(Section):
 @dataclass(frozen=True)
 class EnvConfig(Section):
     cls: Any = key("", "Multi-turn environment for the RL commands (written ``env.class``): a "
-        "rlhfkit.envs.Environment 'module:Name' or 'path/to/file.py:Name'; empty: single-turn.")
+        "rlhfkit.envs.environment.Environment 'module:Name' or 'path/to/file.py:Name'; empty: single-turn.")
     max_turns: int = key(0, "Most model turns per episode (0: the environment's own ``max_turns``).")
     max_tokens: int = key(0, "Most tokens per episode, prompt and observations included (0: the env's own).")
 

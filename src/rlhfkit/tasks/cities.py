@@ -47,7 +47,7 @@ TUNING_PROMPTS: tuple[tuple[str, int], ...] = tuple(
     (city, t) for city in COUNTRY_OF for t in range(len(QUESTIONS)) if t != HELD_OUT_FORM[city])
 MAX_NEW_TOKENS = 32  # longest answer: 'Guadalajara is in Mexico.$' is 26
 N_POSITIONS = 96
-# applied by the command line before the user's file and overrides (see rlhfkit.cli): a wider,
+# applied by the command line before the user's file and overrides (see rlhfkit.cli.main): a wider,
 # deeper model than the doubling task's (it must store 130 facts and copy names), gentler RL
 CONFIG_DEFAULTS = {
     "model": {"n_layer": 3, "n_embd": 96},
@@ -216,5 +216,5 @@ def exact_reward(prompts: list[str], completions: list[str], city: list | None =
     return verified(lambda target, text: _verify(*target, text), "exact", asked, completions, finished, EOS)
 
 
-# verifiers score 0 or 1: declared, so eval/accuracy comes from them (rlhfkit.rewards)
+# verifiers score 0 or 1: declared, so eval/accuracy comes from them (rlhfkit.rollout.rewards)
 exact_reward.binary = True

@@ -180,6 +180,6 @@ def exact_reward(prompts: list[str], completions: list[str], number: list | None
     return _verified("exact", prompts, completions, number, charset, finished)
 
 
-# verifiers score 0 or 1: declared, so eval/accuracy comes from them (rlhfkit.rewards)
+# verifiers score 0 or 1: declared, so eval/accuracy comes from them (rlhfkit.rollout.rewards)
 format_reward.binary = True
 exact_reward.binary = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..envs import Environment
+from ..envs.environment import Environment
 from . import char_tokenizer
 from .gridworld import ARROWS, DEFAULT_LAYOUT, GridWorld
 

@@ -286,7 +286,7 @@ def train_gridworld(cfg: Config, layout: Sequence[str] = DEFAULT_LAYOUT) -> dict
     actions = net.greedy()
     greedy, policy = policy_return(env, actions), render_policy(env, actions)
     (out / "policy.txt").write_text(policy + "\n", encoding="utf-8")
-    from ..plots import plot_returns  # matplotlib only when a run finishes
+    from ..run.plots import plot_returns  # matplotlib only when a run finishes
 
     plot_returns(curve, greedy_curve, best, out / "return_curve.png", f"grid-world cat, {gc.algo}, seed {cfg.run.seed}")
     return {"algo": gc.algo, "seed": cfg.run.seed, "iterations": gc.iterations, "returns": curve,

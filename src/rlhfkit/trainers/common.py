@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import Checkpointer, loop_state, restore_loop_state
 from ..config import REGIME_NAMES, Config, key_value, regime_value
 from ..core import logprobs_from_logits, position_ids_from_mask
-from ..distributed import Shard, clip_grad_norm, full_state_dict, prepare
-from ..models import from_scratch, save_policy
+from ..models.forward import from_scratch, save_policy
 from ..progress import progress
+from ..run.checkpoint import Checkpointer, loop_state, restore_loop_state
+from ..run.distributed import Shard, clip_grad_norm, full_state_dict, prepare
 from ..utils import MetricsLogger, UpdateGuard, make_accelerator, setup_run, start_run_dir
 
 LOSS_FIELDS = ("input_ids", "attention_mask", "loss_mask")  # an encoded row's fields sequence_logprobs reads

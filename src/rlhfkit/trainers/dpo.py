@@ -14,10 +14,10 @@ import torch
 from ..config import Config
 from ..core import dpo_loss, ipo_loss
 from ..data import context_limit, encode_preferences, encode_triples, hold_out, load_preferences, stack_pairs
-from ..distributed import Shard, full_weights
-from ..evaluate import evaluate_sharded
-from ..models import context_window, eval_mode, load_tokenizer, policy_with_reference
-from ..precision import compute_weights
+from ..models.forward import context_window, eval_mode, load_tokenizer, policy_with_reference
+from ..models.precision import compute_weights
+from ..rollout.evaluate import evaluate_sharded
+from ..run.distributed import Shard, full_weights
 from ..tasks import get_task
 from ..utils import mean_stats
 from .common import LOSS_FIELDS, Engine, Run, sequence_logprobs

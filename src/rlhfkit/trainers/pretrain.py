@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..config import Config
-from ..evaluate import evaluate_task
-from ..models import build_tiny_policy, masked_lm_loss
+from ..models.forward import build_tiny_policy, masked_lm_loss
+from ..rollout.evaluate import evaluate_task
 from ..tasks import get_task
 from .common import Run, lr_lambda
 

@@ -7,12 +7,10 @@ import functools
 
 import torch
 
-from ..checkpoint import data_state, load_data_state
 from ..config import Config
 from ..core import bradley_terry_loss
 from ..data import context_limit, encode_preferences, encode_triples, load_preferences, stack_pairs
-from ..distributed import Shard, full_weights
-from ..models import (
+from ..models.forward import (
     ModuleForward,
     add_lora,
     build_tiny_scalar_model,
@@ -26,6 +24,8 @@ from ..models import (
     sequence_logits,
     sequence_scores,
 )
+from ..run.checkpoint import data_state, load_data_state
+from ..run.distributed import Shard, full_weights
 from ..tasks import get_task
 from ..utils import mean_stats
 from .common import Run

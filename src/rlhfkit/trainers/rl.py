@@ -1,7 +1,7 @@
 """Policy optimisation for language models: PPO, GRPO, RLOO and REINFORCE in one loop.
 
 PPO has four roles: actor, critic, reward model, reference. GRPO, RLOO and REINFORCE drop the
-critic and differ only in the advantage estimator (:func:`rlhfkit.experience.sequence_advantages`).
+critic and differ only in the advantage estimator (:func:`rlhfkit.rollout.experience.sequence_advantages`).
 :func:`train_rl` reads top to bottom (docs/ppo_walkthrough.md walks through one step):
 
     0. set-up      models, optimizer, data, baseline evaluation, resume     rl_setup.setup_rl
@@ -24,7 +24,6 @@ import time
 import torch
 
 from ..accel.heap import gradient_buffer, release_free_memory, tensors_off_heap
-from ..checkpoint import fault_point
 from ..config import Config, PPOConfig
 from ..core import (
     AGGREGATIONS,
@@ -39,15 +38,16 @@ from ..core import (
     token_policy_loss,
     value_loss,
 )
-from ..distributed import full_weights, rollout_uniforms
-from ..envs import EpisodeMaker, episode_stats, play
-from ..evaluate import evaluate_rewards, evaluate_sharded
-from ..experience import ActorCritic, Experience, completions_per_prompt, make_experience
-from ..models import eval_mode
-from ..precision import compute_weights
-from ..prompts import PromptData, prompt_tensors
-from ..rewards import Reward
-from ..rollout import Rollout, eos_token_ids, generate, sampling_settings
+from ..data.prompts import PromptData, prompt_tensors
+from ..envs.environment import EpisodeMaker, episode_stats, play
+from ..models.forward import eval_mode
+from ..models.precision import compute_weights
+from ..rollout.evaluate import evaluate_rewards, evaluate_sharded
+from ..rollout.experience import ActorCritic, Experience, completions_per_prompt, make_experience
+from ..rollout.generate import Rollout, eos_token_ids, generate, sampling_settings
+from ..rollout.rewards import Reward
+from ..run.checkpoint import fault_point
+from ..run.distributed import full_weights, rollout_uniforms
 from ..utils import UpdateGuard, mean_stats
 from .common import Engine, Run
 from .rl_setup import RLSetup, finish_rl, save_checkpoint, set_lr, setup_rl, step_timings, write_samples
@@ -315,7 +315,7 @@ def ppo_update(
 def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_tokens: int):
     """``sample(turn, ids, mask, rows, n)``: ``n`` tokens after the left-padded contexts of this
     process's batch rows ``rows`` (None: all), drawn with the uniforms of ``(seed, step, turn)``
-    (:func:`~rlhfkit.distributed.rollout_uniforms`); greedy when ``step`` is None."""
+    (:func:`~rlhfkit.run.distributed.rollout_uniforms`); greedy when ``step`` is None."""
     cfg, pc = run.cfg, run.cfg.ppo
 
     def sample(turn: int, ids, mask, rows=None, n: int = max_new_tokens):
@@ -337,7 +337,7 @@ def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_
 def rollout(run: Run, ac: ActorCritic, train_ac, tok, records, step: int | None, max_new_tokens: int,
             env: EpisodeMaker | None = None) -> tuple[Rollout, dict]:
     """Sample this process's rows of the step's batch: one completion per record, or with an
-    environment one episode per record (:func:`rlhfkit.envs.play`); and the episodes' stats."""
+    environment one episode per record (:func:`rlhfkit.envs.environment.play`); and the episodes' stats."""
     sample = sampler(run, ac, train_ac, tok, step, max_new_tokens)
     if env is None:
         return sample(0, *prompt_tensors(tok, records, run.device)), {}

@@ -15,12 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from ..accel.offload import HostMoments, offload_frozen
-from ..checkpoint import latest_checkpoint
 from ..config import Config, PPOConfig
-from ..distributed import full_state_dict, shard_frozen
-from ..envs import EpisodeMaker
-from ..experience import ActorCritic, Experience, RLState, completions_per_prompt
-from ..models import (
+from ..data.prompts import PromptData, prompt_data
+from ..envs.environment import EpisodeMaker
+from ..models.forward import (
     ValueHead,
     add_lora,
     context_window,
@@ -32,12 +30,14 @@ from ..models import (
     quiet_load_report,
     resolve_dtype,
 )
-from ..precision import keep_master_weights
-from ..prompts import PromptData, prompt_data
-from ..rewards import Reward, build_reward, other_tokenizer
-from ..rollout import decode_responses
+from ..models.precision import keep_master_weights
+from ..rollout.experience import ActorCritic, Experience, RLState, completions_per_prompt
+from ..rollout.generate import decode_responses
+from ..rollout.rewards import Reward, build_reward, other_tokenizer
+from ..run.checkpoint import latest_checkpoint
+from ..run.distributed import full_state_dict, shard_frozen
+from ..run.trajectories import TrajectoryWriter
 from ..tasks import get_task
-from ..trajectories import TrajectoryWriter
 from ..utils import cut_file, file_size
 from .common import Engine, Run, lr_scale
 
@@ -355,7 +355,7 @@ def save_checkpoint(s: RLSetup, step: int) -> None:
 
 def finish_rl(s: RLSetup) -> dict:
     """Close the outputs, save the models (``ppo.keep_best``: the best's) and plots; the summary."""
-    from ..plots import plot_ppo  # matplotlib only when a run finishes
+    from ..run.plots import plot_ppo  # matplotlib only when a run finishes
 
     run, ac, st = s.run, s.ac, s.st
     s.samples.close()

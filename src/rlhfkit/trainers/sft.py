@@ -9,9 +9,9 @@ import torch
 
 from ..config import Config
 from ..data import Limit, SFTExample, context_limit, encode_sft, hold_out, load_sft, pack_sft
-from ..distributed import Shard, full_weights
-from ..models import context_window, eval_mode, load_tokenizer, masked_lm_loss, policy_with_reference
-from ..precision import compute_weights
+from ..models.forward import context_window, eval_mode, load_tokenizer, masked_lm_loss, policy_with_reference
+from ..models.precision import compute_weights
+from ..run.distributed import Shard, full_weights
 from ..tasks import get_task
 from .common import LOSS_FIELDS, Run, lr_lambda, sequence_logprobs
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .progress import quiet_hub_progress
+from ..progress import quiet_hub_progress
 
 
 @dataclass(frozen=True)

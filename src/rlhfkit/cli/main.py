@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import ALGO_DEFAULTS, Config, ConfigError, dump_config, load_config
+from ..config import ALGO_DEFAULTS, Config, ConfigError, dump_config, load_config
 
 COMMANDS = {
     "demo": "pretrain -> reward model -> PPO -> evaluation on the doubling task (runs/demo)",
@@ -57,7 +57,7 @@ COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
     "chat": ("run", "model", "chat", "accel"),
     "gridworld": ("run", "gridworld", "accel"),
 }
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # rlhfkit/
 DEBUG_HELP = "show the full traceback of an error instead of one line (also: RLHFKIT_DEBUG=1)"
 
 
@@ -81,7 +81,7 @@ def keys_help(command: str) -> str:
     """The epilog of ``rlhfkit CMD --help``: the output directory and every key the command reads."""
     from textwrap import fill
 
-    from .config import key_docs, key_groups, key_types
+    from ..config import key_docs, key_groups, key_types
 
     cfg, docs, types, groups = _defaults(command).to_dict(), key_docs(), key_types(), key_groups()
     lines = [f"Writes to {DEFAULT_OUT[command]}/ unless run.out_dir says otherwise.", "",
@@ -159,7 +159,7 @@ def resolve_config(command: str, config: Config | Mapping | str | os.PathLike | 
     """The config ``rlhfkit COMMAND`` runs: the defaults <- the task's <- the algorithm's <-
     ``config`` (a YAML path, a mapping of sections, or a ``Config`` used as it is) <- ``overrides``
     (``'section.key=value'`` strings, or a mapping of dotted keys or sections to Python values)."""
-    from .tasks import get_task
+    from ..tasks import get_task
 
     if config is not None and not isinstance(config, (Config, Mapping, str, os.PathLike)):
         raise ConfigError(f"config must be a YAML file's path, a mapping of sections or a Config, got "
@@ -204,7 +204,7 @@ def _config(args) -> Config:
 
 def _emit(result) -> None:
     """Print a command's summary from the main process only."""
-    from .utils import is_main_process
+    from ..utils import is_main_process
 
     if is_main_process():
         print(json.dumps(result, indent=2, ensure_ascii=False))  # prompts and answers as people write them
@@ -264,7 +264,7 @@ def _main(args) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input: config, data, paths, models, rewards
         return _error(args.command, e, debug)
     except RuntimeError as e:
-        from .utils import TrainingError
+        from ..utils import TrainingError
 
         if not isinstance(e, TrainingError):
             raise
@@ -276,7 +276,7 @@ def _preload_malloc(args, cfg: Config) -> None:
     """accel.malloc: restart the command line with that malloc preloaded, before torch is imported."""
     name = cfg.accel.malloc if "accel" in COMMAND_SECTIONS.get(args.command, ()) else ""
     if name:
-        from .accel import malloc
+        from ..accel import malloc
 
         malloc.restart_with(name, args.command, args.argv)
 
@@ -291,8 +291,8 @@ def _check_inputs(command: str, cfg: Config) -> None:
     kind = DATA_KIND.get(command)
     if kind is None:
         return
-    from .callables import check_before_loading
-    from .data import precheck
+    from ..callables import check_before_loading
+    from ..data import precheck
 
     if command in ALGO_DEFAULTS or (command == "eval" and cfg.data.path):
         check_before_loading(cfg)  # data.path's records among its checks
@@ -310,7 +310,7 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown our own
     if "accel" in COMMAND_SECTIONS[command]:
-        from . import ops
+        from .. import ops
 
         ops.configure(cfg.accel)  # once, before any model runs (the trainers' setup_run again: no change)
     if command == "eval":
@@ -318,23 +318,23 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
     if command == "demo":
         from .demo import run_demo as runner
     elif command == "pretrain":
-        from .trainers.pretrain import pretrain as runner
+        from ..trainers.pretrain import pretrain as runner
     elif command == "rm":
-        from .trainers.reward import train_reward_model as runner
+        from ..trainers.reward import train_reward_model as runner
     elif command in ALGO_DEFAULTS:
-        from .trainers.rl import train_rl as runner
+        from ..trainers.rl import train_rl as runner
     elif command == "sft":
-        from .trainers.sft import train_sft as runner
+        from ..trainers.sft import train_sft as runner
     elif command == "dpo":
-        from .trainers.dpo import train_dpo as runner
+        from ..trainers.dpo import train_dpo as runner
     else:
         raise ValueError(f"no Python function runs 'rlhfkit {command}'")
     return runner(cfg)
 
 
 def _evaluate(path: str, cfg: Config) -> dict:
-    from .evaluate import evaluate_files, evaluate_path
-    from .models import policy_dir
+    from ..models.forward import policy_dir
+    from ..rollout.evaluate import evaluate_files, evaluate_path
 
     if cfg.data.path:
         return evaluate_files(path, cfg)
@@ -349,8 +349,8 @@ def _run(args, cfg: Config) -> None:
     if args.command == "chat":
         from transformers.utils import logging as hf_logging
 
+        from ..models.forward import policy_dir
         from .chat import run_chat
-        from .models import policy_dir
 
         hf_logging.disable_progress_bar()  # per-file load bars would drown the conversation
         run_chat(policy_dir(args.path), cfg)
@@ -368,7 +368,7 @@ def _run(args, cfg: Config) -> None:
 
 def _print_eval(res: dict, cfg: Config) -> None:
     """``rlhfkit eval`` on data.path's prompts: a short summary of the scores."""
-    from .utils import is_main_process
+    from ..utils import is_main_process
 
     if not is_main_process():
         return
@@ -394,7 +394,7 @@ def _print_eval(res: dict, cfg: Config) -> None:
 
 
 def _export_task(out_dir: str, cfg: Config) -> None:
-    from .tasks.export import export_task
+    from ..tasks.export import export_task
 
     info = export_task(cfg, out_dir)
     out = Path(out_dir)
@@ -405,7 +405,7 @@ def _export_task(out_dir: str, cfg: Config) -> None:
 
 
 def _gridworld(cfg: Config) -> None:
-    from .tasks.gridworld import train_gridworld
+    from ..tasks.gridworld import train_gridworld
 
     res = train_gridworld(cfg)
     every = max(1, len(res["returns"]) // 10)

@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import torch
 
-from .config import Config
-from .data import describe_characters, unencodable_characters
-from .models import context_window, load_policy, load_tokenizer
-from .rollout import eos_token_ids, generate
-from .utils import resolve_device, seed_everything
+from ..config import Config
+from ..data import describe_characters, unencodable_characters
+from ..models.forward import context_window, load_policy, load_tokenizer
+from ..rollout.generate import eos_token_ids, generate
+from ..utils import resolve_device, seed_everything
 
 # the chat's commands and what they do; ALIASES name the same command another way
 COMMANDS = {"/help": "list these commands", "/reset": "forget the conversation (also /clear)",

@@ -10,17 +10,17 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from .config import ALGO_DEFAULTS, Config
-from .evaluate import evaluate_task
-from .models import load_policy
+from ..config import ALGO_DEFAULTS, Config
+from ..models.forward import load_policy
+from ..rollout.evaluate import evaluate_task
+from ..tasks import get_task
+from ..trainers.dpo import train_dpo
+from ..trainers.pretrain import pretrain
+from ..trainers.reward import train_reward_model
+from ..trainers.rl import train_rl
+from ..trainers.rl_setup import check_critic_warmup
+from ..utils import check_out_dir, clear_run_files, lock_run_dir, resolve_device
 from .report import write_report
-from .tasks import get_task
-from .trainers.dpo import train_dpo
-from .trainers.pretrain import pretrain
-from .trainers.reward import train_reward_model
-from .trainers.rl import train_rl
-from .trainers.rl_setup import check_critic_warmup
-from .utils import check_out_dir, clear_run_files, lock_run_dir, resolve_device
 
 METRICS = ("format_acc", "exact_acc", "answer_acc")
 STAGES = ("pretrain", "reward", "grpo", "rloo", "reinforce", "dpo")  # the stages' folders (PPO: the top)

@@ -1,6 +1,6 @@
 """Multi-turn environments: the model acts, the environment answers, RL learns from the episode.
 :func:`play` keeps the sampled tokens as they are, each observation appended as the chat
-template's delta, in one :class:`~rlhfkit.rollout.Rollout` (docs/environments.md: writing one,
+template's delta, in one :class:`~rlhfkit.rollout.generate.Rollout` (docs/environments.md: writing one,
 token in / token out, limits, tools)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.utils import get_json_schema
 
-from .callables import EnvError, env_name, environment_factory
-from .prompts import left_pad
-from .rollout import Rollout
+from ..callables import EnvError, env_name, environment_factory
+from ..data.prompts import left_pad
+from ..rollout.generate import Rollout
 
 
 class Environment:

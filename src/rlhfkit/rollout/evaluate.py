@@ -10,15 +10,22 @@ from types import ModuleType
 
 import torch
 
-from .core import kl_from_logits, masked_sum
-from .distributed import Shard
-from .loading import eval_mode
-from .models import context_window, load_policy, load_tokenizer, policy_dir, policy_forward, same_tokenizer
-from .prompts import file_records, prompt_limit, prompt_tensors
+from ..core import kl_from_logits, masked_sum
+from ..data.prompts import file_records, prompt_limit, prompt_tensors
+from ..models.forward import (
+    context_window,
+    load_policy,
+    load_tokenizer,
+    policy_dir,
+    policy_forward,
+    same_tokenizer,
+)
+from ..models.loading import eval_mode
+from ..run.distributed import Shard
+from ..tasks import get_task
+from ..utils import resolve_device, write_jsonl
+from .generate import Rollout, decode_responses, eos_token_ids, generate, sampling_settings, tokenize_prompts
 from .rewards import build_reward, completion_texts
-from .rollout import Rollout, decode_responses, eos_token_ids, generate, sampling_settings, tokenize_prompts
-from .tasks import get_task
-from .utils import resolve_device, write_jsonl
 
 ACCURACIES = ("format_acc", "exact_acc", "answer_acc")  # a task's verdicts, as shares of its held-out prompts
 

@@ -12,7 +12,7 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .envs import Environment
+from .environment import Environment
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 

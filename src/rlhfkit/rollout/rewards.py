@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .callables import (
+from ..callables import (
     RewardError,
     function_name,
     load_reward_function,
@@ -20,8 +20,9 @@ from .callables import (
     source_name,
     split_specs,
 )
-from .config import Config
-from .models import (
+from ..config import Config
+from ..data.prompts import PromptRecord
+from ..models.forward import (
     disable_dropout,
     freeze,
     load_scalar_model,
@@ -30,9 +31,8 @@ from .models import (
     sequence_logits,
     sequence_scores,
 )
-from .prompts import PromptRecord
-from .rollout import Rollout, response_rows
-from .tasks import get_task
+from ..tasks import get_task
+from .generate import Rollout, response_rows
 
 Source = Callable[[Rollout, Sequence[PromptRecord] | None], torch.Tensor]
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .config import PPOConfig
-from .core import (
+from ..config import PPOConfig
+from ..core import (
     explained_variance,
     gae,
     group_advantages,
@@ -27,14 +27,14 @@ from .core import (
     shaped_rewards,
     zero_std_groups,
 )
-from .distributed import Shard
-from .models import UPDATE_LOGITS, ValueHead, policy_forward, token_logprobs, token_values, unwrap
-from .precision import compute_weights
-from .registry import repeated_rows
+from ..models.forward import UPDATE_LOGITS, ValueHead, policy_forward, token_logprobs, token_values, unwrap
+from ..models.precision import compute_weights
+from ..registry import repeated_rows
+from ..run.distributed import Shard
+from ..run.watch import HackingWatch, SignalWatch
+from ..utils import to_float
+from .generate import Rollout
 from .rewards import RewardError, Scorer
-from .rollout import Rollout
-from .utils import to_float
-from .watch import HackingWatch, SignalWatch
 
 
 @dataclass(kw_only=True)
@@ -103,7 +103,7 @@ class ActorCritic(torch.nn.Module):
     def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, detach_value=False,
                 response_ids: torch.Tensor | None = None, entropy: bool = False, token_loss=None):
         """Tempered ``logits [B, R, V]`` and ``values [B, R]``; given ``response_ids``,
-        :func:`~rlhfkit.models.token_logprobs`'s ``(logprobs, entropy, values[, loss])``. A
+        :func:`~rlhfkit.models.forward.token_logprobs`'s ``(logprobs, entropy, values[, loss])``. A
         ``forward``, so DDP / FSDP see every weight."""
         if response_ids is not None:
             logprobs, ent, values, *loss = token_logprobs(  # loss: [] without token_loss

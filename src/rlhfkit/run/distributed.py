@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .accel.offload import on_device
-from .precision import compute_weights
+from ..accel.offload import on_device
+from ..models.precision import compute_weights
 
 
 def rollout_uniforms(seed: int, step: int, global_rows: int, max_new_tokens: int, rows: slice,

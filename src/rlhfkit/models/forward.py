@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import ops
-from .core import entropy_from_logits, logprobs_from_logits, position_ids_from_mask
-from .distributed import is_sharded
+from .. import ops
+from ..core import entropy_from_logits, logprobs_from_logits, position_ids_from_mask
+from ..run.distributed import is_sharded
 from .loading import *  # noqa: F403  re-exported: rlhfkit.models is where callers find them
 from .loading import AdapterDisabled, PreTrainedModel, backbone, scalar_head, unwrap
 from .logprobs import chunked_token_logprobs, chunked_token_loss

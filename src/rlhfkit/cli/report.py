@@ -15,9 +15,9 @@ from pathlib import Path
 
 import yaml
 
-from .trajectories import ROWS
-from .utils import read_jsonl
-from .watch import KEYS as HACKING_KEYS
+from ..run.trajectories import ROWS
+from ..run.watch import KEYS as HACKING_KEYS
+from ..utils import read_jsonl
 
 ASSETS = Path(__file__).parent  # report.css, report.js
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .core import kl_estimate, last_token_index
-from .utils import cut_file
+from ..core import kl_estimate, last_token_index
+from ..utils import cut_file
 
 # row name -> what it shows (the report prints these as the table's row labels and legend)
 ROWS = {

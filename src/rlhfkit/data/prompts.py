@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import data_state, load_data_state
-from .data import DataError, Limit, context_limit, encode_prompts, hold_out, load_prompts
+from ..run.checkpoint import data_state, load_data_state
+from . import DataError, Limit, context_limit, encode_prompts, hold_out, load_prompts
 
 
 @dataclass(frozen=True)

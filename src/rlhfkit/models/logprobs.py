@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from .. import ops
 
 __all__ = ["chunked_token_logprobs", "chunked_token_loss"]
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from . import ops
-from .core import position_ids_from_mask
-from .loading import unwrap
+from .. import ops
+from ..core import position_ids_from_mask
+from ..models.loading import unwrap
 
 
 @dataclass

@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.pytorch_utils import Conv1D
 
-from . import ops
+from .. import ops
 from .precision import keep_master_weights
 
 # Marks a config (and its saved config.json) built from random weights by rlhfkit: model.regime=auto

@@ -1,0 +1,3 @@
+"""Rollout and scoring: sampling responses, scoring them with the reward sources, turning
+them into experience (old and reference log-probs, advantages), and evaluation.
+"""
