@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 
 import pytest
+import tqdm.std as tqdm_module
 from tqdm.std import tqdm as std_tqdm
 
-from rlhfkit import progress as bars
 from rlhfkit.progress import PLAIN_PROGRESS_INTERVAL_S, PlainProgress, progress
 
 
@@ -48,7 +48,7 @@ def test_fast_loop_off_a_terminal_writes_a_few_plain_lines():
 def test_lines_are_throttled_to_the_interval(monkeypatch):
     # each step takes 1 s of (fake) time: one line per ~10 steps, not one per step
     clock = FakeClock()
-    monkeypatch.setattr(bars, "_clock", clock)
+    monkeypatch.setattr(tqdm_module, "time", clock)  # the clock a new bar reads
     out = io.StringIO()
     bar = progress(range(1000), desc="sft", total=1000, file=out)
     for _ in bar:
@@ -66,7 +66,7 @@ def test_lines_are_throttled_to_the_interval(monkeypatch):
 
 def test_resumed_run_counts_from_initial_and_reports_the_end_when_the_loop_breaks(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(bars, "_clock", clock)
+    monkeypatch.setattr(tqdm_module, "time", clock)  # the clock a new bar reads
     out = io.StringIO()
     bar = progress(range(40, 100), desc="grpo", total=100, initial=40, file=out)
     for step in bar:
@@ -85,9 +85,10 @@ def test_manual_updates_and_close():
     with progress(total=5, desc="write", file=out) as bar:
         for _ in range(5):
             bar.update()
-    assert out.getvalue().splitlines()[-1].startswith("write: 5/5 (100%)")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("write: 0/5 (0%)") and lines[-1].startswith("write: 5/5 (100%)")
     bar.close()  # idempotent
-    assert len(out.getvalue().splitlines()) == 1
+    assert len(out.getvalue().splitlines()) == 2
 
 
 def test_default_stream_is_stderr(capsys):

@@ -4,10 +4,7 @@ carriage-return frame), and the Hugging Face loading bars turned off where they 
 from __future__ import annotations
 
 import sys
-import time
-from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 from tqdm.autonotebook import tqdm as _notebook_or_std_tqdm
 from tqdm.std import tqdm as _std_tqdm
@@ -24,7 +21,6 @@ def quiet_hub_progress() -> None:
 
 PLAIN_PROGRESS_INTERVAL_S = 10.0  # seconds between two lines written to a stream that is not a terminal
 _IN_NOTEBOOK = _notebook_or_std_tqdm is not _std_tqdm  # tqdm.auto chose the Jupyter widget
-_clock = time.monotonic  # module-level so that tests can replace it
 
 
 def is_tty(stream) -> bool:
@@ -43,72 +39,36 @@ def progress(iterable=None, total=None, desc: str = "", enabled: bool = True, in
     return PlainProgress(iterable, total=total, desc=desc, initial=initial, file=stream)
 
 
-class PlainProgress:
-    """The part of tqdm the trainers use, as whole lines ``desc: n/total (pct), elapsed, rate |
-    postfix``: at the start, at most every ``interval`` seconds, and at the end."""
+class PlainProgress(_std_tqdm):
+    """tqdm as whole lines ``desc: n/total (pct), elapsed, rate | postfix`` for a log: at the start,
+    at most every ``interval`` seconds, and at the end; never a carriage-return frame."""
+
+    monitor_interval = 0  # no monitor thread: the loop writes every line
 
     def __init__(self, iterable=None, total=None, desc: str = "", initial: int = 0, file=None,
                  interval: float | None = None):
-        self.iterable, self.desc, self.n, self.initial = iterable, desc, initial, initial
-        self.total = total if total is not None or not hasattr(iterable, "__len__") else len(iterable)
-        self.file = sys.stderr if file is None else file
-        self.interval = PLAIN_PROGRESS_INTERVAL_S if interval is None else interval
-        self.postfix: dict[str, Any] = {}
-        self.start_t = self._last_t = _clock()
         self._last_n: int | None = None  # n at the last line written
-        self.closed = False
-
-    def __iter__(self):
-        if self.iterable is None:
-            raise TypeError("PlainProgress without an iterable: call update() instead")
-        self._write()
-        try:
-            for item in self.iterable:
-                yield item
-                self.update()
-        finally:  # also when the loop breaks early (the generator is closed) or raises
-            self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if _clock() - self._last_t >= self.interval:
-            self._write()
+        # leave=False: close() writes the last line (display below) and nothing after it
+        super().__init__(iterable, total=total, desc=desc, initial=initial, file=sys.stderr if file is None else file,
+                         mininterval=PLAIN_PROGRESS_INTERVAL_S if interval is None else interval, miniters=1,
+                         leave=False)
 
     def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
-        self.postfix = {**(ordered_dict or {}), **kwargs}
+        super().set_postfix(ordered_dict, refresh=False, **kwargs)  # shown with the next line, not at once
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+    def display(self, msg=None, pos=None) -> bool:
         if self._last_n != self.n:
-            self._write()
+            self.fp.write(self.format_line() + "\n")
+            self.fp.flush()
+            self._last_n = self.n
+        return False  # nothing on screen for close() to clear
 
     def format_line(self) -> str:
-        elapsed = _clock() - self.start_t
+        elapsed, done = self.format_dict["elapsed"], self.n - self.initial
         head = (f"{self.desc}: " if self.desc else "") + (
             f"{self.n}/{self.total} ({100 * self.n / self.total:.0f}%)" if self.total else f"{self.n}")
-        parts = [head, f"{_std_tqdm.format_interval(elapsed)} elapsed"]
-        done = self.n - self.initial
+        parts = [head, f"{self.format_interval(elapsed)} elapsed"]
         if done > 0 and elapsed > 0:
             rate = done / elapsed
             parts.append(f"{rate:.2f} it/s" if rate >= 1 else f"{1 / rate:.2f} s/it")
-        values = ", ".join(f"{k}={_postfix_value(v)}" for k, v in self.postfix.items())
-        return ", ".join(parts) + (f" | {values}" if values else "")
-
-    def _write(self) -> None:
-        self.file.write(self.format_line() + "\n")
-        self.file.flush()
-        self._last_t, self._last_n = _clock(), self.n
-
-
-def _postfix_value(v: Any) -> str:
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        v = v.item()
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+        return ", ".join(parts) + (f" | {self.postfix}" if self.postfix else "")
