@@ -69,14 +69,9 @@ def make_accelerator(cfg: Config, find_unused_parameters: bool = False):
 def _destroy_process_group_at_exit() -> None:
     """Tear the process group down when a launched process ends (once): left to the interpreter's
     shutdown, a gloo group's threads can abort a finished run (exit code -6)."""
-    atexit.register(_destroy_process_group)
-
-
-def _destroy_process_group() -> None:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    atexit.register(lambda: dist.is_available() and dist.is_initialized() and dist.destroy_process_group())
 
 
 def _cpu_fsdp_accelerator():

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from ..config import ALGO_DEFAULTS, Config
 from ..models.forward import load_policy
-from ..rollout.evaluate import evaluate_task
+from ..rollout.evaluate import ACCURACIES, evaluate_task
 from ..tasks import get_task
 from ..trainers.dpo import train_dpo
 from ..trainers.pretrain import pretrain
@@ -22,7 +22,6 @@ from ..trainers.rl_setup import check_critic_warmup
 from ..utils import check_out_dir, clear_run_files, lock_run_dir, resolve_device
 from .report import write_report
 
-METRICS = ("format_acc", "exact_acc", "answer_acc")
 STAGES = ("pretrain", "reward", "grpo", "rloo", "reinforce", "dpo")  # the stages' folders (PPO: the top)
 
 
@@ -52,8 +51,8 @@ def parse_algos(spec: str) -> list[str]:
 
 
 def _table(rows: list[tuple[str, dict]]) -> str:
-    return "\n".join([f"{'':<20}" + "".join(f"{m:>12}" for m in METRICS),
-                      *(f"{name:<20}" + "".join(f"{ev[m]:>12.4f}" for m in METRICS) for name, ev in rows)])
+    return "\n".join([f"{'':<20}" + "".join(f"{m:>12}" for m in ACCURACIES),
+                      *(f"{name:<20}" + "".join(f"{ev[m]:>12.4f}" for m in ACCURACIES) for name, ev in rows)])
 
 
 def run_demo(cfg: Config) -> dict:
@@ -99,9 +98,9 @@ def run_demo(cfg: Config) -> dict:
     first = algos[0]
     summary = {
         "task": cfg.run.task,
-        "base": {m: evals["base"][m] for m in METRICS},
-        "final": {m: evals[first][m] for m in METRICS},  # the first algorithm (PPO by default)
-        "algos": {a: {**{m: evals[a][m] for m in METRICS}, "steps": r["steps"], "reached_target": r["reached"],
+        "base": {m: evals["base"][m] for m in ACCURACIES},
+        "final": {m: evals[first][m] for m in ACCURACIES},  # the first algorithm (PPO by default)
+        "algos": {a: {**{m: evals[a][m] for m in ACCURACIES}, "steps": r["steps"], "reached_target": r["reached"],
                       "saved_step": r.get("saved_step")}
                   for a, r in results.items()},
         "reward_model": {"accuracy": rm["accuracy"], "delta": rm["delta"]},

@@ -116,9 +116,7 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
                        stop: Sequence[str] = (), reference=None) -> ScoredCompletions:
     """Complete every record's prompt (greedy, or sampled from ``seed`` under ``shaping``) and score
     the completions by ``reward``; with a ``reference``, each one's :func:`completion_kl` too."""
-    names = list(reward.weights)
-    texts, finished, totals, kls = [], [], [], []
-    parts: dict[str, list] = {name: [] for name in names}
+    texts, finished, batches, kls = [], [], [], []  # batches: reward.score's (total, scores) of each
     gen = torch.Generator(device=device).manual_seed(seed)
     with eval_mode(policy):
         for i in range(0, len(records), batch_size):
@@ -127,17 +125,15 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
             roll = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer),
                             tokenizer.pad_token_id, temperature, greedy=greedy, generator=gen, stop=stop,
                             tokenizer=tokenizer, **(shaping or {}))
-            total, scores = reward.score(roll, chunk)
+            batches.append(reward.score(roll, chunk))
             if reference is not None:
                 kls.append(completion_kl(policy, reference, roll))
             texts += completion_texts(roll, tokenizer)[1]
             finished += roll.finished.tolist()
-            totals.append(total)
-            for name in names:
-                parts[name].append(scores[name])
     cat = lambda xs: torch.cat([torch.zeros(0, dtype=torch.float64), *(x.double().cpu() for x in xs)])  # noqa: E731
-    return ScoredCompletions(texts, finished, cat(totals), {name: cat(parts[name]) for name in names},
-                             reward.accuracy_sources(), cat(kls) if reference is not None else None)
+    scores = {name: cat([s[name] for _, s in batches]) for name in reward.weights}
+    return ScoredCompletions(texts, finished, cat([t for t, _ in batches]), scores, reward.accuracy_sources(),
+                             cat(kls) if reference is not None else None)
 
 
 def reward_means(scored: ScoredCompletions, shard: Shard | None = None, device=None) -> dict[str, float]:
