@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import json
 import os
+import subprocess
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -250,10 +251,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args) -> int:
     debug = debug_requested(args)
-    if args.command == "report":
-        return _report(args, debug)
-    if args.command == "fetch-model":
-        return _fetch_model(args, debug)
+    if args.command in ("report", "fetch-model"):  # no config: a path or a model name
+        try:
+            return _report(args) if args.command == "report" else _fetch_model(args)
+        except (OSError, ValueError, subprocess.SubprocessError) as e:  # a FetchError is a ValueError
+            return _error(args.command, e, debug)
     try:
         # checked before torch and transformers are imported (seconds): a mistyped key is answered at once
         cfg = _config(args)
@@ -413,13 +415,10 @@ def _gridworld(cfg: Config) -> None:
     print(f"greedy return {res['greedy_return']:g}, optimum {res['optimal_return']:g}: {verdict}")
 
 
-def _fetch_model(args, debug: bool = False) -> int:
-    from .fetch import FetchError, fetch_model
+def _fetch_model(args) -> int:
+    from .fetch import fetch_model
 
-    try:
-        res = fetch_model(args.name, args.dir)
-    except (FetchError, OSError) as e:
-        return _error("fetch-model", e, debug)
+    res = fetch_model(args.name, args.dir)
     if args.print_path:
         print(Path(res["dir"]).absolute())
         return 0
@@ -433,18 +432,13 @@ def _fetch_model(args, debug: bool = False) -> int:
     return 0
 
 
-def _report(args, debug: bool = False) -> int:
-    import subprocess
-
+def _report(args) -> int:
     from .report import screenshot, write_report
 
-    try:
-        path = write_report(args.path)
-        print(f"report: {path} ({path.stat().st_size / 1e6:.2f} MB)")
-        if args.screenshot:
-            print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
-    except (OSError, ValueError, subprocess.SubprocessError) as e:
-        return _error("report", e, debug)
+    path = write_report(args.path)
+    print(f"report: {path} ({path.stat().st_size / 1e6:.2f} MB)")
+    if args.screenshot:
+        print(f"screenshot: {screenshot(path, path.with_suffix('.png'))}")
     return 0
 
 
