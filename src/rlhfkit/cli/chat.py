@@ -31,12 +31,7 @@ def command_of(line: str) -> str | None:
 
 
 class UnencodableInput(ValueError):
-    """The typed line holds characters the tokenizer cannot encode (``.characters``)."""
-
-    def __init__(self, characters: list[str]):
-        super().__init__(f"cannot encode this input: characters the tokenizer cannot encode: "
-                         f"{describe_characters(characters)}")
-        self.characters = characters
+    """The typed line holds characters the tokenizer cannot encode."""
 
 
 class ChatSession:
@@ -68,7 +63,8 @@ class ChatSession:
             bad = unencodable_characters(self.tok, typed)
             if not bad:
                 raise
-            raise UnencodableInput(bad) from None
+            raise UnencodableInput("cannot encode this input: characters the tokenizer cannot encode: "
+                                   f"{describe_characters(bad)}") from None
 
     @torch.no_grad()
     def reply(self, text: str) -> str:

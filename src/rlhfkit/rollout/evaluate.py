@@ -11,7 +11,7 @@ from types import ModuleType
 import torch
 
 from ..core import kl_from_logits, masked_sum
-from ..data.prompts import file_records, prompt_limit, prompt_tensors
+from ..data.prompts import PromptRecord, file_records, prompt_limit, prompt_tensors
 from ..models.forward import (
     context_window,
     load_policy,
@@ -24,10 +24,20 @@ from ..models.loading import eval_mode
 from ..run.distributed import Shard
 from ..tasks import get_task
 from ..utils import resolve_device, write_jsonl
-from .generate import Rollout, decode_responses, eos_token_ids, generate, sampling_settings, tokenize_prompts
+from .generate import Rollout, decode_responses, eos_token_ids, generate, sampling_settings
 from .rewards import build_reward, completion_texts
 
 ACCURACIES = ("format_acc", "exact_acc", "answer_acc")  # a task's verdicts, as shares of its held-out prompts
+
+
+def _rollouts(policy, tokenizer, records: list, device, batch_size: int, max_new_tokens: int, **sampling):
+    """``(chunk, rollout)`` of each ``batch_size`` records completed by ``policy`` in eval mode."""
+    with eval_mode(policy):
+        for i in range(0, len(records), batch_size):
+            chunk = records[i : i + batch_size]
+            ids, mask = prompt_tensors(tokenizer, chunk, device)
+            yield chunk, generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer),
+                                  tokenizer.pad_token_id, tokenizer=tokenizer, **sampling)
 
 
 @torch.no_grad()
@@ -36,19 +46,12 @@ def evaluate_task(task: ModuleType, policy, tokenizer, device, batch_size: int =
     """Greedy completions of the task's held-out prompts scored by its verifier: ``{"format_acc",
     "exact_acc", "answer_acc", "examples": [(prompt, completion, format, exact), ...]}``."""
     prompts = prompts if prompts is not None else task.eval_prompts()
-    max_new_tokens = max_new_tokens or task.MAX_NEW_TOKENS
-    verdicts, examples = [], []
-    with eval_mode(policy):
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            ids, mask = tokenize_prompts(tokenizer, [p.text for p in chunk], device)
-            out = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-                           greedy=True, stop=stop, tokenizer=tokenizer)
-            for p, c in zip(chunk, decode_responses(tokenizer, out.response_ids, out.response_mask)):
-                verdicts.append(v := task.verify(p, c))
-                examples.append((p.text, c, v["format"], v["exact"]))
+    rollouts = _rollouts(policy, tokenizer, [PromptRecord(p.text) for p in prompts], device, batch_size,
+                         max_new_tokens or task.MAX_NEW_TOKENS, greedy=True, stop=stop)
+    completions = [c for _, out in rollouts for c in decode_responses(tokenizer, out.response_ids, out.response_mask)]
+    verdicts = [task.verify(p, c) for p, c in zip(prompts, completions)]
     return {**{k: sum(v[k.removesuffix("_acc")] for v in verdicts) / len(prompts) for k in ACCURACIES},
-            "examples": examples}
+            "examples": [(p.text, c, v["format"], v["exact"]) for p, c, v in zip(prompts, completions, verdicts)]}
 
 
 def evaluate_sharded(task, policy, tokenizer, device, shard: Shard, batch_size: int = 512,
@@ -118,18 +121,13 @@ def complete_and_score(policy, tokenizer, records: list, reward, device, batch_s
     the completions by ``reward``; with a ``reference``, each one's :func:`completion_kl` too."""
     texts, finished, batches, kls = [], [], [], []  # batches: reward.score's (total, scores) of each
     gen = torch.Generator(device=device).manual_seed(seed)
-    with eval_mode(policy):
-        for i in range(0, len(records), batch_size):
-            chunk = records[i : i + batch_size]
-            ids, mask = prompt_tensors(tokenizer, chunk, device)
-            roll = generate(policy, ids, mask, max_new_tokens, eos_token_ids(policy, tokenizer),
-                            tokenizer.pad_token_id, temperature, greedy=greedy, generator=gen, stop=stop,
-                            tokenizer=tokenizer, **(shaping or {}))
-            batches.append(reward.score(roll, chunk))
-            if reference is not None:
-                kls.append(completion_kl(policy, reference, roll))
-            texts += completion_texts(roll, tokenizer)[1]
-            finished += roll.finished.tolist()
+    for chunk, roll in _rollouts(policy, tokenizer, records, device, batch_size, max_new_tokens, greedy=greedy,
+                                 temperature=temperature, generator=gen, stop=stop, **(shaping or {})):
+        batches.append(reward.score(roll, chunk))
+        if reference is not None:
+            kls.append(completion_kl(policy, reference, roll))
+        texts += completion_texts(roll, tokenizer)[1]
+        finished += roll.finished.tolist()
     cat = lambda xs: torch.cat([torch.zeros(0, dtype=torch.float64), *(x.double().cpu() for x in xs)])  # noqa: E731
     scores = {name: cat([s[name] for _, s in batches]) for name in reward.weights}
     return ScoredCompletions(texts, finished, cat([t for t, _ in batches]), scores, reward.accuracy_sources(),
