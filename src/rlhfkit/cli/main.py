@@ -1,8 +1,5 @@
-"""Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them).
-
-The config (:func:`resolve_config`) and run (:func:`run_command`) of rlhfkit.api's functions, with printing
-and one-line errors.
-"""
+"""Command line: ``rlhfkit COMMAND [--config FILE] [section.key=value ...]`` (``rlhfkit -h`` lists them): the
+config (:func:`resolve_config`) and run (:func:`run_command`) rlhfkit.api shares, printing, one-line errors."""
 
 from __future__ import annotations
 
@@ -204,14 +201,6 @@ def _config(args) -> Config:
     return resolve_config(args.command, args.config, overrides)
 
 
-def _emit(result) -> None:
-    """Print a command's summary from the main process only."""
-    from ..utils import is_main_process
-
-    if is_main_process():
-        print(json.dumps(result, indent=2, ensure_ascii=False))  # prompts and answers as people write them
-
-
 def debug_requested(args) -> bool:
     """``--debug`` or ``RLHFKIT_DEBUG`` set to anything but empty/0: errors keep their traceback."""
     return bool(getattr(args, "debug", False)) or os.environ.get("RLHFKIT_DEBUG", "").strip() not in ("", "0")
@@ -357,20 +346,19 @@ def _run(args, cfg: Config) -> None:
     elif args.command == "gridworld":
         _gridworld(cfg)
     else:
+        from ..utils import is_main_process
+
         result = run_command(args.command, cfg, getattr(args, "path", None))
+        if args.command == "demo" or not is_main_process():  # the demo prints its own stages
+            return
         if args.command == "eval" and cfg.data.path:
             _print_eval(result, cfg)
-        elif args.command != "demo":  # the demo prints its own stages
-            _emit(result)
+        else:
+            print(json.dumps(result, indent=2, ensure_ascii=False))  # prompts and answers as people write them
 
 
 def _print_eval(res: dict, cfg: Config) -> None:
     """``rlhfkit eval`` on data.path's prompts: a short summary of the scores."""
-    from ..utils import is_main_process
-
-    if not is_main_process():
-        return
-
     def scores(r: dict) -> str:
         parts = ", ".join(f"{k.removeprefix('eval/reward/')} {v:.4f}" for k, v in r.items()
                           if k.startswith("eval/reward/"))

@@ -1,8 +1,6 @@
 """Configuration: nested frozen dataclasses (config.sections, config.ppo), YAML files, dotted overrides.
-
 ``load_config(path, ["ppo.kl_coef=0.1"])`` returns a validated :class:`Config`; an unknown key or an ill-typed
-value raises :class:`ConfigError` naming the key, with a "did you mean", before any work starts.
-"""
+value raises :class:`ConfigError` naming the key, with a "did you mean", before any work starts."""
 
 from __future__ import annotations
 
