@@ -346,9 +346,9 @@ def _run(args, cfg: Config) -> None:
     elif args.command == "gridworld":
         _gridworld(cfg)
     else:
+        result = run_command(args.command, cfg, getattr(args, "path", None))  # checks its inputs before torch loads
         from ..utils import is_main_process
 
-        result = run_command(args.command, cfg, getattr(args, "path", None))
         if args.command == "demo" or not is_main_process():  # the demo prints its own stages
             return
         if args.command == "eval" and cfg.data.path:
