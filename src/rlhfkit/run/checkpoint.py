@@ -102,8 +102,9 @@ def _world() -> int:
     return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if _world() > 1:
+def _barrier(sharded: bool = True) -> None:
+    """Wait for every process, where all of them write a sharded checkpoint."""
+    if sharded and _world() > 1:
         tdist.barrier()
 
 
@@ -214,8 +215,7 @@ class Checkpointer:
             _barrier()  # every process's files are written
         if self.enabled:
             self._write(tmp, steps_done, modules, optimizers, state, schedulers, sharded)
-        if sharded:
-            _barrier()
+        _barrier(sharded)
         fault_point("checkpoint_write", steps_done)  # files written, not yet renamed
         if self.enabled:
             if final.exists():  # a resumed run passing the same step again: replace it
@@ -225,8 +225,7 @@ class Checkpointer:
             os.replace(tmp, final)
             _fsync_dir(self.root)
             self._prune()
-        if sharded:
-            _barrier()  # no process goes on before the checkpoint is complete
+        _barrier(sharded)  # no process goes on before the checkpoint is complete
         return final if self.enabled else None
 
     def _write(self, tmp: Path, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
