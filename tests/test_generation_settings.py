@@ -322,7 +322,7 @@ def test_a_rows_tokens_do_not_depend_on_the_batch_split():
     for rank in (0, 1):
         shard = Shard()
         shard.rank, shard.world = rank, 2  # the rows rank 0 / 1 of 2 processes take
-        rows = shard.rows(B)
+        rows = shard.span(B)
         half = generate(POLICY, ids[rows], mask[rows], R, EOS, PAD, uniforms=rollout_uniforms(3, 7, B, R, rows),
                         stop=stops, tokenizer=TOK, **settings)
         width = half.response_ids.shape[1]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "rlhfkit"
-LOOP_FILES = [*sorted((PKG / "trainers").glob("*.py")),
-              *(PKG / f"{name}.py" for name in ("checkpoint", "watch", "evaluate", "distributed", "cli", "api"))]
+LOOP_FILES = [*sorted((PKG / "trainers").glob("*.py")), *sorted((PKG / "cli").glob("*.py")),
+              *(PKG / f"{name}.py" for name in ("run/checkpoint", "run/watch", "rollout/evaluate", "run/distributed", "api"))]
 
 
 def functions(path: Path) -> dict[str, ast.FunctionDef]:

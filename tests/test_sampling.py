@@ -52,7 +52,7 @@ def test_a_rows_sample_does_not_depend_on_the_batch_split():
     for rank in (0, 1):
         shard = Shard()
         shard.rank, shard.world = rank, 2  # the rows rank 0 / 1 of 2 processes take
-        rows = shard.rows(8)
+        rows = shard.span(8)
         halves.append(generate(model, ids[rows], mask[rows], 6, tok.eos_token_id, tok.pad_token_id,
                                uniforms=rollout_uniforms(3, 7, 8, 6, rows)))
     for half, rows in zip(halves, (slice(0, 4), slice(4, 8))):

@@ -65,11 +65,7 @@ def set_rng_state(plain: dict[str, Any], tensors: dict[str, Any]) -> None:
 
 def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters an optimizer changes (``requires_grad``), by name, as contiguous CPU tensors."""
-    state = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    if any(is_sharded(p) for p in state.values()):
-        raise NotImplementedError("trainable_state reads whole weights; FSDP-sharded ones are written shard by "
-                                  "shard (save_shards)")
-    return {n: p.detach().contiguous().cpu() for n, p in state.items()}
+    return {n: p.detach().contiguous().cpu() for n, p in module.named_parameters() if p.requires_grad}
 
 
 def load_trainable_state(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
@@ -102,8 +98,9 @@ def _world() -> int:
     return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if _world() > 1:
+def _barrier(sharded: bool = True) -> None:
+    """Wait for every process, where all of them write a sharded checkpoint."""
+    if sharded and _world() > 1:
         tdist.barrier()
 
 
@@ -125,18 +122,29 @@ def _sharded_states(modules: dict[str, nn.Module], optimizers: dict[str, Any]):
     return state, model, optims, options
 
 
-def save_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
-    """Every process writes its shards of the trainable weights and optimizer states (a collective)."""
+def save_shards(path: Path, modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
+    """Every process writes into checkpoint ``path`` its shards of the trainable weights and optimizer
+    states, and its RNG states (a collective)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_sharded_states(modules, optimizers)[0], checkpoint_id=directory)
+    _barrier()  # the directory exists
+    dcp.save(_sharded_states(modules, optimizers)[0], checkpoint_id=path / SHARDED)
+    torch.save(rng_state(), path / f"rng-{_rank()}.pt")
+    _barrier()  # every process's files are written
 
 
-def load_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
-    """Read back what :func:`save_shards` wrote into the same modules and optimizers (a collective)."""
+def load_shards(path: Path, meta: dict[str, Any], modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
+    """Read back what :func:`save_shards` wrote into the same modules and optimizers, with the same
+    number of processes (a collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    then, now, sharded = meta["sharded"]["processes"], _world(), holds_shards(modules)
+    if then != now or not sharded:
+        raise ValueError(f"checkpoint {path} holds the shards of {then} FSDP processes, this run has {now} "
+                         f"{'FSDP ' if sharded else 'unsharded '}processes: resume with the launch "
+                         "the run was started with")
+    directory = path / SHARDED
     state, model, optims, options = _sharded_states(modules, optimizers)
     # a fresh optimizer's state read creates one for every parameter: keep those the checkpoint has
     keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
@@ -149,6 +157,8 @@ def load_shards(directory: Path, modules: dict[str, nn.Module], optimizers: dict
     partial = dataclasses.replace(options, strict=False)  # those parameters without a state
     for k, o in optims.items():
         set_optimizer_state_dict(model, o, state["optimizers"][k], options=partial)
+    rng = torch.load(path / f"rng-{_rank()}.pt", map_location="cpu", weights_only=True)
+    set_rng_state(rng["plain"], rng["tensors"])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -208,14 +218,10 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         if sharded:
-            _barrier()  # the directory exists
-            save_shards(tmp / SHARDED, modules, optimizers)
-            torch.save(rng_state(), tmp / f"rng-{_rank()}.pt")  # each process's own RNGs
-            _barrier()  # every process's files are written
+            save_shards(tmp, modules, optimizers)
         if self.enabled:
             self._write(tmp, steps_done, modules, optimizers, state, schedulers, sharded)
-        if sharded:
-            _barrier()
+        _barrier(sharded)
         fault_point("checkpoint_write", steps_done)  # files written, not yet renamed
         if self.enabled:
             if final.exists():  # a resumed run passing the same step again: replace it
@@ -225,8 +231,7 @@ class Checkpointer:
             os.replace(tmp, final)
             _fsync_dir(self.root)
             self._prune()
-        if sharded:
-            _barrier()  # no process goes on before the checkpoint is complete
+        _barrier(sharded)  # no process goes on before the checkpoint is complete
         return final if self.enabled else None
 
     def _write(self, tmp: Path, steps_done: int, modules: dict[str, nn.Module], optimizers: dict[str, Any],
@@ -275,7 +280,7 @@ class Checkpointer:
                              "resume with the command and config the run was started with")
         trainer = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
         if "sharded" in meta:
-            self._load_shards(path, meta, modules, optimizers)
+            load_shards(path, meta, modules, optimizers)
         else:
             for name, module in modules.items():
                 load_trainable_state(module, load_file(str(path / f"{name}.safetensors")), str(path))
@@ -285,17 +290,6 @@ class Checkpointer:
         for k, s in (schedulers or {}).items():
             s.load_state_dict(trainer["schedulers"][k])
         return {"step": meta["step"], "path": str(path), **meta["state"]}
-
-    @staticmethod
-    def _load_shards(path: Path, meta: dict[str, Any], modules: dict[str, nn.Module], optimizers: dict[str, Any]) -> None:
-        saved, now, sharded = meta["sharded"]["processes"], _world(), holds_shards(modules)
-        if saved != now or not sharded:
-            raise ValueError(f"checkpoint {path} holds the shards of {saved} FSDP processes, this run has {now} "
-                             f"{'FSDP ' if sharded else 'unsharded '}processes: resume with the launch "
-                             "the run was started with")
-        load_shards(path / SHARDED, modules, optimizers)
-        rng = torch.load(path / f"rng-{_rank()}.pt", map_location="cpu", weights_only=True)
-        set_rng_state(rng["plain"], rng["tensors"])
 
 
 def data_state(data) -> Any:

@@ -56,14 +56,10 @@ class Shard:
         """This process's chunks of ``n`` items, ``size`` at a time, dealt round-robin."""
         return [slice(i, min(n, i + size)) for i in range(self.rank * size, n, self.world * size)]
 
-    def rows(self, global_size: int) -> slice:
-        b = global_size // self.world
-        return slice(self.rank * b, (self.rank + 1) * b)
-
     def take(self, items: Sequence | torch.Tensor, what: str = "batch size", multiple: int = 1):
         """This process's contiguous rows of a global batch (a list or a tensor's first dim)."""
         self.local_size(len(items), what, multiple)
-        return items[self.rows(len(items))]
+        return items[self.span(len(items))]
 
     def local_rows(self, global_rows: torch.Tensor, local_size: int) -> torch.Tensor:
         """The entries of ``global_rows`` (indices into a global batch sharded as by :meth:`take`) that

@@ -300,17 +300,14 @@ class Run:
             self.bar.set_postfix(**postfix)
         return row
 
-    def rows(self) -> list[dict]:
-        return self.log_.rows()
-
-    def due(self, step: int, last: bool | None = None) -> bool:
+    def due(self, step: int) -> bool:
         """Is a checkpoint due after ``step`` (``run.checkpoint_every``; never after the last)?"""
-        return self.ckpt.due(step + 1, step == self.total - 1 if last is None else last)
+        return self.ckpt.due(step + 1, step == self.total - 1)
 
-    def checkpoint(self, step: int, last: bool | None = None, **extra: Any) -> None:
+    def checkpoint(self, step: int, **extra: Any) -> None:
         """After ``step``: save a checkpoint when one is due, with the standard loop state (log
         position, guard, data position, generator, seconds) and ``extra``."""
-        if not self.due(step, last):
+        if not self.due(step):
             return
         s = self._saved
         state = loop_state(step + 1, self.log_, self.guard, s["data"], s["generator"], seconds=self.seconds, **extra)

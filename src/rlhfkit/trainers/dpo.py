@@ -131,20 +131,11 @@ def preference_loss(dc, logps: torch.Tensor, ref_logps: torch.Tensor, tokens: to
     return loss_fn(logps[0], logps[1], ref_logps[0], ref_logps[1], dc.beta)
 
 
-@dataclass
-class TokenTotals:
-    """The batch's response-token counts (chosen, rejected) and this process's token weights."""
-
-    chosen: torch.Tensor
-    rejected: torch.Tensor
-    chosen_weight: float = 1.0
-    rejected_weight: float = 1.0
-
-
-def micro_batch_loss(model, ref, ref_cache, enc: dict, idx: torch.Tensor, dc, device, totals: TokenTotals,
-                     rows: slice) -> tuple[torch.Tensor, dict]:
+def micro_batch_loss(model, ref, ref_cache, enc: dict, idx: torch.Tensor, dc, device, totals: torch.Tensor,
+                     weights: tuple[float, float], rows: slice) -> tuple[torch.Tensor, dict]:
     """The loss and stats of pairs ``idx[rows]``, scaled so their sums over the micro-batches are
-    the batch's: pair means by the share of pairs, token means over ``totals``."""
+    the batch's: pair means by the share of pairs, token means over the batch's response tokens
+    ``totals`` ``[2]`` (chosen, rejected) times this process's token ``weights``."""
     sub = idx[rows]
     ids, attn, rmask = stack_pairs(enc, sub, device, LOSS_FIELDS)
     logps, logit_sums = sequence_logprobs(model, ids, attn, rmask, logit_sums=True)
@@ -162,10 +153,10 @@ def micro_batch_loss(model, ref, ref_cache, enc: dict, idx: torch.Tensor, dc, de
     share = len(sub) / len(idx)  # 1 when the micro-batch is the batch
     loss, stats = loss * share, {k: v * share for k, v in stats.items()}
     # token means: the weights make the processes' average the mean over all their tokens
-    stats["logits/chosen"] = logit_sums[0].sum() / totals.chosen * totals.chosen_weight
-    stats["logits/rejected"] = logit_sums[1].sum() / totals.rejected * totals.rejected_weight
+    token_mean = [logit_sums[i].sum() / totals[i] * weights[i] for i in range(2)]
+    stats["logits/chosen"], stats["logits/rejected"] = token_mean
     if dc.nll_coef:  # keep the chosen answers likely: DPO alone may win by only pushing rejected down
-        nll = -logps[0].sum() / totals.chosen * totals.chosen_weight
+        nll = -logps[0].sum() / totals[0] * weights[0]
         loss = loss + dc.nll_coef * nll
         stats["dpo/chosen_nll"] = nll.detach()
     return loss, stats
@@ -174,11 +165,9 @@ def micro_batch_loss(model, ref, ref_cache, enc: dict, idx: torch.Tensor, dc, de
 def dpo_step(engine: Engine, ref, ref_cache, enc: dict, idx: torch.Tensor, dc, device) -> tuple[torch.Tensor, dict]:
     """Forward and backward passes on pairs ``idx`` (this process's share), ``dpo.micro_batch_size``
     at a time; the loss and its stats, averaged over processes, under our and TRL's names."""
-    chosen_mask = enc["chosen_loss_mask"][idx, 1:].to(device)  # [b, T-1]
-    rejected_mask = enc["rejected_loss_mask"][idx, 1:].to(device)  # [b, T-1]
-    totals = TokenTotals(chosen_mask.sum(), rejected_mask.sum(), engine.shard.token_weight(chosen_mask),
-                         engine.shard.token_weight(rejected_mask))
-    step = functools.partial(micro_batch_loss, engine.model, ref, ref_cache, enc, idx, dc, device, totals)
+    masks = [enc[f"{side}_loss_mask"][idx, 1:].to(device) for side in ("chosen", "rejected")]  # [b, T-1] each
+    totals, weights = torch.stack([m.sum() for m in masks]), tuple(engine.shard.token_weight(m) for m in masks)
+    step = functools.partial(micro_batch_loss, engine.model, ref, ref_cache, enc, idx, dc, device, totals, weights)
     loss, stats = engine.accumulate(len(idx), dc.micro_batch_size, step)
     row = engine.shard.mean(mean_stats([stats]))  # the DPO terms are means over pairs, equal on every process
     return loss, {**row, **{f"rewards/{trl}": row[f"dpo/{ours}"] for trl, ours in TRL_NAMES.items()}}

@@ -322,7 +322,7 @@ def sampler(run: Run, ac: ActorCritic, train_ac, tok, step: int | None, max_new_
         u = None
         if step is not None:
             # draws keyed to (seed, step, turn, global row): the same samples with any number of processes
-            u = rollout_uniforms(cfg.run.seed, step, pc.batch_size, max_new_tokens, run.shard.rows(pc.batch_size), turn)
+            u = rollout_uniforms(cfg.run.seed, step, pc.batch_size, max_new_tokens, run.shard.span(pc.batch_size), turn)
             u = (u if rows is None else u[rows])[:, :n].to(run.device)
         # the unwrapped policy (FSDP: root weights gathered); eval keeps the KV cache under checkpointing
         with eval_mode(ac.policy), full_weights(train_ac):

@@ -346,9 +346,9 @@ def step_timings(run: Run, exp: Experience, t: list[float], train_s: float) -> d
 
 def save_checkpoint(s: RLSetup, step: int) -> None:
     """The checkpoint after ``step`` when one is due, with the output files' offsets."""
-    if s.run.due(step, step == s.pc.steps - 1):
+    if s.run.due(step):
         s.samples.flush()
-        s.run.checkpoint(step, step == s.pc.steps - 1, **s.st.state_dict(),
+        s.run.checkpoint(step, **s.st.state_dict(),
                          samples_offset=file_size(s.run.out / "samples.jsonl"),
                          trajectories_offset=s.trajectories.position())
 
@@ -365,7 +365,7 @@ def finish_rl(s: RLSetup) -> dict:
         s.best.restore()
         saved_step = s.best.step
     run.close()
-    history = run.rows()  # read back, not kept per step: memory stays flat over a long run
+    history = run.log_.rows()  # read back, not kept per step: memory stays flat over a long run
     policy_dir = run.save_model(ac.policy, s.tok, "policy", adapter="policy_adapter")  # LoRA: merged in policy/
     if ac.critic is not None:
         run.save_model(ac.critic, s.tok, "value_model")
