@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import subprocess
@@ -295,11 +294,6 @@ def _check_inputs(command: str, cfg: Config) -> None:
 
 
 # the function each command runs, imported when it runs (module relative to rlhfkit.cli)
-RUNNERS = {"demo": ".demo:run_demo", "pretrain": "..trainers.pretrain:pretrain", "rm": "..trainers.reward:train_reward_model",
-           **dict.fromkeys(ALGO_DEFAULTS, "..trainers.rl:train_rl"), "sft": "..trainers.sft:train_sft",
-           "dpo": "..trainers.dpo:train_dpo"}
-
-
 def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
     """Run a command on its resolved config and return its summary (``path``: the policy ``eval``
     evaluates), for the command line and rlhfkit.api alike; the heavy imports happen here."""
@@ -313,10 +307,21 @@ def run_command(command: str, cfg: Config, path: str | None = None) -> dict:
         ops.configure(cfg.accel)  # once, before any model runs (the trainers' setup_run again: no change)
     if command == "eval":
         return _evaluate(path, cfg)
-    if command not in RUNNERS:
+    if command == "demo":
+        from .demo import run_demo as runner
+    elif command == "pretrain":
+        from ..trainers.pretrain import pretrain as runner
+    elif command == "rm":
+        from ..trainers.reward import train_reward_model as runner
+    elif command in ALGO_DEFAULTS:
+        from ..trainers.rl import train_rl as runner
+    elif command == "sft":
+        from ..trainers.sft import train_sft as runner
+    elif command == "dpo":
+        from ..trainers.dpo import train_dpo as runner
+    else:
         raise ValueError(f"no Python function runs 'rlhfkit {command}'")
-    module, _, name = RUNNERS[command].partition(":")
-    return getattr(importlib.import_module(module, __package__), name)(cfg)
+    return runner(cfg)
 
 
 def _evaluate(path: str, cfg: Config) -> dict:
