@@ -1,5 +1,5 @@
 """One micro-batch of completion positions through the LM head and GRPO's per-token loss, forward
-and backward: TRL 1.16's chunked log-prob head against rlhfkit's two chunked heads.
+and backward: TRL 1.16's chunked log-prob head against rlhfkit's.
 
 Every contender computes the same numbers: the chosen tokens' log-probs under ``hidden @
 weight.T`` (float32, never the whole ``[N, V]`` logits), GRPO's token-mean loss on them (PPO's
@@ -10,21 +10,18 @@ gradients wrt the hidden states and the head's weight (full fine-tuning: the hea
   for the update's log-probs), the loss after it. Its CPU path (no Triton: the tiles are folded
   by torch ops) with log-probs only requested (``GRPOTrainer`` also asks for the entropies).
   Its backward computes every tile's logits again.
-- ``rlhfkit_two_pass``: ``logprobs.chunked_token_logprobs``, the loss after it; its backward also
+- ``rlhfkit``: ``logprobs.chunked_token_logprobs``, the loss after it; its backward also
   computes every chunk's logits again (each row's logsumexp kept from the forward).
-- ``rlhfkit_fused``: ``logprobs.chunked_token_loss``, the loss inside the head, what rlhfkit's
-  update runs since commit e95660e: each chunk's logits built once, the chunk's gradients
-  summed in the forward while they are at hand. One ``[n, H] x [H, V]`` product fewer per chunk.
 
-Products per micro-batch of N rows (each ``2 N H V`` FLOP): TRL and the two-pass head 4
-(logits, logits again, the hidden states' gradient, the weight's), the fused head 3.
+Products per micro-batch of N rows (each ``2 N H V`` FLOP): 4 for both (logits, logits again,
+the hidden states' gradient, the weight's).
 
 Protocol: each (contender, run) is its own process pinned to ``--core`` with one torch thread;
 one warm-up step, then ``--steps`` timed ones (the median is the run's figure); contenders one
 after another, the order reversed on odd runs. Memory: the resident set's high-water mark during
 the timed steps (``VmHWM``, reset through ``/proc/self/clear_refs``) less the resident set
 before them, i.e. what the head and loss add on top of their inputs and the weight's gradient
-buffer. The gradients of every contender are compared with the fused head's (largest difference
+buffer. The gradients of every contender are compared with the first one's (largest difference
 relative to the largest gradient).
 
     python benchmarks/head_step.py                       # SmolLM2-135M's head, 1024 rows, 3 runs
@@ -42,7 +39,7 @@ import sys
 import tempfile
 import time
 
-CONTENDERS = ("trl", "rlhfkit_two_pass", "rlhfkit_fused")
+CONTENDERS = ("trl", "rlhfkit")
 BETA, CLIP = 0.3, 0.2
 
 
@@ -57,7 +54,7 @@ def rss_mib(field: str) -> float:
 def worker(args) -> None:
     import torch
 
-    from rlhfkit.models.logprobs import chunked_token_logprobs, chunked_token_loss
+    from rlhfkit.models.logprobs import chunked_token_logprobs
 
     torch.set_num_threads(1)
     N, H, V = args.rows, args.hidden, args.vocab
@@ -86,13 +83,9 @@ def worker(args) -> None:
             lp = ChunkedLogProbFunction.apply(h, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None,
                                               1.0, ())[0]
             return token_loss(lp, 0, N)
-    elif args.contender == "rlhfkit_two_pass":
-        def loss_of(h):
-            return token_loss(chunked_token_logprobs(h, weight, None, targets, 1.0, chunk)[0], 0, N)
     else:
         def loss_of(h):
-            return chunked_token_loss(h, weight, None, targets, lambda lp, ent, s, e: token_loss(lp, s, e), 1.0,
-                                      chunk)[0]
+            return token_loss(chunked_token_logprobs(h, weight, None, targets, 1.0, chunk)[0], 0, N)
 
     def step():
         h = hidden.clone().requires_grad_()
@@ -157,8 +150,7 @@ def main() -> None:
 
     import torch
 
-    base = "rlhfkit_fused" if "rlhfkit_fused" in results else args.contenders[0]
-    want = torch.load(os.path.join(tmp, base + ".pt"), weights_only=True)
+    want = torch.load(os.path.join(tmp, args.contenders[0] + ".pt"), weights_only=True)
     print(f"\none micro-batch: {args.rows} rows, hidden {args.hidden}, vocabulary {args.vocab}, float32, one thread "
           f"on core {args.core}; median (min-max) over {args.runs} runs of the median of {args.steps} steps")
     print(f"{'contender':18} {'forward s':>10} {'backward s':>11} {'step s':>22} {'added MiB':>10} {'grad diff':>10}")
@@ -170,10 +162,6 @@ def main() -> None:
         print(f"{c:18} {med('forward'):10.3f} {med('backward'):11.3f} "
               f"{statistics.median(steps):8.3f} ({min(steps):.3f}-{max(steps):.3f}) {med('peak_mib'):10.0f} "
               f"{diff:10.1e}")
-    if {"trl", "rlhfkit_fused"} <= results.keys():
-        ratio = statistics.median(r["step"] for r in results["rlhfkit_fused"]) / statistics.median(
-            r["step"] for r in results["trl"])
-        print(f"\nrlhfkit_fused / trl: {ratio:.2f}x (3 products against 4: 0.75x from arithmetic alone)")
 
 
 if __name__ == "__main__":

@@ -67,10 +67,6 @@ Rows (``--rows``; default: the GRPO rows without LoRA that the device runs):
                            and device memory are one). The moments' copy to the host is timed
                            as the rollout's, their copy back as the update's
     rlhfkit_grpo_graph_ckpt_offload  the three switches together (GPU only)
-    rlhfkit_grpo_twopass   the first row with ``rl.minibatch_loss(fused_loss=False)``: the update's
-                           loss computed from the chunked head's log-probs, whose backward builds
-                           each chunk's logits again (rlhfkit before commit e95660e, and TRL's
-                           head); CPU or GPU, not in the default rows
     rlhfkit_grpo_offheap   the first row with ``accel.update_off_heap=true``: during the update every
                            tensor of 1 MiB or more mapped on its own and handed back when freed
                            (glibc; CPU only, not in the default rows). ``rlhfkit_grpo_offheap_thp``
@@ -184,7 +180,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import shutil
@@ -250,7 +245,6 @@ NAMES = {
     "trl_grpo_compact_keep": "TRL, compl. pos., freed memory kept",
     "rlhfkit_grpo_thp": "rlhfkit GRPO, huge pages",
     "trl_grpo_compact_thp": "TRL, compl. pos., huge pages",
-    "rlhfkit_grpo_twopass": "rlhfkit GRPO, loss after the head",
     "rlhfkit_grpo_offheap": "rlhfkit GRPO, update off the heap",
     "rlhfkit_grpo_offheap_thp": "rlhfkit GRPO, off heap, huge pages",
     "rlhfkit_grpo_jemalloc": "rlhfkit GRPO, jemalloc",
@@ -279,7 +273,6 @@ RATIOS = [
     ("rlhfkit_grpo_mkl", "trl_grpo_compact", "TRL scoring completion positions, both on MKL"),
     ("rlhfkit_grpo", "trl_grpo_compact_keep", "TRL scoring completion positions, its malloc keeping freed memory"),
     ("rlhfkit_grpo_keep", "rlhfkit_grpo", "malloc keeping freed memory, within rlhfkit"),
-    ("rlhfkit_grpo", "rlhfkit_grpo_twopass", "the loss inside the head (logits built once), within rlhfkit"),
     ("rlhfkit_grpo_offheap", "rlhfkit_grpo", "the update's tensors off the heap, within rlhfkit"),
     ("rlhfkit_grpo_offheap_thp", "rlhfkit_grpo_offheap", "huge pages for the update's tensors off the heap"),
     ("rlhfkit_grpo_offheap", "trl_grpo_compact_ckpt", "rlhfkit's update off the heap, TRL at its defaults as on a GPU"),
@@ -340,7 +333,7 @@ def row_spec(row: str) -> dict:
     return {"lib": lib, "algo": algo, "lora": "lora" in flags, "ckpt": "ckpt" in flags,
             "unshared": "unshared" in flags, "compact": "compact" in flags, "graph": "graph" in flags,
             "offload": "offload" in flags, "mkl": "mkl" in flags, "onednn": "onednn" in flags, "keep": "keep" in flags,
-            "thp": "thp" in flags, "twopass": "twopass" in flags, "offheap": "offheap" in flags,
+            "thp": "thp" in flags, "offheap": "offheap" in flags,
             "torchattn": "torchattn" in flags, "bf16": "bf16" in flags, "master": "master" in flags, "malloc": next((f for f in flags if f in malloc.LIBRARIES), None)}
 
 
@@ -591,8 +584,6 @@ def run_rlhfkit(row: str, paths: dict, wl: dict, args) -> dict:
     rl.ppo_update = marked(rl.ppo_update, clock, "update", end=True)
     rl_setup.start_offload = opening_offload(rl_setup.start_offload, clock)
     rl.eos_token_ids = lambda model, tok: [-1]  # no token ends a completion: each runs to max_new_tokens
-    if s["twopass"]:  # the update's loss from the returned log-probs
-        rl.minibatch_loss = functools.partial(rl.minibatch_loss, fused_loss=False)
     with unshared_prompts() if s["unshared"] else contextlib.nullcontext():
         rl.train_rl(cfg)
     lengths = [json.loads(line).get("response/length") for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -8,8 +8,8 @@ embeddings), full fine-tuning, float32, one thread. Random weights (the arithmet
 depend on them; ``--model DIR`` loads a fetched model instead). The parts, each with the shapes
 the update runs (each group's prompt once, ``rlhfkit.accel.forward.response_hidden_states``):
 
-- ``update``: the whole thing, ``lean.response_hidden_states`` then the LM head with the loss
-  inside (``logprobs.chunked_token_loss``), backward, gradients dropped;
+- ``update``: the whole thing, ``lean.response_hidden_states`` then the LM head's log-probs
+  (``logprobs.chunked_token_logprobs``) and a loss of them, backward, gradients dropped;
 - ``body products``: every linear layer's three products as bare calls of ``rlhfkit.accel.gemm``
   (forward ``x @ W.T``, input gradient ``g @ W``, weight gradient ``g.T @ x``) on the same
   number of rows, each layer's weights their own tensors: what the layers would cost if nothing
@@ -18,8 +18,8 @@ the update runs (each group's prompt once, ``rlhfkit.accel.forward.response_hidd
   through ``lean._attend`` (the routing the update takes: PyTorch's attention, or where oneDNN's
   products are in use the blocked kernel of ``rlhfkit.accel.kernels``); its FLOP count is every query against every
   key it is handed, masked or not;
-- ``head``: ``logprobs.chunked_token_loss`` on hidden states of the update's shape, forward and
-  backward (logits once per chunk, the hidden states' and the weight's gradients);
+- ``head``: ``logprobs.chunked_token_logprobs`` on hidden states of the update's shape, forward and
+  backward (each chunk's logits twice, the hidden states' and the weight's gradients);
 - ``the rest``: ``update`` less the three parts: norms, rotary embeddings, the SwiGLU, copies,
   the embedding's gradient, autograd's own work.
 
@@ -100,15 +100,14 @@ class Parts:
         n = max(self.U * self.P, self.B * self.R_in)
         self.acts = {k: torch.randn(n, k) for k in {i for _, i in shapes} | {o for o, _ in shapes}}
 
-    def loss_fn(self, logp, ent, s, e):  # a token-level loss; its cost is nothing next to the head's
-        return logp.sum() * (-1.0 / self.head_rows)
+    def head_loss(self, h, weight):  # the head's log-probs and a token-level loss of them
+        return logprobs.chunked_token_logprobs(h, weight, None, self.targets, 1.0, self.chunk)[0].sum() * (
+            -1.0 / self.head_rows)
 
     def update(self) -> None:
         m = self.model
         h = lean.response_hidden_states(m, self.ids, self.mask, self.pos, self.P, self.first, self.rows)
-        loss, _, _ = logprobs.chunked_token_loss(h.flatten(0, 1), m.get_output_embeddings().weight, None, self.targets,
-                                             self.loss_fn, 1.0, self.chunk)
-        loss.backward()
+        self.head_loss(h.flatten(0, 1), m.get_output_embeddings().weight).backward()
         m.zero_grad(set_to_none=True)
 
     def layer_rows(self, layer: int) -> list[tuple[int, int]]:
@@ -166,12 +165,11 @@ class Parts:
     def head(self) -> None:
         h = torch.randn(self.head_rows, self.C, requires_grad=True)
         w = self.model.get_output_embeddings().weight
-        loss, _, _ = logprobs.chunked_token_loss(h, w, None, self.targets, self.loss_fn, 1.0, self.chunk)
-        loss.backward()
+        self.head_loss(h, w).backward()
         self.model.zero_grad(set_to_none=True)
 
     def head_flop(self) -> float:
-        return 3 * 2 * self.head_rows * self.C * self.V
+        return 4 * 2 * self.head_rows * self.C * self.V
 
 
 def main() -> None:

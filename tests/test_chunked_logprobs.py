@@ -123,11 +123,9 @@ def test_half_precision_computes_the_softmax_in_float32():
 @pytest.mark.parametrize("V", [13, 1003])
 def test_bfloat16_head_read_as_bfloat16_equals_the_float32_route(monkeypatch, accel_on, temperature, V):
     """A bfloat16 head's chunks go to the compiled kernels (no float32 copy of the logits), and
-    give what PyTorch's route gives, which converts each chunk first: the log-probs and the loss
-    to float32 rounding, every gradient (its logits' gradient rounded to bfloat16 once on both
+    give what PyTorch's route gives, which converts each chunk first: the log-probs to float32
+    rounding, every gradient (its logits' gradient rounded to bfloat16 once on both
     routes) to within one bfloat16 rounding. Vocabularies with and without a partial last vector."""
-    from rlhfkit.models.logprobs import chunked_token_loss
-
     gen = torch.Generator().manual_seed(4)
     hidden = (2 * torch.randn(N, H, generator=gen)).bfloat16().requires_grad_()
     weight = torch.randn(V, H, generator=gen).bfloat16().requires_grad_()
@@ -140,23 +138,17 @@ def test_bfloat16_head_read_as_bfloat16_equals_the_float32_route(monkeypatch, ac
 
     def run():
         lp, _ = chunked_token_logprobs(hidden, weight, b, targets, temperature, 4)
-        g1 = torch.autograd.grad((a * lp).sum(), (hidden, weight, b))
-        loss, lp2, _ = chunked_token_loss(hidden, weight, b, targets, lambda lp, ent, s, e: (a[s:e] * lp).sum(),
-                                          temperature, 4)
-        g2 = torch.autograd.grad(loss, (hidden, weight, b))
-        return lp, lp2, loss, g1, g2
+        return lp, torch.autograd.grad((a * lp).sum(), (hidden, weight, b))
 
     ours = run()
     assert calls and all(d == torch.bfloat16 for d in calls)
     ops.configure("off")  # PyTorch's route (accel_on puts the suite's choice back)
     ref = run()
-    for x, y in zip(ours[:3], ref[:3]):
-        assert x.dtype == torch.float32
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-    for gs, rs in zip(ours[3:], ref[3:]):
-        for g, r in zip(gs, rs):
-            assert g.dtype == torch.bfloat16
-            torch.testing.assert_close(g.float(), r.float(), atol=1e-3, rtol=2 ** -7)
+    assert ours[0].dtype == torch.float32
+    torch.testing.assert_close(ours[0], ref[0], atol=1e-5, rtol=1e-5)
+    for g, r in zip(ours[1], ref[1]):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), r.float(), atol=1e-3, rtol=2 ** -7)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler")
@@ -192,7 +184,7 @@ def test_infinite_logits_as_torch_logsumexp():
     from rlhfkit.models.logprobs import _logsumexp_
 
     z = torch.tensor([[0.5, -1.0, 2.0], [-float("inf")] * 3, [1.0, float("inf"), 0.0], [-float("inf"), 3.0, 1.0]])
-    torch.testing.assert_close(_logsumexp_(z.clone())[0], torch.logsumexp(z, -1), atol=0, rtol=0)
+    torch.testing.assert_close(_logsumexp_(z.clone()), torch.logsumexp(z, -1), atol=0, rtol=0)
 
 
 def test_bad_shapes_are_refused():
@@ -201,69 +193,6 @@ def test_bad_shapes_are_refused():
         chunked_token_logprobs(hidden, weight, b, targets[:-1])
     with pytest.raises(ValueError, match="chunk_rows"):
         chunked_token_logprobs(hidden, weight, b, targets, chunk_rows=0)
-
-
-# --------------------------------------------------------------------------- the loss in the head
-
-
-def _token_loss(a, c, use_ent):
-    """A per-token loss of the log-probs (PPO's clipped ratio against made-up old log-probs) and
-    the entropies, weighted per token: its part from rows ``s .. e-1`` reads those rows only."""
-    old = torch.linspace(-3.0, -1.0, N, dtype=torch.float64)
-
-    def fn(lp, ent, s, e):
-        ratio = torch.exp(lp - old[s:e])
-        part = (a[s:e] * torch.maximum(-ratio, -ratio.clamp(0.8, 1.2))).sum()
-        return part + (c[s:e] * ent).sum() if use_ent else part
-
-    return fn
-
-
-@pytest.mark.parametrize("chunk_rows", [1, 4, N, 50])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("use_ent", [False, True], ids=["logprobs", "with_entropy"])
-def test_loss_in_the_head_equals_the_loss_of_the_full_logits(chunk_rows, bias, use_ent):
-    """``chunked_token_loss``: in float64 the loss, the log-probs (no gradient), the entropies and
-    the gradients wrt the hidden states, the head's weight and bias, scaled by the loss's own
-    incoming gradient, equal those of the same loss on the full logits' log-probs."""
-    from rlhfkit.models.logprobs import chunked_token_loss
-
-    hidden, weight, b, targets = _inputs(bias)
-    params = [p for p in (hidden, weight, b) if p is not None]
-    gen = torch.Generator().manual_seed(2)
-    a, c = torch.randn(N, generator=gen, dtype=torch.float64), torch.randn(N, generator=gen, dtype=torch.float64)
-    fn = _token_loss(a, c, use_ent)
-    loss, lp, ent = chunked_token_loss(hidden, weight, b, targets, fn, 0.7, chunk_rows, with_entropy=use_ent)
-    assert not lp.requires_grad and (ent is None) != use_ent
-    full_lp, full_ent = _full(hidden, weight, b, targets, 0.7)
-    full_loss = fn(full_lp, full_ent if use_ent else None, 0, N)
-    torch.testing.assert_close(lp, full_lp.detach(), atol=1e-12, rtol=1e-12)
-    if use_ent:
-        torch.testing.assert_close(ent, full_ent.detach(), atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(loss, full_loss.detach(), atol=1e-12, rtol=1e-12)
-    grads = torch.autograd.grad(-2.5 * loss, params)
-    full_grads = torch.autograd.grad(-2.5 * full_loss, params)
-    for name, g, fg in zip(("hidden", "weight", "bias"), grads, full_grads):
-        torch.testing.assert_close(g, fg, atol=1e-12, rtol=1e-12, msg=name)
-
-
-def test_loss_in_the_head_frozen_head_and_no_rows():
-    """A frozen head (LoRA) gets no gradient and the hidden states theirs; no rows give a zero
-    loss and a zero weight gradient of the head's shape."""
-    from rlhfkit.models.logprobs import chunked_token_loss
-
-    hidden, weight, b, targets = _inputs(bias=True)
-    a = torch.ones(N, dtype=torch.float64)
-    fn = _token_loss(a, a, use_ent=False)
-    loss, _, _ = chunked_token_loss(hidden, weight.detach(), None, targets, fn, 1.0, 4)
-    (g,) = torch.autograd.grad(loss, hidden)
-    (fg,) = torch.autograd.grad(fn(_full(hidden, weight.detach(), None, targets, 1.0)[0], None, 0, N), hidden)
-    torch.testing.assert_close(g, fg, atol=1e-12, rtol=1e-12)
-    empty = hidden[:0].detach().requires_grad_()
-    loss, lp, _ = chunked_token_loss(empty, weight, b, targets[:0], fn, 0.9, 4)
-    assert lp.shape == (0,) and loss.item() == 0.0
-    gh, gw, gb = torch.autograd.grad(loss, (empty, weight, b))
-    assert gh.shape == (0, H) and gw.shape == weight.shape and not gw.any() and not gb.any()
 
 
 # --------------------------------------------------------------------------- the update
@@ -308,34 +237,29 @@ def _rows_a_chunk(ac: ActorCritic, rows: int) -> ActorCritic:
     return ActorCritic(ac.policy, value_head=ac.value_head, critic=ac.critic, logits_budget=budget)
 
 
-def _loss_and_grads(ac: ActorCritic, exp: Experience, pc, update_policy: bool = True, fused_loss: bool = True):
+def _loss_and_grads(ac: ActorCritic, exp: Experience, pc, update_policy: bool = True):
     ac.zero_grad(set_to_none=True)
     mb = torch.arange(exp.input_ids.shape[0])
-    loss, logprobs, stats = minibatch_loss(ac, exp, mb, pc, kl_coef=0.1, update_policy=update_policy,
-                                           fused_loss=fused_loss)
+    loss, logprobs, stats = minibatch_loss(ac, exp, mb, pc, kl_coef=0.1, update_policy=update_policy)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in ac.named_parameters() if p.grad is not None}
     return loss.detach(), logprobs.detach(), stats, grads
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["loss_in_head", "loss_after"])
 @pytest.mark.parametrize("update_policy", [True, False], ids=["update", "critic_warmup"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("value_model", ["separate", "shared"])
-def test_update_in_chunks_equals_full_logits(tiny_models, monkeypatch, value_model, tied, update_policy, fused):
-    """The policy's loss computed inside the chunked head (``fused_loss``, the default) or from
-    the chunked head's log-probs: the full logits' loss, stats and gradients."""
+def test_update_in_chunks_equals_full_logits(tiny_models, monkeypatch, value_model, tied, update_policy):
+    """The update's loss from the chunked head's log-probs: the full logits' loss, stats and gradients."""
     ac = _actor_critic(tiny_models.policy, value_model, tied)
     exp = _experience(ac)
     pc = dataclasses.replace(Config().ppo, temperature=0.7, entropy_coef=0.05, kl_in_loss=True, kl_estimator="k2")
     full = _loss_and_grads(ac, exp, pc, update_policy)
     calls = []  # chunks of 4 of the 30 rows: the last one of 2
-    for real, at in ((models.chunked_token_logprobs, 5), (models.chunked_token_loss, 6)):
-        monkeypatch.setattr(models, real.__name__, lambda *a, real=real, at=at: calls.append(a[at]) or real(*a))
-    chunked = _loss_and_grads(_rows_a_chunk(ac, 4), exp, pc, update_policy, fused)
+    real = models.chunked_token_logprobs
+    monkeypatch.setattr(models, "chunked_token_logprobs", lambda *a: calls.append(a[5]) or real(*a))
+    chunked = _loss_and_grads(_rows_a_chunk(ac, 4), exp, pc, update_policy)
     assert calls == [4], "the update did not take the chunked path"
-    if fused and update_policy:
-        assert not chunked[1].requires_grad, "the loss was not computed in the head"
     for got, want in zip(chunked[:2], full[:2]):  # the loss, the log-probs
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert chunked[2].keys() == full[2].keys()
@@ -365,17 +289,16 @@ class _Recorder:
     ("grpo", {}), ("ppo", {}), ("grpo", {"loss_type": "grpo"}), ("grpo", {"loss_type": "dr_grpo", "max_new_tokens": 5}),
     ("grpo", {"loss_type": "cispo"}), ("grpo", {"loss_type": "sapo"}), ("grpo", {"importance_sampling_level": "sequence"}),
 ], ids=["grpo", "ppo", "seq_mean", "dr_grpo", "cispo", "sapo", "gspo"])
-def test_loss_in_the_head_any_micro_batch_split(tiny_models, monkeypatch, algo, change):
+def test_chunked_update_any_micro_batch_split(tiny_models, monkeypatch, algo, change):
     """The commands' defaults (GRPO: k3 in the loss; PPO: a shared value head, k3 0.1 beside the
-    reward's KL) and other aggregations and objectives, the loss in the chunked head (a
-    sequence-level ratio: after it), micro-batches of 2 or 4 of a minibatch's 6 rows: every
-    optimizer step's gradients are those of the whole minibatch on the full logits."""
+    reward's KL) and other aggregations and objectives, the log-probs from the chunked head,
+    micro-batches of 2 or 4 of a minibatch's 6 rows: every optimizer step's gradients are those
+    of the whole minibatch on the full logits."""
     ac = _actor_critic(tiny_models.policy, "shared" if algo == "ppo" else "none", tied=True)
     exp = _experience(ac)
     pc = dataclasses.replace(PPOConfig(algo=algo), batch_size=6, minibatch_size=6, micro_batch_size=0,
                              group_size=2, samples_per_prompt=2 if algo == "grpo" else 1, **change)
     assert (pc.kl_in_loss, pc.kl_estimator) == ((True, "k3") if algo == "grpo" else (False, "k1"))
-    fused = pc.importance_sampling_level == "token"
 
     def steps(micro):
         opt = _Recorder(ac.parameters())
@@ -385,11 +308,11 @@ def test_loss_in_the_head_any_micro_batch_split(tiny_models, monkeypatch, algo, 
 
     want = steps(0)
     ac = _rows_a_chunk(ac, 4)
-    calls, real = [], models.chunked_token_loss
-    monkeypatch.setattr(models, "chunked_token_loss", lambda *a: calls.append(a[6]) or real(*a))
+    calls, real = [], models.chunked_token_logprobs
+    monkeypatch.setattr(models, "chunked_token_logprobs", lambda *a: calls.append(a[5]) or real(*a))
     for micro in (2, 4):
         got = steps(micro)
-        assert len(got) == len(want) == pc.ppo_epochs * 1 and bool(calls) == fused
+        assert len(got) == len(want) == pc.ppo_epochs * 1 and set(calls) == {4}
         for g_step, w_step in zip(got, want):
             for g, w in zip(g_step, w_step):
                 assert (g is None) == (w is None)

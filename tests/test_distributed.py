@@ -240,15 +240,15 @@ def test_micro_batches_on_two_processes_match_whole_batches_on_one(runs, cmd):
 
 
 @pytest.mark.parametrize("cmd", ["ppo", "grpo"])
-def test_loss_inside_the_chunked_head_on_two_processes(runs, cmd):
-    """At a real vocabulary the update's policy loss is computed inside the chunked LM head
-    (``logprobs.chunked_token_loss``), each process scaling its rows' share of the global token mean:
+def test_update_through_the_chunked_head_on_two_processes(runs, cmd):
+    """At a real vocabulary the update's log-probs come from the chunked LM head
+    (``logprobs.chunked_token_logprobs``), each process scaling its rows' share of the global token mean:
     the commands' defaults on that path (``driver.py``'s ``*_chunked`` runs) must give, on two
     processes, the metrics and weights of one process, and in one process those of the full logits."""
     one, two = runs
     for n, log in ((1, "1-process.log"), (2, "2-process.log")):
         # found anywhere in the log: two processes share one pipe, and a progress bar may share the line
-        calls = [int(c) for c in re.findall(rf"fused loss calls in {cmd}_chunked: (\d+)", (one.parent / log).read_text())]
+        calls = [int(c) for c in re.findall(rf"chunked update calls in {cmd}_chunked: (\d+)", (one.parent / log).read_text())]
         assert len(calls) == n and min(calls) > 0, calls  # every process took the path
     assert not {k: v for k, v in _metric_diffs(one / cmd, one / f"{cmd}_chunked").items() if not v <= TOL}
     _assert_weights_match(one / cmd / "policy", one / f"{cmd}_chunked" / "policy")

@@ -9,8 +9,10 @@ import json
 import sys
 from pathlib import Path
 
-from rlhfkit.models import forward as models
+import torch
+
 from rlhfkit.cli.main import main
+from rlhfkit.models import forward as models
 from rlhfkit.trainers import rl_setup
 
 out, policy, rm = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -66,8 +68,8 @@ runs = {  # run name: (command, overrides)
 }
 # ppo and grpo with their defaults once more, their update's log-probs computed a few rows of logits
 # at a time as at a real vocabulary, where 2**24 logits a chunk is ~340 rows of SmolLM2's 49,152 ids:
-# a logits budget (ActorCritic's logits_budget) of 4 rows of the doubling task's 42 ids takes that path (the policy's
-# loss computed inside the chunked head, each process scaling its share of the global token mean)
+# a logits budget (ActorCritic's logits_budget) of 4 rows of the doubling task's 42 ids takes that path (each
+# process scaling its share of the global token mean)
 runs.update({f"{name}_chunked": runs[name] for name in ("ppo", "grpo")})
 CHUNK_LOGITS = 4 * 42
 # the same in micro-batches of 3 rows per process (gradient sync on the last one only)
@@ -76,27 +78,28 @@ runs.update({f"{name}_micro": (cmd, [*args, f"{'reward' if cmd == 'rm' else cmd}
 only = sys.argv[4:]
 if unknown := set(only) - set(runs):
     sys.exit(f"unknown runs {sorted(unknown)}; known: {list(runs)}")
-fused_calls = 0
-chunked_token_loss = models.chunked_token_loss
+chunked_calls = 0
+chunked_token_logprobs = models.chunked_token_logprobs
 
 
-def counted_chunked_token_loss(*args, **kwargs):
-    global fused_calls
-    fused_calls += 1
-    return chunked_token_loss(*args, **kwargs)
+def counted_chunked_token_logprobs(*args, **kwargs):
+    global chunked_calls
+    if torch.is_grad_enabled():  # the update's calls, not the experience pass's
+        chunked_calls += 1
+    return chunked_token_logprobs(*args, **kwargs)
 
 
-models.chunked_token_loss = counted_chunked_token_loss
+models.chunked_token_logprobs = counted_chunked_token_logprobs
 actor_critic = rl_setup.ActorCritic
 for name, (cmd, args) in runs.items():
     if only and name not in only:
         continue
-    fused_calls = 0  # the _chunked runs build their actor-critic with the small budget (an argument)
+    chunked_calls = 0  # the _chunked runs build their actor-critic with the small budget (an argument)
     rl_setup.ActorCritic = (functools.partial(actor_critic, logits_budget=CHUNK_LOGITS) if name.endswith("_chunked")
                             else actor_critic)
     if main([cmd, *common, *args, f"run.out_dir={out / name}"]) != 0:
         sys.exit(f"rlhfkit {cmd} ({name}) failed")
-    print(f"fused loss calls in {name}: {fused_calls}", flush=True)  # every process prints its own
+    print(f"chunked update calls in {name}: {chunked_calls}", flush=True)  # every process prints its own
 
 from accelerate import PartialState  # noqa: E402  (the state the trainers ran under)
 

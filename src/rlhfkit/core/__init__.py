@@ -23,7 +23,6 @@ from .losses import (
     policy_objective,
     sampling_correction_weights,
     sequence_log_ratio,
-    token_policy_loss,
     value_loss,
 )
 from .preference import bradley_terry_loss, dpo_loss, ipo_loss
@@ -46,6 +45,6 @@ __all__ = [
     "group_advantages", "group_mean_se", "ipo_loss", "kl_estimate", "kl_from_logits", "last_token_index",
     "logprobs_from_logits", "masked_mean", "masked_sum", "masked_var", "masked_whiten", "overlong_penalty",
     "policy_loss", "policy_objective", "position_ids_from_mask", "reinforce_advantages", "rloo_advantages",
-    "sampling_correction_weights", "scale_advantages", "sequence_log_ratio", "shaped_rewards", "token_policy_loss",
+    "sampling_correction_weights", "scale_advantages", "sequence_log_ratio", "shaped_rewards",
     "value_loss", "zero_std_groups",
 ]

@@ -150,25 +150,6 @@ def policy_objective(loss_type: str) -> str:
     return loss_type if loss_type in POLICY_OBJECTIVES else "clip"
 
 
-def token_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      valid: torch.Tensor, objective: str = "clip",
-                      options: SurrogateOptions | None = None) -> torch.Tensor:
-    """The per-token loss of :func:`policy_loss` at ``level='token'``, before its aggregation; slots
-    where ``valid`` (bool) is False compute on zeros. Each token reads only itself, so any chunk of
-    rows gives the whole's values there."""
-    log_ratio, own = _masked_log_ratio(logprobs, old_logprobs, valid)
-    per_token, _, _ = POLICY_OBJECTIVES[objective](own, torch.exp(log_ratio), advantages, options or SurrogateOptions())
-    return per_token
-
-
-def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                      valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logprobs - old_logprobs, logprobs)``, 0 where not ``valid``: where(), not a product, so a
-    NaN/inf in a padded slot reaches neither the loss nor, through exp's backward (0 * inf), the
-    gradient of the valid tokens."""
-    return torch.where(valid, logprobs - old_logprobs, 0.0), torch.where(valid, logprobs, 0.0)
-
-
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_range: float = 0.2, aggregation: str = "token_mean",
                 max_len: int = 0, level: str = "token", objective: str = "clip",
@@ -180,7 +161,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if objective not in POLICY_OBJECTIVES:
         raise ValueError(f"unknown policy objective {objective!r}; expected one of {', '.join(POLICY_OBJECTIVES)}")
     options = (options or SurrogateOptions())._replace(clip_low=clip_range)
-    log_ratio, own = _masked_log_ratio(logprobs, old_logprobs, response_mask.bool())  # [B, R] each
+    # where(), not a product: a NaN/inf in a padded slot reaches neither the loss nor, through
+    # exp's backward (0 * inf), the gradient of the valid tokens
+    valid = response_mask.bool()
+    log_ratio, own = torch.where(valid, logprobs - old_logprobs, 0.0), torch.where(valid, logprobs, 0.0)  # [B, R]
     if level == "token":
         log_weight = log_ratio
     elif level == "sequence":

@@ -13,7 +13,7 @@ from ..core import entropy_from_logits, logprobs_from_logits, position_ids_from_
 from ..run.distributed import is_sharded
 from .loading import *  # noqa: F403  re-exported: rlhfkit.models is where callers find them
 from .loading import AdapterDisabled, PreTrainedModel, backbone, scalar_head, unwrap
-from .logprobs import chunked_token_logprobs, chunked_token_loss
+from .logprobs import chunked_token_logprobs
 
 
 class ModuleForward(nn.Module):
@@ -119,33 +119,25 @@ def plain_lm_head(policy) -> nn.Linear | None:
 
 def token_logprobs(policy: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                    response_ids: torch.Tensor, temperature: float = 1.0, value_head: ValueHead | None = None,
-                   detach_value: bool = False, entropy: bool = False, token_loss=None,
-                   logits_budget: int = UPDATE_LOGITS) -> tuple:
+                   detach_value: bool = False, entropy: bool = False, logits_budget: int = UPDATE_LOGITS) -> tuple:
     """``(logprobs [B, R], entropy [B, R] | None, values [B, R] | None)`` of the response tokens
     under the policy's logits over ``temperature``. Past ``logits_budget`` logits with a
-    :func:`plain_lm_head` they are computed in row chunks, never built; ``token_loss(logp, ent, s, e)``
-    (a sum over flat tokens ``s .. e-1``) is then computed in the head and returned fourth (else None)."""
-    loss = () if token_loss is None else (None,)  # the fourth item, where there is one
-    if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off; no loss
+    :func:`plain_lm_head` they are computed in row chunks, never built."""
+    if isinstance(policy, AdapterDisabled):  # the LoRA reference: the base, adapter off
         with torch.no_grad(), policy.active() as base:
-            return (*token_logprobs(base, input_ids, attention_mask, prompt_len, response_ids, temperature,
-                                    entropy=entropy, logits_budget=logits_budget), *loss)
+            return token_logprobs(base, input_ids, attention_mask, prompt_len, response_ids, temperature,
+                                  entropy=entropy, logits_budget=logits_budget)
     hidden = response_hidden(policy, input_ids, attention_mask, prompt_len)  # [B, R, H]
     values = None if value_head is None else value_head(hidden.detach() if detach_value else hidden)  # [B, R]
     head = plain_lm_head(policy)
     rows = max(1, logits_budget // head.out_features) if head is not None else 0
     if head is None or response_ids.numel() <= rows:
         logits = unwrap(policy).get_output_embeddings()(hidden) / temperature  # [B, R, V]
-        return (logprobs_from_logits(logits, response_ids), entropy_from_logits(logits) if entropy else None,
-                values, *loss)
-    flat = (hidden.flatten(0, 1), head.weight, head.bias, response_ids.flatten())
-    if token_loss is not None and torch.is_grad_enabled():
-        chunked_loss, logp, ent = chunked_token_loss(*flat, token_loss, temperature, rows, entropy)  # [B * R]
-        loss = (chunked_loss,)
-    else:
-        logp, ent = chunked_token_logprobs(*flat, temperature, rows, entropy)  # [B * R]
+        return logprobs_from_logits(logits, response_ids), entropy_from_logits(logits) if entropy else None, values
+    logp, ent = chunked_token_logprobs(hidden.flatten(0, 1), head.weight, head.bias, response_ids.flatten(),
+                                       temperature, rows, entropy)  # [B * R]
     shape = response_ids.shape
-    return logp.view(shape), None if ent is None else ent.view(shape), values, *loss
+    return logp.view(shape), None if ent is None else ent.view(shape), values
 
 
 def masked_lm_loss(model, ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:

@@ -101,14 +101,14 @@ class ActorCritic(torch.nn.Module):
         return self.value_head is not None or self.critic is not None
 
     def forward(self, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, detach_value=False,
-                response_ids: torch.Tensor | None = None, entropy: bool = False, token_loss=None):
+                response_ids: torch.Tensor | None = None, entropy: bool = False):
         """Tempered ``logits [B, R, V]`` and ``values [B, R]``; given ``response_ids``,
-        :func:`~rlhfkit.models.forward.token_logprobs`'s ``(logprobs, entropy, values[, loss])``. A
+        :func:`~rlhfkit.models.forward.token_logprobs`'s ``(logprobs, entropy, values)``. A
         ``forward``, so DDP / FSDP see every weight."""
         if response_ids is not None:
-            logprobs, ent, values, *loss = token_logprobs(  # loss: [] without token_loss
+            logprobs, ent, values = token_logprobs(
                 self.policy, input_ids, attention_mask, prompt_len, response_ids, temperature, self.value_head,
-                detach_value, entropy, token_loss, self.logits_budget)
+                detach_value, entropy, logits_budget=self.logits_budget)
         else:
             logits, values = policy_forward(self.policy, input_ids, attention_mask, prompt_len, self.value_head,
                                             detach_value)
@@ -116,7 +116,7 @@ class ActorCritic(torch.nn.Module):
             values = self.critic_values(input_ids, attention_mask, prompt_len)  # [B, R]
         if response_ids is None:
             return logits / temperature, values
-        return logprobs, ent, values, *loss
+        return logprobs, ent, values
 
     def critic_values(self, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
         """A separate value model's ``values [B, R]`` (response-aligned)."""

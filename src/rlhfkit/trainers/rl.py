@@ -35,7 +35,6 @@ from ..core import (
     masked_mean,
     policy_loss,
     policy_objective,
-    token_policy_loss,
     value_loss,
 )
 from ..data.prompts import PromptData, prompt_tensors
@@ -153,56 +152,19 @@ def surrogate_options(pc: PPOConfig) -> SurrogateOptions:
                             temperature_neg=pc.sapo_temperature_neg)
 
 
-def policy_token_loss(exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float):
-    """The policy's part of :func:`minibatch_loss` as ``fn(logp, ent, s, e)``: what flattened positions
-    ``s .. e-1`` add to the aggregate (linear, weights ``d aggregate / d x``). None at a sequence-level
-    ratio, where tokens read each other (docs/ppo_walkthrough.md, section 4)."""
-    if pc.importance_sampling_level != "token":
-        return None
-    objective, options = policy_objective(pc.loss_type), surrogate_options(pc)._replace(clip_low=pc.clip_range)
-    kind, coef = (pc.kl_estimator, kl_coef) if pc.kl_in_loss else ("k3", pc.forward_kl_coef)
-
-    @functools.cache  # built on the first call: a forward whose head is not chunked (a small vocabulary) never calls it
-    def per_token():
-        rmask = exp.response_mask[mb]
-        with torch.enable_grad():
-            x = torch.zeros(rmask.shape, dtype=exp.old_logprobs.dtype, device=rmask.device, requires_grad=True)
-            weights = torch.autograd.grad(aggregate(x, rmask, pc.loss_type, pc.max_new_tokens or 0), x)[0].flatten()
-        ref = exp.ref_logprobs[mb].flatten() if (pc.kl_in_loss or coef) else None
-        return (weights, rmask.bool().flatten(), exp.old_logprobs[mb].flatten(),
-                exp.advantages[mb].expand_as(rmask).flatten(), ref)
-
-    def fn(logp, ent, s, e):
-        weights, valid, old, adv, ref = per_token()
-        v = valid[s:e]
-        per = token_policy_loss(logp, old[s:e], adv[s:e], v, objective, options)
-        if ref is not None:
-            per = per + coef * kl_estimate(logp, ref[s:e], kind)
-        if ent is not None:
-            per = per - pc.entropy_coef * ent
-        return (weights[s:e] * torch.where(v, per, torch.zeros_like(per))).sum()
-
-    return fn
-
-
 def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, kl_coef: float,
-                   update_policy: bool, fused_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                   update_policy: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(loss, logprobs [b, R], stats)`` of minibatch rows ``mb``: the clipped value loss and,
     unless it is a critic warm-up, the clipped policy loss, entropy bonus and KL term, each
-    reduced by the one aggregation ``pc.loss_type``. A chunked head computes the policy's part
-    itself (:func:`policy_token_loss`; ``fused_loss`` False: from the returned log-probs)."""
+    reduced by the one aggregation ``pc.loss_type``."""
     rmask = exp.response_mask[mb]
     agg = functools.partial(aggregate, mask=rmask, kind=pc.loss_type, max_len=pc.max_new_tokens or 0)
     with_entropy = update_policy and bool(pc.entropy_coef)
-    token_loss = policy_token_loss(exp, mb, pc, kl_coef) if update_policy and fused_loss else None
     # log-probs (and entropies) of the chosen tokens straight from the forward: a big vocabulary's
     # [b, R, V] logits are never held whole (models.token_logprobs)
-    out = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
-                   detach_value=not update_policy, response_ids=exp.response_ids[mb],
-                   entropy=with_entropy,
-                   **({} if token_loss is None else {"token_loss": token_loss}))  # [b, R] each
-    logprobs, entropy, values = out[:3]
-    fused = out[3] if len(out) > 3 else None  # a forward that ignores token_loss returns three
+    logprobs, entropy, values = ac_model(exp.input_ids[mb], exp.attention_mask[mb], exp.prompt_len, pc.temperature,
+                                         detach_value=not update_policy, response_ids=exp.response_ids[mb],
+                                         entropy=with_entropy)  # [b, R] each
     loss, stats = torch.zeros((), device=logprobs.device), {}
     if values is not None:
         v_loss, stats = value_loss(values, exp.old_values[mb], exp.returns[mb], rmask, pc.value_clip_range,
@@ -213,15 +175,14 @@ def minibatch_loss(ac_model, exp: Experience, mb: torch.Tensor, pc: PPOConfig, k
                                   policy_objective(pc.loss_type), surrogate_options(pc))
     stats.update(p_stats)
     if update_policy:
-        loss = loss + (p_loss if fused is None else fused)
-        if with_entropy and fused is None:
+        loss = loss + p_loss
+        if with_entropy:
             loss = loss - pc.entropy_coef * agg(entropy)
         # the KL as the loss term (kl_in_loss), or beside the reward's KL a k3 term (forward_kl_coef)
         kind, coef = (pc.kl_estimator, kl_coef) if pc.kl_in_loss else ("k3", pc.forward_kl_coef)
         if pc.kl_in_loss or coef:
             kl = kl_estimate(logprobs, exp.ref_logprobs[mb], kind)  # [b, R]
-            if fused is None:
-                loss = loss + coef * agg(kl)
+            loss = loss + coef * agg(kl)
             stats["policy/kl_loss"] = masked_mean(kl.detach(), rmask)  # stats are token means, as policy_loss's
     return loss, logprobs, stats
 
